@@ -1,0 +1,91 @@
+"""Pure-torch reference implementations of the multi-LoRA ops.
+
+These are the semantics every fast kernel must match (tests compare against them in fp32), and the
+implementation the CPU path runs. Layouts follow vLLM/PEFT:
+
+- ``lora_a[s]``: ``[R, H_in]`` (PEFT ``lora_A.weight``), stacked over slots: ``[S, R, H_in]``.
+- ``lora_b[s]``: ``[H_out_i, R]`` (PEFT ``lora_B.weight``), stacked: ``[S, H_out_i, R]``, one tensor per
+  output slice (a fused q/k/v or gate/up projection has several slices; a plain linear has one).
+- ``scales``: ``[S]`` float32, PEFT's ``lora_alpha / r`` per slot.
+- ``token_slots``: ``[T]`` int64, the adapter slot of each token row; ``-1`` means no adapter (base model).
+
+A slot whose true rank is below ``R`` is zero-padded in A's rows and B's columns, which leaves the
+result unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def add_lora_ref(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: tuple[torch.Tensor, ...],
+    scales: torch.Tensor,
+    token_slots: torch.Tensor,
+) -> None:
+    """Adds every row's LoRA delta to ``out`` in place (inference; no autograd).
+
+    Semantics, for ``out: [T, sum(H_out_i)]``, ``x: [T, H_in]``::
+
+        offset = 0
+        for i, b in enumerate(lora_b):                      # b: [S, H_out_i, R]
+            for t in range(T):
+                s = token_slots[t]
+                if s >= 0:
+                    out[t, offset:offset + H_out_i] += scales[s] * (x[t] @ lora_a[s].T) @ b[s].T
+            offset += H_out_i
+
+    ``lora_a`` is ``[S, R, H_in]`` shared by all slices when the layer has one A per slot, or
+    ``[num_slices, S, R, H_in]`` when each slice has its own A (fused q/k/v).
+    Computes in fp32 and writes ``out`` in its own dtype.
+    """
+    active = torch.unique(token_slots)
+    active = active[active >= 0]
+    if active.numel() == 0:
+        return
+    per_slice_a = lora_a.dim() == 4
+    for slot in active.tolist():
+        rows = (token_slots == slot).nonzero(as_tuple=True)[0]
+        x_rows = x.index_select(0, rows).float()
+        offset = 0
+        for i, b in enumerate(lora_b):
+            a = lora_a[i, slot] if per_slice_a else lora_a[slot]
+            delta = (x_rows @ a.float().T) @ b[slot].float().T * scales[slot].float()
+            width = b.shape[1]
+            out[rows, offset : offset + width] += delta.to(out.dtype)
+            offset += width
+
+
+def packed_lora_ref(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scales: torch.Tensor,
+    token_slots: torch.Tensor,
+) -> torch.Tensor:
+    """Training-time LoRA delta of several adapters packed in one batch (autograd-capable).
+
+    Semantics, for ``x: [T, H_in]``, ``lora_a: [P, R, H_in]``, ``lora_b: [P, H_out, R]``, ``scales: [P]``::
+
+        y = zeros(T, H_out)
+        for t in range(T):
+            p = token_slots[t]
+            if p >= 0:
+                y[t] = scales[p] * (x[t] @ lora_a[p].T) @ lora_b[p].T
+        return y
+
+    Gradients flow to ``x``, ``lora_a`` and ``lora_b`` (rows with slot -1 contribute none to A/B).
+    Returns a new tensor ``[T, H_out]`` in ``x``'s dtype; the caller adds it to the base output.
+    """
+    out = x.new_zeros(x.shape[0], lora_b.shape[1])
+    for slot in torch.unique(token_slots).tolist():
+        if slot < 0:
+            continue
+        rows = (token_slots == slot).nonzero(as_tuple=True)[0]
+        x_rows = x.index_select(0, rows)
+        delta = (x_rows @ lora_a[slot].T) @ lora_b[slot].T * scales[slot]
+        out = out.index_add(0, rows, delta.to(out.dtype))
+    return out

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Sourced by scripts/run.sh and scripts/test.sh: makes (once) and activates a Python 3.12 venv with the
+# project's dependencies, then installs this checkout into it in editable mode.
+# The venv is cached outside the checkout, keyed on the dependency list, so a second run (or a fresh clone
+# on the same machine) reuses it: ${SKYRL_CLORA_CACHE:-~/.cache/skyrl-clora}/venv-<hash>.
+set -euo pipefail
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cache_root=${SKYRL_CLORA_CACHE:-$HOME/.cache/skyrl-clora}
+deps_hash=$( (cat "$repo_root/pyproject.toml" "$repo_root/scripts/env.sh") | sha256sum | cut -c1-12)
+venv="$cache_root/venv-$deps_hash"
+
+find_python312() {
+  local candidate
+  for candidate in "${PYTHON312:-}" "$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3" python3.12; do
+    [ -n "$candidate" ] || continue
+    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+      command -v "$candidate"; return 0
+    fi
+  done
+  echo "error: Python 3.12 not found; install it (e.g. 'pyenv install 3.12.1') or set PYTHON312=/path/to/python3.12" >&2
+  return 1
+}
+
+if [ ! -f "$venv/.complete" ]; then
+  python312=$(find_python312)
+  echo "[setup] creating $venv with $python312 (first run: downloads torch and SkyRL, a few minutes)" >&2
+  rm -rf "$venv"; mkdir -p "$cache_root"
+  "$python312" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel 2>&1 | grep -v "is ignored" >&2 || true
+  # Dependencies only (the project itself is installed editable below, from whichever checkout runs).
+  "$venv/bin/python" - "$repo_root/pyproject.toml" > "$venv/requirements.txt" <<'PY'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["test"]))
+PY
+  "$venv/bin/python" -m pip install -q -r "$venv/requirements.txt" 2>&1 | grep -v "is ignored" >&2 || true
+  "$venv/bin/python" -c "import torch, transformers, skyrl, skyrl_gym, ray, hydra, peft, pytest" \
+    || { echo "error: dependency install failed; see pip output above" >&2; exit 1; }
+  touch "$venv/.complete"
+fi
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo_root" 2>&1 | grep -v "is ignored" >&2 || true
+export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
+# Two cores: keep torch from oversubscribing them (PyTorch otherwise spawns one thread per core per op pool).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test suite: `bash scripts/test.sh` sets up the environment (first time only) and runs the CPU tests.
+# Triton kernels run through the Triton interpreter on the CPU. Extra arguments go to pytest.
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$repo_root"
+export TRITON_INTERPRET=1
+set +e
+python -m pytest -q -ra "$@"
+rc=$?
+# pytest's exit code 5 means "no tests collected": a failure for us.
+[ $rc -eq 5 ] && echo "error: pytest collected no tests" >&2
+exit $rc
