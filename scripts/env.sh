@@ -6,7 +6,14 @@
 set -euo pipefail
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache_root=${SKYRL_CLORA_CACHE:-$HOME/.cache/skyrl-clora}
-deps_hash=$( (cat "$repo_root/pyproject.toml" "$repo_root/scripts/env.sh") | sha256sum | cut -c1-12)
+# The dependency list (project + test extras) read from pyproject.toml; the venv is keyed on it.
+requirements=$(python3 - "$repo_root/pyproject.toml" <<'PY'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["test"]))
+PY
+)
+deps_hash=$(printf '%s\n' "$requirements" | sha256sum | cut -c1-12)
 venv="$cache_root/venv-$deps_hash"
 
 find_python312() {
@@ -28,13 +35,9 @@ if [ ! -f "$venv/.complete" ]; then
   "$python312" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel 2>&1 | grep -v "is ignored" >&2 || true
   # Dependencies only (the project itself is installed editable below, from whichever checkout runs).
-  "$venv/bin/python" - "$repo_root/pyproject.toml" > "$venv/requirements.txt" <<'PY'
-import sys, tomllib
-project = tomllib.load(open(sys.argv[1], "rb"))["project"]
-print("\n".join(project["dependencies"] + project["optional-dependencies"]["test"]))
-PY
+  printf '%s\n' "$requirements" > "$venv/requirements.txt"
   "$venv/bin/python" -m pip install -q -r "$venv/requirements.txt" 2>&1 | grep -v "is ignored" >&2 || true
-  "$venv/bin/python" -c "import torch, transformers, skyrl, skyrl_gym, ray, hydra, peft, pytest" \
+  (cd / && "$venv/bin/python" -c "import torch, transformers, skyrl, skyrl_gym, ray, hydra, peft, pytest") \
     || { echo "error: dependency install failed; see pip output above" >&2; exit 1; }
   touch "$venv/.complete"
 fi
