@@ -41,7 +41,10 @@ if [ ! -f "$venv/.complete" ]; then
     || { echo "error: dependency install failed; see pip output above" >&2; exit 1; }
   touch "$venv/.complete"
 fi
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo_root" 2>&1 | grep -v "is ignored" >&2 || true
+editable_log=$(mktemp)
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo_root" >"$editable_log" 2>&1 \
+  || { cat "$editable_log" >&2; echo "error: installing this checkout into $venv failed" >&2; exit 1; }
+rm -f "$editable_log"
 export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
 # Two cores: keep torch from oversubscribing them (PyTorch otherwise spawns one thread per core per op pool).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
