@@ -41,22 +41,25 @@ def add_lora_ref(
     ``lora_a`` is ``[S, R, H_in]`` shared by all slices when the layer has one A per slot, or
     ``[num_slices, S, R, H_in]`` when each slice has its own A (fused q/k/v).
     Computes in fp32 and writes ``out`` in its own dtype.
+
+    Implementation: gathers each row's A and B and multiplies row by row (``bmm`` with one row per
+    batch entry), so a row's result never depends on which other rows share the batch (batch
+    invariance: the embedded engine's runs are reproducible whatever the interleaving of tenants).
+    No host synchronisation.
     """
-    active = torch.unique(token_slots)
-    active = active[active >= 0]
-    if active.numel() == 0:
-        return
+    has_adapter = token_slots >= 0
+    safe_slots = token_slots.clamp(min=0)
+    row_scale = torch.where(has_adapter, scales.float().index_select(0, safe_slots), 0.0)  # [T]
+    x_rows = x.float().unsqueeze(1)  # [T, 1, H_in]
     per_slice_a = lora_a.dim() == 4
-    for slot in active.tolist():
-        rows = (token_slots == slot).nonzero(as_tuple=True)[0]
-        x_rows = x.index_select(0, rows).float()
-        offset = 0
-        for i, b in enumerate(lora_b):
-            a = lora_a[i, slot] if per_slice_a else lora_a[slot]
-            delta = (x_rows @ a.float().T) @ b[slot].float().T * scales[slot].float()
-            width = b.shape[1]
-            out[rows, offset : offset + width] += delta.to(out.dtype)
-            offset += width
+    offset = 0
+    for i, b in enumerate(lora_b):
+        a = lora_a[i] if per_slice_a else lora_a
+        shrunk = torch.bmm(x_rows, a.index_select(0, safe_slots).float().transpose(1, 2))  # [T, 1, R]
+        delta = torch.bmm(shrunk, b.index_select(0, safe_slots).float().transpose(1, 2)).squeeze(1)
+        width = b.shape[1]
+        out[:, offset : offset + width] += (delta * row_scale.unsqueeze(1)).to(out.dtype)
+        offset += width
 
 
 def packed_lora_ref(
