@@ -1,0 +1,180 @@
+"""The plugin's configuration: the composed Hydra tree (conf/) turned into validated dataclasses.
+
+Errors in user input raise :class:`ConfigError` with a one-line message that names the fix; the entry
+point prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from skyrl_clora.tenants import TenantSpec, expand_tenants
+
+
+class ConfigError(ValueError):
+    """Bad user input; the message is one line that says what to change."""
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    name: str
+    env_class: str
+    train_data: str | None
+    val_data: str | None
+    task_variant: str
+    prompts_per_step: int
+    samples_per_prompt: int
+    eval_prompts: int
+    max_turns: int
+    max_generate_length: int
+    max_input_length: int
+    data_path: str | None = None
+    user: str = "scripted"
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "samples_per_prompt", "max_turns", "max_generate_length", "max_input_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"recipe.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_prompts < 0:
+            raise ConfigError(f"recipe.eval_prompts must be >= 0, got {self.eval_prompts}")
+        for name in ("train_data", "val_data", "data_path"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).exists():
+                raise ConfigError(f"recipe.{name}={value} does not exist; point it at an existing file or folder")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int
+    alpha: float
+    max_rank: int
+
+    def __post_init__(self) -> None:
+        if self.max_rank < 1:
+            raise ConfigError(f"lora.max_rank must be >= 1, got {self.max_rank}")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lr: float
+    lr_schedule: str
+    warmup_steps: int
+    micro_batch_size: int
+    weight_decay: float
+    max_grad_norm: float
+    algorithm: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ConfigError(f"trainer.lr_schedule={self.lr_schedule} is unknown; use constant or cosine")
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"trainer.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    temperature: float
+    top_p: float
+    max_rows: int
+    max_prefills_per_step: int
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError("sampler.temperature must be >= 0 and sampler.top_p in (0, 1]")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs. ``tenants`` is expanded from ``+tenants=N`` or a list of overrides."""
+
+    mode: str
+    train_mode: str
+    steps: int
+    seed: int
+    output_dir: Path
+    progress: bool
+    device: str
+    backend: str
+    model_path: str | None
+    model_dtype: str
+    recipe: RecipeConfig
+    lora: LoraConfig
+    trainer: TrainerConfig
+    sampler: SamplerConfig
+    tenants: tuple[TenantSpec, ...]
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("concurrent", "serial"):
+            raise ConfigError(f"clora.mode={self.mode} is unknown; use concurrent or serial")
+        if self.train_mode != "swap":
+            raise ConfigError(f"clora.train_mode={self.train_mode} is not available on this backend yet; use swap")
+        if self.steps < 1:
+            raise ConfigError(f"clora.steps must be >= 1, got {self.steps}")
+        if self.backend != "embedded":
+            raise ConfigError(f"backend={self.backend} is not runnable here; use backend=embedded")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"clora.device={self.device} is unknown; use auto, cpu or cuda")
+        if self.model_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"model.dtype={self.model_dtype} is unknown; use auto, float32, bfloat16 or float16")
+        if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
+            raise ConfigError(f"model.path={self.model_path} is not a Hugging Face model folder (no config.json); fix the path")
+        for spec in self.tenants:
+            if spec.rank > self.lora.max_rank:
+                raise ConfigError(
+                    f"tenant {spec.name} has lora rank {spec.rank} > lora.max_rank={self.lora.max_rank}; "
+                    "lower its rank or raise lora.max_rank"
+                )
+        _check_writable(self.output_dir)
+
+
+def _check_writable(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ConfigError(f"clora.output_dir={path} is not writable ({error.strerror}); choose another directory") from None
+
+
+def _pick(cls: type, node: DictConfig, prefix: str, extra: dict[str, Any] | None = None) -> Any:
+    """Builds dataclass ``cls`` from ``node``; unknown keys are an error naming the valid ones."""
+    values = OmegaConf.to_container(node, resolve=True)
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}.{unknown[0]}; valid keys: {', '.join(sorted(names))}")
+    try:
+        return cls(**values, **(extra or {}))
+    except TypeError as error:
+        raise ConfigError(f"{prefix}: {error}") from None
+
+
+def build_run_config(cfg: DictConfig) -> RunConfig:
+    """Validates the composed Hydra config and returns the run's :class:`RunConfig`."""
+    clora = cfg.clora
+    lora = _pick(LoraConfig, cfg.lora, "lora")
+    trainer = _pick(TrainerConfig, cfg.trainer, "trainer")
+    tenants_value = cfg.get("tenants", 1)
+    if OmegaConf.is_config(tenants_value):
+        tenants_value = OmegaConf.to_container(tenants_value, resolve=True)
+    try:
+        tenants = expand_tenants(
+            tenants_value, seed=int(clora.seed), lr=trainer.lr, rank=lora.rank, alpha=lora.alpha,
+            task_variant=str(cfg.recipe.task_variant), samples_per_prompt=int(cfg.recipe.samples_per_prompt),
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    output_dir = Path(os.path.expanduser(str(clora.output_dir)))
+    return RunConfig(
+        mode=str(clora.mode), train_mode=str(clora.train_mode), steps=int(clora.steps), seed=int(clora.seed),
+        output_dir=output_dir, progress=bool(clora.progress), device=str(clora.device),
+        backend=str(cfg.backend.name), model_path=None if cfg.model.path is None else os.path.expanduser(str(cfg.model.path)),
+        model_dtype=str(cfg.model.dtype), recipe=_pick(RecipeConfig, cfg.recipe, "recipe"), lora=lora,
+        trainer=trainer, sampler=_pick(SamplerConfig, cfg.sampler, "sampler"), tenants=tuple(tenants),
+    )

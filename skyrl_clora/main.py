@@ -1,0 +1,115 @@
+"""Entry point: ``python -m skyrl_clora.main [Hydra overrides]``, e.g. ``+tenants=8``.
+
+The Hydra config tree in ``conf/`` is composed with Hydra's compose API (so that bad input gets a
+one-line error and exit status 2 instead of a traceback), validated into a :class:`RunConfig` and run.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+USAGE = """usage: python -m skyrl_clora.main [OVERRIDE ...]
+
+Runs N RL experiments ("tenants") of one SkyRL recipe on one shared base model, each tenant its own
+LoRA adapter. Overrides use Hydra syntax (key=value; +key=value adds a key).
+
+Tenants:
+  +tenants=N                       N tenants (seeds clora.seed + i); default 1
+  +tenants=[{{lr:1e-3}},{{seed:7,rank:8}}]  one tenant per entry; per-tenant keys:
+                                   {overridable}
+
+Config groups (choose one of each):
+{groups}
+
+Settable keys and their defaults:
+{keys}
+
+Outputs in clora.output_dir: metrics.jsonl, summary.json, reward_curves.png, adapters/<tenant>/ (PEFT).
+Examples:
+  python -m skyrl_clora.main +tenants=8
+  python -m skyrl_clora.main +tenants=8 clora.mode=serial clora.output_dir=outputs/serial
+  python -m skyrl_clora.main model.path=/models/Qwen3-0.6B recipe.train_data=~/data/gsm8k/train.parquet
+"""
+
+
+class UserError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+def _groups() -> str:
+    lines = []
+    for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir()):
+        options = sorted(f.stem for f in group.glob("*.yaml"))
+        lines.append(f"  {group.name}={'|'.join(options)}")
+    return "\n".join(lines)
+
+
+def _keys(cfg) -> str:
+    flat = []
+
+    def walk(node, prefix: str) -> None:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if OmegaConf.is_dict(value):
+                walk(value, path + ".")
+            else:
+                flat.append(f"  {path}={OmegaConf.to_container(value) if OmegaConf.is_list(value) else value}")
+
+    walk(cfg, "")
+    return "\n".join(flat)
+
+
+def compose_config(overrides: list[str]):
+    """Composes conf/ with ``overrides``; Hydra/OmegaConf errors become :class:`UserError`."""
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as error:
+        message = str(error).strip().splitlines()[0]
+        missing_group = re.search(r"Could not find '(\w+)/", message)
+        if missing_group and (CONF_DIR / missing_group.group(1)).is_dir():
+            options = sorted(f.stem for f in (CONF_DIR / missing_group.group(1)).glob("*.yaml"))
+            message += f"; choose {missing_group.group(1)}= one of {', '.join(options)}"
+        if "tenants" in message and "+tenants" not in " ".join(overrides):
+            message += " (write +tenants=N: tenants is added with a leading '+')"
+        raise UserError(message) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg in ("-h", "--help") for arg in argv):
+        from skyrl_clora.tenants import OVERRIDABLE
+
+        cfg = compose_config([])
+        print(USAGE.format(groups=_groups(), keys=_keys(cfg), overridable=", ".join(OVERRIDABLE)))
+        return 0
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from skyrl_clora.config import ConfigError, build_run_config
+
+    try:
+        run = build_run_config(compose_config(argv))
+    except (UserError, ConfigError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from skyrl_clora.orchestrator import run_experiments
+
+    try:
+        run_experiments(run)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Per-tenant metrics: JSONL records, a live status line, the final summary table and reward-curve plot."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class MetricsLog:
+    """Appends one JSON object per event to ``metrics.jsonl`` (thread-safe) and keeps them in memory."""
+
+    def __init__(self, path: Path, progress: bool, stream: TextIO = sys.stderr) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self.progress = progress
+        self.stream = stream
+        self.started = time.perf_counter()
+        self._lock = threading.Lock()
+        self._file = path.open("w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self.records.append(record)
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+            self._file.flush()
+            if self.progress and record.get("event") in ("step", "eval", "failed"):
+                self.stream.write(self._status_line(record) + "\n")
+                self.stream.flush()
+
+    def _status_line(self, record: dict[str, Any]) -> str:
+        elapsed = time.perf_counter() - self.started
+        tenant = record["tenant"]
+        if record["event"] == "failed":
+            return f"[{elapsed:7.1f}s] {tenant} FAILED: {record['error']}"
+        if record["event"] == "eval":
+            return f"[{elapsed:7.1f}s] {tenant} eval@{record['step']}: accuracy {record['accuracy']:.2f}"
+        return (
+            f"[{elapsed:7.1f}s] {tenant} step {record['step']}: reward {record['reward_mean']:.2f} "
+            f"rollout {record['rollout_s']:.1f}s train {record['train_s']:.1f}s sync {record['sync_s']:.2f}s"
+        )
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def summarize(records: list[dict[str, Any]], tenants: list[str]) -> list[dict[str, Any]]:
+    """One row per tenant: status, steps, accuracy before/after, reward trend and time split."""
+    rows = []
+    for tenant in tenants:
+        mine = [r for r in records if r.get("tenant") == tenant]
+        steps = [r for r in mine if r["event"] == "step"]
+        evals = [r for r in mine if r["event"] == "eval"]
+        failed = [r for r in mine if r["event"] == "failed"]
+        rows.append({
+            "tenant": tenant,
+            "status": "failed" if failed else "ok",
+            "error": failed[0]["error"] if failed else None,
+            "steps": len(steps),
+            "accuracy_start": evals[0]["accuracy"] if evals else None,
+            "accuracy_final": evals[-1]["accuracy"] if len(evals) > 1 else None,
+            "reward_first": steps[0]["reward_mean"] if steps else None,
+            "reward_last": steps[-1]["reward_mean"] if steps else None,
+            "rollout_s": sum(r["rollout_s"] for r in steps),
+            "train_s": sum(r["train_s"] for r in steps),
+            "sync_s": sum(r["sync_s"] for r in steps),
+            "generated_tokens": sum(r["generated_tokens"] for r in steps),
+        })
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+    columns = ["tenant", "status", "steps", "accuracy_start", "accuracy_final", "reward_first", "reward_last",
+               "rollout_s", "train_s", "sync_s", "generated_tokens"]
+    table = [columns] + [[cell(row[c]) for c in columns] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    lines = ["  ".join(value.rjust(width) for value, width in zip(line, widths)) for line in table]
+    finals = [row["accuracy_final"] for row in rows if row["accuracy_final"] is not None]
+    if finals:
+        spread = statistics.pstdev(finals) if len(finals) > 1 else 0.0
+        lines.append(f"mean final accuracy {statistics.mean(finals):.3f} (std over tenants {spread:.3f})")
+    return "\n".join(lines)
+
+
+def plot_rewards(records: list[dict[str, Any]], tenants: list[str], path: Path) -> None:
+    """PNG of every tenant's mean reward per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for tenant in tenants:
+        steps = [r for r in records if r.get("tenant") == tenant and r["event"] == "step"]
+        if steps:
+            axis.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], marker="o", label=tenant)
+    axis.set_xlabel("RL step")
+    axis.set_ylabel("mean reward")
+    axis.set_ylim(-0.05, 1.05)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

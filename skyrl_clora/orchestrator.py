@@ -1,0 +1,200 @@
+"""Tenant loops over the shared services, in concurrent mode (all at once) or serial mode (the baseline).
+
+A tenant loop is SkyRL's RL step parameterised by the tenant: its ``SkyRLGymGenerator`` (``model=`` its
+adapter) produces episodes through the shared sampler, SkyRL's GRPO advantage and policy loss train its
+adapter through the AdapterStore, and the sync publishes the new version in place. A tenant that raises
+(e.g. its reward function) is marked failed and logged; the others run on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
+from skyrl.train.config import SamplingParams as SkyRLSamplingParams
+from skyrl.train.generators.base import GeneratorInput, TrajectoryID
+from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
+
+from skyrl_clora.config import RunConfig
+from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
+from skyrl_clora.metrics import MetricsLog, format_table, plot_rewards, summarize
+from skyrl_clora.recipes.tasks import TaskSource, build_task_source
+from skyrl_clora.services import Services, build_services, resolve_model_path
+from skyrl_clora.tenants import TenantSpec
+from skyrl_clora.trainer.adapter_store import LRSchedule
+from skyrl_clora.trainer.trainer import TrainBatch
+
+logger = logging.getLogger("skyrl_clora")
+
+
+class TenantLoop:
+    """One tenant's experiment: evaluation, ``steps`` RL steps, final evaluation, PEFT export."""
+
+    def __init__(self, run: RunConfig, spec: TenantSpec, services: Services, metrics: MetricsLog,
+                 trainer_lock: asyncio.Lock) -> None:
+        self.run = run
+        self.spec = spec
+        self.services = services
+        self.metrics = metrics
+        self.trainer_lock = trainer_lock
+        recipe = run.recipe
+        generator_cfg = GeneratorConfig(
+            max_turns=recipe.max_turns,
+            batched=False,
+            max_input_length=recipe.max_input_length,
+            n_samples_per_prompt=spec.samples_per_prompt,
+            use_conversation_multi_turn=True,
+            sampling_params=SkyRLSamplingParams(
+                max_generate_length=recipe.max_generate_length, temperature=run.sampler.temperature,
+                top_p=run.sampler.top_p, logprobs=1,
+            ),
+        )
+        self.generator = SkyRLGymGenerator(
+            generator_cfg, SkyRLGymConfig(max_env_workers=0), services.client, services.tokenizer,
+            policy_model_name=spec.name,
+        )
+
+    def register(self) -> None:
+        """Creates the tenant's adapter (seeded PEFT init) in the trainer's store and the sampler."""
+        generator = torch.Generator().manual_seed(self.spec.seed)
+        weights = init_adapter(self.services.trainer.layers, self.spec.rank, self.spec.alpha, generator)
+        schedule = LRSchedule(self.spec.lr, self.run.trainer.warmup_steps, self.run.steps, self.run.trainer.lr_schedule)
+        self.services.store.register(self.spec.name, weights, schedule, seed=self.spec.seed)
+        self.services.sync.register(self.spec.name, self.services.store.tenants[self.spec.name].weights)
+
+    async def run_experiment(self) -> None:
+        name = self.spec.name
+        try:
+            source = build_task_source(self.run.recipe, self.spec, self.run.steps, self.run.seed)
+            await self._evaluate(source, step=0)
+            for step in range(1, self.run.steps + 1):
+                await self._rl_step(source, step)
+            await self._evaluate(source, step=self.run.steps)
+            save_peft_adapter(self.services.store.tenants[name].weights, self.run.output_dir / "adapters" / name,
+                              self.services.model_path)
+        except Exception as error:  # noqa: BLE001 - a failing tenant must not take the others down
+            logger.exception("tenant %s failed", name)
+            self.metrics.write({"event": "failed", "tenant": name, "error": f"{type(error).__name__}: {error}"})
+            self.services.sync.unregister(name)
+            self.services.store.remove(name)
+
+    async def _generate(self, rows: list[dict[str, Any]], samples: int, tag: str) -> tuple[dict, list[str]]:
+        """Runs ``samples`` episodes per row through SkyRL's generator; returns its output and group ids."""
+        prompts, env_classes, extras, trajectory_ids, groups = [], [], [], [], []
+        for index, row in enumerate(rows):
+            instance = f"{self.spec.name}-{tag}-p{index}"
+            for repetition in range(samples):
+                prompts.append(row["prompt"])
+                env_classes.append(row["env_class"])
+                extras.append({k: v for k, v in row.items() if k not in ("prompt", "env_class")})
+                trajectory_ids.append(TrajectoryID(instance_id=instance, repetition_id=repetition))
+                groups.append(instance)
+        output = await self.generator.generate(GeneratorInput(
+            prompts=prompts, env_classes=env_classes, env_extras=extras, sampling_params=None,
+            trajectory_ids=trajectory_ids, batch_metadata=None,
+        ), disable_tqdm=True)
+        for trajectory in trajectory_ids:
+            versions = self.services.client.versions_for(self.spec.name, trajectory.to_string())
+            self.services.sync.check_sampled_with(self.spec.name, versions)
+        return output, groups
+
+    async def _evaluate(self, source: TaskSource, step: int) -> None:
+        rows = source.evaluation_rows()
+        if not rows:
+            return
+        output, _ = await self._generate(rows, samples=1, tag=f"eval{step}")
+        rewards = [_scalar(r) for r in output["rewards"]]
+        self.metrics.write({"event": "eval", "tenant": self.spec.name, "step": step,
+                            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards), "episodes": len(rewards)})
+
+    async def _rl_step(self, source: TaskSource, step: int) -> None:
+        name = self.spec.name
+        started = time.perf_counter()
+        output, groups = await self._generate(
+            source.step_rows(step - 1, self.run.recipe.prompts_per_step), self.spec.samples_per_prompt, f"s{step}"
+        )
+        rollout_s = time.perf_counter() - started
+        rewards = [_scalar(r) for r in output["rewards"]]
+        batch = TrainBatch(
+            prompt_ids=output["prompt_token_ids"], response_ids=output["response_ids"], loss_masks=output["loss_masks"],
+            rewards=rewards, group_ids=groups, rollout_logprobs=output.get("rollout_logprobs"),
+        )
+        started = time.perf_counter()
+        async with self.trainer_lock:
+            weights, train_metrics = await asyncio.to_thread(self.services.trainer.train_step, name, batch)
+        train_s = time.perf_counter() - started
+        version, sync_s = await self.services.sync.publish(name, weights)
+        self.metrics.write({
+            "event": "step", "tenant": name, "step": step, "adapter_version": version,
+            "reward_mean": sum(rewards) / len(rewards),
+            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "episodes": len(rewards),
+            "generated_tokens": sum(sum(mask) for mask in output["loss_masks"]),
+            "rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s,
+            **{f"train/{k}": v for k, v in train_metrics.items()},
+        })
+
+
+def _scalar(reward: float | list[float]) -> float:
+    """An episode's outcome reward (SkyRL gives per-token reward lists for multi-turn episodes)."""
+    return float(sum(reward)) if isinstance(reward, list) else float(reward)
+
+
+async def _run_group(run: RunConfig, specs: list[TenantSpec], services: Services, metrics: MetricsLog) -> None:
+    lock = asyncio.Lock()
+    loops = [TenantLoop(run, spec, services, metrics, lock) for spec in specs]
+    for loop in loops:
+        loop.register()
+    await asyncio.gather(*(loop.run_experiment() for loop in loops))
+
+
+def run_experiments(run: RunConfig) -> dict[str, Any]:
+    """Runs every tenant in ``run.mode``; writes metrics.jsonl, summary.json, reward_curves.png, adapters/."""
+    run.output_dir.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsLog(run.output_dir / "metrics.jsonl", progress=run.progress)
+    specs = list(run.tenants)
+    started = time.perf_counter()
+    base_started = time.perf_counter()
+    model_path = resolve_model_path(run)
+    base_model_s = time.perf_counter() - base_started
+    rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in specs)
+    cold_starts = []
+    try:
+        if run.mode == "concurrent":
+            services = build_services(run, model_path, len(specs), rows_per_tenant)
+            cold_starts.append(services.cold_start_seconds)
+            try:
+                asyncio.run(_run_group(run, specs, services, metrics))
+            finally:
+                services.shutdown()
+        else:
+            for spec in specs:
+                services = build_services(run, model_path, 1, rows_per_tenant)
+                cold_starts.append(services.cold_start_seconds)
+                try:
+                    asyncio.run(_run_group(run, [spec], services, metrics))
+                finally:
+                    services.shutdown()
+    finally:
+        metrics.close()
+    wall_s = time.perf_counter() - started - base_model_s
+    names = [spec.name for spec in specs]
+    rows = summarize(metrics.records, names)
+    summary = {
+        "mode": run.mode, "tenants": len(specs), "steps": run.steps, "model_path": model_path,
+        "base_model_seconds": base_model_s, "wall_seconds": wall_s, "cold_start_seconds": cold_starts,
+        "experiments_per_hour": 3600.0 * sum(r["status"] == "ok" for r in rows) / wall_s,
+        "per_tenant": rows, "tenant_specs": [asdict(spec) for spec in specs],
+    }
+    (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_rewards(metrics.records, names, run.output_dir / "reward_curves.png")
+    print(format_table(rows))
+    print(f"mode={run.mode} tenants={len(specs)} wall {wall_s:.1f}s (+ base model {base_model_s:.1f}s) "
+          f"-> {summary['experiments_per_hour']:.1f} experiments/hour; outputs in {run.output_dir}")
+    return summary

@@ -1,0 +1,67 @@
+"""Per-tenant task data for the orchestrator: SkyRL dataset rows for each RL step and for evaluation.
+
+A row is what SkyRL's prompt dataset yields: ``{"prompt": [messages], "env_class": str, ...extras}``; every
+key other than ``prompt`` and ``env_class`` is passed to the environment as its ``extras``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from skyrl_clora.config import ConfigError, RecipeConfig
+from skyrl_clora.tenants import TenantSpec
+
+EVAL_SEED_OFFSET = 1_000_003
+
+
+@dataclass
+class TaskSource:
+    """Training rows drawn per step with the tenant's seed (without replacement, reshuffled per epoch) and a
+    fixed evaluation set shared by all tenants of a run."""
+
+    env_class: str
+    train_rows: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]]
+    seed: int
+
+    def step_rows(self, step: int, n: int) -> list[dict[str, Any]]:
+        """The ``n`` training rows of RL step ``step`` (0-based)."""
+        rows = []
+        for k in range(step * n, (step + 1) * n):
+            epoch, offset = divmod(k, len(self.train_rows))
+            order = list(range(len(self.train_rows)))
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+            rows.append(self.train_rows[order[offset]])
+        return [self._with_env(row) for row in rows]
+
+    def evaluation_rows(self) -> list[dict[str, Any]]:
+        return [self._with_env(row) for row in self.eval_rows]
+
+    def _with_env(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "env_class": self.env_class}
+
+
+def build_task_source(recipe: RecipeConfig, spec: TenantSpec, steps: int, run_seed: int) -> TaskSource:
+    """The tenant's data for ``recipe``; registers the recipe's skyrl-gym environment."""
+    if recipe.name == "gsm8k":
+        from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
+        from skyrl_clora.recipes.gsm8k.problems import load_gsm8k_parquet, make_dataset_rows
+
+        register_gsm8k_env()
+        needed = steps * recipe.prompts_per_step
+        if recipe.train_data is not None:
+            train = load_gsm8k_parquet(recipe.train_data)
+        else:
+            train = make_dataset_rows(max(needed, 64), seed=spec.seed, variant=spec.task_variant, split="train")
+        if recipe.val_data is not None:
+            evaluation = load_gsm8k_parquet(recipe.val_data)[: recipe.eval_prompts]
+        else:
+            evaluation = make_dataset_rows(
+                recipe.eval_prompts, seed=run_seed + EVAL_SEED_OFFSET, variant=spec.task_variant, split="test"
+            )
+        if not train:
+            raise ConfigError(f"recipe.train_data={recipe.train_data} holds no rows; check the file")
+        return TaskSource(spec.env_class or recipe.env_class, train, evaluation, spec.seed)
+    raise ConfigError(f"recipe={recipe.name} has no task data on the embedded backend; use recipe=gsm8k")

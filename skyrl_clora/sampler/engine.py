@@ -1,0 +1,301 @@
+"""The embedded multi-LoRA sampling engine: continuous batching across tenants over one base model.
+
+One background thread owns the model. Each iteration of its loop:
+  1. takes new requests and adapter publishes from the inbox;
+  2. applies every pending publish whose adapter has no running request (the version fence: a request
+     is sampled entirely with the adapter version it was admitted under; new requests of an adapter with
+     a pending publish wait until it lands, so a publish cannot starve);
+  3. admits waiting requests into free cache rows (FIFO over all tenants), prefilling each;
+  4. runs one decode step for all rows, samples each running row with its own RNG and retires the
+     finished ones, resolving their futures.
+Other tenants' requests keep decoding while one tenant's adapter is published: a publish is a ``copy_``
+into that tenant's slot between two decode steps, never a pause or a cache reset.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear, write_slot
+from skyrl_clora.sampler.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. ``temperature == 0`` is greedy."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    """What one request produced: ``token_ids`` (including a final stop token), the log-probability of
+    each under the model's (untempered) distribution, ``finish_reason`` ("stop" or "length") and the
+    version of the adapter the whole completion was sampled with (``-1`` for the base model)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    adapter_version: int
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    adapter: str | None
+    params: SamplingParams
+    future: concurrent.futures.Future
+    row: int = -1
+    lora_slot: int = -1
+    version: int = -1
+    generator: torch.Generator | None = None
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Publish:
+    adapter: str
+    weights: AdapterWeights
+    version: int
+    future: concurrent.futures.Future
+
+
+@dataclass
+class EngineStats:
+    """Counters since start: decode steps, tokens generated, prefilled tokens, busy seconds."""
+
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    busy_seconds: float = 0.0
+
+
+class Engine:
+    """Multi-tenant sampler (see module docstring). Thread-safe: ``submit`` and ``publish`` may be called
+    from any thread and return ``concurrent.futures.Future`` objects."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        routing: LoRARouting,
+        lora_layers: dict[str, MultiLoRALinear],
+        num_rows: int,
+        max_len: int,
+        max_prefills_per_step: int = 8,
+    ) -> None:
+        self.runner = ModelRunner(model, routing, num_rows=num_rows, max_len=max_len)
+        self.lora_layers = lora_layers
+        self.num_lora_slots = next(iter(lora_layers.values())).lora_a.shape[0]
+        self.max_len = max_len
+        self.max_prefills_per_step = max_prefills_per_step
+        self.stats = EngineStats()
+        self._slots: dict[str, int] = {}
+        self._versions: dict[str, int] = {}
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: list[_Request] = []
+        self._pending_publishes: list[_Publish] = []
+        self._rows: list[_Request | None] = [None] * num_rows
+        self._paused = threading.Event()
+        self._stop = threading.Event()
+        device = self.runner.device
+        self._tokens = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self._positions = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self._row_lora = torch.full((num_rows,), -1, dtype=torch.long, device=device)
+        self._thread = threading.Thread(target=self._loop, name="clora-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API (any thread) -------------------------------------------------------------
+
+    def register_adapter(self, name: str, weights: AdapterWeights, version: int = 0) -> None:
+        """Gives ``name`` a LoRA slot holding ``weights`` (before any request of it is submitted)."""
+        if name in self._slots:
+            raise ValueError(f"adapter {name!r} is already registered")
+        used = set(self._slots.values())
+        free = [slot for slot in range(self.num_lora_slots) if slot not in used]
+        if not free:
+            raise ValueError(f"all {self.num_lora_slots} adapter slots are in use; raise sampler.max_adapters")
+        self._slots[name] = free[0]
+        self.publish(name, weights, version).result()
+
+    def unregister_adapter(self, name: str) -> None:
+        """Frees ``name``'s slot (its requests must have finished)."""
+        slot = self._slots.pop(name)
+        self._versions.pop(name, None)
+        write_slot(self.lora_layers, slot, None)
+
+    def adapter_version(self, name: str) -> int:
+        return self._versions[name]
+
+    def submit(self, prompt_ids: list[int], adapter: str | None, params: SamplingParams) -> concurrent.futures.Future:
+        """Queues one generation request; the future resolves to a :class:`Completion`."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if adapter is not None and adapter not in self._slots:
+            future.set_exception(ValueError(f"unknown adapter {adapter!r}; registered: {sorted(self._slots)}"))
+            return future
+        if not prompt_ids or len(prompt_ids) >= self.max_len:
+            future.set_exception(
+                ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the engine's max_len {self.max_len}")
+            )
+            return future
+        self._inbox.put(_Request(list(prompt_ids), adapter, params, future))
+        return future
+
+    def publish(self, adapter: str, weights: AdapterWeights, version: int) -> concurrent.futures.Future:
+        """Queues an in-place update of ``adapter``'s slot to ``weights`` at ``version``; resolves once applied."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if adapter not in self._slots:
+            future.set_exception(ValueError(f"unknown adapter {adapter!r}"))
+            return future
+        self._inbox.put(_Publish(adapter, weights, version, future))
+        return future
+
+    def pause(self) -> None:
+        """Stops stepping (in-flight requests keep their state) until :meth:`resume`."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+        self._inbox.put(None)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join()
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            idle = not self._waiting and not self._pending_publishes and not any(self._rows)
+            self._drain_inbox(block=idle or self._paused.is_set())
+            if self._paused.is_set() or self._stop.is_set():
+                continue
+            started = time.perf_counter()
+            try:
+                self._apply_publishes()
+                self._admit()
+                if any(self._rows):
+                    self._decode_step()
+            except Exception as error:  # a broken step fails its requests, not the engine thread
+                self._fail_running(error)
+            self.stats.busy_seconds += time.perf_counter() - started
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(item, _Request):
+                self._waiting.append(item)
+            elif isinstance(item, _Publish):
+                self._pending_publishes.append(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply_publishes(self) -> None:
+        busy = {req.adapter for req in self._rows if req is not None}
+        still_pending = []
+        for publish in self._pending_publishes:
+            if publish.adapter in busy:
+                still_pending.append(publish)
+                continue
+            try:
+                write_slot(self.lora_layers, self._slots[publish.adapter], publish.weights)
+                self._versions[publish.adapter] = publish.version
+                publish.future.set_result(None)
+            except Exception as error:
+                publish.future.set_exception(error)
+        self._pending_publishes = still_pending
+
+    def _admit(self) -> None:
+        fenced = {publish.adapter for publish in self._pending_publishes}
+        free_rows = [row for row, req in enumerate(self._rows) if req is None]
+        admitted = 0
+        remaining = []
+        for req in self._waiting:
+            if req.future.cancelled():
+                continue
+            if req.adapter in fenced or not free_rows or admitted >= self.max_prefills_per_step:
+                remaining.append(req)
+                continue
+            self._prefill(req, free_rows.pop(0))
+            admitted += 1
+        self._waiting = remaining
+
+    def _prefill(self, req: _Request, row: int) -> None:
+        req.row = row
+        req.lora_slot = -1 if req.adapter is None else self._slots[req.adapter]
+        req.version = -1 if req.adapter is None else self._versions[req.adapter]
+        req.generator = torch.Generator(device="cpu").manual_seed(req.params.seed)
+        tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.runner.device)
+        logits = self.runner.prefill(row, tokens, req.lora_slot)
+        self.stats.prefill_tokens += len(req.prompt_ids)
+        self._rows[row] = req
+        self._row_lora[row] = req.lora_slot
+        self._accept_token(req, logits)
+
+    def _decode_step(self) -> None:
+        logits = self.runner.decode(self._tokens, self._positions, self._row_lora)
+        self.stats.decode_steps += 1
+        for row, req in enumerate(self._rows):
+            if req is not None:
+                self._accept_token(req, logits[row])
+
+    def _accept_token(self, req: _Request, logits: torch.Tensor) -> None:
+        """Samples the next token of ``req`` from ``logits: [V]``; retires the request when it is done."""
+        token, logprob = _sample(logits, req.params, req.generator)
+        req.output.append(token)
+        req.logprobs.append(logprob)
+        self.stats.generated_tokens += 1
+        length = len(req.prompt_ids) + len(req.output)
+        if token in req.params.stop_token_ids:
+            self._retire(req, "stop")
+        elif len(req.output) >= req.params.max_tokens or length >= self.max_len:
+            self._retire(req, "length")
+        else:
+            self._tokens[req.row] = token
+            self._positions[req.row] = length - 1
+
+    def _retire(self, req: _Request, reason: str) -> None:
+        self._rows[req.row] = None
+        self._row_lora[req.row] = -1
+        self._positions[req.row] = 0
+        if not req.future.cancelled():
+            req.future.set_result(Completion(req.output, req.logprobs, reason, req.version))
+
+    def _fail_running(self, error: Exception) -> None:
+        for req in [r for r in self._rows if r is not None]:
+            self._rows[req.row] = None
+            self._row_lora[req.row] = -1
+            if not req.future.done():
+                req.future.set_exception(error)
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
+    """Draws one token from ``logits: [V]`` (fp32) with temperature / top-p; returns it and its log-prob
+    under the untempered distribution."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if params.temperature == 0.0:
+        token = int(torch.argmax(logits))
+    else:
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return token, float(logprobs[token])

@@ -1,0 +1,106 @@
+"""Runs a Hugging Face decoder (Qwen3 / Qwen2 / Llama module layout) over a slot-based KV cache.
+
+The HF modules supply the weights and sub-layers (embeddings, norms, projections with multi-LoRA, MLP,
+rotary embedding); this runner replaces only the attention bookkeeping so that many sequences of
+different lengths decode together:
+
+- ``prefill(slot, tokens)``: one sequence's prompt ``[T]`` written into cache row ``slot`` at positions
+  ``0..T-1`` (causal attention within the prompt); returns the last token's logits ``[V]``.
+- ``decode(tokens, positions, lora_slots)``: one token for every cache row at once (``[S]``, rows that are
+  not running carry any token and are ignored by the caller); each row attends to its own cache row up to
+  its position. The batch is always all ``S`` rows, so a row's numbers never depend on which other
+  sequences are running (reproducible whatever the mix of tenants).
+
+KV cache: per layer ``k, v: [S, kv_heads, max_len, head_dim]`` in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+from skyrl_clora.lora.layers import LoRARouting
+
+
+class ModelRunner:
+    """Forward passes of a causal LM over a slot-based KV cache (see module docstring)."""
+
+    def __init__(self, model: nn.Module, routing: LoRARouting, num_rows: int, max_len: int) -> None:
+        self.model = model.eval()
+        self.routing = routing
+        self.decoder = model.model
+        config = model.config
+        self.num_rows = num_rows
+        self.max_len = max_len
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        shape = (num_rows, self.num_kv_heads, max_len, self.head_dim)
+        self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.decoder.layers]
+        self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.decoder.layers]
+        self._row_index = torch.arange(num_rows, device=self.device)
+        self._key_positions = torch.arange(max_len, device=self.device)
+
+    @torch.no_grad()
+    def prefill(self, row: int, tokens: torch.Tensor, lora_slot: int) -> torch.Tensor:
+        """Fills cache row ``row`` with ``tokens: [T]`` (T <= max_len); returns logits ``[V]`` of the last token."""
+        length = tokens.shape[0]
+        positions = torch.arange(length, device=self.device)
+        token_slots = torch.full((length,), lora_slot, device=self.device, dtype=torch.long)
+
+        def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q: [1, H, T, d]; k, v: [1, KV, T, d]
+            self.k_cache[layer_idx][row, :, :length] = k[0]
+            self.v_cache[layer_idx][row, :, :length] = v[0]
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
+            )
+
+        hidden = self._forward(tokens.view(1, length), positions.view(1, length), token_slots, attend)
+        return self.model.lm_head(hidden[0, -1]).float()
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, lora_slots: torch.Tensor) -> torch.Tensor:
+        """One decode step for all rows: ``tokens, positions, lora_slots: [S]`` -> logits ``[S, V]`` (fp32).
+
+        Writes each row's new K/V at ``positions[row]`` (must be < max_len)."""
+        # Keys a row may see: its own cache row up to and including its position.
+        visible = self._key_positions.view(1, 1, 1, -1) <= positions.view(-1, 1, 1, 1)  # [S, 1, 1, L]
+
+        def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q: [S, H, 1, d]; k, v: [S, KV, 1, d]
+            k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
+            k_cache[self._row_index, :, positions] = k[:, :, 0]
+            v_cache[self._row_index, :, positions] = v[:, :, 0]
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k_cache, v_cache, attn_mask=visible, enable_gqa=self.num_kv_heads != self.num_heads
+            )
+
+        hidden = self._forward(tokens.view(-1, 1), positions.view(-1, 1), lora_slots, attend)
+        return self.model.lm_head(hidden[:, 0]).float()
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_slots: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder stack over ``input_ids: [B, T]``; ``attend(layer, q, k, v)`` does cache I/O and attention.
+        Returns final hidden states ``[B, T, hidden]``."""
+        hidden = self.decoder.embed_tokens(input_ids)
+        cos, sin = self.decoder.rotary_emb(hidden, position_ids)
+        batch, length = input_ids.shape
+        with self.routing.route(token_slots):
+            for layer_idx, layer in enumerate(self.decoder.layers):
+                residual = hidden
+                hidden = layer.input_layernorm(hidden)
+                attn = layer.self_attn
+                q = attn.q_proj(hidden).view(batch, length, -1, self.head_dim)
+                k = attn.k_proj(hidden).view(batch, length, -1, self.head_dim)
+                v = attn.v_proj(hidden).view(batch, length, -1, self.head_dim).transpose(1, 2)
+                if hasattr(attn, "q_norm"):
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+                out = attend(layer_idx, q, k, v)  # [B, H, T, d]
+                hidden = residual + attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+                residual = hidden
+                hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.decoder.norm(hidden)

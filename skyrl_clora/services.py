@@ -1,0 +1,113 @@
+"""Builds the three shared services of the embedded backend over one frozen base model.
+
+- sampler: :class:`~skyrl_clora.sampler.engine.Engine` (+ SkyRL client) on the base model with one
+  inference adapter slot per tenant;
+- trainer: :class:`~skyrl_clora.trainer.trainer.Trainer` on a second module tree that shares the base
+  model's weight tensors (no copy) and has one trainable device slot, fed by the AdapterStore;
+- sync: :class:`~skyrl_clora.sync.AdapterSync` publishing into the sampler.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+import torch
+from skyrl.train.config import AlgorithmConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.lora.layers import attach_multi_lora
+from skyrl_clora.sampler.client import EmbeddedInferenceClient
+from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sync import AdapterSync
+from skyrl_clora.trainer.adapter_store import AdapterStore
+from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Services:
+    """The shared sampler, trainer and sync, plus what built them."""
+
+    model_path: str
+    tokenizer: object
+    engine: Engine
+    client: EmbeddedInferenceClient
+    trainer: Trainer
+    store: AdapterStore
+    sync: AdapterSync
+    cold_start_seconds: float
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def resolve_device(run: RunConfig) -> torch.device:
+    if run.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("clora.device=cuda but no CUDA device is visible; use clora.device=auto or cpu")
+    if run.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(run.device)
+
+
+def resolve_model_path(run: RunConfig) -> str:
+    """The base model folder: ``model.path`` or the tiny pre-trained base (built and cached on first use)."""
+    if run.model_path is not None:
+        return run.model_path
+    from skyrl_clora.recipes.tiny_base.pretrain import ensure_tiny_base
+
+    return str(ensure_tiny_base())
+
+
+def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_tenant: int) -> Services:
+    """Loads the base model once and builds sampler, trainer and sync around it (the cold start)."""
+    started = time.perf_counter()
+    hf_logging.disable_progress_bar()
+    device = resolve_device(run)
+    dtype = _DTYPES[run.model_dtype] if run.model_dtype != "auto" else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
+        raise ConfigError(f"model.path={model_path}: tokenizer needs an eos token and a chat template")
+    sampler_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    trainer_model = _twin_sharing_weights(sampler_model)
+    sampler_routing, sampler_layers = attach_multi_lora(sampler_model, num_tenants, run.lora.max_rank, trainable=False)
+    trainer_routing, trainer_layers = attach_multi_lora(trainer_model, 1, run.lora.max_rank, trainable=True)
+
+    max_len = run.recipe.max_input_length + run.recipe.max_generate_length
+    rows = run.sampler.max_rows or num_tenants * rows_per_tenant
+    engine = Engine(sampler_model, sampler_routing, sampler_layers, num_rows=rows, max_len=max_len,
+                    max_prefills_per_step=run.sampler.max_prefills_per_step)
+    client = EmbeddedInferenceClient(
+        engine, tokenizer, model_name=model_path, seed=run.seed,
+        default_sampling={"max_tokens": run.recipe.max_generate_length, "temperature": run.sampler.temperature,
+                          "top_p": run.sampler.top_p, "logprobs": 1},
+    )
+    store = AdapterStore(trainer_layers, num_slots=1)
+    algorithm = AlgorithmConfig(**run.trainer.algorithm, use_kl_loss=False)
+    trainer = Trainer(
+        trainer_model, trainer_routing, trainer_layers, store, algorithm,
+        OptimizerConfig(weight_decay=run.trainer.weight_decay, max_grad_norm=run.trainer.max_grad_norm),
+        micro_batch_size=run.trainer.micro_batch_size,
+    )
+    return Services(model_path, tokenizer, engine, client, trainer, store, AdapterSync(engine),
+                    cold_start_seconds=time.perf_counter() - started)
+
+
+def _twin_sharing_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """A second module tree of the same architecture whose parameters and buffers are ``model``'s tensors."""
+    with torch.device("meta"):
+        twin = type(model)(model.config)
+    twin.load_state_dict(model.state_dict(), assign=True)
+    # Non-persistent buffers (rotary inv_freq) are not in the state dict: share them too.
+    for name, buffer in model.named_buffers():
+        module_path, _, buffer_name = name.rpartition(".")
+        twin.get_submodule(module_path).register_buffer(buffer_name, buffer, persistent=False)
+    if model.config.tie_word_embeddings:
+        twin.tie_weights()
+    return twin.train()
+
+

@@ -1,0 +1,46 @@
+"""Versioned in-place publication of a tenant's adapter into the sampler.
+
+After a tenant's train step, :meth:`AdapterSync.publish` hands its new weights to the engine, which copies
+them into the tenant's adapter slot between two decode steps once none of that tenant's requests is
+running (the version fence); other tenants keep decoding and keep their state. Versions per tenant start
+at 0 (the initial adapter) and increase by one per publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from skyrl_clora.lora.layers import AdapterWeights
+from skyrl_clora.sampler.engine import Engine
+
+
+class AdapterSync:
+    """Tracks each tenant's published version and publishes new ones in place."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.versions: dict[str, int] = {}
+
+    def register(self, tenant: str, weights: AdapterWeights) -> None:
+        """Publishes the tenant's initial adapter as version 0."""
+        self.engine.register_adapter(tenant, weights, version=0)
+        self.versions[tenant] = 0
+
+    def unregister(self, tenant: str) -> None:
+        self.engine.unregister_adapter(tenant)
+        self.versions.pop(tenant, None)
+
+    async def publish(self, tenant: str, weights: AdapterWeights) -> tuple[int, float]:
+        """Publishes ``weights`` as the tenant's next version; returns (version, seconds until applied)."""
+        version = self.versions[tenant] + 1
+        started = time.perf_counter()
+        await asyncio.wrap_future(self.engine.publish(tenant, weights, version))
+        self.versions[tenant] = version
+        return version, time.perf_counter() - started
+
+    def check_sampled_with(self, tenant: str, versions: list[int]) -> None:
+        """Raises if a trajectory's requests were not all sampled with the tenant's current version."""
+        current = self.versions[tenant]
+        if not versions or any(v != current for v in versions):
+            raise RuntimeError(f"tenant {tenant}: trajectory sampled with adapter versions {versions}, expected {current}")
