@@ -1,0 +1,92 @@
+"""Hydra config tree, tenant expansion, --help and bad-input handling of the entry point."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from skyrl_clora.config import build_run_config
+from skyrl_clora.main import CONF_DIR, compose_config, main
+from skyrl_clora.tenants import expand_tenants
+
+
+def _yaml_files() -> list[Path]:
+    return sorted(CONF_DIR.rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", _yaml_files(), ids=lambda p: str(p.relative_to(CONF_DIR)))
+def test_every_conf_file_composes(path: Path, tmp_path: Path) -> None:
+    relative = path.relative_to(CONF_DIR)
+    overrides = [f"clora.output_dir={tmp_path}"]
+    if relative.parent != Path("."):
+        overrides.append(f"{relative.parent}={relative.stem}")
+    cfg = compose_config(overrides)
+    content = yaml.safe_load(path.read_text())
+    if relative.parent != Path("."):
+        assert dict(cfg[str(relative.parent)]) == content
+    else:
+        assert {key for key in content if key != "defaults"} <= set(cfg)
+    assert build_run_config(cfg).tenants
+
+
+def test_plus_tenants_expands_into_specs(tmp_path: Path) -> None:
+    run = build_run_config(compose_config(["+tenants=8", f"clora.output_dir={tmp_path}", "clora.seed=3"]))
+    assert [spec.name for spec in run.tenants] == [f"tenant-{i}" for i in range(8)]
+    assert [spec.seed for spec in run.tenants] == list(range(3, 11))
+    assert {spec.rank for spec in run.tenants} == {16} and {spec.lr for spec in run.tenants} == {2e-3}
+
+
+def test_tenant_list_form_with_overrides(tmp_path: Path) -> None:
+    run = build_run_config(compose_config([
+        "+tenants=[{seed:7,lr:1e-3},{rank:8,alpha:16,task_variant:hard,samples_per_prompt:2,name:small}]",
+        f"clora.output_dir={tmp_path}",
+    ]))
+    first, second = run.tenants
+    assert (first.seed, first.lr, first.rank) == (7, 1e-3, 16)
+    assert (second.name, second.rank, second.alpha, second.task_variant, second.samples_per_prompt) == (
+        "small", 8, 16.0, "hard", 2)
+
+
+def test_default_is_one_tenant(tmp_path: Path) -> None:
+    assert len(build_run_config(compose_config([f"clora.output_dir={tmp_path}"])).tenants) == 1
+
+
+@pytest.mark.parametrize("value", [0, -1, "x", [], [{"nope": 1}], [3]])
+def test_expand_tenants_rejects_malformed(value) -> None:
+    with pytest.raises(ValueError):
+        expand_tenants(value, seed=0, lr=1e-3, rank=8, alpha=16, task_variant="standard", samples_per_prompt=4)
+
+
+def test_help_lists_settable_keys(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for needle in ("+tenants=N", "recipe=gsm8k", "clora.mode=concurrent", "lora.max_rank=64", "model.path=None"):
+        assert needle in text
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["recipe=nope"], "choose recipe= one of"),
+    (["backend=nope"], "choose backend= one of"),
+    (["+tenants=0"], "at least 1 tenant"),
+    (["+tenants=abc"], "malformed"),
+    (["tenants=3"], "+tenants=N"),
+    (["model.path=/does/not/exist"], "model.path"),
+    (["+tenants=[{rank:128}]"], "lora.max_rank"),
+    (["clora.output_dir=/proc/forbidden"], "not writable"),
+    (["clora.mode=parallel"], "concurrent or serial"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bad_input_from_the_command_line_has_no_traceback() -> None:
+    result = subprocess.run([sys.executable, "-m", "skyrl_clora.main", "+tenants=0"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error:") and "Traceback" not in result.stderr

@@ -1,0 +1,96 @@
+"""End to end on the embedded backend: tenants, modes, outputs, reproducibility, a failing tenant."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import peft
+import pytest
+import skyrl_gym
+from skyrl_gym.envs.base_text_env import BaseTextEnv
+from transformers import AutoModelForCausalLM
+
+from skyrl_clora.main import main
+
+
+def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        f"model.path={model_dir}", f"clora.output_dir={out}", "clora.steps=2", "clora.progress=false",
+        "recipe.prompts_per_step=2", "recipe.samples_per_prompt=2", "recipe.eval_prompts=2",
+        "recipe.max_generate_length=8", "recipe.max_turns=2", "recipe.max_input_length=120", *extra,
+    ]
+
+
+def _step_metrics(out: Path) -> list[dict]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    drop = ("rollout_s", "train_s", "sync_s")
+    return sorted(({k: v for k, v in r.items() if k not in drop} for r in records),
+                  key=lambda r: (r["tenant"], r["event"], r["step"]))
+
+
+def test_concurrent_run_writes_every_output(micro_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert main(_args(micro_model_dir, out, "+tenants=2")) == 0
+    steps = [r for r in _step_metrics(out) if r["event"] == "step"]
+    assert sorted((r["tenant"], r["step"], r["adapter_version"]) for r in steps) == [
+        ("tenant-0", 1, 1), ("tenant-0", 2, 2), ("tenant-1", 1, 1), ("tenant-1", 2, 2)]
+    assert all(r["episodes"] == 4 and r["generated_tokens"] > 0 for r in steps)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "concurrent" and len(summary["cold_start_seconds"]) == 1
+    assert [row["status"] for row in summary["per_tenant"]] == ["ok", "ok"]
+    assert (out / "reward_curves.png").stat().st_size > 1000
+    base = AutoModelForCausalLM.from_pretrained(micro_model_dir)
+    loaded = peft.PeftModel.from_pretrained(base, str(out / "adapters" / "tenant-1"))
+    assert loaded.peft_config["default"].r == 16
+
+
+def test_same_command_gives_the_same_metrics(micro_model_dir: Path, tmp_path: Path) -> None:
+    args = ("+tenants=[{seed:1},{seed:2,lr:5e-3}]",)
+    assert main(_args(micro_model_dir, tmp_path / "a", *args)) == 0
+    assert main(_args(micro_model_dir, tmp_path / "b", *args)) == 0
+    first, second = _step_metrics(tmp_path / "a"), _step_metrics(tmp_path / "b")
+    tenant0 = [r for r in first if r["tenant"] == "tenant-0" and r["event"] == "step"]
+    tenant1 = [r for r in first if r["tenant"] == "tenant-1" and r["event"] == "step"]
+    assert [r["train/mean_token_logprob"] for r in tenant0] != [r["train/mean_token_logprob"] for r in tenant1]
+    assert first == second
+
+
+def test_serial_mode_pays_a_cold_start_per_tenant(micro_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "serial"
+    assert main(_args(micro_model_dir, out, "+tenants=2", "clora.mode=serial")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "serial" and len(summary["cold_start_seconds"]) == 2
+    assert [row["steps"] for row in summary["per_tenant"]] == [2, 2]
+
+
+class RaisingRewardEnv(BaseTextEnv):
+    """An environment whose reward function raises, as a buggy user reward would."""
+
+    def __init__(self, env_config=None, extras=None) -> None:
+        super().__init__()
+
+    def step(self, action: str):
+        raise RuntimeError("reward function exploded")
+
+
+def test_a_failing_tenant_does_not_take_the_others_down(micro_model_dir: Path, tmp_path: Path) -> None:
+    if "raising_reward" not in skyrl_gym.registry:
+        skyrl_gym.register(id="raising_reward", entry_point=RaisingRewardEnv)
+    out = tmp_path / "failing"
+    assert main(_args(micro_model_dir, out, "+tenants=[{},{env_class:raising_reward},{}]")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    status = {row["tenant"]: (row["status"], row["steps"]) for row in summary["per_tenant"]}
+    assert status == {"tenant-0": ("ok", 2), "tenant-1": ("failed", 0), "tenant-2": ("ok", 2)}
+    failed = next(row for row in summary["per_tenant"] if row["status"] == "failed")
+    assert "reward function exploded" in failed["error"]
+    assert (out / "adapters" / "tenant-2" / "adapter_model.safetensors").is_file()
+    assert not (out / "adapters" / "tenant-1").exists()
+
+
+@pytest.mark.parametrize("mode", ["concurrent"])
+def test_sync_versions_are_checked_against_trajectories(mode: str, micro_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / mode
+    assert main(_args(micro_model_dir, out, "+tenants=1", f"clora.mode={mode}", "clora.steps=3")) == 0
+    versions = [r["adapter_version"] for r in _step_metrics(out) if r["event"] == "step"]
+    assert versions == [1, 2, 3]

@@ -1,0 +1,152 @@
+"""The embedded engine: mixed-tenant continuous batching, version-fenced in-place publish, SkyRL client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
+from skyrl.train.config import SamplingParams as SkyRLSamplingParams
+from skyrl.train.generators.base import GeneratorInput, TrajectoryID
+from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from skyrl_clora.lora.layers import AdapterWeights, attach_multi_lora
+from skyrl_clora.lora.peft_export import init_adapter
+from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
+from skyrl_clora.recipes.gsm8k.problems import make_dataset_rows
+from skyrl_clora.sampler.client import EmbeddedInferenceClient
+from skyrl_clora.sampler.engine import Engine, SamplingParams
+
+PROMPT = list(range(5, 25))
+
+
+def _adapter(layers, seed: int) -> AdapterWeights:
+    generator = torch.Generator().manual_seed(seed)
+    adapter = init_adapter(layers, 8, 16.0, generator)
+    for path in adapter.b:
+        adapter.b[path] = torch.randn(adapter.b[path].shape, generator=generator) * 0.3
+    return adapter
+
+
+def _engine(model_dir: Path, num_rows: int, adapters: dict[str, int]) -> tuple[Engine, dict]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
+    engine = Engine(model, routing, layers, num_rows=num_rows, max_len=96)
+    weights = {name: _adapter(layers, seed) for name, seed in adapters.items()}
+    for name, adapter in weights.items():
+        engine.register_adapter(name, adapter)
+    return engine, weights
+
+
+def _params(seed: int, max_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed)
+
+
+def test_mixed_batch_equals_each_request_alone(micro_model_dir: Path) -> None:
+    tenants = {"a": 1, "b": 2, "c": 3}
+    jobs = [(name, seed) for name in [*tenants, None] for seed in (10, 11)]
+    engine, _ = _engine(micro_model_dir, num_rows=8, adapters=tenants)
+    try:
+        futures = [engine.submit(PROMPT, name, _params(seed)) for name, seed in jobs]
+        mixed = [f.result(timeout=60).token_ids for f in futures]
+    finally:
+        engine.shutdown()
+    by_adapter = {name: mixed[i] for i, (name, seed) in enumerate(jobs) if seed == 10}
+    assert len({tuple(tokens) for tokens in by_adapter.values()}) == 4, "tenants' samples must differ"
+    alone_engine, _ = _engine(micro_model_dir, num_rows=8, adapters=tenants)
+    try:
+        for (name, seed), tokens in zip(jobs, mixed):
+            assert alone_engine.submit(PROMPT, name, _params(seed)).result(timeout=60).token_ids == tokens
+    finally:
+        alone_engine.shutdown()
+
+
+def test_publish_in_place_while_other_tenants_decode(micro_model_dir: Path) -> None:
+    engine, weights = _engine(micro_model_dir, num_rows=4, adapters={"a": 1, "b": 2})
+    try:
+        undisturbed = engine.submit(PROMPT, "b", _params(5, max_tokens=60)).result(timeout=60)
+        a_before = engine.submit(PROMPT, "a", _params(6)).result(timeout=60)
+        engine.pause()  # hold b's request in flight while the publish of a's new version arrives
+        in_flight = engine.submit(PROMPT, "b", _params(5, max_tokens=60))
+        engine.resume()
+        while engine.stats.decode_steps == 0 or in_flight.done():
+            time.sleep(0.001)
+        assert not in_flight.done()
+        engine.publish("a", weights["b"], version=1).result(timeout=60)
+        assert not in_flight.done(), "a's publish must not wait for b's requests"
+        after = in_flight.result(timeout=60)
+        assert after.token_ids == undisturbed.token_ids and after.adapter_version == 0
+        a_after = engine.submit(PROMPT, "a", _params(6)).result(timeout=60)
+        assert a_after.adapter_version == 1 and a_after.token_ids != a_before.token_ids
+    finally:
+        engine.shutdown()
+
+
+def test_publish_is_fenced_by_the_tenants_own_requests(micro_model_dir: Path) -> None:
+    engine, weights = _engine(micro_model_dir, num_rows=4, adapters={"a": 1})
+    try:
+        reference = engine.submit(PROMPT, "a", _params(3, max_tokens=60)).result(timeout=60)
+        running = engine.submit(PROMPT, "a", _params(3, max_tokens=60))
+        while engine.stats.prefill_tokens < 2 * len(PROMPT):
+            time.sleep(0.001)
+        publish = engine.publish("a", _adapter(engine.lora_layers, 9), version=1)
+        queued = engine.submit(PROMPT, "a", _params(4))
+        done = running.result(timeout=60)
+        assert done.adapter_version == 0 and done.token_ids == reference.token_ids
+        publish.result(timeout=60)
+        assert queued.result(timeout=60).adapter_version == 1
+    finally:
+        engine.shutdown()
+
+
+def test_engine_rejects_bad_requests(micro_model_dir: Path) -> None:
+    engine, weights = _engine(micro_model_dir, num_rows=2, adapters={"a": 1})
+    try:
+        with pytest.raises(ValueError, match="unknown adapter"):
+            engine.submit(PROMPT, "zzz", _params(0)).result(timeout=10)
+        with pytest.raises(ValueError, match="max_len"):
+            engine.submit(list(range(200)), "a", _params(0)).result(timeout=10)
+        with pytest.raises(ValueError, match="already registered"):
+            engine.register_adapter("a", weights["a"])
+    finally:
+        engine.shutdown()
+
+
+def test_skyrl_gym_generator_drives_the_client_for_several_tenants(micro_model_dir: Path) -> None:
+    register_gsm8k_env()
+    tokenizer = AutoTokenizer.from_pretrained(micro_model_dir)
+    engine, _ = _engine(micro_model_dir, num_rows=8, adapters={"t0": 1, "t1": 2})
+    client = EmbeddedInferenceClient(engine, tokenizer, model_name=str(micro_model_dir),
+                                     default_sampling={"max_tokens": 10, "logprobs": 1}, seed=0)
+    config = GeneratorConfig(max_turns=2, batched=False, max_input_length=80,
+                             sampling_params=SkyRLSamplingParams(max_generate_length=10, logprobs=1))
+    rows = make_dataset_rows(2, seed=0)
+
+    async def rollout(tenant: str):
+        generator = SkyRLGymGenerator(config, SkyRLGymConfig(max_env_workers=0), client, tokenizer, policy_model_name=tenant)
+        ids = [TrajectoryID(instance_id=f"{tenant}-{i}", repetition_id=0) for i in range(len(rows))]
+        output = await generator.generate(GeneratorInput(
+            prompts=[r["prompt"] for r in rows], env_classes=[r["env_class"] for r in rows],
+            env_extras=[{k: v for k, v in r.items() if k not in ("prompt", "env_class")} for r in rows],
+            sampling_params=None, trajectory_ids=ids, batch_metadata=None), disable_tqdm=True)
+        return output, ids
+
+    async def both():
+        return await asyncio.gather(rollout("t0"), rollout("t1"))
+
+    try:
+        (out0, ids0), (out1, ids1) = asyncio.run(both())
+    finally:
+        engine.shutdown()
+    assert out0["response_ids"] != out1["response_ids"], "tenants' episodes must differ"
+    for output in (out0, out1):
+        assert len(output["response_ids"]) == 2
+        assert all(len(lp) == len(r) for lp, r in zip(output["rollout_logprobs"], output["response_ids"]))
+    for tenant, ids in (("t0", ids0), ("t1", ids1)):
+        for trajectory in ids:
+            versions = client.versions_for(tenant, trajectory.to_string())
+            assert versions and set(versions) == {0}
