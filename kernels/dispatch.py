@@ -1,25 +1,78 @@
-"""Picks the implementation of each multi-LoRA op by device: Triton on CUDA, the torch reference elsewhere."""
+"""Picks the implementation of each multi-LoRA op: Triton for CUDA tensors, the torch reference elsewhere.
+
+Layers call only ``add_lora`` and ``packed_lora``. ``backend="triton"`` forces the Triton kernels, which
+on CPU tensors run only under the Triton interpreter (``TRITON_INTERPRET=1``, as the CPU tests do);
+``backend="torch"`` forces the reference.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from typing import Literal
+
 import torch
 
+from skyrl_clora.kernels.meta import LoRAMeta
+from skyrl_clora.kernels.packed import packed_lora_triton
 from skyrl_clora.kernels.reference import add_lora_ref, packed_lora_ref
+from skyrl_clora.kernels.sgmv import add_lora_triton
+
+Backend = Literal["triton", "torch"]
+
+
+def _use_triton(x: torch.Tensor, backend: Backend | None) -> bool:
+    if backend is None:
+        return x.is_cuda
+    if backend == "torch":
+        return False
+    if backend != "triton":
+        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
+    return True
 
 
 def add_lora(
     out: torch.Tensor,
     x: torch.Tensor,
     lora_a: torch.Tensor,
-    lora_b: tuple[torch.Tensor, ...],
+    lora_b: Sequence[torch.Tensor],
     scales: torch.Tensor,
     token_slots: torch.Tensor,
+    *,
+    meta: LoRAMeta | None = None,
+    backend: Backend | None = None,
 ) -> None:
-    """In place: ``out[t, slice_i] += scales[s] * (x[t] @ A[s].T) @ B_i[s].T`` for ``s = token_slots[t] >= 0``.
+    """In place: ``out[t, slice_i] += scales[s] * (x[t] @ A_i[s].T) @ B_i[s].T`` for ``s = token_slots[t] >= 0``.
 
-    See :func:`skyrl_clora.kernels.reference.add_lora_ref` for shapes and exact semantics.
+    Shapes: ``out: [T, sum(H_out_i)]``, ``x: [T, H_in]``, ``lora_a: [S, R, H_in]`` (one A per slot) or
+    ``[len(lora_b), S, R, H_in]`` (one per slice), ``lora_b[i]: [S, H_out_i, R]`` (at most 3 slices on the
+    Triton path), ``scales: [S]`` float32, ``token_slots: [T]`` int64/int32 in ``[-1, S)``. Torch
+    pseudo-code::
+
+        offset = 0
+        for i, b in enumerate(lora_b):
+            a = lora_a[i] if lora_a.dim() == 4 else lora_a
+            for t in range(T):
+                s = token_slots[t]
+                if s >= 0:
+                    out[t, offset:offset + b.shape[1]] += scales[s] * (x[t] @ a[s].T) @ b[s].T
+            offset += b.shape[1]
+
+    Only ``out`` is written, and only in rows with a slot. The Triton path computes in fp32 and rounds
+    ``h = x @ A.T`` (times the scale) to the weights' dtype before the second product, as the reference's
+    bf16 use in PEFT does; it needs one dtype for ``out``, ``x`` and the weights, unit feature strides
+    for ``out`` and ``x``, and contiguous weights.
+
+    ``meta``: a :class:`LoRAMeta` on which ``meta.build(token_slots)`` was called for this batch. With it
+    the Triton path allocates nothing and never waits for the host (capturable in a CUDA graph); without
+    it a meta is built per call. The torch path ignores it.
     """
-    add_lora_ref(out, x, lora_a, lora_b, scales, token_slots)
+    if _use_triton(x, backend):
+        add_lora_triton(out, x, lora_a, tuple(lora_b), scales, token_slots, meta=meta)
+    else:
+        add_lora_ref(out, x, lora_a, tuple(lora_b), scales, token_slots)
 
 
 def packed_lora(
@@ -28,9 +81,27 @@ def packed_lora(
     lora_b: torch.Tensor,
     scales: torch.Tensor,
     token_slots: torch.Tensor,
+    *,
+    meta: LoRAMeta | None = None,
+    backend: Backend | None = None,
 ) -> torch.Tensor:
-    """Returns ``y[t] = scales[p] * (x[t] @ A[p].T) @ B[p].T`` for ``p = token_slots[t] >= 0`` (autograd).
+    """Returns ``y[t] = scales[p] * (x[t] @ A[p].T) @ B[p].T`` for ``p = token_slots[t] >= 0``, else 0.
 
-    See :func:`skyrl_clora.kernels.reference.packed_lora_ref`.
+    Shapes: ``x: [T, H_in]``, ``lora_a: [P, R, H_in]``, ``lora_b: [P, H_out, R]``, ``scales: [P]`` float32,
+    ``token_slots: [T]``; returns a new ``[T, H_out]`` tensor in ``x``'s dtype (nothing is written in
+    place). Torch pseudo-code::
+
+        y = zeros(T, H_out)
+        for t in range(T):
+            p = token_slots[t]
+            if p >= 0:
+                y[t] = scales[p] * (x[t] @ lora_a[p].T) @ lora_b[p].T
+
+    Differentiable in ``x``, ``lora_a`` and ``lora_b`` (not in ``scales``): one backward gives every
+    adapter's gradients. The Triton path (``kernels.packed.PackedLoRAFunction``) runs the forward in two
+    launches and the backward in four. ``meta`` as for :func:`add_lora` (a snapshot of its index buffers
+    is kept for backward, so rebuilding it for the next micro-batch is safe).
     """
+    if _use_triton(x, backend):
+        return packed_lora_triton(x, lora_a, lora_b, scales, token_slots, meta=meta)
     return packed_lora_ref(x, lora_a, lora_b, scales, token_slots)

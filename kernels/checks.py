@@ -1,0 +1,111 @@
+"""Argument checks of the Triton host wrappers: dtype, shape, stride and device, raised as ValueError.
+
+The kernels themselves validate nothing; every wrapper calls one of these before launching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_SLICES = 3
+
+
+def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [tokens, features], got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected {dtype}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride along features, got strides {t.stride()}")
+
+
+def _check_slots(token_slots: torch.Tensor, num_tokens: int) -> None:
+    if token_slots.dim() != 1 or token_slots.shape[0] != num_tokens:
+        raise ValueError(f"token_slots must be [{num_tokens}], got shape {tuple(token_slots.shape)}")
+    if token_slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"token_slots must be int32 or int64, got {token_slots.dtype}")
+    if not token_slots.is_contiguous():
+        raise ValueError("token_slots must be contiguous")
+
+
+def _check_scales(scales: torch.Tensor, num_slots: int) -> None:
+    if scales.dim() != 1 or scales.shape[0] != num_slots:
+        raise ValueError(f"scales must be [{num_slots}], got shape {tuple(scales.shape)}")
+    if scales.dtype != torch.float32 or not scales.is_contiguous():
+        raise ValueError(f"scales must be contiguous float32, got {scales.dtype}")
+
+
+def _check_same_device(tensors: Sequence[torch.Tensor]) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+
+
+def check_add_lora(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    scales: torch.Tensor,
+    token_slots: torch.Tensor,
+) -> None:
+    """Checks the arguments of ``add_lora`` for the Triton path (see ``reference.add_lora_ref``)."""
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x must be one of {FLOAT_DTYPES}, got {x.dtype}")
+    _check_rows("x", x, x.dtype)
+    _check_rows("out", out, x.dtype)
+    if out.shape[0] != x.shape[0]:
+        raise ValueError(f"out has {out.shape[0]} rows, x has {x.shape[0]}")
+    if not isinstance(lora_b, (tuple, list)) or not 1 <= len(lora_b) <= MAX_SLICES:
+        raise ValueError(f"lora_b must be a tuple of 1..{MAX_SLICES} tensors [S, H_out_i, R]")
+    if lora_a.dim() == 4:
+        if lora_a.shape[0] != len(lora_b):
+            raise ValueError(f"lora_a has {lora_a.shape[0]} slices, lora_b has {len(lora_b)}")
+        num_slots, rank, h_in = lora_a.shape[1:]
+    elif lora_a.dim() == 3:
+        num_slots, rank, h_in = lora_a.shape
+    else:
+        raise ValueError(f"lora_a must be [S, R, H_in] or [slices, S, R, H_in], got {tuple(lora_a.shape)}")
+    if lora_a.dtype != x.dtype or not lora_a.is_contiguous():
+        raise ValueError(f"lora_a must be contiguous {x.dtype}, got {lora_a.dtype}")
+    if h_in != x.shape[1]:
+        raise ValueError(f"lora_a takes {h_in} input features, x has {x.shape[1]}")
+    width = 0
+    for i, b in enumerate(lora_b):
+        if b.dim() != 3 or b.shape[0] != num_slots or b.shape[2] != rank:
+            raise ValueError(f"lora_b[{i}] must be [{num_slots}, H_out, {rank}], got {tuple(b.shape)}")
+        if b.dtype != x.dtype or not b.is_contiguous():
+            raise ValueError(f"lora_b[{i}] must be contiguous {x.dtype}, got {b.dtype}")
+        width += b.shape[1]
+    if width != out.shape[1]:
+        raise ValueError(f"lora_b slices are {width} wide in total, out has {out.shape[1]} columns")
+    _check_scales(scales, num_slots)
+    _check_slots(token_slots, x.shape[0])
+    _check_same_device([out, x, lora_a, *lora_b, scales, token_slots])
+
+
+def check_packed(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scales: torch.Tensor,
+    token_slots: torch.Tensor,
+) -> None:
+    """Checks the arguments of ``packed_lora`` for the Triton path (see ``reference.packed_lora_ref``)."""
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x must be one of {FLOAT_DTYPES}, got {x.dtype}")
+    _check_rows("x", x, x.dtype)
+    if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1]:
+        raise ValueError(f"lora_a must be [P, R, {x.shape[1]}], got {tuple(lora_a.shape)}")
+    num_slots, rank, _ = lora_a.shape
+    if lora_b.dim() != 3 or lora_b.shape[0] != num_slots or lora_b.shape[2] != rank:
+        raise ValueError(f"lora_b must be [{num_slots}, H_out, {rank}], got {tuple(lora_b.shape)}")
+    for name, w in (("lora_a", lora_a), ("lora_b", lora_b)):
+        if w.dtype != x.dtype or not w.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {x.dtype}, got {w.dtype}")
+    _check_scales(scales, num_slots)
+    _check_slots(token_slots, x.shape[0])
+    _check_same_device([x, lora_a, lora_b, scales, token_slots])

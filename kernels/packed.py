@@ -1,0 +1,180 @@
+"""Packed multi-LoRA training: several adapters' rows in one batch, forward and backward in a few launches.
+
+The forward is the segmented shrink and expand of ``sgmv``; the backward adds a segmented reduction over
+each slot's rows for the weight gradients. One backward yields the gradients of every adapter's A and B
+and of ``x``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from skyrl_clora.kernels.checks import check_packed
+from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
+from skyrl_clora.kernels.sgmv import SgmvConfig, check_meta, sgmv_expand, sgmv_shrink
+
+# Row tiles of the training kernels (prefill-sized batches); column tile of the weight-gradient kernel.
+_TRAIN_CONFIG = SgmvConfig(block_m=64, block_k=64, block_n=128, split_k=1)
+_GRAD_BLOCK = 128
+_GRAD_ROWS = 64
+
+
+@triton.jit
+def _seg_outer_kernel(
+    p_ptr,
+    q_ptr,
+    g_ptr,
+    scale_ptr,
+    sorted_ptr,
+    start_ptr,
+    count_ptr,
+    DP,
+    DQ,
+    stride_pt,
+    stride_qt,
+    stride_g_slot,
+    stride_g_p,
+    stride_g_q,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``g[s, p, q] = scale[s] * sum over rows t of slot s of P[t, p] * Q[t, q]`` (one block per program)."""
+    slot = tl.program_id(0)
+    offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_q = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    p_mask = offs_p < DP
+    q_mask = offs_q < DQ
+    seg_start = tl.load(start_ptr + slot)
+    seg_len = tl.load(count_ptr + slot)
+    acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+    m0 = 0
+    while m0 < seg_len:  # a while loop: the CPU interpreter cannot run a for loop to a runtime bound
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < seg_len
+        rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
+        pt = tl.load(
+            p_ptr + rows[None, :] * stride_pt + offs_p[:, None],
+            mask=m_mask[None, :] & p_mask[:, None],
+            other=0.0,
+        )
+        qt = tl.load(
+            q_ptr + rows[:, None] * stride_qt + offs_q[None, :],
+            mask=m_mask[:, None] & q_mask[None, :],
+            other=0.0,
+        )
+        pt, qt = pt.to(g_ptr.dtype.element_ty), qt.to(g_ptr.dtype.element_ty)
+        if UPCAST:  # the CPU interpreter mis-multiplies bf16 operands
+            pt, qt = pt.to(tl.float32), qt.to(tl.float32)
+        acc += tl.dot(pt, qt, input_precision=DOT_PRECISION)
+        m0 += BLOCK_M
+    acc *= tl.load(scale_ptr + slot)
+    g_ptrs = g_ptr + slot * stride_g_slot + offs_p[:, None] * stride_g_p + offs_q[None, :] * stride_g_q
+    tl.store(g_ptrs, acc.to(g_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
+
+
+def _seg_outer(g: torch.Tensor, p: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, meta: LoRAMeta) -> None:
+    """Writes ``g[s] = scales[s] * p[rows_s].T @ q[rows_s]`` for every slot (zeros for an empty slot).
+
+    ``p: [T, DP]``, ``q: [T, DQ]`` with unit feature stride (any float dtypes: cast to ``g``'s);
+    ``g: [S, DP, DQ]`` any strides, written in full.
+    """
+    S, DP, DQ = g.shape
+    block_p = min(_GRAD_BLOCK, max(16, triton.next_power_of_2(DP)))
+    block_q = min(_GRAD_BLOCK, max(16, triton.next_power_of_2(DQ)))
+    grid = (S, triton.cdiv(DP, block_p), triton.cdiv(DQ, block_q))
+    _seg_outer_kernel[grid](
+        p, q, g, scales, meta.sorted_rows, meta.seg_start, meta.seg_count, DP, DQ,
+        p.stride(0), q.stride(0), g.stride(0), g.stride(1), g.stride(2),
+        BLOCK_M=_GRAD_ROWS, BLOCK_P=block_p, BLOCK_Q=block_q, UPCAST=p.device.type != "cuda",
+        DOT_PRECISION="ieee" if g.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+    )  # fmt: skip
+
+
+class PackedLoRAFunction(torch.autograd.Function):
+    """``y = packed_lora(x, A, B, scales, meta)`` with a backward that gives dx, dA and dB in four launches.
+
+    Forward, for ``x: [T, H_in]``, ``A: [P, R, H_in]``, ``B: [P, H_out, R]``, ``s = slot(t)``::
+
+        h[t] = x[t] @ A[s].T                      # [T, R] fp32, saved for backward
+        y[t] = scales[s] * h[t] @ B[s].T          # [T, H_out], zero for rows with no slot
+
+    Backward, for ``dy: [T, H_out]``::
+
+        g[t]  = dy[t] @ B[s]                      # [T, R] fp32 (unscaled)
+        dx[t] = scales[s] * g[t] @ A[s]           # zero for rows with no slot
+        dA[p] = scales[p] * g[rows_p].T @ x[rows_p]
+        dB[p] = scales[p] * dy[rows_p].T @ h[rows_p]
+
+    ``scales`` get no gradient. Forward keeps a snapshot of the meta's index buffers, so a later
+    ``meta.build`` (the next micro-batch) cannot change what backward reads.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        scales: torch.Tensor,
+        meta: LoRAMeta,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        R = lora_a.shape[1]
+        saved = meta.snapshot()
+        h = x.new_empty(1, 1, T, rank_pad(R), dtype=torch.float32)
+        y = x.new_zeros(T, lora_b.shape[1])
+        if T > 0:
+            sgmv_shrink(h, x, lora_a.unsqueeze(0), saved, R, _TRAIN_CONFIG)
+            sgmv_expand(y, h, (lora_b,), scales, saved, R, _TRAIN_CONFIG)
+        ctx.save_for_backward(x, lora_a, lora_b, scales)
+        ctx.h, ctx.meta, ctx.rank = h, saved, R
+        return y
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, lora_a, lora_b, scales = ctx.saved_tensors
+        h, meta, R = ctx.h, ctx.meta, ctx.rank
+        dy = dy.contiguous()
+        need_x, need_a, need_b = ctx.needs_input_grad[:3]
+        dx = torch.zeros_like(x) if need_x else None
+        weight_grad = torch.zeros_like if x.shape[0] == 0 else torch.empty_like  # else written in full
+        da = weight_grad(lora_a) if need_a else None
+        db = weight_grad(lora_b) if need_b else None
+        if x.shape[0] == 0:
+            return dx, da, db, None, None
+        if need_x or need_a:
+            g = torch.empty_like(h)
+            sgmv_shrink(g, dy, lora_b.transpose(1, 2).unsqueeze(0), meta, R, _TRAIN_CONFIG)
+            if dx is not None:
+                sgmv_expand(dx, g, (lora_a.transpose(1, 2),), scales, meta, R, _TRAIN_CONFIG)
+            if da is not None:
+                _seg_outer(da, g[0, 0, :, :R], x, scales, meta)
+        if db is not None:
+            _seg_outer(db, dy, h[0, 0, :, :R], scales, meta)
+        return dx, da, db, None, None
+
+
+def packed_lora_triton(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scales: torch.Tensor,
+    token_slots: torch.Tensor,
+    meta: LoRAMeta | None = None,
+) -> torch.Tensor:
+    """Triton ``packed_lora`` (semantics: ``reference.packed_lora_ref``); returns a new ``[T, H_out]``.
+
+    ``meta``, if given, must have been built from ``token_slots`` (``meta.build(token_slots)``).
+    """
+    check_packed(x, lora_a, lora_b, scales, token_slots)
+    if meta is None:
+        meta = LoRAMeta.for_batch(token_slots, lora_a.shape[0], lora_a.shape[1], 1)
+    check_meta(meta, x, lora_a.shape[0])
+    return PackedLoRAFunction.apply(x, lora_a, lora_b, scales, meta)

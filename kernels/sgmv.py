@@ -1,0 +1,210 @@
+"""Segmented multi-LoRA ops (SGMV family), host side: shrink ``x @ A.T`` and expand ``h @ B.T`` for a
+batch whose rows belong to many adapters, one launch per op for all adapters and all output slices
+(kernels in ``sgmv_kernels``), and ``add_lora_triton`` built on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from skyrl_clora.kernels.checks import check_add_lora
+from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
+from skyrl_clora.kernels.sgmv_kernels import expand_kernel, fused_kernel, shrink_kernel
+
+# Programs a shrink launch aims for (about two waves on an H200's 132 multiprocessors).
+_TARGET_PROGRAMS = 264
+# Placeholder block boundary for output slices a layer does not have.
+_NO_SLICE = 1 << 30
+
+
+@dataclass(frozen=True)
+class SgmvConfig:
+    """Launch parameters of one ``add_lora`` call (``default_config`` picks them by shape)."""
+
+    block_m: int = 16
+    block_k: int = 128
+    block_n: int = 128
+    split_k: int = 1
+    fused: bool = False
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_config(num_tokens: int, h_in: int, num_slots: int, num_a_slices: int) -> SgmvConfig:
+    """Block sizes by shape: small row tiles and split-K for decode, larger tiles for prefill."""
+    block_m = 16 if num_tokens <= 256 else 64
+    block_k = 128
+    tiles = triton.cdiv(num_tokens, block_m) + min(num_slots, num_tokens)
+    split_k = 1
+    while tiles * num_a_slices * split_k < _TARGET_PROGRAMS and split_k * 2 * block_k <= h_in:
+        split_k *= 2
+    return SgmvConfig(block_m=block_m, block_k=block_k, block_n=128, split_k=split_k)
+
+
+def _dot_flags(x: torch.Tensor) -> dict[str, object]:
+    return {
+        "UPCAST": x.device.type != "cuda",
+        "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
+    }
+
+
+def _slice_args(weights: tuple[torch.Tensor, ...], block_n: int) -> dict[str, int]:
+    """Per-slice widths, column offsets, first column block and slot stride, padded to three slices."""
+    widths = [w.shape[1] for w in weights]
+    blocks = [triton.cdiv(n, block_n) for n in widths]
+    firsts = [sum(blocks[:i]) for i in range(len(weights))] + [_NO_SLICE] * (3 - len(weights))
+    cols = [sum(widths[:i]) for i in range(len(weights))] + [0] * (3 - len(weights))
+    widths += [0] * (3 - len(weights))
+    strides = [w.stride(0) for w in weights] + [0] * (3 - len(weights))
+    return {
+        "n0": widths[0], "n1": widths[1], "n2": widths[2], "col1": cols[1], "col2": cols[2],
+        "nb1": firsts[1], "nb2": firsts[2], "ss0": strides[0], "ss1": strides[1], "ss2": strides[2],
+        "total_blocks": sum(blocks),
+    }  # fmt: skip
+
+
+def check_meta(meta: LoRAMeta, x: torch.Tensor, num_slots: int) -> None:
+    """The meta must have been built for this batch (same token count, slot count and device)."""
+    if meta.num_slots != num_slots:
+        raise ValueError(f"meta has {meta.num_slots} slots, the adapters {num_slots}")
+    if meta.num_tokens != x.shape[0]:
+        raise ValueError(
+            f"meta was built for {meta.num_tokens} tokens, x has {x.shape[0]}: call meta.build(token_slots)"
+        )
+    if meta.device != x.device:
+        raise ValueError(f"meta is on {meta.device}, x on {x.device}")
+
+
+def sgmv_shrink(
+    ws: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    meta: LoRAMeta,
+    rank: int,
+    config: SgmvConfig,
+) -> None:
+    """Writes ``ws[split, a, t, :] = x[t, K_split] @ w[a, slot(t), :, K_split].T`` for rows with a slot.
+
+    ``x: [T, K]`` with unit feature stride; ``w: [slices_a, S, rank, K]``, any strides (A as is, or B
+    transposed when a backward pass shrinks with it); ``ws: [split_k, slices_a, T, rank_pad(rank)]``
+    float32, contiguous: K is cut into ``split_k`` ranges and ``ws.sum(0)`` is the product (every split is
+    written, padding columns with zeros). Rows with no slot are left untouched.
+    """
+    T, K = x.shape
+    n_a, S = w.shape[0], w.shape[1]
+    n_split = ws.shape[0]
+    k_iters = triton.cdiv(triton.cdiv(K, n_split), config.block_k)
+    grid = (triton.cdiv(T, config.block_m) + min(S, T), n_split, n_a)
+    shrink_kernel[grid](
+        x, w, ws, meta.sorted_rows, meta.seg_start, meta.seg_count,
+        S, K, rank, x.stride(0), w.stride(0), w.stride(1), w.stride(2), w.stride(3),
+        ws.stride(0), ws.stride(1),
+        S_P2=triton.next_power_of_2(S), BLOCK_M=config.block_m, BLOCK_R=rank_pad(rank),
+        BLOCK_K=config.block_k, K_ITERS=k_iters, EVEN_K=n_split * k_iters * config.block_k == K,
+        **_dot_flags(x),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def sgmv_expand(
+    out: torch.Tensor,
+    ws: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    scales: torch.Tensor | None,
+    meta: LoRAMeta,
+    rank: int,
+    config: SgmvConfig,
+) -> None:
+    """In place: ``out[t, col_i:col_i+H_i] += scales[s] * ws[:, a_i, t].sum(0) @ weights[i][s, :, :rank].T``.
+
+    ``weights[i]``: ``[S, H_i, rank]`` views (any strides along H_i and rank; slot strides may differ);
+    ``a_i = i`` when ``ws`` has one slice per weight, else 0; ``s = slot(t)``; ``scales=None`` means 1.
+    ``out: [T, sum(H_i)]`` with unit column stride. Rows with no slot are left untouched.
+    """
+    S = weights[0].shape[0]
+    T = out.shape[0]
+    sa = _slice_args(weights, config.block_n)
+    grid = (triton.cdiv(T, config.block_m) + min(S, T), sa.pop("total_blocks"))
+    w = list(weights) + [weights[0]] * (3 - len(weights))
+    expand_kernel[grid](
+        ws, out, w[0], w[1], w[2], scales if scales is not None else ws,
+        meta.sorted_rows, meta.seg_start, meta.seg_count, S, rank, **sa,
+        stride_w_n=weights[0].stride(1), stride_w_r=weights[0].stride(2), stride_ot=out.stride(0),
+        stride_ws_split=ws.stride(0), stride_ws_slice=ws.stride(1),
+        S_P2=triton.next_power_of_2(S), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_R=rank_pad(rank), SPLIT_K=ws.shape[0], NUM_SLICES=len(weights),
+        A_PER_SLICE=ws.shape[1] > 1, HAS_SCALE=scales is not None, **_dot_flags(out),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def _fused_add_lora(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: tuple[torch.Tensor, ...],
+    scales: torch.Tensor,
+    meta: LoRAMeta,
+    config: SgmvConfig,
+) -> None:
+    S, R, K = lora_a.shape[-3:]
+    T = x.shape[0]
+    sa = _slice_args(lora_b, config.block_n)
+    grid = (triton.cdiv(T, config.block_m) + min(S, T), sa.pop("total_blocks"))
+    b = list(lora_b) + [lora_b[0]] * (3 - len(lora_b))
+    fused_kernel[grid](
+        x, lora_a, out, b[0], b[1], b[2], scales, meta.sorted_rows, meta.seg_start, meta.seg_count,
+        S, K, R, **sa, stride_xt=x.stride(0),
+        stride_a_slice=lora_a.stride(0) if lora_a.dim() == 4 else 0, stride_a_slot=lora_a.stride(-3),
+        stride_ot=out.stride(0), S_P2=triton.next_power_of_2(S), BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_R=rank_pad(R), BLOCK_K=config.block_k,
+        K_ITERS=triton.cdiv(K, config.block_k), EVEN_K=K % config.block_k == 0, NUM_SLICES=len(lora_b), A_PER_SLICE=lora_a.dim() == 4,
+        **_dot_flags(x), num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def add_lora_triton(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: tuple[torch.Tensor, ...],
+    scales: torch.Tensor,
+    token_slots: torch.Tensor,
+    meta: LoRAMeta | None = None,
+    config: SgmvConfig | None = None,
+) -> None:
+    """Triton ``add_lora`` (semantics: ``reference.add_lora_ref``); writes ``out`` in place.
+
+    With ``meta`` (built by ``meta.build(token_slots)`` for this batch) nothing is allocated and nothing
+    waits for the host, so the call can be captured in a CUDA graph; without it a meta is built here.
+    ``config`` overrides ``default_config`` (benchmarks sweep it).
+    """
+    lora_b = tuple(lora_b)
+    check_add_lora(out, x, lora_a, lora_b, scales, token_slots)
+    T = x.shape[0]
+    if T == 0:
+        return
+    S, R, K = lora_a.shape[-3:]
+    a4 = lora_a if lora_a.dim() == 4 else lora_a.unsqueeze(0)
+    if meta is None:
+        meta = LoRAMeta.for_batch(token_slots, S, R, a4.shape[0])
+    check_meta(meta, x, S)
+    cfg = config or default_config(T, K, S, a4.shape[0])
+    if cfg.fused:
+        _fused_add_lora(out, x, lora_a, lora_b, scales, meta, cfg)
+        return
+    r_pad = rank_pad(R)
+    per_split = a4.shape[0] * T * r_pad
+    split_k = min(cfg.split_k, meta.workspace.numel() // per_split)
+    if split_k < 1:
+        raise ValueError(
+            f"meta.workspace holds {meta.workspace.numel()} floats, this layer needs {per_split}: "
+            "build the LoRAMeta with a larger max_rank or max_slices"
+        )
+    split_k = triton.cdiv(K, triton.cdiv(triton.cdiv(K, split_k), cfg.block_k) * cfg.block_k)
+    ws = meta.workspace[: split_k * per_split].view(split_k, a4.shape[0], T, r_pad)
+    sgmv_shrink(ws, x, a4, meta, R, cfg)
+    sgmv_expand(out, ws, lora_b, scales, meta, R, cfg)

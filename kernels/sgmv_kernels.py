@@ -1,0 +1,315 @@
+"""Triton kernels of the segmented multi-LoRA ops (SGMV family); ``sgmv`` holds their host wrappers.
+
+The grid's first axis walks tiles of ``BLOCK_M`` rows of one slot's segment (``LoRAMeta``); a program
+finds its slot from the per-slot counts, so the grid size depends only on shapes (``cdiv(T, BLOCK_M) +
+min(S, T)`` tiles bound every layout) and a step is capturable in a CUDA graph. Programs past the last
+tile return at once. Rows with no adapter belong to no segment and are never touched. Kernels validate
+nothing (the wrappers do). ``UPCAST`` (CPU interpreter only) multiplies in fp32, because the Triton 3.6
+interpreter mis-multiplies bf16 operands.
+"""
+
+import triton
+import triton.language as tl
+
+from skyrl_clora.kernels.meta import inclusive_cumsum
+
+
+@triton.jit
+def tile_of(pid_m, start_ptr, count_ptr, S, S_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Maps tile ``pid_m`` to (slot, segment start, segment length, first row in the segment).
+
+    Tiles are numbered slot by slot; a slot of ``c`` rows has ``cdiv(c, BLOCK_M)`` tiles. Past the last
+    tile the returned slot is ``>= S``.
+    """
+    sid = tl.arange(0, S_P2)
+    tiles = (tl.load(count_ptr + sid, mask=sid < S, other=0) + BLOCK_M - 1) // BLOCK_M
+    slot = tl.sum((inclusive_cumsum(tiles, sid) <= pid_m).to(tl.int32), axis=0)
+    first_tile = tl.sum(tl.where(sid < slot, tiles, 0), axis=0)
+    seg_start = tl.load(start_ptr + slot, mask=slot < S, other=0)
+    seg_len = tl.load(count_ptr + slot, mask=slot < S, other=0)
+    return slot, seg_start, seg_len, (pid_m - first_tile) * BLOCK_M
+
+
+@triton.jit
+def shrink_tile(
+    x_ptr,
+    w_ptr,
+    rows,
+    m_mask,
+    k_lo,
+    K,
+    R,
+    stride_xt,
+    stride_w_r,
+    stride_w_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``x[rows, k_lo:k_lo+K_ITERS*BLOCK_K] @ w[:R, same].T`` as fp32 ``[BLOCK_M, BLOCK_R]`` (w at its slot).
+
+    Columns at or past ``K`` count as zero unless EVEN_K says the range lies inside ``K``. The trip count
+    is a compile-time constant (also because the CPU interpreter cannot loop to a runtime bound).
+    """
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    r_mask = offs_r < R
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xt + (k_lo + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_r[None, :] * stride_w_r + (k_lo + offs_k)[:, None].to(tl.int64) * stride_w_k
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for kk in range(0, K_ITERS):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            wt = tl.load(w_ptrs, mask=r_mask[None, :], other=0.0)
+        else:
+            k_mask = k_lo + kk * BLOCK_K + offs_k < K
+            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=r_mask[None, :] & k_mask[:, None], other=0.0)
+        if UPCAST:
+            xt, wt = xt.to(tl.float32), wt.to(tl.float32)
+        acc += tl.dot(xt, wt, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_w_k
+    return acc
+
+
+@triton.jit
+def expand_tile(
+    h,
+    out_ptr,
+    w_ptr,
+    rows,
+    m_mask,
+    offs_n,
+    n_mask,
+    R,
+    stride_ot,
+    col,
+    stride_w_n,
+    stride_w_r,
+    BLOCK_R: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``out[rows, col + offs_n] += h @ w[offs_n, :R].T`` for fp32 ``h: [BLOCK_M, BLOCK_R]`` (w at its slot)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    w_ptrs = w_ptr + offs_r[:, None] * stride_w_r + offs_n[None, :] * stride_w_n
+    wt = tl.load(w_ptrs, mask=(offs_r < R)[:, None] & n_mask[None, :], other=0.0)
+    h = h.to(wt.dtype)
+    if UPCAST:
+        h, wt = h.to(tl.float32), wt.to(tl.float32)
+    delta = tl.dot(h, wt, input_precision=DOT_PRECISION)
+    o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_ot + col + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    o = tl.load(o_ptrs, mask=mask, other=0.0)
+    tl.store(o_ptrs, (o.to(tl.float32) + delta).to(o.dtype), mask=mask)
+
+
+@triton.jit
+def slice_of(pid_n, nb1, nb2, n0, n1, n2, col1, col2, ss0, ss1, ss2, NUM_SLICES: tl.constexpr):
+    """Output slice of column block ``pid_n``: (index, block within the slice, width, column, slot stride)."""
+    sl = (pid_n >= nb1).to(tl.int32) + (pid_n >= nb2).to(tl.int32)
+    first = tl.where(sl == 2, nb2, tl.where(sl == 1, nb1, 0))
+    width = tl.where(sl == 2, n2, tl.where(sl == 1, n1, n0))
+    col = tl.where(sl == 2, col2, tl.where(sl == 1, col1, 0))
+    slot_stride = tl.where(sl == 2, ss2, tl.where(sl == 1, ss1, ss0))
+    return sl, pid_n - first, width, col, slot_stride
+
+
+@triton.jit
+def shrink_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    sorted_ptr,
+    start_ptr,
+    count_ptr,
+    S,
+    K,
+    R,
+    stride_xt,
+    stride_w_slice,
+    stride_w_slot,
+    stride_w_r,
+    stride_w_k,
+    stride_ws_split,
+    stride_ws_slice,
+    S_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``ws[split, a, row, :R] = x[row, K-range of split] @ w[a, slot(row), :R, K-range].T`` (fp32 partials)."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_a = tl.program_id(2)
+    slot, seg_start, seg_len, m0 = tile_of(pid_m, start_ptr, count_ptr, S, S_P2, BLOCK_M)
+    if slot >= S:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0)
+    w_slot = w_ptr + pid_a * stride_w_slice + slot * stride_w_slot
+    acc = shrink_tile(
+        x_ptr, w_slot, rows, m_mask, pid_k * K_ITERS * BLOCK_K, K, R, stride_xt, stride_w_r, stride_w_k,
+        BLOCK_M, BLOCK_R, BLOCK_K, K_ITERS, EVEN_K, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    offs_r = tl.arange(0, BLOCK_R)
+    ws_ptrs = ws_ptr + pid_k * stride_ws_split + pid_a * stride_ws_slice
+    tl.store(ws_ptrs + rows[:, None] * BLOCK_R + offs_r[None, :], acc, mask=m_mask[:, None])
+
+
+@triton.jit
+def expand_kernel(
+    ws_ptr,
+    out_ptr,
+    w0_ptr,
+    w1_ptr,
+    w2_ptr,
+    scale_ptr,
+    sorted_ptr,
+    start_ptr,
+    count_ptr,
+    S,
+    R,
+    n0,
+    n1,
+    n2,
+    col1,
+    col2,
+    nb1,
+    nb2,
+    ss0,
+    ss1,
+    ss2,
+    stride_w_n,
+    stride_w_r,
+    stride_ot,
+    stride_ws_split,
+    stride_ws_slice,
+    S_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    A_PER_SLICE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``out[row, col_i + n] += scale[slot] * sum_split(ws[split, a_i, row]) @ w_i[slot, n, :R].T``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot, seg_start, seg_len, m0 = tile_of(pid_m, start_ptr, count_ptr, S, S_P2, BLOCK_M)
+    if slot >= S:
+        return
+    sl, nb, width, col, slot_stride = slice_of(
+        pid_n, nb1, nb2, n0, n1, n2, col1, col2, ss0, ss1, ss2, NUM_SLICES
+    )
+    w_ptr = w0_ptr
+    if NUM_SLICES > 1:
+        if sl == 1:
+            w_ptr = w1_ptr
+        if sl == 2:
+            w_ptr = w2_ptr
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0)
+    offs_r = tl.arange(0, BLOCK_R)
+    ws_ptrs = ws_ptr + rows[:, None] * BLOCK_R + offs_r[None, :]
+    if A_PER_SLICE:
+        ws_ptrs += sl * stride_ws_slice
+    h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        h += tl.load(ws_ptrs + split * stride_ws_split, mask=m_mask[:, None], other=0.0)
+    if HAS_SCALE:
+        h *= tl.load(scale_ptr + slot)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    expand_tile(
+        h, out_ptr, w_ptr + slot * slot_stride, rows, m_mask, offs_n, offs_n < width, R, stride_ot, col,
+        stride_w_n, stride_w_r, BLOCK_R, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def fused_kernel(
+    x_ptr,
+    a_ptr,
+    out_ptr,
+    w0_ptr,
+    w1_ptr,
+    w2_ptr,
+    scale_ptr,
+    sorted_ptr,
+    start_ptr,
+    count_ptr,
+    S,
+    K,
+    R,
+    n0,
+    n1,
+    n2,
+    col1,
+    col2,
+    nb1,
+    nb2,
+    ss0,
+    ss1,
+    ss2,
+    stride_xt,
+    stride_a_slice,
+    stride_a_slot,
+    stride_ot,
+    S_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    A_PER_SLICE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Shrink and expand in one program per (tile, column block): the shrink is recomputed per column
+    block, which pays off only when there are few rows (decode)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot, seg_start, seg_len, m0 = tile_of(pid_m, start_ptr, count_ptr, S, S_P2, BLOCK_M)
+    if slot >= S:
+        return
+    sl, nb, width, col, slot_stride = slice_of(
+        pid_n, nb1, nb2, n0, n1, n2, col1, col2, ss0, ss1, ss2, NUM_SLICES
+    )
+    w_ptr = w0_ptr
+    if NUM_SLICES > 1:
+        if sl == 1:
+            w_ptr = w1_ptr
+        if sl == 2:
+            w_ptr = w2_ptr
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0)
+    a_slot = a_ptr + slot * stride_a_slot
+    if A_PER_SLICE:
+        a_slot += sl * stride_a_slice
+    h = shrink_tile(
+        x_ptr, a_slot, rows, m_mask, 0, K, R, stride_xt, K, 1,
+        BLOCK_M, BLOCK_R, BLOCK_K, K_ITERS, EVEN_K, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    h *= tl.load(scale_ptr + slot)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    expand_tile(
+        h, out_ptr, w_ptr + slot * slot_stride, rows, m_mask, offs_n, offs_n < width, R, stride_ot, col,
+        R, 1, BLOCK_R, UPCAST, DOT_PRECISION,
+    )  # fmt: skip

@@ -1,0 +1,130 @@
+"""Random multi-LoRA problems over adapter layouts, for the parity tests (CPU and GPU) and the benchmarks.
+
+Layouts follow punica's sweep of adapter popularity: every row its own adapter in turn (``distinct``),
+``uniform``, ``zipf``, all rows one adapter (``identical``), 90% on one adapter (``skewed``), and a third
+of the rows with no adapter (``no_adapter``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from skyrl_clora.kernels.reference import add_lora_ref
+
+LAYOUTS = ("distinct", "uniform", "zipf", "identical", "skewed", "no_adapter")
+# Largest relative error ||got - ref|| / ||ref - out_before|| accepted against the fp32 reference:
+# fp32 (ieee dots) is near rounding; fp16/bf16 round the input, h and the output to 10/7 mantissa bits.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def make_slots(layout: str, num_tokens: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
+    """``token_slots: [num_tokens]`` int64 on the CPU, drawn for ``layout`` (one of ``LAYOUTS``)."""
+    T, S = num_tokens, num_slots
+    if layout == "distinct":
+        slots = torch.arange(T) % S
+        return slots[torch.randperm(T, generator=gen)]
+    if layout == "uniform":
+        return torch.randint(0, S, (T,), generator=gen)
+    if layout == "zipf":
+        weights = 1.0 / torch.arange(1, S + 1, dtype=torch.float64) ** 1.2
+        return torch.multinomial(weights, T, replacement=True, generator=gen)
+    if layout == "identical":
+        return torch.full((T,), S - 1, dtype=torch.int64)
+    if layout == "skewed":
+        slots = torch.zeros(T, dtype=torch.int64)
+        others = torch.rand(T, generator=gen) < 0.1
+        slots[others] = torch.randint(1, S, (int(others.sum()),), generator=gen)
+        return slots
+    if layout == "no_adapter":
+        return torch.randint(-1, S, (T,), generator=gen).where(torch.rand(T, generator=gen) > 0.33, -1)
+    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+
+
+@dataclass
+class LoRAProblem:
+    """Inputs of one ``add_lora`` call (see ``reference.add_lora_ref`` for the shapes)."""
+
+    out: torch.Tensor
+    x: torch.Tensor
+    lora_a: torch.Tensor
+    lora_b: tuple[torch.Tensor, ...]
+    scales: torch.Tensor
+    token_slots: torch.Tensor
+
+
+def make_problem(
+    num_tokens: int,
+    h_in: int,
+    widths: tuple[int, ...],
+    num_slots: int,
+    rank: int,
+    dtype: torch.dtype,
+    layout: str,
+    per_slice_a: bool = False,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> LoRAProblem:
+    """A random problem whose deltas are of the order of ``out`` (so output rounding does not hide errors).
+
+    Slots get mixed true ranks in ``[max(1, rank // 2), rank]``, zero-padded to ``rank``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    n_a = len(widths) if per_slice_a else 1
+    a = torch.randn(n_a, num_slots, rank, h_in, generator=gen) / h_in**0.5
+    b = [torch.randn(num_slots, w, rank, generator=gen) / rank**0.5 for w in widths]
+    true_ranks = torch.randint(max(1, rank // 2), rank + 1, (num_slots,), generator=gen)
+    for s, r in enumerate(true_ranks.tolist()):
+        a[:, s, r:] = 0
+        for bi in b:
+            bi[s, :, r:] = 0
+    scales = 0.5 + 1.5 * torch.rand(num_slots, generator=gen)
+    x = torch.randn(num_tokens, h_in, generator=gen)
+    out = torch.randn(num_tokens, sum(widths), generator=gen)
+    slots = make_slots(layout, num_tokens, num_slots, gen)
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
+    return LoRAProblem(
+        out=dev(out),
+        x=dev(x),
+        lora_a=dev(a if per_slice_a else a[0]),
+        lora_b=tuple(dev(bi) for bi in b),
+        scales=scales.to(device),
+        token_slots=slots.to(device),
+    )
+
+
+def reference_out(p: LoRAProblem) -> torch.Tensor:
+    """``out`` after ``add_lora``, computed in fp32 from the (rounded) inputs."""
+    ref = p.out.float().clone()
+    add_lora_ref(ref, p.x.float(), p.lora_a.float(), tuple(b.float() for b in p.lora_b), p.scales, p.token_slots)
+    return ref
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor) -> float:
+    """``||got - want|| / ||want - before||``: the error relative to the size of the update."""
+    got, want, before = got.double(), want.double(), before.double()
+    return ((got - want).norm() / (want - before).norm().clamp_min(1e-30)).item()
+
+
+def adapters_differ(p: LoRAProblem) -> bool:
+    """True if the batch mixes at least two adapters and every two of them give different deltas.
+
+    Each active adapter is applied alone to every row (fp32 reference); a mixed-batch parity test that
+    asserts this first cannot pass because the adapters happen to be equal.
+    """
+    active = sorted(s for s in p.token_slots.unique().tolist() if s >= 0)
+    if len(active) < 2:
+        return False
+    deltas = []
+    for s in active:
+        q = LoRAProblem(p.out.float() * 0, p.x, p.lora_a, p.lora_b, p.scales, torch.full_like(p.token_slots, s))
+        deltas.append(reference_out(q))
+    return all(
+        not torch.allclose(deltas[i], deltas[j], rtol=1e-3, atol=1e-3)
+        for i in range(len(deltas))
+        for j in range(i + 1, len(deltas))
+    )

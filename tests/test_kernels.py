@@ -1,0 +1,209 @@
+"""Parity of the Triton multi-LoRA kernels with the fp32 torch reference, on the CPU through the Triton
+interpreter (``TRITON_INTERPRET=1``, set by scripts/test.sh), at small sizes; tests/gpu/ repeats them at
+real sizes. Tolerances per dtype: ``kernels.testing.TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from skyrl_clora.kernels import LoRAMeta, add_lora, packed_lora
+from skyrl_clora.kernels.reference import add_lora_ref, packed_lora_ref
+from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton
+from skyrl_clora.kernels.testing import (
+    LAYOUTS,
+    TOLERANCE,
+    adapters_differ,
+    make_problem,
+    make_slots,
+    reference_out,
+    rel_error,
+)
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"
+)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MIXED = {"distinct", "uniform", "zipf", "skewed", "no_adapter"}
+
+
+def _check_add_lora(p, run) -> None:
+    """Runs ``run(problem)`` (which updates ``p.out`` in place) and compares with the reference."""
+    if p.token_slots.unique().ge(0).sum() > 1:
+        assert adapters_differ(p), "adapters give equal outputs: the parity test would be vacuous"
+    before = p.out.clone()
+    want = reference_out(p)
+    run(p)
+    err = rel_error(p.out, want, before)
+    assert err < TOLERANCE[p.x.dtype], f"relative error {err:.2e}"
+    untouched = p.token_slots < 0
+    assert torch.equal(p.out[untouched], before[untouched]), "rows with no adapter were written"
+
+
+@interpreted
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_meta_build_groups_rows_by_slot(layout: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    slots = make_slots(layout, 300, 5, gen)  # more rows than one build chunk
+    slots[7] = 5  # out of range: treated as no adapter
+    meta = LoRAMeta(max_tokens=512, num_slots=5, device="cpu")
+    meta.build(slots)
+    for s in range(5):
+        rows = (slots == s).nonzero().flatten()
+        start, count = meta.seg_start[s].item(), meta.seg_count[s].item()
+        assert count == rows.numel()
+        assert torch.equal(meta.sorted_rows[start : start + count].long(), rows)
+    assert meta.seg_start.tolist() == (meta.seg_count.cumsum(0) - meta.seg_count).tolist()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rank", [8, 16, 64])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_add_lora_matches_reference(layout: str, rank: int, dtype: torch.dtype) -> None:
+    p = make_problem(16, 32, (32,), num_slots=4, rank=rank, dtype=dtype, layout=layout, seed=rank)
+    _check_add_lora(p, lambda q: add_lora(q.out, q.x, q.lora_a, q.lora_b, q.scales, q.token_slots, backend="triton"))
+
+
+CONFIGS = {
+    "split_k": SgmvConfig(block_m=16, block_k=16, block_n=32, split_k=4),
+    "fused": SgmvConfig(block_m=16, block_k=32, block_n=16, fused=True),
+    "prefill": SgmvConfig(block_m=32, block_k=32, block_n=64),
+}
+
+
+@interpreted
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize(
+    "widths,per_slice_a", [((48, 16, 16), True), ((32, 32), False), ((40,), False)], ids=["qkv", "gate_up", "one"]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_add_lora_slices_and_configs(widths: tuple[int, ...], per_slice_a: bool, config: str, dtype: torch.dtype) -> None:
+    # h_in=80 is not a multiple of the K tiles: the masked K path runs too.
+    p = make_problem(40, 80, widths, num_slots=5, rank=16, dtype=dtype, layout="no_adapter", per_slice_a=per_slice_a)
+    cfg = CONFIGS[config]
+    _check_add_lora(p, lambda q: add_lora_triton(q.out, q.x, q.lora_a, q.lora_b, q.scales, q.token_slots, config=cfg))
+
+
+@interpreted
+def test_meta_is_reused_across_layers_and_rebuilt_per_step() -> None:
+    meta = LoRAMeta(max_tokens=64, num_slots=4, device="cpu", max_rank=16, max_slices=3)
+    for step, num_tokens in enumerate((20, 33)):
+        layers = [
+            make_problem(num_tokens, 32, (48, 16, 16), 4, 16, torch.float32, "uniform", per_slice_a=True, seed=step),
+            make_problem(num_tokens, 48, (32,), 4, 8, torch.float32, "uniform", seed=step),
+        ]
+        layers[1].token_slots = layers[0].token_slots
+        meta.build(layers[0].token_slots)
+        for p in layers:
+            run = lambda q: add_lora(q.out, q.x, q.lora_a, q.lora_b, q.scales, q.token_slots, meta=meta, backend="triton")
+            _check_add_lora(p, run)
+
+
+def _packed_case(layout: str, rank: int, dtype: torch.dtype, num_tokens: int = 24, seed: int = 0):
+    p = make_problem(num_tokens, 32, (24,), num_slots=4, rank=rank, dtype=dtype, layout=layout, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    dy = torch.randn(num_tokens, 24, generator=gen).to(dtype)
+    return p.x, p.lora_a, p.lora_b[0], p.scales, p.token_slots, dy
+
+
+def _packed_grads(fn, x, a, b, scales, slots, dy, **kwargs) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in (x, a, b)]
+    y = fn(*leaves, scales, slots, **kwargs)
+    y.backward(dy)
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+PACKED_CASES = [(layout, 16) for layout in ("uniform", "skewed", "no_adapter", "identical")] + [
+    ("uniform", 8),
+    ("no_adapter", 64),
+]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout,rank", PACKED_CASES)
+def test_packed_forward_and_grads_match_reference(layout: str, rank: int, dtype: torch.dtype) -> None:
+    x, a, b, scales, slots, dy = _packed_case(layout, rank, dtype, seed=rank)
+    want = _packed_grads(packed_lora_ref, x.float(), a.float(), b.float(), scales, slots, dy.float())
+    if layout != "identical":
+        per_adapter = [packed_lora_ref(x.float(), a.float(), b.float(), scales, torch.full_like(slots, s)) for s in range(4)]
+        assert not any(torch.allclose(per_adapter[0], o, atol=1e-3) for o in per_adapter[1:])
+    got = _packed_grads(packed_lora, x, a, b, scales, slots, dy, backend="triton")
+    for name, g, w in zip(("y", "dx", "dA", "dB"), got, want):
+        err = rel_error(g, w, torch.zeros_like(w))
+        assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
+    unused = [s for s in range(4) if not (slots == s).any()]
+    for s in unused:  # an adapter with no rows gets exactly zero gradient
+        assert got[2][s].abs().max() == 0 and got[3][s].abs().max() == 0
+
+
+@interpreted
+def test_packed_backward_survives_meta_rebuild() -> None:
+    x, a, b, scales, slots, dy = _packed_case("uniform", 16, torch.float32)
+    meta = LoRAMeta(max_tokens=64, num_slots=4, device="cpu")
+    meta.build(slots)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, a, b)]
+    y = packed_lora(*leaves, scales, slots, meta=meta, backend="triton")
+    meta.build(torch.flip(slots, [0])[:30])  # the next micro-batch, before this one's backward
+    y.backward(dy)
+    want = _packed_grads(packed_lora_ref, x, a, b, scales, slots, dy)
+    for g, w in zip([y.detach()] + [t.grad for t in leaves], want):
+        assert rel_error(g, w, torch.zeros_like(w)) < TOLERANCE[torch.float32]
+
+
+def test_cpu_dispatch_runs_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = make_problem(16, 32, (24, 8), 3, 8, torch.float32, "no_adapter")
+    want = p.out.clone()
+    add_lora_ref(want, p.x, p.lora_a, p.lora_b, p.scales, p.token_slots)
+    add_lora(p.out, p.x, p.lora_a, p.lora_b, p.scales, p.token_slots)
+    assert torch.equal(p.out, want)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        add_lora(p.out, p.x, p.lora_a, p.lora_b, p.scales, p.token_slots, backend="triton")
+
+
+def _bad_inputs() -> dict[str, tuple]:
+    p = make_problem(8, 32, (16,), 3, 8, torch.float32, "uniform")
+    args = (p.out, p.x, p.lora_a, p.lora_b, p.scales, p.token_slots)
+    return {
+        "x dtype": (p.out, p.x.double(), *args[2:]),
+        "x stride": (p.out, torch.randn(32, 8).t(), *args[2:]),
+        "out width": (p.out[:, :8], *args[1:]),
+        "b not contiguous": (*args[:3], (p.lora_b[0].transpose(1, 2).contiguous().transpose(1, 2),), *args[4:]),
+        "b rank": (*args[:3], (p.lora_b[0][:, :, :4].contiguous(),), *args[4:]),
+        "too many slices": (torch.randn(8, 64), *args[1:3], p.lora_b * 4, *args[4:]),
+        "scales dtype": (*args[:4], p.scales.double(), p.token_slots),
+        "slots dtype": (*args[:5], p.token_slots.float()),
+        "slots length": (*args[:5], p.token_slots[:4]),
+    }
+
+
+@interpreted
+@pytest.mark.parametrize("case", list(_bad_inputs()))
+def test_triton_wrapper_rejects_bad_inputs(case: str) -> None:
+    with pytest.raises(ValueError):
+        add_lora(*_bad_inputs()[case], backend="triton")
+
+
+@interpreted
+def test_meta_must_match_the_batch() -> None:
+    p = make_problem(12, 32, (16,), 3, 8, torch.float32, "uniform")
+    meta = LoRAMeta(max_tokens=16, num_slots=3, device="cpu")
+    meta.build(p.token_slots[:10])
+    with pytest.raises(ValueError, match="meta.build"):
+        add_lora(p.out, p.x, p.lora_a, p.lora_b, p.scales, p.token_slots, meta=meta, backend="triton")
+    with pytest.raises(ValueError, match="max_tokens"):
+        meta.build(torch.zeros(17, dtype=torch.int64))
+
+
+@interpreted
+def test_empty_batch_is_a_no_op() -> None:
+    p = make_problem(0, 32, (16,), 3, 8, torch.bfloat16, "uniform")
+    add_lora(p.out, p.x, p.lora_a, p.lora_b, p.scales, p.token_slots, backend="triton")
+    x = p.x.requires_grad_()
+    y = packed_lora(x, p.lora_a, p.lora_b[0], p.scales, p.token_slots, backend="triton")
+    assert y.shape == (0, 16)
