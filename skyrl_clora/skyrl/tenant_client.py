@@ -1,0 +1,176 @@
+"""Per-tenant views of SkyRL's ``RemoteInferenceClient``: own cache-salt version, own in-flight bound.
+
+Why views: skyrl 0.4's ``SkyRLGymGenerator._compute_cache_salt`` salts vLLM's prefix cache with
+``build_vllm_cache_salt(client.weight_version, policy_model_name)``, and ``WorkerDispatch.save_weights_for_sampler``
+bumps that one ``weight_version`` after *any* adapter's sync. With one client shared by every tenant, one
+tenant's update changes every tenant's salt, so every tenant loses its cached prefixes. And the client's
+generate semaphore (``SKYRL_GENERATE_CONCURRENCY_PER_ENGINE x engines`` permits, FIFO) is shared by all
+callers, so one tenant's big batch can hold every permit while the others wait.
+
+A :class:`TenantInferenceClient` is a ``RemoteInferenceClient`` for one tenant, pointed at the same servers:
+
+- ``weight_version`` is that tenant's adapter version: set from the server's answer to a LoRA load of the
+  tenant's adapter (``version`` in the embedded server's body; one more per load with vLLM's), or advanced
+  by :meth:`increment_weight_version` by a sync hook that loads through another client. The stock
+  generator's salt is then ``<tenant>:<tenant's version>``: a tenant's update re-salts only its own prefixes.
+  (integration/patches/0001-per-tenant-cache-salt.patch is the same fix made upstream.)
+- its generate semaphore has ``max_in_flight`` permits (see :func:`tenant_views` for the default split), so
+  each tenant's in-flight requests are bounded on their own and no tenant can starve another.
+- it only generates for its own adapter (``model`` omitted or equal to the tenant), and records the adapter
+  version the server reports for each request of a session (:meth:`versions_for`), so a trajectory can be
+  checked against the version it was sampled with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from skyrl.backends.skyrl_train.inference_servers.generate_wire import PackedField
+from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
+from skyrl.env_vars import SKYRL_GENERATE_CONCURRENCY_PER_ENGINE
+
+from skyrl_clora.lora.layers import AdapterWeights
+from skyrl_clora.lora.peft_export import save_peft_adapter
+
+
+@dataclass
+class TenantInferenceClient(RemoteInferenceClient):
+    """``RemoteInferenceClient`` scoped to one tenant's adapter (see module docstring)."""
+
+    tenant: str = ""
+    """The tenant's LoRA adapter name on the inference servers."""
+
+    max_in_flight: int = 0
+    """Most generate requests of this tenant in flight at once; 0: unbounded."""
+
+    _session_versions: Dict[str, list] = field(default_factory=lambda: defaultdict(list), repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.tenant or self.tenant == self.model_name:
+            raise ValueError(f"a tenant view needs its adapter name as tenant (got {self.tenant!r})")
+        if self.max_in_flight < 0:
+            raise ValueError(f"max_in_flight must be >= 0, got {self.max_in_flight}")
+
+    def versions_for(self, session_id: str) -> list[int]:
+        """Adapter versions the server reported for each request of ``session_id`` so far (one per turn)."""
+        return list(self._session_versions.get(str(session_id), []))
+
+    def _get_semaphores(self) -> tuple[Optional[asyncio.Semaphore], Optional[asyncio.Semaphore]]:
+        """This tenant's own generate/detokenize semaphores (``max_in_flight`` permits), per event loop."""
+        if self.max_in_flight == 0:
+            return super()._get_semaphores()
+        current_loop = asyncio.get_running_loop()
+        if self._sem_loop is not current_loop:
+            self._gen_sem = asyncio.Semaphore(self.max_in_flight)
+            self._detok_sem = asyncio.Semaphore(self.max_in_flight)
+            self._sem_loop = current_loop
+        return self._gen_sem, self._detok_sem
+
+    def _resolve_model(self, model: Optional[str], method_name: str) -> str:
+        if model and model != self.tenant:
+            raise ValueError(f"{method_name}: the view of tenant {self.tenant!r} cannot generate for model {model!r}")
+        return self.tenant
+
+    async def _generate_single(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: Dict[str, Any],
+        session_id: Optional[Any],
+        model: str,
+        mm_features: Optional[Any] = None,
+        cache_salt: Optional[str] = None,
+        routed_experts_prompt_start: Optional[int] = None,
+        return_sample_support: bool = False,
+    ) -> Dict[str, Any]:
+        """``RemoteInferenceClient._generate_single`` that also records the reported adapter version."""
+        result = await self._get_generate_client().generate(
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=sampling_params,
+            session_id=session_id,
+            model=model,
+            return_routed_experts=self.enable_return_routed_experts,
+            routed_experts_prompt_start=routed_experts_prompt_start,
+            return_sample_support=return_sample_support,
+            mm_features=mm_features,
+            cache_salt=cache_salt,
+        )
+        version = result.raw_response["choices"][0].get("adapter_version")
+        if session_id is not None and version is not None:
+            self._session_versions[str(session_id)].append(int(version))
+        return {
+            "stop_reason": result.stop_reason,
+            "response_ids": result.response_ids,
+            "response_logprobs": result.response_logprobs,
+            "routed_experts": result.routed_experts,
+            PackedField.ROLLOUT_SAMPLE_SUPPORT.value: result.sample_support,
+        }
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: Optional[str] = None, *, in_memory: bool = False
+    ) -> Dict[str, Any]:
+        """Loads the adapter on every server (in place under its name: no pause, no prefix-cache reset);
+        for the tenant's own adapter, ``weight_version`` becomes the version the servers report."""
+        results = await super().load_lora_adapter(lora_name, lora_path, in_memory=in_memory)
+        if lora_name == self.tenant:
+            reported = [_reported_version(r.get("body")) for r in results.values()]
+            if reported and all(v is not None for v in reported):
+                self._weight_version = max(reported)
+            else:
+                self.increment_weight_version()
+        return results
+
+    async def publish(self, weights: AdapterWeights, sync_dir: Path, base_model_path: str) -> int:
+        """The sync hook: writes ``weights`` as a PEFT folder under ``sync_dir/<tenant>`` and loads it in
+        place under the tenant's name; returns the tenant's new version. Nothing is paused and no prefix
+        cache is reset: other tenants' in-flight requests and cached prefixes are untouched."""
+        path = sync_dir / self.tenant
+        await asyncio.to_thread(save_peft_adapter, weights, path, base_model_path)
+        await self.load_lora_adapter(self.tenant, str(path))
+        return self.weight_version
+
+
+def _reported_version(body: Any) -> Optional[int]:
+    """The ``version`` field of a load answer's JSON text (the embedded server's), else None (vLLM's)."""
+    try:
+        value = json.loads(body).get("version") if isinstance(body, str) else None
+    except (ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) else None
+
+
+def tenant_views(
+    shared: RemoteInferenceClient, tenants: list[str], max_in_flight: Optional[int] = None
+) -> dict[str, TenantInferenceClient]:
+    """One :class:`TenantInferenceClient` per tenant, on ``shared``'s servers and settings.
+
+    Fair sharing: by default each tenant gets an equal share of the engines' generate concurrency,
+    ``max(1, SKYRL_GENERATE_CONCURRENCY_PER_ENGINE * len(server_urls) // len(tenants))`` permits, so all
+    tenants together never exceed what one shared client would allow, and a tenant with a large batch only
+    queues behind its own requests. Pass ``max_in_flight`` to set the per-tenant bound explicitly.
+    """
+    if not tenants or len(set(tenants)) != len(tenants):
+        raise ValueError(f"tenants must be distinct adapter names, got {tenants}")
+    if max_in_flight is None:
+        total = SKYRL_GENERATE_CONCURRENCY_PER_ENGINE * len(shared.server_urls)
+        max_in_flight = max(1, total // len(tenants)) if total > 0 else 0
+    return {
+        tenant: TenantInferenceClient(
+            proxy_url=shared.proxy_url,
+            server_urls=list(shared.server_urls),
+            data_parallel_size=shared.data_parallel_size,
+            model_name=shared.model_name,
+            enable_return_routed_experts=shared.enable_return_routed_experts,
+            enable_return_sample_support_set=shared.enable_return_sample_support_set,
+            uses_lora_weight_sync=shared.uses_lora_weight_sync,
+            tokenizer=shared.tokenizer,
+            tenant=tenant,
+            max_in_flight=max_in_flight,
+        )
+        for tenant in tenants
+    }

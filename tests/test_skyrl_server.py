@@ -1,0 +1,198 @@
+"""SkyRL's own RemoteInferenceClient and SkyRLGymGenerator against the embedded engine served over HTTP.
+
+Four tenants share one engine behind :class:`EmbeddedServer`; each is a LoRA adapter loaded over HTTP from a
+PEFT folder and driven through its :class:`TenantInferenceClient` view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampling_params_for_backend
+from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
+from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
+from skyrl.train.config import SamplingParams as SkyRLSamplingParams
+from skyrl.train.generators.base import GeneratorInput, TrajectoryID
+from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
+from skyrl.train.generators.utils import build_vllm_cache_salt
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from skyrl_clora.lora.layers import AdapterWeights, attach_multi_lora
+from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
+from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
+from skyrl_clora.recipes.gsm8k.problems import make_dataset_rows
+from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.skyrl.server import EmbeddedServer
+from skyrl_clora.skyrl.tenant_client import TenantInferenceClient, tenant_views
+
+TENANTS = ["t0", "t1", "t2", "t3"]
+PROMPT = list(range(5, 25))
+
+
+def _adapter(layers, seed: int) -> AdapterWeights:
+    generator = torch.Generator().manual_seed(seed)
+    adapter = init_adapter(layers, 8, 16.0, generator)
+    for path in adapter.b:
+        adapter.b[path] = torch.randn(adapter.b[path].shape, generator=generator) * 0.3
+    return adapter
+
+
+class Stack:
+    """Engine + HTTP server + SkyRL client + one view per tenant, with each tenant's PEFT folder on disk."""
+
+    def __init__(self, model_dir: Path, tmp: Path) -> None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        routing, self.layers = attach_multi_lora(model, num_slots=len(TENANTS), max_rank=8, trainable=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.engine = Engine(model, routing, self.layers, num_rows=12, max_len=112)
+        self.model_dir = str(model_dir)
+        self.server = EmbeddedServer(self.engine, self.tokenizer, model_name=self.model_dir, seed=0)
+        url = self.server.start()
+        self.client = RemoteInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1,
+                                            model_name=self.model_dir, uses_lora_weight_sync=True)
+        self.views = tenant_views(self.client, TENANTS)
+        self.sync_dir = tmp / "sync"
+        self.peft = {}
+        for i, tenant in enumerate(TENANTS):
+            self.peft[tenant] = tmp / "initial" / tenant
+            save_peft_adapter(_adapter(self.layers, 100 + i), self.peft[tenant], self.model_dir)
+
+    async def load_all(self) -> None:
+        for tenant in TENANTS:
+            await self.views[tenant].load_lora_adapter(tenant, str(self.peft[tenant]))
+
+    def close(self) -> None:
+        self.server.stop()
+        self.engine.shutdown()
+
+
+@pytest.fixture
+def stack(micro_model_dir: Path, tmp_path: Path):
+    built = Stack(micro_model_dir, tmp_path)
+    yield built
+    built.close()
+
+
+def _sampling(max_tokens: int) -> dict:
+    return get_sampling_params_for_backend("vllm", SkyRLSamplingParams(max_generate_length=max_tokens, logprobs=1))
+
+
+async def _generate(view: TenantInferenceClient, session: str, max_tokens: int) -> dict:
+    return await view.generate(
+        {"prompt_token_ids": [PROMPT], "session_ids": [session], "sampling_params": _sampling(max_tokens)},
+        model=view.tenant,
+    )
+
+
+def test_control_plane_and_tokenizer_endpoints(stack: Stack) -> None:
+    async def run():
+        client = RemoteInferenceClient(proxy_url=stack.server.url, server_urls=[stack.server.url],
+                                       data_parallel_size=1, model_name=stack.model_dir)
+        try:
+            assert await client.get_world_size() == (1, 1)
+            text = "calculator 12 + 7"
+            ids = (await client.tokenize([text], add_special_tokens=False))[0]
+            assert ids == stack.tokenizer.encode(text, add_special_tokens=False)
+            assert (await client.detokenize([ids]))[0] == stack.tokenizer.decode(ids)
+            await client.reset_prefix_cache(reset_running_requests=True)
+            await client.pause_generation()
+            await client.resume_generation()
+            with pytest.raises(aiohttp.ClientResponseError, match="mode=keep"):
+                await client.pause(mode="abort")
+            await stack.load_all()
+            assert {t: v.weight_version for t, v in stack.views.items()} == dict.fromkeys(TENANTS, 0)
+            base = await client.generate({"prompt_token_ids": [PROMPT], "sampling_params": _sampling(6)})
+            assert len(base["response_ids"][0]) >= 1 and len(base["response_logprobs"][0]) == len(base["response_ids"][0])
+            await client.unload_lora_adapter("t3")
+            with pytest.raises(aiohttp.ClientResponseError, match="does not exist"):
+                await stack.views["t3"].generate({"prompt_token_ids": [PROMPT], "sampling_params": _sampling(4)})
+            with pytest.raises(aiohttp.ClientResponseError, match="not supported"):
+                await stack.views["t0"].generate({"prompt_token_ids": [PROMPT], "sampling_params": {"top_k": 5}})
+            with pytest.raises(ValueError, match="cannot generate for model"):
+                await stack.views["t0"].generate({"prompt_token_ids": [PROMPT]}, model="t1")
+        finally:
+            await client.teardown()
+
+    asyncio.run(run())
+
+
+def test_generator_drives_four_tenants_concurrently(stack: Stack) -> None:
+    register_gsm8k_env()
+    config = GeneratorConfig(max_turns=2, batched=False, max_input_length=80,
+                             sampling_params=SkyRLSamplingParams(max_generate_length=10, logprobs=1))
+    rows = make_dataset_rows(2, seed=0)
+
+    async def rollout(tenant: str):
+        generator = SkyRLGymGenerator(config, SkyRLGymConfig(max_env_workers=0), stack.views[tenant],
+                                      stack.tokenizer, policy_model_name=tenant)
+        ids = [TrajectoryID(instance_id=f"{tenant}-{i}", repetition_id=0) for i in range(len(rows))]
+        output = await generator.generate(GeneratorInput(
+            prompts=[r["prompt"] for r in rows], env_classes=[r["env_class"] for r in rows],
+            env_extras=[{k: v for k, v in r.items() if k not in ("prompt", "env_class")} for r in rows],
+            sampling_params=_sampling(10), trajectory_ids=ids, batch_metadata=None), disable_tqdm=True)
+        return output, ids, generator._compute_cache_salt()
+
+    async def run():
+        await stack.load_all()
+        return await asyncio.gather(*(rollout(t) for t in TENANTS))
+
+    results = asyncio.run(run())
+    outputs = [out["response_ids"] for out, _, _ in results]
+    assert len({repr(o) for o in outputs}) == len(TENANTS), "tenants' episodes must differ"
+    for tenant, (output, ids, salt) in zip(TENANTS, results):
+        assert salt == build_vllm_cache_salt(0, tenant)
+        assert len(output["response_ids"]) == len(rows)
+        assert all(len(lp) == len(r) for lp, r in zip(output["rollout_logprobs"], output["response_ids"]))
+        for trajectory in ids:
+            versions = stack.views[tenant].versions_for(f"{trajectory.instance_id}_{trajectory.repetition_id}")
+            assert versions and set(versions) == {0}
+
+
+def test_one_tenants_sync_leaves_other_tenants_in_flight_requests_intact(stack: Stack) -> None:
+    others = TENANTS[1:]
+
+    async def run():
+        await stack.load_all()
+        # Undisturbed run: every tenant's long request, no sync in between.
+        reference = await asyncio.gather(*(_generate(stack.views[t], f"{t}-long", 80) for t in others))
+        t0_before = await _generate(stack.views["t0"], "t0-short", 8)
+        salts_before = {t: build_vllm_cache_salt(v.weight_version, t) for t, v in stack.views.items()}
+        # Same requests again; t0's in-place sync lands while they decode.
+        prefilled = stack.engine.stats.prefill_tokens
+        in_flight = [asyncio.create_task(_generate(stack.views[t], f"{t}-long", 80)) for t in others]
+        while stack.engine.stats.prefill_tokens < prefilled + len(others) * len(PROMPT):
+            await asyncio.sleep(0.002)
+        version = await stack.views["t0"].publish(_adapter(stack.layers, 999), stack.sync_dir, stack.model_dir)
+        pending_at_sync = sum(not task.done() for task in in_flight)
+        disturbed = await asyncio.gather(*in_flight)
+        t0_after = await _generate(stack.views["t0"], "t0-short", 8)
+        return reference, disturbed, t0_before, t0_after, version, pending_at_sync, salts_before
+
+    reference, disturbed, t0_before, t0_after, version, pending, salts_before = asyncio.run(run())
+    assert len({tuple(r["response_ids"][0]) for r in reference}) == len(others), "tenants' samples must differ"
+    assert all(len(r["response_ids"][0]) > 20 for r in reference), "reference requests must be long enough to overlap"
+    assert pending == len(others), "the sync must not wait for (or pause) other tenants' requests"
+    for tenant, ref, out in zip(others, reference, disturbed):
+        assert out["response_ids"] == ref["response_ids"] and out["response_logprobs"] == ref["response_logprobs"]
+        assert stack.views[tenant].versions_for(f"{tenant}-long") == [0, 0]
+        assert stack.views[tenant].weight_version == 0
+        assert build_vllm_cache_salt(stack.views[tenant].weight_version, tenant) == salts_before[tenant]
+    assert version == 1 and stack.views["t0"].weight_version == 1 and stack.engine.adapter_version("t0") == 1
+    assert stack.views["t0"].versions_for("t0-short") == [0, 1]
+    assert t0_after["response_ids"] != t0_before["response_ids"]
+    assert build_vllm_cache_salt(stack.views["t0"].weight_version, "t0") != salts_before["t0"]
+
+
+def test_server_binds_a_fresh_loopback_port_each_time(stack: Stack) -> None:
+    second = EmbeddedServer(stack.engine, stack.tokenizer, model_name=stack.model_dir)
+    try:
+        url = second.start()
+        assert url.startswith("http://127.0.0.1:") and url != stack.server.url
+    finally:
+        second.stop()
+    with pytest.raises(RuntimeError, match="already started"):
+        stack.server.start()
