@@ -1,0 +1,84 @@
+"""The Hydra config with backend=skyrl translated into SkyRL's SkyRLTrainConfig, checked by SkyRL's validate_cfg."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from skyrl.train.utils.utils import validate_cfg
+
+from skyrl_clora.config import ConfigError
+from skyrl_clora.main import compose_config
+from skyrl_clora.skyrl.config_translation import translate
+
+
+def _translate(tmp_path: Path, *overrides: str):
+    return translate(compose_config(["backend=skyrl", f"model.path={tmp_path}", *overrides]))
+
+
+@pytest.mark.parametrize("tenants", [1, 2, 8])
+def test_gsm8k_translation_passes_skyrls_validate_cfg(tmp_path: Path, tenants: int) -> None:
+    plan = _translate(tmp_path, f"+tenants={tenants}", "recipe=gsm8k")
+    base = plan.base
+    assert len(plan.tenant_configs) == tenants == len(plan.tenants)
+    assert base.trainer.strategy == "megatron" and base.generator.inference_engine.backend == "vllm"
+    lora = base.trainer.policy.model.lora
+    assert lora.rank == 16 and lora.alpha == 32 and lora.max_loras == tenants and lora.max_cpu_loras == tenants
+    assert base.trainer.policy.megatron_config.lora_config.merge_lora is False
+    assert base.trainer.policy.model.path == str(tmp_path)
+    assert base.environment.env_class == "gsm8k_calc"
+    assert base.generator.max_turns == 3 and base.generator.n_samples_per_prompt == 4
+    assert base.generator.sampling_params.max_generate_length == 40
+    seeds = {name: st.trainer.seed for name, st in plan.tenant_configs.items()}
+    assert seeds == {f"tenant-{i}": i for i in range(tenants)}
+    for st in [base, *plan.tenant_configs.values()]:
+        validate_cfg(st)  # SkyRL's own check, again, on the returned objects
+
+
+def test_per_tenant_hyper_parameters_reach_their_configs(tmp_path: Path) -> None:
+    plan = _translate(tmp_path, "+tenants=[{lr:1e-3},{lr:3e-3,seed:7,samples_per_prompt:8}]")
+    first, second = plan.tenant_configs.values()
+    assert first.trainer.policy.optimizer_config.lr == 1e-3 and second.trainer.policy.optimizer_config.lr == 3e-3
+    assert second.trainer.seed == 7 and second.generator.n_samples_per_prompt == 8
+    assert first.generator.n_samples_per_prompt == 4
+
+
+def test_serial_mode_needs_one_lora_slot_per_batch(tmp_path: Path) -> None:
+    plan = _translate(tmp_path, "+tenants=4", "clora.mode=serial", "backend.max_loras=1")
+    assert plan.tenants_per_batch == 1 and plan.base.trainer.policy.model.lora.max_loras == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (["lora.rank=0"], "lora.rank=0 turns LoRA off"),
+        (["+tenants=[{rank:0},{}]"], "turns LoRA off"),
+        (["backend.inference_backend=sglang"], "serves LoRA adapters with vllm only"),
+        (["backend.merge_lora=true"], "set backend.merge_lora=false"),
+        (["+tenants=8", "backend.max_loras=4"], "backend.max_loras=4 < 8 tenants sampling in one batch"),
+        (["+tenants=[{rank:8,alpha:16},{}]"], "tenants differ in LoRA signature"),
+        (["+tenants=[{alpha:8},{}]"], "tenants differ in LoRA signature"),
+        (["+tenants=2", "backend.max_cpu_loras=1"], "adapters would be evicted"),
+        (["trainer.lr_schedule=cosine"], "Megatron scheduler is constant-only"),
+        (["backend=embedded"], "use backend=skyrl"),
+        (["recipe.prompts_per_step=3", "backend.policy_num_gpus_per_node=8", "recipe.samples_per_prompt=1"],
+         "SkyRL rejects the translated config (shared)"),
+    ],
+)
+def test_invalid_combinations_fail_with_one_line_reasons(tmp_path: Path, overrides: list[str], reason: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        _translate(tmp_path, *overrides)
+    message = str(caught.value)
+    assert reason in message and "\n" not in message
+
+
+def test_fsdp_takes_the_cosine_schedule(tmp_path: Path) -> None:
+    plan = _translate(tmp_path, "+tenants=2", "backend.strategy=fsdp", "trainer.lr_schedule=cosine")
+    assert plan.base.trainer.policy.optimizer_config.scheduler == "cosine"
+
+
+def test_a_base_model_is_required(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="needs a base model folder"):
+        translate(compose_config(["backend=skyrl"]))
+    plan = translate(compose_config(["backend=skyrl"]), model_path=str(tmp_path))
+    assert plan.base.trainer.policy.model.path == str(tmp_path)
