@@ -65,6 +65,11 @@ class Stack:
         for tenant in TENANTS:
             await self.views[tenant].load_lora_adapter(tenant, str(self.peft[tenant]))
 
+    async def close_sessions(self) -> None:
+        """Closes the HTTP sessions the clients opened on the running event loop."""
+        for client in [self.client, *self.views.values()]:
+            await client.teardown()
+
     def close(self) -> None:
         self.server.stop()
         self.engine.shutdown()
@@ -116,6 +121,7 @@ def test_control_plane_and_tokenizer_endpoints(stack: Stack) -> None:
                 await stack.views["t0"].generate({"prompt_token_ids": [PROMPT]}, model="t1")
         finally:
             await client.teardown()
+            await stack.close_sessions()
 
     asyncio.run(run())
 
@@ -138,7 +144,10 @@ def test_generator_drives_four_tenants_concurrently(stack: Stack) -> None:
 
     async def run():
         await stack.load_all()
-        return await asyncio.gather(*(rollout(t) for t in TENANTS))
+        try:
+            return await asyncio.gather(*(rollout(t) for t in TENANTS))
+        finally:
+            await stack.close_sessions()
 
     results = asyncio.run(run())
     outputs = [out["response_ids"] for out, _, _ in results]
@@ -170,6 +179,7 @@ def test_one_tenants_sync_leaves_other_tenants_in_flight_requests_intact(stack: 
         pending_at_sync = sum(not task.done() for task in in_flight)
         disturbed = await asyncio.gather(*in_flight)
         t0_after = await _generate(stack.views["t0"], "t0-short", 8)
+        await stack.close_sessions()
         return reference, disturbed, t0_before, t0_after, version, pending_at_sync, salts_before
 
     reference, disturbed, t0_before, t0_after, version, pending, salts_before = asyncio.run(run())
