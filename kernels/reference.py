@@ -42,23 +42,29 @@ def add_lora_ref(
     ``[num_slices, S, R, H_in]`` when each slice has its own A (fused q/k/v).
     Computes in fp32 and writes ``out`` in its own dtype.
 
-    Implementation: gathers each row's A and B and multiplies row by row (``bmm`` with one row per
-    batch entry), so a row's result never depends on which other rows share the batch (batch
-    invariance: the embedded engine's runs are reproducible whatever the interleaving of tenants).
-    No host synchronisation.
+    Implementation: every row is multiplied by the stacked A of all ``S`` slots (``[T, S*R]``), the
+    columns of other slots are zeroed by a one-hot row-to-slot weight that also carries the scale, and
+    one product with the stacked B finishes the expand. The shapes depend only on ``T``, ``S`` and ``R``,
+    never on which slots the rows use, so a row's result does not depend on the other rows of its batch
+    (batch invariance: the embedded engine's runs are reproducible whatever the interleaving of
+    tenants); extra columns add exact zeros. No host synchronisation.
     """
+    num_slots, rank = lora_a.shape[-3], lora_a.shape[-2]
     has_adapter = token_slots >= 0
-    safe_slots = token_slots.clamp(min=0)
+    safe_slots = token_slots.clamp(min=0).long()
     row_scale = torch.where(has_adapter, scales.float().index_select(0, safe_slots), 0.0)  # [T]
-    x_rows = x.float().unsqueeze(1)  # [T, 1, H_in]
+    row_weight = torch.zeros(x.shape[0], num_slots, device=x.device, dtype=torch.float32)
+    row_weight.scatter_(1, safe_slots[:, None], row_scale[:, None])  # [T, S]: scale in the row's slot
+    x32 = x.float()
     per_slice_a = lora_a.dim() == 4
     offset = 0
     for i, b in enumerate(lora_b):
         a = lora_a[i] if per_slice_a else lora_a
-        shrunk = torch.bmm(x_rows, a.index_select(0, safe_slots).float().transpose(1, 2))  # [T, 1, R]
-        delta = torch.bmm(shrunk, b.index_select(0, safe_slots).float().transpose(1, 2)).squeeze(1)
+        shrunk = x32 @ a.reshape(num_slots * rank, -1).float().T  # [T, S*R]
+        shrunk = (shrunk.view(-1, num_slots, rank) * row_weight[:, :, None]).view(-1, num_slots * rank)
+        b_stacked = b.float().permute(0, 2, 1).reshape(num_slots * rank, -1)  # [S*R, H_out_i]
         width = b.shape[1]
-        out[:, offset : offset + width] += (delta * row_scale.unsqueeze(1)).to(out.dtype)
+        out[:, offset : offset + width] += (shrunk @ b_stacked).to(out.dtype)
         offset += width
 
 

@@ -46,5 +46,6 @@ editable_log=$(mktemp)
   || { cat "$editable_log" >&2; echo "error: installing this checkout into $venv failed" >&2; exit 1; }
 rm -f "$editable_log"
 export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
-# Two cores: keep torch from oversubscribing them (PyTorch otherwise spawns one thread per core per op pool).
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+# One OpenMP thread per torch thread: the engine and trainer threads each take one of the two cores;
+# more threads oversubscribe the cores and OpenMP spin-waits then make steps 10-20x slower (measured).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

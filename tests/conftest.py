@@ -1,4 +1,4 @@
-"""Shared fixtures: a micro Qwen3 model (random weights) with the project's tokenizer, saved in HF format."""
+"""Shared fixtures: a micro Qwen3 model (random weights) with the project's chat tokenizer, saved in HF format."""
 
 from __future__ import annotations
 
@@ -6,20 +6,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from skyrl_clora.recipes.tiny_base.pretrain import TinyBaseRecipe, build_tokenizer, make_model, synthetic_episodes
-
-MICRO_RECIPE = TinyBaseRecipe(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                              intermediate_size=128, num_traces=200, vocab_size=400, steps=1, batch_size=1)
+from skyrl_clora.recipes.gsm8k.problems import make_dataset_rows
+from skyrl_clora.recipes.tiny_base.tokenizer import train_tokenizer
 
 
 @pytest.fixture(scope="session")
 def micro_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer Qwen3 with random weights (scaled up so that adapters and tenants visibly differ) and
-    the project's chat tokenizer, saved with save_pretrained."""
+    """A 2-layer Qwen3 with random weights (large enough that adapters and tenants visibly differ) and
+    the project's chat tokenizer trained on GSM8K-format task text, saved with save_pretrained."""
     out = tmp_path_factory.mktemp("micro-model")
-    tokenizer = build_tokenizer(synthetic_episodes(MICRO_RECIPE), MICRO_RECIPE.vocab_size)
-    model = make_model(MICRO_RECIPE, tokenizer)
+    rows = make_dataset_rows(200, seed=0)
+    corpus = [message["content"] for row in rows for message in row["prompt"]]
+    corpus += ['<tool_call>{"name": "calculator", "arguments": {"expression": "4*17+23"}}</tool_call>'] * 20
+    tokenizer = train_tokenizer(corpus, vocab_size=400)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
