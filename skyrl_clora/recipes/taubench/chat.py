@@ -101,5 +101,7 @@ def parse_agent_output(output: str) -> AgentMessage:
     text = visible_text(output)
     if "<tool_call>" not in text:
         return AgentMessage(reply=text)
-    calls = [_parse_call(match.group(1), match.group(0).endswith("</tool_call>")) for match in _TOOL_CALL.finditer(text)]
+    calls = []
+    for block in _TOOL_CALL.finditer(text):
+        calls.append(_parse_call(block.group(1), closed=block.group(0).endswith("</tool_call>")))
     return AgentMessage(calls=calls)

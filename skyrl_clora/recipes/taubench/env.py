@@ -80,7 +80,7 @@ class TauBenchRetailEnv(BaseTextEnv):
         super().__init__()
         settings = _settings(env_config, extras)
         if "data_path" not in settings:
-            raise ValueError("taubench_retail needs data_path (the tau-bench retail data folder) in extras or env_config")
+            raise ValueError("taubench_retail needs data_path (a tau-bench retail data folder) in extras or env_config")
         self.data = load_retail_data(settings["data_path"])
         self.task = resolve_task(
             settings["data_path"],

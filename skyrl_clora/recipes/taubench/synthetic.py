@@ -173,7 +173,9 @@ def _task(
     }
 
 
-_NEW_ADDRESS = {"address1": "99 Harbor Street", "address2": "", "city": "Seattle", "state": "WA", "country": "USA", "zip": "98101"}
+_NEW_ADDRESS = {
+    "address1": "99 Harbor Street", "address2": "", "city": "Seattle", "state": "WA", "country": "USA", "zip": "98101"
+}
 
 TRAIN_TASKS = [
     _task("ada_lovelace_1001", "You are Ada Lovelace (zip 10001). Cancel order #W1000001, you no longer need it.",

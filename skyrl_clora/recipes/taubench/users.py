@@ -66,18 +66,25 @@ class ScriptedUser:
         return self.reply
 
 
-def user_system_prompt(instruction: str) -> str:
-    """tau-bench's system prompt for an LLM playing the customer of ``instruction``."""
-    return f"""You are a user interacting with an agent.
+USER_RULES: tuple[str, ...] = (
+    "Just generate one line at a time to simulate the user's message.",
+    "Do not give away all the instruction at once. Only provide the information that is necessary for the "
+    "current step.",
+    "Do not hallucinate information that is not provided in the instruction. For example, if the agent asks for "
+    "the order id but it is not mentioned in the instruction, do not make up an order id, just say you do not "
+    "remember or have it.",
+    f"If the instruction goal is satisified, generate '{STOP_TOKEN}' as a standalone message without anything "
+    "else to end the conversation.",
+    "Do not repeat the exact instruction in the conversation. Instead, use your own words to convey the same "
+    "information.",
+    "Try to make the conversation as natural as possible, and stick to the personalities in the instruction.",
+)
 
-Instruction: {instruction}
-Rules:
-- Just generate one line at a time to simulate the user's message.
-- Do not give away all the instruction at once. Only provide the information that is necessary for the current step.
-- Do not hallucinate information that is not provided in the instruction. For example, if the agent asks for the order id but it is not mentioned in the instruction, do not make up an order id, just say you do not remember or have it.
-- If the instruction goal is satisified, generate '{STOP_TOKEN}' as a standalone message without anything else to end the conversation.
-- Do not repeat the exact instruction in the conversation. Instead, use your own words to convey the same information.
-- Try to make the conversation as natural as possible, and stick to the personalities in the instruction."""
+
+def user_system_prompt(instruction: str) -> str:
+    """tau-bench's system prompt (word for word) for an LLM playing the customer of ``instruction``."""
+    rules = "".join(f"\n- {rule}" for rule in USER_RULES)
+    return f"You are a user interacting with an agent.\n\nInstruction: {instruction}\n\nRules:{rules}"
 
 
 AGENT_GREETING = "Hi! How can I help you today?"
@@ -133,18 +140,17 @@ class LLMUser:
     def _resolve(self, result: "str | Awaitable[str]") -> object:
         if not inspect.isawaitable(result):
             return result
-        if self.loop is not None:
-            if _running_loop() is self.loop:
-                raise RuntimeError(
-                    "LLMUser.step was called on the thread of the loop that must run its generator; "
-                    "run env.step in a worker thread (skyrl_gym.max_env_workers > 0)"
-                )
-            return asyncio.run_coroutine_threadsafe(_awaited(result), self.loop).result(self.timeout_s)
-        if _running_loop() is not None:
+        running = _running_loop()
+        if running is not None and (self.loop is None or running is self.loop):
+            if inspect.iscoroutine(result):
+                result.close()
             raise RuntimeError(
-                "LLMUser got an awaitable inside a running event loop without a loop to run it on; "
-                "pass loop= and run env.step in a worker thread"
+                "LLMUser cannot wait for its async generator on the thread of a running event loop; "
+                "pass loop= (the generator's loop) and run env.step in a worker thread "
+                "(skyrl_gym.max_env_workers > 0)"
             )
+        if self.loop is not None:
+            return asyncio.run_coroutine_threadsafe(_awaited(result), self.loop).result(self.timeout_s)
         return asyncio.run(_awaited(result))
 
 
