@@ -116,8 +116,8 @@ class RunConfig:
             raise ConfigError(f"clora.train_mode={self.train_mode} is not available on this backend yet; use swap")
         if self.steps < 1:
             raise ConfigError(f"clora.steps must be >= 1, got {self.steps}")
-        if self.backend != "embedded":
-            raise ConfigError(f"backend={self.backend} is not runnable here; use backend=embedded")
+        if self.backend not in ("embedded", "skyrl"):
+            raise ConfigError(f"backend={self.backend} is unknown; use backend=embedded or backend=skyrl")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"clora.device={self.device} is unknown; use auto, cpu or cuda")
         if self.model_dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -97,7 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_clora.config import ConfigError, build_run_config
 
     try:
-        run = build_run_config(compose_config(argv))
+        cfg = compose_config(argv)
+        run = build_run_config(cfg)
+        if run.backend == "skyrl":
+            from skyrl_clora.skyrl.config_translation import translate
+
+            translate(cfg, model_path=run.model_path)  # SkyRL's constraints, checked before anything starts
+            raise ConfigError(
+                "backend=skyrl: the config translates and passes SkyRL's validate_cfg, but driving SkyRL's "
+                "Ray/vLLM/Megatron stack from the orchestrator is not built yet; use backend=embedded"
+            )
     except (UserError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -10,7 +10,6 @@ trajectory was sampled with.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections import defaultdict
 from typing import Any
 
@@ -21,7 +20,7 @@ from skyrl.backends.skyrl_train.inference_servers.base import (
 )
 
 from skyrl_clora.lora.peft_export import load_peft_adapter
-from skyrl_clora.sampler.engine import Engine, SamplingParams
+from skyrl_clora.sampler.engine import Engine, SamplingParams, derive_seed
 
 
 class EmbeddedInferenceClient(InferenceEngineInterface):
@@ -56,8 +55,7 @@ class EmbeddedInferenceClient(InferenceEngineInterface):
         max_tokens = merged.get("max_tokens", merged.get("max_generate_length"))
         if max_tokens is None:
             raise ValueError("sampling params need max_tokens (or max_generate_length)")
-        key = f"{self.seed}|{adapter}|{session}|{prompt_len}".encode()
-        seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
+        seed = derive_seed(self.seed, adapter, session, prompt_len)
         stop_ids = [self.tokenizer.eos_token_id, *(merged.get("stop_token_ids") or [])]
         return SamplingParams(
             max_tokens=int(max_tokens),

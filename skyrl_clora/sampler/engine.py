@@ -15,6 +15,7 @@ into that tenant's slot between two decode steps, never a pause or a cache reset
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import queue
 import threading
 import time
@@ -283,6 +284,13 @@ class Engine:
             self._row_lora[req.row] = -1
             if not req.future.done():
                 req.future.set_exception(error)
+
+
+def derive_seed(seed: int, adapter: str | None, session: str, prompt_len: int) -> int:
+    """A request's 63-bit RNG seed from (run seed, adapter, session id, prompt length): the same request
+    of the same episode turn gets the same seed whatever else runs beside it."""
+    key = f"{seed}|{adapter}|{session}|{prompt_len}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:

@@ -40,7 +40,6 @@ so a rollout is reproducible whatever the interleaving of tenants (the engine is
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import socket
 import threading
 from collections import Counter
@@ -50,7 +49,7 @@ from typing import Any
 from aiohttp import web
 
 from skyrl_clora.lora.peft_export import load_peft_adapter
-from skyrl_clora.sampler.engine import Engine, SamplingParams
+from skyrl_clora.sampler.engine import Engine, SamplingParams, derive_seed
 
 # Sampling keys SkyRL's vLLM params carry that the engine honours, or that are no-ops at these values.
 _NEUTRAL_SAMPLING = {
@@ -75,12 +74,6 @@ class RequestError(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
-
-
-def derive_seed(seed: int, model: str | None, session: str, prompt_len: int) -> int:
-    """A 63-bit request seed from (server seed, model, session id, prompt length)."""
-    key = f"{seed}|{model}|{session}|{prompt_len}".encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
 
 
 class EmbeddedServer:
