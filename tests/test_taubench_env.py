@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import skyrl_gym
 
-from skyrl_clora.recipes.taubench.data import Task, load_retail_data, load_tasks
+from skyrl_clora.recipes.taubench.data import Task, dataset_rows, load_retail_data, load_tasks
 from skyrl_clora.recipes.taubench.env import ENV_ID, TauBenchRetailEnv, register_taubench_env
 from skyrl_clora.recipes.taubench.schemas import TOOL_SCHEMAS
 from skyrl_clora.recipes.taubench.synthetic import make_synthetic_retail
@@ -164,6 +164,13 @@ def test_several_calls_in_one_message_run_in_order(data_dir: Path) -> None:
     assert env.get_metrics()["tool_calls"] == 3 and env.replies == []
 
 
+def test_compact_tool_calls_without_newlines_parse(data_dir: Path) -> None:
+    env = make_env(data_dir, task_index=0)
+    env.init([])
+    out = env.step('<tool_call>{"name":"get_user_details","arguments":{"user_id":"alan_turing_1002"}}</tool_call>')
+    assert json.loads(out["observations"][0]["content"])["email"] == "alan.turing@example.com"
+
+
 def test_tool_calls_inside_reasoning_are_ignored(data_dir: Path) -> None:
     env = make_env(data_dir, task_index=0, scripted_user={"max_replies": 2})
     env.init([])
@@ -211,6 +218,20 @@ def test_registered_in_skyrl_gym(data_dir: Path) -> None:
     env = skyrl_gym.make(ENV_ID, env_config={"data_path": str(data_dir), "max_turns": 5},
                          extras={"task_split": "test", "task_index": 1})
     assert isinstance(env, TauBenchRetailEnv) and env.max_turns == 5 and env.task.user_id == "grace_hopper_1003"
+
+
+def test_dataset_rows_drive_the_registered_env(data_dir: Path) -> None:
+    register_taubench_env()
+    rows = dataset_rows(data_dir, "test")
+    assert [row["task_index"] for row in rows] == [0, 1, 2, 3]
+    row = dict(rows[3])
+    prompt, env_class = row.pop("prompt"), row.pop("env_class")
+    assert prompt == [{"role": "system", "content": load_retail_data(data_dir).policy}]
+    env = skyrl_gym.make(env_class, env_config={"scripted_user": {"max_replies": 1}}, extras={**row, "max_turns": 4})
+    conversation, _ = env.init(prompt)
+    assert len(conversation) == 2 and conversation[1]["content"] == load_tasks(data_dir, "test")[3].instruction
+    env.step(tool_call("calculate", {"expression": "80.0 + 95.99"}))
+    assert env.step("Together they cost $175.99.")["reward"] == 1.0
 
 
 def test_scripted_user_counts_replies_and_stop_phrases() -> None:

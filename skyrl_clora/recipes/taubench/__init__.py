@@ -4,7 +4,14 @@
 :class:`.env.TauBenchRetailEnv` for the settings an episode takes.
 """
 
-from skyrl_clora.recipes.taubench.data import Action, RetailData, Task, load_retail_data, load_tasks
+from skyrl_clora.recipes.taubench.data import (
+    Action,
+    RetailData,
+    Task,
+    dataset_rows,
+    load_retail_data,
+    load_tasks,
+)
 from skyrl_clora.recipes.taubench.env import ENV_ID, TauBenchRetailEnv, register_taubench_env
 from skyrl_clora.recipes.taubench.synthetic import make_synthetic_retail
 from skyrl_clora.recipes.taubench.users import STOP_TOKEN, LLMUser, ScriptedUser, SimulatedUser
@@ -19,6 +26,7 @@ __all__ = [
     "SimulatedUser",
     "Task",
     "TauBenchRetailEnv",
+    "dataset_rows",
     "load_retail_data",
     "load_tasks",
     "make_synthetic_retail",

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 from skyrl_clora.recipes.taubench.db import TABLES, Database, Record, fresh_database
 
 POLICY_FILE = "wiki.md"
+ENV_CLASS = "taubench_retail"
 SPLITS: tuple[str, ...] = ("train", "test", "dev")
 
 
@@ -154,3 +155,24 @@ def resolve_task(path: str | Path, task: Any = None, split: str = "train", index
     if not 0 <= position < len(tasks):
         raise ValueError(f"task_index {position} is out of range for the {len(tasks)} {split} tasks")
     return tasks[position]
+
+
+def dataset_rows(path: str | Path, split: str) -> list[dict[str, Any]]:
+    """SkyRL dataset rows (``prompt``, ``env_class`` and the env's extras) for the tasks of ``split``.
+
+    The prompt is only the policy as a system message (the environment's ``init`` replaces it with the
+    policy and the tool signatures, then adds the customer's first message); the task's instruction is
+    never in the prompt, since it is the simulated customer's secret. The other keys reach the
+    environment as ``extras``: ``data_path`` (absolute), ``task_split`` and ``task_index``.
+    """
+    data = load_retail_data(path)
+    return [
+        {
+            "prompt": [{"role": "system", "content": data.policy}],
+            "env_class": ENV_CLASS,
+            "data_path": str(data.path),
+            "task_split": split,
+            "task_index": index,
+        }
+        for index in range(len(load_tasks(path, split)))
+    ]

@@ -27,13 +27,13 @@ import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput, ConversationType
 
 from skyrl_clora.recipes.taubench.chat import ToolCall, parse_agent_output, system_prompt
-from skyrl_clora.recipes.taubench.data import load_retail_data, resolve_task
+from skyrl_clora.recipes.taubench.data import ENV_CLASS, load_retail_data, resolve_task
 from skyrl_clora.recipes.taubench.reward import RewardInfo, compute_reward, reward_metrics
 from skyrl_clora.recipes.taubench.schemas import TOOL_SCHEMAS
 from skyrl_clora.recipes.taubench.tools import TERMINATE_TOOLS, invoke
 from skyrl_clora.recipes.taubench.users import STOP_TOKEN, ScriptedUser, SimulatedUser
 
-ENV_ID = "taubench_retail"
+ENV_ID = ENV_CLASS
 DEFAULT_MAX_TURNS = 30
 
 
