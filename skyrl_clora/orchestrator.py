@@ -81,7 +81,7 @@ class TenantLoop:
         except Exception as error:  # noqa: BLE001 - a failing tenant must not take the others down
             logger.exception("tenant %s failed", name)
             self.metrics.write({"event": "failed", "tenant": name, "error": f"{type(error).__name__}: {error}"})
-            self.services.sync.unregister(name)
+            await self.services.sync.unregister(name)
             self.services.store.remove(name)
 
     async def _generate(self, rows: list[dict[str, Any]], samples: int, tag: str) -> tuple[dict, list[str]]:

@@ -27,8 +27,9 @@ class AdapterSync:
         self.engine.register_adapter(tenant, weights, version=0)
         self.versions[tenant] = 0
 
-    def unregister(self, tenant: str) -> None:
-        self.engine.unregister_adapter(tenant)
+    async def unregister(self, tenant: str) -> None:
+        """Frees the tenant's sampler slot once its running requests are done."""
+        await asyncio.wrap_future(self.engine.unregister_adapter(tenant))
         self.versions.pop(tenant, None)
 
     async def publish(self, tenant: str, weights: AdapterWeights) -> tuple[int, float]:

@@ -150,3 +150,23 @@ def test_skyrl_gym_generator_drives_the_client_for_several_tenants(micro_model_d
         for trajectory in ids:
             versions = client.versions_for(tenant, trajectory.to_string())
             assert versions and set(versions) == {0}
+
+
+def test_unregister_waits_for_running_requests_and_frees_the_slot(micro_model_dir: Path) -> None:
+    engine, weights = _engine(micro_model_dir, num_rows=2, adapters={"a": 1})
+    try:
+        running = engine.submit(PROMPT, "a", _params(3, max_tokens=40))
+        while engine.stats.prefill_tokens == 0:
+            time.sleep(0.001)
+        freed = engine.unregister_adapter("a")
+        waiting = engine.submit(PROMPT, "a", _params(4))
+        assert running.result(timeout=60).adapter_version == 0 and len(running.result().token_ids) == 40
+        freed.result(timeout=60)
+        with pytest.raises(ValueError, match="unregistered"):
+            waiting.result(timeout=10)
+        with pytest.raises(ValueError, match="unknown adapter"):
+            engine.submit(PROMPT, "a", _params(0)).result(timeout=10)
+        engine.register_adapter("b", weights["a"])  # the freed slot is reusable
+        assert engine.submit(PROMPT, "b", _params(1)).result(timeout=60).adapter_version == 0
+    finally:
+        engine.shutdown()

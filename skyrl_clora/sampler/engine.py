@@ -73,6 +73,12 @@ class _Publish:
 
 
 @dataclass
+class _Unregister:
+    adapter: str
+    future: concurrent.futures.Future
+
+
+@dataclass
 class EngineStats:
     """Counters since start: decode steps, tokens generated, prefilled tokens, busy seconds."""
 
@@ -105,7 +111,7 @@ class Engine:
         self._versions: dict[str, int] = {}
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[_Request] = []
-        self._pending_publishes: list[_Publish] = []
+        self._pending_publishes: list[_Publish | _Unregister] = []
         self._rows: list[_Request | None] = [None] * num_rows
         self._paused = threading.Event()
         self._stop = threading.Event()
@@ -129,11 +135,15 @@ class Engine:
         self._slots[name] = free[0]
         self.publish(name, weights, version).result()
 
-    def unregister_adapter(self, name: str) -> None:
-        """Frees ``name``'s slot (its requests must have finished)."""
-        slot = self._slots.pop(name)
-        self._versions.pop(name, None)
-        write_slot(self.lora_layers, slot, None)
+    def unregister_adapter(self, name: str) -> concurrent.futures.Future:
+        """Frees ``name``'s slot once none of its requests is running; its waiting requests fail.
+        Resolves when the slot is free."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if name not in self._slots:
+            future.set_exception(ValueError(f"unknown adapter {name!r}"))
+            return future
+        self._inbox.put(_Unregister(name, future))
+        return future
 
     def adapter_version(self, name: str) -> int:
         return self._versions[name]
@@ -200,7 +210,7 @@ class Engine:
         while True:
             if isinstance(item, _Request):
                 self._waiting.append(item)
-            elif isinstance(item, _Publish):
+            elif isinstance(item, (_Publish, _Unregister)):
                 self._pending_publishes.append(item)
             try:
                 item = self._inbox.get_nowait()
@@ -215,12 +225,22 @@ class Engine:
                 still_pending.append(publish)
                 continue
             try:
-                write_slot(self.lora_layers, self._slots[publish.adapter], publish.weights)
-                self._versions[publish.adapter] = publish.version
+                if isinstance(publish, _Unregister):
+                    self._remove_adapter(publish.adapter)
+                else:
+                    write_slot(self.lora_layers, self._slots[publish.adapter], publish.weights)
+                    self._versions[publish.adapter] = publish.version
                 publish.future.set_result(None)
             except Exception as error:
                 publish.future.set_exception(error)
         self._pending_publishes = still_pending
+
+    def _remove_adapter(self, name: str) -> None:
+        write_slot(self.lora_layers, self._slots.pop(name), None)
+        self._versions.pop(name, None)
+        for req in [r for r in self._waiting if r.adapter == name]:
+            self._waiting.remove(req)
+            req.future.set_exception(ValueError(f"adapter {name!r} was unregistered"))
 
     def _admit(self) -> None:
         fenced = {publish.adapter for publish in self._pending_publishes}

@@ -281,7 +281,7 @@ class EmbeddedServer:
         if self._in_flight[name]:
             raise RequestError(f"adapter {name!r} has {self._in_flight[name]} requests in flight; unload it after them",
                                status=409)
-        self.engine.unregister_adapter(name)
+        await asyncio.wrap_future(self.engine.unregister_adapter(name))
         self._load_locks.pop(name, None)
         return web.json_response({"status": "ok", "lora_name": name})
 
