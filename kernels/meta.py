@@ -43,7 +43,8 @@ def _build_meta_kernel(
     S_P2: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """One program: a stable counting sort of the rows by slot (slots outside [0, S) are dropped)."""
+    """One program: a stable counting sort of the rows by slot. Rows whose slot is outside [0, S) go to a
+    last bucket (index S, the "null segment") after all the slots' rows; ``S_P2 > S``."""
     sid = tl.arange(0, S_P2)
     lane = tl.arange(0, CHUNK)
     counts = tl.zeros([S_P2], dtype=tl.int32)
@@ -51,9 +52,8 @@ def _build_meta_kernel(
     while c0 < T:  # a while loop: the CPU interpreter cannot run a for loop to a runtime bound
         t = c0 + lane
         s = tl.load(slots_ptr + t, mask=t < T, other=-1).to(tl.int32)
-        s = tl.where(s < S, s, -1)
-        onehot = (s[:, None] == sid[None, :]).to(tl.int32)
-        counts += tl.sum(onehot, axis=0)
+        bucket = tl.where(t < T, tl.where((s >= 0) & (s < S), s, S), -1)
+        counts += tl.sum((bucket[:, None] == sid[None, :]).to(tl.int32), axis=0)
         c0 += CHUNK
     starts = inclusive_cumsum(counts, sid) - counts
     tl.store(count_ptr + sid, counts, mask=sid < S)
@@ -63,12 +63,12 @@ def _build_meta_kernel(
     while c0 < T:
         t = c0 + lane
         s = tl.load(slots_ptr + t, mask=t < T, other=-1).to(tl.int32)
-        s = tl.where(s < S, s, -1)
-        onehot = (s[:, None] == sid[None, :]).to(tl.int32)
+        bucket = tl.where(t < T, tl.where((s >= 0) & (s < S), s, S), -1)
+        onehot = (bucket[:, None] == sid[None, :]).to(tl.int32)
         base = tl.sum(onehot * running[None, :], axis=1)
-        earlier = (s[:, None] == s[None, :]) & (lane[None, :] < lane[:, None])
+        earlier = (bucket[:, None] == bucket[None, :]) & (lane[None, :] < lane[:, None])
         rank = tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(sorted_ptr + base + rank, t, mask=s >= 0)
+        tl.store(sorted_ptr + base + rank, t, mask=bucket >= 0)
         running += tl.sum(onehot, axis=0)
         c0 += CHUNK
 
@@ -85,12 +85,14 @@ class LoRAMeta:
     ``build`` semantics, torch pseudo-code for ``token_slots: [T]`` (int32/int64, ``T <= max_tokens``)::
 
         valid = (token_slots >= 0) & (token_slots < S)         # S = num_slots; other rows: no adapter
+        bucket = where(valid, token_slots, S)
         seg_count[:] = bincount(token_slots[valid], minlength=S)                    # [S] int32
         seg_start[:] = cumsum(seg_count) - seg_count                                # [S] int32
-        sorted_rows[:valid.sum()] = nonzero(valid)[argsort(token_slots[valid], stable=True)]  # int32
+        sorted_rows[:T] = argsort(bucket, stable=True)                              # int32
 
     so ``sorted_rows[seg_start[s] : seg_start[s] + seg_count[s]]`` are the rows of slot ``s`` in
-    ascending order. Entries of ``sorted_rows`` past ``valid.sum()`` are stale and never read.
+    ascending order, and ``sorted_rows[valid.sum() : T]`` the rows with no adapter (the "null segment",
+    which kernels that write rather than add use to zero those rows). Entries past ``T`` are stale.
 
     ``workspace`` is a float32 scratch buffer for the shrink kernel's partial sums (``[split, slices, T,
     rank_pad(max_rank)]``), sized for ``max_slices`` slices and ``max_rank`` at ``max_tokens`` rows.
@@ -112,8 +114,8 @@ class LoRAMeta:
         self.max_tokens = max_tokens
         self.num_slots = num_slots
         self.max_rank = max_rank
-        self.device = torch.device(device)
-        self.sorted_rows = torch.zeros(max_tokens, dtype=torch.int32, device=self.device)
+        self.sorted_rows = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.device = self.sorted_rows.device  # normalised: "cuda" becomes "cuda:0"
         self.seg_start = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
         self.seg_count = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
         ws_numel = _WORKSPACE_SPLITS * max_slices * max_tokens * rank_pad(max_rank)
@@ -144,7 +146,7 @@ class LoRAMeta:
             self.seg_count,
             T,
             self.num_slots,
-            S_P2=triton.next_power_of_2(self.num_slots),
+            S_P2=triton.next_power_of_2(self.num_slots + 1),
             CHUNK=_BUILD_CHUNK,
             num_warps=4,
         )

@@ -13,10 +13,9 @@ import triton.language as tl
 
 from skyrl_clora.kernels.checks import check_packed
 from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
-from skyrl_clora.kernels.sgmv import SgmvConfig, check_meta, sgmv_expand, sgmv_shrink
+from skyrl_clora.kernels.sgmv import check_meta, default_config, sgmv_expand, sgmv_shrink
 
-# Row tiles of the training kernels (prefill-sized batches); column tile of the weight-gradient kernel.
-_TRAIN_CONFIG = SgmvConfig(block_m=64, block_k=64, block_n=128, split_k=1)
+# Column tile and row tile of the weight-gradient kernel.
 _GRAD_BLOCK = 128
 _GRAD_ROWS = 64
 
@@ -95,13 +94,25 @@ def _seg_outer(g: torch.Tensor, p: torch.Tensor, q: torch.Tensor, scales: torch.
     )  # fmt: skip
 
 
+def _shrink(x: torch.Tensor, w: torch.Tensor, meta: LoRAMeta, rank: int) -> torch.Tensor:
+    """``h[0, 0, t, :rank] = x[t] @ w[0, slot(t)].T`` as float32 ``[1, 1, T, rank_pad(rank)]`` (split-K partials
+    summed); rows with no slot hold garbage and are never read."""
+    T, K = x.shape
+    cfg = default_config(T, K, w.shape[1], 1, rank)
+    ws = x.new_empty(cfg.split_k, 1, T, rank_pad(rank), dtype=torch.float32)
+    if T > 0:
+        sgmv_shrink(ws, x, w, meta, rank, cfg)
+    return ws.sum(0, keepdim=True) if cfg.split_k > 1 else ws
+
+
 class PackedLoRAFunction(torch.autograd.Function):
-    """``y = packed_lora(x, A, B, scales, meta)`` with a backward that gives dx, dA and dB in four launches.
+    """``y = packed_lora(x, A, B, scales, meta)`` with a backward that gives dx, dA and dB in four launches
+    (plus a sum of split-K partials after each shrink).
 
     Forward, for ``x: [T, H_in]``, ``A: [P, R, H_in]``, ``B: [P, H_out, R]``, ``s = slot(t)``::
 
         h[t] = x[t] @ A[s].T                      # [T, R] fp32, saved for backward
-        y[t] = scales[s] * h[t] @ B[s].T          # [T, H_out], zero for rows with no slot
+        y[t] = scales[s] * h[t] @ B[s].T          # [T, H_out], zero for rows with no slot (written, not added)
 
     Backward, for ``dy: [T, H_out]``::
 
@@ -123,14 +134,13 @@ class PackedLoRAFunction(torch.autograd.Function):
         scales: torch.Tensor,
         meta: LoRAMeta,
     ) -> torch.Tensor:
-        T = x.shape[0]
         R = lora_a.shape[1]
         saved = meta.snapshot()
-        h = x.new_empty(1, 1, T, rank_pad(R), dtype=torch.float32)
-        y = x.new_zeros(T, lora_b.shape[1])
-        if T > 0:
-            sgmv_shrink(h, x, lora_a.unsqueeze(0), saved, R, _TRAIN_CONFIG)
-            sgmv_expand(y, h, (lora_b,), scales, saved, R, _TRAIN_CONFIG)
+        h = _shrink(x, lora_a.unsqueeze(0), saved, R)
+        y = x.new_empty(x.shape[0], lora_b.shape[1])
+        if x.shape[0] > 0:
+            cfg = default_config(x.shape[0], x.shape[1], lora_a.shape[0], 1, R)
+            sgmv_expand(y, h, (lora_b,), scales, saved, R, cfg, store=True)
         ctx.save_for_backward(x, lora_a, lora_b, scales)
         ctx.h, ctx.meta, ctx.rank = h, saved, R
         return y
@@ -143,20 +153,26 @@ class PackedLoRAFunction(torch.autograd.Function):
         h, meta, R = ctx.h, ctx.meta, ctx.rank
         dy = dy.contiguous()
         need_x, need_a, need_b = ctx.needs_input_grad[:3]
-        dx = torch.zeros_like(x) if need_x else None
-        weight_grad = torch.zeros_like if x.shape[0] == 0 else torch.empty_like  # else written in full
-        da = weight_grad(lora_a) if need_a else None
-        db = weight_grad(lora_b) if need_b else None
         if x.shape[0] == 0:
-            return dx, da, db, None, None
+            return (
+                torch.empty_like(x) if need_x else None,
+                torch.zeros_like(lora_a) if need_a else None,
+                torch.zeros_like(lora_b) if need_b else None,
+                None,
+                None,
+            )
+        dx = da = db = None
         if need_x or need_a:
-            g = torch.empty_like(h)
-            sgmv_shrink(g, dy, lora_b.transpose(1, 2).unsqueeze(0), meta, R, _TRAIN_CONFIG)
-            if dx is not None:
-                sgmv_expand(dx, g, (lora_a.transpose(1, 2),), scales, meta, R, _TRAIN_CONFIG)
-            if da is not None:
+            g = _shrink(dy, lora_b.transpose(1, 2).unsqueeze(0), meta, R)
+            if need_x:
+                dx = torch.empty_like(x)
+                cfg = default_config(x.shape[0], dy.shape[1], lora_a.shape[0], 1, R)
+                sgmv_expand(dx, g, (lora_a.transpose(1, 2),), scales, meta, R, cfg, store=True)
+            if need_a:
+                da = torch.empty_like(lora_a)
                 _seg_outer(da, g[0, 0, :, :R], x, scales, meta)
-        if db is not None:
+        if need_b:
+            db = torch.empty_like(lora_b)
             _seg_outer(db, dy, h[0, 0, :, :R], scales, meta)
         return dx, da, db, None, None
 

@@ -12,7 +12,7 @@ import triton
 
 from skyrl_clora.kernels.checks import check_add_lora
 from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
-from skyrl_clora.kernels.sgmv_kernels import expand_kernel, fused_kernel, shrink_kernel
+from skyrl_clora.kernels.sgmv_kernels import expand_kernel, shrink_kernel
 
 # Programs a shrink launch aims for (about two waves on an H200's 132 multiprocessors).
 _TARGET_PROGRAMS = 264
@@ -28,20 +28,29 @@ class SgmvConfig:
     block_k: int = 128
     block_n: int = 128
     split_k: int = 1
-    fused: bool = False
     num_warps: int = 4
     num_stages: int = 2
 
 
-def default_config(num_tokens: int, h_in: int, num_slots: int, num_a_slices: int) -> SgmvConfig:
-    """Block sizes by shape: small row tiles and split-K for decode, larger tiles for prefill."""
-    block_m = 16 if num_tokens <= 256 else 64
+def default_config(num_tokens: int, h_in: int, num_slots: int, num_a_slices: int, rank: int) -> SgmvConfig:
+    """Block sizes by shape: small row tiles and split-K for decode, larger tiles for prefill.
+
+    Split-K doubles until the shrink has about two waves of programs, and is at least what keeps each
+    split to 512 (decode) or 2048 (prefill) input features. Prefill tiles at rank 32+ take 8 warps (4 spill
+    registers). Picked from a sweep on the H200 (BENCHMARKS.md, kernels section): 128-wide K tiles beat
+    64; 16-32 splits beat 8 at K=9728.
+    """
+    decode = num_tokens <= 256
+    block_m = 16 if decode else 64
     block_k = 128
     tiles = triton.cdiv(num_tokens, block_m) + min(num_slots, num_tokens)
     split_k = 1
     while tiles * num_a_slices * split_k < _TARGET_PROGRAMS and split_k * 2 * block_k <= h_in:
         split_k *= 2
-    return SgmvConfig(block_m=block_m, block_k=block_k, block_n=128, split_k=split_k)
+    max_split = max(1, h_in // block_k)
+    split_k = max(split_k, min(triton.cdiv(h_in, 512 if decode else 2048), max_split))
+    num_warps = 8 if not decode and rank_pad(rank) >= 32 else 4
+    return SgmvConfig(block_m=block_m, block_k=block_k, block_n=128, split_k=split_k, num_warps=num_warps)
 
 
 def _dot_flags(x: torch.Tensor) -> dict[str, object]:
@@ -102,7 +111,7 @@ def sgmv_shrink(
         x, w, ws, meta.sorted_rows, meta.seg_start, meta.seg_count,
         S, K, rank, x.stride(0), w.stride(0), w.stride(1), w.stride(2), w.stride(3),
         ws.stride(0), ws.stride(1),
-        S_P2=triton.next_power_of_2(S), BLOCK_M=config.block_m, BLOCK_R=rank_pad(rank),
+        S_P2=triton.next_power_of_2(S + 1), BLOCK_M=config.block_m, BLOCK_R=rank_pad(rank),
         BLOCK_K=config.block_k, K_ITERS=k_iters, EVEN_K=n_split * k_iters * config.block_k == K,
         **_dot_flags(x),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -117,52 +126,29 @@ def sgmv_expand(
     meta: LoRAMeta,
     rank: int,
     config: SgmvConfig,
+    store: bool = False,
 ) -> None:
     """In place: ``out[t, col_i:col_i+H_i] += scales[s] * ws[:, a_i, t].sum(0) @ weights[i][s, :, :rank].T``.
 
     ``weights[i]``: ``[S, H_i, rank]`` views (any strides along H_i and rank; slot strides may differ);
     ``a_i = i`` when ``ws`` has one slice per weight, else 0; ``s = slot(t)``; ``scales=None`` means 1.
-    ``out: [T, sum(H_i)]`` with unit column stride. Rows with no slot are left untouched.
+    ``out: [T, sum(H_i)]`` with unit column stride. Rows with no slot are left untouched, unless
+    ``store``: then ``=`` replaces ``+=`` and rows with no slot are set to zero (all of ``out`` written).
     """
     S = weights[0].shape[0]
     T = out.shape[0]
     sa = _slice_args(weights, config.block_n)
-    grid = (triton.cdiv(T, config.block_m) + min(S, T), sa.pop("total_blocks"))
+    grid = (triton.cdiv(T, config.block_m) + min(S, T) + int(store), sa.pop("total_blocks"))
     w = list(weights) + [weights[0]] * (3 - len(weights))
     expand_kernel[grid](
         ws, out, w[0], w[1], w[2], scales if scales is not None else ws,
-        meta.sorted_rows, meta.seg_start, meta.seg_count, S, rank, **sa,
+        meta.sorted_rows, meta.seg_start, meta.seg_count, S, T, rank, **sa,
         stride_w_n=weights[0].stride(1), stride_w_r=weights[0].stride(2), stride_ot=out.stride(0),
         stride_ws_split=ws.stride(0), stride_ws_slice=ws.stride(1),
-        S_P2=triton.next_power_of_2(S), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        S_P2=triton.next_power_of_2(S + 1), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_R=rank_pad(rank), SPLIT_K=ws.shape[0], NUM_SLICES=len(weights),
-        A_PER_SLICE=ws.shape[1] > 1, HAS_SCALE=scales is not None, **_dot_flags(out),
+        A_PER_SLICE=ws.shape[1] > 1, HAS_SCALE=scales is not None, STORE=store, **_dot_flags(out),
         num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-
-
-def _fused_add_lora(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: tuple[torch.Tensor, ...],
-    scales: torch.Tensor,
-    meta: LoRAMeta,
-    config: SgmvConfig,
-) -> None:
-    S, R, K = lora_a.shape[-3:]
-    T = x.shape[0]
-    sa = _slice_args(lora_b, config.block_n)
-    grid = (triton.cdiv(T, config.block_m) + min(S, T), sa.pop("total_blocks"))
-    b = list(lora_b) + [lora_b[0]] * (3 - len(lora_b))
-    fused_kernel[grid](
-        x, lora_a, out, b[0], b[1], b[2], scales, meta.sorted_rows, meta.seg_start, meta.seg_count,
-        S, K, R, **sa, stride_xt=x.stride(0),
-        stride_a_slice=lora_a.stride(0) if lora_a.dim() == 4 else 0, stride_a_slot=lora_a.stride(-3),
-        stride_ot=out.stride(0), S_P2=triton.next_power_of_2(S), BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_R=rank_pad(R), BLOCK_K=config.block_k,
-        K_ITERS=triton.cdiv(K, config.block_k), EVEN_K=K % config.block_k == 0, NUM_SLICES=len(lora_b), A_PER_SLICE=lora_a.dim() == 4,
-        **_dot_flags(x), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
 
@@ -192,10 +178,7 @@ def add_lora_triton(
     if meta is None:
         meta = LoRAMeta.for_batch(token_slots, S, R, a4.shape[0])
     check_meta(meta, x, S)
-    cfg = config or default_config(T, K, S, a4.shape[0])
-    if cfg.fused:
-        _fused_add_lora(out, x, lora_a, lora_b, scales, meta, cfg)
-        return
+    cfg = config or default_config(T, K, S, a4.shape[0], R)
     r_pad = rank_pad(R)
     per_split = a4.shape[0] * T * r_pad
     split_k = min(cfg.split_k, meta.workspace.numel() // per_split)

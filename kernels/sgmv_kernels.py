@@ -3,7 +3,8 @@
 The grid's first axis walks tiles of ``BLOCK_M`` rows of one slot's segment (``LoRAMeta``); a program
 finds its slot from the per-slot counts, so the grid size depends only on shapes (``cdiv(T, BLOCK_M) +
 min(S, T)`` tiles bound every layout) and a step is capturable in a CUDA graph. Programs past the last
-tile return at once. Rows with no adapter belong to no segment and are never touched. Kernels validate
+tile return at once. Rows with no adapter are never read, and never written except by the expand
+kernel's STORE mode, which zeroes them (training outputs are written, not added). Kernels validate
 nothing (the wrappers do). ``UPCAST`` (CPU interpreter only) multiplies in fp32, because the Triton 3.6
 interpreter mis-multiplies bf16 operands.
 """
@@ -15,18 +16,28 @@ from skyrl_clora.kernels.meta import inclusive_cumsum
 
 
 @triton.jit
-def tile_of(pid_m, start_ptr, count_ptr, S, S_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+def tile_of(
+    pid_m, start_ptr, count_ptr, S, T, S_P2: tl.constexpr, BLOCK_M: tl.constexpr, WITH_NULL: tl.constexpr
+):
     """Maps tile ``pid_m`` to (slot, segment start, segment length, first row in the segment).
 
-    Tiles are numbered slot by slot; a slot of ``c`` rows has ``cdiv(c, BLOCK_M)`` tiles. Past the last
-    tile the returned slot is ``>= S``.
+    Tiles are numbered slot by slot; a slot of ``c`` rows has ``cdiv(c, BLOCK_M)`` tiles. WITH_NULL adds
+    the null segment (rows with no adapter, ``LoRAMeta``) as slot ``S``; it needs ``S_P2 > S`` and the
+    batch size ``T``. Past the last tile the returned slot is ``>= S`` (``> S`` WITH_NULL).
     """
     sid = tl.arange(0, S_P2)
-    tiles = (tl.load(count_ptr + sid, mask=sid < S, other=0) + BLOCK_M - 1) // BLOCK_M
+    counts = tl.load(count_ptr + sid, mask=sid < S, other=0)
+    if WITH_NULL:
+        counts = tl.where(sid == S, T - tl.sum(counts, axis=0), counts)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
     slot = tl.sum((inclusive_cumsum(tiles, sid) <= pid_m).to(tl.int32), axis=0)
     first_tile = tl.sum(tl.where(sid < slot, tiles, 0), axis=0)
-    seg_start = tl.load(start_ptr + slot, mask=slot < S, other=0)
-    seg_len = tl.load(count_ptr + slot, mask=slot < S, other=0)
+    if WITH_NULL:
+        seg_start = tl.sum(tl.where(sid < slot, counts, 0), axis=0)
+        seg_len = tl.sum(tl.where(sid == slot, counts, 0), axis=0)
+    else:
+        seg_start = tl.load(start_ptr + slot, mask=slot < S, other=0)
+        seg_len = tl.load(count_ptr + slot, mask=slot < S, other=0)
     return slot, seg_start, seg_len, (pid_m - first_tile) * BLOCK_M
 
 
@@ -92,10 +103,12 @@ def expand_tile(
     stride_w_n,
     stride_w_r,
     BLOCK_R: tl.constexpr,
+    STORE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """``out[rows, col + offs_n] += h @ w[offs_n, :R].T`` for fp32 ``h: [BLOCK_M, BLOCK_R]`` (w at its slot)."""
+    """``out[rows, col + offs_n] += h @ w[offs_n, :R].T`` (``=`` if STORE) for fp32 ``h: [BLOCK_M, BLOCK_R]``
+    (w at its slot)."""
     offs_r = tl.arange(0, BLOCK_R)
     w_ptrs = w_ptr + offs_r[:, None] * stride_w_r + offs_n[None, :] * stride_w_n
     wt = tl.load(w_ptrs, mask=(offs_r < R)[:, None] & n_mask[None, :], other=0.0)
@@ -105,8 +118,11 @@ def expand_tile(
     delta = tl.dot(h, wt, input_precision=DOT_PRECISION)
     o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_ot + col + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
-    o = tl.load(o_ptrs, mask=mask, other=0.0)
-    tl.store(o_ptrs, (o.to(tl.float32) + delta).to(o.dtype), mask=mask)
+    if STORE:
+        tl.store(o_ptrs, delta.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        o = tl.load(o_ptrs, mask=mask, other=0.0)
+        tl.store(o_ptrs, (o.to(tl.float32) + delta).to(o.dtype), mask=mask)
 
 
 @triton.jit
@@ -151,7 +167,7 @@ def shrink_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_a = tl.program_id(2)
-    slot, seg_start, seg_len, m0 = tile_of(pid_m, start_ptr, count_ptr, S, S_P2, BLOCK_M)
+    slot, seg_start, seg_len, m0 = tile_of(pid_m, start_ptr, count_ptr, S, 0, S_P2, BLOCK_M, False)
     if slot >= S:
         return
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -179,6 +195,7 @@ def expand_kernel(
     start_ptr,
     count_ptr,
     S,
+    T,
     R,
     n0,
     n1,
@@ -203,27 +220,41 @@ def expand_kernel(
     NUM_SLICES: tl.constexpr,
     A_PER_SLICE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    STORE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """``out[row, col_i + n] += scale[slot] * sum_split(ws[split, a_i, row]) @ w_i[slot, n, :R].T``."""
+    """``out[row, col_i + n] += scale[slot] * sum_split(ws[split, a_i, row]) @ w_i[slot, n, :R].T``.
+
+    STORE: ``=`` instead of ``+=``, and rows with no adapter (the null segment) are set to zero.
+    """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot, seg_start, seg_len, m0 = tile_of(pid_m, start_ptr, count_ptr, S, S_P2, BLOCK_M)
-    if slot >= S:
+    slot, seg_start, seg_len, m0 = tile_of(pid_m, start_ptr, count_ptr, S, T, S_P2, BLOCK_M, STORE)
+    num_segments = S
+    if STORE:
+        num_segments = S + 1
+    if slot >= num_segments:
         return
     sl, nb, width, col, slot_stride = slice_of(
         pid_n, nb1, nb2, n0, n1, n2, col1, col2, ss0, ss1, ss2, NUM_SLICES
     )
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < width
+    if slot == S:
+        zero_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_ot + col + offs_n[None, :]
+        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+        tl.store(zero_ptrs, zeros, mask=m_mask[:, None] & n_mask[None, :])
+        return
     w_ptr = w0_ptr
     if NUM_SLICES > 1:
         if sl == 1:
             w_ptr = w1_ptr
         if sl == 2:
             w_ptr = w2_ptr
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_len
-    rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0)
     offs_r = tl.arange(0, BLOCK_R)
     ws_ptrs = ws_ptr + rows[:, None] * BLOCK_R + offs_r[None, :]
     if A_PER_SLICE:
@@ -233,83 +264,7 @@ def expand_kernel(
         h += tl.load(ws_ptrs + split * stride_ws_split, mask=m_mask[:, None], other=0.0)
     if HAS_SCALE:
         h *= tl.load(scale_ptr + slot)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     expand_tile(
-        h, out_ptr, w_ptr + slot * slot_stride, rows, m_mask, offs_n, offs_n < width, R, stride_ot, col,
-        stride_w_n, stride_w_r, BLOCK_R, UPCAST, DOT_PRECISION,
-    )  # fmt: skip
-
-
-@triton.jit
-def fused_kernel(
-    x_ptr,
-    a_ptr,
-    out_ptr,
-    w0_ptr,
-    w1_ptr,
-    w2_ptr,
-    scale_ptr,
-    sorted_ptr,
-    start_ptr,
-    count_ptr,
-    S,
-    K,
-    R,
-    n0,
-    n1,
-    n2,
-    col1,
-    col2,
-    nb1,
-    nb2,
-    ss0,
-    ss1,
-    ss2,
-    stride_xt,
-    stride_a_slice,
-    stride_a_slot,
-    stride_ot,
-    S_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    K_ITERS: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    NUM_SLICES: tl.constexpr,
-    A_PER_SLICE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Shrink and expand in one program per (tile, column block): the shrink is recomputed per column
-    block, which pays off only when there are few rows (decode)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    slot, seg_start, seg_len, m0 = tile_of(pid_m, start_ptr, count_ptr, S, S_P2, BLOCK_M)
-    if slot >= S:
-        return
-    sl, nb, width, col, slot_stride = slice_of(
-        pid_n, nb1, nb2, n0, n1, n2, col1, col2, ss0, ss1, ss2, NUM_SLICES
-    )
-    w_ptr = w0_ptr
-    if NUM_SLICES > 1:
-        if sl == 1:
-            w_ptr = w1_ptr
-        if sl == 2:
-            w_ptr = w2_ptr
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_len
-    rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0)
-    a_slot = a_ptr + slot * stride_a_slot
-    if A_PER_SLICE:
-        a_slot += sl * stride_a_slice
-    h = shrink_tile(
-        x_ptr, a_slot, rows, m_mask, 0, K, R, stride_xt, K, 1,
-        BLOCK_M, BLOCK_R, BLOCK_K, K_ITERS, EVEN_K, UPCAST, DOT_PRECISION,
-    )  # fmt: skip
-    h *= tl.load(scale_ptr + slot)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    expand_tile(
-        h, out_ptr, w_ptr + slot * slot_stride, rows, m_mask, offs_n, offs_n < width, R, stride_ot, col,
-        R, 1, BLOCK_R, UPCAST, DOT_PRECISION,
+        h, out_ptr, w_ptr + slot * slot_stride, rows, m_mask, offs_n, n_mask, R, stride_ot, col,
+        stride_w_n, stride_w_r, BLOCK_R, STORE, UPCAST, DOT_PRECISION,
     )  # fmt: skip

@@ -57,6 +57,8 @@ def test_meta_build_groups_rows_by_slot(layout: str) -> None:
         assert count == rows.numel()
         assert torch.equal(meta.sorted_rows[start : start + count].long(), rows)
     assert meta.seg_start.tolist() == (meta.seg_count.cumsum(0) - meta.seg_count).tolist()
+    no_adapter = ((slots < 0) | (slots >= 5)).nonzero().flatten()  # the null segment comes last
+    assert torch.equal(meta.sorted_rows[300 - no_adapter.numel() : 300].long(), no_adapter)
 
 
 @interpreted
@@ -70,7 +72,6 @@ def test_add_lora_matches_reference(layout: str, rank: int, dtype: torch.dtype) 
 
 CONFIGS = {
     "split_k": SgmvConfig(block_m=16, block_k=16, block_n=32, split_k=4),
-    "fused": SgmvConfig(block_m=16, block_k=32, block_n=16, fused=True),
     "prefill": SgmvConfig(block_m=32, block_k=32, block_n=64),
 }
 
@@ -103,8 +104,8 @@ def test_meta_is_reused_across_layers_and_rebuilt_per_step() -> None:
             _check_add_lora(p, run)
 
 
-def _packed_case(layout: str, rank: int, dtype: torch.dtype, num_tokens: int = 24, seed: int = 0):
-    p = make_problem(num_tokens, 32, (24,), num_slots=4, rank=rank, dtype=dtype, layout=layout, seed=seed)
+def _packed_case(layout: str, rank: int, dtype: torch.dtype, num_tokens: int = 24, seed: int = 0, h_in: int = 32):
+    p = make_problem(num_tokens, h_in, (24,), num_slots=4, rank=rank, dtype=dtype, layout=layout, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     dy = torch.randn(num_tokens, 24, generator=gen).to(dtype)
     return p.x, p.lora_a, p.lora_b[0], p.scales, p.token_slots, dy
@@ -136,9 +137,20 @@ def test_packed_forward_and_grads_match_reference(layout: str, rank: int, dtype:
     for name, g, w in zip(("y", "dx", "dA", "dB"), got, want):
         err = rel_error(g, w, torch.zeros_like(w))
         assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
+    for g in got[:2]:  # y and dx are written in full: exactly zero on rows with no adapter
+        assert torch.equal(g[slots < 0], torch.zeros_like(g[slots < 0]))
     unused = [s for s in range(4) if not (slots == s).any()]
     for s in unused:  # an adapter with no rows gets exactly zero gradient
         assert got[2][s].abs().max() == 0 and got[3][s].abs().max() == 0
+
+
+@interpreted
+def test_packed_split_k_partials_are_summed() -> None:
+    x, a, b, scales, slots, dy = _packed_case("no_adapter", 16, torch.float32, h_in=512)  # 4 K splits
+    want = _packed_grads(packed_lora_ref, x, a, b, scales, slots, dy)
+    got = _packed_grads(packed_lora, x, a, b, scales, slots, dy, backend="triton")
+    for name, g, w in zip(("y", "dx", "dA", "dB"), got, want):
+        assert rel_error(g, w, torch.zeros_like(w)) < TOLERANCE[torch.float32], name
 
 
 @interpreted

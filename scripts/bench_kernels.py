@@ -1,0 +1,392 @@
+"""Multi-LoRA kernel benchmark for the GPU machine (issue 3).
+
+For hidden 4096 and the Qwen3-4B projections, N adapters in {1, 8, 32}, tokens in {16, 64, 256, 4096} and
+rank in {16, 64} (bf16, uniform random adapter per row) it times, each from CUDA-graph replays (median
+over repeats, inputs rotated over enough sets to leave the L2 cache): our ``add_lora`` (shrink + expand,
+all slices; the per-step ``LoRAMeta.build`` is not included and is timed on its own), a PEFT-style loop
+over adapters and slices, gather + bmm, the base layer's GEMM alone, and the memory roofline (bytes the
+op must move / measured device copy bandwidth). Then packed LoRA training (forward + backward of the
+LoRA part) against the adapters one after another. ``--sweep`` also times alternative launch configs.
+
+    python scripts/bench_kernels.py --out DIR [--sweep decode|prefill|all] [--quick]
+
+Prints the tables last; writes every number to DIR/bench_kernels.json and the tables to
+DIR/bench_kernels.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from skyrl_clora.kernels import LoRAMeta, add_lora, packed_lora
+from skyrl_clora.kernels.meta import rank_pad
+from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton, default_config, sgmv_expand, sgmv_shrink
+
+DT = torch.bfloat16
+L2_BYTES = 60 * 2**20
+SHAPES = {  # name: (h_in, output slices, one A per slice)
+    "h4096": (4096, (4096,), False),
+    "4B.qkv": (2560, (4096, 1024, 1024), True),
+    "4B.o": (4096, (2560,), False),
+    "4B.gate_up": (2560, (9728, 9728), True),
+    "4B.down": (9728, (2560,), False),
+}
+
+
+def graph_time(calls: list[Callable[[], None]], min_calls: int = 20) -> float:
+    """Seconds per call: the calls (one per input set, cycled to at least ``min_calls``, fewer for slow
+    calls) captured in one CUDA graph; median over replays."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    calls[0]()
+    torch.cuda.synchronize()
+    est = max(time.perf_counter() - t0, 1e-6)
+    n = max(len(calls), min(min_calls, math.ceil(2e-3 / est)))
+    seq = [calls[i % len(calls)] for i in range(n)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in seq[: len(calls)]:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in seq:
+            c()
+    reps = max(5, min(30, int(0.15 / (est * n))))
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / n)
+    del graph
+    return statistics.median(times)
+
+
+def warm_up(seconds: float = 2.0) -> None:
+    """Keeps the GPU busy with bf16 matrix products so its clocks are up before anything is timed."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=DT)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 4 GiB device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(2**30, device="cuda")
+    dst = torch.empty_like(src)
+    t = graph_time([lambda: dst.copy_(src)], min_calls=5)
+    return 2 * src.numel() * 4 / t
+
+
+class Case:
+    """Input sets of one (shape, N, T, rank) case, rotated so each call misses the L2 cache."""
+
+    def __init__(self, shape: str, n_adapters: int, tokens: int, rank: int, seed: int = 0):
+        self.h_in, self.widths, self.per_slice = SHAPES[shape]
+        self.N, self.T, self.R = n_adapters, tokens, rank
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.slots = torch.randint(0, n_adapters, (tokens,), device="cuda", generator=gen)
+        self.active = self.slots.unique().tolist()
+        n_a = len(self.widths) if self.per_slice else 1
+        width = sum(self.widths)
+        lora_bytes = 2 * (n_adapters * rank * (self.h_in * n_a + width))
+        io_bytes = 2 * tokens * (self.h_in + width)
+        self.n_sets = max(1, min(64, math.ceil(3 * L2_BYTES / (lora_bytes + io_bytes))))
+        self.sets = []
+        for _ in range(self.n_sets):
+            a_shape = (n_a, n_adapters, rank, self.h_in) if self.per_slice else (n_adapters, rank, self.h_in)
+            self.sets.append({
+                "x": torch.randn(tokens, self.h_in, device="cuda", dtype=DT, generator=gen),
+                "out": torch.randn(tokens, width, device="cuda", dtype=DT, generator=gen),
+                "a": torch.randn(a_shape, device="cuda", dtype=DT, generator=gen) / self.h_in**0.5,
+                "b": tuple(torch.randn(n_adapters, w, rank, device="cuda", dtype=DT, generator=gen) for w in self.widths),
+            })  # fmt: skip
+        self.scales = torch.full((n_adapters,), 2.0, device="cuda")
+        self.meta = LoRAMeta(max_tokens=tokens, num_slots=n_adapters, device="cuda", max_rank=rank)
+        self.meta.build(self.slots)
+        # what the op must move: x, the active adapters' weights, out read and written
+        n_act = len(self.active)
+        self.bytes = 2 * (tokens * self.h_in + n_act * rank * (self.h_in * n_a + width) + 2 * tokens * width)
+
+    def ours(self, config: SgmvConfig | None = None) -> float:
+        def call(s: dict) -> Callable[[], None]:
+            if config is None:
+                return lambda: add_lora(s["out"], s["x"], s["a"], s["b"], self.scales, self.slots, meta=self.meta)
+            return lambda: add_lora_triton(
+                s["out"], s["x"], s["a"], s["b"], self.scales, self.slots, meta=self.meta, config=config
+            )
+
+        return graph_time([call(s) for s in self.sets])
+
+    def parts(self) -> tuple[float, float]:
+        """Shrink alone and expand alone under the default config (seconds per call)."""
+        cfg = default_config(self.T, self.h_in, self.N, len(self.widths) if self.per_slice else 1, self.R)
+        n_a = len(self.widths) if self.per_slice else 1
+        split = min(cfg.split_k, self.meta.workspace.numel() // (n_a * self.T * rank_pad(self.R)))
+        ws = self.meta.workspace[: split * n_a * self.T * rank_pad(self.R)].view(split, n_a, self.T, rank_pad(self.R))
+        a4 = [s["a"] if self.per_slice else s["a"].unsqueeze(0) for s in self.sets]
+        shrink = graph_time([lambda a=a, s=s: sgmv_shrink(ws, s["x"], a, self.meta, self.R, cfg) for a, s in zip(a4, self.sets)])
+        expand = graph_time(
+            [lambda s=s: sgmv_expand(s["out"], ws, s["b"], self.scales, self.meta, self.R, cfg) for s in self.sets]
+        )
+        return shrink, expand
+
+    def peft_loop(self) -> float:
+        rows = [(s, (self.slots == s).nonzero().flatten()) for s in self.active]
+        cols = [sum(self.widths[:i]) for i in range(len(self.widths))]
+
+        def call(st: dict) -> Callable[[], None]:
+            def run() -> None:
+                for s, idx in rows:
+                    xs = st["x"].index_select(0, idx)
+                    for i, b in enumerate(st["b"]):
+                        a = st["a"][i] if self.per_slice else st["a"]
+                        delta = (xs @ a[s].T) @ b[s].T * 2.0
+                        st["out"][:, cols[i] : cols[i] + b.shape[1]].index_add_(0, idx, delta)
+
+            return run
+
+        return graph_time([call(s) for s in self.sets[: max(1, min(len(self.sets), 4))]], min_calls=4)
+
+    def gather_bmm(self) -> float:
+        cols = [sum(self.widths[:i]) for i in range(len(self.widths))]
+
+        def call(st: dict) -> Callable[[], None]:
+            def run() -> None:
+                for i, b in enumerate(st["b"]):
+                    a = st["a"][i] if self.per_slice else st["a"]
+                    h = torch.bmm(a[self.slots], st["x"].unsqueeze(2))  # [T, R, 1]
+                    delta = torch.bmm(b[self.slots], h).squeeze(2) * self.scales[self.slots, None]
+                    st["out"][:, cols[i] : cols[i] + b.shape[1]].add_(delta)
+
+            return run
+
+        return graph_time([call(self.sets[0])], min_calls=4)
+
+    def base_gemm(self) -> float:
+        width = sum(self.widths)
+        w_bytes = 2 * width * self.h_in
+        n = max(1, min(16, math.ceil(3 * L2_BYTES / w_bytes)))
+        ws = [torch.randn(width, self.h_in, device="cuda", dtype=DT) for _ in range(n)]
+        outs = [s["out"] for s in self.sets]
+        xs = [s["x"] for s in self.sets]
+        calls = [
+            (lambda w=w, x=xs[i % len(xs)], o=outs[i % len(outs)]: torch.matmul(x, w.T, out=o))
+            for i, w in enumerate(ws)
+        ]
+        return graph_time(calls)
+
+    def meta_build(self) -> float:
+        return graph_time([lambda: self.meta.build(self.slots)])
+
+
+def sweep(results: dict, which: str) -> list[str]:
+    """Times alternative launch configs on hidden 4096 and the K=9728 shape; returns table lines.
+
+    ``decode``: tile and split sizes at 16 and 256 tokens, rank 16. ``prefill``: at 4096 tokens, rank 16
+    and 64, the default next to its variants with 4 or 8 warps and twice the splits.
+    """
+    lines = [
+        "| shape | N | T | r | default us | shrink us | expand us | best us | best config |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    cases = [(t, 16) for t in (16, 256)] if which in ("decode", "all") else []
+    cases += [(4096, r) for r in (16, 64)] if which in ("prefill", "all") else []
+    for shape in ("h4096", "4B.down"):
+        for n in (8, 32):
+            for t, rank in cases:
+                case = Case(shape, n, t, rank)
+                default = default_config(t, case.h_in, n, 1, rank)
+                timed = {"default": case.ours()}
+                shrink, expand = case.parts()
+                if t <= 256:
+                    configs = [
+                        SgmvConfig(block_m=16, block_k=bk, block_n=bn, split_k=sk)
+                        for bk in (64, 128) for bn in (128, 256) for sk in (8, 16, 32)
+                    ]  # fmt: skip
+                else:
+                    configs = [
+                        dataclasses.replace(default, num_warps=4),
+                        dataclasses.replace(default, num_warps=8),
+                        dataclasses.replace(default, split_k=2 * default.split_k),
+                    ]
+                for cfg in configs:
+                    timed[repr(cfg)] = case.ours(cfg)
+                best = min(timed, key=timed.get)
+                results["sweep"].append(
+                    {"shape": shape, "N": n, "T": t, "rank": rank, "default": repr(default), "times_s": timed,
+                     "parts_s": [shrink, expand]}
+                )  # fmt: skip
+                lines.append(
+                    f"| {shape} | {n} | {t} | {rank} | {timed['default'] * 1e6:.1f} | {shrink * 1e6:.1f} | "
+                    f"{expand * 1e6:.1f} | {timed[best] * 1e6:.1f} | {best} |"
+                )
+                print(lines[-1], flush=True)
+    return lines
+
+
+def main_table(results: dict, bandwidth: float, quick: bool) -> list[str]:
+    lines = [
+        "| shape | N | T | r | ours us | base GEMM us | ours/base | PEFT loop us | PEFT/ours | gather+bmm us | gather/ours | roofline us | ours/roofline |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    shapes = ("h4096",) if quick else tuple(SHAPES)
+    for shape in shapes:
+        for rank in (16, 64):
+            for n in (1, 8, 32):
+                for t in (16, 64, 256, 4096):
+                    r: dict = {"shape": shape, "N": n, "T": t, "rank": rank}
+                    try:
+                        case = Case(shape, n, t, rank)
+                        r["bytes"] = case.bytes
+                        r["ours_s"] = case.ours()
+                        r["base_s"] = case.base_gemm()
+                        r["peft_s"] = case.peft_loop()
+                        r["gather_s"] = case.gather_bmm()
+                        r["roofline_s"] = case.bytes / bandwidth
+                        del case
+                    except Exception as e:  # a failed row is reported in the table, the others still run
+                        r["error"] = repr(e)
+                        results["table"].append(r)
+                        lines.append(f"| {shape} | {n} | {t} | {rank} | error: {e!r} |")
+                        print(lines[-1], flush=True)
+                        continue
+                    results["table"].append(r)
+                    us = {k: r[k] * 1e6 for k in ("ours_s", "base_s", "peft_s", "gather_s", "roofline_s")}
+                    lines.append(
+                        f"| {shape} | {n} | {t} | {rank} | {us['ours_s']:.1f} | {us['base_s']:.1f} | "
+                        f"{r['ours_s'] / r['base_s']:.2f} | {us['peft_s']:.1f} | {r['peft_s'] / r['ours_s']:.1f} | "
+                        f"{us['gather_s']:.1f} | {r['gather_s'] / r['ours_s']:.1f} | {us['roofline_s']:.1f} | "
+                        f"{r['ours_s'] / r['roofline_s']:.1f} |"
+                    )
+                    print(lines[-1], flush=True)
+    lines += ["", "| T | N | LoRAMeta.build us (once per step) |", "| --- | --- | --- |"]
+    for t in (16, 256, 4096):
+        case = Case("h4096", 32, t, 16)
+        us = case.meta_build() * 1e6
+        results["meta_build"].append({"T": t, "N": 32, "s": us * 1e-6})
+        lines.append(f"| {t} | 32 | {us:.1f} |")
+    return lines
+
+
+def packed_training(results: dict) -> list[str]:
+    """N=8 adapters, rank 16, 4096 tokens in all (512 each, contiguous), hidden 4096: forward + backward
+    of the LoRA part, packed in one pass vs the adapters one after another (plain torch autograd)."""
+    n, r, t, h = 8, 16, 4096, 4096
+    per = t // n
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(t, h, device="cuda", dtype=DT, generator=gen, requires_grad=True)
+    a = (torch.randn(n, r, h, device="cuda", dtype=DT, generator=gen) / h**0.5).requires_grad_()
+    b = torch.randn(n, h, r, device="cuda", dtype=DT, generator=gen).requires_grad_()
+    dy = torch.randn(t, h, device="cuda", dtype=DT, generator=gen)
+    scales = torch.full((n,), 2.0, device="cuda")
+    slots = torch.arange(n, device="cuda").repeat_interleave(per)
+    meta = LoRAMeta(max_tokens=t, num_slots=n, device="cuda", max_rank=r)
+    meta.build(slots)
+    xs = [x.detach()[i * per : (i + 1) * per].clone().requires_grad_() for i in range(n)]
+    as_ = [a.detach()[i].clone().requires_grad_() for i in range(n)]
+    bs = [b.detach()[i].clone().requires_grad_() for i in range(n)]
+
+    def packed() -> None:
+        y = packed_lora(x, a, b, scales, slots, meta=meta)
+        torch.autograd.grad(y, (x, a, b), dy)
+
+    def sequential() -> None:
+        for i in range(n):
+            y = (xs[i] @ as_[i].T) @ bs[i].T * 2.0
+            torch.autograd.grad(y, (xs[i], as_[i], bs[i]), dy[i * per : (i + 1) * per])
+
+    def packed_forward() -> None:
+        with torch.no_grad():
+            packed_lora(x, a, b, scales, slots, meta=meta)
+
+    def sequential_forward() -> None:
+        with torch.no_grad():
+            for i in range(n):
+                (xs[i] @ as_[i].T) @ bs[i].T * 2.0
+
+    def eager(fn: Callable[[], None]) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    res = {
+        "packed_graph_s": graph_time([packed], min_calls=10),
+        "sequential_graph_s": graph_time([sequential], min_calls=10),
+        "packed_eager_s": eager(packed),
+        "sequential_eager_s": eager(sequential),
+        "packed_forward_graph_s": graph_time([packed_forward], min_calls=10),
+        "sequential_forward_graph_s": graph_time([sequential_forward], min_calls=10),
+    }
+    results["packed"] = res
+    return [
+        "| packed training, N=8 r=16 T=4096 hidden 4096 | packed us | 8 adapters one after another us | speed-up |",
+        "| --- | --- | --- | --- |",
+        f"| CUDA graph replay | {res['packed_graph_s'] * 1e6:.1f} | {res['sequential_graph_s'] * 1e6:.1f} | "
+        f"{res['sequential_graph_s'] / res['packed_graph_s']:.1f}x |",
+        f"| eager (host launch overhead included) | {res['packed_eager_s'] * 1e6:.1f} | "
+        f"{res['sequential_eager_s'] * 1e6:.1f} | {res['sequential_eager_s'] / res['packed_eager_s']:.1f}x |",
+        f"| forward only, CUDA graph replay | {res['packed_forward_graph_s'] * 1e6:.1f} | "
+        f"{res['sequential_forward_graph_s'] * 1e6:.1f} | "
+        f"{res['sequential_forward_graph_s'] / res['packed_forward_graph_s']:.1f}x |",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("outputs/bench_kernels"))
+    parser.add_argument("--sweep", choices=["decode", "prefill", "all"], help="time alternative launch configs")
+    parser.add_argument("--quick", action="store_true", help="hidden 4096 only in the main table")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"device": torch.cuda.get_device_name(), "sweep": [], "table": [], "meta_build": []}
+    lines: list[str] = []
+
+    def save() -> None:  # after every section, so a run cut short keeps what it measured
+        (args.out / "bench_kernels.json").write_text(json.dumps(results, indent=1))
+        (args.out / "bench_kernels.md").write_text("\n".join(lines) + "\n")
+
+    warm_up()
+    bandwidth = copy_bandwidth()
+    results["copy_bandwidth_Bps"] = bandwidth
+    lines += [f"device: {results['device']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", ""]
+    lines += packed_training(results) + [""]
+    save()
+    if args.sweep:
+        lines += sweep(results, args.sweep) + [""]
+        save()
+    lines += main_table(results, bandwidth, args.quick)
+    results["copy_bandwidth_end_Bps"] = copy_bandwidth()
+    lines += ["", f"copy bandwidth at the end: {results['copy_bandwidth_end_Bps'] / 1e12:.2f} TB/s"]
+    save()
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

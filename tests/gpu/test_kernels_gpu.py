@@ -1,0 +1,139 @@
+"""GPU parity of the Triton multi-LoRA kernels at real sizes, and CUDA-graph capture and replay of a decode
+step. Skipped without CUDA. Tolerances per dtype: ``kernels.testing.TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyrl_clora.kernels import LoRAMeta, add_lora, packed_lora
+from skyrl_clora.kernels.reference import packed_lora_ref
+from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton
+from skyrl_clora.kernels.testing import LAYOUTS, TOLERANCE, adapters_differ, make_problem, reference_out, rel_error
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(p, run) -> None:
+    if p.token_slots.unique().ge(0).sum() > 1:
+        assert adapters_differ(p), "adapters give equal outputs: the parity test would be vacuous"
+    before = p.out.clone()
+    want = reference_out(p)
+    run(p)
+    torch.cuda.synchronize()
+    err = rel_error(p.out, want, before)
+    assert err < TOLERANCE[p.x.dtype], f"relative error {err:.2e}"
+    untouched = p.token_slots < 0
+    assert torch.equal(p.out[untouched], before[untouched]), "rows with no adapter were written"
+
+
+def _dispatch(p) -> None:
+    add_lora(p.out, p.x, p.lora_a, p.lora_b, p.scales, p.token_slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rank", [8, 16, 64])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decode_shape_matches_reference(layout: str, rank: int, dtype: torch.dtype) -> None:
+    p = make_problem(256, 4096, (4096,), num_slots=32, rank=rank, dtype=dtype, layout=layout, device="cuda")
+    _check(p, _dispatch)
+
+
+@pytest.mark.parametrize("layout", ["uniform", "skewed", "no_adapter", "zipf"])
+@pytest.mark.parametrize("num_tokens", [16, 4096])
+@pytest.mark.parametrize(
+    "h_in,widths,per_slice_a",
+    [(2560, (4096, 1024, 1024), True), (2560, (9728, 9728), True), (9728, (2560,), False), (4096, (4096,), False)],
+    ids=["qkv", "gate_up", "down", "h4096"],
+)
+def test_qwen3_4b_shapes_match_reference(h_in: int, widths, per_slice_a: bool, num_tokens: int, layout: str) -> None:
+    p = make_problem(
+        num_tokens, h_in, widths, 8, 16, torch.bfloat16, layout, per_slice_a=per_slice_a, device="cuda", seed=num_tokens
+    )
+    _check(p, _dispatch)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [SgmvConfig(split_k=32, block_k=64), SgmvConfig(block_m=128, block_k=64, num_warps=8)],
+    ids=["split32", "bm128"],
+)
+def test_configs_match_reference(config: SgmvConfig) -> None:
+    p = make_problem(300, 2560, (4096, 1024, 1024), 8, 16, torch.bfloat16, "no_adapter", per_slice_a=True, device="cuda")
+    _check(p, lambda q: add_lora_triton(q.out, q.x, q.lora_a, q.lora_b, q.scales, q.token_slots, config=config))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "num_tokens,layout,rank", [(4096, "skewed", 16), (4096, "no_adapter", 64), (200, "no_adapter", 16)]
+)
+def test_packed_grads_match_reference(num_tokens: int, layout: str, rank: int, dtype: torch.dtype) -> None:
+    p = make_problem(num_tokens, 1024, (768,), 8, rank, dtype, layout, device="cuda", seed=rank)
+    dy = torch.randn(num_tokens, 768, device="cuda", dtype=dtype)
+    results = []
+    for fn, cast in ((packed_lora_ref, torch.float32), (packed_lora, dtype)):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (p.x, p.lora_a, p.lora_b[0])]
+        y = fn(*leaves, p.scales, p.token_slots)
+        y.backward(dy.to(cast))
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for name, got, want in zip(("y", "dx", "dA", "dB"), results[1], results[0]):
+        err = rel_error(got, want, torch.zeros_like(want))
+        assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
+    no_adapter = p.token_slots < 0
+    for got in results[1][:2]:  # y and dx are written in full: exactly zero where there is no adapter
+        assert torch.equal(got[no_adapter], torch.zeros_like(got[no_adapter]))
+
+
+def test_cuda_dispatch_takes_the_triton_path() -> None:
+    p = make_problem(32, 256, (128,), 4, 16, torch.bfloat16, "uniform", device="cuda")
+    b = p.lora_b[0].transpose(1, 2).contiguous().transpose(1, 2)  # the reference would accept this
+    with pytest.raises(ValueError, match="contiguous"):
+        add_lora(p.out, p.x, p.lora_a, (b,), p.scales, p.token_slots)
+
+
+def test_decode_step_captured_in_cuda_graph_replays_new_batches() -> None:
+    """meta.build + three layers captured once; replays with new rows and slots match the reference."""
+    T, S = 64, 8
+    layers = [
+        make_problem(T, 2560, (4096, 1024, 1024), S, 16, torch.bfloat16, "uniform", per_slice_a=True, device="cuda"),
+        make_problem(T, 4096, (2560,), S, 16, torch.bfloat16, "uniform", device="cuda", seed=1),
+        make_problem(T, 2560, (9728, 9728), S, 64, torch.bfloat16, "uniform", per_slice_a=True, device="cuda", seed=2),
+    ]
+    slots = torch.zeros(T, dtype=torch.int64, device="cuda")
+    meta = LoRAMeta(max_tokens=T, num_slots=S, device="cuda", max_rank=64)
+
+    def step() -> None:
+        meta.build(slots)
+        for p in layers:
+            add_lora(p.out, p.x, p.lora_a, p.lora_b, p.scales, slots, meta=meta)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        allocated = torch.cuda.memory_allocated()  # after capture_begin's own bookkeeping tensors
+        step()
+        step_allocated = torch.cuda.memory_allocated() - allocated
+    assert step_allocated == 0, f"the captured decode step allocated {step_allocated} bytes"
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for layout_seed in range(3):
+        new_slots = torch.randint(-1, S, (T,), device="cuda", generator=gen)
+        slots.copy_(new_slots)
+        wants, befores = [], []
+        for p in layers:
+            p.x.copy_(torch.randn(p.x.shape, device="cuda", generator=gen))
+            p.token_slots = new_slots
+            befores.append(p.out.clone())
+            wants.append(reference_out(p))
+        graph.replay()
+        torch.cuda.synchronize()
+        for p, want, before in zip(layers, wants, befores):
+            err = rel_error(p.out, want, before)
+            assert err < TOLERANCE[torch.bfloat16], f"replay {layout_seed}: relative error {err:.2e}"
+            assert torch.equal(p.out[new_slots < 0], before[new_slots < 0])
