@@ -146,7 +146,15 @@ def _scalar(reward: float | list[float]) -> float:
     return float(sum(reward)) if isinstance(reward, list) else float(reward)
 
 
+def _log_orphaned_task_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """SkyRL's generator gathers a batch's episodes without cancelling the rest when one raises; the
+    other episodes of a failed tenant (already recorded as failed) then end with errors nobody awaits."""
+    error = context.get("exception")
+    logger.debug("an episode task ended with an unobserved error (its tenant is failed): %r", error)
+
+
 async def _run_group(run: RunConfig, specs: list[TenantSpec], services: Services, metrics: MetricsLog) -> None:
+    asyncio.get_running_loop().set_exception_handler(_log_orphaned_task_error)
     lock = asyncio.Lock()
     loops = [TenantLoop(run, spec, services, metrics, lock) for spec in specs]
     for loop in loops:

@@ -32,10 +32,10 @@ def _adapter(layers, seed: int) -> AdapterWeights:
     return adapter
 
 
-def _engine(model_dir: Path, num_rows: int, adapters: dict[str, int]) -> tuple[Engine, dict]:
+def _engine(model_dir: Path, num_rows: int, adapters: dict[str, int], max_len: int = 96) -> tuple[Engine, dict]:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
-    engine = Engine(model, routing, layers, num_rows=num_rows, max_len=96)
+    engine = Engine(model, routing, layers, num_rows=num_rows, max_len=max_len)
     weights = {name: _adapter(layers, seed) for name, seed in adapters.items()}
     for name, adapter in weights.items():
         engine.register_adapter(name, adapter)
@@ -170,3 +170,29 @@ def test_unregister_waits_for_running_requests_and_frees_the_slot(micro_model_di
         assert engine.submit(PROMPT, "b", _params(1)).result(timeout=60).adapter_version == 0
     finally:
         engine.shutdown()
+
+
+def test_prefix_cache_reuses_blocks_bit_identically(micro_model_dir: Path) -> None:
+    long_prompt = [(7 * i) % 300 + 5 for i in range(150)]
+    engine, weights = _engine(micro_model_dir, num_rows=4, adapters={"a": 1, "b": 2}, max_len=256)
+    model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
+    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
+    uncached = Engine(model, routing, layers, num_rows=4, max_len=256, prefix_cache_bytes=0)
+    uncached.register_adapter("a", weights["a"])
+    try:
+        first = engine.submit(long_prompt, "a", _params(1, max_tokens=16)).result(timeout=60)
+        assert engine.stats.cached_prompt_tokens == 0
+        again = engine.submit(long_prompt, "a", _params(2, max_tokens=16)).result(timeout=60)
+        assert engine.stats.cached_prompt_tokens == 128, "two whole blocks come from the cache"
+        other = engine.submit(long_prompt, "b", _params(2, max_tokens=16)).result(timeout=60)
+        assert engine.stats.cached_prompt_tokens == 128, "another adapter never reuses a's blocks"
+        assert other.token_ids != again.token_ids
+        reference = uncached.submit(long_prompt, "a", _params(2, max_tokens=16)).result(timeout=60)
+        assert again.token_ids == reference.token_ids and again.logprobs == reference.logprobs
+        assert first.token_ids != again.token_ids  # different seeds, same prompt
+        engine.publish("a", weights["b"], version=1).result(timeout=60)
+        engine.submit(long_prompt, "a", _params(2, max_tokens=16)).result(timeout=60)
+        assert engine.stats.cached_prompt_tokens == 128, "a publish drops the adapter's cached blocks"
+    finally:
+        engine.shutdown()
+        uncached.shutdown()

@@ -25,6 +25,7 @@ import torch
 
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear, write_slot
 from skyrl_clora.sampler.model_runner import ModelRunner
+from skyrl_clora.sampler.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,13 @@ class _Unregister:
 
 @dataclass
 class EngineStats:
-    """Counters since start: decode steps, tokens generated, prefilled tokens, busy seconds."""
+    """Counters since start: decode steps, tokens generated, prompt tokens computed by prefill and
+    prompt tokens served from the prefix cache, busy seconds."""
 
     decode_steps: int = 0
     generated_tokens: int = 0
     prefill_tokens: int = 0
+    cached_prompt_tokens: int = 0
     busy_seconds: float = 0.0
 
 
@@ -100,8 +103,12 @@ class Engine:
         num_rows: int,
         max_len: int,
         max_prefills_per_step: int = 8,
+        block_size: int = 64,
+        prefix_cache_bytes: int = 1 << 30,
     ) -> None:
-        self.runner = ModelRunner(model, routing, num_rows=num_rows, max_len=max_len)
+        max_len = -(-max_len // block_size) * block_size  # whole prefill blocks
+        self.runner = ModelRunner(model, routing, num_rows=num_rows, max_len=max_len, block_size=block_size)
+        self.prefix_cache = PrefixCache(block_size, prefix_cache_bytes)
         self.lora_layers = lora_layers
         self.num_lora_slots = next(iter(lora_layers.values())).lora_a.shape[0]
         self.max_len = max_len
@@ -225,6 +232,7 @@ class Engine:
                 still_pending.append(publish)
                 continue
             try:
+                self.prefix_cache.drop_adapter(publish.adapter)
                 if isinstance(publish, _Unregister):
                     self._remove_adapter(publish.adapter)
                 else:
@@ -263,8 +271,15 @@ class Engine:
         req.version = -1 if req.adapter is None else self._versions[req.adapter]
         req.generator = torch.Generator(device="cpu").manual_seed(req.params.seed)
         tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.runner.device)
-        logits = self.runner.prefill(row, tokens, req.lora_slot)
-        self.stats.prefill_tokens += len(req.prompt_ids)
+        cached = self.prefix_cache.lookup(req.adapter, req.version, req.prompt_ids)
+        for index, block in enumerate(cached):
+            self.runner.write_block(row, index, block)
+        start = len(cached) * self.runner.block_size
+        logits = self.runner.prefill(row, tokens, req.lora_slot, start=start)
+        self.prefix_cache.insert(req.adapter, req.version, req.prompt_ids, len(cached),
+                                 lambda index: self.runner.read_blocks(row, index, 1))
+        self.stats.prefill_tokens += len(req.prompt_ids) - start
+        self.stats.cached_prompt_tokens += start
         self._rows[row] = req
         self._row_lora[row] = req.lora_slot
         self._accept_token(req, logits)

@@ -4,8 +4,9 @@ The HF modules supply the weights and sub-layers (embeddings, norms, projections
 rotary embedding); this runner replaces only the attention bookkeeping so that many sequences of
 different lengths decode together:
 
-- ``prefill(slot, tokens)``: one sequence's prompt ``[T]`` written into cache row ``slot`` at positions
-  ``0..T-1`` (causal attention within the prompt); returns the last token's logits ``[V]``.
+- ``prefill(row, tokens, lora_slot, start)``: one sequence's prompt ``[T]`` written into cache row ``row``
+  at positions ``start..T-1`` in fixed-size, position-aligned blocks (so a block's K/V can be cached and
+  reused by any prompt with the same prefix); returns the last token's logits ``[V]``.
 - ``decode(tokens, positions, lora_slots)``: one token for every cache row at once (``[S]``, rows that are
   not running carry any token and are ignored by the caller); each row attends to its own cache row up to
   its position. The batch is always all ``S`` rows, so a row's numbers never depend on which other
@@ -26,13 +27,16 @@ from skyrl_clora.lora.layers import LoRARouting
 class ModelRunner:
     """Forward passes of a causal LM over a slot-based KV cache (see module docstring)."""
 
-    def __init__(self, model: nn.Module, routing: LoRARouting, num_rows: int, max_len: int) -> None:
+    def __init__(self, model: nn.Module, routing: LoRARouting, num_rows: int, max_len: int, block_size: int = 64) -> None:
+        if max_len % block_size:
+            raise ValueError(f"max_len {max_len} must be a multiple of the prefill block size {block_size}")
         self.model = model.eval()
         self.routing = routing
         self.decoder = model.model
         config = model.config
         self.num_rows = num_rows
         self.max_len = max_len
+        self.block_size = block_size
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -45,22 +49,58 @@ class ModelRunner:
         self._key_positions = torch.arange(max_len, device=self.device)
 
     @torch.no_grad()
-    def prefill(self, row: int, tokens: torch.Tensor, lora_slot: int) -> torch.Tensor:
-        """Fills cache row ``row`` with ``tokens: [T]`` (T <= max_len); returns logits ``[V]`` of the last token."""
+    def prefill(self, row: int, tokens: torch.Tensor, lora_slot: int, start: int = 0) -> torch.Tensor:
+        """Fills cache row ``row`` at positions ``start..T-1`` from ``tokens: [T]`` (positions ``< start`` must
+        already hold this prompt's K/V, e.g. copied from the prefix cache); returns logits ``[V]`` of the
+        last token.
+
+        The prompt is computed in fixed blocks of ``block_size`` positions aligned at multiples of
+        ``block_size`` (the last block padded; padding is never attended to by real tokens), so the K/V
+        of a block depend only on the tokens up to its end, not on the prompt's length or on where the
+        prefill started: a cached block is bit-identical to a recomputed one. ``start`` must be a
+        multiple of ``block_size``.
+        """
         length = tokens.shape[0]
-        positions = torch.arange(length, device=self.device)
-        token_slots = torch.full((length,), lora_slot, device=self.device, dtype=torch.long)
+        block = self.block_size
+        if start % block or start >= length:
+            raise ValueError(f"prefill start {start} must be a multiple of {block} below the prompt length {length}")
+        last_hidden = None
+        for block_start in range(start, length, block):
+            chunk = tokens[block_start : block_start + block]
+            real = chunk.shape[0]
+            if real < block:
+                chunk = torch.cat([chunk, chunk.new_zeros(block - real)])
+            positions = torch.arange(block_start, block_start + block, device=self.device)
+            end = block_start + block
+            visible = self._key_positions[:end].view(1, -1) <= positions.view(-1, 1)  # [B, end] causal
 
-        def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # q: [1, H, T, d]; k, v: [1, KV, T, d]
-            self.k_cache[layer_idx][row, :, :length] = k[0]
-            self.v_cache[layer_idx][row, :, :length] = v[0]
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
-            )
+            def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                # q: [1, H, B, d]; k, v: [1, KV, B, d]
+                k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
+                k_cache[row, :, block_start:end] = k[0]
+                v_cache[row, :, block_start:end] = v[0]
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k_cache[row : row + 1, :, :end], v_cache[row : row + 1, :, :end], attn_mask=visible,
+                    enable_gqa=self.num_kv_heads != self.num_heads,
+                )
 
-        hidden = self._forward(tokens.view(1, length), positions.view(1, length), token_slots, attend)
-        return self.model.lm_head(hidden[0, -1]).float()
+            token_slots = torch.full((block,), lora_slot, device=self.device, dtype=torch.long)
+            hidden = self._forward(chunk.view(1, block), positions.view(1, block), token_slots, attend)
+            last_hidden = hidden[0, real - 1]
+        return self.model.lm_head(last_hidden).float()
+
+    def read_blocks(self, row: int, first_block: int, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of row ``row``'s K/V for blocks ``first_block..first_block+num_blocks-1``: one
+        ``(k, v)`` pair per layer, each ``[KV, num_blocks * block_size, d]``."""
+        lo, hi = first_block * self.block_size, (first_block + num_blocks) * self.block_size
+        return [(k[row, :, lo:hi].clone(), v[row, :, lo:hi].clone()) for k, v in zip(self.k_cache, self.v_cache)]
+
+    def write_block(self, row: int, block_index: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copies one block's K/V (as returned by :meth:`read_blocks` with ``num_blocks=1``) into row ``row``."""
+        lo, hi = block_index * self.block_size, (block_index + 1) * self.block_size
+        for (k, v), k_cache, v_cache in zip(kv, self.k_cache, self.v_cache):
+            k_cache[row, :, lo:hi].copy_(k)
+            v_cache[row, :, lo:hi].copy_(v)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, lora_slots: torch.Tensor) -> torch.Tensor:
