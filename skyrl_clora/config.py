@@ -41,6 +41,8 @@ class RecipeConfig:
         for name in ("prompts_per_step", "samples_per_prompt", "max_turns", "max_generate_length", "max_input_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"recipe.{name} must be >= 1, got {getattr(self, name)}")
+        if self.user not in ("scripted", "llm"):
+            raise ConfigError(f"recipe.user={self.user} is unknown; use scripted or llm")
         if self.eval_prompts < 0:
             raise ConfigError(f"recipe.eval_prompts must be >= 0, got {self.eval_prompts}")
         for name in ("train_data", "val_data", "data_path"):

@@ -9,6 +9,7 @@ adapter through the AdapterStore, and the sync publishes the new version in plac
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -55,10 +56,29 @@ class TenantLoop:
                 top_p=run.sampler.top_p, logprobs=1,
             ),
         )
+        # Extra environment arguments of every episode; an LLM customer needs env steps off the event loop.
+        self.env_args: dict[str, Any] = {}
+        env_workers = 0
+        if recipe.name == "taubench" and recipe.user == "llm":
+            self.env_args["user_factory"] = self._llm_user
+            env_workers = 8
         self.generator = SkyRLGymGenerator(
-            generator_cfg, SkyRLGymConfig(max_env_workers=0), services.client, services.tokenizer,
+            generator_cfg, SkyRLGymConfig(max_env_workers=env_workers), services.client, services.tokenizer,
             policy_model_name=spec.name,
         )
+
+    def _llm_user(self) -> Any:
+        """A tau-bench customer played by the base model (no adapter) through the shared sampler."""
+        from skyrl_clora.recipes.taubench.users import LLMUser
+
+        async def generate(messages: list[dict[str, str]]) -> str:
+            conversation = json.dumps(messages, sort_keys=True).encode()
+            body = {"messages": messages, "max_tokens": self.run.recipe.max_generate_length,
+                    "user": f"customer-{self.spec.name}-{hashlib.sha256(conversation).hexdigest()[:16]}"}
+            response = await self.services.client.chat_completion({"json": body})
+            return response["choices"][0]["message"]["content"]
+
+        return LLMUser(generate, loop=asyncio.get_running_loop())
 
     def register(self) -> None:
         """Creates the tenant's adapter (seeded PEFT init) in the trainer's store and the sampler."""
@@ -92,7 +112,7 @@ class TenantLoop:
             for repetition in range(samples):
                 prompts.append(row["prompt"])
                 env_classes.append(row["env_class"])
-                extras.append({k: v for k, v in row.items() if k not in ("prompt", "env_class")})
+                extras.append({**{k: v for k, v in row.items() if k not in ("prompt", "env_class")}, **self.env_args})
                 trajectory_ids.append(TrajectoryID(instance_id=instance, repetition_id=repetition))
                 groups.append(instance)
         output = await self.generator.generate(GeneratorInput(
@@ -138,6 +158,7 @@ class TenantLoop:
             "generated_tokens": sum(sum(mask) for mask in output["loss_masks"]),
             "rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s,
             **{f"train/{k}": v for k, v in train_metrics.items()},
+            **{f"rollout/{k}": v for k, v in (output.get("rollout_metrics") or {}).items() if isinstance(v, (int, float))},
         })
 
 

@@ -94,3 +94,20 @@ def test_sync_versions_are_checked_against_trajectories(mode: str, micro_model_d
     assert main(_args(micro_model_dir, out, "+tenants=1", f"clora.mode={mode}", "clora.steps=3")) == 0
     versions = [r["adapter_version"] for r in _step_metrics(out) if r["event"] == "step"]
     assert versions == [1, 2, 3]
+
+
+@pytest.mark.parametrize("user", ["scripted", "llm"])
+def test_taubench_recipe_end_to_end(user: str, micro_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / f"tau-{user}"
+    tenants = "+tenants=2" if user == "scripted" else "+tenants=1"
+    assert main([
+        f"model.path={micro_model_dir}", f"clora.output_dir={out}", "clora.steps=1", "clora.progress=false",
+        "recipe=taubench", f"recipe.user={user}", tenants, "recipe.prompts_per_step=1", "recipe.eval_prompts=1",
+        "recipe.max_turns=2", "recipe.max_generate_length=8",
+    ]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(row["status"] == "ok" and row["steps"] == 1 for row in summary["per_tenant"])
+    steps = [r for r in _step_metrics(out) if r["event"] == "step"]
+    for record in steps:  # the benchmark's reward breakdown reaches the metrics
+        assert {"rollout/environment/r_actions", "rollout/environment/r_outputs",
+                "rollout/environment/turns"} <= set(record)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from skyrl_clora.config import ConfigError, RecipeConfig
@@ -64,4 +65,25 @@ def build_task_source(recipe: RecipeConfig, spec: TenantSpec, steps: int, run_se
         if not train:
             raise ConfigError(f"recipe.train_data={recipe.train_data} holds no rows; check the file")
         return TaskSource(spec.env_class or recipe.env_class, train, evaluation, spec.seed)
-    raise ConfigError(f"recipe={recipe.name} has no task data on the embedded backend; use recipe=gsm8k")
+    if recipe.name == "taubench":
+        from skyrl_clora.recipes.taubench.data import dataset_rows
+        from skyrl_clora.recipes.taubench.env import register_taubench_env
+
+        register_taubench_env()
+        data_path = recipe.data_path or str(synthetic_retail_path())
+        train = dataset_rows(data_path, "train")
+        evaluation = dataset_rows(data_path, "test")[: recipe.eval_prompts]
+        return TaskSource(spec.env_class or recipe.env_class, train, evaluation, spec.seed)
+    raise ConfigError(f"recipe={recipe.name} has no task data; use recipe=gsm8k or recipe=taubench")
+
+
+def synthetic_retail_path() -> Path:
+    """The project's own small retail data folder (made once under the cache), used when no
+    ``recipe.data_path`` is given."""
+    from skyrl_clora.recipes.taubench.synthetic import make_synthetic_retail
+    from skyrl_clora.recipes.tiny_base.pretrain import default_cache_root
+
+    path = default_cache_root() / "data" / "taubench_retail_synthetic"
+    if not (path / "tasks_test.json").is_file():
+        make_synthetic_retail(path)
+    return path
