@@ -14,9 +14,14 @@ with probability ``skill_calculator_rate`` (so most of the data teaches copying 
 question into the expression and the result into the answer), then ``prior_steps`` steps at
 ``calculator_rate``, which set the decision prior the RL run starts from.
 
-The pre-trained model therefore answers right about as often as it calls the calculator (~35%), and
-nearly always when it does; GRPO only has to raise the probability of one token (the tool name at the
-start of the first assistant turn) to lift accuracy towards 90%+.
+The pre-trained model therefore answers right about as often as it calls the calculator, and nearly
+always when it does (measured with scripts/build_tiny_base.py, 200 episodes at temperature 1.0:
+standard variant 30% accurate, calculator used 30% of the time, 97% accurate when used; hard variant
+27% / 32% / 81%). GRPO only has to raise the probability of one token (the tool name at the start of
+the first assistant turn) to lift accuracy towards 90%.
+
+Cost: the default recipe's 600 steps take ~0.26 s each on 2 idle cores (~3 minutes with data
+preparation); much longer when other processes compete for the cores.
 
 The model is cached on disk in HF format (config.json, model.safetensors, generation_config.json,
 tokenizer files, recipe.json) under ``${SKYRL_CLORA_CACHE:-~/.cache/skyrl-clora}/models/tiny-qwen3-<hash>``
