@@ -23,7 +23,9 @@ def tile_of(
 
     Tiles are numbered slot by slot; a slot of ``c`` rows has ``cdiv(c, BLOCK_M)`` tiles. WITH_NULL adds
     the null segment (rows with no adapter, ``LoRAMeta``) as slot ``S``; it needs ``S_P2 > S`` and the
-    batch size ``T``. Past the last tile the returned slot is ``>= S`` (``> S`` WITH_NULL).
+    batch size ``T``. Past the last tile the returned slot is ``>= S`` (``> S`` WITH_NULL). Keep ``S_P2``
+    as small as allowed: every program sums an ``S_P2 x S_P2`` triangle, and doubling it (64 for 32
+    slots) made decode-sized launches about 25% slower on the H200 (BENCHMARKS.md, kernels section).
     """
     sid = tl.arange(0, S_P2)
     counts = tl.load(count_ptr + sid, mask=sid < S, other=0)
