@@ -60,10 +60,10 @@ def add_lora(
                     out[t, offset:offset + b.shape[1]] += scales[s] * (x[t] @ a[s].T) @ b[s].T
             offset += b.shape[1]
 
-    Only ``out`` is written, and only in rows with a slot. The Triton path computes in fp32 and rounds
-    ``h = x @ A.T`` (times the scale) to the weights' dtype before the second product, as the reference's
-    bf16 use in PEFT does; it needs one dtype for ``out``, ``x`` and the weights, unit feature strides
-    for ``out`` and ``x``, and contiguous weights.
+    Only ``out`` is written, and only in rows with a slot. The Triton path accumulates in fp32 and
+    rounds ``scale * (x @ A.T)`` to the weights' dtype before the second product (as a bf16 PEFT layer
+    does); it needs one dtype for ``out``, ``x`` and the weights, unit feature strides for ``out`` and
+    ``x``, and contiguous weights, and raises ValueError otherwise.
 
     ``meta``: a :class:`LoRAMeta` on which ``meta.build(token_slots)`` was called for this batch. With it
     the Triton path allocates nothing and never waits for the host (capturable in a CUDA graph); without
