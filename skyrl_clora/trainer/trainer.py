@@ -89,12 +89,13 @@ class Trainer:
     ) -> dict[str, float]:
         """Gradient of the policy loss over ``batch`` in shuffled micro-batches (shuffled with the tenant's
         RNG), then one AdamW step. Advantages and the loss normaliser are computed over the whole batch."""
+        # Advantages are computed on the CPU (SkyRL's GRPO estimator builds its group statistics there).
         response_mask = _pad_float([[float(m) for m in mask] for mask in batch.loss_masks],
-                                   max(1, max(len(r) for r in batch.response_ids)), self.device)
+                                   max(1, max(len(r) for r in batch.response_ids)), torch.device("cpu"))
         num_rows, response_len = response_mask.shape
-        rewards = torch.zeros(num_rows, response_len, device=self.device)
+        rewards = torch.zeros(num_rows, response_len)
         last = (response_mask.sum(dim=1) - 1).clamp(min=0).long()
-        rewards[torch.arange(num_rows), last] = torch.tensor(batch.rewards, device=self.device, dtype=torch.float32)
+        rewards[torch.arange(num_rows), last] = torch.tensor(batch.rewards, dtype=torch.float32)
         advantages, _ = compute_advantages_and_returns(
             token_level_rewards=rewards,
             response_mask=response_mask,
@@ -107,7 +108,8 @@ class Trainer:
         )
         advantages = apply_loss_reduction_to_advantages_minibatch(
             advantages, response_mask, self.algorithm.loss_reduction, micro_batch_size=num_rows, max_seq_len=response_len
-        )
+        ).to(self.device)
+        response_mask = response_mask.to(self.device)
         rollout_logprobs = None
         if batch.rollout_logprobs is not None:
             rollout_logprobs = _pad_float(batch.rollout_logprobs, response_len, self.device)

@@ -5,7 +5,7 @@ once with ``clora.mode=serial`` (each tenant paying its own cold start: model lo
 then prints one table: wall time, experiments per hour, the throughput ratio, mean final accuracy and its
 standard deviation over tenants, and whether concurrent mode's mean is within one std of serial's.
 
-Usage: python scripts/bench_cpu_concurrency.py --out outputs/bench [extra Hydra overrides, e.g. +tenants=8]
+Usage: python scripts/bench_concurrency.py --out outputs/bench [extra Hydra overrides, e.g. +tenants=8 clora.device=cuda]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def final_accuracies(summary: dict) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("outputs/bench_cpu"))
+    parser.add_argument("--out", type=Path, default=Path("outputs/bench_concurrency"))
     args, overrides = parser.parse_known_args()
     results = {mode: run_mode(mode, args.out, overrides) for mode in ("concurrent", "serial")}
     rows = []
@@ -51,7 +51,7 @@ def main() -> None:
     no_regression = abs(concurrent["acc_final_mean"] - serial["acc_final_mean"]) <= serial["acc_final_std"]
     report = {"rows": rows, "throughput_ratio": ratio, "accuracy_within_one_std": no_regression,
               "base_model_seconds": results["concurrent"]["base_model_seconds"], "overrides": overrides}
-    (args.out / "bench_cpu_concurrency.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "bench_concurrency.json").write_text(json.dumps(report, indent=2) + "\n")
     header = f"{'mode':>10} {'tenants':>7} {'steps':>5} {'wall_s':>8} {'cold_s':>7} {'exp/h':>8} {'acc@0':>6} {'acc_final':>9} {'std':>6}"
     print(header)
     for row in rows:
