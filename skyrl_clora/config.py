@@ -144,7 +144,7 @@ def _check_writable(path: Path) -> None:
         raise ConfigError(f"clora.output_dir={path} is not writable ({error.strerror}); choose another directory") from None
 
 
-def _pick(cls: type, node: DictConfig, prefix: str, extra: dict[str, Any] | None = None) -> Any:
+def config_section(cls: type, node: DictConfig, prefix: str) -> Any:
     """Builds dataclass ``cls`` from ``node``; unknown keys are an error naming the valid ones."""
     values = OmegaConf.to_container(node, resolve=True)
     names = {f.name for f in fields(cls)}
@@ -152,31 +152,36 @@ def _pick(cls: type, node: DictConfig, prefix: str, extra: dict[str, Any] | None
     if unknown:
         raise ConfigError(f"unknown key {prefix}.{unknown[0]}; valid keys: {', '.join(sorted(names))}")
     try:
-        return cls(**values, **(extra or {}))
+        return cls(**values)
     except TypeError as error:
         raise ConfigError(f"{prefix}: {error}") from None
+
+
+def tenant_specs(cfg: DictConfig, lora: LoraConfig, trainer: TrainerConfig) -> list[TenantSpec]:
+    """The run's tenants from ``tenants`` (absent: 1), with the config's seed, lr, LoRA and recipe defaults."""
+    value = cfg.get("tenants", 1)
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value, resolve=True)
+    try:
+        return expand_tenants(
+            value, seed=int(cfg.clora.seed), lr=trainer.lr, rank=lora.rank, alpha=lora.alpha,
+            task_variant=str(cfg.recipe.task_variant), samples_per_prompt=int(cfg.recipe.samples_per_prompt),
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def build_run_config(cfg: DictConfig) -> RunConfig:
     """Validates the composed Hydra config and returns the run's :class:`RunConfig`."""
     clora = cfg.clora
-    lora = _pick(LoraConfig, cfg.lora, "lora")
-    trainer = _pick(TrainerConfig, cfg.trainer, "trainer")
-    tenants_value = cfg.get("tenants", 1)
-    if OmegaConf.is_config(tenants_value):
-        tenants_value = OmegaConf.to_container(tenants_value, resolve=True)
-    try:
-        tenants = expand_tenants(
-            tenants_value, seed=int(clora.seed), lr=trainer.lr, rank=lora.rank, alpha=lora.alpha,
-            task_variant=str(cfg.recipe.task_variant), samples_per_prompt=int(cfg.recipe.samples_per_prompt),
-        )
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    lora = config_section(LoraConfig, cfg.lora, "lora")
+    trainer = config_section(TrainerConfig, cfg.trainer, "trainer")
+    tenants = tenant_specs(cfg, lora, trainer)
     output_dir = Path(os.path.expanduser(str(clora.output_dir)))
     return RunConfig(
         mode=str(clora.mode), train_mode=str(clora.train_mode), steps=int(clora.steps), seed=int(clora.seed),
         output_dir=output_dir, progress=bool(clora.progress), device=str(clora.device),
         backend=str(cfg.backend.name), model_path=None if cfg.model.path is None else os.path.expanduser(str(cfg.model.path)),
-        model_dtype=str(cfg.model.dtype), recipe=_pick(RecipeConfig, cfg.recipe, "recipe"), lora=lora,
-        trainer=trainer, sampler=_pick(SamplerConfig, cfg.sampler, "sampler"), tenants=tuple(tenants),
+        model_dtype=str(cfg.model.dtype), recipe=config_section(RecipeConfig, cfg.recipe, "recipe"), lora=lora,
+        trainer=trainer, sampler=config_section(SamplerConfig, cfg.sampler, "sampler"), tenants=tuple(tenants),
     )

@@ -9,23 +9,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from skyrl_clora.lora.layers import AdapterWeights, attach_multi_lora, read_slot, write_slot
-from skyrl_clora.lora.peft_export import init_adapter, load_peft_adapter, save_peft_adapter
+from skyrl_clora.lora.layers import attach_multi_lora, read_slot, write_slot
+from skyrl_clora.lora.peft_export import load_peft_adapter, save_peft_adapter
 
-
-def _random_adapter(layers, rank: int, alpha: float, seed: int) -> AdapterWeights:
-    generator = torch.Generator().manual_seed(seed)
-    adapter = init_adapter(layers, rank, alpha, generator)
-    for path in adapter.b:
-        adapter.b[path] = torch.randn(adapter.b[path].shape, generator=generator) * 0.2
-    return adapter
+from helpers import random_adapter
 
 
 @pytest.fixture
 def multi_lora(micro_model_dir: Path):
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
     routing, layers = attach_multi_lora(model, num_slots=3, max_rank=16, trainable=False)
-    adapters = [_random_adapter(layers, rank, 2.0 * rank, seed) for seed, rank in enumerate((8, 16, 4))]
+    adapters = [random_adapter(layers, seed, rank, 2.0 * rank, b_std=0.2) for seed, rank in enumerate((8, 16, 4))]
     for slot, adapter in enumerate(adapters):
         write_slot(layers, slot, adapter)
     return model, routing, layers, adapters

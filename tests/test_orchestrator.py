@@ -24,8 +24,10 @@ def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
 
 def _step_metrics(out: Path) -> list[dict]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    drop = ("rollout_s", "train_s", "sync_s")
-    return sorted(({k: v for k, v in r.items() if k not in drop} for r in records),
+    def is_timing(key: str) -> bool:
+        return key in ("rollout_s", "train_s", "sync_s") or "trajectory_time" in key
+
+    return sorted(({k: v for k, v in r.items() if not is_timing(k)} for r in records),
                   key=lambda r: (r["tenant"], r["event"], r["step"]))
 
 

@@ -7,36 +7,28 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
 from skyrl.train.config import SamplingParams as SkyRLSamplingParams
 from skyrl.train.generators.base import GeneratorInput, TrajectoryID
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from skyrl_clora.lora.layers import AdapterWeights, attach_multi_lora
-from skyrl_clora.lora.peft_export import init_adapter
+from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.problems import make_dataset_rows
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
 from skyrl_clora.sampler.engine import Engine, SamplingParams
 
+from helpers import random_adapter
+
 PROMPT = list(range(5, 25))
-
-
-def _adapter(layers, seed: int) -> AdapterWeights:
-    generator = torch.Generator().manual_seed(seed)
-    adapter = init_adapter(layers, 8, 16.0, generator)
-    for path in adapter.b:
-        adapter.b[path] = torch.randn(adapter.b[path].shape, generator=generator) * 0.3
-    return adapter
 
 
 def _engine(model_dir: Path, num_rows: int, adapters: dict[str, int], max_len: int = 96) -> tuple[Engine, dict]:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
     engine = Engine(model, routing, layers, num_rows=num_rows, max_len=max_len)
-    weights = {name: _adapter(layers, seed) for name, seed in adapters.items()}
+    weights = {name: random_adapter(layers, seed) for name, seed in adapters.items()}
     for name, adapter in weights.items():
         engine.register_adapter(name, adapter)
     return engine, weights
@@ -93,7 +85,7 @@ def test_publish_is_fenced_by_the_tenants_own_requests(micro_model_dir: Path) ->
         running = engine.submit(PROMPT, "a", _params(3, max_tokens=60))
         while engine.stats.prefill_tokens < 2 * len(PROMPT):
             time.sleep(0.001)
-        publish = engine.publish("a", _adapter(engine.lora_layers, 9), version=1)
+        publish = engine.publish("a", random_adapter(engine.lora_layers, 9), version=1)
         queued = engine.submit(PROMPT, "a", _params(4))
         done = running.result(timeout=60)
         assert done.adapter_version == 0 and done.token_ids == reference.token_ids

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import torch
 from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampling_params_for_backend
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
 from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
@@ -21,24 +20,18 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 from skyrl.train.generators.utils import build_vllm_cache_salt
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from skyrl_clora.lora.layers import AdapterWeights, attach_multi_lora
-from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
+from skyrl_clora.lora.layers import attach_multi_lora
+from skyrl_clora.lora.peft_export import save_peft_adapter
 from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.problems import make_dataset_rows
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.skyrl.server import EmbeddedServer
 from skyrl_clora.skyrl.tenant_client import TenantInferenceClient, tenant_views
 
+from helpers import random_adapter
+
 TENANTS = ["t0", "t1", "t2", "t3"]
 PROMPT = list(range(5, 25))
-
-
-def _adapter(layers, seed: int) -> AdapterWeights:
-    generator = torch.Generator().manual_seed(seed)
-    adapter = init_adapter(layers, 8, 16.0, generator)
-    for path in adapter.b:
-        adapter.b[path] = torch.randn(adapter.b[path].shape, generator=generator) * 0.3
-    return adapter
 
 
 class Stack:
@@ -59,7 +52,7 @@ class Stack:
         self.peft = {}
         for i, tenant in enumerate(TENANTS):
             self.peft[tenant] = tmp / "initial" / tenant
-            save_peft_adapter(_adapter(self.layers, 100 + i), self.peft[tenant], self.model_dir)
+            save_peft_adapter(random_adapter(self.layers, 100 + i), self.peft[tenant], self.model_dir)
 
     async def load_all(self) -> None:
         for tenant in TENANTS:
@@ -175,7 +168,7 @@ def test_one_tenants_sync_leaves_other_tenants_in_flight_requests_intact(stack: 
         in_flight = [asyncio.create_task(_generate(stack.views[t], f"{t}-long", 80)) for t in others]
         while stack.engine.stats.prefill_tokens < prefilled + len(others) * len(PROMPT):
             await asyncio.sleep(0.002)
-        version = await stack.views["t0"].publish(_adapter(stack.layers, 999), stack.sync_dir, stack.model_dir)
+        version = await stack.views["t0"].publish(random_adapter(stack.layers, 999), stack.sync_dir, stack.model_dir)
         pending_at_sync = sum(not task.done() for task in in_flight)
         disturbed = await asyncio.gather(*in_flight)
         t0_after = await _generate(stack.views["t0"], "t0-short", 8)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear, write_slot
-from skyrl_clora.sampler.model_runner import ModelRunner
+from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner
 from skyrl_clora.sampler.prefix_cache import PrefixCache
 
 
@@ -285,9 +285,13 @@ class Engine:
         self._accept_token(req, logits)
 
     def _decode_step(self) -> None:
-        logits = self.runner.decode(self._tokens, self._positions, self._row_lora)
+        """Decodes the rows up to the last running one, rounded up to whole row quanta (requests take the
+        lowest free rows, so the running ones stay packed at the front)."""
+        last = max(row for row, req in enumerate(self._rows) if req is not None)
+        span = min(self.runner.num_rows, -(-(last + 1) // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM)
+        logits = self.runner.decode(self._tokens[:span], self._positions[:span], self._row_lora[:span])
         self.stats.decode_steps += 1
-        for row, req in enumerate(self._rows):
+        for row, req in enumerate(self._rows[:span]):
             if req is not None:
                 self._accept_token(req, logits[row])
 

@@ -23,6 +23,8 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 from skyrl_clora.lora.layers import LoRARouting
 
+DECODE_ROW_QUANTUM = 16  # decode batches are whole multiples of this many cache rows
+
 
 class ModelRunner:
     """Forward passes of a causal LM over a slot-based KV cache (see module docstring)."""
@@ -104,17 +106,21 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, lora_slots: torch.Tensor) -> torch.Tensor:
-        """One decode step for all rows: ``tokens, positions, lora_slots: [S]`` -> logits ``[S, V]`` (fp32).
+        """One decode step for cache rows ``0..N-1``: ``tokens, positions, lora_slots: [N]`` -> logits ``[N, V]``
+        (fp32), ``N <= num_rows``. Writes each row's new K/V at ``positions[row]`` (must be < max_len).
 
-        Writes each row's new K/V at ``positions[row]`` (must be < max_len)."""
+        Callers keep ``N`` a multiple of :data:`DECODE_ROW_QUANTUM`: the base GEMMs then give each row
+        the same bits for every such ``N`` (seen on the CPU, one thread), so a row's numbers still do
+        not depend on how many other rows run."""
+        num = tokens.shape[0]
         # Keys a row may see: its own cache row up to and including its position.
         visible = self._key_positions.view(1, 1, 1, -1) <= positions.view(-1, 1, 1, 1)  # [S, 1, 1, L]
 
         def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q: [S, H, 1, d]; k, v: [S, KV, 1, d]
-            k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
-            k_cache[self._row_index, :, positions] = k[:, :, 0]
-            v_cache[self._row_index, :, positions] = v[:, :, 0]
+            k_cache, v_cache = self.k_cache[layer_idx][:num], self.v_cache[layer_idx][:num]
+            k_cache[self._row_index[:num], :, positions] = k[:, :, 0]
+            v_cache[self._row_index[:num], :, positions] = v[:, :, 0]
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k_cache, v_cache, attn_mask=visible, enable_gqa=self.num_kv_heads != self.num_heads
             )

@@ -29,8 +29,8 @@ from skyrl.train.config import (
 )
 from skyrl.train.utils.utils import validate_cfg
 
-from skyrl_clora.config import ConfigError, LoraConfig, RecipeConfig, SamplerConfig, TrainerConfig
-from skyrl_clora.tenants import TenantSpec, expand_tenants
+from skyrl_clora.config import ConfigError, LoraConfig, RecipeConfig, SamplerConfig, TrainerConfig, config_section, tenant_specs
+from skyrl_clora.tenants import TenantSpec
 
 _BACKEND_KEYS = {
     "name", "strategy", "inference_backend", "num_engines", "tensor_parallel_size", "merge_lora", "max_loras",
@@ -48,14 +48,6 @@ class SkyRLPlan:
     tenant_configs: dict[str, SkyRLTrainConfig]
     tenants: tuple[TenantSpec, ...]
     tenants_per_batch: int
-
-
-def _section(cls: type, node: DictConfig, prefix: str) -> Any:
-    values = OmegaConf.to_container(node, resolve=True)
-    try:
-        return cls(**values)
-    except TypeError as error:
-        raise ConfigError(f"{prefix}: {error}") from None
 
 
 def _backend(cfg: DictConfig) -> dict[str, Any]:
@@ -198,22 +190,13 @@ def translate(cfg: DictConfig, model_path: str | None = None) -> SkyRLPlan:
     ``model_path`` is the base model folder when ``model.path`` is null (e.g. the tiny base, resolved by
     the caller); the vLLM servers and the workers all load it."""
     backend = _backend(cfg)
-    lora = _section(LoraConfig, cfg.lora, "lora")
+    lora = config_section(LoraConfig, cfg.lora, "lora")
     if lora_rank_off(cfg):
         raise ConfigError("lora.rank=0 turns LoRA off; backend=skyrl runs each tenant as a LoRA adapter: set lora.rank >= 1")
-    trainer = _section(TrainerConfig, cfg.trainer, "trainer")
-    recipe = _section(RecipeConfig, cfg.recipe, "recipe")
-    sampler = _section(SamplerConfig, cfg.sampler, "sampler")
-    tenants_value = cfg.get("tenants", 1)
-    if OmegaConf.is_config(tenants_value):
-        tenants_value = OmegaConf.to_container(tenants_value, resolve=True)
-    try:
-        tenants = expand_tenants(
-            tenants_value, seed=int(cfg.clora.seed), lr=trainer.lr, rank=lora.rank, alpha=lora.alpha,
-            task_variant=recipe.task_variant, samples_per_prompt=recipe.samples_per_prompt,
-        )
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    trainer = config_section(TrainerConfig, cfg.trainer, "trainer")
+    recipe = config_section(RecipeConfig, cfg.recipe, "recipe")
+    sampler = config_section(SamplerConfig, cfg.sampler, "sampler")
+    tenants = tenant_specs(cfg, lora, trainer)
     path = cfg.model.path if cfg.model.path is not None else model_path
     if path is None:
         raise ConfigError("backend=skyrl needs a base model folder: set model.path=/path/to/hf-checkpoint")
