@@ -85,10 +85,14 @@ class SamplerConfig:
     top_p: float
     max_rows: int
     max_prefills_per_step: int
+    prefill_block: int
+    prefix_cache_mb: int
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError("sampler.temperature must be >= 0 and sampler.top_p in (0, 1]")
+        if self.prefill_block < 16 or self.prefill_block % 16:
+            raise ConfigError(f"sampler.prefill_block={self.prefill_block} must be a positive multiple of 16")
 
 
 @dataclass(frozen=True)

@@ -193,7 +193,8 @@ def run_experiments(run: RunConfig) -> dict[str, Any]:
     started = time.perf_counter()
     metrics = MetricsLog(run.output_dir / "metrics.jsonl", progress=run.progress)
     rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in specs)
-    cold_starts = []
+    cold_starts: list[float] = []
+    engine_stats: list[dict[str, float]] = []
     try:
         if run.mode == "concurrent":
             services = build_services(run, model_path, len(specs), rows_per_tenant)
@@ -202,6 +203,7 @@ def run_experiments(run: RunConfig) -> dict[str, Any]:
                 asyncio.run(_run_group(run, specs, services, metrics))
             finally:
                 services.shutdown()
+                engine_stats.append(asdict(services.engine.stats))
         else:
             for spec in specs:
                 services = build_services(run, model_path, 1, rows_per_tenant)
@@ -210,6 +212,7 @@ def run_experiments(run: RunConfig) -> dict[str, Any]:
                     asyncio.run(_run_group(run, [spec], services, metrics))
                 finally:
                     services.shutdown()
+                    engine_stats.append(asdict(services.engine.stats))
     finally:
         metrics.close()
     wall_s = time.perf_counter() - started
@@ -218,6 +221,7 @@ def run_experiments(run: RunConfig) -> dict[str, Any]:
     summary = {
         "mode": run.mode, "tenants": len(specs), "steps": run.steps, "model_path": model_path,
         "base_model_seconds": base_model_s, "wall_seconds": wall_s, "cold_start_seconds": cold_starts,
+        "engine": {key: sum(stats[key] for stats in engine_stats) for key in engine_stats[0]} if engine_stats else {},
         "experiments_per_hour": 3600.0 * sum(r["status"] == "ok" for r in rows) / wall_s,
         "per_tenant": rows, "tenant_specs": [asdict(spec) for spec in specs],
     }

@@ -84,7 +84,8 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     max_len = run.recipe.max_input_length + run.recipe.max_generate_length
     rows = run.sampler.max_rows or num_tenants * rows_per_tenant
     engine = Engine(sampler_model, sampler_routing, sampler_layers, num_rows=rows, max_len=max_len,
-                    max_prefills_per_step=run.sampler.max_prefills_per_step)
+                    max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
+                    prefix_cache_bytes=run.sampler.prefix_cache_mb << 20)
     client = EmbeddedInferenceClient(
         engine, tokenizer, model_name=model_path, seed=run.seed,
         default_sampling={"max_tokens": run.recipe.max_generate_length, "temperature": run.sampler.temperature,

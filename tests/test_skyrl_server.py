@@ -164,9 +164,12 @@ def test_one_tenants_sync_leaves_other_tenants_in_flight_requests_intact(stack: 
         t0_before = await _generate(stack.views["t0"], "t0-short", 8)
         salts_before = {t: build_vllm_cache_salt(v.weight_version, t) for t, v in stack.views.items()}
         # Same requests again; t0's in-place sync lands while they decode.
-        prefilled = stack.engine.stats.prefill_tokens
+        def prompt_tokens_seen() -> int:
+            return stack.engine.stats.prefill_tokens + stack.engine.stats.cached_prompt_tokens
+
+        prefilled = prompt_tokens_seen()
         in_flight = [asyncio.create_task(_generate(stack.views[t], f"{t}-long", 80)) for t in others]
-        while stack.engine.stats.prefill_tokens < prefilled + len(others) * len(PROMPT):
+        while prompt_tokens_seen() < prefilled + len(others) * len(PROMPT):
             await asyncio.sleep(0.002)
         version = await stack.views["t0"].publish(random_adapter(stack.layers, 999), stack.sync_dir, stack.model_dir)
         pending_at_sync = sum(not task.done() for task in in_flight)

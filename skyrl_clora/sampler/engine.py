@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear, write_slot
-from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner
+from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
 from skyrl_clora.sampler.prefix_cache import PrefixCache
 
 
@@ -103,7 +103,7 @@ class Engine:
         num_rows: int,
         max_len: int,
         max_prefills_per_step: int = 8,
-        block_size: int = 64,
+        block_size: int = 16,
         prefix_cache_bytes: int = 1 << 30,
     ) -> None:
         max_len = -(-max_len // block_size) * block_size  # whole prefill blocks
@@ -251,38 +251,53 @@ class Engine:
             req.future.set_exception(ValueError(f"adapter {name!r} was unregistered"))
 
     def _admit(self) -> None:
+        """Admits waiting requests (FIFO) into free rows and prefills them in one batched pass.
+
+        A request whose first prompt block is also the first block of another request admitted in this
+        round waits one round, so that it finds the shared prefix (a GRPO group's prompt, a tenant's
+        system prompt) in the prefix cache instead of computing it again."""
         fenced = {publish.adapter for publish in self._pending_publishes}
         free_rows = [row for row, req in enumerate(self._rows) if req is None]
-        admitted = 0
+        block = self.runner.block_size
+        admitted: list[_Request] = []
+        first_blocks: set[tuple] = set()
         remaining = []
         for req in self._waiting:
             if req.future.cancelled():
                 continue
-            if req.adapter in fenced or not free_rows or admitted >= self.max_prefills_per_step:
+            shared_key = (req.adapter, tuple(req.prompt_ids[:block])) if len(req.prompt_ids) > block else None
+            if (req.adapter in fenced or not free_rows or len(admitted) >= self.max_prefills_per_step
+                    or shared_key in first_blocks):
                 remaining.append(req)
                 continue
-            self._prefill(req, free_rows.pop(0))
-            admitted += 1
+            if shared_key is not None:
+                first_blocks.add(shared_key)
+            req.row = free_rows.pop(0)
+            admitted.append(req)
         self._waiting = remaining
+        if admitted:
+            self._prefill(admitted)
 
-    def _prefill(self, req: _Request, row: int) -> None:
-        req.row = row
-        req.lora_slot = -1 if req.adapter is None else self._slots[req.adapter]
-        req.version = -1 if req.adapter is None else self._versions[req.adapter]
-        req.generator = torch.Generator(device="cpu").manual_seed(req.params.seed)
-        tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.runner.device)
-        cached = self.prefix_cache.lookup(req.adapter, req.version, req.prompt_ids)
-        for index, block in enumerate(cached):
-            self.runner.write_block(row, index, block)
-        start = len(cached) * self.runner.block_size
-        logits = self.runner.prefill(row, tokens, req.lora_slot, start=start)
-        self.prefix_cache.insert(req.adapter, req.version, req.prompt_ids, len(cached),
-                                 lambda index: self.runner.read_blocks(row, index, 1))
-        self.stats.prefill_tokens += len(req.prompt_ids) - start
-        self.stats.cached_prompt_tokens += start
-        self._rows[row] = req
-        self._row_lora[row] = req.lora_slot
-        self._accept_token(req, logits)
+    def _prefill(self, requests: list[_Request]) -> None:
+        jobs = []
+        for req in requests:
+            req.lora_slot = -1 if req.adapter is None else self._slots[req.adapter]
+            req.version = -1 if req.adapter is None else self._versions[req.adapter]
+            req.generator = torch.Generator(device="cpu").manual_seed(req.params.seed)
+            cached = self.prefix_cache.lookup(req.adapter, req.version, req.prompt_ids)
+            for index, block in enumerate(cached):
+                self.runner.write_block(req.row, index, block)
+            tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.runner.device)
+            jobs.append(PrefillJob(req.row, tokens, req.lora_slot, start=len(cached) * self.runner.block_size))
+        all_logits = self.runner.prefill(jobs)
+        for req, job, logits in zip(requests, jobs, all_logits):
+            self.prefix_cache.insert(req.adapter, req.version, req.prompt_ids, job.start // self.runner.block_size,
+                                     lambda index, row=req.row: self.runner.read_blocks(row, index, 1))
+            self.stats.prefill_tokens += len(req.prompt_ids) - job.start
+            self.stats.cached_prompt_tokens += job.start
+            self._rows[req.row] = req
+            self._row_lora[req.row] = req.lora_slot
+            self._accept_token(req, logits)
 
     def _decode_step(self) -> None:
         """Decodes the rows up to the last running one, rounded up to whole row quanta (requests take the

@@ -4,9 +4,9 @@ The HF modules supply the weights and sub-layers (embeddings, norms, projections
 rotary embedding); this runner replaces only the attention bookkeeping so that many sequences of
 different lengths decode together:
 
-- ``prefill(row, tokens, lora_slot, start)``: one sequence's prompt ``[T]`` written into cache row ``row``
-  at positions ``start..T-1`` in fixed-size, position-aligned blocks (so a block's K/V can be cached and
-  reused by any prompt with the same prefix); returns the last token's logits ``[V]``.
+- ``prefill(jobs)``: several prompts written into their cache rows in fixed-size, position-aligned blocks
+  (so a block's K/V can be cached and reused by any prompt with the same prefix), one block of each
+  prompt per forward pass; returns each prompt's last-token logits ``[V]``.
 - ``decode(tokens, positions, lora_slots)``: one token for every cache row at once (``[S]``, rows that are
   not running carry any token and are ignored by the caller); each row attends to its own cache row up to
   its position. The batch is always all ``S`` rows, so a row's numbers never depend on which other
@@ -17,6 +17,8 @@ KV cache: per layer ``k, v: [S, kv_heads, max_len, head_dim]`` in the model dtyp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
@@ -26,10 +28,20 @@ from skyrl_clora.lora.layers import LoRARouting
 DECODE_ROW_QUANTUM = 16  # decode batches are whole multiples of this many cache rows
 
 
+@dataclass
+class PrefillJob:
+    """One prompt to prefill: ``tokens: [T]`` into cache row ``row`` from position ``start`` on."""
+
+    row: int
+    tokens: torch.Tensor
+    lora_slot: int
+    start: int = 0
+
+
 class ModelRunner:
     """Forward passes of a causal LM over a slot-based KV cache (see module docstring)."""
 
-    def __init__(self, model: nn.Module, routing: LoRARouting, num_rows: int, max_len: int, block_size: int = 64) -> None:
+    def __init__(self, model: nn.Module, routing: LoRARouting, num_rows: int, max_len: int, block_size: int = 16) -> None:
         if max_len % block_size:
             raise ValueError(f"max_len {max_len} must be a multiple of the prefill block size {block_size}")
         self.model = model.eval()
@@ -51,45 +63,58 @@ class ModelRunner:
         self._key_positions = torch.arange(max_len, device=self.device)
 
     @torch.no_grad()
-    def prefill(self, row: int, tokens: torch.Tensor, lora_slot: int, start: int = 0) -> torch.Tensor:
-        """Fills cache row ``row`` at positions ``start..T-1`` from ``tokens: [T]`` (positions ``< start`` must
-        already hold this prompt's K/V, e.g. copied from the prefix cache); returns logits ``[V]`` of the
-        last token.
+    def prefill(self, jobs: list[PrefillJob]) -> list[torch.Tensor]:
+        """Prefills several prompts together; returns each one's last-token logits ``[V]`` (fp32).
 
-        The prompt is computed in fixed blocks of ``block_size`` positions aligned at multiples of
-        ``block_size`` (the last block padded; padding is never attended to by real tokens), so the K/V
-        of a block depend only on the tokens up to its end, not on the prompt's length or on where the
-        prefill started: a cached block is bit-identical to a recomputed one. ``start`` must be a
-        multiple of ``block_size``.
+        Job ``i`` fills cache row ``rows[i]`` at positions ``start..T-1`` from ``tokens: [T]`` (positions
+        ``< start`` must already hold the prompt's K/V, e.g. copied from the prefix cache).
+
+        Prompts are computed in fixed blocks of ``block_size`` positions aligned at multiples of
+        ``block_size`` (the last block padded; real tokens never attend to padding), one block of every
+        unfinished job per forward pass, so the K/V of a block depend only on the tokens up to its end,
+        not on the prompt's length, where the prefill started or which prompts shared the pass: a cached
+        block is bit-identical to a recomputed one. ``start`` must be a multiple of ``block_size``.
         """
-        length = tokens.shape[0]
         block = self.block_size
-        if start % block or start >= length:
-            raise ValueError(f"prefill start {start} must be a multiple of {block} below the prompt length {length}")
-        last_hidden = None
-        for block_start in range(start, length, block):
-            chunk = tokens[block_start : block_start + block]
-            real = chunk.shape[0]
-            if real < block:
-                chunk = torch.cat([chunk, chunk.new_zeros(block - real)])
-            positions = torch.arange(block_start, block_start + block, device=self.device)
-            end = block_start + block
-            visible = self._key_positions[:end].view(1, -1) <= positions.view(-1, 1)  # [B, end] causal
+        for job in jobs:
+            if job.start % block or job.start >= job.tokens.shape[0]:
+                raise ValueError(f"prefill start {job.start} must be a multiple of {block} below the prompt length")
+        logits: list[torch.Tensor | None] = [None] * len(jobs)
+        offsets = [job.start for job in jobs]
+        while True:
+            active = [i for i, job in enumerate(jobs) if offsets[i] < job.tokens.shape[0]]
+            if not active:
+                return logits
+            chunks, positions, reals = [], [], []
+            for i in active:
+                chunk = jobs[i].tokens[offsets[i] : offsets[i] + block]
+                reals.append(chunk.shape[0])
+                chunks.append(torch.cat([chunk, chunk.new_zeros(block - chunk.shape[0])]))
+                positions.append(torch.arange(offsets[i], offsets[i] + block, device=self.device))
+            starts = [offsets[i] for i in active]
+            rows = [jobs[i].row for i in active]
 
             def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                # q: [1, H, B, d]; k, v: [1, KV, B, d]
+                # q: [B, H, block, d]; k, v: [B, KV, block, d]; each prompt attends to its own cache row.
                 k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
-                k_cache[row, :, block_start:end] = k[0]
-                v_cache[row, :, block_start:end] = v[0]
-                return torch.nn.functional.scaled_dot_product_attention(
-                    q, k_cache[row : row + 1, :, :end], v_cache[row : row + 1, :, :end], attn_mask=visible,
-                    enable_gqa=self.num_kv_heads != self.num_heads,
-                )
+                outputs = []
+                for b, (row, lo) in enumerate(zip(rows, starts)):
+                    hi = lo + block
+                    k_cache[row, :, lo:hi] = k[b]
+                    v_cache[row, :, lo:hi] = v[b]
+                    visible = self._key_positions[:hi].view(1, -1) <= self._key_positions[lo:hi].view(-1, 1)
+                    outputs.append(torch.nn.functional.scaled_dot_product_attention(
+                        q[b : b + 1], k_cache[row : row + 1, :, :hi], v_cache[row : row + 1, :, :hi],
+                        attn_mask=visible, enable_gqa=self.num_kv_heads != self.num_heads,
+                    ))
+                return torch.cat(outputs)
 
-            token_slots = torch.full((block,), lora_slot, device=self.device, dtype=torch.long)
-            hidden = self._forward(chunk.view(1, block), positions.view(1, block), token_slots, attend)
-            last_hidden = hidden[0, real - 1]
-        return self.model.lm_head(last_hidden).float()
+            token_slots = torch.tensor([jobs[i].lora_slot for i in active], device=self.device).repeat_interleave(block)
+            hidden = self._forward(torch.stack(chunks), torch.stack(positions), token_slots, attend)
+            for b, i in enumerate(active):
+                offsets[i] += block
+                if offsets[i] >= jobs[i].tokens.shape[0]:
+                    logits[i] = self.model.lm_head(hidden[b, reals[b] - 1]).float()
 
     def read_blocks(self, row: int, first_block: int, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of row ``row``'s K/V for blocks ``first_block..first_block+num_blocks-1``: one
