@@ -64,7 +64,7 @@ def test_expand_tenants_rejects_malformed(value) -> None:
 def test_help_lists_settable_keys(capsys: pytest.CaptureFixture) -> None:
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
-    for needle in ("+tenants=N", "recipe=gsm8k", "clora.mode=concurrent", "lora.max_rank=64", "model.path=None"):
+    for needle in ("+tenants=N", "recipe=gsm8k", "clora.mode=concurrent", "lora.max_rank=16", "model.path=None"):
         assert needle in text
 
 
