@@ -253,6 +253,18 @@ def _price_difference(data: dict, order: Record, item_ids: list[str], new_item_i
     return difference
 
 
+def _item_swap_difference(data: dict, order: Record, item_ids: list[str], new_item_ids: list[str]) -> float | str:
+    """tau-bench's checks for swapping ``item_ids`` of ``order`` for ``new_item_ids`` (every item in the
+    order, as many new items as old, each new item an available variant of the same product), in its
+    order; returns the price difference (new minus old) or the first error message."""
+    missing = _missing_item(order, item_ids)
+    if missing is not None:
+        return f"Error: {missing} not found"
+    if len(item_ids) != len(new_item_ids):
+        return "Error: the number of items to be exchanged should match"
+    return _price_difference(data, order, item_ids, new_item_ids)
+
+
 def modify_pending_order_items(
     data: dict, order_id: str, item_ids: list[str], new_item_ids: list[str], payment_method_id: str
 ) -> str:
@@ -261,12 +273,7 @@ def modify_pending_order_items(
     order = _order_with_status(data, order_id, "pending", "Error: non-pending order cannot be modified")
     if isinstance(order, str):
         return order
-    missing = _missing_item(order, item_ids)
-    if missing is not None:
-        return f"Error: {missing} not found"
-    if len(item_ids) != len(new_item_ids):
-        return "Error: the number of items to be exchanged should match"
-    difference = _price_difference(data, order, item_ids, new_item_ids)
+    difference = _item_swap_difference(data, order, item_ids, new_item_ids)
     if isinstance(difference, str):
         return difference
     methods = _payment_methods(data, order)
@@ -302,12 +309,7 @@ def exchange_delivered_order_items(
     order = _order_with_status(data, order_id, "delivered", "Error: non-delivered order cannot be exchanged")
     if isinstance(order, str):
         return order
-    missing = _missing_item(order, item_ids)
-    if missing is not None:
-        return f"Error: {missing} not found"
-    if len(item_ids) != len(new_item_ids):
-        return "Error: the number of items to be exchanged should match"
-    difference = _price_difference(data, order, item_ids, new_item_ids)
+    difference = _item_swap_difference(data, order, item_ids, new_item_ids)
     if isinstance(difference, str):
         return difference
     difference = round(difference, 2)
