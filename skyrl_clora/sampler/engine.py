@@ -5,11 +5,13 @@ One background thread owns the model. Each iteration of its loop:
   2. applies every pending publish whose adapter has no running request (the version fence: a request
      is sampled entirely with the adapter version it was admitted under; new requests of an adapter with
      a pending publish wait until it lands, so a publish cannot starve);
-  3. admits waiting requests into free cache rows (FIFO over all tenants), prefilling each;
-  4. runs one decode step for all rows, samples each running row with its own RNG and retires the
-     finished ones, resolving their futures.
+  3. admits waiting requests into free cache rows (FIFO over all tenants) and prefills them together,
+     taking the prompt blocks it already has from the per-adapter-version prefix cache;
+  4. runs one decode step for the rows up to the last running one, samples each running row with its
+     own RNG and retires the finished ones, resolving their futures.
 Other tenants' requests keep decoding while one tenant's adapter is published: a publish is a ``copy_``
-into that tenant's slot between two decode steps, never a pause or a cache reset.
+into that tenant's slot between two decode steps (dropping only that tenant's cached prefixes), never a
+pause or a global cache reset.
 """
 
 from __future__ import annotations
