@@ -18,7 +18,8 @@ venv="$cache_root/venv-$deps_hash"
 
 find_python312() {
   local candidate
-  for candidate in "${PYTHON312:-}" "$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3" python3.12; do
+  for candidate in "${PYTHON312:-}" "$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3" \
+                   "${PYENV_ROOT:-$HOME/.pyenv}/versions/3.12.1/bin/python3" python3.12; do
     [ -n "$candidate" ] || continue
     if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
       command -v "$candidate"; return 0
