@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from skyrl_clora.kernels import add_lora, packed_lora
+from skyrl_clora.kernels import LoRAMeta, add_lora, packed_lora
 
 TARGET_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -35,21 +35,23 @@ class LoRARouting:
     """Per-model routing of token rows to adapter slots for the current forward pass.
 
     ``token_slots``: ``[T]`` int64 over the flattened ``[batch * seq]`` rows of the forward input, ``-1``
-    for rows that use the base model alone; ``None`` means no LoRA at all.
+    for rows that use the base model alone; ``None`` means no LoRA at all. ``meta``: the kernels'
+    segment metadata already built from ``token_slots`` (shared by every layer of the pass), or ``None``.
     """
 
     token_slots: torch.Tensor | None = None
+    meta: LoRAMeta | None = None
 
     @contextlib.contextmanager
-    def route(self, token_slots: torch.Tensor | None) -> Iterator[None]:
+    def route(self, token_slots: torch.Tensor | None, meta: LoRAMeta | None = None) -> Iterator[None]:
         """Routes rows to slots for the duration of the ``with`` block (not re-entrant across threads:
         each model tree has its own routing and is driven by one thread at a time)."""
-        previous = self.token_slots
-        self.token_slots = token_slots
+        previous = self.token_slots, self.meta
+        self.token_slots, self.meta = token_slots, meta
         try:
             yield
         finally:
-            self.token_slots = previous
+            self.token_slots, self.meta = previous
 
 
 class MultiLoRALinear(nn.Module):
@@ -83,11 +85,11 @@ class MultiLoRALinear(nn.Module):
             return y
         flat_x = x.reshape(-1, self.in_features)
         if self.trainable:
-            delta = packed_lora(flat_x, self.lora_a, self.lora_b, self.scales, token_slots)
+            delta = packed_lora(flat_x, self.lora_a, self.lora_b, self.scales, token_slots, meta=self.routing.meta)
             return y + delta.view(y.shape)
         flat_y = y.view(-1, self.out_features)
         with torch.no_grad():
-            add_lora(flat_y, flat_x, self.lora_a, (self.lora_b,), self.scales, token_slots)
+            add_lora(flat_y, flat_x, self.lora_a, (self.lora_b,), self.scales, token_slots, meta=self.routing.meta)
         return y
 
 
