@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule, TenantState
-from skyrl_clora.trainer.trainer import OptimizerConfig, TrainBatch, Trainer
+from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.optim import OptimizerConfig
+from skyrl_clora.trainer.trainer import Trainer
 
 
 @pytest.fixture
@@ -82,15 +84,9 @@ def test_training_b_never_changes_a(trainer: Trainer) -> None:
 
 def test_grpo_step_raises_the_likelihood_of_rewarded_responses(trainer: Trainer) -> None:
     batch = _batch(7)
-    rows = list(range(4))
 
     def logprob_sums() -> torch.Tensor:
-        trainer.store.swap_in("B", 0)
-        try:
-            with torch.no_grad():
-                lp = trainer._response_logprobs(0, batch, rows, response_len=6)
-        finally:
-            trainer.store.swap_out(0)
+        lp = trainer.response_logprobs("B", batch)
         mask = torch.tensor([[1.0] * len(r) + [0.0] * (6 - len(r)) for r in batch.response_ids])
         return (lp * mask).sum(dim=1)
 

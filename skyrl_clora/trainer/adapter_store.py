@@ -2,31 +2,43 @@
 
 A tenant's state: its LoRA weights in the model dtype (what the sampler and the PEFT export get), the
 fp32 master weights, the Adam moments, the last gradients, the optimizer step count, its RNG state and
-its learning-rate schedule. Host tensors are pinned when CUDA is present so swaps can be asynchronous.
+its learning-rate schedule. Host tensors are pinned when CUDA is present so swaps are asynchronous.
 
 Per LoRA parameter key ``"<layer path>.a"`` (``[r, H_in]``) or ``"<layer path>.b"`` (``[H_out, r]``), at
-the tenant's own rank ``r``; a device slot holds the max rank ``R`` and is zero beyond ``r``.
+the tenant's own rank ``r``; a device slot holds the max rank ``R`` and is zero beyond ``r``. Each table
+(master, exp_avg, exp_avg_sq, grads) of a tenant is one flat host buffer whose per-key views are the
+dict entries, so a swap moves one buffer per table. Each device slot has, besides its fp32 tables at
+rank ``R``, a staging buffer per table in the tenant-rank flat layout: host<->device copies go through it.
 
-Swap algorithm (``swap_in(name, slot)`` then ``swap_out(slot)``):
-  1. swap_in checks that ``slot`` is free and ``name`` is not already on the device (invariant: a tenant
-     is in at most one slot, a slot holds at most one tenant; violations raise).
-  2. It zeroes the slot's LoRA parameters, fp32 masters, moments and gradients, then copies the
-     tenant's master weights into the masters and the LoRA parameters (cast to the model dtype), and its
-     moments and gradients into the slot's, all in the first ``r`` ranks.
-  3. It records the slot's owner and the tenant's rank/scale in the layers (``scales[slot]``).
-  4. swap_out copies the slot's masters, moments and gradients back into the tenant's host tensors
-     (``copy_``, storage kept), refreshes the model-dtype weights from the masters, and frees the slot.
+Swap algorithm (``prefetch(name, slot)`` or ``swap_in(name, slot)``, then ``swap_out(slot)``):
+  1. prefetch checks that ``slot`` is free and ``name`` is in no slot (invariant: a tenant is in at most
+     one slot, a slot holds at most one tenant; violations raise), then copies the tenant's host buffers
+     into the slot's staging buffers on the side stream (CUDA; in order on the CPU) and records an event.
+  2. swap_in (prefetching first unless ``name`` is already prefetched into ``slot``) makes the compute
+     stream wait for that event, zeroes the slot's tables if ``r < R``, unpacks the staging buffers into
+     the first ``r`` ranks of the slot's masters, moments and gradients, writes the masters into the LoRA
+     parameters (model dtype) and the tenant's scale into the layers (``scales[slot]``).
+  3. swap_out packs the slot's first ``r`` ranks (and the masters cast to the model dtype) into the
+     staging buffers on the compute stream, records an event, and on the side stream copies them into the
+     tenant's host buffers (and a fresh model-dtype weights buffer), then frees the slot. The host state is
+     final once :meth:`AdapterStore.wait` returns; a later prefetch of the same tenant is ordered after it
+     on the side stream.
+  ``release(slot)`` frees a prefetched slot that was never swapped in (nothing to write back).
 Step counts, RNG states and schedules live only on the host and are read/written by the trainer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
 from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear
+
+TABLES = ("master", "exp_avg", "exp_avg_sq", "grads")
 
 
 @dataclass(frozen=True)
@@ -56,19 +68,22 @@ class LRSchedule:
 
 @dataclass
 class TenantState:
-    """Everything that makes one tenant's training resumable (host memory)."""
+    """Everything that makes one tenant's training resumable (host memory). ``master``, ``exp_avg``,
+    ``exp_avg_sq`` and ``grads`` map each key to a view of ``flat[table]`` (fp32, tenant rank)."""
 
     name: str
     rank: int
     alpha: float
     schedule: LRSchedule
     weights: AdapterWeights
+    flat: dict[str, torch.Tensor]
     master: dict[str, torch.Tensor]
     exp_avg: dict[str, torch.Tensor]
     exp_avg_sq: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor]
     rng_state: torch.Tensor
     step: int = 0
+    pending: torch.cuda.Event | None = None  # set while a swap-out's copies into the host buffers are in flight
 
     @property
     def scale(self) -> float:
@@ -77,12 +92,15 @@ class TenantState:
 
 @dataclass
 class DeviceSlot:
-    """fp32 optimizer tensors of one device slot, per key, at the max rank."""
+    """fp32 optimizer tables of one device slot at the max rank (per table: key -> tensor), the staging
+    buffers (per table: flat fp32, sized for the max rank; plus ``weights``: flat model dtype), the owner,
+    whether it was swapped in (``active``) or only prefetched, and the event its staging copy-in records."""
 
-    master: dict[str, torch.Tensor] = field(default_factory=dict)
-    exp_avg: dict[str, torch.Tensor] = field(default_factory=dict)
-    exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
+    tables: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    staging: dict[str, torch.Tensor] = field(default_factory=dict)
     owner: str | None = None
+    active: bool = False
+    ready: torch.cuda.Event | None = None
 
 
 class AdapterStore:
@@ -92,26 +110,81 @@ class AdapterStore:
         first = next(iter(layers.values()))
         if not first.trainable:
             raise ValueError("the AdapterStore needs trainable multi-LoRA layers (the trainer's model)")
+        if num_slots > first.lora_a.shape[0]:
+            raise ValueError(f"the AdapterStore needs {num_slots} slots but the layers have {first.lora_a.shape[0]}")
         self.layers = layers
         self.max_rank = first.lora_a.shape[1]
         self.device = first.lora_a.device
+        self.dtype = first.lora_a.dtype
         self.signature = {path: (layer.in_features, layer.out_features) for path, layer in layers.items()}
+        self.keys = [f"{path}.{part}" for path in layers for part in ("a", "b")]
         self.tenants: dict[str, TenantState] = {}
+        cuda = self.device.type == "cuda"
+        self._pin = cuda
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        for layer in layers.values():
+            for param in (layer.lora_a, layer.lora_b):
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
         self.slots = [self._new_slot() for _ in range(num_slots)]
-        self._pin = torch.cuda.is_available()
+
+    # ---- layout -------------------------------------------------------------------------------------
+    def shapes(self, rank: int) -> list[tuple[int, int]]:
+        """Shapes of ``self.keys`` at ``rank``: ``[r, H_in]`` for A, ``[H_out, r]`` for B."""
+        return [shape for fan_in, fan_out in self.signature.values() for shape in ((rank, fan_in), (fan_out, rank))]
+
+    def _views(self, flat: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for rows, cols in self.shapes(rank):
+            views.append(flat[offset : offset + rows * cols].view(rows, cols))
+            offset += rows * cols
+        return views
+
+    def _numel(self, rank: int) -> int:
+        return sum(rows * cols for rows, cols in self.shapes(rank))
+
+    def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=self._pin)
 
     def _new_slot(self) -> DeviceSlot:
         slot = DeviceSlot()
-        for path, layer in self.layers.items():
-            for key, shape in ((f"{path}.a", layer.lora_a.shape[1:]), (f"{path}.b", layer.lora_b.shape[1:])):
-                for table in (slot.master, slot.exp_avg, slot.exp_avg_sq):
-                    table[key] = torch.zeros(shape, device=self.device, dtype=torch.float32)
+        for table in TABLES[:3]:
+            flat = torch.zeros(self._numel(self.max_rank), device=self.device, dtype=torch.float32)
+            slot.tables[table] = dict(zip(self.keys, self._views(flat, self.max_rank)))
+        for table in TABLES:
+            slot.staging[table] = torch.zeros(self._numel(self.max_rank), device=self.device, dtype=torch.float32)
+        slot.staging["weights"] = torch.zeros(self._numel(self.max_rank), device=self.device, dtype=self.dtype)
         return slot
 
-    def _host(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.detach().to("cpu", copy=True).contiguous()
-        return tensor.pin_memory() if self._pin else tensor
+    def param_views(self, slot_index: int, grads: bool = False) -> list[torch.Tensor]:
+        """The slot's LoRA parameters (or their gradients) in ``self.keys`` order, at the max rank."""
+        views = []
+        for layer in self.layers.values():
+            for param in (layer.lora_a, layer.lora_b):
+                views.append((param.grad if grads else param.data)[slot_index])
+        return views
 
+    @staticmethod
+    def _rank_views(tensors: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
+        """First ``rank`` ranks of max-rank tensors in ``keys`` order (A rows, B columns alternate)."""
+        return [t[:rank] if i % 2 == 0 else t[:, :rank] for i, t in enumerate(tensors)]
+
+    @contextlib.contextmanager
+    def _on_side_stream(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def _record(self) -> torch.cuda.Event | None:
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    # ---- tenants ------------------------------------------------------------------------------------
     def register(self, name: str, weights: AdapterWeights, schedule: LRSchedule, seed: int) -> None:
         """Adds a tenant whose adapter starts at ``weights`` (fp32, PEFT layout)."""
         if name in self.tenants:
@@ -120,76 +193,128 @@ class AdapterStore:
             raise ValueError(f"tenant {name!r} rank {weights.rank} exceeds lora.max_rank={self.max_rank}")
         if set(weights.a) != set(self.signature):
             raise ValueError(f"tenant {name!r} adapter targets {sorted(weights.a)[:3]}... differ from the model's LoRA layers")
-        master: dict[str, torch.Tensor] = {}
         for path, (fan_in, fan_out) in self.signature.items():
             if tuple(weights.a[path].shape) != (weights.rank, fan_in) or tuple(weights.b[path].shape) != (fan_out, weights.rank):
                 raise ValueError(f"tenant {name!r} adapter shape mismatch at {path}")
-            master[f"{path}.a"] = self._host(weights.a[path].float())
-            master[f"{path}.b"] = self._host(weights.b[path].float())
-        zeros = lambda: {key: self._host(torch.zeros_like(t)) for key, t in master.items()}  # noqa: E731
+        numel = self._numel(weights.rank)
+        flat = {table: self._host_empty(numel, torch.float32).zero_() for table in TABLES}
+        views = {table: dict(zip(self.keys, self._views(flat[table], weights.rank))) for table in TABLES}
+        for path in self.signature:
+            views["master"][f"{path}.a"].copy_(weights.a[path])
+            views["master"][f"{path}.b"].copy_(weights.b[path])
         generator = torch.Generator().manual_seed(seed)
         state = TenantState(
             name=name, rank=weights.rank, alpha=weights.alpha, schedule=schedule,
-            weights=AdapterWeights(rank=weights.rank, alpha=weights.alpha),
-            master=master, exp_avg=zeros(), exp_avg_sq=zeros(), grads=zeros(), rng_state=generator.get_state(),
+            weights=AdapterWeights(rank=weights.rank, alpha=weights.alpha), flat=flat, **views,
+            rng_state=generator.get_state(),
         )
-        self._refresh_weights(state)
+        host_weights = self._host_empty(numel, self.dtype)
+        host_weights.copy_(flat["master"])
+        self._set_weights(state, host_weights)
         self.tenants[name] = state
 
     def remove(self, name: str) -> None:
         if any(slot.owner == name for slot in self.slots):
             raise ValueError(f"tenant {name!r} is on the device; swap it out first")
+        self.wait(name)
         del self.tenants[name]
 
-    def swap_in(self, name: str, slot_index: int) -> TenantState:
-        """Steps 1-3 of the swap algorithm; returns the tenant's host state."""
+    def slot_of(self, name: str) -> int | None:
+        """The slot holding ``name`` (prefetched or swapped in), or None."""
+        return next((index for index, slot in enumerate(self.slots) if slot.owner == name), None)
+
+    def wait(self, name: str | None = None) -> None:
+        """Blocks until the host state of ``name`` (every tenant when None) is final after a swap-out."""
+        for state in [self.tenants[name]] if name is not None else list(self.tenants.values()):
+            if state.pending is not None:
+                state.pending.synchronize()
+                state.pending = None
+
+    # ---- swaps --------------------------------------------------------------------------------------
+    def prefetch(self, name: str, slot_index: int) -> None:
+        """Step 1 of the swap algorithm: starts copying ``name``'s host state into ``slot_index``."""
         state = self.tenants[name]
         slot = self.slots[slot_index]
         if slot.owner is not None:
             raise RuntimeError(f"device slot {slot_index} still holds {slot.owner!r}")
-        if any(s.owner == name for s in self.slots):
+        if self.slot_of(name) is not None:
             raise RuntimeError(f"tenant {name!r} is already on the device")
+        numel = self._numel(state.rank)
+        with self._on_side_stream():
+            for table in TABLES:
+                slot.staging[table][:numel].copy_(state.flat[table], non_blocking=True)
+            slot.ready = self._record()
+        slot.owner, slot.active = name, False
+
+    def swap_in(self, name: str, slot_index: int) -> TenantState:
+        """Step 2 of the swap algorithm (after step 1 unless ``name`` is prefetched into the slot)."""
+        slot = self.slots[slot_index]
+        if slot.owner != name or slot.active:
+            self.prefetch(name, slot_index)
+        state = self.tenants[name]
         r = state.rank
+        if slot.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+            slot.ready = None
         with torch.no_grad():
-            for path, layer in self.layers.items():
-                for key, param, rows in ((f"{path}.a", layer.lora_a, slice(0, r)), (f"{path}.b", layer.lora_b, None)):
-                    index = (slice(None), slice(0, r)) if rows is None else (rows,)
-                    for device_t, host_t in ((slot.master[key], state.master[key]), (slot.exp_avg[key], state.exp_avg[key]),
-                                             (slot.exp_avg_sq[key], state.exp_avg_sq[key])):
-                        device_t.zero_()
-                        device_t[index].copy_(host_t, non_blocking=True)
-                    param[slot_index].copy_(slot.master[key])
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
-                    param.grad[slot_index].zero_()
-                    param.grad[slot_index][index].copy_(state.grads[key], non_blocking=True)
+            numel = self._numel(r)
+            for table in TABLES[:3]:
+                destination = list(slot.tables[table].values())
+                if r < self.max_rank:
+                    torch._foreach_zero_(destination)
+                torch._foreach_copy_(self._rank_views(destination, r), self._views(slot.staging[table][:numel], r))
+            grads = self.param_views(slot_index, grads=True)
+            torch._foreach_zero_(grads)
+            torch._foreach_copy_(self._rank_views(grads, r), self._views(slot.staging["grads"][:numel], r))
+            torch._foreach_copy_(self.param_views(slot_index), list(slot.tables["master"].values()))
+            for layer in self.layers.values():
                 layer.scales[slot_index] = state.scale
-        slot.owner = name
+        slot.active = True
         return state
+
+    def release(self, slot_index: int) -> None:
+        """Frees a slot holding a prefetched (never swapped-in) tenant."""
+        slot = self.slots[slot_index]
+        if slot.active:
+            raise RuntimeError(f"device slot {slot_index} holds {slot.owner!r} swapped in; swap it out")
+        if slot.ready is not None:  # the staging buffers may be refilled only after this copy is done
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+        slot.owner, slot.ready = None, None
 
     def swap_out(self, slot_index: int) -> TenantState:
-        """Step 4 of the swap algorithm; returns the tenant's host state."""
+        """Step 3 of the swap algorithm; returns the tenant's host state (final after :meth:`wait`)."""
         slot = self.slots[slot_index]
-        if slot.owner is None:
-            raise RuntimeError(f"device slot {slot_index} is empty")
+        if slot.owner is None or not slot.active:
+            raise RuntimeError(f"device slot {slot_index} has no swapped-in tenant")
         state = self.tenants[slot.owner]
         r = state.rank
+        numel = self._numel(r)
         with torch.no_grad():
-            for path, layer in self.layers.items():
-                for key, param, is_a in ((f"{path}.a", layer.lora_a, True), (f"{path}.b", layer.lora_b, False)):
-                    index = (slice(0, r),) if is_a else (slice(None), slice(0, r))
-                    state.master[key].copy_(slot.master[key][index])
-                    state.exp_avg[key].copy_(slot.exp_avg[key][index])
-                    state.exp_avg_sq[key].copy_(slot.exp_avg_sq[key][index])
-                    state.grads[key].copy_(param.grad[slot_index][index])
+            for table in TABLES[:3]:
+                torch._foreach_copy_(self._views(slot.staging[table][:numel], r),
+                                     self._rank_views(list(slot.tables[table].values()), r))
+            torch._foreach_copy_(self._views(slot.staging["grads"][:numel], r),
+                                 self._rank_views(self.param_views(slot_index, grads=True), r))
+            slot.staging["weights"][:numel].copy_(slot.staging["master"][:numel])
+            for layer in self.layers.values():
                 layer.scales[slot_index] = 0.0
-        self._refresh_weights(state)
-        slot.owner = None
+        packed = self._record()
+        host_weights = self._host_empty(numel, self.dtype)
+        with self._on_side_stream():
+            if packed is not None:
+                torch.cuda.current_stream(self.device).wait_event(packed)
+            for table in TABLES:
+                state.flat[table].copy_(slot.staging[table][:numel], non_blocking=True)
+            host_weights.copy_(slot.staging["weights"][:numel], non_blocking=True)
+            state.pending = self._record()
+        self._set_weights(state, host_weights)
+        slot.owner, slot.active = None, False
         return state
 
-    def _refresh_weights(self, state: TenantState) -> None:
-        """Model-dtype weights (what the sampler and the export get) from the fp32 masters."""
-        dtype = next(iter(self.layers.values())).lora_a.dtype
-        for path in self.signature:
-            state.weights.a[path] = state.master[f"{path}.a"].to(dtype, copy=True)
-            state.weights.b[path] = state.master[f"{path}.b"].to(dtype, copy=True)
+    def _set_weights(self, state: TenantState, flat: torch.Tensor) -> None:
+        """Points the tenant's model-dtype weights (a fresh object: earlier ones stay valid) at ``flat``."""
+        weights = AdapterWeights(rank=state.rank, alpha=state.alpha)
+        views = self._views(flat, state.rank)
+        for index, path in enumerate(self.signature):
+            weights.a[path], weights.b[path] = views[2 * index], views[2 * index + 1]
+        state.weights = weights

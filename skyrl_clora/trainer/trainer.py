@@ -1,53 +1,38 @@
-"""The embedded trainer: GRPO steps for one tenant at a time through the AdapterStore (swap mode).
+"""The embedded trainer: GRPO steps for tenants swapped through the AdapterStore, one at a time (swap mode)
+or several in one forward/backward (packed mode).
 
 Advantages come from SkyRL's advantage-estimator registry and the loss from its policy-loss registry
 (``skyrl.backends.skyrl_train.utils.ppo_utils``), configured by SkyRL's ``AlgorithmConfig``; the
 optimizer is AdamW on each tenant's fp32 master weights with the tenant's own learning-rate schedule.
+
+A pass over ``P`` tenants in slots ``0..P-1``: every tenant's rows are shuffled with the tenant's own RNG,
+the shuffled orders are interleaved into micro-batches of ``micro_batch_size`` rows routed to their
+tenants' slots, and per micro-batch the tenants' policy losses are summed and back-propagated once (the
+packed LoRA op gives every slot its own gradients). Then each slot gets its own gradient clipping and
+AdamW step with its tenant's learning rate and step count. Each tenant's loss normaliser covers its own
+batch, so a tenant's update does not depend on which tenants shared its pass (up to float rounding).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
-from skyrl.backends.skyrl_train.utils.ppo_utils import (
-    PolicyLossRegistry,
-    apply_loss_reduction_to_advantages_minibatch,
-    compute_advantages_and_returns,
-)
+from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 from skyrl.train.config import AlgorithmConfig
 
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear
-from skyrl_clora.trainer.adapter_store import AdapterStore
-
-
-@dataclass
-class TrainBatch:
-    """One tenant's rollouts for a step. Per trajectory: prompt and response token ids, the response's
-    loss mask (1 = trained token), its scalar reward, its group id (GRPO groups the samples of one
-    prompt) and the sampler's log-probs of the response tokens (or None)."""
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    loss_masks: list[list[int]]
-    rewards: list[float]
-    group_ids: list[str]
-    rollout_logprobs: list[list[float]] | None
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW settings shared by all tenants (the learning rate is per tenant, in its schedule)."""
-
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+from skyrl_clora.trainer.adapter_store import AdapterStore, TenantState
+from skyrl_clora.trainer.batch import MicroBatch, PassRows, TrainBatch, build_pass_rows, plan_micro_batches
+from skyrl_clora.trainer.logprobs import token_logprobs
+from skyrl_clora.trainer.optim import OptimizerConfig, adamw_slot
 
 
 class Trainer:
-    """Runs GRPO steps on a trainer model whose LoRA layers are trainable slots managed by ``store``."""
+    """Runs GRPO steps on a trainer model whose LoRA layers are trainable slots managed by ``store``.
+
+    ``store.slots`` bounds the tenants of one packed pass; in swap mode a second slot, when there is one,
+    receives the next tenant's state (``train_step(..., prefetch=name)``) while the current one trains.
+    ``max_logits`` bounds the fp32 logits alive at once (see :func:`token_logprobs`).
+    """
 
     def __init__(
         self,
@@ -58,6 +43,7 @@ class Trainer:
         algorithm: AlgorithmConfig,
         optimizer: OptimizerConfig,
         micro_batch_size: int,
+        max_logits: int = 1 << 27,
     ) -> None:
         self.model = model
         self.routing = routing
@@ -66,131 +52,165 @@ class Trainer:
         self.algorithm = algorithm
         self.optimizer = optimizer
         self.micro_batch_size = micro_batch_size
+        self.max_logits = max_logits
         self.policy_loss = PolicyLossRegistry.get(algorithm.policy_loss_type)
         self.device = store.device
+        self.decoder = model.base_model
+        self.head = model.get_output_embeddings()
 
-    def train_step(self, tenant: str, batch: TrainBatch) -> tuple[AdapterWeights, dict[str, float]]:
-        """Swaps ``tenant`` in, runs one policy update on ``batch``, swaps it out.
+    @property
+    def pack_size(self) -> int:
+        """The most tenants one packed pass trains (the store's device slots)."""
+        return len(self.store.slots)
+
+    def train_step(
+        self, tenant: str, batch: TrainBatch, prefetch: str | None = None
+    ) -> tuple[AdapterWeights, dict[str, float]]:
+        """Swap mode: swaps ``tenant`` in, runs one policy update on ``batch``, swaps it out. With ``prefetch``
+        (the tenant expected next) and a second device slot, that tenant's state is copied in meanwhile.
 
         Returns the tenant's new adapter weights (model dtype, for the sampler) and step metrics."""
-        state = self.store.swap_in(tenant, 0)
+        slot = self.store.slot_of(tenant)
+        if slot is None:
+            slot = self._free_slot(avoid=None)
+        self.store.swap_in(tenant, slot)
+        if prefetch is not None and prefetch != tenant and self.pack_size > 1 and self.store.slot_of(prefetch) is None:
+            self.store.prefetch(prefetch, self._free_slot(avoid=slot))
+        return self._train_swapped([(tenant, slot)], [batch])[0]
+
+    def train_packed(self, items: list[tuple[str, TrainBatch]]) -> list[tuple[AdapterWeights, dict[str, float]]]:
+        """Packed mode: trains every ``(tenant, batch)`` of ``items`` (distinct tenants, at most
+        :attr:`pack_size`) in one pass; returns each tenant's new weights and metrics, in ``items`` order."""
+        names = [name for name, _ in items]
+        if not items or len(set(names)) != len(names):
+            raise ValueError(f"train_packed needs distinct tenants, got {names}")
+        if len(items) > self.pack_size:
+            raise ValueError(f"{len(items)} tenants exceed the trainer's {self.pack_size} slots; raise trainer.pack_size")
+        for index, slot in enumerate(self.store.slots):  # prefetched swap-mode tenants give their slots back
+            if slot.owner is not None and not slot.active:
+                self.store.release(index)
+        swapped = []
         try:
+            for slot, name in enumerate(names):
+                self.store.swap_in(name, slot)
+                swapped.append((name, slot))
+        except BaseException:
+            for _, slot in swapped:
+                self.store.swap_out(slot)
+            raise
+        return self._train_swapped(swapped, [batch for _, batch in items])
+
+    def _free_slot(self, avoid: int | None) -> int:
+        """A slot without a swapped-in tenant other than ``avoid``, freeing a prefetched tenant if needed."""
+        candidates = [i for i, slot in enumerate(self.store.slots) if i != avoid and not slot.active]
+        if not candidates:
+            raise RuntimeError("no free trainer slot")
+        free = next((i for i in candidates if self.store.slots[i].owner is None), candidates[0])
+        if self.store.slots[free].owner is not None:
+            self.store.release(free)
+        return free
+
+    def _train_swapped(
+        self, swapped: list[tuple[str, int]], batches: list[TrainBatch]
+    ) -> list[tuple[AdapterWeights, dict[str, float]]]:
+        """One pass over swapped-in tenants ``(name, slot)``; swaps them out (also on error) and waits for
+        their host states."""
+        states = [self.store.tenants[name] for name, _ in swapped]
+        try:
+            metrics = self._update([slot for _, slot in swapped], states, batches)
+        finally:
+            for _, slot in swapped:
+                self.store.swap_out(slot)
+            for name, _ in swapped:
+                self.store.wait(name)
+        return [(state.weights, m) for state, m in zip(states, metrics)]
+
+    def _update(self, slots: list[int], states: list[TenantState], batches: list[TrainBatch]) -> list[dict[str, float]]:
+        """Gradients of every tenant's policy loss over its batch in shuffled, interleaved micro-batches,
+        then one AdamW step per tenant. Advances each tenant's step count and RNG state."""
+        rows = build_pass_rows(batches, slots, self.algorithm, self.device)
+        orders = []
+        for state, count in zip(states, rows.counts):
             generator = torch.Generator().manual_seed(0)
             generator.set_state(state.rng_state)
-            metrics = self._update(0, batch, state.schedule.lr(state.step), state.step + 1, generator)
+            orders.append(torch.randperm(count, generator=generator).tolist())
             state.rng_state = generator.get_state()
+        order, micro_batches = plan_micro_batches(rows, orders, self.micro_batch_size)
+        order_device = torch.tensor(order).to(self.device, non_blocking=True)
+        torch._foreach_zero_([view for slot in slots for view in self.store.param_views(slot, grads=True)])
+
+        tenants = len(slots)
+        totals = torch.zeros(3, tenants, device=self.device)  # policy loss, log-prob sum, |log-prob - sampler's|
+        for micro in micro_batches:
+            row_index = order_device[micro.start : micro.end]
+            log_probs = self._logprobs(rows, row_index, micro)
+            advantages = rows.advantages[row_index, : micro.response_width]
+            mask = rows.response_mask[row_index, : micro.response_width]
+            rollout = rows.rollout_logprobs[row_index, : micro.response_width]
+            loss_sum = None
+            for tenant, first, last in micro.segments:
+                part = slice(first, last)
+                # One on-policy update per step: the "old" policy is the current one.
+                loss, _ = self.policy_loss(
+                    log_probs[part], log_probs[part].detach(), advantages[part], config=self.algorithm,
+                    loss_mask=mask[part], rollout_logprobs=rollout[part] if rows.has_rollout[tenant] else None,
+                )
+                loss_sum = loss if loss_sum is None else loss_sum + loss
+                detached = log_probs[part].detach()
+                totals[0, tenant] += loss.detach()
+                totals[1, tenant] += (detached * mask[part]).sum()
+                totals[2, tenant] += ((detached - rollout[part]).abs() * mask[part]).sum()
+            loss_sum.backward()
+
+        norms = []
+        for slot, state in zip(slots, states):
             state.step += 1
-        finally:
-            self.store.swap_out(0)
-        return state.weights, metrics
+            norms.append(adamw_slot(self.store, slot, state.schedule.lr(state.step - 1), state.step, self.optimizer))
+        host = torch.cat([totals, torch.stack(norms)[None]]).tolist()  # the pass's one host synchronisation
+        results = []
+        for p, state in enumerate(states):
+            tokens = max(1.0, rows.response_tokens[p])
+            metrics = {
+                "policy_loss": host[0][p], "grad_norm": host[3][p], "lr": state.schedule.lr(state.step - 1),
+                "response_tokens": rows.response_tokens[p], "mean_token_logprob": host[1][p] / tokens,
+            }
+            if rows.has_rollout[p]:
+                metrics["logprob_abs_diff_vs_sampler"] = host[2][p] / tokens
+            results.append(metrics)
+        return results
 
-    def _update(
-        self, slot: int, batch: TrainBatch, lr: float, step: int, generator: torch.Generator
-    ) -> dict[str, float]:
-        """Gradient of the policy loss over ``batch`` in shuffled micro-batches (shuffled with the tenant's
-        RNG), then one AdamW step. Advantages and the loss normaliser are computed over the whole batch."""
-        # Advantages are computed on the CPU (SkyRL's GRPO estimator builds its group statistics there).
-        response_mask = _pad_float([[float(m) for m in mask] for mask in batch.loss_masks],
-                                   max(1, max(len(r) for r in batch.response_ids)), torch.device("cpu"))
-        num_rows, response_len = response_mask.shape
-        rewards = torch.zeros(num_rows, response_len)
-        last = (response_mask.sum(dim=1) - 1).clamp(min=0).long()
-        rewards[torch.arange(num_rows), last] = torch.tensor(batch.rewards, dtype=torch.float32)
-        advantages, _ = compute_advantages_and_returns(
-            token_level_rewards=rewards,
-            response_mask=response_mask,
-            index=np.array(batch.group_ids),
-            adv_estimator=self.algorithm.advantage_estimator,
-            config=self.algorithm,
-            grpo_norm_by_std=self.algorithm.grpo_norm_by_std,
-            gamma=self.algorithm.gamma,
-            lambd=self.algorithm.lambd,
-        )
-        advantages = apply_loss_reduction_to_advantages_minibatch(
-            advantages, response_mask, self.algorithm.loss_reduction, micro_batch_size=num_rows, max_seq_len=response_len
-        ).to(self.device)
-        response_mask = response_mask.to(self.device)
-        rollout_logprobs = None
-        if batch.rollout_logprobs is not None:
-            rollout_logprobs = _pad_float(batch.rollout_logprobs, response_len, self.device)
-        for layer in self.layers.values():
-            layer.lora_a.grad[slot].zero_()
-            layer.lora_b.grad[slot].zero_()
-
-        totals = {"policy_loss": 0.0, "logprob_sum": 0.0, "sampler_abs_diff": 0.0}
-        order = torch.randperm(num_rows, generator=generator).tolist()
-        for start in range(0, num_rows, self.micro_batch_size):
-            rows = order[start : start + self.micro_batch_size]
-            log_probs = self._response_logprobs(slot, batch, rows, response_len)
-            mask = response_mask[rows]
-            # One on-policy update per step: the "old" policy is the current one.
-            loss, _ = self.policy_loss(
-                log_probs, log_probs.detach(), advantages[rows], config=self.algorithm, loss_mask=mask,
-                rollout_logprobs=None if rollout_logprobs is None else rollout_logprobs[rows],
-            )
-            loss.backward()
-            totals["policy_loss"] += float(loss.detach())
-            totals["logprob_sum"] += float((log_probs.detach() * mask).sum())
-            if rollout_logprobs is not None:
-                totals["sampler_abs_diff"] += float(((log_probs.detach() - rollout_logprobs[rows]).abs() * mask).sum())
-        grad_norm = self._adamw(slot, lr, step)
-        tokens = float(response_mask.sum().clamp(min=1))
-        metrics = {
-            "policy_loss": totals["policy_loss"],
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "response_tokens": float(response_mask.sum()),
-            "mean_token_logprob": totals["logprob_sum"] / tokens,
-        }
-        if rollout_logprobs is not None:
-            metrics["logprob_abs_diff_vs_sampler"] = totals["sampler_abs_diff"] / tokens
-        return metrics
-
-    def _response_logprobs(self, slot: int, batch: TrainBatch, rows: list[int], response_len: int) -> torch.Tensor:
-        """Log-probs ``[len(rows), Lr]`` of the response tokens of ``rows`` under the slot's adapter."""
-        sequences = [batch.prompt_ids[i] + batch.response_ids[i] for i in rows]
-        seq_len = max(len(seq) for seq in sequences)
-        input_ids = torch.zeros(len(rows), seq_len, dtype=torch.long)
-        for i, seq in enumerate(sequences):
-            input_ids[i, : len(seq)] = torch.tensor(seq)
-        input_ids = input_ids.to(self.device)
-        starts = torch.tensor([len(batch.prompt_ids[i]) for i in rows], device=self.device)
-        token_slots = torch.full((input_ids.numel(),), slot, dtype=torch.long, device=self.device)
-        with self.routing.route(token_slots):
-            logits = self.model(input_ids=input_ids).logits.float()  # [B, L, V]
-        token_logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    def _logprobs(self, rows: PassRows, row_index: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
+        """Log-probs ``[B, response_width]`` of the response tokens of rows ``row_index``, each under its
+        tenant's slot (positions past a row's response hold a clamped token's log-prob; masks drop them)."""
+        width = micro.width
+        input_ids = rows.input_ids[row_index, :width]
+        positions = torch.arange(width, device=self.device)
+        token_slots = torch.where(positions[None] < rows.seq_lens[row_index, None], rows.row_slot[row_index, None], -1)
+        with self.routing.route(token_slots.reshape(-1)):
+            hidden = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, L, H]
         # Response token j of a row sits at input position start + j and is predicted at start + j - 1.
-        index = (starts[:, None] - 1 + torch.arange(response_len, device=self.device)[None]).clamp(max=seq_len - 2)
-        return token_logprobs.gather(1, index)
+        steps = torch.arange(micro.response_width, device=self.device)
+        index = (rows.prompt_lens[row_index, None] - 1 + steps[None]).clamp(0, max(width - 2, 0))
+        picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+        targets = input_ids.gather(1, (index + 1).clamp(max=width - 1))
+        log_probs = token_logprobs(picked.reshape(-1, hidden.shape[-1]), self.head, targets.reshape(-1), self.max_logits)
+        return log_probs.view(index.shape)
 
     @torch.no_grad()
-    def _adamw(self, slot_index: int, lr: float, step: int) -> float:
-        """Clips the slot's gradients to ``max_grad_norm`` and applies one AdamW step to its fp32 masters,
-        then writes the masters into the slot's LoRA parameters. Returns the pre-clip gradient norm."""
-        slot = self.store.slots[slot_index]
-        grads = {}
-        for path, layer in self.layers.items():
-            grads[f"{path}.a"] = layer.lora_a.grad[slot_index].float()
-            grads[f"{path}.b"] = layer.lora_b.grad[slot_index].float()
-        norm = torch.sqrt(sum((g * g).sum() for g in grads.values()))
-        clip = min(1.0, self.optimizer.max_grad_norm / (float(norm) + 1e-6))
-        beta1, beta2 = self.optimizer.betas
-        for key, grad in grads.items():
-            grad = grad * clip
-            m, v, master = slot.exp_avg[key], slot.exp_avg_sq[key], slot.master[key]
-            m.mul_(beta1).add_(grad, alpha=1 - beta1)
-            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (v / (1 - beta2**step)).sqrt_().add_(self.optimizer.eps)
-            master.mul_(1 - lr * self.optimizer.weight_decay)
-            master.addcdiv_(m / (1 - beta1**step), denom, value=-lr)
-        for path, layer in self.layers.items():
-            layer.lora_a[slot_index].copy_(slot.master[f"{path}.a"])
-            layer.lora_b[slot_index].copy_(slot.master[f"{path}.b"])
-        return float(norm)
-
-
-def _pad_float(values: list[list[float]], length: int, device: torch.device) -> torch.Tensor:
-    out = torch.zeros(len(values), length, dtype=torch.float32)
-    for i, row in enumerate(values):
-        out[i, : len(row)] = torch.tensor(row[:length], dtype=torch.float32)
-    return out.to(device)
+    def response_logprobs(self, tenant: str, batch: TrainBatch) -> torch.Tensor:
+        """Log-probs ``[N, Lr]`` (fp32, device) of ``batch``'s response tokens under ``tenant``'s current
+        adapter, in row order; ``Lr`` = the longest response. The tenant's state is left unchanged."""
+        slot = self._free_slot(avoid=None)
+        self.store.swap_in(tenant, slot)
+        try:
+            rows = build_pass_rows([batch], [slot], self.algorithm, self.device)
+            order, micro_batches = plan_micro_batches(rows, [list(range(rows.counts[0]))], self.micro_batch_size)
+            order_device = torch.tensor(order, device=self.device)
+            out = torch.zeros_like(rows.response_mask)
+            for micro in micro_batches:
+                row_index = order_device[micro.start : micro.end]
+                out[row_index, : micro.response_width] = self._logprobs(rows, row_index, micro)
+        finally:
+            self.store.swap_out(slot)
+            self.store.wait(tenant)
+        return out

@@ -1,0 +1,189 @@
+"""Training batches: one tenant's rollouts, their validation, and the padded device tables of a pass.
+
+A pass trains ``P`` tenants (``P = 1`` in swap mode) on the rows of all their batches. Each tenant's
+advantages are computed over its own batch with SkyRL's estimator and scaled by its own loss normaliser
+(``apply_loss_reduction_to_advantages_minibatch`` over the whole batch), so that summing the per-token
+policy loss over any grouping of its rows into micro-batches gives the tenant's loss.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from skyrl.backends.skyrl_train.utils.ppo_utils import (
+    apply_loss_reduction_to_advantages_minibatch,
+    compute_advantages_and_returns,
+)
+from skyrl.train.config import AlgorithmConfig
+
+
+@dataclass
+class TrainBatch:
+    """One tenant's rollouts for a step. Per trajectory: prompt and response token ids, the response's
+    loss mask (1 = trained token), its scalar reward, its group id (GRPO groups the samples of one
+    prompt) and the sampler's log-probs of the response tokens (or None)."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    loss_masks: list[list[int]]
+    rewards: list[float]
+    group_ids: list[str]
+    rollout_logprobs: list[list[float]] | None
+
+
+def validate_batch(batch: TrainBatch) -> None:
+    """Raises ValueError (one line naming the problem) unless ``batch`` is trainable."""
+    rows = len(batch.prompt_ids)
+    if rows == 0:
+        raise ValueError("train batch has no rows")
+    lengths = {"response_ids": len(batch.response_ids), "loss_masks": len(batch.loss_masks),
+               "rewards": len(batch.rewards), "group_ids": len(batch.group_ids)}
+    if batch.rollout_logprobs is not None:
+        lengths["rollout_logprobs"] = len(batch.rollout_logprobs)
+    for name, length in lengths.items():
+        if length != rows:
+            raise ValueError(f"train batch has {rows} prompts but {length} {name}")
+    for index, (prompt, response, mask) in enumerate(zip(batch.prompt_ids, batch.response_ids, batch.loss_masks)):
+        if not prompt:
+            raise ValueError(f"train batch row {index} has an empty prompt")
+        if len(mask) != len(response):
+            raise ValueError(f"train batch row {index}: loss mask of length {len(mask)} for {len(response)} response tokens")
+        if batch.rollout_logprobs is not None and len(batch.rollout_logprobs[index]) < len(response):
+            raise ValueError(f"train batch row {index}: fewer rollout log-probs than response tokens")
+
+
+def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
+    """``[len(rows), width]`` fp32, row ``i`` holding ``rows[i][:width]`` then zeros."""
+    lengths = torch.tensor([min(len(row), width) for row in rows])
+    out = torch.zeros(len(rows), width)
+    out[torch.arange(width)[None] < lengths[:, None]] = torch.tensor(
+        list(itertools.chain.from_iterable(row[:width] for row in rows)), dtype=torch.float32)
+    return out
+
+
+def tenant_advantages(batch: TrainBatch, algorithm: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's advantages scaled by its loss normaliser, and its response mask: both ``[N, Lr]`` fp32 on
+    the CPU (SkyRL's GRPO estimator builds its group statistics there), ``Lr`` = the longest response."""
+    response_mask = _pad([[float(m) for m in mask] for mask in batch.loss_masks],
+                         max(1, max(len(r) for r in batch.response_ids)))
+    num_rows, response_len = response_mask.shape
+    rewards = torch.zeros(num_rows, response_len)
+    last = (response_mask.sum(dim=1) - 1).clamp(min=0).long()
+    rewards[torch.arange(num_rows), last] = torch.tensor(batch.rewards, dtype=torch.float32)
+    advantages, _ = compute_advantages_and_returns(
+        token_level_rewards=rewards, response_mask=response_mask, index=np.array(batch.group_ids),
+        adv_estimator=algorithm.advantage_estimator, config=algorithm, grpo_norm_by_std=algorithm.grpo_norm_by_std,
+        gamma=algorithm.gamma, lambd=algorithm.lambd,
+    )
+    advantages = apply_loss_reduction_to_advantages_minibatch(
+        advantages, response_mask, algorithm.loss_reduction, micro_batch_size=num_rows, max_seq_len=response_len
+    )
+    return advantages, response_mask
+
+
+@dataclass
+class PassRows:
+    """All rows of a pass on the device, tenant ``p``'s rows at ``offsets[p] : offsets[p] + counts[p]``.
+
+    ``R`` rows, ``L`` = longest prompt + response, ``Lr`` = longest response: ``input_ids [R, L]`` int64
+    (zero-padded), ``row_slot [R]`` int64 (the tenant's device slot), ``prompt_lens``/``seq_lens [R]`` int64,
+    ``advantages``/``response_mask``/``rollout_logprobs [R, Lr]`` fp32 (zero beyond each row's response;
+    rollout log-probs zero for tenants without them, ``has_rollout[p]`` False). Host copies of the lengths
+    (``host_seq_lens``, ``host_response_lens``) size the micro-batches without a device synchronisation.
+    """
+
+    input_ids: torch.Tensor
+    row_slot: torch.Tensor
+    prompt_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    host_seq_lens: list[int]
+    host_response_lens: list[int]
+    offsets: list[int]
+    counts: list[int]
+    has_rollout: list[bool]
+    response_tokens: list[float]
+
+
+def build_pass_rows(
+    batches: list[TrainBatch], slots: list[int], algorithm: AlgorithmConfig, device: torch.device
+) -> PassRows:
+    """Stacks the tenants' batches (each validated, advantages per tenant) into one :class:`PassRows`."""
+    for batch in batches:
+        validate_batch(batch)
+    per_tenant = [tenant_advantages(batch, algorithm) for batch in batches]
+    response_len = max(advantages.shape[1] for advantages, _ in per_tenant)
+    prompts = [p for batch in batches for p in batch.prompt_ids]
+    responses = [r for batch in batches for r in batch.response_ids]
+    seq_lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    width = max(seq_lens)
+    lengths = torch.tensor(seq_lens)
+    input_ids = torch.zeros(len(seq_lens), width, dtype=torch.long)
+    input_ids[torch.arange(width)[None] < lengths[:, None]] = torch.tensor(
+        list(itertools.chain.from_iterable(p + r for p, r in zip(prompts, responses))), dtype=torch.long)
+
+    def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(t, (0, response_len - t.shape[1])) for t in tensors])
+
+    rollout = [_pad(b.rollout_logprobs, response_len) if b.rollout_logprobs is not None
+               else torch.zeros(len(b.prompt_ids), response_len) for b in batches]
+    counts = [len(batch.prompt_ids) for batch in batches]
+    row_slot = torch.tensor([slot for slot, count in zip(slots, counts) for _ in range(count)])
+
+    def to_device(tensor: torch.Tensor) -> torch.Tensor:
+        if device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(device, non_blocking=True)
+
+    return PassRows(
+        input_ids=to_device(input_ids), row_slot=to_device(row_slot),
+        prompt_lens=to_device(torch.tensor([len(p) for p in prompts])), seq_lens=to_device(lengths),
+        advantages=to_device(stack([a for a, _ in per_tenant])), response_mask=to_device(stack([m for _, m in per_tenant])),
+        rollout_logprobs=to_device(torch.cat(rollout)), host_seq_lens=seq_lens,
+        host_response_lens=[len(r) for r in responses], offsets=list(itertools.accumulate([0] + counts[:-1])),
+        counts=counts, has_rollout=[b.rollout_logprobs is not None for b in batches],
+        response_tokens=[float(sum(sum(mask) for mask in b.loss_masks)) for b in batches],
+    )
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows ``order[start:end]`` of a pass (global row indices, grouped by tenant); ``segments``: per
+    tenant present, ``(tenant index, first, last)`` positions within the micro-batch; ``width`` = its
+    longest sequence, ``response_width`` = its longest response."""
+
+    start: int
+    end: int
+    segments: tuple[tuple[int, int, int], ...]
+    width: int
+    response_width: int
+
+
+def plan_micro_batches(rows: PassRows, orders: list[list[int]], micro_batch_size: int) -> tuple[list[int], list[MicroBatch]]:
+    """Interleaves the tenants' shuffled row orders (``orders[p]``: tenant ``p``'s local row order) round-robin,
+    cuts the sequence into micro-batches of ``micro_batch_size`` rows and groups each by tenant (keeping each
+    tenant's order). With one tenant this is its shuffled order cut into consecutive micro-batches.
+    Returns the global row order and the micro-batches over it."""
+    sequence = [(p, rows.offsets[p] + order[k]) for k in range(max(map(len, orders)))
+                for p, order in enumerate(orders) if k < len(order)]
+    order: list[int] = []
+    micro_batches = []
+    for start in range(0, len(sequence), micro_batch_size):
+        chunk = sorted(sequence[start : start + micro_batch_size], key=lambda item: item[0])
+        segments, first = [], 0
+        for tenant, group in itertools.groupby(chunk, key=lambda item: item[0]):
+            size = len(list(group))
+            segments.append((tenant, first, first + size))
+            first += size
+        order.extend(row for _, row in chunk)
+        micro_batches.append(MicroBatch(
+            start=start, end=start + len(chunk), segments=tuple(segments),
+            width=max(rows.host_seq_lens[row] for _, row in chunk),
+            response_width=max(1, max(rows.host_response_lens[row] for _, row in chunk)),
+        ))
+    return order, micro_batches

@@ -1,0 +1,165 @@
+"""Packed multi-tenant training against swap mode, prefetching swaps, chunked log-probs, batch validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from skyrl.train.config import AlgorithmConfig
+from transformers import AutoModelForCausalLM
+
+from skyrl_clora.lora.layers import attach_multi_lora
+from skyrl_clora.lora.peft_export import init_adapter
+from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.logprobs import token_logprobs
+from skyrl_clora.trainer.optim import OptimizerConfig
+from skyrl_clora.trainer.trainer import Trainer
+
+# name, rank, alpha, lr, seed: different lr, rank and seed per tenant
+TENANTS = (("A", 8, 16.0, 5e-3, 0), ("B", 16, 16.0, 2e-3, 1), ("C", 4, 12.0, 8e-3, 2))
+
+
+def _trainer(model_dir: Path, slots: int, micro_batch_size: int = 3) -> Trainer:
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    routing, layers = attach_multi_lora(model, num_slots=slots, max_rank=16, trainable=True)
+    store = AdapterStore(layers, num_slots=slots)
+    for name, rank, alpha, lr, seed in TENANTS:
+        weights = init_adapter(layers, rank, alpha, torch.Generator().manual_seed(seed))
+        store.register(name, weights, LRSchedule(base_lr=lr, warmup_steps=1, total_steps=4, kind="cosine"), seed=seed)
+    return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(),
+                   micro_batch_size=micro_batch_size)
+
+
+def _batch(seed: int, rows: int = 4, logprobs: bool = False) -> TrainBatch:
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 300, (int(torch.randint(3, 8, (1,), generator=generator)),), generator=generator).tolist()
+               for _ in range(rows)]
+    responses = [torch.randint(0, 300, (int(torch.randint(2, 9, (1,), generator=generator)),), generator=generator).tolist()
+                 for _ in range(rows)]
+    masks = [[int(j % 4 != 3) for j in range(len(r))] for r in responses]
+    rewards = [float(torch.rand(1, generator=generator) > 0.5) for _ in range(rows)]
+    sampler = [(-torch.rand(len(r), generator=generator) * 5).tolist() for r in responses] if logprobs else None
+    return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=masks, rewards=rewards,
+                      group_ids=[f"g{i // 2}" for i in range(rows)], rollout_logprobs=sampler)
+
+
+def _batches(step: int) -> dict[str, TrainBatch]:
+    return {"A": _batch(10 * step, rows=4, logprobs=True), "B": _batch(10 * step + 1, rows=5),
+            "C": _batch(10 * step + 2, rows=3, logprobs=True)}
+
+
+def test_packed_training_equals_each_tenant_trained_alone(micro_model_dir: Path) -> None:
+    swap, packed = _trainer(micro_model_dir, slots=1), _trainer(micro_model_dir, slots=3)
+    for step in range(2):
+        batches = _batches(step)
+        alone = {name: swap.train_step(name, batch)[1] for name, batch in batches.items()}
+        together = dict(zip(batches, (m for _, m in packed.train_packed(list(batches.items())))))
+        # the tenants' updates differ from each other (the comparison below is not vacuous) ...
+        assert len({round(m["mean_token_logprob"], 6) for m in alone.values()}) == 3
+        assert len({m["lr"] for m in alone.values()}) == 3
+        for name in batches:  # ... and each equals the tenant trained alone, metric by metric
+            assert alone[name].keys() == together[name].keys()
+            for key, value in alone[name].items():
+                assert together[name][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
+    masters = {}
+    for name, *_ in TENANTS:
+        a, b = swap.store.tenants[name], packed.store.tenants[name]
+        assert a.step == b.step == 2 and torch.equal(a.rng_state, b.rng_state)
+        for table in ("master", "exp_avg", "exp_avg_sq", "grads"):
+            for key in a.master:
+                torch.testing.assert_close(getattr(b, table)[key], getattr(a, table)[key], rtol=1e-4, atol=1e-7)
+        for key in a.weights.a:
+            torch.testing.assert_close(b.weights.a[key], a.weights.a[key], rtol=1e-4, atol=1e-7)
+        masters[name] = torch.cat([v.flatten() for k, v in a.master.items() if k.endswith(".b")])
+    assert all(masters[x].abs().sum() > 0 for x in masters)
+    assert not torch.allclose(masters["A"][: masters["C"].numel()], masters["C"][: masters["A"].numel()])
+
+
+def test_packed_slots_are_zero_padded_and_scaled_per_tenant(micro_model_dir: Path) -> None:
+    trainer = _trainer(micro_model_dir, slots=3)
+    trainer.train_packed(list(_batches(0).items()))
+    trainer.train_packed(list(_batches(1).items()))
+    # swap the rank-4 tenant into slot 2 and check the padding on the device
+    trainer.store.swap_in("C", 2)
+    layer = next(iter(trainer.layers.values()))
+    assert torch.count_nonzero(layer.lora_b[2, :, :4]) > 0
+    assert torch.count_nonzero(layer.lora_a[2, 4:]) == 0 and torch.count_nonzero(layer.lora_b[2, :, 4:]) == 0
+    assert layer.scales[2] == 3.0
+    trainer.store.swap_out(2)
+    assert layer.scales[2] == 0.0
+
+
+def test_prefetching_swaps_give_the_same_states(micro_model_dir: Path) -> None:
+    plain, prefetching = _trainer(micro_model_dir, slots=1), _trainer(micro_model_dir, slots=2)
+    schedule = [("A", "B"), ("B", "C"), ("C", "A"), ("A", "C"), ("B", None), ("C", "C")]  # 4th prefetch is wrong
+    used_slots = []
+    for index, (name, upcoming) in enumerate(schedule):
+        batch = _batch(100 + index, rows=4, logprobs=index % 2 == 0)
+        expected = plain.train_step(name, batch)
+        used_slots.append(prefetching.store.slot_of(name))
+        got = prefetching.train_step(name, batch, prefetch=upcoming)
+        assert got[1] == expected[1]
+        if upcoming not in (None, name):
+            assert prefetching.store.slot_of(upcoming) is not None
+    assert used_slots[1:4] == [1, 0, 1]  # the prefetched tenant was trained in the slot it was copied into
+    for name, *_ in TENANTS:
+        a, b = plain.store.tenants[name], prefetching.store.tenants[name]
+        assert a.step == b.step
+        for table in ("master", "exp_avg", "exp_avg_sq", "grads"):
+            assert torch.equal(a.flat[table], b.flat[table]), (name, table)
+    with pytest.raises(RuntimeError, match="already on the device"):
+        prefetching.store.prefetch("A", 1)
+        prefetching.store.prefetch("A", 0)
+
+
+def test_train_packed_rejects_bad_requests(micro_model_dir: Path) -> None:
+    trainer = _trainer(micro_model_dir, slots=2)
+    with pytest.raises(ValueError, match="exceed the trainer's 2 slots"):
+        trainer.train_packed(list(_batches(0).items()))
+    with pytest.raises(ValueError, match="distinct tenants"):
+        trainer.train_packed([("A", _batch(0)), ("A", _batch(1))])
+    bad = _batch(0)
+    bad.loss_masks[1] = bad.loss_masks[1][:-1]
+    with pytest.raises(ValueError, match="row 1: loss mask of length"):
+        trainer.train_packed([("A", _batch(0)), ("B", bad)])
+    assert all(slot.owner is None for slot in trainer.store.slots)
+    assert trainer.store.tenants["A"].step == 0  # the failed pass changed nobody
+
+
+def test_response_logprobs_match_full_logits(micro_model_dir: Path) -> None:
+    trainer = _trainer(micro_model_dir, slots=1, micro_batch_size=2)
+    batch = _batch(3, rows=5)
+    trainer.train_step("B", batch)  # a non-zero adapter
+    got = trainer.response_logprobs("B", batch)
+    trainer.store.swap_in("B", 0)
+    try:
+        with torch.no_grad():
+            for row, (prompt, response) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+                ids = torch.tensor([prompt + response])
+                with trainer.routing.route(torch.zeros(ids.numel(), dtype=torch.long)):
+                    logits = trainer.model(input_ids=ids).logits.float()
+                full = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+                torch.testing.assert_close(got[row, : len(response)], full[len(prompt) - 1 :], rtol=1e-5, atol=1e-5)
+    finally:
+        trainer.store.swap_out(0)
+
+
+def test_chunked_token_logprobs_match_log_softmax() -> None:
+    generator = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=True).requires_grad_(False)
+    hidden = torch.randn(37, 16, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 50, (37,), generator=generator)
+    weights = torch.randn(37, generator=generator)
+    got = token_logprobs(hidden, head, targets, max_logits=50 * 8)  # chunks of 8 rows
+    (got * weights).sum().backward()
+    grad, hidden.grad = hidden.grad.clone(), None
+    expected = torch.log_softmax(head(hidden), dim=-1).gather(-1, targets[:, None])[:, 0]
+    (expected * weights).sum().backward()
+    assert got.std() > 0.1
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(grad, hidden.grad)
+    head.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="frozen LM head"):
+        token_logprobs(hidden, head, targets)
