@@ -109,3 +109,43 @@ def check_packed(
     _check_scales(scales, num_slots)
     _check_slots(token_slots, x.shape[0])
     _check_same_device([x, lora_a, lora_b, scales, token_slots])
+
+
+def check_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor | None,
+    max_head_dim: int,
+) -> None:
+    """Checks the arguments of ``decode_attention`` for the Triton path (see ``reference.decode_attention_ref``)."""
+    if q.dim() != 3 or q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q must be [B, H, d] in one of {FLOAT_DTYPES}, got {tuple(q.shape)} {q.dtype}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [S, KV, L, d], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    B, H, D = q.shape
+    S, KV, _, d_cache = k_cache.shape
+    if d_cache != D:
+        raise ValueError(f"the cache's head dim is {d_cache}, q's is {D}")
+    if D > max_head_dim:
+        raise ValueError(f"head dim {D} exceeds the Triton kernel's {max_head_dim}: use backend='torch'")
+    if H % KV:
+        raise ValueError(f"{H} query heads are not a multiple of {KV} kv heads")
+    if S < B:
+        raise ValueError(f"the cache has {S} rows, q has {B}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache/v_cache are {k_cache.dtype}/{v_cache.dtype}, q is {q.dtype}: use one dtype")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1 and D > 1:
+            raise ValueError(f"{name} must have unit stride along the head dim, got strides {t.stride()}")
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype or (out.stride(-1) != 1 and D > 1):
+            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with unit last stride, got {tuple(out.shape)} {out.dtype}")
+    if lengths.dim() != 1 or lengths.shape[0] != B or lengths.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"lengths must be [{B}] int32/int64, got {tuple(lengths.shape)} {lengths.dtype}")
+    if not lengths.is_contiguous():
+        raise ValueError("lengths must be contiguous")
+    _check_same_device([q, k_cache, v_cache, lengths] + ([out] if out is not None else []))

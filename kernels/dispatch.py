@@ -1,6 +1,7 @@
-"""Picks the implementation of each multi-LoRA op: Triton for CUDA tensors, the torch reference elsewhere.
+"""Picks the implementation of each op (multi-LoRA and decode attention): Triton for CUDA tensors, the torch
+reference elsewhere.
 
-Layers call only ``add_lora`` and ``packed_lora``. ``backend="triton"`` forces the Triton kernels, which
+Layers call only ``add_lora``, ``packed_lora`` and ``decode_attention``. ``backend="triton"`` forces the Triton kernels, which
 on CPU tensors run only under the Triton interpreter (``TRITON_INTERPRET=1``, as the CPU tests do);
 ``backend="torch"`` forces the reference.
 """
@@ -13,9 +14,10 @@ from typing import Literal
 
 import torch
 
+from skyrl_clora.kernels.attention import DecodeWorkspace, decode_attention_triton
 from skyrl_clora.kernels.meta import LoRAMeta
 from skyrl_clora.kernels.packed import packed_lora_triton
-from skyrl_clora.kernels.reference import add_lora_ref, packed_lora_ref
+from skyrl_clora.kernels.reference import add_lora_ref, decode_attention_ref, packed_lora_ref
 from skyrl_clora.kernels.sgmv import add_lora_triton
 
 Backend = Literal["triton", "torch"]
@@ -105,3 +107,42 @@ def packed_lora(
     if _use_triton(x, backend):
         return packed_lora_triton(x, lora_a, lora_b, scales, token_slots, meta=meta)
     return packed_lora_ref(x, lora_a, lora_b, scales, token_slots)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: DecodeWorkspace | None = None,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """One decode step's attention over a slot-based KV cache; returns ``out`` (written in place if given).
+
+    Shapes: ``q: [B, H, d]``; ``k_cache, v_cache: [S, KV, L, d]`` with ``S >= B`` (row ``b`` of ``q`` reads
+    cache row ``b``); ``lengths: [B]`` int32/int64 with ``1 <= lengths[b] <= L`` (a length of 0 gives
+    zeros); ``H % KV == 0`` (GQA: head ``h`` reads kv head ``h // (H // KV)``); ``out: [B, H, d]``. One
+    dtype (bf16, fp16 or fp32) for ``q``, the caches and ``out``; fp32 accumulation. Torch pseudo-code::
+
+        for b in range(B):
+            for h in range(H):
+                k = k_cache[b, h // (H // KV), :lengths[b]]              # [lengths[b], d]
+                v = v_cache[b, h // (H // KV), :lengths[b]]
+                out[b, h] = softmax(q[b, h] @ k.T / sqrt(d)) @ v
+
+    Usage in a decode step (the new token's K/V already written at position ``lengths[b] - 1``)::
+
+        ws = DecodeWorkspace(max_rows, H, KV, L, d, device="cuda")       # once
+        decode_attention(q, k_cache, v_cache, lengths, out=out, workspace=ws)   # every layer, every step
+
+    The Triton path (``kernels.attention``, flash-decoding) reads only the first ``lengths[b]`` positions
+    of each row, needs unit stride along ``d`` and ``d <= 256``, and raises ValueError otherwise. With
+    ``out`` and ``workspace`` given it allocates nothing and never waits for the host, so the step can be
+    captured in a CUDA graph and replayed with new ``lengths`` copied into the captured tensor. The torch
+    path (``reference.decode_attention_ref``) masks over all ``L`` positions and ignores ``workspace``.
+    """
+    if _use_triton(q, backend):
+        return decode_attention_triton(q, k_cache, v_cache, lengths, out=out, workspace=workspace)
+    return decode_attention_ref(q, k_cache, v_cache, lengths, out=out)

@@ -98,3 +98,40 @@ def packed_lora_ref(
         delta = (x_rows @ lora_a[slot].T) @ lora_b[slot].T * scales[slot]
         out = out.index_add(0, rows, delta.to(out.dtype))
     return out
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step's attention, each row over its own cache row's first ``lengths[b]`` positions.
+
+    Semantics, for ``q: [B, H, d]``, ``k_cache, v_cache: [S, KV, L, d]`` (``S >= B``), ``lengths: [B]``,
+    ``G = H // KV`` query heads per kv head::
+
+        for b in range(B):
+            n = min(lengths[b], L)
+            for h in range(H):
+                k = k_cache[b, h // G, :n]; v = v_cache[b, h // G, :n]          # [n, d]
+                out[b, h] = softmax(q[b, h] @ k.T / sqrt(d)) @ v                 # zeros if n <= 0
+
+    Computes in fp32 and writes ``out`` (allocated in ``q``'s dtype if not given); returns it. The
+    positions past a row's length are masked, not skipped, so this reads all ``L`` positions of every row.
+    No host synchronisation.
+    """
+    B, H, D = q.shape
+    KV, L = k_cache.shape[1], k_cache.shape[2]
+    k = k_cache[:B].float()  # [B, KV, L, d]
+    v = v_cache[:B].float()
+    scores = (q.float().view(B, KV, H // KV, D) @ k.transpose(-1, -2)) / D**0.5  # [B, KV, G, L]
+    valid = torch.arange(L, device=q.device).view(1, L) < lengths.view(B, 1)  # [B, L]
+    scores = scores.masked_fill(~valid.view(B, 1, 1, L), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row of length 0 softmaxes to NaN: zeros
+    result = (probs @ v).view(B, H, D)
+    if out is None:
+        return result.to(q.dtype)
+    out.copy_(result)
+    return out

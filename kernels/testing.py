@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from skyrl_clora.kernels.reference import add_lora_ref
+from skyrl_clora.kernels.reference import add_lora_ref, decode_attention_ref
 
 LAYOUTS = ("distinct", "uniform", "zipf", "identical", "skewed", "no_adapter")
 # Largest relative error ||got - ref|| / ||ref - out_before|| accepted against the fp32 reference:
@@ -127,4 +127,78 @@ def adapters_differ(p: LoRAProblem) -> bool:
         not torch.allclose(deltas[i], deltas[j], rtol=1e-3, atol=1e-3)
         for i in range(len(deltas))
         for j in range(i + 1, len(deltas))
+    )
+
+
+@dataclass
+class AttentionProblem:
+    """Inputs of one ``decode_attention`` call (see ``reference.decode_attention_ref`` for the shapes)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    lengths: torch.Tensor
+
+
+def make_attention_problem(
+    num_rows: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_len: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_rows: int | None = None,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    poison: bool = False,
+    lengths: list[int] | None = None,
+) -> AttentionProblem:
+    """Random q and caches; ``lengths`` as given, else drawn in ``[1, max_len]`` with the first row at 1 and
+    the second at ``max_len`` (when there are two rows). Keys are scaled so the softmax is neither flat nor
+    one-hot.
+
+    ``poison``: cache positions past each row's length, and cache rows past ``num_rows``, hold NaN (a
+    kernel that reads them returns NaN; the reference must then be given the clean caches).
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    S = cache_rows or num_rows
+    q = torch.randn(num_rows, num_heads, head_dim, generator=gen, device=device)
+    k = torch.randn(S, num_kv_heads, max_len, head_dim, generator=gen, device=device) * 1.5
+    v = torch.randn(S, num_kv_heads, max_len, head_dim, generator=gen, device=device)
+    if lengths is None:
+        drawn = torch.randint(1, max_len + 1, (num_rows,), generator=gen, device=device)
+        drawn[0] = 1
+        if num_rows > 1:
+            drawn[1] = max_len
+    else:
+        drawn = torch.tensor(lengths, dtype=torch.int64, device=device)
+    if poison:
+        past = torch.arange(max_len, device=device).view(1, 1, max_len, 1) >= drawn.view(-1, 1, 1, 1)
+        k[:num_rows].masked_fill_(past, float("nan"))
+        v[:num_rows].masked_fill_(past, float("nan"))
+        k[num_rows:] = float("nan")
+        v[num_rows:] = float("nan")
+    return AttentionProblem(q=q.to(dtype), k_cache=k.to(dtype), v_cache=v.to(dtype), lengths=drawn)
+
+
+def attention_loop_ref(p: AttentionProblem) -> torch.Tensor:
+    """``decode_attention``'s semantics as a plain loop over rows and heads in float64 (``[B, H, d]``); reads
+    only each row's first ``lengths[b]`` positions."""
+    B, H, D = p.q.shape
+    group = H // p.k_cache.shape[1]
+    out = torch.zeros(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        n = int(p.lengths[b])
+        for h in range(H):
+            k = p.k_cache[b, h // group, :n].double().cpu()
+            v = p.v_cache[b, h // group, :n].double().cpu()
+            out[b, h] = torch.softmax(p.q[b, h].double().cpu() @ k.T / D**0.5, dim=0) @ v
+    return out
+
+
+def attention_ref_fp32(p: AttentionProblem) -> torch.Tensor:
+    """``decode_attention_ref`` in fp32 on the problem's (rounded) inputs, poison replaced by zeros (the
+    reference masks positions past the length but still multiplies their V by a zero weight)."""
+    return decode_attention_ref(
+        p.q.float(), p.k_cache.float().nan_to_num(0.0), p.v_cache.float().nan_to_num(0.0), p.lengths
     )

@@ -1,0 +1,104 @@
+"""Decode attention: the torch reference against a plain float64 loop, and the Triton kernels (through the
+Triton interpreter, ``TRITON_INTERPRET=1``, set by scripts/test.sh) against both, at small sizes;
+tests/gpu/test_attention_gpu.py repeats them at real sizes. Relative-error tolerances per dtype:
+``kernels.testing.TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from skyrl_clora.kernels import DecodeWorkspace, decode_attention
+from skyrl_clora.kernels.attention import AttentionConfig, decode_attention_triton
+from skyrl_clora.kernels.reference import decode_attention_ref
+from skyrl_clora.kernels.testing import TOLERANCE, attention_loop_ref, make_attention_problem, rel_error
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"
+)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return rel_error(got, want, torch.zeros_like(want))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
+def test_reference_matches_loop(kv_heads: int) -> None:
+    p = make_attention_problem(6, 4, kv_heads, 40, 16, torch.float32, cache_rows=8, seed=kv_heads)
+    want = attention_loop_ref(p)
+    assert (want[0] - want[1]).abs().max() > 1e-2, "rows with different lengths must give different outputs"
+    got = decode_attention(p.q, p.k_cache, p.v_cache, p.lengths)
+    assert _err(got, want) < 1e-5
+
+
+def test_reference_writes_out_and_zeros_empty_rows() -> None:
+    p = make_attention_problem(3, 4, 2, 16, 8, torch.float32)
+    p.lengths[2] = 0
+    out = torch.full_like(p.q, 7.0)
+    assert decode_attention(p.q, p.k_cache, p.v_cache, p.lengths, out=out, backend="torch") is out
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    assert _err(out[:2], attention_loop_ref(p)[:2]) < 1e-5
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
+@pytest.mark.parametrize("head_dim", [16, 32, 24])
+def test_triton_matches_reference(head_dim: int, kv_heads: int, dtype: torch.dtype) -> None:
+    """Default config (two 64-key splits at L=80); cache positions past each length and cache rows past B
+    hold NaN, so reading any of them would show."""
+    p = make_attention_problem(5, 4, kv_heads, 80, head_dim, dtype, cache_rows=7, seed=head_dim + kv_heads, poison=True)
+    want = attention_loop_ref(p)
+    got = decode_attention(p.q, p.k_cache, p.v_cache, p.lengths, backend="triton")
+    assert got.dtype == dtype and got.shape == p.q.shape
+    assert _err(got, want) < TOLERANCE[dtype], f"relative error {_err(got, want):.2e}"
+
+
+@interpreted
+@pytest.mark.parametrize("config", [AttentionConfig(split_len=32, block_n=16), AttentionConfig(split_len=128, block_n=32)])
+def test_triton_configs_match_reference(config: AttentionConfig) -> None:
+    """Several key blocks per split (length 33: one key into a second split), and one split longer than
+    the cache."""
+    p = make_attention_problem(4, 8, 2, 70, 32, torch.float32, seed=3, poison=True, lengths=[1, 70, 33, 13])
+    got = decode_attention_triton(p.q, p.k_cache, p.v_cache, p.lengths, config=config)
+    assert _err(got, attention_loop_ref(p)) < TOLERANCE[torch.float32]
+
+
+@interpreted
+def test_triton_writes_out_with_workspace_and_strided_q() -> None:
+    """q as the engine holds it (``[B, H, 1, d][:, :, 0]``), ``out`` and a workspace given; a zero length
+    gives zeros; a workspace too small for the call is refused."""
+    p = make_attention_problem(3, 4, 2, 48, 16, torch.float32, seed=4)
+    q = torch.zeros(3, 4, 2, 16)
+    q[:, :, 1] = p.q
+    p.lengths[2] = 0
+    out = torch.full_like(p.q, 7.0)
+    ws = DecodeWorkspace(max_rows=3, num_heads=4, num_kv_heads=2, max_len=48, head_dim=16, device="cpu")
+    got = decode_attention(q[:, :, 1], p.k_cache, p.v_cache, p.lengths, out=out, workspace=ws, backend="triton")
+    assert got is out
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    assert _err(out[:2], attention_loop_ref(p)[:2]) < TOLERANCE[torch.float32]
+    small = DecodeWorkspace(max_rows=1, num_heads=4, num_kv_heads=2, max_len=48, head_dim=16, device="cpu")
+    with pytest.raises(ValueError, match="DecodeWorkspace"):
+        decode_attention(p.q, p.k_cache, p.v_cache, p.lengths, workspace=small, backend="triton")
+
+
+@interpreted
+def test_triton_rejects_bad_arguments() -> None:
+    p = make_attention_problem(2, 4, 2, 16, 16, torch.float32)
+    cases = [
+        ((p.q, p.k_cache[:, :1].expand(2, 3, 16, 16), p.v_cache[:, :1].expand(2, 3, 16, 16), p.lengths), "multiple"),
+        ((p.q.half(), p.k_cache, p.v_cache, p.lengths), "one dtype"),
+        ((p.q, p.k_cache, p.v_cache, p.lengths.float()), "int32/int64"),
+        ((p.q, p.k_cache[:1], p.v_cache[:1], p.lengths), "cache has 1 rows"),
+        ((p.q, p.k_cache.transpose(2, 3), p.v_cache.transpose(2, 3), p.lengths), "unit stride"),
+        ((torch.zeros(2, 4, 320), torch.zeros(2, 2, 4, 320), torch.zeros(2, 2, 4, 320), p.lengths), "backend='torch'"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            decode_attention(*args, backend="triton")
+    assert torch.allclose(decode_attention_ref(p.q, p.k_cache, p.v_cache, p.lengths).double(), attention_loop_ref(p))
