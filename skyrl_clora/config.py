@@ -87,8 +87,12 @@ class SamplerConfig:
     max_prefills_per_step: int
     prefill_block: int
     prefix_cache_mb: int
+    cuda_graphs: bool
+    kv_memory_fraction: float
 
     def __post_init__(self) -> None:
+        if not 0 < self.kv_memory_fraction < 1:
+            raise ConfigError(f"sampler.kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1)")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError("sampler.temperature must be >= 0 and sampler.top_p in (0, 1]")
         if self.prefill_block < 16 or self.prefill_block % 16:

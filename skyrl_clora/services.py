@@ -82,10 +82,11 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     trainer_routing, trainer_layers = attach_multi_lora(trainer_model, 1, run.lora.max_rank, trainable=True)
 
     max_len = run.recipe.max_input_length + run.recipe.max_generate_length
-    rows = run.sampler.max_rows or num_tenants * rows_per_tenant
+    rows = fit_kv_rows(sampler_model, run.sampler.max_rows or num_tenants * rows_per_tenant, max_len,
+                       run.sampler.kv_memory_fraction)
     engine = Engine(sampler_model, sampler_routing, sampler_layers, num_rows=rows, max_len=max_len,
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
-                    prefix_cache_bytes=run.sampler.prefix_cache_mb << 20)
+                    prefix_cache_bytes=run.sampler.prefix_cache_mb << 20, cuda_graphs=run.sampler.cuda_graphs)
     client = EmbeddedInferenceClient(
         engine, tokenizer, model_name=model_path, seed=run.seed,
         default_sampling={"max_tokens": run.recipe.max_generate_length, "temperature": run.sampler.temperature,
@@ -100,6 +101,28 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     )
     return Services(model_path, tokenizer, engine, client, trainer, store, AdapterSync(engine),
                     cold_start_seconds=time.perf_counter() - started)
+
+
+def fit_kv_rows(model: torch.nn.Module, rows: int, max_len: int, memory_fraction: float) -> int:
+    """``rows`` KV-cache rows of ``max_len`` positions, capped on a GPU to what ``memory_fraction`` of the free
+    memory holds (requests beyond the rows wait for a free one). Rows come in whole multiples of 16."""
+    rows = -(-rows // 16) * 16
+    param = next(model.parameters())
+    if param.device.type != "cuda":
+        return rows
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    row_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * max_len * head_dim * param.element_size()
+    free_bytes, _ = torch.cuda.mem_get_info(param.device)
+    fitting = int(free_bytes * memory_fraction // row_bytes) // 16 * 16
+    if fitting < 16:
+        raise ConfigError(f"16 KV-cache rows of {max_len} positions need {16 * row_bytes / 2**30:.1f} GiB, more than "
+                          f"sampler.kv_memory_fraction={memory_fraction} of the free GPU memory; shorten "
+                          "recipe.max_input_length or raise sampler.kv_memory_fraction")
+    if fitting < rows:
+        print(f"[setup] KV cache: {rows} rows do not fit in {memory_fraction:.0%} of the free GPU memory; using "
+              f"{fitting} (requests queue for a free row)", file=sys.stderr, flush=True)
+    return min(rows, fitting)
 
 
 def _twin_sharing_weights(model: torch.nn.Module) -> torch.nn.Module:

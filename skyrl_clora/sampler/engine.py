@@ -7,8 +7,9 @@ One background thread owns the model. Each iteration of its loop:
      a pending publish wait until it lands, so a publish cannot starve);
   3. admits waiting requests into free cache rows (FIFO over all tenants) and prefills them together,
      taking the prompt blocks it already has from the per-adapter-version prefix cache;
-  4. runs one decode step for the rows up to the last running one, samples each running row with its
-     own RNG and retires the finished ones, resolving their futures.
+  4. runs one decode step for the rows up to the last running one (a CUDA-graph replay on the GPU),
+     samples every running row at once (each with its own counter-based RNG, see ``sampling``) and
+     retires the finished ones, resolving their futures.
 Other tenants' requests keep decoding while one tenant's adapter is published: a publish is a ``copy_``
 into that tenant's slot between two decode steps (dropping only that tenant's cached prefixes), never a
 pause or a global cache reset.
@@ -28,6 +29,7 @@ import torch
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear, write_slot
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
 from skyrl_clora.sampler.prefix_cache import PrefixCache
+from skyrl_clora.sampler.sampling import RowSampling, request_uniform, sample_rows
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,6 @@ class _Request:
     row: int = -1
     lora_slot: int = -1
     version: int = -1
-    generator: torch.Generator | None = None
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -84,13 +85,17 @@ class _Unregister:
 @dataclass
 class EngineStats:
     """Counters since start: decode steps, tokens generated, prompt tokens computed by prefill and
-    prompt tokens served from the prefix cache, busy seconds."""
+    prompt tokens served from the prefix cache, seconds spent in prefill (with its sampling), in decode
+    steps (with their sampling) and busy in all, and the seconds the CUDA-graph capture took."""
 
     decode_steps: int = 0
     generated_tokens: int = 0
     prefill_tokens: int = 0
     cached_prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
     busy_seconds: float = 0.0
+    graph_capture_seconds: float = 0.0
 
 
 class Engine:
@@ -107,15 +112,20 @@ class Engine:
         max_prefills_per_step: int = 8,
         block_size: int = 16,
         prefix_cache_bytes: int = 1 << 30,
+        cuda_graphs: bool = True,
     ) -> None:
         max_len = -(-max_len // block_size) * block_size  # whole prefill blocks
-        self.runner = ModelRunner(model, routing, num_rows=num_rows, max_len=max_len, block_size=block_size)
+        num_rows = -(-num_rows // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
+        self.runner = ModelRunner(model, routing, num_rows=num_rows, max_len=max_len, block_size=block_size,
+                                  max_prefill_tokens=max_prefills_per_step * block_size)
         self.prefix_cache = PrefixCache(block_size, prefix_cache_bytes)
         self.lora_layers = lora_layers
         self.num_lora_slots = next(iter(lora_layers.values())).lora_a.shape[0]
         self.max_len = max_len
         self.max_prefills_per_step = max_prefills_per_step
         self.stats = EngineStats()
+        if cuda_graphs and self.runner.device.type == "cuda":
+            self.stats.graph_capture_seconds = self.runner.capture_decode_graphs()
         self._slots: dict[str, int] = {}
         self._versions: dict[str, int] = {}
         self._inbox: queue.Queue = queue.Queue()
@@ -124,10 +134,10 @@ class Engine:
         self._rows: list[_Request | None] = [None] * num_rows
         self._paused = threading.Event()
         self._stop = threading.Event()
-        device = self.runner.device
-        self._tokens = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self._positions = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self._row_lora = torch.full((num_rows,), -1, dtype=torch.long, device=device)
+        # Per cache row, on the host: the next input token, its position and the row's LoRA slot.
+        self._tokens = [0] * num_rows
+        self._positions = [0] * num_rows
+        self._row_lora = [-1] * num_rows
         self._thread = threading.Thread(target=self._loop, name="clora-engine", daemon=True)
         self._thread.start()
 
@@ -281,40 +291,51 @@ class Engine:
             self._prefill(admitted)
 
     def _prefill(self, requests: list[_Request]) -> None:
+        started = time.perf_counter()
         jobs = []
         for req in requests:
             req.lora_slot = -1 if req.adapter is None else self._slots[req.adapter]
             req.version = -1 if req.adapter is None else self._versions[req.adapter]
-            req.generator = torch.Generator(device="cpu").manual_seed(req.params.seed)
             cached = self.prefix_cache.lookup(req.adapter, req.version, req.prompt_ids)
             for index, block in enumerate(cached):
                 self.runner.write_block(req.row, index, block)
             tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.runner.device)
             jobs.append(PrefillJob(req.row, tokens, req.lora_slot, start=len(cached) * self.runner.block_size))
-        all_logits = self.runner.prefill(jobs)
-        for req, job, logits in zip(requests, jobs, all_logits):
+        logits = torch.stack(self.runner.prefill(jobs))
+        for req, job in zip(requests, jobs):
             self.prefix_cache.insert(req.adapter, req.version, req.prompt_ids, job.start // self.runner.block_size,
                                      lambda index, row=req.row: self.runner.read_blocks(row, index, 1))
             self.stats.prefill_tokens += len(req.prompt_ids) - job.start
             self.stats.cached_prompt_tokens += job.start
             self._rows[req.row] = req
             self._row_lora[req.row] = req.lora_slot
-            self._accept_token(req, logits)
+        self._sample(requests, logits)
+        self.stats.prefill_seconds += time.perf_counter() - started
 
     def _decode_step(self) -> None:
         """Decodes the rows up to the last running one, rounded up to whole row quanta (requests take the
         lowest free rows, so the running ones stay packed at the front)."""
+        started = time.perf_counter()
         last = max(row for row, req in enumerate(self._rows) if req is not None)
         span = min(self.runner.num_rows, -(-(last + 1) // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM)
-        logits = self.runner.decode(self._tokens[:span], self._positions[:span], self._row_lora[:span])
+        self.runner.set_decode_inputs(self._tokens[:span], self._positions[:span], self._row_lora[:span])
+        logits = self.runner.decode(span)
         self.stats.decode_steps += 1
-        for row, req in enumerate(self._rows[:span]):
-            if req is not None:
-                self._accept_token(req, logits[row])
+        running = [req for req in self._rows[:span] if req is not None]
+        rows = torch.tensor([req.row for req in running], device=logits.device)
+        self._sample(running, logits.index_select(0, rows))
+        self.stats.decode_seconds += time.perf_counter() - started
 
-    def _accept_token(self, req: _Request, logits: torch.Tensor) -> None:
-        """Samples the next token of ``req`` from ``logits: [V]``; retires the request when it is done."""
-        token, logprob = _sample(logits, req.params, req.generator)
+    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
+        """Samples the next token of every request from ``logits: [len(requests), V]`` in one batch."""
+        settings = [RowSampling(req.params.temperature, req.params.top_p, request_uniform(req.params.seed, len(req.output)))
+                    for req in requests]
+        tokens, logprobs = sample_rows(logits, settings)
+        for req, token, logprob in zip(requests, tokens, logprobs):
+            self._accept_token(req, token, logprob)
+
+    def _accept_token(self, req: _Request, token: int, logprob: float) -> None:
+        """Appends ``token`` to ``req``; retires the request when it is done."""
         req.output.append(token)
         req.logprobs.append(logprob)
         self.stats.generated_tokens += 1
@@ -347,19 +368,3 @@ def derive_seed(seed: int, adapter: str | None, session: str, prompt_len: int) -
     of the same episode turn gets the same seed whatever else runs beside it."""
     key = f"{seed}|{adapter}|{session}|{prompt_len}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
-
-
-def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """Draws one token from ``logits: [V]`` (fp32) with temperature / top-p; returns it and its log-prob
-    under the untempered distribution."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    if params.temperature == 0.0:
-        token = int(torch.argmax(logits))
-    else:
-        probs = torch.softmax(logits / params.temperature, dim=-1)
-        if params.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-        token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
-    return token, float(logprobs[token])

@@ -7,12 +7,14 @@ different lengths decode together:
 - ``prefill(jobs)``: several prompts written into their cache rows in fixed-size, position-aligned blocks
   (so a block's K/V can be cached and reused by any prompt with the same prefix), one block of each
   prompt per forward pass; returns each prompt's last-token logits ``[V]``.
-- ``decode(tokens, positions, lora_slots)``: one token for every cache row at once (``[S]``, rows that are
-  not running carry any token and are ignored by the caller); each row attends to its own cache row up to
-  its position. The batch is always all ``S`` rows, so a row's numbers never depend on which other
-  sequences are running (reproducible whatever the mix of tenants).
+- ``decode(span)``: one token for each of the cache rows ``0..span-1`` from the runner's decode input
+  buffers (``set_decode_inputs``); each row attends to its own cache row up to its position. On CUDA the
+  step is replayed from a CUDA graph captured per span bucket (``capture_decode_graphs``): the inputs,
+  the LoRA slot buffers and the segment metadata live in fixed buffers, so in-place adapter publishes and
+  new inputs are seen by the replay.
 
-KV cache: per layer ``k, v: [S, kv_heads, max_len, head_dim]`` in the model dtype.
+KV cache: ``k_cache, v_cache: [layers, S, kv_heads, max_len, head_dim]`` in the model dtype (one tensor
+each, so a prompt block of every layer is copied in one operation).
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ import torch
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
+from skyrl_clora.kernels import LoRAMeta
 from skyrl_clora.lora.layers import LoRARouting
 
 DECODE_ROW_QUANTUM = 16  # decode batches are whole multiples of this many cache rows
+
+
+def decode_buckets(num_rows: int) -> list[int]:
+    """Spans a CUDA graph is captured for: multiples of 16 up to 64, then of 64 (every span rounds up to one)."""
+    buckets = [span for span in (16, 32, 48, 64) if span < num_rows]
+    buckets += list(range(128, num_rows, 64))
+    return buckets + [num_rows]
 
 
 @dataclass
@@ -41,9 +51,12 @@ class PrefillJob:
 class ModelRunner:
     """Forward passes of a causal LM over a slot-based KV cache (see module docstring)."""
 
-    def __init__(self, model: nn.Module, routing: LoRARouting, num_rows: int, max_len: int, block_size: int = 16) -> None:
+    def __init__(self, model: nn.Module, routing: LoRARouting, num_rows: int, max_len: int, block_size: int = 16,
+                 max_prefill_tokens: int = 0) -> None:
         if max_len % block_size:
             raise ValueError(f"max_len {max_len} must be a multiple of the prefill block size {block_size}")
+        if num_rows % DECODE_ROW_QUANTUM:
+            raise ValueError(f"num_rows {num_rows} must be a multiple of {DECODE_ROW_QUANTUM}")
         self.model = model.eval()
         self.routing = routing
         self.decoder = model.model
@@ -56,11 +69,24 @@ class ModelRunner:
         self.num_kv_heads = config.num_key_value_heads
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        shape = (num_rows, self.num_kv_heads, max_len, self.head_dim)
-        self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.decoder.layers]
-        self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.decoder.layers]
+        shape = (len(self.decoder.layers), num_rows, self.num_kv_heads, max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self._row_index = torch.arange(num_rows, device=self.device)
         self._key_positions = torch.arange(max_len, device=self.device)
+        # Decode inputs (written by set_decode_inputs, read by eager steps and graph replays).
+        self.decode_tokens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
+        self.decode_positions = torch.zeros(num_rows, dtype=torch.long, device=self.device)
+        self.decode_slots = torch.full((num_rows,), -1, dtype=torch.long, device=self.device)
+        # Segment metadata of the multi-LoRA kernels, built once per forward into fixed buffers (CUDA only:
+        # the CPU reference needs none).
+        self.lora_meta: LoRAMeta | None = None
+        lora_layer = next((m for m in model.modules() if hasattr(m, "lora_a")), None)
+        if self.device.type == "cuda" and lora_layer is not None:
+            num_slots, max_rank = lora_layer.lora_a.shape[0], lora_layer.lora_a.shape[1]
+            tokens = max(num_rows, max_prefill_tokens)
+            self.lora_meta = LoRAMeta(tokens, num_slots, self.device, max_rank=max_rank, max_slices=1)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @torch.no_grad()
     def prefill(self, jobs: list[PrefillJob]) -> list[torch.Tensor]:
@@ -113,44 +139,83 @@ class ModelRunner:
             hidden = self._forward(torch.stack(chunks), torch.stack(positions), token_slots, attend)
             for b, i in enumerate(active):
                 offsets[i] += block
-                if offsets[i] >= jobs[i].tokens.shape[0]:
+                if offsets[i] >= jobs[i].tokens.shape[0]:  # one row at a time: the same bits in any batch
                     logits[i] = self.model.lm_head(hidden[b, reals[b] - 1]).float()
 
-    def read_blocks(self, row: int, first_block: int, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of row ``row``'s K/V for blocks ``first_block..first_block+num_blocks-1``: one
-        ``(k, v)`` pair per layer, each ``[KV, num_blocks * block_size, d]``."""
+    def read_blocks(self, row: int, first_block: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of row ``row``'s K/V for blocks ``first_block..first_block+num_blocks-1`` of every layer:
+        ``(k, v)``, each ``[layers, KV, num_blocks * block_size, d]``."""
         lo, hi = first_block * self.block_size, (first_block + num_blocks) * self.block_size
-        return [(k[row, :, lo:hi].clone(), v[row, :, lo:hi].clone()) for k, v in zip(self.k_cache, self.v_cache)]
+        return self.k_cache[:, row, :, lo:hi].clone(), self.v_cache[:, row, :, lo:hi].clone()
 
-    def write_block(self, row: int, block_index: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def write_block(self, row: int, block_index: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Copies one block's K/V (as returned by :meth:`read_blocks` with ``num_blocks=1``) into row ``row``."""
         lo, hi = block_index * self.block_size, (block_index + 1) * self.block_size
-        for (k, v), k_cache, v_cache in zip(kv, self.k_cache, self.v_cache):
-            k_cache[row, :, lo:hi].copy_(k)
-            v_cache[row, :, lo:hi].copy_(v)
+        self.k_cache[:, row, :, lo:hi].copy_(kv[0])
+        self.v_cache[:, row, :, lo:hi].copy_(kv[1])
+
+    def set_decode_inputs(self, tokens: list[int], positions: list[int], lora_slots: list[int]) -> None:
+        """Writes the decode input buffers' first ``len(tokens)`` rows (one host-to-device copy)."""
+        num = len(tokens)
+        staged = torch.tensor([tokens, positions, lora_slots], dtype=torch.long).to(self.device)
+        self.decode_tokens[:num].copy_(staged[0])
+        self.decode_positions[:num].copy_(staged[1])
+        self.decode_slots[:num].copy_(staged[2])
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, lora_slots: torch.Tensor) -> torch.Tensor:
-        """One decode step for cache rows ``0..N-1``: ``tokens, positions, lora_slots: [N]`` -> logits ``[N, V]``
-        (fp32), ``N <= num_rows``. Writes each row's new K/V at ``positions[row]`` (must be < max_len).
+    def decode(self, span: int) -> torch.Tensor:
+        """One decode step for cache rows ``0..span-1`` from the decode input buffers -> logits ``[span, V]``
+        (fp32). Writes each row's new K/V at its position (must be < max_len); rows that are not running
+        carry any token and position, and their outputs are ignored by the caller.
 
-        Callers keep ``N`` a multiple of :data:`DECODE_ROW_QUANTUM`: the base GEMMs then give each row
-        the same bits for every such ``N`` (seen on the CPU, one thread), so a row's numbers still do
-        not depend on how many other rows run."""
-        num = tokens.shape[0]
+        Callers keep ``span`` a multiple of :data:`DECODE_ROW_QUANTUM`: the base GEMMs then give each row
+        the same bits for every such span (seen on the CPU, one thread), so a row's numbers still do not
+        depend on how many other rows run. With captured graphs the smallest bucket ``>= span`` is replayed."""
+        for bucket, (graph, logits) in sorted(self._graphs.items()):
+            if bucket >= span:
+                graph.replay()
+                return logits[:span]
+        return self._decode_eager(span)
+
+    def capture_decode_graphs(self) -> float:
+        """Captures one CUDA graph per span bucket (:func:`decode_buckets`), largest first so that the
+        smaller ones reuse its memory pool. Call before any request runs: capturing writes K/V at the
+        buffers' positions. Returns the seconds it took."""
+        import time
+
+        started = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for span in decode_buckets(self.num_rows):  # warm-up: compiles the Triton kernels
+                self._decode_eager(span)
+        torch.cuda.current_stream().wait_stream(side)
+        for span in sorted(decode_buckets(self.num_rows), reverse=True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._decode_eager(span)
+            self._graphs[span] = (graph, logits)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    @torch.no_grad()
+    def _decode_eager(self, span: int) -> torch.Tensor:
+        tokens, positions = self.decode_tokens[:span], self.decode_positions[:span]
         # Keys a row may see: its own cache row up to and including its position.
-        visible = self._key_positions.view(1, 1, 1, -1) <= positions.view(-1, 1, 1, 1)  # [S, 1, 1, L]
+        visible = self._key_positions.view(1, 1, 1, -1) <= positions.view(-1, 1, 1, 1)  # [span, 1, 1, L]
+        rows = self._row_index[:span]
 
         def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # q: [S, H, 1, d]; k, v: [S, KV, 1, d]
-            k_cache, v_cache = self.k_cache[layer_idx][:num], self.v_cache[layer_idx][:num]
-            k_cache[self._row_index[:num], :, positions] = k[:, :, 0]
-            v_cache[self._row_index[:num], :, positions] = v[:, :, 0]
+            # q: [span, H, 1, d]; k, v: [span, KV, 1, d]
+            k_cache, v_cache = self.k_cache[layer_idx, :span], self.v_cache[layer_idx, :span]
+            k_cache[rows, :, positions] = k[:, :, 0]
+            v_cache[rows, :, positions] = v[:, :, 0]
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k_cache, v_cache, attn_mask=visible, enable_gqa=self.num_kv_heads != self.num_heads
             )
 
-        hidden = self._forward(tokens.view(-1, 1), positions.view(-1, 1), lora_slots, attend)
+        hidden = self._forward(tokens.view(-1, 1), positions.view(-1, 1), self.decode_slots[:span], attend)
         return self.model.lm_head(hidden[:, 0]).float()
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_slots: torch.Tensor, attend) -> torch.Tensor:
@@ -159,7 +224,9 @@ class ModelRunner:
         hidden = self.decoder.embed_tokens(input_ids)
         cos, sin = self.decoder.rotary_emb(hidden, position_ids)
         batch, length = input_ids.shape
-        with self.routing.route(token_slots):
+        if self.lora_meta is not None:
+            self.lora_meta.build(token_slots)
+        with self.routing.route(token_slots, self.lora_meta):
             for layer_idx, layer in enumerate(self.decoder.layers):
                 residual = hidden
                 hidden = layer.input_layernorm(hidden)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-BlockKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v), each [KV, block_size, d]
+BlockKV = tuple[torch.Tensor, torch.Tensor]  # (k, v) of one block in every layer, each [layers, KV, block_size, d]
 
 
 def block_hashes(tokens: list[int], block_size: int, num_blocks: int) -> list[bytes]:
@@ -67,13 +67,13 @@ class PrefixCache:
                 continue
             blocks = read_block(index)
             self._blocks[key] = blocks
-            self.used_bytes += sum(k.nbytes + v.nbytes for k, v in blocks)
+            self.used_bytes += blocks[0].nbytes + blocks[1].nbytes
         while self.used_bytes > self.budget_bytes and self._blocks:
             _, evicted = self._blocks.popitem(last=False)
-            self.used_bytes -= sum(k.nbytes + v.nbytes for k, v in evicted)
+            self.used_bytes -= evicted[0].nbytes + evicted[1].nbytes
 
     def drop_adapter(self, adapter: str | None) -> None:
         """Forgets every block of ``adapter`` (called when it gets a new version or is removed)."""
         for key in [key for key in self._blocks if key[0] == adapter]:
             evicted = self._blocks.pop(key)
-            self.used_bytes -= sum(k.nbytes + v.nbytes for k, v in evicted)
+            self.used_bytes -= evicted[0].nbytes + evicted[1].nbytes

@@ -1,0 +1,85 @@
+"""Vectorised token sampling for a whole engine step, with a counter-based RNG per request.
+
+Every row of a step is sampled at once on the logits' device (one host synchronisation per step, when the
+caller reads the tokens back). Randomness comes from one uniform number per row, hashed on the host from
+(request seed, index of the token in the completion): a request's draws do not depend on which other rows
+share its batch, on the device, or on how many steps ran before it (reproducible under any mix of tenants).
+
+Sampling is inverse-CDF: with ``p = softmax(logits / temperature)`` and ``u`` the row's uniform number, the
+token is the first index whose cumulative probability exceeds ``u * sum(p)``. Top-p keeps the smallest set of
+most likely tokens whose mass reaches ``top_p`` and renormalises. ``temperature == 0`` is greedy (argmax).
+The returned log-probability is under the untempered distribution (what the trainer recomputes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    """One round of the SplitMix64 generator's output function (a bijective 64-bit mix)."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def request_uniform(seed: int, index: int) -> float:
+    """The uniform number in ``(0, 1)`` for token ``index`` of the request seeded ``seed``."""
+    bits = _splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 11  # 53 random bits
+    return (bits + 0.5) / float(1 << 53)
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Sampling settings and RNG draw of one row: ``temperature`` (0 = greedy), ``top_p`` and ``uniform``
+    (from :func:`request_uniform`)."""
+
+    temperature: float
+    top_p: float
+    uniform: float
+
+
+def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], list[float]]:
+    """Samples one token for each row of ``logits: [N, V]`` (any float dtype; computed in fp32) with the
+    settings ``rows[i]`` (``len(rows) == N``). Returns the tokens and their untempered log-probabilities."""
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling settings")
+    logits = logits.float()
+    device = logits.device
+    temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
+    greedy = (temperature == 0.0).to(device, non_blocking=True)
+    temperature = temperature.clamp(min=1e-6).to(device, non_blocking=True)
+    uniform = torch.tensor([r.uniform for r in rows], dtype=torch.float32).to(device, non_blocking=True)
+    logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    nucleus = [i for i, r in enumerate(rows) if r.top_p < 1.0 and r.temperature > 0.0]
+    sampled = _inverse_cdf(probs, uniform)
+    if nucleus:
+        index = torch.tensor(nucleus, device=device)
+        top_p = torch.tensor([rows[i].top_p for i in nucleus], dtype=torch.float32, device=device)
+        sampled[index] = _inverse_cdf_top_p(probs[index], uniform[index], top_p)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    pair = torch.stack([tokens.double(), chosen.double()]).cpu()  # the step's one host synchronisation
+    return [int(t) for t in pair[0].tolist()], pair[1].tolist()
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """``[N, V]`` probabilities, ``[N]`` uniforms -> ``[N]`` token ids (int64)."""
+    cdf = torch.cumsum(probs, dim=-1)
+    target = (uniform * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=probs.shape[1] - 1)
+
+
+def _inverse_cdf_top_p(probs: torch.Tensor, uniform: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling restricted to each row's nucleus (most likely tokens up to mass ``top_p``)."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p[:, None]
+    picked = _inverse_cdf(sorted_probs * keep, uniform)
+    return order.gather(1, picked[:, None])[:, 0]

@@ -1,0 +1,59 @@
+"""Vectorised sampling with counter-based per-request RNG (skyrl_clora.sampler.sampling)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyrl_clora.sampler.sampling import RowSampling, request_uniform, sample_rows
+
+
+def test_request_uniform_is_a_deterministic_stream_in_the_open_interval() -> None:
+    draws = [request_uniform(7, index) for index in range(2000)]
+    assert draws == [request_uniform(7, index) for index in range(2000)]
+    assert all(0.0 < u < 1.0 for u in draws)
+    assert draws != [request_uniform(8, index) for index in range(2000)]
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.03
+    assert len(set(draws)) == len(draws)
+
+
+def test_draws_follow_the_tempered_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]])
+    temperature = 0.7
+    probs = torch.softmax(logits[0] / temperature, dim=0)
+    counts = torch.zeros(5)
+    draws = 4000
+    for index in range(draws):
+        tokens, _ = sample_rows(logits, [RowSampling(temperature, 1.0, request_uniform(3, index))])
+        counts[tokens[0]] += 1
+    assert counts[4] == 0
+    assert torch.allclose(counts / draws, probs, atol=0.025)
+
+
+def test_a_row_samples_the_same_alone_and_in_any_batch() -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 300, generator=generator) * 3
+    settings = [RowSampling([0.0, 1.0, 0.6][i % 3], [1.0, 0.9][i % 2], request_uniform(i, 5)) for i in range(37)]
+    batch_tokens, batch_logprobs = sample_rows(logits, settings)
+    alone = [sample_rows(logits[i : i + 1], settings[i : i + 1]) for i in range(37)]
+    assert batch_tokens == [tokens[0] for tokens, _ in alone]
+    assert batch_logprobs == [logprobs[0] for _, logprobs in alone]
+    assert len(set(batch_tokens)) > 10, "rows must not all draw the same token"
+
+
+def test_greedy_top_p_and_logprobs() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0], [1.0, 0.5, 0.0, 4.0]])
+    untempered = torch.log_softmax(logits, dim=-1)
+    tokens, logprobs = sample_rows(logits, [RowSampling(0.0, 1.0, 0.99), RowSampling(0.0, 1.0, 0.01)])
+    assert tokens == [1, 3]
+    assert logprobs == pytest.approx([float(untempered[0, 1]), float(untempered[1, 3])], abs=1e-6)
+    # top_p = 0.5 keeps only token 1 of row 0 (its probability is ~0.5 before token 2 joins).
+    nucleus = {sample_rows(logits[:1], [RowSampling(1.0, 0.5, request_uniform(1, i))])[0][0] for i in range(200)}
+    assert nucleus == {1}
+    wide = {sample_rows(logits[:1], [RowSampling(1.0, 1.0, request_uniform(1, i))])[0][0] for i in range(200)}
+    assert {1, 2} <= wide
+
+
+def test_mismatched_settings_are_rejected() -> None:
+    with pytest.raises(ValueError, match="2 rows of logits but 1"):
+        sample_rows(torch.zeros(2, 4), [RowSampling(1.0, 1.0, 0.5)])
