@@ -10,11 +10,16 @@ import logging
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+if TYPE_CHECKING:
+    from skyrl_clora.config import RunConfig
+    from skyrl_clora.skyrl.config_translation import SkyRLPlan
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -100,20 +105,40 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_config(argv)
         run = build_run_config(cfg)
         if run.backend == "skyrl":
+            from skyrl_clora.recipes.tiny_base.pretrain import tiny_base_path
             from skyrl_clora.skyrl.config_translation import translate
+            from skyrl_clora.skyrl.stack import check_buildable
 
-            translate(cfg, model_path=run.model_path)  # SkyRL's constraints, checked before anything starts
-            raise ConfigError(
-                "backend=skyrl: the config translates and passes SkyRL's validate_cfg, but driving SkyRL's "
-                "Ray/vLLM/Megatron stack from the orchestrator is not built yet; use backend=embedded"
-            )
+            # SkyRL's constraints and what this machine can build, checked before anything starts.
+            plan = translate(cfg, model_path=run.model_path or str(tiny_base_path()))
+            check_buildable(plan)
     except (UserError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if run.backend == "skyrl":
+        return _run_skyrl(run, plan)
     from skyrl_clora.orchestrator import run_experiments
 
     try:
         run_experiments(run)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run_skyrl(run: "RunConfig", plan: "SkyRLPlan") -> int:
+    """backend=skyrl: builds the base model if needed (the path the plan names), runs SkyRL's stack."""
+    import time
+
+    from skyrl_clora.config import ConfigError
+    from skyrl_clora.services import resolve_model_path
+    from skyrl_clora.skyrl.driver import run_skyrl
+
+    started = time.perf_counter()
+    model_path = resolve_model_path(run)
+    try:
+        run_skyrl(run, plan, model_path, base_model_s=time.perf_counter() - started)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -10,13 +10,23 @@ SkyRL's CLI parser rejects ``+`` keys (``+tenants=8``), so the translation is do
 Every config passes SkyRL's own ``validate_cfg``. Before that, the multi-tenant constraints SkyRL does not
 check itself are enforced with one-line :class:`~skyrl_clora.config.ConfigError` messages: LoRA on, the
 vLLM inference backend, ``merge_lora=false``, ``max_loras >=`` the tenants sampling in one batch, one LoRA
-signature (rank, alpha, targets) across tenants (the Megatron ``AdapterStore`` freezes it), and a learning
-rate schedule the chosen strategy honours.
+signature (rank, alpha, targets) across tenants (the Megatron ``AdapterStore`` freezes it), an adapter
+store on the trainer side (Megatron's; SkyRL 0.4's FSDP workers hold one adapter) and a learning rate
+schedule the chosen strategy honours.
+
+Stand-ins: ``backend.inference_backend=embedded`` (the project's engine behind SkyRL's HTTP protocol,
+:mod:`skyrl_clora.skyrl.server`) takes the place of vLLM and ``backend.strategy=embedded`` (Ray workers
+over the embedded trainer, :mod:`skyrl_clora.skyrl.worker`) the place of Megatron; ``auto`` (the default)
+picks vLLM / Megatron when they are importable and the stand-ins otherwise. The SkyRL configs keep the
+production values (``vllm``, ``megatron``) so that SkyRL's ``validate_cfg`` checks exactly what a GPU
+cluster would run, and a stand-in accepts only what production accepts; :attr:`SkyRLPlan.substitutions`
+spells out what is replaced.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -38,6 +48,20 @@ _BACKEND_KEYS = {
     "weight_sync_backend", "colocate_all", "policy_num_nodes", "policy_num_gpus_per_node", "gpu_memory_utilization",
 }
 _SCHEDULERS = {"constant": "constant_with_warmup", "cosine": "cosine"}
+_INFERENCE_BACKENDS = ("auto", "vllm", "embedded")
+_STRATEGIES = ("auto", "megatron", "fsdp", "embedded")
+
+
+def resolve_stack(backend: dict[str, Any]) -> tuple[str, str]:
+    """``(inference_backend, strategy)`` with ``auto`` resolved: vLLM / Megatron when importable, else
+    the embedded stand-ins."""
+    inference = backend["inference_backend"]
+    if inference == "auto":
+        inference = "vllm" if importlib.util.find_spec("vllm") is not None else "embedded"
+    strategy = backend["strategy"]
+    if strategy == "auto":
+        strategy = "megatron" if importlib.util.find_spec("megatron") is not None else "embedded"
+    return inference, strategy
 
 
 @dataclass(frozen=True)
@@ -48,6 +72,12 @@ class SkyRLPlan:
     tenant_configs: dict[str, SkyRLTrainConfig]
     tenants: tuple[TenantSpec, ...]
     tenants_per_batch: int
+    inference_backend: str
+    """What serves the tenants: ``vllm`` or ``embedded`` (``auto`` resolved)."""
+    strategy: str
+    """What trains them: ``megatron``, ``fsdp`` or ``embedded`` (``auto`` resolved)."""
+    substitutions: tuple[str, ...]
+    """One line per production component replaced by a stand-in (empty on a GPU cluster)."""
 
 
 def _backend(cfg: DictConfig) -> dict[str, Any]:
@@ -66,10 +96,17 @@ def check_multi_tenant_constraints(
     backend: dict[str, Any], trainer: TrainerConfig, tenants: list[TenantSpec], tenants_per_batch: int
 ) -> None:
     """Raises :class:`ConfigError` (one line) for a combination SkyRL cannot run with tenants."""
-    if backend["inference_backend"] != "vllm":
+    if backend["inference_backend"] not in _INFERENCE_BACKENDS:
         raise ConfigError(
             f"backend.inference_backend={backend['inference_backend']}: SkyRL serves LoRA adapters with vllm only; "
-            "set backend.inference_backend=vllm"
+            "set backend.inference_backend=vllm (or embedded, its CPU stand-in, or auto)"
+        )
+    if backend["strategy"] not in _STRATEGIES:
+        raise ConfigError(f"backend.strategy={backend['strategy']} is unknown; choose one of {', '.join(_STRATEGIES)}")
+    if backend["strategy"] == "fsdp" and len(tenants) > 1:
+        raise ConfigError(
+            f"backend.strategy=fsdp with {len(tenants)} tenants: SkyRL 0.4's FSDP workers hold one LoRA adapter "
+            "(no AdapterStore); use backend.strategy=megatron (or embedded, its CPU stand-in)"
         )
     if backend["merge_lora"]:
         raise ConfigError(
@@ -96,10 +133,11 @@ def check_multi_tenant_constraints(
     alpha = tenants[0].alpha
     if alpha != int(alpha):
         raise ConfigError(f"lora alpha {alpha:g} is not an integer; SkyRL's LoRA config takes an integer alpha")
-    if backend["strategy"] == "megatron" and trainer.lr_schedule != "constant":
+    if backend["strategy"] in ("megatron", "embedded", "auto") and trainer.lr_schedule != "constant":
         raise ConfigError(
             f"trainer.lr_schedule={trainer.lr_schedule}: SkyRL 0.4's Megatron scheduler is constant-only "
-            "(lr_decay_style is fixed); use trainer.lr_schedule=constant or backend.strategy=fsdp"
+            "(lr_decay_style is fixed; backend.strategy=embedded stands in for megatron and takes what it takes); "
+            "use trainer.lr_schedule=constant"
         )
 
 
@@ -113,7 +151,7 @@ def _base_config(
     per_gpu = max(1, recipe.prompts_per_step * recipe.samples_per_prompt // gpus)
 
     tr = st.trainer
-    tr.strategy = backend["strategy"]
+    tr.strategy = "fsdp" if backend["strategy"] == "fsdp" else "megatron"  # embedded stands in for megatron
     tr.seed = int(cfg.clora.seed)
     tr.max_training_steps = int(cfg.clora.steps)
     tr.train_batch_size = recipe.prompts_per_step
@@ -137,7 +175,8 @@ def _base_config(
     lora.alpha = int(first.alpha)
     lora.target_modules = backend["target_modules"]
     lora.sync_mode = backend["lora_sync_mode"]
-    lora.lora_sync_path = backend["lora_sync_path"]
+    sync_path = backend["lora_sync_path"] or os.path.join(str(cfg.clora.output_dir), "lora_sync")
+    lora.lora_sync_path = os.path.abspath(os.path.expanduser(sync_path))
     lora.max_loras = backend["max_loras"] if backend["max_loras"] is not None else tenants_per_batch
     lora.max_cpu_loras = backend["max_cpu_loras"] if backend["max_cpu_loras"] is not None else max(
         len(tenants), lora.max_loras
@@ -160,7 +199,7 @@ def _base_config(
     gen.sampling_params.top_p = sampler.top_p
     gen.sampling_params.logprobs = 1
     ie = gen.inference_engine
-    ie.backend = backend["inference_backend"]
+    ie.backend = "vllm"  # embedded stands in for vllm
     ie.num_engines = backend["num_engines"]
     ie.tensor_parallel_size = backend["tensor_parallel_size"]
     ie.enable_prefix_caching = bool(backend["enable_prefix_caching"])
@@ -214,7 +253,16 @@ def translate(cfg: DictConfig, model_path: str | None = None) -> SkyRLPlan:
         if spec.env_class is not None:
             st.environment.env_class = spec.env_class
         per_tenant[spec.name] = _validated(st, f"tenant {spec.name}")
-    return SkyRLPlan(base=base, tenant_configs=per_tenant, tenants=tuple(tenants), tenants_per_batch=tenants_per_batch)
+    inference, strategy = resolve_stack(backend)
+    substitutions = []
+    if inference == "embedded":
+        substitutions.append("generator.inference_engine.backend=vllm -> the embedded engine behind SkyRL's HTTP "
+                             "protocol (skyrl_clora.skyrl.server), one server")
+    if strategy == "embedded":
+        substitutions.append("trainer.strategy=megatron -> Ray workers over the embedded trainer "
+                             "(skyrl_clora.skyrl.worker.EmbeddedPolicyWorker), one worker")
+    return SkyRLPlan(base=base, tenant_configs=per_tenant, tenants=tuple(tenants), tenants_per_batch=tenants_per_batch,
+                     inference_backend=inference, strategy=strategy, substitutions=tuple(substitutions))
 
 
 def lora_rank_off(cfg: DictConfig) -> bool:

@@ -9,7 +9,7 @@ callers, so one tenant's big batch can hold every permit while the others wait.
 
 A :class:`TenantInferenceClient` is a ``RemoteInferenceClient`` for one tenant, pointed at the same servers:
 
-- ``weight_version`` is that tenant's adapter version: set from the server's answer to a LoRA load of the
+- ``weight_version`` is that tenant's adapter version (-1 until its adapter is first loaded): set from the server's answer to a LoRA load of the
   tenant's adapter (``version`` in the embedded server's body; one more per load with vLLM's), or advanced
   by :meth:`increment_weight_version` by a sync hook that loads through another client. The stock
   generator's salt is then ``<tenant>:<tenant's version>``: a tenant's update re-salts only its own prefixes.
@@ -56,6 +56,7 @@ class TenantInferenceClient(RemoteInferenceClient):
             raise ValueError(f"a tenant view needs its adapter name as tenant (got {self.tenant!r})")
         if self.max_in_flight < 0:
             raise ValueError(f"max_in_flight must be >= 0, got {self.max_in_flight}")
+        self._weight_version = -1  # no adapter loaded yet; its first load (version 0) or sync makes it 0
 
     def versions_for(self, session_id: str) -> list[int]:
         """Adapter versions the server reported for each request of ``session_id`` so far (one per turn)."""

@@ -1,0 +1,242 @@
+"""``backend=skyrl``: N tenants driven through SkyRL's own stack.
+
+Per tenant: a ``SkyRLGymGenerator`` (``policy_model_name=<tenant>``, the tenant's translated generator
+config) over its :class:`~skyrl_clora.skyrl.tenant_client.TenantInferenceClient` view of the shared
+``RemoteInferenceClient``, and a ``WorkerDispatch`` (the tenant's translated config, the view as its
+inference client) over one shared ``PPORayActorGroup`` of policy workers. A tenant's RL step is SkyRL's:
+
+  1. generate: the generator runs the step's episodes through the view (``model=<tenant>``);
+  2. version check: every request of every trajectory was sampled with the tenant's current adapter
+     version (the server reports it per request), else the step fails;
+  3. train: the episodes become SkyRL's ``TrainingInputBatch`` (``convert_prompts_responses_to_batch_tensors``,
+     ``metadata["uids"]`` = GRPO groups) and go through ``dispatch.forward_backward`` and
+     ``dispatch.optim_step`` with ``model_id=<tenant>`` (the worker swaps the tenant's adapter, LR
+     schedule and RNG in);
+  4. sync: ``dispatch.save_weights_for_sampler(model_id=<tenant>)``: the worker writes the adapter as a
+     PEFT folder and loads it in place under the tenant's name (no pause, no prefix-cache reset), and
+     the dispatch advances the view's version, which must equal the version the server now holds.
+
+Tenants register through ``dispatch.register_adapter`` and their first ``save_weights_for_sampler``
+(version 0) and, on failure, are deleted (``dispatch.delete_adapter``) and unloaded. The trainer is one
+worker, so train+sync sections of different tenants take turns (a lock); generation is concurrent.
+On this machine the stack is the embedded engine behind :class:`~skyrl_clora.skyrl.server.EmbeddedServer`
+(vLLM's stand-in) and :class:`~skyrl_clora.skyrl.worker.EmbeddedPolicyWorker` Ray actors (Megatron's).
+Outputs are the embedded backend's: metrics.jsonl, summary.json, reward_curves.png, adapters/<tenant>/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
+from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
+from skyrl.train.generators.base import GeneratorInput, TrajectoryID
+from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
+
+from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.metrics import MetricsLog, format_table, plot_rewards, summarize
+from skyrl_clora.orchestrator import _log_orphaned_task_error, _scalar
+from skyrl_clora.recipes.tasks import TaskSource, build_task_source
+from skyrl_clora.skyrl.config_translation import SkyRLPlan
+from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
+from skyrl_clora.tenants import TenantSpec
+
+logger = logging.getLogger("skyrl_clora")
+
+
+@dataclass
+class Tenant:
+    """One tenant's handles on the shared stack."""
+
+    spec: TenantSpec
+    dispatch: WorkerDispatch
+    generator: SkyRLGymGenerator
+    view: Any
+
+
+class SkyRLTenantLoop:
+    """One tenant's experiment on SkyRL's stack: evaluation, ``steps`` RL steps, evaluation, export."""
+
+    def __init__(self, run: RunConfig, tenant: Tenant, stack: SkyRLStack, metrics: MetricsLog,
+                 train_lock: asyncio.Lock) -> None:
+        self.run, self.tenant, self.stack, self.metrics, self.train_lock = run, tenant, stack, metrics, train_lock
+        self.name = tenant.spec.name
+
+    async def register(self) -> None:
+        """``register_adapter`` on the workers, then the first sync publishes version 0."""
+        async with self.train_lock:
+            await asyncio.to_thread(self.tenant.dispatch.register_adapter, "policy", self.name)
+            await asyncio.to_thread(self._sync)
+
+    def _sync(self) -> None:
+        """``save_weights_for_sampler`` (runs in a worker thread: the dispatch blocks on Ray) plus the
+        version check between what the dispatch counted and what the servers hold."""
+        asyncio.run(self.tenant.dispatch.save_weights_for_sampler(model_id=self.name))
+        held = self.stack.server_version(self.name)
+        if held is not None and held != self.tenant.view.weight_version:
+            raise RuntimeError(f"tenant {self.name}: the servers hold adapter version {held} but the dispatch "
+                               f"counted {self.tenant.view.weight_version}")
+
+    async def run_experiment(self) -> None:
+        try:
+            source = build_task_source(self.run.recipe, self.tenant.spec, self.run.steps, self.run.seed)
+            await self._evaluate(source, step=0)
+            for step in range(1, self.run.steps + 1):
+                await self._rl_step(source, step)
+            await self._evaluate(source, step=self.run.steps)
+            exported = Path(self.stack.sync_path) / self.name  # the last sync wrote the final adapter there
+            shutil.copytree(exported, self.run.output_dir / "adapters" / self.name, dirs_exist_ok=True)
+        except Exception as error:  # noqa: BLE001 - a failing tenant must not take the others down
+            logger.exception("tenant %s failed", self.name)
+            self.metrics.write({"event": "failed", "tenant": self.name, "error": f"{type(error).__name__}: {error}"})
+            async with self.train_lock:
+                await asyncio.to_thread(self.tenant.dispatch.delete_adapter, "policy", self.name)
+            await self.stack.unload(self.name)
+
+    async def _generate(self, rows: list[dict[str, Any]], samples: int, tag: str) -> tuple[dict, list[str]]:
+        prompts, env_classes, extras, trajectory_ids, groups = [], [], [], [], []
+        for index, row in enumerate(rows):
+            instance = f"{self.name}-{tag}-p{index}"
+            for repetition in range(samples):
+                prompts.append(row["prompt"])
+                env_classes.append(row["env_class"])
+                extras.append({k: v for k, v in row.items() if k not in ("prompt", "env_class")})
+                trajectory_ids.append(TrajectoryID(instance_id=instance, repetition_id=repetition))
+                groups.append(instance)
+        version = self.tenant.view.weight_version
+        output = await self.tenant.generator.generate(GeneratorInput(
+            prompts=prompts, env_classes=env_classes, env_extras=extras, sampling_params=None,
+            trajectory_ids=trajectory_ids, batch_metadata=None,
+        ), disable_tqdm=True)
+        for trajectory in trajectory_ids:
+            versions = self.tenant.view.versions_for(trajectory.to_string())
+            if not versions or any(v != version for v in versions):
+                raise RuntimeError(f"tenant {self.name}: trajectory {trajectory.to_string()} sampled with adapter "
+                                   f"versions {versions}, expected {version}")
+        return output, groups
+
+    async def _evaluate(self, source: TaskSource, step: int) -> None:
+        rows = source.evaluation_rows()
+        if not rows:
+            return
+        output, _ = await self._generate(rows, samples=1, tag=f"eval{step}")
+        rewards = [_scalar(r) for r in output["rewards"]]
+        self.metrics.write({"event": "eval", "tenant": self.name, "step": step,
+                            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards), "episodes": len(rewards)})
+
+    async def _rl_step(self, source: TaskSource, step: int) -> None:
+        started = time.perf_counter()
+        output, groups = await self._generate(
+            source.step_rows(step - 1, self.run.recipe.prompts_per_step), self.tenant.spec.samples_per_prompt, f"s{step}"
+        )
+        rollout_s = time.perf_counter() - started
+        rewards = [_scalar(r) for r in output["rewards"]]
+        data = training_input(output, groups, self.stack.tokenizer.pad_token_id)
+        async with self.train_lock:
+            started = time.perf_counter()
+            train_metrics = await asyncio.to_thread(self._train, data)
+            train_s = time.perf_counter() - started
+            started = time.perf_counter()
+            await asyncio.to_thread(self._sync)
+            sync_s = time.perf_counter() - started
+        self.metrics.write({
+            "event": "step", "tenant": self.name, "step": step, "adapter_version": self.tenant.view.weight_version,
+            "reward_mean": sum(rewards) / len(rewards),
+            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "episodes": len(rewards),
+            "generated_tokens": sum(sum(mask) for mask in output["loss_masks"]),
+            "rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s,
+            **{f"train/{k}": v for k, v in train_metrics.items()},
+        })
+
+    def _train(self, data: TrainingInputBatch) -> dict[str, float]:
+        """``forward_backward`` + ``optim_step`` with the tenant's ``model_id``; the worker's step metrics."""
+        dispatch = self.tenant.dispatch
+        dispatch.forward_backward("policy", data, model_id=self.name)
+        grad_norm = dispatch.optim_step("policy", model_id=self.name)
+        metrics = self.stack.step_metrics(self.name)
+        if metrics.get("grad_norm") != grad_norm:
+            raise RuntimeError(f"tenant {self.name}: the worker's last step is not this one")
+        return metrics
+
+
+def training_input(output: dict[str, Any], groups: list[str], pad_token_id: int) -> TrainingInputBatch:
+    """SkyRL's ``TrainingInputBatch`` for a generator output, as ``RayPPOTrainer.convert_to_training_input``
+    builds it (outcome reward on the last response token; ``metadata["uids"]`` = GRPO groups)."""
+    rewards = [r if isinstance(r, list) else [0.0] * (len(ids) - 1) + [float(r)]
+               for r, ids in zip(output["rewards"], output["response_ids"])]
+    sequences, attention, response_mask, token_rewards, loss_mask, logprobs, _, _ = convert_prompts_responses_to_batch_tensors(
+        pad_token_id, output["prompt_token_ids"], output["response_ids"], rewards, output["loss_masks"],
+        output.get("rollout_logprobs"),
+    )
+    data = TrainingInputBatch({
+        "sequences": sequences, "attention_mask": attention, "response_mask": response_mask,
+        "rewards": token_rewards, "loss_mask": loss_mask, "rollout_logprobs": logprobs,
+    })
+    data.metadata = {"uids": list(groups)}
+    return data
+
+
+async def _run_tenants(run: RunConfig, plan: SkyRLPlan, stack: SkyRLStack, metrics: MetricsLog) -> None:
+    asyncio.get_running_loop().set_exception_handler(_log_orphaned_task_error)
+    lock = asyncio.Lock()
+    loops = []
+    for spec in plan.tenants:
+        config = plan.tenant_configs[spec.name]
+        view = stack.views[spec.name]
+        dispatch = WorkerDispatch(config, policy_actor_group=stack.policy_group, inference_engine_client=view)
+        generator = SkyRLGymGenerator(config.generator, config.environment.skyrl_gym, view, stack.tokenizer,
+                                      policy_model_name=spec.name)
+        loops.append(SkyRLTenantLoop(run, Tenant(spec, dispatch, generator, view), stack, metrics, lock))
+    # One weight-sync setup for the worker group (it keeps the shared client's server URLs).
+    await asyncio.to_thread(loops[0].tenant.dispatch.init_weight_sync_state, stack.client)
+    for loop in loops:
+        await loop.register()
+    try:
+        await asyncio.gather(*(loop.run_experiment() for loop in loops))
+    finally:
+        for client in [stack.client, *stack.views.values()]:
+            await client.teardown()
+
+
+def run_skyrl(run: RunConfig, plan: SkyRLPlan, model_path: str, base_model_s: float) -> dict[str, Any]:
+    """Runs every tenant concurrently through SkyRL's stack; writes the embedded backend's outputs."""
+    if run.mode != "concurrent":
+        raise ConfigError("backend=skyrl runs tenants concurrently on one stack; set clora.mode=concurrent "
+                          "(serial mode is the embedded backend's baseline)")
+    for line in plan.substitutions:
+        print(f"[skyrl] stand-in: {line}", flush=True)
+    started = time.perf_counter()
+    metrics = MetricsLog(run.output_dir / "metrics.jsonl", progress=run.progress)
+    stack = build_stack(run, plan, model_path)
+    try:
+        cold_start_s = time.perf_counter() - started
+        asyncio.run(_run_tenants(run, plan, stack, metrics))
+    finally:
+        metrics.close()
+        stack.shutdown()
+    wall_s = time.perf_counter() - started
+    names = [spec.name for spec in plan.tenants]
+    rows = summarize(metrics.records, names)
+    summary = {
+        "backend": "skyrl", "mode": run.mode, "tenants": len(names), "steps": run.steps, "model_path": model_path,
+        "inference_backend": plan.inference_backend, "strategy": plan.strategy, "substitutions": list(plan.substitutions),
+        "base_model_seconds": base_model_s, "wall_seconds": wall_s, "cold_start_seconds": [cold_start_s],
+        "engine": stack.engine_stats(),
+        "experiments_per_hour": 3600.0 * sum(r["status"] == "ok" for r in rows) / wall_s,
+        "per_tenant": rows, "tenant_specs": [asdict(spec) for spec in plan.tenants],
+    }
+    (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_rewards(metrics.records, names, run.output_dir / "reward_curves.png")
+    print(format_table(rows))
+    print(f"backend=skyrl tenants={len(names)} wall {wall_s:.1f}s (+ base model {base_model_s:.1f}s) "
+          f"-> {summary['experiments_per_hour']:.1f} experiments/hour; outputs in {run.output_dir}")
+    return summary

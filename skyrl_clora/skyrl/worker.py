@@ -1,0 +1,263 @@
+"""SkyRL's policy-worker API over the embedded trainer, as a Ray actor that ``WorkerDispatch`` drives.
+
+On a GPU cluster SkyRL's ``WorkerDispatch`` sends each tenant's calls (``model_id=<tenant>``) through a
+``PPORayActorGroup`` to Megatron policy workers and their ``AdapterStore``. :class:`EmbeddedPolicyWorker`
+is the stand-in when Megatron is absent (``backend.strategy=embedded``): a Ray actor (world size 1, built
+by SkyRL's own ``PPORayActorGroup`` with ``num_gpus_per_actor=0``) that answers the methods
+``WorkerDispatch`` calls, over :class:`~skyrl_clora.trainer.trainer.Trainer` and its
+:class:`~skyrl_clora.trainer.adapter_store.AdapterStore`. The model weights load inside the actor.
+
+===================================  ==============================================================
+``WorkerDispatch`` call              what this worker does
+===================================  ==============================================================
+``register_adapter("policy", t)``    registers tenant ``t`` in the AdapterStore: a PEFT-style init
+                                     seeded with the tenant's seed, its own LR schedule and RNG
+``delete_adapter("policy", t)``      removes the tenant's state
+``ensure_active_adapter`` ->         makes ``t`` the tenant the next ``forward_backward`` /
+``swap_to_adapter(t)``               ``optim_step`` / sync act on
+``forward_backward(data)``           stages the ``TrainingInputBatch`` (see below) for the tenant
+``optim_step()``                     one GRPO update of the tenant over everything staged since its
+                                     last step (``Trainer.train_step``: forward, backward, AdamW at
+                                     the tenant's scheduled LR); returns the pre-clip gradient norm
+``save_weights_for_sampler`` ->      writes the tenant's adapter as a PEFT folder under
+``broadcast_to_inference_engines``   ``lora_sync_path/<t>`` and loads it in place on every inference
+                                     server under its own name (SkyRL's disk path); no pause and no
+                                     prefix-cache reset
+===================================  ==============================================================
+
+Why ``forward_backward`` stages: the embedded Trainer fuses forward, backward and the optimizer step in
+``Trainer.train_step(tenant, batch)`` and computes GRPO advantages itself from rewards and group ids,
+so the gradient is taken at ``optim_step`` over the staged rows together. That is the update SkyRL's
+accumulate-then-step makes with one mini-batch per step (what the skyrl driver sends). The step's
+metrics (policy loss, LR, ...) are returned by :meth:`step_metrics`.
+
+``data`` is the batch SkyRL's ``RayPPOTrainer.convert_to_training_input`` builds (``sequences``,
+``attention_mask``, ``response_mask``, ``loss_mask``, ``rewards``, ``rollout_logprobs``, right-aligned
+response tensors from ``convert_prompts_responses_to_batch_tensors``) with ``metadata["uids"]`` naming
+each row's GRPO group; advantages are not needed (the Trainer computes them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import ray
+import torch
+
+# SkyRL 0.4's ppo_utils, when imported with Ray up (as in this actor), registers each loss with a Ray
+# registry actor by pickling it mid-import; without the cloudpickle package (not in this venv) it falls back
+# to plain pickle, which cannot pickle those functions yet, and the import fails. Ray ships cloudpickle.
+if importlib.util.find_spec("cloudpickle") is None:
+    sys.modules.setdefault("cloudpickle", ray.cloudpickle)
+from skyrl.backends.skyrl_train.distributed.dispatch import MeshRank, WorkerOutput
+from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+from skyrl.train.config import TrainerConfig
+from transformers import AutoModelForCausalLM
+
+from skyrl_clora.lora.layers import attach_multi_lora
+from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
+from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.trainer import OptimizerConfig, TrainBatch, Trainer
+
+# SkyRL scheduler names -> the embedded LRSchedule kinds (the translation writes these two).
+_SCHEDULES = {"constant_with_warmup": "constant", "constant": "constant", "cosine": "cosine"}
+
+
+def training_batch_to_train_batch(data: TrainingInputBatch) -> TrainBatch:
+    """Inverts ``convert_prompts_responses_to_batch_tensors`` row by row into the Trainer's batch.
+
+    Row ``i``: its real tokens are ``sequences[i][attention_mask[i] == 1]``, the last
+    ``response_mask[i].sum()`` of them are the response; response tensors are right-aligned, so the
+    loss mask and rollout log-probs are their last ``len(response)`` entries; the reward is the sum of
+    the row's token-level rewards; its group is ``metadata["uids"][i]``."""
+    uids = (data.metadata or {}).get("uids")
+    rows = data["sequences"].shape[0]
+    if uids is None or len(uids) != rows:
+        raise ValueError(f"forward_backward needs metadata['uids'] with one group id per row ({rows} rows)")
+    prompt_ids, response_ids, loss_masks, rewards = [], [], [], []
+    logprobs = data["rollout_logprobs"] if "rollout_logprobs" in data.keys() else None
+    rollout_logprobs = [] if logprobs is not None else None
+    for i in range(rows):
+        tokens = data["sequences"][i][data["attention_mask"][i].bool()].tolist()
+        length = int(data["response_mask"][i].sum())
+        if length < 1 or length > len(tokens):
+            raise ValueError(f"row {i}: response length {length} does not fit its {len(tokens)} tokens")
+        prompt_ids.append(tokens[:-length])
+        response_ids.append(tokens[-length:])
+        loss_masks.append([int(m) for m in data["loss_mask"][i, -length:].tolist()])
+        rewards.append(float(data["rewards"][i].sum()))
+        if rollout_logprobs is not None:
+            rollout_logprobs.append(logprobs[i, -length:].tolist())
+    return TrainBatch(prompt_ids=prompt_ids, response_ids=response_ids, loss_masks=loss_masks, rewards=rewards,
+                      group_ids=[str(u) for u in uids], rollout_logprobs=rollout_logprobs)
+
+
+class EmbeddedPolicyWorker:
+    """The policy worker (see module docstring). Wrap with ``ray.remote`` and hand the class to SkyRL's
+    ``PPORayActorGroup``; the constructor takes the keyword arguments that group passes."""
+
+    def __init__(self, cfg: TrainerConfig, world_size: int, rank: int, local_rank: int, master_addr: Any,
+                 master_port: Any, sequence_parallel_size: int = 1, record_memory: bool = False) -> None:
+        if world_size != 1 or sequence_parallel_size != 1:
+            raise ValueError("the embedded policy worker runs as one process: set policy_num_nodes=1, "
+                             "policy_num_gpus_per_node=1 and sequence_parallel_size=1")
+        if record_memory:
+            raise ValueError("record_memory needs CUDA memory snapshots; the embedded worker runs on the CPU")
+        self.cfg = cfg
+        self.trainer: Trainer | None = None
+        self.store: AdapterStore | None = None
+        self.tenants: dict[str, dict[str, float]] = {}
+        self.active: str | None = None
+        self.staged: dict[str, list[TrainBatch]] = {}
+        self.last_metrics: dict[str, dict[str, float]] = {}
+        self.total_steps = 1
+        self._client: Any = None
+
+    # ---- what PPORayActorGroup calls while building the group -----------------------------------
+
+    def init_worker_process_group(self) -> None:
+        """Nothing to join: one process, no collectives."""
+
+    def get_mesh_rank(self) -> MeshRank:
+        return MeshRank(dp=0, sp=0, tp=0, pp=0, world_size=1, dp_size=1, pp_size=1)
+
+    def init_model(self, model_path: str, num_training_steps: Optional[int] = None,
+                   tenants: Optional[dict[str, dict[str, float]]] = None, max_rank: int = 16, threads: int = 1) -> None:
+        """Loads the base model and builds the Trainer with one trainable slot.
+
+        ``tenants`` maps each tenant that may be registered to its ``{"seed", "lr", "rank", "alpha"}``
+        (from its translated SkyRL config); ``num_training_steps`` is the LR schedules' horizon."""
+        torch.set_num_threads(threads)
+        policy = self.cfg.policy
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
+        routing, layers = attach_multi_lora(model, 1, max_rank, trainable=True)
+        self.store = AdapterStore(layers, num_slots=1)
+        optimizer = policy.optimizer_config
+        self.trainer = Trainer(
+            model, routing, layers, self.store, self.cfg.algorithm,
+            OptimizerConfig(betas=tuple(optimizer.adam_betas), weight_decay=optimizer.weight_decay,
+                            max_grad_norm=optimizer.max_grad_norm),
+            micro_batch_size=self.cfg.micro_train_batch_size_per_gpu,
+        )
+        self.tenants = dict(tenants or {})
+        self.total_steps = max(1, num_training_steps or 1)
+
+    def _set_pad_token_id(self, pad_token_id: int) -> None:
+        """SkyRL's trainer sets this after ``init_model``; padding never reaches the embedded Trainer
+        (rows are unpadded in :func:`training_batch_to_train_batch`)."""
+
+    # ---- adapter store ---------------------------------------------------------------------------
+
+    def register_adapter(self, model_id: str) -> None:
+        """Adds tenant ``model_id`` with its seeded initial adapter, LR schedule and RNG."""
+        if self.store is None:
+            raise RuntimeError("register_adapter before init_model")
+        if model_id not in self.tenants:
+            raise ValueError(f"unknown tenant {model_id!r}; init_model was given {sorted(self.tenants)}")
+        spec = self.tenants[model_id]
+        optimizer = self.cfg.policy.optimizer_config
+        schedule = LRSchedule(float(spec["lr"]), optimizer.num_warmup_steps, self.total_steps,
+                              _SCHEDULES[optimizer.scheduler])
+        generator = torch.Generator().manual_seed(int(spec["seed"]))
+        weights = init_adapter(self.store.layers, int(spec["rank"]), float(spec["alpha"]), generator)
+        self.store.register(model_id, weights, schedule, seed=int(spec["seed"]))
+
+    def delete_adapter(self, model_id: str) -> None:
+        self._store().remove(model_id)
+        self.staged.pop(model_id, None)
+        self.last_metrics.pop(model_id, None)
+        if self.active == model_id:
+            self.active = None
+
+    def swap_to_adapter(self, model_id: str) -> None:
+        if model_id not in self._store().tenants:
+            raise ValueError(f"adapter {model_id!r} is not registered; call register_adapter first")
+        self.active = model_id
+
+    def adapter_store_state(self) -> dict:
+        store = self._store()
+        return {"enabled": True, "active": self.active, "tenants": sorted(store.tenants),
+                "steps": {name: state.step for name, state in store.tenants.items()}}
+
+    # ---- training --------------------------------------------------------------------------------
+
+    def forward_backward(self, data: TrainingInputBatch, loss_fn: Optional[str] = None,
+                         loss_fn_config: Optional[dict] = None, return_per_token_outputs: bool = True) -> WorkerOutput:
+        """Stages ``data`` for the active tenant's next :meth:`optim_step` (see module docstring)."""
+        if loss_fn not in (None, self.cfg.algorithm.policy_loss_type) or loss_fn_config:
+            raise ValueError(f"the embedded worker trains with the configured policy loss "
+                             f"{self.cfg.algorithm.policy_loss_type!r} only (got loss_fn={loss_fn!r})")
+        tenant = self._active()
+        batch = training_batch_to_train_batch(data)
+        self.staged.setdefault(tenant, []).append(batch)
+        staged_rows = sum(len(b.rewards) for b in self.staged[tenant])
+        return WorkerOutput(metrics={"staged_sequences": float(staged_rows)})
+
+    def optim_step(self) -> float:
+        """One update of the active tenant over its staged rows; returns the pre-clip gradient norm."""
+        tenant = self._active()
+        batches = self.staged.pop(tenant, [])
+        if not batches:
+            raise RuntimeError(f"optim_step for {tenant!r} without a forward_backward since its last step")
+        logprobs = [b.rollout_logprobs for b in batches]
+        merged = TrainBatch(
+            prompt_ids=[row for b in batches for row in b.prompt_ids],
+            response_ids=[row for b in batches for row in b.response_ids],
+            loss_masks=[row for b in batches for row in b.loss_masks],
+            rewards=[r for b in batches for r in b.rewards],
+            group_ids=[g for b in batches for g in b.group_ids],
+            rollout_logprobs=None if any(lp is None for lp in logprobs) else [row for lp in logprobs for row in lp],
+        )
+        _, metrics = self.trainer.train_step(tenant, merged)
+        self.last_metrics[tenant] = metrics
+        return metrics["grad_norm"]
+
+    def step_metrics(self, model_id: str) -> dict[str, float]:
+        """The metrics of the tenant's last :meth:`optim_step`."""
+        return dict(self.last_metrics.get(model_id, {}))
+
+    def save_memory_snapshot(self, tag: str = "") -> None:
+        """No snapshot: ``record_memory`` (CUDA snapshots) is refused by the constructor."""
+
+    def empty_cache(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # ---- weight sync -----------------------------------------------------------------------------
+
+    async def init_weight_sync_state(self, inference_engine_client: Any, inference_engine_cfg: Any) -> None:
+        """Keeps the client (its server URLs) for the disk-path syncs."""
+        if self.cfg.policy.model.lora.sync_mode != "disk":
+            raise ValueError("the embedded worker syncs adapters through disk: set backend.lora_sync_mode=disk")
+        self._client = inference_engine_client
+
+    async def broadcast_to_inference_engines(self, inference_engine_client: Any, inference_engine_cfg: Any,
+                                             model_id: Optional[str] = None) -> None:
+        """Writes ``model_id``'s adapter (the active one) as a PEFT folder and loads it in place under its
+        name on every server. No pause and no prefix-cache reset: the server swaps only that adapter."""
+        client = inference_engine_client or self._client
+        if client is None:
+            raise RuntimeError("broadcast_to_inference_engines before init_weight_sync_state")
+        if model_id is None or model_id != self.active:
+            raise ValueError(f"sync of {model_id!r} while {self.active!r} is active; WorkerDispatch swaps first")
+        state = self._store().tenants[model_id]
+        path = Path(self.cfg.policy.model.lora.lora_sync_path) / os.path.basename(model_id)
+        await asyncio.to_thread(save_peft_adapter, state.weights, path, self.cfg.policy.model.path)
+        await client.load_lora_adapter(model_id, str(path))
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    def _store(self) -> AdapterStore:
+        if self.store is None:
+            raise RuntimeError("the worker's model is not initialised; call init_model first")
+        return self.store
+
+    def _active(self) -> str:
+        if self.active is None:
+            raise RuntimeError("no active adapter: pass model_id to WorkerDispatch so it swaps one in")
+        return self.active
