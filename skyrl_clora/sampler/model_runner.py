@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-from skyrl_clora.kernels import LoRAMeta
+from skyrl_clora.kernels import DecodeWorkspace, LoRAMeta, decode_attention
 from skyrl_clora.lora.layers import LoRARouting
 
 DECODE_ROW_QUANTUM = 16  # decode batches are whole multiples of this many cache rows
@@ -86,6 +86,10 @@ class ModelRunner:
             num_slots, max_rank = lora_layer.lora_a.shape[0], lora_layer.lora_a.shape[1]
             tokens = max(num_rows, max_prefill_tokens)
             self.lora_meta = LoRAMeta(tokens, num_slots, self.device, max_rank=max_rank, max_slices=1)
+        self._attention_workspace: DecodeWorkspace | None = None
+        if self.device.type == "cuda":
+            self._attention_workspace = DecodeWorkspace(num_rows, self.num_heads, self.num_kv_heads, max_len,
+                                                        self.head_dim, self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @torch.no_grad()
@@ -202,18 +206,16 @@ class ModelRunner:
     @torch.no_grad()
     def _decode_eager(self, span: int) -> torch.Tensor:
         tokens, positions = self.decode_tokens[:span], self.decode_positions[:span]
-        # Keys a row may see: its own cache row up to and including its position.
-        visible = self._key_positions.view(1, 1, 1, -1) <= positions.view(-1, 1, 1, 1)  # [span, 1, 1, L]
+        lengths = positions + 1  # each row sees its own cache row up to and including its position
         rows = self._row_index[:span]
 
         def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q: [span, H, 1, d]; k, v: [span, KV, 1, d]
-            k_cache, v_cache = self.k_cache[layer_idx, :span], self.v_cache[layer_idx, :span]
+            k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
             k_cache[rows, :, positions] = k[:, :, 0]
             v_cache[rows, :, positions] = v[:, :, 0]
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k_cache, v_cache, attn_mask=visible, enable_gqa=self.num_kv_heads != self.num_heads
-            )
+            out = decode_attention(q[:, :, 0], k_cache, v_cache, lengths, workspace=self._attention_workspace)
+            return out.unsqueeze(2)
 
         hidden = self._forward(tokens.view(-1, 1), positions.view(-1, 1), self.decode_slots[:span], attend)
         return self.model.lm_head(hidden[:, 0]).float()
