@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,9 @@ def test_serial_mode_needs_one_lora_slot_per_batch(tmp_path: Path) -> None:
         (["+tenants=[{alpha:8},{}]"], "tenants differ in LoRA signature"),
         (["+tenants=2", "backend.max_cpu_loras=1"], "adapters would be evicted"),
         (["trainer.lr_schedule=cosine"], "Megatron scheduler is constant-only"),
+        (["trainer.lr_schedule=cosine", "backend.strategy=embedded"], "embedded stands in for megatron"),
+        (["+tenants=2", "backend.strategy=fsdp"], "FSDP workers hold one LoRA adapter"),
+        (["backend.strategy=deepspeed"], "backend.strategy=deepspeed is unknown"),
         (["backend=embedded"], "use backend=skyrl"),
         (["recipe.prompts_per_step=3", "backend.policy_num_gpus_per_node=8", "recipe.samples_per_prompt=1"],
          "SkyRL rejects the translated config (shared)"),
@@ -73,8 +77,20 @@ def test_invalid_combinations_fail_with_one_line_reasons(tmp_path: Path, overrid
 
 
 def test_fsdp_takes_the_cosine_schedule(tmp_path: Path) -> None:
-    plan = _translate(tmp_path, "+tenants=2", "backend.strategy=fsdp", "trainer.lr_schedule=cosine")
+    plan = _translate(tmp_path, "backend.strategy=fsdp", "trainer.lr_schedule=cosine")
     assert plan.base.trainer.policy.optimizer_config.scheduler == "cosine"
+
+
+def test_stand_ins_keep_the_production_values_in_skyrls_config(tmp_path: Path) -> None:
+    """auto picks the embedded stand-ins here (no vllm, no megatron); SkyRL still validates vllm + megatron."""
+    plan = _translate(tmp_path, "+tenants=2")
+    assert (plan.inference_backend, plan.strategy) == ("embedded", "embedded")
+    assert plan.base.generator.inference_engine.backend == "vllm" and plan.base.trainer.strategy == "megatron"
+    assert [line.split(" -> ")[0] for line in plan.substitutions] == [
+        "generator.inference_engine.backend=vllm", "trainer.strategy=megatron"]
+    explicit = _translate(tmp_path, "backend.inference_backend=vllm", "backend.strategy=megatron")
+    assert (explicit.inference_backend, explicit.strategy, explicit.substitutions) == ("vllm", "megatron", ())
+    assert plan.base.trainer.policy.model.lora.lora_sync_path == os.path.abspath("outputs/run/lora_sync")
 
 
 def test_a_base_model_is_required(tmp_path: Path) -> None:

@@ -80,7 +80,10 @@ def test_a_global_version_bump_leaves_tenant_salts_alone() -> None:
                                    data_parallel_size=1, model_name="base")
     views = tenant_views(shared, ["a", "b"], max_in_flight=3)
     shared.increment_weight_version()  # what WorkerDispatch.save_weights_for_sampler does after any adapter's sync
-    views["a"].increment_weight_version()  # the sync hook of tenant a
+    assert views["a"].weight_version == views["b"].weight_version == -1  # no adapter loaded yet
+    for view in views.values():
+        view.increment_weight_version()  # each tenant's first sync (its version 0)
+    views["a"].increment_weight_version()  # the next sync of tenant a
     assert shared.weight_version == 1
     assert build_vllm_cache_salt(views["a"].weight_version, "a") == "a:1"
     assert build_vllm_cache_salt(views["b"].weight_version, "b") == "b:0"

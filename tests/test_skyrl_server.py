@@ -174,11 +174,17 @@ def test_one_tenants_sync_leaves_other_tenants_in_flight_requests_intact(stack: 
         version = await stack.views["t0"].publish(random_adapter(stack.layers, 999), stack.sync_dir, stack.model_dir)
         pending_at_sync = sum(not task.done() for task in in_flight)
         disturbed = await asyncio.gather(*in_flight)
-        t0_after = await _generate(stack.views["t0"], "t0-short", 8)
+        # Prompt tokens served from the engine's prefix cache by each request after the sync.
+        cached, after = {}, {}
+        for tenant in ["t0", *others]:
+            start = stack.engine.stats.cached_prompt_tokens
+            after[tenant] = await _generate(stack.views[tenant], f"{tenant}-short", 8)
+            cached[tenant] = stack.engine.stats.cached_prompt_tokens - start
+        t0_after = after["t0"]
         await stack.close_sessions()
-        return reference, disturbed, t0_before, t0_after, version, pending_at_sync, salts_before
+        return reference, disturbed, t0_before, t0_after, version, pending_at_sync, salts_before, cached
 
-    reference, disturbed, t0_before, t0_after, version, pending, salts_before = asyncio.run(run())
+    reference, disturbed, t0_before, t0_after, version, pending, salts_before, cached = asyncio.run(run())
     assert len({tuple(r["response_ids"][0]) for r in reference}) == len(others), "tenants' samples must differ"
     assert all(len(r["response_ids"][0]) > 20 for r in reference), "reference requests must be long enough to overlap"
     assert pending == len(others), "the sync must not wait for (or pause) other tenants' requests"
@@ -191,6 +197,8 @@ def test_one_tenants_sync_leaves_other_tenants_in_flight_requests_intact(stack: 
     assert stack.views["t0"].versions_for("t0-short") == [0, 1]
     assert t0_after["response_ids"] != t0_before["response_ids"]
     assert build_vllm_cache_salt(stack.views["t0"].weight_version, "t0") != salts_before["t0"]
+    # The sync dropped only t0's cached prefixes: the others' prompt blocks are still served from the cache.
+    assert cached["t0"] == 0 and all(cached[t] > 0 for t in others), cached
 
 
 def test_server_binds_a_fresh_loopback_port_each_time(stack: Stack) -> None:

@@ -40,20 +40,11 @@ each row's GRPO group; advantages are not needed (the Trainer computes them).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
-import ray
 import torch
-
-# SkyRL 0.4's ppo_utils, when imported with Ray up (as in this actor), registers each loss with a Ray
-# registry actor by pickling it mid-import; without the cloudpickle package (not in this venv) it falls back
-# to plain pickle, which cannot pickle those functions yet, and the import fails. Ray ships cloudpickle.
-if importlib.util.find_spec("cloudpickle") is None:
-    sys.modules.setdefault("cloudpickle", ray.cloudpickle)
 from skyrl.backends.skyrl_train.distributed.dispatch import MeshRank, WorkerOutput
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.train.config import TrainerConfig
