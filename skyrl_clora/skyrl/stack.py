@@ -81,8 +81,8 @@ class SkyRLStack:
         if self._stopped:
             return
         self._stopped = True
-        for actor in self.policy_group._actor_handlers:
-            ray.kill(actor)
+        for info in self.policy_group.actor_infos:
+            ray.kill(info.handle)
         self.server.stop()
         self.engine.shutdown()
         if self.owns_ray:
