@@ -1,0 +1,178 @@
+"""Trainer throughput for 8 tenants on a Qwen3-1.7B-shaped model: swap one by one (with and without
+prefetching the next tenant on the side stream) vs one packed pass, side by side in one run.
+
+The model has random bf16 weights built on the GPU (no checkpoint), LoRA rank 16 on every linear layer of
+the decoder. Workloads (per tenant, per round): ``gsm8k`` -- 8 prompts x 8 samples, prompts ~256 tokens and
+responses ~300 tokens (the GSM8K-agentic shape of issue 5); ``small`` -- 8 sequences of 256 + 256 tokens.
+A round trains every tenant once; each mode runs ``--warmup`` rounds, then ``--repeats`` timed rounds
+(medians reported). One more round per mode, with a device synchronisation around each phase, splits
+the time into phases (that round is not in the medians). Prints one table and writes bench_train.json.
+
+Usage: python scripts/bench_train.py --out $OUT [--workloads gsm8k,small] [--repeats 3] [--warmup 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from skyrl.train.config import AlgorithmConfig
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import skyrl_clora.trainer.trainer as trainer_module
+from skyrl_clora.lora.layers import attach_multi_lora
+from skyrl_clora.lora.peft_export import init_adapter
+from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.optim import OptimizerConfig
+from skyrl_clora.trainer.trainer import Trainer
+
+TENANTS = 8
+RANK = 16
+QWEN3_1_7B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, intermediate_size=6144, tie_word_embeddings=True)
+
+
+def make_batch(workload: str, generator: torch.Generator) -> TrainBatch:
+    """One tenant's batch of ``workload`` with random tokens, lengths, rewards (fixed by ``generator``)."""
+    def randint(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=generator))
+
+    prompts, responses, groups = [], [], []
+    if workload == "gsm8k":
+        for prompt_index in range(8):
+            prompt = torch.randint(0, 150000, (randint(224, 288),), generator=generator).tolist()
+            for _ in range(8):
+                prompts.append(prompt)
+                responses.append(torch.randint(0, 150000, (randint(200, 400),), generator=generator).tolist())
+                groups.append(f"p{prompt_index}")
+    else:
+        for index in range(8):
+            prompts.append(torch.randint(0, 150000, (256,), generator=generator).tolist())
+            responses.append(torch.randint(0, 150000, (256,), generator=generator).tolist())
+            groups.append(f"p{index // 4}")
+    rewards = [float(torch.rand(1, generator=generator) > 0.5) for _ in prompts]
+    return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=[[1] * len(r) for r in responses],
+                      rewards=rewards, group_ids=groups, rollout_logprobs=None)
+
+
+@contextmanager
+def phase_timers(trainer: Trainer, totals: dict[str, float]) -> Iterator[None]:
+    """Wraps the trainer's phases with device-synchronised timers (seconds summed into ``totals``)."""
+    store = trainer.store
+    originals: list[tuple[object, str, Callable]] = []
+
+    def wrap(owner: object, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            result = original(*args, **kwargs)
+            torch.cuda.synchronize()
+            totals[label] += time.perf_counter() - started
+            return result
+
+        originals.append((owner, name, original))
+        setattr(owner, name, timed)
+
+    wrap(store, "swap_in", "swap in (incl. wait for prefetch)")
+    wrap(store, "prefetch", "prefetch issue")
+    wrap(store, "swap_out", "swap out")
+    wrap(store, "wait", "wait for host state")
+    wrap(trainer_module, "build_pass_rows", "advantages + batch to device")
+    wrap(trainer, "_logprobs", "forward (decoder + LM head)")
+    wrap(trainer_module, "adamw_slot", "AdamW")
+    wrap(torch.Tensor, "backward", "loss backward")
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(originals):
+            setattr(owner, name, original)
+
+
+def run_round(trainer: Trainer, mode: str, names: list[str], batches: dict[str, TrainBatch]) -> None:
+    if mode == "packed":
+        trainer.train_packed([(name, batches[name]) for name in names])
+        return
+    for index, name in enumerate(names):
+        upcoming = names[(index + 1) % len(names)] if mode == "swap+prefetch" else None
+        trainer.train_step(name, batches[name], prefetch=upcoming)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("outputs/bench_train"))
+    parser.add_argument("--workloads", default="gsm8k,small")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--micro-batch-size", type=int, default=32)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_1_7B)).to(torch.bfloat16)
+    model.train()
+    routing, layers = attach_multi_lora(model, num_slots=TENANTS, max_rank=RANK, trainable=True)
+    store = AdapterStore(layers, num_slots=TENANTS)
+    names = [f"tenant-{i}" for i in range(TENANTS)]
+    for index, name in enumerate(names):
+        weights = init_adapter(layers, RANK, 2.0 * RANK, torch.Generator().manual_seed(index))
+        store.register(name, weights, LRSchedule(base_lr=1e-5 * (index + 1)), seed=index)
+    trainer = Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(),
+                      micro_batch_size=args.micro_batch_size)
+    print(f"model built in {time.perf_counter() - started:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
+          f"parameters, {len(layers)} LoRA layers, rank {RANK}, {torch.cuda.get_device_name()}", flush=True)
+
+    results = []
+    for workload in args.workloads.split(","):
+        generator = torch.Generator().manual_seed(1)
+        batches = {name: make_batch(workload, generator) for name in names}
+        tokens = sum(len(p) + len(r) for b in batches.values() for p, r in zip(b.prompt_ids, b.response_ids))
+        for mode in ("swap", "swap+prefetch", "packed"):
+            for _ in range(args.warmup):
+                run_round(trainer, mode, names, batches)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            seconds = []
+            for _ in range(args.repeats):
+                round_started = time.perf_counter()
+                run_round(trainer, mode, names, batches)
+                torch.cuda.synchronize()
+                seconds.append(time.perf_counter() - round_started)
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            phases: dict[str, float] = defaultdict(float)
+            with phase_timers(trainer, phases):
+                torch.cuda.synchronize()
+                phase_started = time.perf_counter()
+                run_round(trainer, mode, names, batches)
+                phases["round (synchronised phases)"] = time.perf_counter() - phase_started
+            median = statistics.median(seconds)
+            row = {"workload": workload, "mode": mode, "round_s": median, "round_s_all": seconds,
+                   "tokens_per_round": tokens, "tokens_per_s": tokens / median, "peak_gib": peak,
+                   "phases_s": dict(phases)}
+            results.append(row)
+            print(f"{workload:>6} {mode:>14}: {median:.3f}s/round ({seconds}), {tokens / median:,.0f} tok/s, "
+                  f"peak {peak:.1f} GiB; phases {json.dumps({k: round(v, 3) for k, v in phases.items()})}", flush=True)
+
+    print(f"\n{'workload':>8} {'mode':>14} {'s/round':>8} {'tokens/s':>10} {'vs swap':>8} {'peak GiB':>9}")
+    for row in results:
+        swap = next(r for r in results if r["workload"] == row["workload"] and r["mode"] == "swap")
+        row["speedup_vs_swap"] = swap["round_s"] / row["round_s"]
+        print(f"{row['workload']:>8} {row['mode']:>14} {row['round_s']:>8.3f} {row['tokens_per_s']:>10,.0f} "
+              f"{row['speedup_vs_swap']:>7.2f}x {row['peak_gib']:>9.1f}")
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tenants": TENANTS, "rank": RANK,
+              "micro_batch_size": args.micro_batch_size, "repeats": args.repeats, "warmup": args.warmup, "rows": results}
+    (args.out / "bench_train.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The trainer on the GPU: packed training (Triton packed_lora) against swap mode, prefetching swaps on the
+side stream against plain swaps, and response log-probs against full logits in bf16. Skipped without CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from skyrl.train.config import AlgorithmConfig
+from transformers import AutoModelForCausalLM
+
+from skyrl_clora.lora.layers import attach_multi_lora
+from skyrl_clora.lora.peft_export import init_adapter
+from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.optim import OptimizerConfig
+from skyrl_clora.trainer.trainer import Trainer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TENANTS = (("A", 8, 16.0, 5e-3, 0), ("B", 16, 16.0, 2e-3, 1), ("C", 4, 12.0, 8e-3, 2))
+
+
+def _trainer(model_dir: Path, slots: int, dtype: torch.dtype = torch.float32) -> Trainer:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
+    routing, layers = attach_multi_lora(model, num_slots=slots, max_rank=16, trainable=True)
+    store = AdapterStore(layers, num_slots=slots)
+    for name, rank, alpha, lr, seed in TENANTS:
+        weights = init_adapter(layers, rank, alpha, torch.Generator().manual_seed(seed))
+        store.register(name, weights, LRSchedule(base_lr=lr), seed=seed)
+    return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(), micro_batch_size=5)
+
+
+def _batch(seed: int, rows: int) -> TrainBatch:
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 300, (int(torch.randint(4, 40, (1,), generator=generator)),), generator=generator).tolist()
+               for _ in range(rows)]
+    responses = [torch.randint(0, 300, (int(torch.randint(2, 30, (1,), generator=generator)),), generator=generator).tolist()
+                 for _ in range(rows)]
+    return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=[[1] * len(r) for r in responses],
+                      rewards=[float(i % 3 == 0) for i in range(rows)], group_ids=[f"g{i // 4}" for i in range(rows)],
+                      rollout_logprobs=None)
+
+
+def test_packed_equals_swap_on_the_gpu(micro_model_dir: Path) -> None:
+    swap, packed = _trainer(micro_model_dir, 1), _trainer(micro_model_dir, 3)
+    for step in range(2):
+        batches = {name: _batch(10 * step + i, rows=8 + i) for i, (name, *_) in enumerate(TENANTS)}
+        alone = {name: swap.train_step(name, batch)[1] for name, batch in batches.items()}
+        together = dict(zip(batches, (m for _, m in packed.train_packed(list(batches.items())))))
+        assert len({round(m["mean_token_logprob"], 5) for m in alone.values()}) == 3
+        for name in batches:
+            for key, value in alone[name].items():
+                assert together[name][key] == pytest.approx(value, rel=1e-3, abs=1e-5), (name, key)
+    for name, *_ in TENANTS:
+        a, b = swap.store.tenants[name], packed.store.tenants[name]
+        assert a.flat["master"].abs().sum() > 0
+        torch.testing.assert_close(b.flat["master"], a.flat["master"], rtol=1e-3, atol=1e-5)
+
+
+def test_prefetching_on_the_side_stream_gives_the_same_states(micro_model_dir: Path) -> None:
+    plain, prefetching = _trainer(micro_model_dir, 1), _trainer(micro_model_dir, 2)
+    assert prefetching.store._stream is not None
+    order = ["A", "B", "C", "A", "C", "B"]
+    for index, name in enumerate(order):
+        batch = _batch(100 + index, rows=12)
+        expected = plain.train_step(name, batch)[1]
+        got = prefetching.train_step(name, batch, prefetch=order[(index + 1) % len(order)])[1]
+        assert got == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    for name, *_ in TENANTS:
+        for table in ("master", "exp_avg", "exp_avg_sq", "grads"):
+            a, b = plain.store.tenants[name].flat[table], prefetching.store.tenants[name].flat[table]
+            assert a.is_pinned() and b.is_pinned()
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
+
+
+def test_bf16_response_logprobs_match_full_logits(micro_model_dir: Path) -> None:
+    trainer = _trainer(micro_model_dir, 1, dtype=torch.bfloat16)
+    batch = _batch(7, rows=6)
+    trainer.train_step("B", batch)
+    got = trainer.response_logprobs("B", batch)
+    trainer.store.swap_in("B", 0)
+    try:
+        with torch.no_grad():
+            for row, (prompt, response) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+                ids = torch.tensor([prompt + response], device="cuda")
+                with trainer.routing.route(torch.zeros(ids.numel(), dtype=torch.long, device="cuda")):
+                    logits = trainer.model(input_ids=ids).logits.float()
+                full = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+                torch.testing.assert_close(got[row, : len(response)], full[len(prompt) - 1 :], rtol=2e-2, atol=2e-2)
+    finally:
+        trainer.store.swap_out(0)
