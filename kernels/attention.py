@@ -5,9 +5,11 @@ cache row. The keys of a row are cut into fixed splits of ``split_len`` position
 (split, kv head, row) runs an online softmax over its split for all the query heads that share the kv
 head (GQA) and writes a normalised partial output and its log-sum-exp; programs whose split starts at or
 past the row's length return at once, so a row costs in proportion to its length, not to ``L``. A second
-small kernel combines the partials of each (row, head). The grid depends only on ``B``, ``KV`` and ``L``,
-the lengths are read on the device, and with ``out`` and a :class:`DecodeWorkspace` given nothing is
-allocated: a decode step is capturable in a CUDA graph and replayable with new lengths.
+small kernel combines the partials of each (row, head); on Hopper it is launched with programmatic
+dependent launch (it starts while the first finishes, and waits with ``gdc_wait`` before reading the
+partials). The grids depend only on ``B``, ``H``, ``KV`` and ``L``, the lengths are read on the device,
+and with ``out`` and a :class:`DecodeWorkspace` given nothing is allocated: a decode step is capturable
+in a CUDA graph and replayable with new lengths.
 
 Semantics: ``reference.decode_attention_ref``; entry point: ``dispatch.decode_attention``.
 """
@@ -20,8 +22,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from skyrl_clora.kernels.checks import check_decode_attention
+from skyrl_clora.kernels.sgmv import has_pdl
 
 MAX_HEAD_DIM = 256
 # A row's splits at most (bounds the reduce kernel's tile): longer caches get longer splits.
@@ -37,6 +41,7 @@ class AttentionConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    pdl: bool = True
 
 
 def default_attention_config(num_rows: int, num_kv_heads: int, max_len: int) -> AttentionConfig:
@@ -114,10 +119,13 @@ def _partial_kernel(
     SPLIT_LEN: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """For split ``s``, kv head ``j``, row ``b`` and the ``GROUP`` query heads ``h`` of kv head ``j``:
     ``o[b, h, s] = softmax(q[b, h] @ K[b, j, keys].T * scale) @ V[b, j, keys]`` and ``lse[b, h, s]`` (base 2)
     over ``keys = [s * SPLIT_LEN, min((s + 1) * SPLIT_LEN, length))``; nothing if the range is empty."""
+    if PDL:
+        gdc_launch_dependents()
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -187,6 +195,7 @@ def _reduce_kernel(
     SPLIT_LEN: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``out[b, h] = sum_s w_s * o[b, h, s] / sum_s w_s`` with ``w_s = 2 ** lse[b, h, s]`` over the row's
     non-empty splits; zeros for a row of length 0."""
@@ -199,6 +208,8 @@ def _reduce_kernel(
     s_mask = offs_s < n_valid
     d_mask = offs_d < D
     base = (b * H + h).to(tl.int64) * NUM_SPLITS
+    if PDL:
+        gdc_wait()  # the partials are complete and visible from here on
     lse = tl.load(lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
     top = tl.max(lse, axis=0)
     top = tl.where(n_valid > 0, top, 0.0)  # a row of length 0 has no partials: all weights 0
@@ -249,16 +260,18 @@ def decode_attention_triton(
     block_d = max(16, triton.next_power_of_2(D))
     group = H // KV
     on_cpu = q.device.type != "cuda"
+    pdl = cfg.pdl and has_pdl(q.device)
     _partial_kernel[(num_splits, KV, B)](
         q, k_cache, v_cache, lengths, partial_o, partial_lse, H, D, L, num_splits, _LOG2E / math.sqrt(D),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         SPLIT_LEN=cfg.split_len, UPCAST=on_cpu, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     _reduce_kernel[(H, B)](
         partial_o, partial_lse, lengths, out, H, D, L, num_splits, out.stride(0), out.stride(1),
-        SPLIT_LEN=cfg.split_len, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        SPLIT_LEN=cfg.split_len, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=pdl,
+        launch_pdl=pdl, num_warps=4,
     )  # fmt: skip
     return out

@@ -5,6 +5,7 @@ batch whose rows belong to many adapters, one launch per op for all adapters and
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +31,18 @@ class SgmvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    pdl: bool = False
+
+
+@functools.cache
+def has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch needs a Hopper or later GPU."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def default_config(num_tokens: int, h_in: int, num_slots: int, num_a_slices: int, rank: int) -> SgmvConfig:
-    """Block sizes by shape: small row tiles and split-K for decode, larger tiles for prefill.
+    """Block sizes by shape: small row tiles and split-K for decode, larger tiles for prefill; at decode
+sizes the expand is launched with PDL (``sgmv_kernels``), where the GPU has it.
 
     Split-K doubles until the shrink has about two waves of programs, and is at least what keeps each
     split to 512 (decode) or 2048 (prefill) input features. Prefill tiles at rank 32+ take 8 warps (4 spill
@@ -50,7 +59,9 @@ def default_config(num_tokens: int, h_in: int, num_slots: int, num_a_slices: int
     max_split = max(1, h_in // block_k)
     split_k = max(split_k, min(triton.cdiv(h_in, 512 if decode else 2048), max_split))
     num_warps = 8 if not decode and rank_pad(rank) >= 32 else 4
-    return SgmvConfig(block_m=block_m, block_k=block_k, block_n=128, split_k=split_k, num_warps=num_warps)
+    return SgmvConfig(
+        block_m=block_m, block_k=block_k, block_n=128, split_k=split_k, num_warps=num_warps, pdl=decode
+    )
 
 
 def _dot_flags(x: torch.Tensor) -> dict[str, object]:
@@ -58,6 +69,11 @@ def _dot_flags(x: torch.Tensor) -> dict[str, object]:
         "UPCAST": x.device.type != "cuda",
         "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
     }
+
+
+def _pdl_flags(x: torch.Tensor, config: SgmvConfig) -> dict[str, bool]:
+    pdl = config.pdl and has_pdl(x.device)
+    return {"PDL": pdl, "launch_pdl": pdl}
 
 
 def _slice_args(weights: tuple[torch.Tensor, ...], block_n: int) -> dict[str, int]:
@@ -113,7 +129,7 @@ def sgmv_shrink(
         ws.stride(0), ws.stride(1),
         S_P2=triton.next_power_of_2(S), BLOCK_M=config.block_m, BLOCK_R=rank_pad(rank),
         BLOCK_K=config.block_k, K_ITERS=k_iters, EVEN_K=n_split * k_iters * config.block_k == K,
-        **_dot_flags(x),
+        **_dot_flags(x), PDL=config.pdl and has_pdl(x.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
@@ -134,6 +150,9 @@ def sgmv_expand(
     ``a_i = i`` when ``ws`` has one slice per weight, else 0; ``s = slot(t)``; ``scales=None`` means 1.
     ``out: [T, sum(H_i)]`` with unit column stride. Rows with no slot are left untouched, unless
     ``store``: then ``=`` replaces ``+=`` and rows with no slot are set to zero (all of ``out`` written).
+    With ``config.pdl`` the launch may start before the kernel just before it (``sgmv_shrink`` or a sum of
+    its partials) has finished, and reads everything but ``ws`` early: that kernel must not write ``out``,
+    the weights, ``scales`` or the meta.
     """
     S = weights[0].shape[0]
     T = out.shape[0]
@@ -148,6 +167,7 @@ def sgmv_expand(
         S_P2=triton.next_power_of_2(S + int(store)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_R=rank_pad(rank), SPLIT_K=ws.shape[0], NUM_SLICES=len(weights),
         A_PER_SLICE=ws.shape[1] > 1, HAS_SCALE=scales is not None, STORE=store, **_dot_flags(out),
+        **_pdl_flags(out, config),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 

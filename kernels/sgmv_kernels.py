@@ -7,10 +7,16 @@ tile return at once. Rows with no adapter are never read, and never written exce
 kernel's STORE mode, which zeroes them (training outputs are written, not added). Kernels validate
 nothing (the wrappers do). ``UPCAST`` (CPU interpreter only) multiplies in fp32, because the Triton 3.6
 interpreter mis-multiplies bf16 operands.
+
+``PDL`` (Hopper and later, decode sizes): programmatic dependent launch. The shrink lets the expand launch
+as soon as every shrink program has started; the expand loads its metadata, weight tile and output tile
+(none of which the shrink writes), then waits for the shrink to finish (``gdc_wait``) before reading the
+partial sums. This hides the second launch's latency, the one cost left between two small launches.
 """
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from skyrl_clora.kernels.meta import inclusive_cumsum
 
@@ -91,43 +97,6 @@ def shrink_tile(
 
 
 @triton.jit
-def expand_tile(
-    h,
-    out_ptr,
-    w_ptr,
-    rows,
-    m_mask,
-    offs_n,
-    n_mask,
-    R,
-    stride_ot,
-    col,
-    stride_w_n,
-    stride_w_r,
-    BLOCK_R: tl.constexpr,
-    STORE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """``out[rows, col + offs_n] += h @ w[offs_n, :R].T`` (``=`` if STORE) for fp32 ``h: [BLOCK_M, BLOCK_R]``
-    (w at its slot)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    w_ptrs = w_ptr + offs_r[:, None] * stride_w_r + offs_n[None, :] * stride_w_n
-    wt = tl.load(w_ptrs, mask=(offs_r < R)[:, None] & n_mask[None, :], other=0.0)
-    h = h.to(wt.dtype)
-    if UPCAST:
-        h, wt = h.to(tl.float32), wt.to(tl.float32)
-    delta = tl.dot(h, wt, input_precision=DOT_PRECISION)
-    o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_ot + col + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if STORE:
-        tl.store(o_ptrs, delta.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        o = tl.load(o_ptrs, mask=mask, other=0.0)
-        tl.store(o_ptrs, (o.to(tl.float32) + delta).to(o.dtype), mask=mask)
-
-
-@triton.jit
 def slice_of(pid_n, nb1, nb2, n0, n1, n2, col1, col2, ss0, ss1, ss2, NUM_SLICES: tl.constexpr):
     """Output slice of column block ``pid_n``: (index, block within the slice, width, column, slot stride)."""
     sl = (pid_n >= nb1).to(tl.int32) + (pid_n >= nb2).to(tl.int32)
@@ -164,8 +133,11 @@ def shrink_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``ws[split, a, row, :R] = x[row, K-range of split] @ w[a, slot(row), :R, K-range].T`` (fp32 partials)."""
+    if PDL:
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_a = tl.program_id(2)
@@ -225,10 +197,12 @@ def expand_kernel(
     STORE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``out[row, col_i + n] += scale[slot] * sum_split(ws[split, a_i, row]) @ w_i[slot, n, :R].T``.
 
-    STORE: ``=`` instead of ``+=``, and rows with no adapter (the null segment) are set to zero.
+    STORE: ``=`` instead of ``+=``, and rows with no adapter (the null segment) are set to zero. PDL: all
+    loads but the partial sums happen before ``gdc_wait``.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -246,10 +220,10 @@ def expand_kernel(
     rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < width
+    o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_ot + col + offs_n[None, :]
+    o_mask = m_mask[:, None] & n_mask[None, :]
     if slot == S:
-        zero_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_ot + col + offs_n[None, :]
-        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
-        tl.store(zero_ptrs, zeros, mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(o_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=o_mask)
         return
     w_ptr = w0_ptr
     if NUM_SLICES > 1:
@@ -258,15 +232,27 @@ def expand_kernel(
         if sl == 2:
             w_ptr = w2_ptr
     offs_r = tl.arange(0, BLOCK_R)
+    w_ptrs = w_ptr + slot * slot_stride + offs_r[:, None] * stride_w_r + offs_n[None, :] * stride_w_n
+    wt = tl.load(w_ptrs, mask=(offs_r < R)[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+    if not STORE:
+        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + slot)
     ws_ptrs = ws_ptr + rows[:, None] * BLOCK_R + offs_r[None, :]
     if A_PER_SLICE:
         ws_ptrs += sl * stride_ws_slice
+    if PDL:
+        gdc_wait()  # the shrink's partial sums are complete and visible from here on
     h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
         h += tl.load(ws_ptrs + split * stride_ws_split, mask=m_mask[:, None], other=0.0)
     if HAS_SCALE:
-        h *= tl.load(scale_ptr + slot)
-    expand_tile(
-        h, out_ptr, w_ptr + slot * slot_stride, rows, m_mask, offs_n, n_mask, R, stride_ot, col,
-        stride_w_n, stride_w_r, BLOCK_R, STORE, UPCAST, DOT_PRECISION,
-    )  # fmt: skip
+        h *= scale
+    h = h.to(wt.dtype)
+    if UPCAST:
+        h, wt = h.to(tl.float32), wt.to(tl.float32)
+    delta = tl.dot(h, wt, input_precision=DOT_PRECISION)
+    if STORE:
+        tl.store(o_ptrs, delta.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        tl.store(o_ptrs, (o.to(tl.float32) + delta).to(o.dtype), mask=o_mask)

@@ -8,7 +8,7 @@ over adapters and slices, gather + bmm, the base layer's GEMM alone, and the mem
 op must move / measured device copy bandwidth). Then packed LoRA training (forward + backward of the
 LoRA part) against the adapters one after another. ``--sweep`` also times alternative launch configs.
 
-    python scripts/bench_kernels.py --out DIR [--sweep decode|prefill|all] [--quick]
+    python scripts/bench_kernels.py --out DIR [--sweep decode|prefill|all] [--quick] [--tokens T ...] [--ranks R ...]
 
 Prints the tables last; writes every number to DIR/bench_kernels.json and the tables to
 DIR/bench_kernels.md.
@@ -127,6 +127,11 @@ class Case:
         n_act = len(self.active)
         self.bytes = 2 * (tokens * self.h_in + n_act * rank * (self.h_in * n_a + width) + 2 * tokens * width)
 
+    def ours_without_pdl(self) -> float | None:
+        """Our op with the default config but no programmatic dependent launch (None where the default has none)."""
+        cfg = default_config(self.T, self.h_in, self.N, len(self.widths) if self.per_slice else 1, self.R)
+        return self.ours(dataclasses.replace(cfg, pdl=False)) if cfg.pdl else None
+
     def ours(self, config: SgmvConfig | None = None) -> float:
         def call(s: dict) -> Callable[[], None]:
             if config is None:
@@ -244,21 +249,25 @@ def sweep(results: dict, which: str) -> list[str]:
     return lines
 
 
-def main_table(results: dict, bandwidth: float, quick: bool) -> list[str]:
+def main_table(
+    results: dict, bandwidth: float, quick: bool, tokens: tuple[int, ...], ranks: tuple[int, ...]
+) -> list[str]:
     lines = [
-        "| shape | N | T | r | ours us | base GEMM us | ours/base | PEFT loop us | PEFT/ours | gather+bmm us | gather/ours | roofline us | ours/roofline |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | N | T | r | ours us | no-PDL us | base GEMM us | ours/base | PEFT loop us | PEFT/ours | gather+bmm us "
+        "| gather/ours | roofline us | ours/roofline |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     shapes = ("h4096",) if quick else tuple(SHAPES)
     for shape in shapes:
-        for rank in (16, 64):
+        for rank in ranks:
             for n in (1, 8, 32):
-                for t in (16, 64, 256, 4096):
+                for t in tokens:
                     r: dict = {"shape": shape, "N": n, "T": t, "rank": rank}
                     try:
                         case = Case(shape, n, t, rank)
                         r["bytes"] = case.bytes
                         r["ours_s"] = case.ours()
+                        r["no_pdl_s"] = case.ours_without_pdl()
                         r["base_s"] = case.base_gemm()
                         r["peft_s"] = case.peft_loop()
                         r["gather_s"] = case.gather_bmm()
@@ -272,8 +281,9 @@ def main_table(results: dict, bandwidth: float, quick: bool) -> list[str]:
                         continue
                     results["table"].append(r)
                     us = {k: r[k] * 1e6 for k in ("ours_s", "base_s", "peft_s", "gather_s", "roofline_s")}
+                    no_pdl = "-" if r["no_pdl_s"] is None else f"{r['no_pdl_s'] * 1e6:.1f}"
                     lines.append(
-                        f"| {shape} | {n} | {t} | {rank} | {us['ours_s']:.1f} | {us['base_s']:.1f} | "
+                        f"| {shape} | {n} | {t} | {rank} | {us['ours_s']:.1f} | {no_pdl} | {us['base_s']:.1f} | "
                         f"{r['ours_s'] / r['base_s']:.2f} | {us['peft_s']:.1f} | {r['peft_s'] / r['ours_s']:.1f} | "
                         f"{us['gather_s']:.1f} | {r['gather_s'] / r['ours_s']:.1f} | {us['roofline_s']:.1f} | "
                         f"{r['ours_s'] / r['roofline_s']:.1f} |"
@@ -363,6 +373,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_kernels"))
     parser.add_argument("--sweep", choices=["decode", "prefill", "all"], help="time alternative launch configs")
     parser.add_argument("--quick", action="store_true", help="hidden 4096 only in the main table")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 4096], help="main table token counts")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64], help="main table ranks")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(), "sweep": [], "table": [], "meta_build": []}
@@ -381,7 +393,7 @@ def main() -> None:
     if args.sweep:
         lines += sweep(results, args.sweep) + [""]
         save()
-    lines += main_table(results, bandwidth, args.quick)
+    lines += main_table(results, bandwidth, args.quick, tuple(args.tokens), tuple(args.ranks))
     results["copy_bandwidth_end_Bps"] = copy_bandwidth()
     lines += ["", f"copy bandwidth at the end: {results['copy_bandwidth_end_Bps'] / 1e12:.2f} TB/s"]
     save()
