@@ -71,8 +71,11 @@ class TrainerConfig:
     weight_decay: float
     max_grad_norm: float
     algorithm: dict[str, Any]
+    pack_size: int = 0
 
     def __post_init__(self) -> None:
+        if self.pack_size < 0:
+            raise ConfigError(f"trainer.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ConfigError(f"trainer.lr_schedule={self.lr_schedule} is unknown; use constant or cosine")
         if self.micro_batch_size < 1:
@@ -122,8 +125,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("concurrent", "serial"):
             raise ConfigError(f"clora.mode={self.mode} is unknown; use concurrent or serial")
-        if self.train_mode != "swap":
-            raise ConfigError(f"clora.train_mode={self.train_mode} is not available on this backend yet; use swap")
+        if self.train_mode not in ("swap", "packed"):
+            raise ConfigError(f"clora.train_mode={self.train_mode} is unknown; use swap or packed")
+        if self.train_mode == "packed" and self.backend != "embedded":
+            raise ConfigError("clora.train_mode=packed needs backend=embedded; use clora.train_mode=swap")
         if self.steps < 1:
             raise ConfigError(f"clora.steps must be >= 1, got {self.steps}")
         if self.backend not in ("embedded", "skyrl"):

@@ -29,7 +29,8 @@ from skyrl_clora.recipes.tasks import TaskSource, build_task_source
 from skyrl_clora.services import Services, build_services, resolve_model_path
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
-from skyrl_clora.trainer.trainer import TrainBatch
+from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.scheduler import TrainScheduler
 
 logger = logging.getLogger("skyrl_clora")
 
@@ -38,12 +39,12 @@ class TenantLoop:
     """One tenant's experiment: evaluation, ``steps`` RL steps, final evaluation, PEFT export."""
 
     def __init__(self, run: RunConfig, spec: TenantSpec, services: Services, metrics: MetricsLog,
-                 trainer_lock: asyncio.Lock) -> None:
+                 train_scheduler: TrainScheduler) -> None:
         self.run = run
         self.spec = spec
         self.services = services
         self.metrics = metrics
-        self.trainer_lock = trainer_lock
+        self.train_scheduler = train_scheduler
         recipe = run.recipe
         generator_cfg = GeneratorConfig(
             max_turns=recipe.max_turns,
@@ -146,8 +147,7 @@ class TenantLoop:
             rewards=rewards, group_ids=groups, rollout_logprobs=output.get("rollout_logprobs"),
         )
         started = time.perf_counter()
-        async with self.trainer_lock:
-            weights, train_metrics = await asyncio.to_thread(self.services.trainer.train_step, name, batch)
+        weights, train_metrics = await self.train_scheduler.train(name, batch)
         train_s = time.perf_counter() - started
         version, sync_s = await self.services.sync.publish(name, weights)
         self.metrics.write({
@@ -176,8 +176,8 @@ def _log_orphaned_task_error(loop: asyncio.AbstractEventLoop, context: dict[str,
 
 async def _run_group(run: RunConfig, specs: list[TenantSpec], services: Services, metrics: MetricsLog) -> None:
     asyncio.get_running_loop().set_exception_handler(_log_orphaned_task_error)
-    lock = asyncio.Lock()
-    loops = [TenantLoop(run, spec, services, metrics, lock) for spec in specs]
+    scheduler = TrainScheduler(services.trainer, run.train_mode)
+    loops = [TenantLoop(run, spec, services, metrics, scheduler) for spec in specs]
     for loop in loops:
         loop.register()
     await asyncio.gather(*(loop.run_experiment() for loop in loops))

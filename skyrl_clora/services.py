@@ -3,7 +3,8 @@
 - sampler: :class:`~skyrl_clora.sampler.engine.Engine` (+ SkyRL client) on the base model with one
   inference adapter slot per tenant;
 - trainer: :class:`~skyrl_clora.trainer.trainer.Trainer` on a second module tree that shares the base
-  model's weight tensors (no copy) and has one trainable device slot, fed by the AdapterStore;
+  model's weight tensors (no copy) and trainable device slots fed by the AdapterStore (several tenants
+  per pass in packed mode; the next tenant prefetched into a second slot in swap mode);
 - sync: :class:`~skyrl_clora.sync.AdapterSync` publishing into the sampler.
 """
 
@@ -79,7 +80,8 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     sampler_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     trainer_model = _twin_sharing_weights(sampler_model)
     sampler_routing, sampler_layers = attach_multi_lora(sampler_model, num_tenants, run.lora.max_rank, trainable=False)
-    trainer_routing, trainer_layers = attach_multi_lora(trainer_model, 1, run.lora.max_rank, trainable=True)
+    trainer_slots = trainer_slot_count(run, num_tenants)
+    trainer_routing, trainer_layers = attach_multi_lora(trainer_model, trainer_slots, run.lora.max_rank, trainable=True)
 
     max_len = run.recipe.max_input_length + run.recipe.max_generate_length
     rows = fit_kv_rows(sampler_model, run.sampler.max_rows or num_tenants * rows_per_tenant, max_len,
@@ -92,7 +94,7 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         default_sampling={"max_tokens": run.recipe.max_generate_length, "temperature": run.sampler.temperature,
                           "top_p": run.sampler.top_p, "logprobs": 1},
     )
-    store = AdapterStore(trainer_layers, num_slots=1)
+    store = AdapterStore(trainer_layers, num_slots=trainer_slots)
     algorithm = AlgorithmConfig(**run.trainer.algorithm, use_kl_loss=False)
     trainer = Trainer(
         trainer_model, trainer_routing, trainer_layers, store, algorithm,
@@ -123,6 +125,14 @@ def fit_kv_rows(model: torch.nn.Module, rows: int, max_len: int, memory_fraction
         print(f"[setup] KV cache: {rows} rows do not fit in {memory_fraction:.0%} of the free GPU memory; using "
               f"{fitting} (requests queue for a free row)", file=sys.stderr, flush=True)
     return min(rows, fitting)
+
+
+def trainer_slot_count(run: RunConfig, num_tenants: int) -> int:
+    """Trainable device slots: packed mode, ``trainer.pack_size`` (0: one per tenant, up to 8); swap mode, two
+    when there are two tenants or more (the second receives the next tenant's state while one trains)."""
+    if run.train_mode == "packed":
+        return min(num_tenants, run.trainer.pack_size or 8)
+    return min(num_tenants, 2)
 
 
 def _twin_sharing_weights(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,106 @@
+"""The train scheduler (swap and packed modes, failures kept to their tenants) and both train modes end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from skyrl.train.config import AlgorithmConfig
+from transformers import AutoModelForCausalLM
+
+from skyrl_clora.config import ConfigError
+from skyrl_clora.lora.layers import attach_multi_lora
+from skyrl_clora.lora.peft_export import init_adapter
+from skyrl_clora.main import main
+from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.optim import OptimizerConfig
+from skyrl_clora.trainer.scheduler import TrainScheduler
+from skyrl_clora.trainer.trainer import Trainer
+
+
+def _trainer(model_dir: Path, slots: int) -> Trainer:
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    routing, layers = attach_multi_lora(model, num_slots=slots, max_rank=8, trainable=True)
+    store = AdapterStore(layers, num_slots=slots)
+    for index, name in enumerate("ABC"):
+        store.register(name, init_adapter(layers, 8, 16.0, torch.Generator().manual_seed(index)),
+                       LRSchedule(base_lr=1e-3 * (index + 1)), seed=index)
+    return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(), micro_batch_size=4)
+
+
+def _batch(seed: int, bad: bool = False) -> TrainBatch:
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 300, (5,), generator=generator).tolist() for _ in range(4)]
+    responses = [torch.randint(0, 300, (4,), generator=generator).tolist() for _ in range(4)]
+    masks = [[1] * (3 if bad and i == 0 else 4) for i in range(4)]
+    return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=masks, rewards=[1.0, 0.0, 0.0, 1.0],
+                      group_ids=["g0", "g0", "g1", "g1"], rollout_logprobs=None)
+
+
+async def _submit(scheduler: TrainScheduler, requests: list[tuple[str, TrainBatch]]) -> list:
+    return await asyncio.gather(*(scheduler.train(name, batch) for name, batch in requests), return_exceptions=True)
+
+
+def test_packed_scheduler_packs_waiting_tenants_and_fails_only_the_bad_one(micro_model_dir: Path) -> None:
+    trainer = _trainer(micro_model_dir, slots=3)
+    scheduler = TrainScheduler(trainer, "packed")
+    results = asyncio.run(_submit(scheduler, [("A", _batch(0)), ("B", _batch(1, bad=True)), ("C", _batch(2))]))
+    assert isinstance(results[1], ValueError) and "loss mask" in str(results[1])
+    assert [results[i][1]["pass_tenants"] for i in (0, 2)] == [2.0, 2.0]
+    assert results[0][1]["lr"] == 1e-3 and results[2][1]["lr"] == 3e-3
+    assert [trainer.store.tenants[n].step for n in "ABC"] == [1, 0, 1]
+    # a pass that raises (an unknown tenant) fails the tenants in it; the next pass runs
+    trainer.store.slots.pop()  # two slots: [A, ghost] in one pass, C in the next
+    results = asyncio.run(_submit(scheduler, [("A", _batch(3)), ("ghost", _batch(4)), ("C", _batch(5))]))
+    assert isinstance(results[0], KeyError) and isinstance(results[1], KeyError)
+    assert results[2][1]["pass_tenants"] == 1.0
+    assert [trainer.store.tenants[n].step for n in "ABC"] == [1, 0, 2]
+    assert all(slot.owner is None for slot in trainer.store.slots)
+
+
+def test_swap_scheduler_trains_in_arrival_order_with_prefetch(micro_model_dir: Path) -> None:
+    trainer, plain = _trainer(micro_model_dir, slots=2), _trainer(micro_model_dir, slots=1)
+    scheduler = TrainScheduler(trainer, "swap")
+    requests = [("B", _batch(0)), ("A", _batch(1)), ("C", _batch(2, bad=True)), ("A", _batch(3))]
+    results = asyncio.run(_submit(scheduler, requests))
+    assert isinstance(results[2], ValueError)
+    assert trainer.store.slot_of("C") is None  # prefetched while A trained, given back when its batch failed
+    for (name, batch), result in zip(requests, results):
+        if not isinstance(result, Exception):
+            assert result[1] == {**plain.train_step(name, batch)[1], "pass_tenants": 1.0}
+    with pytest.raises(ValueError, match="use swap or packed"):
+        TrainScheduler(trainer, "fused")
+
+
+def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
+    return [f"model.path={model_dir}", f"clora.output_dir={out}", "clora.steps=2", "clora.progress=false",
+            "recipe.prompts_per_step=2", "recipe.samples_per_prompt=2", "recipe.eval_prompts=1",
+            "recipe.max_generate_length=8", "recipe.max_turns=1", "recipe.max_input_length=120", *extra]
+
+
+@pytest.mark.parametrize("train_mode", ["swap", "packed"])
+def test_train_modes_end_to_end(train_mode: str, micro_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / train_mode
+    assert main(_args(micro_model_dir, out, "+tenants=[{lr:1e-3},{lr:4e-3,rank:8}]", f"clora.train_mode={train_mode}")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [row["status"] for row in summary["per_tenant"]] == ["ok", "ok"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["event"] == "step"]
+    assert sorted((r["tenant"], r["adapter_version"]) for r in steps) == [
+        ("tenant-0", 1), ("tenant-0", 2), ("tenant-1", 1), ("tenant-1", 2)]
+    assert {r["train/lr"] for r in steps} == {1e-3, 4e-3} and all(r["train/response_tokens"] > 0 for r in steps)
+    assert all(1 <= r["train/pass_tenants"] <= (2 if train_mode == "packed" else 1) for r in steps)
+
+
+def test_unknown_train_mode_is_a_one_line_config_error(micro_model_dir: Path, tmp_path: Path) -> None:
+    from skyrl_clora.config import build_run_config
+    from skyrl_clora.main import compose_config
+
+    with pytest.raises(ConfigError, match=r"clora.train_mode=fused is unknown; use swap or packed"):
+        build_run_config(compose_config(_args(micro_model_dir, tmp_path, "clora.train_mode=fused")))
+    with pytest.raises(ConfigError, match="trainer.pack_size must be >= 0"):
+        build_run_config(compose_config(_args(micro_model_dir, tmp_path, "trainer.pack_size=-1")))
