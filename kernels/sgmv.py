@@ -124,7 +124,7 @@ def sgmv_shrink(
     k_iters = triton.cdiv(triton.cdiv(K, n_split), config.block_k)
     grid = (triton.cdiv(T, config.block_m) + min(S, T), n_split, n_a)
     shrink_kernel[grid](
-        x, w, ws, meta.sorted_rows, meta.seg_start, meta.seg_count,
+        x, w, ws, meta.sorted_rows, meta.seg_count,
         S, K, rank, x.stride(0), w.stride(0), w.stride(1), w.stride(2), w.stride(3),
         ws.stride(0), ws.stride(1),
         S_P2=triton.next_power_of_2(S), BLOCK_M=config.block_m, BLOCK_R=rank_pad(rank),
@@ -161,7 +161,7 @@ def sgmv_expand(
     w = list(weights) + [weights[0]] * (3 - len(weights))
     expand_kernel[grid](
         ws, out, w[0], w[1], w[2], scales if scales is not None else ws,
-        meta.sorted_rows, meta.seg_start, meta.seg_count, S, T, rank, **sa,
+        meta.sorted_rows, meta.seg_count, S, T, rank, **sa,
         stride_w_n=weights[0].stride(1), stride_w_r=weights[0].stride(2), stride_ot=out.stride(0),
         stride_ws_split=ws.stride(0), stride_ws_slice=ws.stride(1),
         S_P2=triton.next_power_of_2(S + int(store)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,

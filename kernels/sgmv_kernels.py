@@ -22,9 +22,7 @@ from skyrl_clora.kernels.meta import inclusive_cumsum
 
 
 @triton.jit
-def tile_of(
-    pid_m, start_ptr, count_ptr, S, T, S_P2: tl.constexpr, BLOCK_M: tl.constexpr, WITH_NULL: tl.constexpr
-):
+def tile_of(pid_m, count_ptr, S, T, S_P2: tl.constexpr, BLOCK_M: tl.constexpr, WITH_NULL: tl.constexpr):
     """Maps tile ``pid_m`` to (slot, segment start, segment length, first row in the segment).
 
     Tiles are numbered slot by slot; a slot of ``c`` rows has ``cdiv(c, BLOCK_M)`` tiles. WITH_NULL adds
@@ -32,6 +30,7 @@ def tile_of(
     batch size ``T``. Past the last tile the returned slot is ``>= S`` (``> S`` WITH_NULL). Keep ``S_P2``
     as small as allowed: every program sums an ``S_P2 x S_P2`` triangle, and doubling it (64 for 32
     slots) made decode-sized launches about 25% slower on the H200 (BENCHMARKS.md, kernels section).
+    The segment's start and length come from the counts already loaded (no second dependent load).
     """
     sid = tl.arange(0, S_P2)
     counts = tl.load(count_ptr + sid, mask=sid < S, other=0)
@@ -40,12 +39,8 @@ def tile_of(
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     slot = tl.sum((inclusive_cumsum(tiles, sid) <= pid_m).to(tl.int32), axis=0)
     first_tile = tl.sum(tl.where(sid < slot, tiles, 0), axis=0)
-    if WITH_NULL:
-        seg_start = tl.sum(tl.where(sid < slot, counts, 0), axis=0)
-        seg_len = tl.sum(tl.where(sid == slot, counts, 0), axis=0)
-    else:
-        seg_start = tl.load(start_ptr + slot, mask=slot < S, other=0)
-        seg_len = tl.load(count_ptr + slot, mask=slot < S, other=0)
+    seg_start = tl.sum(tl.where(sid < slot, counts, 0), axis=0)
+    seg_len = tl.sum(tl.where(sid == slot, counts, 0), axis=0)
     return slot, seg_start, seg_len, (pid_m - first_tile) * BLOCK_M
 
 
@@ -113,7 +108,6 @@ def shrink_kernel(
     w_ptr,
     ws_ptr,
     sorted_ptr,
-    start_ptr,
     count_ptr,
     S,
     K,
@@ -141,7 +135,7 @@ def shrink_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_a = tl.program_id(2)
-    slot, seg_start, seg_len, m0 = tile_of(pid_m, start_ptr, count_ptr, S, 0, S_P2, BLOCK_M, False)
+    slot, seg_start, seg_len, m0 = tile_of(pid_m, count_ptr, S, 0, S_P2, BLOCK_M, False)
     if slot >= S:
         return
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -166,7 +160,6 @@ def expand_kernel(
     w2_ptr,
     scale_ptr,
     sorted_ptr,
-    start_ptr,
     count_ptr,
     S,
     T,
@@ -206,7 +199,7 @@ def expand_kernel(
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot, seg_start, seg_len, m0 = tile_of(pid_m, start_ptr, count_ptr, S, T, S_P2, BLOCK_M, STORE)
+    slot, seg_start, seg_len, m0 = tile_of(pid_m, count_ptr, S, T, S_P2, BLOCK_M, STORE)
     num_segments = S
     if STORE:
         num_segments = S + 1
