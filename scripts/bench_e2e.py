@@ -1,0 +1,260 @@
+"""Experiment throughput on one GPU: N experiments run serially (each with its own cold start) vs concurrently
+on one warm model (swap and packed training), side by side in one run.
+
+Model: a Qwen3-shaped checkpoint with random bf16 weights, written to disk once and loaded from it at every
+cold start (load weights, build the engine, capture its CUDA graphs). Workload per tenant step, shaped like
+GSM8K-agentic RL: ``prompts`` prompts x ``samples`` samples; each episode has ``turns`` turns of exactly
+``response`` sampled tokens, with a ``observation``-token tool result between turns; the first prompt is
+``prompt`` tokens. Training is the production GRPO step (SkyRL's advantage estimator and policy loss) on
+random rewards; after it the tenant's adapter is published into the sampler in place. ``steps`` steps per
+experiment. The services are the production ones (``skyrl_clora.services.build_services``); only the
+episodes are synthetic (a random model writes no parsable tool calls).
+
+Serial mode runs the experiments one after another, each paying its cold start; serial time for N is the
+sum of the first N experiments. Concurrent mode runs N experiments at once on one cold start.
+
+One table: experiment throughput ratio vs serial, mean per-tenant step time, rollout / train / sync split,
+decode tokens/s, peak GPU memory. Full numbers go to ``--out`` as JSON.
+
+Usage (GPU): python scripts/bench_e2e.py --shape qwen3-1.7b --tokenizer <model dir with a chat template> --out $OUT/e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from bench_engine import SHAPES, VOCAB
+
+from skyrl_clora.config import build_run_config
+from skyrl_clora.main import compose_config
+from skyrl_clora.lora.peft_export import init_adapter
+from skyrl_clora.sampler.engine import SamplingParams, derive_seed
+from skyrl_clora.services import Services, build_services
+from skyrl_clora.trainer.adapter_store import LRSchedule
+from skyrl_clora.trainer.scheduler import TrainScheduler
+from skyrl_clora.trainer.trainer import TrainBatch
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt: int = 256
+    response: int = 100
+    observation: int = 32
+    turns: int = 3
+    prompts: int = 8
+    samples: int = 8
+    steps: int = 3
+
+    @property
+    def max_input(self) -> int:
+        return self.prompt + (self.turns - 1) * (self.response + self.observation)
+
+
+@dataclass
+class StepRecord:
+    tenant: str
+    step: int
+    rollout_s: float
+    train_s: float
+    sync_s: float
+    step_s: float
+    generated_tokens: int
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    tenants: int
+    wall_s: float
+    cold_start_s: list[float]
+    steps: list[StepRecord] = field(default_factory=list)
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    peak_memory_gib: float = 0.0
+
+
+def make_model(shape: str, tokenizer_dir: Path, out: Path, device: str) -> None:
+    """Writes the random-weight checkpoint (with the tokenizer of ``tokenizer_dir``) to ``out``."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    hidden, layers, heads, kv_heads, head_dim, intermediate = SHAPES[shape]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+                         max_position_embeddings=40960, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: int, device: str):
+    overrides = [
+        f"model.path={model_dir}", "model.dtype=bfloat16", f"clora.device={device}", f"clora.train_mode={train_mode}",
+        f"+tenants={tenants}", f"clora.steps={workload.steps}", "clora.progress=false",
+        f"recipe.max_input_length={workload.max_input}", f"recipe.max_generate_length={workload.response}",
+        f"recipe.samples_per_prompt={workload.samples}", f"recipe.prompts_per_step={workload.prompts}",
+        "sampler.prefill_block=128", "sampler.max_prefills_per_step=64", "lora.rank=16", "lora.max_rank=16",
+    ]
+    return build_run_config(compose_config(overrides))
+
+
+async def episode(services: Services, tenant: str, session: str, prompt: list[int], workload: Workload,
+                  generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """One multi-turn episode: returns the response ids (sampled turns and observations) and their loss mask."""
+    context, response, mask = list(prompt), [], []
+    for turn in range(workload.turns):
+        params = SamplingParams(max_tokens=workload.response, temperature=1.0,
+                                seed=derive_seed(0, tenant, session, len(context)))
+        completion = await asyncio.wrap_future(services.engine.submit(context, tenant, params))
+        response += completion.token_ids
+        mask += [1] * len(completion.token_ids)
+        context += completion.token_ids
+        if turn + 1 < workload.turns:
+            observation = torch.randint(0, 1000, (workload.observation,), generator=generator).tolist()
+            response += observation
+            mask += [0] * len(observation)
+            context += observation
+    return response, mask
+
+
+async def experiment(services: Services, scheduler: TrainScheduler, tenant: str, seed: int, workload: Workload,
+                     records: list[StepRecord]) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(1, workload.steps + 1):
+        started = time.perf_counter()
+        prompts = [torch.randint(0, 1000, (workload.prompt,), generator=generator).tolist() for _ in range(workload.prompts)]
+        rows = [(index, prompt) for index, prompt in enumerate(prompts) for _ in range(workload.samples)]
+        results = await asyncio.gather(*(episode(services, tenant, f"{seed}-{step}-{episode_index}", prompt, workload,
+                                                 generator) for episode_index, (_, prompt) in enumerate(rows)))
+        rollout_s = time.perf_counter() - started
+        batch = TrainBatch(
+            prompt_ids=[prompt for _, prompt in rows], response_ids=[r for r, _ in results],
+            loss_masks=[m for _, m in results], rewards=torch.rand(len(rows), generator=generator).round().tolist(),
+            group_ids=[f"{tenant}-{step}-{index}" for index, _ in rows], rollout_logprobs=None,
+        )
+        trained = time.perf_counter()
+        weights, _ = await scheduler.train(tenant, batch)
+        train_s = time.perf_counter() - trained
+        _, sync_s = await services.sync.publish(tenant, weights)
+        records.append(StepRecord(tenant, step, rollout_s, train_s, sync_s, time.perf_counter() - started,
+                                  sum(sum(m) for _, m in results)))
+
+
+def register(services: Services, run, tenant: str, seed: int) -> None:
+    weights = init_adapter(services.trainer.layers, 16, 32.0, torch.Generator().manual_seed(seed))
+    services.store.register(tenant, weights, LRSchedule(1e-4, 0, run.steps, "constant"), seed=seed)
+    services.sync.register(tenant, services.store.tenants[tenant].weights)
+
+
+def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[str], seeds: list[int],
+              device: str) -> ModeResult:
+    """One cold start, then ``names`` experiments concurrently; returns the measured result."""
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    run = run_config(model_dir, workload, train_mode, len(names), device)
+    rows_per_tenant = workload.prompts * workload.samples
+    services = build_services(run, str(model_dir), len(names), rows_per_tenant)
+    result = ModeResult(train_mode, len(names), 0.0, [services.cold_start_seconds])
+    try:
+        for name, seed in zip(names, seeds):
+            register(services, run, name, seed)
+
+        async def main() -> None:
+            scheduler = TrainScheduler(services.trainer, run.train_mode)
+            await asyncio.gather(*(experiment(services, scheduler, name, seed, workload, result.steps)
+                                   for name, seed in zip(names, seeds)))
+
+        asyncio.run(main())
+    finally:
+        services.shutdown()
+    result.wall_s = time.perf_counter() - started
+    result.decode_tokens = services.engine.stats.generated_tokens
+    result.decode_s = services.engine.stats.decode_seconds
+    result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    return result
+
+
+def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names: list[str], seeds: list[int],
+                    device: str) -> ModeResult:
+    """:func:`run_group`, then frees the GPU memory its services held (the next cold start starts empty)."""
+    result = run_group(model_dir, workload, train_mode, names, seeds, device)
+    print(f"{train_mode} x{len(names)}: wall {result.wall_s:.1f} s, cold start {result.cold_start_s[0]:.1f} s", flush=True)
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def summarize(result: ModeResult) -> dict:
+    steps = result.steps
+    return {
+        "mode": result.mode, "tenants": result.tenants, "wall_s": result.wall_s, "cold_start_s": result.cold_start_s,
+        "step_s": statistics.mean(s.step_s for s in steps), "rollout_s": statistics.mean(s.rollout_s for s in steps),
+        "train_s": statistics.mean(s.train_s for s in steps), "sync_s": statistics.mean(s.sync_s for s in steps),
+        "decode_tokens_per_s": result.decode_tokens / max(result.decode_s, 1e-9),
+        "peak_memory_gib": result.peak_memory_gib,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-1.7b")
+    parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--tenants", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--modes", nargs="+", default=["swap", "packed"])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--response", type=int, default=100)
+    parser.add_argument("--device", default="cuda", help="cpu only for a smoke run of the script")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    workload = Workload(steps=args.steps, response=args.response)
+    with tempfile.TemporaryDirectory() as folder:
+        model_dir = Path(folder) / args.shape
+        make_model(args.shape, args.tokenizer, model_dir, args.device)
+        most = max(args.tenants)
+        names, seeds = [f"tenant-{i}" for i in range(most)], list(range(1, most + 1))
+        # Untimed: compiles the Triton kernels once per process (cached for every later cold start).
+        run_and_release(model_dir, replace(workload, steps=1), "swap", ["warm-up"], [0], args.device)
+        serial = [run_and_release(model_dir, workload, "swap", [name], [seed], args.device) for name, seed in zip(names, seeds)]
+        concurrent = {(mode, n): run_and_release(model_dir, workload, mode, names[:n], seeds[:n], args.device)
+                      for n in args.tenants for mode in args.modes}
+    rows = []
+    for n in args.tenants:
+        serial_wall = sum(r.wall_s for r in serial[:n])
+        serial_steps = [s for r in serial[:n] for s in r.steps]
+        rows.append({**summarize(ModeResult("serial", n, serial_wall, [c for r in serial[:n] for c in r.cold_start_s],
+                                            serial_steps, sum(r.decode_tokens for r in serial[:n]),
+                                            sum(r.decode_s for r in serial[:n]), max(r.peak_memory_gib for r in serial[:n]))),
+                     "throughput_vs_serial": 1.0})
+        for mode in args.modes:
+            result = concurrent[(mode, n)]
+            rows.append({**summarize(result), "throughput_vs_serial": serial_wall / result.wall_s})
+    one = {row["mode"]: row for row in rows if row["tenants"] == 1}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"shape": args.shape, "workload": asdict(workload), "rows": rows}, indent=2) + "\n")
+    print(f"{args.shape}: {workload}")
+    print(f"{'mode':7} {'N':>2} {'wall s':>7} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
+          f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'peak GiB':>8}")
+    for row in rows:
+        base = one.get(row["mode"], row)
+        print(f"{row['mode']:7} {row['tenants']:2d} {row['wall_s']:7.1f} {row['throughput_vs_serial']:8.2f} "
+              f"{row['step_s']:7.2f} {row['step_s'] / base['step_s']:6.2f} {row['rollout_s']:7.2f} "
+              f"{row['rollout_s'] / base['rollout_s']:6.2f} {row['train_s']:6.2f} {row['sync_s']:5.2f} "
+              f"{row['decode_tokens_per_s']:12.0f} {row['peak_memory_gib']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Decode throughput of the embedded engine vs Hugging Face ``generate`` (+PEFT), side by side in one run.
+
+A Qwen3-shaped model with random bf16 weights is built on the GPU. Each case submits ``batch`` requests of
+``prompt`` random tokens and generates exactly ``new`` tokens each (no stop token), with the rows' adapters:
+none (the base model), 1 adapter for every row, or 8 / 32 tenants mixed row by row (rank 16, all linear
+layers). Reported per case: end-to-end tokens/s (generated tokens / wall time, prefill included), decode
+tokens/s (tokens / time in decode steps) and the decode step time; the engine's base decode is also set
+against the memory roofline: per step, all weights once plus every row's K/V read and written, over the
+copy bandwidth measured in the same run. HF ``generate`` runs the same shapes on a second copy of the model
+(base, PEFT with 1 adapter, PEFT with 8 adapters mixed via ``adapter_names``).
+
+Usage (GPU): python scripts/bench_engine.py --shape qwen3-1.7b --out $OUT/bench_engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from skyrl_clora.lora.layers import AdapterWeights, attach_multi_lora
+from skyrl_clora.sampler.engine import Engine, SamplingParams
+
+SHAPES = {  # hidden, layers, heads, kv heads, head dim, intermediate (published Qwen3 configs)
+    "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072),
+    "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144),
+    "qwen3-4b": (2560, 36, 32, 8, 128, 9728),
+}
+VOCAB = 151936
+
+
+def build_model(shape: str) -> Qwen3ForCausalLM:
+    hidden, layers, heads, kv_heads, head_dim, intermediate = SHAPES[shape]
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+                         max_position_embeddings=40960, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def random_adapter(layers: dict, rank: int, seed: int) -> AdapterWeights:
+    generator = torch.Generator().manual_seed(seed)
+    adapter = AdapterWeights(rank=rank, alpha=2.0 * rank)
+    for path, layer in layers.items():
+        adapter.a[path] = torch.randn(rank, layer.in_features, generator=generator) * 0.01
+        adapter.b[path] = torch.randn(layer.out_features, rank, generator=generator) * 0.01
+    return adapter
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3)
+
+
+def run_engine_case(engine: Engine, batch: int, prompt: int, new: int, adapters: list[str | None], seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (prompt,), generator=generator).tolist() for _ in range(batch)]
+    before = dict(vars(engine.stats))
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    futures = [engine.submit(ids, adapters[i % len(adapters)], SamplingParams(max_tokens=new, temperature=1.0, seed=i))
+               for i, ids in enumerate(prompts)]
+    results = [future.result(timeout=600) for future in futures]
+    wall = time.perf_counter() - started
+    assert all(len(r.token_ids) == new for r in results)
+    after = vars(engine.stats)
+    decode_s = after["decode_seconds"] - before["decode_seconds"]
+    steps = after["decode_steps"] - before["decode_steps"]
+    return {"tokens_per_s": batch * new / wall, "decode_tokens_per_s": batch * (new - 1) / decode_s,
+            "decode_step_ms": 1e3 * decode_s / steps, "prefill_s": after["prefill_seconds"] - before["prefill_seconds"],
+            "wall_s": wall}
+
+
+def run_hf_case(model, batch: int, prompt: int, new: int, adapter_names: list[str] | None) -> dict:
+    input_ids = torch.randint(0, VOCAB, (batch, prompt), device="cuda")
+    kwargs = {"adapter_names": adapter_names} if adapter_names is not None else {}
+    generate = dict(max_new_tokens=new, min_new_tokens=new, do_sample=True, top_k=0, pad_token_id=0)
+    model.generate(input_ids=input_ids[:, :8], max_new_tokens=2, min_new_tokens=2, do_sample=True, top_k=0,
+                   pad_token_id=0, **({"adapter_names": adapter_names} if adapter_names else {}))  # warm-up
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **generate, **kwargs)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    assert output.shape[1] == prompt + new
+    return {"tokens_per_s": batch * new / wall, "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    model = build_model(args.shape)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    config = model.config
+    kv_token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    routing, layers = attach_multi_lora(model, num_slots=32, max_rank=16, trainable=False)
+    rows = max(args.batches)
+    started = time.perf_counter()
+    engine = Engine(model, routing, layers, num_rows=rows, max_len=args.prompt + args.new, block_size=128,
+                    max_prefills_per_step=64, prefix_cache_bytes=0)
+    build_s = time.perf_counter() - started
+    names = [f"tenant-{i}" for i in range(32)]
+    for i, name in enumerate(names):
+        engine.register_adapter(name, random_adapter(layers, 16, seed=i))
+    cases = {"base": [None], "1 adapter": names[:1], "8 tenants mixed": names[:8], "32 tenants mixed": names}
+    results: dict = {"shape": args.shape, "copy_bandwidth_GBps": bandwidth / 1e9, "engine_build_s": build_s,
+                     "graph_capture_s": engine.stats.graph_capture_seconds, "engine": {}, "hf": {}}
+    for batch in args.batches:
+        run_engine_case(engine, batch, args.prompt, args.new, [None], seed=999)  # warm-up
+        for label, adapters in cases.items():
+            runs = [run_engine_case(engine, batch, args.prompt, args.new, adapters, seed=r) for r in range(args.repeats)]
+            results["engine"][f"{label} @ {batch}"] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+            print(f"engine {label} @ {batch}: {results['engine'][f'{label} @ {batch}']}", flush=True)
+        mean_context = args.prompt + args.new / 2
+        step_bytes = weight_bytes + batch * mean_context * kv_token_bytes
+        results["engine"][f"base @ {batch}"]["roofline_tokens_per_s"] = batch / (step_bytes / bandwidth)
+    engine.shutdown()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")  # the engine's numbers survive a failing HF part
+    del engine, model, layers, routing
+    torch.cuda.empty_cache()
+    if args.hf:
+        from peft import LoraConfig, get_peft_model
+
+        hf_model = build_model(args.shape)
+        for batch in args.batches:
+            results["hf"][f"base @ {batch}"] = run_hf_case(hf_model, batch, args.prompt, args.new, None)
+        lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False)
+        peft_model = get_peft_model(hf_model, lora, adapter_name="tenant-0")
+        for i in range(1, 8):
+            peft_model.add_adapter(f"tenant-{i}", lora)
+        peft_model.set_adapter("tenant-0")
+        peft_model.eval()  # PEFT takes adapter_names only in eval mode
+        batch = min(args.batches)
+        results["hf"][f"PEFT 1 adapter @ {batch}"] = run_hf_case(peft_model, batch, args.prompt, args.new, None)
+        mixed = [f"tenant-{i % 8}" for i in range(batch)]
+        results["hf"][f"PEFT 8 tenants mixed @ {batch}"] = run_hf_case(peft_model, batch, args.prompt, args.new, mixed)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"{args.shape}, {args.prompt} prompt + {args.new} new tokens per request, copy bandwidth "
+          f"{bandwidth / 1e9:.0f} GB/s, engine build {build_s:.1f} s (graph capture {results['graph_capture_s']:.1f} s)")
+    print(f"{'case':28} {'tok/s e2e':>10} {'decode tok/s':>13} {'step ms':>8} {'vs base':>8} {'vs HF base':>10}")
+    for key, row in results["engine"].items():
+        label, batch = key.rsplit(" @ ", 1)
+        base = results["engine"][f"base @ {batch}"]
+        hf = results["hf"].get(f"base @ {batch}")
+        print(f"engine {key:21} {row['tokens_per_s']:10.0f} {row['decode_tokens_per_s']:13.0f} {row['decode_step_ms']:8.2f} "
+              f"{row['decode_tokens_per_s'] / base['decode_tokens_per_s']:8.2f} "
+              f"{row['tokens_per_s'] / hf['tokens_per_s'] if hf else float('nan'):10.1f}")
+        if "roofline_tokens_per_s" in row:
+            print(f"  roofline {row['roofline_tokens_per_s']:.0f} tok/s: decode at "
+                  f"{row['decode_tokens_per_s'] / row['roofline_tokens_per_s']:.0%} of it")
+    for key, row in results["hf"].items():
+        print(f"HF {key:25} {row['tokens_per_s']:10.0f}")
+
+
+if __name__ == "__main__":
+    main()
