@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -122,11 +122,12 @@ class AdapterStore:
         cuda = self.device.type == "cuda"
         self._pin = cuda
         self._stream = torch.cuda.Stream(self.device) if cuda else None
-        for layer in layers.values():
+        for layer in layers.values():  # allocated once: the store keeps views of these gradients
             for param in (layer.lora_a, layer.lora_b):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
         self.slots = [self._new_slot() for _ in range(num_slots)]
+        self._view_cache: dict[tuple, list[torch.Tensor]] = {}
 
     # ---- layout -------------------------------------------------------------------------------------
     def shapes(self, rank: int) -> list[tuple[int, int]]:
@@ -156,13 +157,43 @@ class AdapterStore:
         slot.staging["weights"] = torch.zeros(self._numel(self.max_rank), device=self.device, dtype=self.dtype)
         return slot
 
-    def param_views(self, slot_index: int, grads: bool = False) -> list[torch.Tensor]:
-        """The slot's LoRA parameters (or their gradients) in ``self.keys`` order, at the max rank."""
-        views = []
-        for layer in self.layers.values():
-            for param in (layer.lora_a, layer.lora_b):
-                views.append((param.grad if grads else param.data)[slot_index])
+    def _cached(self, key: tuple, build: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Views built once per key (every viewed buffer is allocated once and never replaced)."""
+        views = self._view_cache.get(key)
+        if views is None:
+            views = self._view_cache[key] = build()
         return views
+
+    def param_views(self, slot_index: int, grads: bool = False, rank: int | None = None) -> list[torch.Tensor]:
+        """The slot's LoRA parameters (or their gradients) in ``self.keys`` order, at the max rank (or their
+        first ``rank`` ranks)."""
+        def build() -> list[torch.Tensor]:
+            views = [(param.grad if grads else param.data)[slot_index]
+                     for layer in self.layers.values() for param in (layer.lora_a, layer.lora_b)]
+            return views if rank is None else self._rank_views(views, rank)
+
+        return self._cached(("param", slot_index, grads, rank), build)
+
+    def table_views(self, slot_index: int, table: str, rank: int | None = None) -> list[torch.Tensor]:
+        """The slot's fp32 ``table`` (master, exp_avg, exp_avg_sq) in ``keys`` order, at the max rank (or its
+        first ``rank`` ranks)."""
+        def build() -> list[torch.Tensor]:
+            views = list(self.slots[slot_index].tables[table].values())
+            return views if rank is None else self._rank_views(views, rank)
+
+        return self._cached(("table", slot_index, table, rank), build)
+
+    def staging_views(self, slot_index: int, table: str, rank: int) -> list[torch.Tensor]:
+        """The slot's staging buffer ``table`` viewed in the tenant-rank flat layout of ``rank``."""
+        return self._cached(("staging", slot_index, table, rank),
+                            lambda: self._views(self.slots[slot_index].staging[table], rank))
+
+    def _set_scales(self, slot_index: int, value: float) -> None:
+        """``scales[slot_index] = value`` in every layer, in one multi-tensor copy."""
+        views = self._cached(("scales", slot_index), lambda: [layer.scales[slot_index : slot_index + 1]
+                                                               for layer in self.layers.values()])
+        source = torch.full((1,), value, device=self.device, dtype=torch.float32)
+        torch._foreach_copy_(views, [source] * len(views))
 
     @staticmethod
     def _rank_views(tensors: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
@@ -257,18 +288,14 @@ class AdapterStore:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
             slot.ready = None
         with torch.no_grad():
-            numel = self._numel(r)
             for table in TABLES[:3]:
-                destination = list(slot.tables[table].values())
                 if r < self.max_rank:
-                    torch._foreach_zero_(destination)
-                torch._foreach_copy_(self._rank_views(destination, r), self._views(slot.staging[table][:numel], r))
-            grads = self.param_views(slot_index, grads=True)
-            torch._foreach_zero_(grads)
-            torch._foreach_copy_(self._rank_views(grads, r), self._views(slot.staging["grads"][:numel], r))
-            torch._foreach_copy_(self.param_views(slot_index), list(slot.tables["master"].values()))
-            for layer in self.layers.values():
-                layer.scales[slot_index] = state.scale
+                    torch._foreach_zero_(self.table_views(slot_index, table))
+                torch._foreach_copy_(self.table_views(slot_index, table, r), self.staging_views(slot_index, table, r))
+            torch._foreach_zero_(self.param_views(slot_index, grads=True))
+            torch._foreach_copy_(self.param_views(slot_index, grads=True, rank=r), self.staging_views(slot_index, "grads", r))
+            torch._foreach_copy_(self.param_views(slot_index), self.table_views(slot_index, "master"))
+            self._set_scales(slot_index, state.scale)
         slot.active = True
         return state
 
@@ -291,13 +318,10 @@ class AdapterStore:
         numel = self._numel(r)
         with torch.no_grad():
             for table in TABLES[:3]:
-                torch._foreach_copy_(self._views(slot.staging[table][:numel], r),
-                                     self._rank_views(list(slot.tables[table].values()), r))
-            torch._foreach_copy_(self._views(slot.staging["grads"][:numel], r),
-                                 self._rank_views(self.param_views(slot_index, grads=True), r))
+                torch._foreach_copy_(self.staging_views(slot_index, table, r), self.table_views(slot_index, table, r))
+            torch._foreach_copy_(self.staging_views(slot_index, "grads", r), self.param_views(slot_index, grads=True, rank=r))
             slot.staging["weights"][:numel].copy_(slot.staging["master"][:numel])
-            for layer in self.layers.values():
-                layer.scales[slot_index] = 0.0
+            self._set_scales(slot_index, 0.0)
         packed = self._record()
         host_weights = self._host_empty(numel, self.dtype)
         with self._on_side_stream():

@@ -31,15 +31,16 @@ def adamw_slot(store: AdapterStore, slot_index: int, lr: float, step: int, confi
         master *= 1 - lr * weight_decay
         master -= lr * (m / (1 - beta1**step)) / (sqrt(v / (1 - beta2**step)) + eps)
     """
-    slot = store.slots[slot_index]
-    grads = [g.float() for g in store.param_views(slot_index, grads=True)]
+    # fp32 copies of the gradients in the slot's grads staging buffer (idle while the slot is swapped in)
+    grads = store.staging_views(slot_index, "grads", store.max_rank)
+    torch._foreach_copy_(grads, store.param_views(slot_index, grads=True))
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     clip = (config.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-    grads = torch._foreach_mul(grads, clip)
+    torch._foreach_mul_(grads, clip)
     beta1, beta2 = config.betas
-    m = list(slot.tables["exp_avg"].values())
-    v = list(slot.tables["exp_avg_sq"].values())
-    master = list(slot.tables["master"].values())
+    m = store.table_views(slot_index, "exp_avg")
+    v = store.table_views(slot_index, "exp_avg_sq")
+    master = store.table_views(slot_index, "master")
     torch._foreach_mul_(m, beta1)
     torch._foreach_add_(m, grads, alpha=1 - beta1)
     torch._foreach_mul_(v, beta2)
