@@ -8,7 +8,9 @@ Per LoRA parameter key ``"<layer path>.a"`` (``[r, H_in]``) or ``"<layer path>.b
 the tenant's own rank ``r``; a device slot holds the max rank ``R`` and is zero beyond ``r``. Each table
 (master, exp_avg, exp_avg_sq, grads) of a tenant is one flat host buffer whose per-key views are the
 dict entries, so a swap moves one buffer per table. Each device slot has, besides its fp32 tables at
-rank ``R``, a staging buffer per table in the tenant-rank flat layout: host<->device copies go through it.
+rank ``R``, a staging buffer per table in the tenant-rank flat layout: host<->device copies go through it
+(the grads one is also AdamW's fp32 gradient scratch while the slot is swapped in). The LoRA gradients
+are allocated once by the store, which keeps views of them: never replace ``param.grad``.
 
 Swap algorithm (``prefetch(name, slot)`` or ``swap_in(name, slot)``, then ``swap_out(slot)``):
   1. prefetch checks that ``slot`` is free and ``name`` is in no slot (invariant: a tenant is in at most
