@@ -53,18 +53,16 @@ def _episodes() -> tuple[dict, list[str]]:
 
 def test_training_input_round_trips_to_the_trainers_batch() -> None:
     output, groups = _episodes()
-    batch = training_batch_to_train_batch(training_input(output, groups, pad_token_id=0))
+    data = training_input(output, groups, pad_token_id=0, algorithm=AlgorithmConfig())
+    batch = training_batch_to_train_batch(data)
     assert batch.prompt_ids == output["prompt_token_ids"] and batch.response_ids == output["response_ids"]
     assert batch.loss_masks == output["loss_masks"]
     assert [pytest.approx(row) for row in output["rollout_logprobs"]] == batch.rollout_logprobs  # float32 tensors
     assert batch.rewards == [1.0, 0.0, 1.0, 0.0] and batch.group_ids == groups
-
-
-@pytest.fixture
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    # What SkyRL's own policy workers read: GRPO advantages (winner > 0 > loser per group) on response tokens.
+    advantages = data["advantages"].sum(dim=1) / data["response_mask"].sum(dim=1)
+    assert advantages[0] > 0 > advantages[1] and advantages[2] > 0 > advantages[3]
+    assert data.metadata["response_length"] == data["response_mask"].shape[1] == 5
 
 
 def _local_step(model_dir: Path, batch, lr: float, seed: int, algorithm: AlgorithmConfig, micro: int) -> dict:
@@ -77,10 +75,10 @@ def _local_step(model_dir: Path, batch, lr: float, seed: int, algorithm: Algorit
     return trainer.train_step("t", batch)[1]
 
 
-def test_dispatch_registers_steps_syncs_and_deletes_tenants(ray_cluster, micro_model_dir: Path, tmp_path: Path) -> None:
+def test_dispatch_registers_steps_syncs_and_deletes_tenants(micro_model_dir: Path, tmp_path: Path) -> None:
     cfg = compose_config(_overrides(micro_model_dir, tmp_path, "+tenants=[{lr:1e-2},{lr:3e-3}]", "clora.steps=4"))
     run, plan = build_run_config(cfg), translate(cfg)
-    stack = build_stack(run, plan, str(micro_model_dir))
+    stack = build_stack(run, plan, str(micro_model_dir))  # starts (and at shutdown stops) a small local Ray
     dispatches = {name: WorkerDispatch(plan.tenant_configs[name], policy_actor_group=stack.policy_group,
                                        inference_engine_client=stack.views[name]) for name in LRS}
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
@@ -98,11 +96,11 @@ def test_dispatch_registers_steps_syncs_and_deletes_tenants(ray_cluster, micro_m
         before = {name: sample(name) for name in LRS}  # PEFT init (B = 0): both still sample as the base model
 
         output, groups = _episodes()
-        data = training_input(output, groups, stack.tokenizer.pad_token_id)
+        data = training_input(output, groups, stack.tokenizer.pad_token_id, plan.base.trainer.algorithm)
         dispatch = dispatches["tenant-0"]
         assert dispatch.forward_backward("policy", data, model_id="tenant-0").metrics["staged_sequences"] == 4.0
         grad_norm = dispatch.optim_step("policy", model_id="tenant-0")
-        metrics = stack.step_metrics("tenant-0")
+        metrics = stack.step_metrics("tenant-0", {}, grad_norm, LRS["tenant-0"])
         reference = _local_step(micro_model_dir, training_batch_to_train_batch(data), LRS["tenant-0"], seed=0,
                                 algorithm=plan.base.trainer.algorithm, micro=plan.base.trainer.micro_train_batch_size_per_gpu)
         assert grad_norm == metrics["grad_norm"] > 0 and metrics["lr"] == LRS["tenant-0"]
@@ -116,7 +114,7 @@ def test_dispatch_registers_steps_syncs_and_deletes_tenants(ray_cluster, micro_m
 
         dispatches["tenant-1"].forward_backward("policy", data, model_id="tenant-1")
         dispatches["tenant-1"].optim_step("policy", model_id="tenant-1")
-        assert stack.step_metrics("tenant-1")["lr"] == LRS["tenant-1"]
+        assert stack.step_metrics("tenant-1", {}, None, 0.0)["lr"] == LRS["tenant-1"]
         state = ray.get(stack.policy_group.async_run_ray_method("pass_through", "adapter_store_state"))[0]
         assert state["steps"] == {"tenant-0": 1, "tenant-1": 1} and state["active"] == "tenant-1"
 

@@ -7,11 +7,12 @@ inference client) over one shared ``PPORayActorGroup`` of policy workers. A tena
 
   1. generate: the generator runs the step's episodes through the view (``model=<tenant>``);
   2. version check: every request of every trajectory was sampled with the tenant's current adapter
-     version (the server reports it per request), else the step fails;
-  3. train: the episodes become SkyRL's ``TrainingInputBatch`` (``convert_prompts_responses_to_batch_tensors``,
-     ``metadata["uids"]`` = GRPO groups) and go through ``dispatch.forward_backward`` and
-     ``dispatch.optim_step`` with ``model_id=<tenant>`` (the worker swaps the tenant's adapter, LR
-     schedule and RNG in);
+     version (the embedded server reports it per request), else the step fails; vLLM reports none, and
+     there the order of a tenant's own phases is the guarantee (its sync lands between its generations);
+  3. train: the episodes become SkyRL's ``TrainingInputBatch`` (:func:`training_input`) and go through
+     ``dispatch.forward_backward`` and ``dispatch.optim_step`` with ``model_id=<tenant>`` (the embedded
+     worker swaps the tenant's adapter, LR schedule and RNG in; for Megatron the tenant's scheduled LR is
+     sent first with ``dispatch.set_lr(model_id=<tenant>)``, as SkyRL's Tinker backend does);
   4. sync: ``dispatch.save_weights_for_sampler(model_id=<tenant>)``: the worker writes the adapter as a
      PEFT folder and loads it in place under the tenant's name (no pause, no prefix-cache reset), and
      the dispatch advances the view's version, which must equal the version the server now holds.
@@ -37,6 +38,8 @@ from typing import Any
 
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
+from skyrl.backends.skyrl_train.utils.ppo_utils import compute_advantages_and_returns
+from skyrl.train.config import AlgorithmConfig
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 from skyrl.train.generators.base import GeneratorInput, TrajectoryID
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
@@ -48,6 +51,7 @@ from skyrl_clora.recipes.tasks import TaskSource, build_task_source
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
 from skyrl_clora.tenants import TenantSpec
+from skyrl_clora.trainer.adapter_store import LRSchedule
 
 logger = logging.getLogger("skyrl_clora")
 
@@ -69,6 +73,9 @@ class SkyRLTenantLoop:
                  train_lock: asyncio.Lock) -> None:
         self.run, self.tenant, self.stack, self.metrics, self.train_lock = run, tenant, stack, metrics, train_lock
         self.name = tenant.spec.name
+        self.schedule = LRSchedule(tenant.spec.lr, run.trainer.warmup_steps, run.steps, run.trainer.lr_schedule)
+        self.algorithm = tenant.dispatch.cfg.trainer.algorithm
+        self.steps_done = 0
 
     async def register(self) -> None:
         """``register_adapter`` on the workers, then the first sync publishes version 0."""
@@ -116,7 +123,7 @@ class SkyRLTenantLoop:
             prompts=prompts, env_classes=env_classes, env_extras=extras, sampling_params=None,
             trajectory_ids=trajectory_ids, batch_metadata=None,
         ), disable_tqdm=True)
-        for trajectory in trajectory_ids:
+        for trajectory in trajectory_ids if self.stack.reports_versions else ():
             versions = self.tenant.view.versions_for(trajectory.to_string())
             if not versions or any(v != version for v in versions):
                 raise RuntimeError(f"tenant {self.name}: trajectory {trajectory.to_string()} sampled with adapter "
@@ -139,7 +146,7 @@ class SkyRLTenantLoop:
         )
         rollout_s = time.perf_counter() - started
         rewards = [_scalar(r) for r in output["rewards"]]
-        data = training_input(output, groups, self.stack.tokenizer.pad_token_id)
+        data = training_input(output, groups, self.stack.tokenizer.pad_token_id, self.algorithm)
         async with self.train_lock:
             started = time.perf_counter()
             train_metrics = await asyncio.to_thread(self._train, data)
@@ -158,30 +165,45 @@ class SkyRLTenantLoop:
         })
 
     def _train(self, data: TrainingInputBatch) -> dict[str, float]:
-        """``forward_backward`` + ``optim_step`` with the tenant's ``model_id``; the worker's step metrics."""
+        """``forward_backward`` + ``optim_step`` with the tenant's ``model_id``; the step's metrics."""
         dispatch = self.tenant.dispatch
-        dispatch.forward_backward("policy", data, model_id=self.name)
+        lr = self.schedule.lr(self.steps_done)
+        if self.stack.strategy == "megatron":
+            dispatch.set_lr("policy", lr, model_id=self.name)
+        output = dispatch.forward_backward("policy", data, model_id=self.name)
         grad_norm = dispatch.optim_step("policy", model_id=self.name)
-        metrics = self.stack.step_metrics(self.name)
-        if metrics.get("grad_norm") != grad_norm:
-            raise RuntimeError(f"tenant {self.name}: the worker's last step is not this one")
+        self.steps_done += 1
+        metrics = self.stack.step_metrics(self.name, output.metrics, grad_norm, lr)
+        if metrics.get("grad_norm") != grad_norm or metrics.get("lr") != lr:
+            raise RuntimeError(f"tenant {self.name}: the worker's last step ({metrics.get('lr')=}, "
+                               f"{metrics.get('grad_norm')=}) is not this one ({lr=}, {grad_norm=})")
         return metrics
 
 
-def training_input(output: dict[str, Any], groups: list[str], pad_token_id: int) -> TrainingInputBatch:
+def training_input(output: dict[str, Any], groups: list[str], pad_token_id: int,
+                   algorithm: AlgorithmConfig) -> TrainingInputBatch:
     """SkyRL's ``TrainingInputBatch`` for a generator output, as ``RayPPOTrainer.convert_to_training_input``
-    builds it (outcome reward on the last response token; ``metadata["uids"]`` = GRPO groups)."""
+    builds it (outcome reward on the last response token; ``metadata["uids"]`` = GRPO groups), plus what
+    SkyRL's policy workers read for the update: ``advantages`` from SkyRL's estimator (``algorithm``) and
+    ``action_log_probs`` = the rollout log-probs (one on-policy update per step, as SkyRL's Tinker backend
+    sends them). The embedded worker recomputes advantages itself from ``rewards`` and ``uids``."""
     rewards = [r if isinstance(r, list) else [0.0] * (len(ids) - 1) + [float(r)]
                for r, ids in zip(output["rewards"], output["response_ids"])]
     sequences, attention, response_mask, token_rewards, loss_mask, logprobs, _, _ = convert_prompts_responses_to_batch_tensors(
         pad_token_id, output["prompt_token_ids"], output["response_ids"], rewards, output["loss_masks"],
         output.get("rollout_logprobs"),
     )
+    advantages, returns = compute_advantages_and_returns(
+        token_level_rewards=token_rewards, response_mask=response_mask, index=list(groups),
+        adv_estimator=algorithm.advantage_estimator, config=algorithm, values=None, gamma=algorithm.gamma,
+        lambd=algorithm.lambd, grpo_norm_by_std=algorithm.grpo_norm_by_std,
+    )
     data = TrainingInputBatch({
         "sequences": sequences, "attention_mask": attention, "response_mask": response_mask,
         "rewards": token_rewards, "loss_mask": loss_mask, "rollout_logprobs": logprobs,
+        "action_log_probs": logprobs, "advantages": advantages, "returns": returns,
     })
-    data.metadata = {"uids": list(groups)}
+    data.metadata = {"uids": list(groups), "response_length": response_mask.shape[1]}
     return data
 
 

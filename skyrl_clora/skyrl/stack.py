@@ -1,16 +1,20 @@
 """Builds the shared part of the ``backend=skyrl`` stack: inference servers + client, tenant views, Ray
-and the policy worker group.
+and the policy worker group. Each half is production or its stand-in, per the plan:
 
-- Inference: ``inference_backend=embedded`` serves one :class:`~skyrl_clora.sampler.engine.Engine`
-  (one adapter slot per tenant) through :class:`~skyrl_clora.skyrl.server.EmbeddedServer` on 127.0.0.1;
-  SkyRL's ``RemoteInferenceClient`` points at it (``proxy_url`` = its one ``server_urls`` entry).
-- Training: ``strategy=embedded`` starts Ray small (``num_cpus=2``, no dashboard) unless the caller
-  already did, and SkyRL's own ``PPORayActorGroup`` builds one
+- inference ``embedded``: one :class:`~skyrl_clora.sampler.engine.Engine` (one adapter slot per tenant)
+  served by :class:`~skyrl_clora.skyrl.server.EmbeddedServer` on 127.0.0.1, SkyRL's
+  ``RemoteInferenceClient`` pointed at it. ``vllm``: SkyRL's ``build_new_inference_client`` starts the
+  vLLM servers and router from the translated config (LoRA on, ``max_loras`` >= tenants per batch).
+- training ``embedded``: SkyRL's ``PPORayActorGroup`` builds one
   :class:`~skyrl_clora.skyrl.worker.EmbeddedPolicyWorker` actor (``num_gpus_per_actor=0``) whose
   ``init_model`` loads the base model inside the actor, given every tenant's seed and learning rate.
+  ``megatron``: SkyRL's Megatron policy worker with patch 0002's run-time form
+  (:func:`~skyrl_clora.skyrl.worker_patches.with_per_tenant_lora_sync`: no prefix-cache reset on a
+  tenant's sync), initialised as SkyRL's Tinker backend does (LR driven through ``set_lr``, optimizer
+  state primed, the pristine adapter snapshotted for ``register_adapter``).
 
-vLLM servers and Megatron workers are not built here; a plan that resolves to them is refused with
-the fix (:func:`check_buildable`).
+Ray: with both halves embedded, a small local Ray (``num_cpus=2``, no dashboard); otherwise SkyRL's
+``initialize_ray`` (its runtime environment for vLLM/Megatron). A Ray the caller started is reused.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import ray
 import torch
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
+from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry, sync_registries
 from skyrl.backends.skyrl_train.workers.worker import PPORayActorGroup
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
@@ -37,6 +42,7 @@ from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.server import EmbeddedServer
 from skyrl_clora.skyrl.tenant_client import TenantInferenceClient, tenant_views
 from skyrl_clora.skyrl.worker import EmbeddedPolicyWorker
+from skyrl_clora.skyrl.worker_patches import with_per_tenant_lora_sync
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,19 +55,30 @@ class SkyRLStack:
     client: RemoteInferenceClient
     views: dict[str, TenantInferenceClient]
     policy_group: PPORayActorGroup
+    strategy: str
     sync_path: str
-    engine: Engine
-    server: EmbeddedServer
     owns_ray: bool
+    engine: Engine | None = None
+    server: EmbeddedServer | None = None
+    server_setup: Any = None
     _stopped: bool = field(default=False, repr=False)
 
-    def server_version(self, tenant: str) -> int | None:
-        """The adapter version the inference server holds for ``tenant``."""
-        return self.engine.adapter_version(tenant)
+    @property
+    def reports_versions(self) -> bool:
+        """Whether the servers report each request's adapter version (the embedded server does, vLLM not)."""
+        return self.engine is not None
 
-    def step_metrics(self, tenant: str) -> dict[str, float]:
-        """The worker's metrics of ``tenant``'s last optimizer step (rank 0's)."""
-        return ray.get(self.policy_group.async_run_ray_method("pass_through", "step_metrics", tenant))[0]
+    def server_version(self, tenant: str) -> int | None:
+        """The adapter version the inference server holds for ``tenant`` (None: vLLM does not say)."""
+        return self.engine.adapter_version(tenant) if self.engine is not None else None
+
+    def step_metrics(self, tenant: str, forward_backward: dict[str, float], grad_norm: float | None,
+                     lr: float) -> dict[str, float]:
+        """The metrics of ``tenant``'s last step: the embedded worker's own (the Trainer's), or
+        Megatron's ``forward_backward`` metrics with the gradient norm and the LR set for the step."""
+        if self.strategy == "embedded":
+            return ray.get(self.policy_group.async_run_ray_method("pass_through", "step_metrics", tenant))[0]
+        return {**forward_backward, "grad_norm": float(grad_norm or 0.0), "lr": lr}
 
     async def unload(self, tenant: str) -> None:
         """Unloads a failed tenant's adapter from the servers once its requests are done."""
@@ -75,7 +92,7 @@ class SkyRLStack:
                 await asyncio.sleep(0.05)
 
     def engine_stats(self) -> dict[str, float]:
-        return asdict(self.engine.stats)
+        return asdict(self.engine.stats) if self.engine is not None else {}
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -83,42 +100,55 @@ class SkyRLStack:
         self._stopped = True
         for info in self.policy_group.actor_infos:
             ray.kill(info.handle)
-        self.server.stop()
-        self.engine.shutdown()
+        if self.server is not None:
+            self.server.stop()
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.server_setup is not None:
+            for group in [*self.server_setup.server_groups, *self.server_setup.prefill_server_groups,
+                          *self.server_setup.decode_server_groups]:
+                group.shutdown()
+            if self.server_setup.router is not None:
+                self.server_setup.router.shutdown()
         if self.owns_ray:
             ray.shutdown()
 
 
+def _gpus_needed(plan: SkyRLPlan) -> int:
+    placement, ie = plan.base.trainer.placement, plan.base.generator.inference_engine
+    gpus = placement.policy_num_nodes * placement.policy_num_gpus_per_node if plan.strategy == "megatron" else 0
+    if plan.inference_backend == "vllm":
+        gpus += ie.num_engines * ie.tensor_parallel_size * ie.pipeline_parallel_size * ie.data_parallel_size
+    return gpus
+
+
 def check_buildable(plan: SkyRLPlan) -> None:
-    """Refuses a plan this module cannot build, with the fix."""
+    """Refuses, with the fix, a plan this machine cannot build (before anything starts)."""
     if plan.inference_backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("backend.inference_backend=vllm but vllm is not installed; install vllm or set "
                           "backend.inference_backend=embedded (or auto)")
     if plan.strategy == "megatron" and importlib.util.find_spec("megatron") is None:
         raise ConfigError("backend.strategy=megatron but megatron-core is not installed; install megatron-core or set "
                           "backend.strategy=embedded (or auto)")
-    if plan.inference_backend != "embedded" or plan.strategy != "embedded":
-        raise ConfigError(
-            f"backend=skyrl with inference_backend={plan.inference_backend} strategy={plan.strategy}: the driver builds "
-            "the embedded stand-ins only (integration/ holds the vLLM/Megatron tests); set "
-            "backend.inference_backend=embedded backend.strategy=embedded"
-        )
-    base = plan.base.trainer
-    if base.placement.colocate_all or base.placement.policy_num_nodes * base.placement.policy_num_gpus_per_node != 1:
-        raise ConfigError("backend.strategy=embedded runs one worker: set backend.colocate_all=false "
-                          "backend.policy_num_nodes=1 backend.policy_num_gpus_per_node=1")
+    if plan.strategy == "fsdp":
+        raise ConfigError("backend.strategy=fsdp: SkyRL 0.4's FSDP workers have no AdapterStore for tenants; "
+                          "use backend.strategy=megatron (or embedded)")
+    placement = plan.base.trainer.placement
+    if placement.colocate_all:
+        raise ConfigError("backend.colocate_all=true pauses generation for every sync; tenants sync in place: set "
+                          "backend.colocate_all=false")
+    if plan.strategy == "embedded" and placement.policy_num_nodes * placement.policy_num_gpus_per_node != 1:
+        raise ConfigError("backend.strategy=embedded runs one worker: set backend.policy_num_nodes=1 "
+                          "backend.policy_num_gpus_per_node=1")
+    gpus = _gpus_needed(plan)
+    if gpus and placement.policy_num_nodes == 1 and torch.cuda.device_count() < gpus:
+        raise ConfigError(f"backend=skyrl with inference_backend={plan.inference_backend} strategy={plan.strategy} needs "
+                          f"{gpus} GPUs (not colocated); {torch.cuda.device_count()} visible: lower "
+                          "backend.policy_num_gpus_per_node/num_engines or use the embedded stand-ins")
 
 
-def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
-    """Starts the inference server, the client and views, Ray and the policy worker group."""
-    check_buildable(plan)
-    hf_logging.disable_progress_bar()
-    register_gsm8k_env()
+def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokenizer: Any) -> tuple:
     names = [spec.name for spec in plan.tenants]
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
-        raise ConfigError(f"model.path={model_path}: tokenizer needs an eos token and a chat template")
-
     device = resolve_device(run)
     dtype = _DTYPES[run.model_dtype] if run.model_dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -131,30 +161,88 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
                     prefix_cache_bytes=run.sampler.prefix_cache_mb << 20)
     server = EmbeddedServer(engine, tokenizer, model_name=model_path, seed=run.seed)
-    url = server.start()
+    try:
+        url = server.start()
+    except BaseException:
+        engine.shutdown()
+        raise
     client = RemoteInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1, model_name=model_path,
                                    uses_lora_weight_sync=True, tokenizer=tokenizer)
-    views = tenant_views(client, names)
+    return client, engine, server
 
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
-    try:
-        trainer_cfg = plan.base.trainer
+
+def _policy_group(run: RunConfig, plan: SkyRLPlan, model_path: str, pad_token_id: int) -> PPORayActorGroup:
+    trainer_cfg = plan.base.trainer
+    if plan.strategy == "embedded":
         group = PPORayActorGroup(trainer_cfg, 1, 1, ray.remote(EmbeddedPolicyWorker), pg=None, num_gpus_per_actor=0,
                                  colocate_all=False, sequence_parallel_size=1)
         tenants = {spec.name: {"seed": spec.seed, "lr": spec.lr, "rank": spec.rank, "alpha": spec.alpha}
                    for spec in plan.tenants}
         ray.get(group.async_init_model(model_path, num_training_steps=run.steps, tenants=tenants,
                                        max_rank=run.lora.max_rank))
-        ray.get(group.async_run_ray_method("pass_through", "_set_pad_token_id", tokenizer.pad_token_id))
+    else:
+        from skyrl.backends.skyrl_train.workers.megatron.megatron_worker import MegatronPolicyWorkerBase
+
+        worker = ray.remote(num_gpus=1)(with_per_tenant_lora_sync(MegatronPolicyWorkerBase))
+        placement = trainer_cfg.placement
+        group = PPORayActorGroup(trainer_cfg, placement.policy_num_nodes, placement.policy_num_gpus_per_node, worker,
+                                 pg=None, num_gpus_per_actor=1, colocate_all=False,
+                                 sequence_parallel_size=trainer_cfg.policy.sequence_parallel_size)
+        # As SkyRL's Tinker backend: a scheduler horizon that never decays (each tenant's LR is set per step).
+        ray.get(group.async_init_model(model_path, num_training_steps=int(1e9)))
+    ray.get(group.async_run_ray_method("pass_through", "_set_pad_token_id", pad_token_id))
+    if plan.strategy == "megatron":
+        ray.get(group.async_run_ray_method("pass_through", "prime_optimizer_state"))
+        ray.get(group.async_run_ray_method("pass_through", "register_pristine_adapter"))
+    return group
+
+
+def _forget_stale_registry_actors() -> None:
+    """SkyRL's loss/estimator registries cache their Ray actor's handle per process and only drop it when no
+    actor of that name exists; after a Ray restart in this process (tests, a second run) the new session's
+    actor exists and the cached handle points into the old session. Drop the handles before Ray starts."""
+    for registry in (PolicyLossRegistry, AdvantageEstimatorRegistry):
+        registry._ray_actor = None
+        registry._synced_to_actor = False
+
+
+def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
+    """Starts Ray, the inference servers, the client and views, and the policy worker group."""
+    check_buildable(plan)
+    hf_logging.disable_progress_bar()
+    register_gsm8k_env()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
+        raise ConfigError(f"model.path={model_path}: tokenizer needs an eos token and a chat template")
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        _forget_stale_registry_actors()
+    if owns_ray and plan.inference_backend == plan.strategy == "embedded":
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
+        sync_registries()  # as SkyRL's initialize_ray does: the loss/estimator registries' Ray actors
+    elif owns_ray:
+        from skyrl.train.utils.utils import initialize_ray
+
+        initialize_ray(plan.base)
+    engine = server = setup = None
+    try:
+        if plan.inference_backend == "embedded":
+            client, engine, server = _embedded_inference(run, plan, model_path, tokenizer)
+        else:
+            from skyrl.backends.skyrl_train.inference_servers.setup import build_new_inference_client
+
+            client, setup = build_new_inference_client(plan.base, tokenizer)
+        group = _policy_group(run, plan, model_path, tokenizer.pad_token_id)
     except BaseException:
-        server.stop()
-        engine.shutdown()
+        if server is not None:
+            server.stop()
+        if engine is not None:
+            engine.shutdown()
         if owns_ray:
             ray.shutdown()
         raise
-    return SkyRLStack(tokenizer=tokenizer, client=client, views=views, policy_group=group,
-                      sync_path=trainer_cfg.policy.model.lora.lora_sync_path, engine=engine, server=server,
-                      owns_ray=owns_ray)
+    return SkyRLStack(tokenizer=tokenizer, client=client, views=tenant_views(client, [s.name for s in plan.tenants]),
+                      policy_group=group, strategy=plan.strategy,
+                      sync_path=plan.base.trainer.policy.model.lora.lora_sync_path, owns_ray=owns_ray,
+                      engine=engine, server=server, server_setup=setup)
