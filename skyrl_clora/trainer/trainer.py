@@ -19,6 +19,7 @@ import torch
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 from skyrl.train.config import AlgorithmConfig
 
+from skyrl_clora.kernels import LoRAMeta
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear
 from skyrl_clora.trainer.adapter_store import AdapterStore, TenantState
 from skyrl_clora.trainer.batch import MicroBatch, PassRows, TrainBatch, build_pass_rows, plan_micro_batches
@@ -186,7 +187,12 @@ class Trainer:
         input_ids = rows.input_ids[row_index, :width]
         positions = torch.arange(width, device=self.device)
         token_slots = torch.where(positions[None] < rows.seq_lens[row_index, None], rows.row_slot[row_index, None], -1)
-        with self.routing.route(token_slots.reshape(-1)):
+        token_slots = token_slots.reshape(-1)
+        meta = None
+        if token_slots.is_cuda:  # the kernels' row grouping, built once for every layer of the pass
+            lora_a = next(iter(self.layers.values())).lora_a
+            meta = LoRAMeta.for_batch(token_slots, lora_a.shape[0], lora_a.shape[1], max_slices=1)
+        with self.routing.route(token_slots, meta):
             hidden = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, L, H]
         # Response token j of a row sits at input position start + j and is predicted at start + j - 1.
         steps = torch.arange(micro.response_width, device=self.device)
