@@ -20,7 +20,9 @@ bodies vLLM's server (plus SkyRL's custom endpoints in ``vllm_server_actor.py``)
 ``POST /tokenize``, ``/detokenize``    vLLM's bodies: ``{"prompt"}`` -> ``{"tokens"}``;
                                        ``{"tokens"}`` -> ``{"prompt"}``
 ``POST /pause?mode=keep``, ``/resume`` freeze / continue every in-flight request (keep mode only)
-``POST /reset_prefix_cache``           success: the engine keeps no cross-request prefix cache
+``POST /reset_prefix_cache``           success, nothing dropped: the engine's prefix cache is keyed
+                                       by (adapter, version) and a load drops that adapter's
+                                       entries, so no entry can serve stale weights
 ``GET /get_world_size``                ``{"world_size": 1}``
 ``POST /sleep``, ``/wake_up``,         success / ``{"is_sleeping": false}``: the base model stays
 ``GET /is_sleeping``                   resident for every tenant
