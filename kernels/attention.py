@@ -44,15 +44,12 @@ class AttentionConfig:
     pdl: bool = True
 
 
-def default_attention_config(num_rows: int, num_kv_heads: int, max_len: int) -> AttentionConfig:
-    """Split length by shape only (never by the lengths' values): 256 keys per program when there are
-    many (row, kv head) pairs, shorter splits when few, so short batches still fill the GPU; at most
-    ``_MAX_SPLITS`` splits per row."""
-    split = 256
-    while split > 64 and num_rows * num_kv_heads * triton.cdiv(max_len, split) < 1024:
-        split //= 2
-    split = max(split, triton.next_power_of_2(triton.cdiv(max_len, _MAX_SPLITS)))
-    return AttentionConfig(split_len=split)
+def default_attention_config(max_len: int) -> AttentionConfig:
+    """Launch parameters by the cache length alone: 256 keys per program (at most ``_MAX_SPLITS`` splits
+    per row; longer caches get longer splits). Never by the number of rows or the lengths' values, so a
+    row's result is bit-identical whatever the batch around it (the engine's runs stay reproducible when
+    the number of decoded rows changes); on the H200 shorter splits gained nothing (BENCHMARKS.md)."""
+    return AttentionConfig(split_len=max(256, triton.next_power_of_2(triton.cdiv(max_len, _MAX_SPLITS))))
 
 
 def _workspace_floats(num_rows: int, num_heads: int, head_dim: int, max_len: int, split_len: int) -> int:
@@ -63,10 +60,10 @@ def _workspace_floats(num_rows: int, num_heads: int, head_dim: int, max_len: int
 class DecodeWorkspace:
     """Float32 scratch for the partial results of ``decode_attention``, allocated once.
 
-    Sized for every batch of up to ``max_rows`` rows under the default config (one buffer serves every
+    Sized for batches of up to ``max_rows`` rows under the default config (one buffer serves every
     layer, since layers run one after another). Usage::
 
-        ws = DecodeWorkspace(max_rows=512, num_heads=16, num_kv_heads=8, max_len=2048, head_dim=128, device="cuda")
+        ws = DecodeWorkspace(max_rows=512, num_heads=16, max_len=2048, head_dim=128, device="cuda")
         decode_attention(q, k_cache, v_cache, lengths, out=out, workspace=ws)   # no allocation, no host sync
     """
 
@@ -74,20 +71,16 @@ class DecodeWorkspace:
         self,
         max_rows: int,
         num_heads: int,
-        num_kv_heads: int,
         max_len: int,
         head_dim: int,
         device: torch.device | str,
     ) -> None:
-        if min(max_rows, num_heads, num_kv_heads, max_len, head_dim) < 1:
+        if min(max_rows, num_heads, max_len, head_dim) < 1:
             raise ValueError(
                 f"DecodeWorkspace sizes must be positive, got max_rows={max_rows}, num_heads={num_heads}, "
-                f"num_kv_heads={num_kv_heads}, max_len={max_len}, head_dim={head_dim}"
+                f"max_len={max_len}, head_dim={head_dim}"
             )
-        numel = max(
-            _workspace_floats(b, num_heads, head_dim, max_len, default_attention_config(b, num_kv_heads, max_len).split_len)
-            for b in range(1, max_rows + 1)
-        )
+        numel = _workspace_floats(max_rows, num_heads, head_dim, max_len, default_attention_config(max_len).split_len)
         self.buffer = torch.empty(numel, dtype=torch.float32, device=device)
 
 
@@ -241,7 +234,7 @@ def decode_attention_triton(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if B == 0:
         return out
-    cfg = config or default_attention_config(B, KV, L)
+    cfg = config or default_attention_config(L)
     if cfg.split_len % cfg.block_n or cfg.block_n < 16:
         raise ValueError(f"split_len {cfg.split_len} must be a multiple of block_n {cfg.block_n} (>= 16)")
     num_splits = triton.cdiv(L, cfg.split_len)

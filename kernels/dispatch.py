@@ -134,7 +134,7 @@ def decode_attention(
 
     Usage in a decode step (the new token's K/V already written at position ``lengths[b] - 1``)::
 
-        ws = DecodeWorkspace(max_rows, H, KV, L, d, device="cuda")       # once
+        ws = DecodeWorkspace(max_rows, H, L, d, device="cuda")       # once
         decode_attention(q, k_cache, v_cache, lengths, out=out, workspace=ws)   # every layer, every step
 
     The Triton path (``kernels.attention``, flash-decoding) reads only the first ``lengths[b]`` positions

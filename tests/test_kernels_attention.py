@@ -49,9 +49,9 @@ def test_reference_writes_out_and_zeros_empty_rows() -> None:
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
 @pytest.mark.parametrize("head_dim", [16, 32, 24])
 def test_triton_matches_reference(head_dim: int, kv_heads: int, dtype: torch.dtype) -> None:
-    """Default config (two 64-key splits at L=80); cache positions past each length and cache rows past B
-    hold NaN, so reading any of them would show."""
-    p = make_attention_problem(5, 4, kv_heads, 80, head_dim, dtype, cache_rows=7, seed=head_dim + kv_heads, poison=True)
+    """Default config (three 256-key splits at L=600); cache positions past each length and cache rows
+    past B hold NaN, so reading any of them would show."""
+    p = make_attention_problem(5, 4, kv_heads, 600, head_dim, dtype, cache_rows=7, seed=head_dim + kv_heads, poison=True)
     want = attention_loop_ref(p)
     got = decode_attention(p.q, p.k_cache, p.v_cache, p.lengths, backend="triton")
     assert got.dtype == dtype and got.shape == p.q.shape
@@ -69,6 +69,16 @@ def test_triton_configs_match_reference(config: AttentionConfig) -> None:
 
 
 @interpreted
+def test_triton_rows_do_not_depend_on_the_batch() -> None:
+    """A row's output is bit-identical whether it is decoded with 5 rows or 2 (the launch config depends on
+    the cache length only)."""
+    p = make_attention_problem(5, 4, 2, 300, 16, torch.bfloat16, seed=9)
+    full = decode_attention(p.q, p.k_cache, p.v_cache, p.lengths, backend="triton")
+    part = decode_attention(p.q[:2], p.k_cache, p.v_cache, p.lengths[:2], backend="triton")
+    assert torch.equal(full[:2], part)
+
+
+@interpreted
 def test_triton_writes_out_with_workspace_and_strided_q() -> None:
     """q as the engine holds it (``[B, H, 1, d][:, :, 0]``), ``out`` and a workspace given; a zero length
     gives zeros; a workspace too small for the call is refused."""
@@ -77,12 +87,12 @@ def test_triton_writes_out_with_workspace_and_strided_q() -> None:
     q[:, :, 1] = p.q
     p.lengths[2] = 0
     out = torch.full_like(p.q, 7.0)
-    ws = DecodeWorkspace(max_rows=3, num_heads=4, num_kv_heads=2, max_len=48, head_dim=16, device="cpu")
+    ws = DecodeWorkspace(max_rows=3, num_heads=4, max_len=48, head_dim=16, device="cpu")
     got = decode_attention(q[:, :, 1], p.k_cache, p.v_cache, p.lengths, out=out, workspace=ws, backend="triton")
     assert got is out
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     assert _err(out[:2], attention_loop_ref(p)[:2]) < TOLERANCE[torch.float32]
-    small = DecodeWorkspace(max_rows=1, num_heads=4, num_kv_heads=2, max_len=48, head_dim=16, device="cpu")
+    small = DecodeWorkspace(max_rows=1, num_heads=4, max_len=48, head_dim=16, device="cpu")
     with pytest.raises(ValueError, match="DecodeWorkspace"):
         decode_attention(p.q, p.k_cache, p.v_cache, p.lengths, workspace=small, backend="triton")
 
