@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import ray
+import skyrl_gym
 import torch
 from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 from skyrl.train.config import AlgorithmConfig
+from skyrl_gym.envs.base_text_env import BaseTextEnv
 from transformers import AutoModelForCausalLM
 
 from skyrl_clora.config import build_run_config
@@ -133,22 +135,37 @@ async def _close(stack) -> None:
         await client.teardown()
 
 
+class RaisingRewardEnv(BaseTextEnv):
+    """An environment whose reward function raises, as a buggy user reward would."""
+
+    def __init__(self, env_config=None, extras=None) -> None:
+        super().__init__()
+
+    def step(self, action: str):
+        raise RuntimeError("reward function exploded")
+
+
 def test_backend_skyrl_runs_through_main(micro_model_dir: Path, tmp_path: Path) -> None:
+    """Two tenants run 2 steps end to end; a third (tenant-1) whose reward raises fails alone."""
+    if "raising_reward_skyrl" not in skyrl_gym.registry:
+        skyrl_gym.register(id="raising_reward_skyrl", entry_point=RaisingRewardEnv)
     out = tmp_path / "run"
-    assert main(_overrides(micro_model_dir, out, "+tenants=2", "clora.steps=2")) == 0
+    assert main(_overrides(micro_model_dir, out, "+tenants=[{},{env_class:raising_reward_skyrl},{}]", "clora.steps=2")) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = sorted((r["tenant"], r["step"], r["adapter_version"]) for r in records if r["event"] == "step")
-    assert steps == [("tenant-0", 1, 1), ("tenant-0", 2, 2), ("tenant-1", 1, 1), ("tenant-1", 2, 2)]
+    assert steps == [("tenant-0", 1, 1), ("tenant-0", 2, 2), ("tenant-2", 1, 1), ("tenant-2", 2, 2)]
     # The worker's step metrics came back through Ray (the micro model's rewards may all be 0: no gradient).
     assert all(r["episodes"] == 4 and r["train/lr"] == 2e-3 and r["train/response_tokens"] > 0
                for r in records if r["event"] == "step")
     assert sorted((r["tenant"], r["step"]) for r in records if r["event"] == "eval") == [
-        ("tenant-0", 0), ("tenant-0", 2), ("tenant-1", 0), ("tenant-1", 2)]
+        ("tenant-0", 0), ("tenant-0", 2), ("tenant-2", 0), ("tenant-2", 2)]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["backend"] == "skyrl" and summary["strategy"] == "embedded"
     assert summary["inference_backend"] == "embedded" and len(summary["substitutions"]) == 2
-    assert [row["status"] for row in summary["per_tenant"]] == ["ok", "ok"]
-    adapters = [load_peft_adapter(out / "adapters" / name) for name in ("tenant-0", "tenant-1")]
+    assert [row["status"] for row in summary["per_tenant"]] == ["ok", "failed", "ok"]
+    assert "reward function exploded" in summary["per_tenant"][1]["error"]
+    assert not (out / "adapters" / "tenant-1").exists()
+    adapters = [load_peft_adapter(out / "adapters" / name) for name in ("tenant-0", "tenant-2")]
     path = next(iter(adapters[0].a))
     assert not torch.equal(adapters[0].a[path], adapters[1].a[path]), "tenants' seeded adapters must differ"
     assert (out / "reward_curves.png").is_file()
