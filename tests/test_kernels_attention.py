@@ -68,6 +68,15 @@ def test_triton_configs_match_reference(config: AttentionConfig) -> None:
     assert _err(got, attention_loop_ref(p)) < TOLERANCE[torch.float32]
 
 
+def test_reference_rows_do_not_depend_on_the_batch() -> None:
+    """The CPU engine's path: a row's output is bit-identical whether 32 rows are decoded or 16 (the
+    engine decodes whole 16-row quanta)."""
+    p = make_attention_problem(32, 4, 2, 256, 32, torch.float32, seed=9)
+    full = decode_attention(p.q, p.k_cache, p.v_cache, p.lengths)
+    part = decode_attention(p.q[:16], p.k_cache, p.v_cache, p.lengths[:16])
+    assert torch.equal(full[:16], part)
+
+
 @interpreted
 def test_triton_rows_do_not_depend_on_the_batch() -> None:
     """A row's output is bit-identical whether it is decoded with 5 rows or 2 (the launch config depends on
