@@ -88,7 +88,7 @@ class ModelRunner:
             self.lora_meta = LoRAMeta(tokens, num_slots, self.device, max_rank=max_rank, max_slices=1)
         self._attention_workspace: DecodeWorkspace | None = None
         if self.device.type == "cuda":
-            self._attention_workspace = DecodeWorkspace(num_rows, self.num_heads, self.num_kv_heads, max_len,
+            self._attention_workspace = DecodeWorkspace(num_rows, self.num_heads, max_len,
                                                         self.head_dim, self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
