@@ -80,6 +80,7 @@ class ModeResult:
     decode_tokens: int = 0
     decode_s: float = 0.0
     peak_memory_gib: float = 0.0
+    prefill_s: float = 0.0
 
 
 def make_model(shape: str, tokenizer_dir: Path, out: Path, device: str) -> None:
@@ -183,6 +184,7 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     result.wall_s = time.perf_counter() - started
     result.decode_tokens = services.engine.stats.generated_tokens
     result.decode_s = services.engine.stats.decode_seconds
+    result.prefill_s = services.engine.stats.prefill_seconds
     result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     return result
 
@@ -191,7 +193,10 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
                     device: str) -> ModeResult:
     """:func:`run_group`, then frees the GPU memory its services held (the next cold start starts empty)."""
     result = run_group(model_dir, workload, train_mode, names, seeds, device)
-    print(f"{train_mode} x{len(names)}: wall {result.wall_s:.1f} s, cold start {result.cold_start_s[0]:.1f} s", flush=True)
+    row = summarize(result)
+    print(f"{train_mode} x{len(names)}: wall {result.wall_s:.1f} s, cold start {result.cold_start_s[0]:.1f} s, per step "
+          f"{row['step_s']:.2f} s (rollout {row['rollout_s']:.2f}, train {row['train_s']:.2f}, sync {row['sync_s']:.2f}), "
+          f"engine decode {result.decode_s:.1f} s / prefill {result.prefill_s:.1f} s", flush=True)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
