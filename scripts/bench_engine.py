@@ -88,6 +88,21 @@ def run_engine_case(engine: Engine, batch: int, prompt: int, new: int, adapters:
             "wall_s": wall}
 
 
+def profile_case(engine: Engine, batch: int, prompt: int, new: int, table_path: Path) -> dict:
+    """Runs one base-model case under ``torch.profiler``; writes the kernel table (by GPU time) to
+    ``table_path`` and returns the GPU kernels launched per decode step and the GPU-busy share of the wall."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps_before = engine.stats.decode_steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        case = run_engine_case(engine, batch, prompt, new, [None], seed=7)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    steps = engine.stats.decode_steps - steps_before
+    table_path.write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+    gpu_s = sum(e.device_time_total for e in events) / 1e6
+    return {"gpu_kernels_per_decode_step": len(events) / max(1, steps), "gpu_busy_share": gpu_s / case["wall_s"]}
+
+
 def run_hf_case(model, batch: int, prompt: int, new: int, adapter_names: list[str] | None) -> dict:
     input_ids = torch.randint(0, VOCAB, (batch, prompt), device="cuda")
     kwargs = {"adapter_names": adapter_names} if adapter_names is not None else {}
@@ -111,6 +126,9 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one base case at the smallest batch: kernels per decode step and the "
+                             "top kernels by GPU time, written beside --out")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
@@ -139,6 +157,10 @@ def main() -> None:
         mean_context = args.prompt + args.new / 2
         step_bytes = weight_bytes + batch * mean_context * kv_token_bytes
         results["engine"][f"base @ {batch}"]["roofline_tokens_per_s"] = batch / (step_bytes / bandwidth)
+    if args.profile:
+        results["profile"] = profile_case(engine, min(args.batches), args.prompt, args.new,
+                                          args.out.with_suffix(".profile.txt"))
+        print(f"profile: {results['profile']}", flush=True)
     engine.shutdown()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")  # the engine's numbers survive a failing HF part
