@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
 from skyrl.train.config import SamplingParams as SkyRLSamplingParams
-from skyrl.train.generators.base import GeneratorInput, TrajectoryID
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from skyrl_clora.config import RunConfig
+from skyrl_clora.episodes import episode_batch, eval_record, log_orphaned_task_error, scalar_reward, step_record
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
 from skyrl_clora.metrics import MetricsLog, format_table, plot_rewards, summarize
 from skyrl_clora.recipes.tasks import TaskSource, build_task_source
@@ -107,19 +107,8 @@ class TenantLoop:
 
     async def _generate(self, rows: list[dict[str, Any]], samples: int, tag: str) -> tuple[dict, list[str]]:
         """Runs ``samples`` episodes per row through SkyRL's generator; returns its output and group ids."""
-        prompts, env_classes, extras, trajectory_ids, groups = [], [], [], [], []
-        for index, row in enumerate(rows):
-            instance = f"{self.spec.name}-{tag}-p{index}"
-            for repetition in range(samples):
-                prompts.append(row["prompt"])
-                env_classes.append(row["env_class"])
-                extras.append({**{k: v for k, v in row.items() if k not in ("prompt", "env_class")}, **self.env_args})
-                trajectory_ids.append(TrajectoryID(instance_id=instance, repetition_id=repetition))
-                groups.append(instance)
-        output = await self.generator.generate(GeneratorInput(
-            prompts=prompts, env_classes=env_classes, env_extras=extras, sampling_params=None,
-            trajectory_ids=trajectory_ids, batch_metadata=None,
-        ), disable_tqdm=True)
+        batch, trajectory_ids, groups = episode_batch(self.spec.name, rows, samples, tag, self.env_args)
+        output = await self.generator.generate(batch, disable_tqdm=True)
         for trajectory in trajectory_ids:
             versions = self.services.client.versions_for(self.spec.name, trajectory.to_string())
             self.services.sync.check_sampled_with(self.spec.name, versions)
@@ -127,12 +116,9 @@ class TenantLoop:
 
     async def _evaluate(self, source: TaskSource, step: int) -> None:
         rows = source.evaluation_rows()
-        if not rows:
-            return
-        output, _ = await self._generate(rows, samples=1, tag=f"eval{step}")
-        rewards = [_scalar(r) for r in output["rewards"]]
-        self.metrics.write({"event": "eval", "tenant": self.spec.name, "step": step,
-                            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards), "episodes": len(rewards)})
+        if rows:
+            output, _ = await self._generate(rows, samples=1, tag=f"eval{step}")
+            self.metrics.write(eval_record(self.spec.name, step, output))
 
     async def _rl_step(self, source: TaskSource, step: int) -> None:
         name = self.spec.name
@@ -141,41 +127,21 @@ class TenantLoop:
             source.step_rows(step - 1, self.run.recipe.prompts_per_step), self.spec.samples_per_prompt, f"s{step}"
         )
         rollout_s = time.perf_counter() - started
-        rewards = [_scalar(r) for r in output["rewards"]]
         batch = TrainBatch(
             prompt_ids=output["prompt_token_ids"], response_ids=output["response_ids"], loss_masks=output["loss_masks"],
-            rewards=rewards, group_ids=groups, rollout_logprobs=output.get("rollout_logprobs"),
+            rewards=[scalar_reward(r) for r in output["rewards"]], group_ids=groups,
+            rollout_logprobs=output.get("rollout_logprobs"),
         )
         started = time.perf_counter()
         weights, train_metrics = await self.train_scheduler.train(name, batch)
         train_s = time.perf_counter() - started
         version, sync_s = await self.services.sync.publish(name, weights)
-        self.metrics.write({
-            "event": "step", "tenant": name, "step": step, "adapter_version": version,
-            "reward_mean": sum(rewards) / len(rewards),
-            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "episodes": len(rewards),
-            "generated_tokens": sum(sum(mask) for mask in output["loss_masks"]),
-            "rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s,
-            **{f"train/{k}": v for k, v in train_metrics.items()},
-            **{f"rollout/{k}": v for k, v in (output.get("rollout_metrics") or {}).items() if isinstance(v, (int, float))},
-        })
-
-
-def _scalar(reward: float | list[float]) -> float:
-    """An episode's outcome reward (SkyRL gives per-token reward lists for multi-turn episodes)."""
-    return float(sum(reward)) if isinstance(reward, list) else float(reward)
-
-
-def _log_orphaned_task_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    """SkyRL's generator gathers a batch's episodes without cancelling the rest when one raises; the
-    other episodes of a failed tenant (already recorded as failed) then end with errors nobody awaits."""
-    error = context.get("exception")
-    logger.debug("an episode task ended with an unobserved error (its tenant is failed): %r", error)
+        timings = {"rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s}
+        self.metrics.write(step_record(name, step, version, output, timings, train_metrics))
 
 
 async def _run_group(run: RunConfig, specs: list[TenantSpec], services: Services, metrics: MetricsLog) -> None:
-    asyncio.get_running_loop().set_exception_handler(_log_orphaned_task_error)
+    asyncio.get_running_loop().set_exception_handler(log_orphaned_task_error)
     scheduler = TrainScheduler(services.trainer, run.train_mode)
     loops = [TenantLoop(run, spec, services, metrics, scheduler) for spec in specs]
     for loop in loops:

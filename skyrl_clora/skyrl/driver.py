@@ -41,12 +41,11 @@ from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 from skyrl.backends.skyrl_train.utils.ppo_utils import compute_advantages_and_returns
 from skyrl.train.config import AlgorithmConfig
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
-from skyrl.train.generators.base import GeneratorInput, TrajectoryID
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.metrics import MetricsLog, format_table, plot_rewards, summarize
-from skyrl_clora.orchestrator import _log_orphaned_task_error, _scalar
+from skyrl_clora.episodes import episode_batch, eval_record, log_orphaned_task_error, step_record
 from skyrl_clora.recipes.tasks import TaskSource, build_task_source
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
@@ -109,20 +108,9 @@ class SkyRLTenantLoop:
             await self.stack.unload(self.name)
 
     async def _generate(self, rows: list[dict[str, Any]], samples: int, tag: str) -> tuple[dict, list[str]]:
-        prompts, env_classes, extras, trajectory_ids, groups = [], [], [], [], []
-        for index, row in enumerate(rows):
-            instance = f"{self.name}-{tag}-p{index}"
-            for repetition in range(samples):
-                prompts.append(row["prompt"])
-                env_classes.append(row["env_class"])
-                extras.append({k: v for k, v in row.items() if k not in ("prompt", "env_class")})
-                trajectory_ids.append(TrajectoryID(instance_id=instance, repetition_id=repetition))
-                groups.append(instance)
+        batch, trajectory_ids, groups = episode_batch(self.name, rows, samples, tag)
         version = self.tenant.view.weight_version
-        output = await self.tenant.generator.generate(GeneratorInput(
-            prompts=prompts, env_classes=env_classes, env_extras=extras, sampling_params=None,
-            trajectory_ids=trajectory_ids, batch_metadata=None,
-        ), disable_tqdm=True)
+        output = await self.tenant.generator.generate(batch, disable_tqdm=True)
         for trajectory in trajectory_ids if self.stack.reports_versions else ():
             versions = self.tenant.view.versions_for(trajectory.to_string())
             if not versions or any(v != version for v in versions):
@@ -135,9 +123,7 @@ class SkyRLTenantLoop:
         if not rows:
             return
         output, _ = await self._generate(rows, samples=1, tag=f"eval{step}")
-        rewards = [_scalar(r) for r in output["rewards"]]
-        self.metrics.write({"event": "eval", "tenant": self.name, "step": step,
-                            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards), "episodes": len(rewards)})
+        self.metrics.write(eval_record(self.name, step, output))
 
     async def _rl_step(self, source: TaskSource, step: int) -> None:
         started = time.perf_counter()
@@ -145,7 +131,6 @@ class SkyRLTenantLoop:
             source.step_rows(step - 1, self.run.recipe.prompts_per_step), self.tenant.spec.samples_per_prompt, f"s{step}"
         )
         rollout_s = time.perf_counter() - started
-        rewards = [_scalar(r) for r in output["rewards"]]
         data = training_input(output, groups, self.stack.tokenizer.pad_token_id, self.algorithm)
         async with self.train_lock:
             started = time.perf_counter()
@@ -154,15 +139,8 @@ class SkyRLTenantLoop:
             started = time.perf_counter()
             await asyncio.to_thread(self._sync)
             sync_s = time.perf_counter() - started
-        self.metrics.write({
-            "event": "step", "tenant": self.name, "step": step, "adapter_version": self.tenant.view.weight_version,
-            "reward_mean": sum(rewards) / len(rewards),
-            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "episodes": len(rewards),
-            "generated_tokens": sum(sum(mask) for mask in output["loss_masks"]),
-            "rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s,
-            **{f"train/{k}": v for k, v in train_metrics.items()},
-        })
+        timings = {"rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s}
+        self.metrics.write(step_record(self.name, step, self.tenant.view.weight_version, output, timings, train_metrics))
 
     def _train(self, data: TrainingInputBatch) -> dict[str, float]:
         """``forward_backward`` + ``optim_step`` with the tenant's ``model_id``; the step's metrics."""
@@ -208,7 +186,7 @@ def training_input(output: dict[str, Any], groups: list[str], pad_token_id: int,
 
 
 async def _run_tenants(run: RunConfig, plan: SkyRLPlan, stack: SkyRLStack, metrics: MetricsLog) -> None:
-    asyncio.get_running_loop().set_exception_handler(_log_orphaned_task_error)
+    asyncio.get_running_loop().set_exception_handler(log_orphaned_task_error)
     lock = asyncio.Lock()
     loops = []
     for spec in plan.tenants:
