@@ -7,6 +7,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -111,3 +112,23 @@ def plot_rewards(records: list[dict[str, Any]], tenants: list[str], path: Path) 
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def write_run_summary(output_dir: Path, records: list[dict[str, Any]], specs: list[Any], fields: dict[str, Any],
+                      wall_s: float, base_model_s: float, label: str) -> dict[str, Any]:
+    """Writes ``summary.json`` (``fields`` + timing, experiments/hour, per-tenant rows and specs) and
+    ``reward_curves.png`` for a finished run of the tenants ``specs`` (dataclasses with a ``name``); prints
+    the per-tenant table and a last line starting with ``label``. Returns the summary."""
+    names = [spec.name for spec in specs]
+    rows = summarize(records, names)
+    summary = {
+        **fields, "tenants": len(names), "base_model_seconds": base_model_s, "wall_seconds": wall_s,
+        "experiments_per_hour": 3600.0 * sum(r["status"] == "ok" for r in rows) / wall_s,
+        "per_tenant": rows, "tenant_specs": [asdict(spec) for spec in specs],
+    }
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_rewards(records, names, output_dir / "reward_curves.png")
+    print(format_table(rows))
+    print(f"{label} tenants={len(names)} wall {wall_s:.1f}s (+ base model {base_model_s:.1f}s) "
+          f"-> {summary['experiments_per_hour']:.1f} experiments/hour; outputs in {output_dir}")
+    return summary

@@ -24,7 +24,7 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 from skyrl_clora.config import RunConfig
 from skyrl_clora.episodes import episode_batch, eval_record, log_orphaned_task_error, scalar_reward, step_record
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
-from skyrl_clora.metrics import MetricsLog, format_table, plot_rewards, summarize
+from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.recipes.tasks import TaskSource, build_task_source
 from skyrl_clora.services import Services, build_services, resolve_model_path
 from skyrl_clora.tenants import TenantSpec
@@ -182,18 +182,8 @@ def run_experiments(run: RunConfig) -> dict[str, Any]:
     finally:
         metrics.close()
     wall_s = time.perf_counter() - started
-    names = [spec.name for spec in specs]
-    rows = summarize(metrics.records, names)
-    summary = {
-        "mode": run.mode, "tenants": len(specs), "steps": run.steps, "model_path": model_path,
-        "base_model_seconds": base_model_s, "wall_seconds": wall_s, "cold_start_seconds": cold_starts,
+    fields = {
+        "mode": run.mode, "steps": run.steps, "model_path": model_path, "cold_start_seconds": cold_starts,
         "engine": {key: sum(stats[key] for stats in engine_stats) for key in engine_stats[0]} if engine_stats else {},
-        "experiments_per_hour": 3600.0 * sum(r["status"] == "ok" for r in rows) / wall_s,
-        "per_tenant": rows, "tenant_specs": [asdict(spec) for spec in specs],
     }
-    (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_rewards(metrics.records, names, run.output_dir / "reward_curves.png")
-    print(format_table(rows))
-    print(f"mode={run.mode} tenants={len(specs)} wall {wall_s:.1f}s (+ base model {base_model_s:.1f}s) "
-          f"-> {summary['experiments_per_hour']:.1f} experiments/hour; outputs in {run.output_dir}")
-    return summary
+    return write_run_summary(run.output_dir, metrics.records, specs, fields, wall_s, base_model_s, f"mode={run.mode}")

@@ -28,11 +28,10 @@ Outputs are the embedded backend's: metrics.jsonl, summary.json, reward_curves.p
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,7 @@ from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_te
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from skyrl_clora.config import ConfigError, RunConfig
-from skyrl_clora.metrics import MetricsLog, format_table, plot_rewards, summarize
+from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.episodes import episode_batch, eval_record, log_orphaned_task_error, step_record
 from skyrl_clora.recipes.tasks import TaskSource, build_task_source
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
@@ -224,19 +223,10 @@ def run_skyrl(run: RunConfig, plan: SkyRLPlan, model_path: str, base_model_s: fl
         metrics.close()
         stack.shutdown()
     wall_s = time.perf_counter() - started
-    names = [spec.name for spec in plan.tenants]
-    rows = summarize(metrics.records, names)
-    summary = {
-        "backend": "skyrl", "mode": run.mode, "tenants": len(names), "steps": run.steps, "model_path": model_path,
+    fields = {
+        "backend": "skyrl", "mode": run.mode, "steps": run.steps, "model_path": model_path,
         "inference_backend": plan.inference_backend, "strategy": plan.strategy, "substitutions": list(plan.substitutions),
-        "base_model_seconds": base_model_s, "wall_seconds": wall_s, "cold_start_seconds": [cold_start_s],
-        "engine": stack.engine_stats(),
-        "experiments_per_hour": 3600.0 * sum(r["status"] == "ok" for r in rows) / wall_s,
-        "per_tenant": rows, "tenant_specs": [asdict(spec) for spec in plan.tenants],
+        "cold_start_seconds": [cold_start_s], "engine": stack.engine_stats(),
     }
-    (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_rewards(metrics.records, names, run.output_dir / "reward_curves.png")
-    print(format_table(rows))
-    print(f"backend=skyrl tenants={len(names)} wall {wall_s:.1f}s (+ base model {base_model_s:.1f}s) "
-          f"-> {summary['experiments_per_hour']:.1f} experiments/hour; outputs in {run.output_dir}")
-    return summary
+    return write_run_summary(run.output_dir, metrics.records, list(plan.tenants), fields, wall_s, base_model_s,
+                             "backend=skyrl")
