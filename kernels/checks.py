@@ -149,3 +149,12 @@ def check_decode_attention(
     if not lengths.is_contiguous():
         raise ValueError("lengths must be contiguous")
     _check_same_device([q, k_cache, v_cache, lengths] + ([out] if out is not None else []))
+
+
+def check_rows_op(name: str, x: torch.Tensor, width: int, residual: torch.Tensor | None) -> None:
+    """``x`` (and ``residual``) must be contiguous ``[N, width]`` float tensors of one dtype."""
+    if x.dim() != 2 or x.shape[1] != width or not x.is_contiguous() or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be a contiguous float [N, {width}] tensor, got shape {tuple(x.shape)} {x.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
+        raise ValueError(f"residual must be contiguous, of {name}'s shape {tuple(x.shape)} and dtype {x.dtype}; got "
+                         f"{tuple(residual.shape)} {residual.dtype}")

@@ -1,7 +1,8 @@
-"""Picks the implementation of each op (multi-LoRA and decode attention): Triton for CUDA tensors, the torch
-reference elsewhere.
+"""Picks the implementation of each op (multi-LoRA, decode attention, fused layer ops): Triton for CUDA
+tensors, the torch reference elsewhere.
 
-Layers call only ``add_lora``, ``packed_lora`` and ``decode_attention``. ``backend="triton"`` forces the Triton kernels, which
+Layers call only ``add_lora`` and ``packed_lora``; the sampling engine's model runner calls
+``decode_attention``, ``rms_norm``, ``qk_norm_rope`` and ``silu_mul``. ``backend="triton"`` forces the Triton kernels, which
 on CPU tensors run only under the Triton interpreter (``TRITON_INTERPRET=1``, as the CPU tests do);
 ``backend="torch"`` forces the reference.
 """
@@ -17,7 +18,15 @@ import torch
 from skyrl_clora.kernels.attention import DecodeWorkspace, decode_attention_triton
 from skyrl_clora.kernels.meta import LoRAMeta
 from skyrl_clora.kernels.packed import packed_lora_triton
-from skyrl_clora.kernels.reference import add_lora_ref, decode_attention_ref, packed_lora_ref
+from skyrl_clora.kernels.layer_ops import qk_norm_rope_triton, rms_norm_triton, silu_mul_triton
+from skyrl_clora.kernels.reference import (
+    add_lora_ref,
+    decode_attention_ref,
+    packed_lora_ref,
+    qk_norm_rope_ref,
+    rms_norm_ref,
+    silu_mul_ref,
+)
 from skyrl_clora.kernels.sgmv import add_lora_triton
 
 Backend = Literal["triton", "torch"]
@@ -146,3 +155,45 @@ def decode_attention(
     if _use_triton(q, backend):
         return decode_attention_triton(q, k_cache, v_cache, lengths, out=out, workspace=workspace)
     return decode_attention_ref(q, k_cache, v_cache, lengths, out=out)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+             backend: Backend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm after an optional residual add: returns ``(y, h)`` with ``h = x`` or ``residual + x``, both
+    ``[N, H]`` like ``x``; ``weight: [H]``. Torch pseudo-code::
+
+        h = x if residual is None else residual + x
+        y = weight * (h / sqrt(mean(h ** 2, dim=-1, keepdim=True) + eps))      # statistics in fp32
+
+    Nothing is written in place. The Triton path (``kernels.layer_ops``) needs contiguous inputs of one
+    float dtype and rounds once to it; the torch path is Hugging Face's RMSNorm op for op.
+    """
+    if _use_triton(x, backend):
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, *,
+                 backend: Backend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head q/k RMSNorm (when ``q_weight``/``k_weight: [d]`` are given; ``None`` for models
+    without it) then the rotary embedding, for ``q: [N, Hq, d]``, ``k: [N, Hk, d]``, ``cos, sin: [N, d]``
+    (the model's rotary tables at each token's position). Returns new ``(q, k)``. Torch pseudo-code::
+
+        for x, w in ((q, q_weight), (k, k_weight)):
+            if w is not None:
+                x = w * x / sqrt(mean(x ** 2, dim=-1, keepdim=True) + eps)
+            x = x * cos[:, None] + cat(-x[..., d // 2:], x[..., :d // 2], -1) * sin[:, None]
+
+    The Triton path runs every head of q and k in one launch (power-of-two ``d``).
+    """
+    if _use_triton(q, backend):
+        return qk_norm_rope_triton(q, k, cos, sin, q_weight, k_weight, eps)
+    return qk_norm_rope_ref(q, k, cos, sin, q_weight, k_weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for two tensors of one shape and dtype (a new tensor)."""
+    if _use_triton(gate, backend):
+        return silu_mul_triton(gate, up)
+    return silu_mul_ref(gate, up)

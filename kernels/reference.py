@@ -135,3 +135,42 @@ def decode_attention_ref(
         return result.to(q.dtype)
     out.copy_(result)
     return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of ``x: [N, H]`` after an optional residual add; returns ``(y, h)``, Hugging Face's
+    ``LlamaRMSNorm`` / ``Qwen3RMSNorm`` op for op (so the CPU engine matches the trainer's forward)::
+
+        h = x if residual is None else residual + x                     # in x's dtype
+        y = weight * (h.float() * rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """
+    h = x if residual is None else residual + x
+    h32 = h.to(torch.float32)
+    normed = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), h
+
+
+def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm (if weights are given: Qwen3's ``q_norm``/``k_norm``) then the rotary embedding of
+    ``q: [N, Hq, d]`` and ``k: [N, Hk, d]`` with ``cos, sin: [N, d]``; returns new ``(q, k)``, Hugging Face's
+    ops in order::
+
+        x = weight * (x.float() * rsqrt(mean(x.float() ** 2, -1) + eps)).to(dtype)   # if weights
+        x = x * cos[:, None] + cat(-x[..., d/2:], x[..., :d/2]) * sin[:, None]
+    """
+    def one(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        if weight is not None:
+            x, _ = rms_norm_ref(x, weight, eps)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x * cos[:, None]) + (rotated * sin[:, None])
+
+    return one(q, q_weight), one(k, k_weight)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (the SwiGLU MLP's activation), in the inputs' dtype."""
+    return torch.nn.functional.silu(gate) * up

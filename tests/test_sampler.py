@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
 from skyrl.train.config import SamplingParams as SkyRLSamplingParams
 from skyrl.train.generators.base import GeneratorInput, TrajectoryID
@@ -189,3 +190,20 @@ def test_prefix_cache_reuses_blocks_bit_identically(micro_model_dir: Path) -> No
     finally:
         engine.shutdown()
         uncached.shutdown()
+
+
+def test_prefill_and_decode_logits_match_the_hf_forward(micro_model_dir: Path) -> None:
+    """The runner's own layer loop (fused-op references, slot KV cache) computes what the HF model computes."""
+    from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
+
+    model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
+    routing, _ = attach_multi_lora(model, num_slots=2, max_rank=8, trainable=False)
+    runner = ModelRunner(model, routing, num_rows=16, max_len=64, block_size=16)
+    tokens = torch.tensor(PROMPT + [3, 4, 5])
+    prefill_logits = runner.prefill([PrefillJob(row=2, tokens=tokens[:-1], lora_slot=-1)])[0]
+    runner.set_decode_inputs([0, 0, int(tokens[-1])] + [0] * 13, [0, 0, len(tokens) - 1] + [0] * 13, [-1] * 16)
+    decode_logits = runner.decode(16)[2]
+    with torch.no_grad():
+        want = model(input_ids=tokens[None]).logits[0].float()
+    assert torch.allclose(prefill_logits, want[-2], atol=1e-4), float((prefill_logits - want[-2]).abs().max())
+    assert torch.allclose(decode_logits, want[-1], atol=1e-4), float((decode_logits - want[-1]).abs().max())

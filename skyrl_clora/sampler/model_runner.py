@@ -1,8 +1,10 @@
 """Runs a Hugging Face decoder (Qwen3 / Qwen2 / Llama module layout) over a slot-based KV cache.
 
-The HF modules supply the weights and sub-layers (embeddings, norms, projections with multi-LoRA, MLP,
-rotary embedding); this runner replaces only the attention bookkeeping so that many sequences of
-different lengths decode together:
+The HF modules supply the weights (embeddings, norms, projections with multi-LoRA, MLP) and the rotary
+tables; this runner replaces the attention bookkeeping, so that many sequences of different lengths decode
+together, and runs the element-wise parts of each layer through the kernels' fused ops (RMSNorm with the
+residual add, q/k norm with the rotary embedding, SiLU-mul: one Triton launch each on the GPU; on the CPU
+their references, which are Hugging Face's own ops in order):
 
 - ``prefill(jobs)``: several prompts written into their cache rows in fixed-size, position-aligned blocks
   (so a block's K/V can be cached and reused by any prompt with the same prefix), one block of each
@@ -23,9 +25,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-from skyrl_clora.kernels import DecodeWorkspace, LoRAMeta, decode_attention
+from skyrl_clora.kernels import DecodeWorkspace, LoRAMeta, decode_attention, qk_norm_rope, rms_norm, silu_mul
 from skyrl_clora.lora.layers import LoRARouting
 
 DECODE_ROW_QUANTUM = 16  # decode batches are whole multiples of this many cache rows
@@ -61,6 +62,8 @@ class ModelRunner:
         self.routing = routing
         self.decoder = model.model
         config = model.config
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"the embedded engine runs SwiGLU MLPs (hidden_act=silu); this model has {config.hidden_act}")
         self.num_rows = num_rows
         self.max_len = max_len
         self.block_size = block_size
@@ -223,24 +226,34 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_slots: torch.Tensor, attend) -> torch.Tensor:
         """The decoder stack over ``input_ids: [B, T]``; ``attend(layer, q, k, v)`` does cache I/O and attention.
         Returns final hidden states ``[B, T, hidden]``."""
-        hidden = self.decoder.embed_tokens(input_ids)
-        cos, sin = self.decoder.rotary_emb(hidden, position_ids)
         batch, length = input_ids.shape
+        rows = batch * length
+        x = self.decoder.embed_tokens(input_ids)
+        cos, sin = self.decoder.rotary_emb(x, position_ids)  # [B, T, d] each
+        cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
+        x = x.view(rows, -1)
+        residual = None
         if self.lora_meta is not None:
             self.lora_meta.build(token_slots)
         with self.routing.route(token_slots, self.lora_meta):
             for layer_idx, layer in enumerate(self.decoder.layers):
-                residual = hidden
-                hidden = layer.input_layernorm(hidden)
+                norm = layer.input_layernorm
+                hidden, residual = rms_norm(x, norm.weight, norm.variance_epsilon, residual)
                 attn = layer.self_attn
-                q = attn.q_proj(hidden).view(batch, length, -1, self.head_dim)
-                k = attn.k_proj(hidden).view(batch, length, -1, self.head_dim)
+                q = attn.q_proj(hidden).view(rows, -1, self.head_dim)
+                k = attn.k_proj(hidden).view(rows, -1, self.head_dim)
                 v = attn.v_proj(hidden).view(batch, length, -1, self.head_dim).transpose(1, 2)
-                if hasattr(attn, "q_norm"):
-                    q, k = attn.q_norm(q), attn.k_norm(k)
-                q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+                q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+                q, k = qk_norm_rope(q, k, cos, sin, None if q_norm is None else q_norm.weight,
+                                    None if k_norm is None else k_norm.weight,
+                                    0.0 if q_norm is None else q_norm.variance_epsilon)
+                q = q.view(batch, length, -1, self.head_dim).transpose(1, 2)
+                k = k.view(batch, length, -1, self.head_dim).transpose(1, 2)
                 out = attend(layer_idx, q, k, v)  # [B, H, T, d]
-                hidden = residual + attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-                residual = hidden
-                hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.decoder.norm(hidden)
+                x = attn.o_proj(out.transpose(1, 2).reshape(rows, -1))
+                norm = layer.post_attention_layernorm
+                hidden, residual = rms_norm(x, norm.weight, norm.variance_epsilon, residual)
+                mlp = layer.mlp
+                x = mlp.down_proj(silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
+        hidden, _ = rms_norm(x, self.decoder.norm.weight, self.decoder.norm.variance_epsilon, residual)
+        return hidden.view(batch, length, -1)

@@ -1,0 +1,127 @@
+"""Fused per-layer element-wise ops of a Qwen3/Llama decoder: Triton kernels and host wrappers.
+
+A decode step of a small batch is bound by the number of kernels, not by their arithmetic: Hugging Face's
+modules run RMSNorm as ~8 kernels, the rotary embedding as ~10 and the MLP activation as 2. These fuse each
+into one launch:
+
+- ``rms_norm_triton``: optional residual add, then RMSNorm (one program per row);
+- ``qk_norm_rope_triton``: per-head RMSNorm of q and k (Qwen3's ``q_norm``/``k_norm``, optional) and the
+  rotary embedding, for all heads of q and k in one launch (one program per token and head);
+- ``silu_mul_triton``: ``silu(gate) * up``.
+
+They compute in fp32 and round once to the model dtype (Hugging Face rounds after each op, so results
+differ in the last bits). Semantics: ``reference.rms_norm_ref``, ``reference.qk_norm_rope_ref``,
+``reference.silu_mul_ref``; entry points: ``dispatch.rms_norm``, ``dispatch.qk_norm_rope``,
+``dispatch.silu_mul``. No allocation beyond the outputs and no host synchronisation (capturable in a CUDA
+graph).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from skyrl_clora.kernels.checks import check_rows_op
+
+_SILU_BLOCK = 1024
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * H + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * H + cols, (xf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, HQ, HK, eps,
+                         D: tl.constexpr, HAS_NORM: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cols = tl.arange(0, D)
+    rotated = (cols + D // 2) % D
+    sign = tl.where(cols < D // 2, -1.0, 1.0)
+    is_q = head < HQ
+    if is_q:
+        src = q_ptr + (token * HQ + head) * D
+        dst = q_out_ptr + (token * HQ + head) * D
+        w_ptr = qw_ptr
+    else:
+        src = k_ptr + (token * HK + head - HQ) * D
+        dst = k_out_ptr + (token * HK + head - HQ) * D
+        w_ptr = kw_ptr
+    v = tl.load(src + cols).to(tl.float32)
+    v_rot = tl.load(src + rotated).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
+        v = v * rstd * tl.load(w_ptr + cols).to(tl.float32)
+        v_rot = v_rot * rstd * tl.load(w_ptr + rotated).to(tl.float32)
+    cos = tl.load(cos_ptr + token * D + cols).to(tl.float32)
+    sin = tl.load(sin_ptr + token * D + cols).to(tl.float32)
+    tl.store(dst + cols, (v * cos + sign * v_rot * sin).to(q_out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, (g / (1.0 + tl.exp(-g)) * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton ``rms_norm`` (semantics: ``reference.rms_norm_ref``); ``x``, ``residual``: ``[N, H]`` contiguous."""
+    check_rows_op("x", x, weight.shape[0], residual)
+    y = torch.empty_like(x)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    block = triton.next_power_of_2(x.shape[1])
+    _rms_norm_kernel[(x.shape[0],)](
+        x, residual if residual is not None else x, weight, y, residual_out, x.shape[1], eps,
+        HAS_RES=residual is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+    )
+    return y, residual_out
+
+
+def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton ``qk_norm_rope`` (semantics: ``reference.qk_norm_rope_ref``); returns new ``(q, k)``."""
+    num, heads_q, dim = q.shape
+    if k.dim() != 3 or k.shape[0] != num or k.shape[2] != dim or cos.shape != (num, dim) or sin.shape != (num, dim):
+        raise ValueError(f"qk_norm_rope needs q [N, Hq, d], k [N, Hk, d], cos/sin [N, d]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if dim & (dim - 1) or dim % 2:
+        raise ValueError(f"qk_norm_rope's Triton path needs a power-of-two head dim, got {dim}; use backend='torch'")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("qk_norm_rope needs both q_weight and k_weight, or neither")
+    q, k, cos, sin = q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous()
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    has_norm = q_weight is not None
+    _qk_norm_rope_kernel[(num, heads_q + k.shape[1])](
+        q, k, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, q_out, k_out,
+        heads_q, k.shape[1], eps, D=dim, HAS_NORM=has_norm, num_warps=1 if dim <= 128 else 2,
+    )
+    return q_out, k_out
+
+
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Triton ``silu_mul`` (semantics: ``reference.silu_mul_ref``)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"silu_mul needs gate and up of one shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
+                         f"and {tuple(up.shape)} {up.dtype}")
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    _silu_mul_kernel[(triton.cdiv(gate.numel(), _SILU_BLOCK),)](gate, up, out, gate.numel(), BLOCK=_SILU_BLOCK)
+    return out

@@ -1,0 +1,88 @@
+"""Fused layer ops (rms_norm, qk_norm_rope, silu_mul): Triton kernels (interpreter on the CPU) against the
+references, and the references against Hugging Face's own Qwen3 modules."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+from skyrl_clora.kernels import qk_norm_rope, rms_norm, silu_mul
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="Triton needs TRITON_INTERPRET=1 on the CPU (scripts/test.sh sets it)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton computes in fp32 and rounds once; the reference rounds after each op as Hugging Face does (and the
+# CPU interpreter truncates when it rounds to bf16).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6))
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference_and_hf(dtype: torch.dtype, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 96, generator=gen).to(DEVICE, dtype)
+    residual = torch.randn(5, 96, generator=gen).to(DEVICE, dtype) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype)
+    want_y, want_h = rms_norm(x, weight, 1e-6, residual, backend="torch")
+    got_y, got_h = rms_norm(x, weight, 1e-6, residual, backend="triton")
+    _close(got_y, want_y, dtype)
+    _close(got_h, want_h, dtype)  # the CPU interpreter rounds to bf16 toward zero, CUDA to nearest
+    module = Qwen3RMSNorm(96, eps=1e-6).to(DEVICE, dtype)
+    module.weight.data.copy_(weight)
+    assert torch.equal(want_y, module(want_h)), "the reference must be Hugging Face's RMSNorm op for op"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_qk_norm_rope_matches_reference_and_hf(dtype: torch.dtype, with_norm: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads_q, heads_k, dim = 6, 4, 2, 32
+    q = torch.randn(tokens, heads_q, dim, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(tokens, heads_k, dim, generator=gen).to(DEVICE, dtype)
+    config = Qwen3Config(hidden_size=heads_q * dim, num_attention_heads=heads_q, num_key_value_heads=heads_k, head_dim=dim)
+    positions = torch.tensor([[0, 3, 7, 8, 40, 100]], device=DEVICE)
+    cos, sin = Qwen3RotaryEmbedding(config).to(DEVICE)(q.view(1, tokens, -1), positions)
+    cos, sin = cos[0].to(dtype), sin[0].to(dtype)
+    weights = [(1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype) for _ in range(2)] if with_norm else [None, None]
+    want_q, want_k = qk_norm_rope(q, k, cos, sin, *weights, 1e-6, backend="torch")
+    got_q, got_k = qk_norm_rope(q, k, cos, sin, *weights, 1e-6, backend="triton")
+    _close(got_q, want_q, dtype)
+    _close(got_k, want_k, dtype)
+    assert not torch.allclose(want_q.float(), q.float()), "the rotation must change q"
+    # Hugging Face's path: norm per head, transpose to [1, H, N, d], apply_rotary_pos_emb.
+    norm_q, norm_k = Qwen3RMSNorm(dim, eps=1e-6).to(DEVICE, dtype), Qwen3RMSNorm(dim, eps=1e-6).to(DEVICE, dtype)
+    if with_norm:
+        norm_q.weight.data.copy_(weights[0])
+        norm_k.weight.data.copy_(weights[1])
+    hf_q, hf_k = (norm_q(q), norm_k(k)) if with_norm else (q, k)
+    hf_q, hf_k = apply_rotary_pos_emb(hf_q.transpose(0, 1)[None], hf_k.transpose(0, 1)[None], cos[None], sin[None])
+    assert torch.equal(want_q, hf_q[0].transpose(0, 1)) and torch.equal(want_k, hf_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    gate = (3 * torch.randn(7, 300, generator=gen)).to(DEVICE, dtype)
+    up = torch.randn(7, 300, generator=gen).to(DEVICE, dtype)
+    _close(silu_mul(gate, up, backend="triton"), silu_mul(gate, up, backend="torch"), dtype)
+
+
+def test_bad_shapes_are_rejected() -> None:
+    x = torch.zeros(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous float"):
+        rms_norm(x, torch.ones(16, device=DEVICE), 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        qk_norm_rope(torch.zeros(2, 2, 24, device=DEVICE), torch.zeros(2, 1, 24, device=DEVICE),
+                     torch.zeros(2, 24, device=DEVICE), torch.zeros(2, 24, device=DEVICE), None, None, 1e-6,
+                     backend="triton")
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        silu_mul(x, torch.zeros(2, 9, device=DEVICE), backend="triton")
