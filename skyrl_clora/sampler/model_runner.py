@@ -124,30 +124,40 @@ class ModelRunner:
                 reals.append(chunk.shape[0])
                 chunks.append(torch.cat([chunk, chunk.new_zeros(block - chunk.shape[0])]))
                 positions.append(torch.arange(offsets[i], offsets[i] + block, device=self.device))
-            starts = [offsets[i] for i in active]
-            rows = [jobs[i].row for i in active]
+            starts = torch.tensor([offsets[i] for i in active], device=self.device)
+            rows = torch.tensor([jobs[i].row for i in active], device=self.device)
+            query_positions = starts[:, None] + self._key_positions[:block][None]  # [B, block]
+            # Keys every prompt of the pass attends over (masked past each query's position). On the CPU
+            # all max_len positions, so that a prompt's shapes, and so its bits, never depend on the other
+            # prompts of the pass; on the GPU only up to the furthest block of the pass.
+            width = max(offsets[i] for i in active) + block if self.device.type == "cuda" else self.max_len
+            visible = (self._key_positions[:width][None, None] <= query_positions[:, :, None])[:, None]  # [B, 1, block, W]
 
             def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 # q: [B, H, block, d]; k, v: [B, KV, block, d]; each prompt attends to its own cache row.
                 k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
-                outputs = []
-                for b, (row, lo) in enumerate(zip(rows, starts)):
-                    hi = lo + block
-                    k_cache[row, :, lo:hi] = k[b]
-                    v_cache[row, :, lo:hi] = v[b]
-                    visible = self._key_positions[:hi].view(1, -1) <= self._key_positions[lo:hi].view(-1, 1)
-                    outputs.append(torch.nn.functional.scaled_dot_product_attention(
-                        q[b : b + 1], k_cache[row : row + 1, :, :hi], v_cache[row : row + 1, :, :hi],
-                        attn_mask=visible, enable_gqa=self.num_kv_heads != self.num_heads,
-                    ))
-                return torch.cat(outputs)
+                k_cache[rows[:, None], :, query_positions] = k.transpose(1, 2)
+                v_cache[rows[:, None], :, query_positions] = v.transpose(1, 2)
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k_cache[rows, :, :width], v_cache[rows, :, :width], attn_mask=visible,
+                    enable_gqa=self.num_kv_heads != self.num_heads,
+                )
 
             token_slots = torch.tensor([jobs[i].lora_slot for i in active], device=self.device).repeat_interleave(block)
             hidden = self._forward(torch.stack(chunks), torch.stack(positions), token_slots, attend)
+            finished = []
             for b, i in enumerate(active):
                 offsets[i] += block
-                if offsets[i] >= jobs[i].tokens.shape[0]:  # one row at a time: the same bits in any batch
-                    logits[i] = self.model.lm_head(hidden[b, reals[b] - 1]).float()
+                if offsets[i] >= jobs[i].tokens.shape[0]:
+                    finished.append((b, i))
+            if finished:
+                # One LM-head product for the finished prompts, padded to whole row quanta (a row gets the
+                # same bits for any number of quanta).
+                last = hidden[[b for b, _ in finished], [reals[b] - 1 for b, _ in finished]]  # [F, hidden]
+                padded = -(-len(finished) // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
+                last = torch.cat([last, last.new_zeros(padded - len(finished), last.shape[1])])
+                for (_, i), row_logits in zip(finished, self.model.lm_head(last).float()):
+                    logits[i] = row_logits
 
     def read_blocks(self, row: int, first_block: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of row ``row``'s K/V for blocks ``first_block..first_block+num_blocks-1`` of every layer:
