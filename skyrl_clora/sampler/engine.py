@@ -13,11 +13,13 @@ One background thread owns the model. Each iteration of its loop:
 Other tenants' requests keep decoding while one tenant's adapter is published: a publish is a ``copy_``
 into that tenant's slot between two decode steps (dropping only that tenant's cached prefixes), never a
 pause or a global cache reset.
+On a GPU the engine thread issues its work on a CUDA stream of its own, so it overlaps with training.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import queue
 import threading
@@ -206,6 +208,19 @@ class Engine:
     # ---- engine thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        """The engine thread. On a GPU all its work runs on its own CUDA stream: the trainer's kernels (on the
+        default stream of another thread) then overlap with decode steps instead of queueing before them,
+        and a step's host synchronisation waits for the engine's own work only. The engine shares only
+        read-only base weights with the trainer; adapters arrive as host tensors."""
+        device = self.runner.device
+        stream = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the buffers built on the default stream are ready
+            stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self._serve()
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             idle = not self._waiting and not self._pending_publishes and not any(self._rows)
             self._drain_inbox(block=idle or self._paused.is_set())
