@@ -118,12 +118,11 @@ class ModelRunner:
             active = [i for i, job in enumerate(jobs) if offsets[i] < job.tokens.shape[0]]
             if not active:
                 return logits
-            chunks, positions, reals = [], [], []
+            chunks, reals = [], []
             for i in active:
                 chunk = jobs[i].tokens[offsets[i] : offsets[i] + block]
                 reals.append(chunk.shape[0])
                 chunks.append(torch.cat([chunk, chunk.new_zeros(block - chunk.shape[0])]))
-                positions.append(torch.arange(offsets[i], offsets[i] + block, device=self.device))
             starts = torch.tensor([offsets[i] for i in active], device=self.device)
             rows = torch.tensor([jobs[i].row for i in active], device=self.device)
             query_positions = starts[:, None] + self._key_positions[:block][None]  # [B, block]
@@ -144,7 +143,7 @@ class ModelRunner:
                 )
 
             token_slots = torch.tensor([jobs[i].lora_slot for i in active], device=self.device).repeat_interleave(block)
-            hidden = self._forward(torch.stack(chunks), torch.stack(positions), token_slots, attend)
+            hidden = self._forward(torch.stack(chunks), query_positions, token_slots, attend)
             finished = []
             for b, i in enumerate(active):
                 offsets[i] += block
