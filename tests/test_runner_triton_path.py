@@ -1,0 +1,50 @@
+"""The model runner's GPU path (every op through the Triton kernels: multi-LoRA, decode attention, fused layer
+ops, with the meta and workspace buffers the CUDA path preallocates), forced on the CPU through the Triton
+interpreter, computes what its torch path computes: the shapes, strides and buffers the runner hands the
+kernels are the ones they accept."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import skyrl_clora.kernels.dispatch as dispatch
+from skyrl_clora.kernels import DecodeWorkspace, LoRAMeta
+from skyrl_clora.lora.layers import attach_multi_lora, write_slot
+from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
+
+from helpers import random_adapter
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+
+
+def _logits(model: Qwen3ForCausalLM, routing, triton_path: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    runner = ModelRunner(model, routing, num_rows=16, max_len=64, block_size=16)
+    if triton_path:  # the buffers ModelRunner preallocates on CUDA
+        runner.lora_meta = LoRAMeta(32, 2, "cpu", max_rank=16, max_slices=1)
+        runner._attention_workspace = DecodeWorkspace(16, 4, 64, 16, "cpu")
+    tokens = torch.arange(3, 23)
+    # The same prompt in row 1 with the adapter and in row 3 without it, then one decode step of each.
+    prefill = runner.prefill([PrefillJob(row=1, tokens=tokens, lora_slot=0), PrefillJob(row=3, tokens=tokens, lora_slot=-1)])
+    runner.set_decode_inputs([0, 5, 0, 5] + [0] * 12, [0, 20, 0, 20] + [0] * 12, [-1, 0, -1, -1] + [-1] * 12)
+    return torch.stack(prefill), runner.decode(16)[[1, 3]]
+
+
+def test_triton_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = Qwen3ForCausalLM(config).eval()
+    routing, layers = attach_multi_lora(model, num_slots=2, max_rank=16, trainable=False)
+    write_slot(layers, 0, random_adapter(layers, 1, rank=8))
+    want_prefill, want_decode = _logits(model, routing, triton_path=False)
+    assert not torch.allclose(want_prefill[0], want_prefill[1], atol=1e-3), "the adapter must change the row's logits"
+    assert not torch.allclose(want_decode[0], want_decode[1], atol=1e-3), "the adapter must change the row's logits"
+    monkeypatch.setattr(dispatch, "_use_triton", lambda x, backend: True)
+    got_prefill, got_decode = _logits(model, routing, triton_path=True)
+    assert torch.allclose(got_prefill, want_prefill, atol=1e-5), float((got_prefill - want_prefill).abs().max())
+    assert torch.allclose(got_decode, want_decode, atol=1e-5), float((got_decode - want_decode).abs().max())
