@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from bench_engine import SHAPES, VOCAB
+from make_random_model import QWEN3_VOCAB, write_random_model
 
 from skyrl_clora.config import build_run_config
 from skyrl_clora.main import compose_config
@@ -86,22 +86,6 @@ class ModeResult:
     prefill_s: float = 0.0
     prefill_tokens: int = 0
     cached_prompt_tokens: int = 0
-
-
-def make_model(shape: str, tokenizer_dir: Path, out: Path, device: str) -> None:
-    """Writes the random-weight checkpoint (with the tokenizer of ``tokenizer_dir``) to ``out``."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    hidden, layers, heads, kv_heads, head_dim, intermediate = SHAPES[shape]
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
-                         max_position_embeddings=40960, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
 
 
 def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: int, device: str):
@@ -237,7 +221,7 @@ def main() -> None:
     workload = Workload(steps=args.steps, response=args.response)
     with tempfile.TemporaryDirectory() as folder:
         model_dir = Path(folder) / args.shape
-        make_model(args.shape, args.tokenizer, model_dir, args.device)
+        write_random_model(args.shape, args.tokenizer, model_dir, args.device, vocab_size=QWEN3_VOCAB)
         most = max(args.tenants)
         names, seeds = [f"tenant-{i}" for i in range(most)], list(range(1, most + 1))
         # Untimed: compiles the Triton kernels once per process (cached for every later cold start).

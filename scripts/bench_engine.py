@@ -21,27 +21,14 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from make_random_model import QWEN3_VOCAB, SHAPES, build_random_model, qwen3_config
+from transformers import Qwen3ForCausalLM
 
 from skyrl_clora.lora.layers import AdapterWeights, attach_multi_lora
 from skyrl_clora.sampler.engine import Engine, SamplingParams
 
-SHAPES = {  # hidden, layers, heads, kv heads, head dim, intermediate (published Qwen3 configs)
-    "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072),
-    "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144),
-    "qwen3-4b": (2560, 36, 32, 8, 128, 9728),
-}
-VOCAB = 151936
-
-
 def build_model(shape: str) -> Qwen3ForCausalLM:
-    hidden, layers, heads, kv_heads, head_dim, intermediate = SHAPES[shape]
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
-                         max_position_embeddings=40960, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        return Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    return build_random_model(qwen3_config(shape), "cuda").eval()
 
 
 def random_adapter(layers: dict, rank: int, seed: int) -> AdapterWeights:
@@ -71,7 +58,7 @@ def copy_bandwidth() -> float:
 
 def run_engine_case(engine: Engine, batch: int, prompt: int, new: int, adapters: list[str | None], seed: int) -> dict:
     generator = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, VOCAB, (prompt,), generator=generator).tolist() for _ in range(batch)]
+    prompts = [torch.randint(0, QWEN3_VOCAB, (prompt,), generator=generator).tolist() for _ in range(batch)]
     before = dict(vars(engine.stats))
     torch.cuda.synchronize()
     started = time.perf_counter()
@@ -104,7 +91,7 @@ def profile_case(engine: Engine, batch: int, prompt: int, new: int, table_path: 
 
 
 def run_hf_case(model, batch: int, prompt: int, new: int, adapter_names: list[str] | None) -> dict:
-    input_ids = torch.randint(0, VOCAB, (batch, prompt), device="cuda")
+    input_ids = torch.randint(0, QWEN3_VOCAB, (batch, prompt), device="cuda")
     kwargs = {"adapter_names": adapter_names} if adapter_names is not None else {}
     generate = dict(max_new_tokens=new, min_new_tokens=new, do_sample=True, top_k=0, pad_token_id=0)
     model.generate(input_ids=input_ids[:, :8], max_new_tokens=2, min_new_tokens=2, do_sample=True, top_k=0,

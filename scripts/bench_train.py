@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 from skyrl.train.config import AlgorithmConfig
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from make_random_model import build_random_model, qwen3_config
 
 import skyrl_clora.trainer.trainer as trainer_module
 from skyrl_clora.lora.layers import attach_multi_lora
@@ -36,8 +36,6 @@ from skyrl_clora.trainer.trainer import Trainer
 
 TENANTS = 8
 RANK = 16
-QWEN3_1_7B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, intermediate_size=6144, tie_word_embeddings=True)
 
 
 def make_batch(workload: str, generator: torch.Generator) -> TrainBatch:
@@ -116,10 +114,8 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=32)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
     started = time.perf_counter()
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_1_7B)).to(torch.bfloat16)
+    model = build_random_model(qwen3_config("qwen3-1.7b"), "cuda")
     model.train()
     routing, layers = attach_multi_lora(model, num_slots=TENANTS, max_rank=RANK, trainable=True)
     store = AdapterStore(layers, num_slots=TENANTS)
