@@ -18,43 +18,59 @@ from skyrl_clora.kernels.sgmv import check_meta, default_config, sgmv_expand, sg
 # Column tile and row tile of the weight-gradient kernel.
 _GRAD_BLOCK = 128
 _GRAD_ROWS = 64
+# Row splits of the weight-gradient kernel (``_row_splits``): at least this many batch rows per split, a target
+# of programs (about four waves on an H200's 132 multiprocessors), and a cap (each split adds an fp32
+# [S, DP, DQ] partial to the workspace).
+_SPLIT_ROWS = 512
+_SPLIT_TARGET_PROGRAMS = 528
+_MAX_SPLITS = 32
+_TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
 def _seg_outer_kernel(
     p_ptr,
     q_ptr,
-    g_ptr,
+    out_ptr,
     scale_ptr,
     sorted_ptr,
     start_ptr,
     count_ptr,
+    splits,
     DP,
     DQ,
     stride_pt,
     stride_qt,
-    stride_g_slot,
-    stride_g_p,
-    stride_g_q,
+    stride_o_split,
+    stride_o_slot,
+    stride_o_p,
+    stride_o_q,
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """``g[s, p, q] = scale[s] * sum over rows t of slot s of P[t, p] * Q[t, q]`` (one block per program)."""
-    slot = tl.program_id(0)
+    """``out[j, s, p, q] = scale[s] * sum over the rows t of chunk j of slot s of P[t, p] * Q[t, q]``, one
+    block per program, grid axis 0 being ``s * splits + j``; operands cast to ``DOT_DTYPE``, fp32 accumulate.
+    Slot ``s``'s ``n`` rows are cut into ``splits`` chunks of ``cdiv(cdiv(n, splits), BLOCK_M) * BLOCK_M`` rows
+    (the last shorter, any beyond ``n`` empty: their block is written as zeros)."""
+    slot = tl.program_id(0) // splits
+    split = tl.program_id(0) % splits
     offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_q = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     p_mask = offs_p < DP
     q_mask = offs_q < DQ
     seg_start = tl.load(start_ptr + slot)
     seg_len = tl.load(count_ptr + slot)
+    chunk = tl.cdiv(tl.cdiv(seg_len, splits), BLOCK_M) * BLOCK_M
+    m0 = split * chunk
+    m_end = tl.minimum(m0 + chunk, seg_len)
     acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
-    m0 = 0
-    while m0 < seg_len:  # a while loop: the CPU interpreter cannot run a for loop to a runtime bound
+    while m0 < m_end:  # a while loop: the CPU interpreter cannot run a for loop to a runtime bound
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < seg_len
+        m_mask = offs_m < m_end
         rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
         pt = tl.load(
             p_ptr + rows[None, :] * stride_pt + offs_p[:, None],
@@ -66,32 +82,48 @@ def _seg_outer_kernel(
             mask=m_mask[:, None] & q_mask[None, :],
             other=0.0,
         )
-        pt, qt = pt.to(g_ptr.dtype.element_ty), qt.to(g_ptr.dtype.element_ty)
+        pt, qt = pt.to(DOT_DTYPE), qt.to(DOT_DTYPE)
         if UPCAST:  # the CPU interpreter mis-multiplies bf16 operands
             pt, qt = pt.to(tl.float32), qt.to(tl.float32)
         acc += tl.dot(pt, qt, input_precision=DOT_PRECISION)
         m0 += BLOCK_M
     acc *= tl.load(scale_ptr + slot)
-    g_ptrs = g_ptr + slot * stride_g_slot + offs_p[:, None] * stride_g_p + offs_q[None, :] * stride_g_q
-    tl.store(g_ptrs, acc.to(g_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
+    out_ptr += split * stride_o_split + slot * stride_o_slot
+    out_ptrs = out_ptr + offs_p[:, None] * stride_o_p + offs_q[None, :] * stride_o_q
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
+
+
+def _row_splits(num_rows: int, tiles: int) -> int:
+    """Chunks each slot's rows are cut into by ``_seg_outer``: the fewest that give ``tiles`` (column tiles
+    per slot) times splits at least ``_SPLIT_TARGET_PROGRAMS`` programs, but no more than ``num_rows //
+    _SPLIT_ROWS`` (1 below ``2 * _SPLIT_ROWS`` rows) nor ``_MAX_SPLITS``. Based on the batch's row count,
+    not on the slots: one busy slot is the case to fill the GPU for, and the host does not know the segment
+    lengths."""
+    return max(1, min(triton.cdiv(_SPLIT_TARGET_PROGRAMS, tiles), num_rows // _SPLIT_ROWS, _MAX_SPLITS))
 
 
 def _seg_outer(g: torch.Tensor, p: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, meta: LoRAMeta) -> None:
     """Writes ``g[s] = scales[s] * p[rows_s].T @ q[rows_s]`` for every slot (zeros for an empty slot).
 
     ``p: [T, DP]``, ``q: [T, DQ]`` with unit feature stride (any float dtypes: cast to ``g``'s);
-    ``g: [S, DP, DQ]`` any strides, written in full.
+    ``g: [S, DP, DQ]`` any strides, written in full. With ``splits = _row_splits(T, tiles) > 1`` the kernel
+    writes per-chunk partials to a float32 workspace ``[splits, S, DP, DQ]`` and their sum is copied to ``g``.
     """
     S, DP, DQ = g.shape
     block_p = min(_GRAD_BLOCK, max(16, triton.next_power_of_2(DP)))
     block_q = min(_GRAD_BLOCK, max(16, triton.next_power_of_2(DQ)))
-    grid = (S, triton.cdiv(DP, block_p), triton.cdiv(DQ, block_q))
-    _seg_outer_kernel[grid](
-        p, q, g, scales, meta.sorted_rows, meta.seg_start, meta.seg_count, DP, DQ,
-        p.stride(0), q.stride(0), g.stride(0), g.stride(1), g.stride(2),
-        BLOCK_M=_GRAD_ROWS, BLOCK_P=block_p, BLOCK_Q=block_q, UPCAST=p.device.type != "cuda",
-        DOT_PRECISION="ieee" if g.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+    tiles_p, tiles_q = triton.cdiv(DP, block_p), triton.cdiv(DQ, block_q)
+    splits = _row_splits(p.shape[0], tiles_p * tiles_q)
+    out = g.unsqueeze(0) if splits == 1 else g.new_empty(splits, S, DP, DQ, dtype=torch.float32)
+    _seg_outer_kernel[(S * splits, tiles_p, tiles_q)](
+        p, q, out, scales, meta.sorted_rows, meta.seg_start, meta.seg_count, splits, DP, DQ,
+        p.stride(0), q.stride(0), out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+        BLOCK_M=_GRAD_ROWS, BLOCK_P=block_p, BLOCK_Q=block_q, DOT_DTYPE=_TL_DTYPE[g.dtype],
+        UPCAST=p.device.type != "cuda", DOT_PRECISION="ieee" if g.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
     )  # fmt: skip
+    if splits > 1:
+        g.copy_(out.sum(0))
 
 
 def _shrink(x: torch.Tensor, w: torch.Tensor, meta: LoRAMeta, rank: int) -> torch.Tensor:
@@ -107,7 +139,8 @@ def _shrink(x: torch.Tensor, w: torch.Tensor, meta: LoRAMeta, rank: int) -> torc
 
 class PackedLoRAFunction(torch.autograd.Function):
     """``y = packed_lora(x, A, B, scales, meta)`` with a backward that gives dx, dA and dB in four launches
-    (plus a sum of split-K partials after each shrink).
+    (plus a sum of split-K partials after each shrink and, for large batches, of row-split partials after each
+    weight gradient).
 
     Forward, for ``x: [T, H_in]``, ``A: [P, R, H_in]``, ``B: [P, H_out, R]``, ``s = slot(t)``::
 

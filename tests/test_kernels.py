@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import LoRAMeta, add_lora, packed_lora
+from skyrl_clora.kernels import packed
 from skyrl_clora.kernels.reference import add_lora_ref, packed_lora_ref
 from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton
 from skyrl_clora.kernels.testing import (
@@ -151,6 +152,33 @@ def test_packed_split_k_partials_are_summed() -> None:
     got = _packed_grads(packed_lora, x, a, b, scales, slots, dy, backend="triton")
     for name, g, w in zip(("y", "dx", "dA", "dB"), got, want):
         assert rel_error(g, w, torch.zeros_like(w)) < TOLERANCE[torch.float32], name
+
+
+def test_packed_row_split_rule() -> None:
+    assert packed._row_splits(1023, 16) == 1  # below two splits' worth of rows
+    assert packed._row_splits(14_000, 16) == 27  # one tenant's micro-batch, dA at H_in = 2048: rows bound it
+    assert packed._row_splits(14_000, 48) == 11  # 48 column tiles: the program target bounds it
+    assert packed._row_splits(1 << 20, 1) == packed._MAX_SPLITS
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_packed_grads_split_rows(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """Weight gradients with each slot's rows cut into chunks (per-chunk partials summed): uneven
+    segments, an empty slot and rows with no slot."""
+    monkeypatch.setattr(packed, "_SPLIT_ROWS", 16)
+    monkeypatch.setattr(packed, "_GRAD_ROWS", 16)
+    T = 200
+    x, a, b, scales, _, dy = _packed_case("uniform", 16, dtype, num_tokens=T, seed=3)
+    slots = torch.tensor([0] * 130 + [2] * 37 + [3] * 3 + [-1] * 30)
+    slots = slots[torch.randperm(T, generator=torch.Generator().manual_seed(4))]
+    assert packed._row_splits(T, 1) == 12  # slot 0: 9 chunks of 16 rows (the last of 2), 3 empty chunks
+    want = _packed_grads(packed_lora_ref, x.float(), a.float(), b.float(), scales, slots, dy.float())
+    got = _packed_grads(packed_lora, x, a, b, scales, slots, dy, backend="triton")
+    for name, g, w in zip(("dA", "dB"), got[2:], want[2:]):
+        err = rel_error(g, w, torch.zeros_like(w))
+        assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
+    assert got[2][1].abs().max() == 0 and got[3][1].abs().max() == 0  # slot 1 has no rows
 
 
 @interpreted
