@@ -192,13 +192,57 @@ def test_prefix_cache_reuses_blocks_bit_identically(micro_model_dir: Path) -> No
         uncached.shutdown()
 
 
+def test_requests_sharing_only_cached_blocks_are_admitted_together(micro_model_dir: Path) -> None:
+    """The samples of a GRPO group wait one round for their shared uncached prompt; the next turns of the
+    group's episodes (the prompt cached, the histories their own) are admitted in one round."""
+    prompt = [(7 * i) % 300 + 5 for i in range(40)]  # two whole blocks and a part
+    engine, _ = _engine(micro_model_dir, num_rows=8, adapters={"a": 1})
+    try:
+        engine.pause()  # the requests reach the engine together
+        group = [engine.submit(prompt, "a", _params(seed, max_tokens=4)) for seed in range(4)]
+        engine.resume()
+        outputs = [future.result(timeout=60).token_ids for future in group]
+        assert len({tuple(tokens) for tokens in outputs}) == 4, "the samples must differ"
+        assert engine.stats.prefill_rounds == 2, "one sample computes the prompt, the other three reuse it"
+        assert engine.stats.cached_prompt_tokens == 3 * 32
+        engine.pause()
+        turns = [engine.submit(prompt + tokens, "a", _params(10 + i, max_tokens=4)) for i, tokens in enumerate(outputs)]
+        engine.resume()
+        for future in turns:
+            future.result(timeout=60)
+        assert engine.stats.prefill_rounds == 3, "histories that share only cached blocks are not held back"
+        assert engine.stats.cached_prompt_tokens == 3 * 32 + 4 * 32
+    finally:
+        engine.shutdown()
+
+
+def test_a_failing_prefill_fails_only_its_own_requests(micro_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, _ = _engine(micro_model_dir, num_rows=4, adapters={"a": 1, "b": 2})
+    try:
+        running = engine.submit(PROMPT, "a", _params(1, max_tokens=40))
+        while engine.stats.decode_steps == 0:
+            time.sleep(0.001)
+
+        def broken_prefill(jobs):
+            raise RuntimeError("prefill broke")
+
+        monkeypatch.setattr(engine.runner, "prefill", broken_prefill)
+        with pytest.raises(RuntimeError, match="prefill broke"):
+            engine.submit(PROMPT, "b", _params(2)).result(timeout=60)
+        assert len(running.result(timeout=60).token_ids) == 40
+        monkeypatch.undo()
+        assert len(engine.submit(PROMPT, "b", _params(2)).result(timeout=60).token_ids) == 12, "its row was freed"
+    finally:
+        engine.shutdown()
+
+
 def test_prefill_and_decode_logits_match_the_hf_forward(micro_model_dir: Path) -> None:
     """The runner's own layer loop (fused-op references, slot KV cache) computes what the HF model computes."""
     from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
 
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
     routing, _ = attach_multi_lora(model, num_slots=2, max_rank=8, trainable=False)
-    runner = ModelRunner(model, routing, num_rows=16, max_len=64, block_size=16)
+    runner = ModelRunner(model, routing, num_rows=16, max_len=64, block_size=16, prefill_tokens=64)
     tokens = torch.tensor(PROMPT + [3, 4, 5])
     prefill_logits = runner.prefill([PrefillJob(row=2, tokens=tokens[:-1], lora_slot=-1)])[0]
     runner.set_decode_inputs([0, 0, int(tokens[-1])] + [0] * 13, [0, 0, len(tokens) - 1] + [0] * 13, [-1] * 16)

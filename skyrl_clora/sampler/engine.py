@@ -86,11 +86,13 @@ class _Unregister:
 
 @dataclass
 class EngineStats:
-    """Counters since start: decode steps, tokens generated, prompt tokens computed by prefill and
-    prompt tokens served from the prefix cache, seconds spent in prefill (with its sampling), in decode
-    steps (with their sampling) and busy in all, and the seconds the CUDA-graph capture took."""
+    """Counters since start: decode steps, admission rounds that prefilled (one batched prefill call
+    each), tokens generated, prompt tokens computed by prefill and prompt tokens served from the prefix
+    cache, seconds spent in prefill (with its sampling), in decode steps (with their sampling) and busy
+    in all, and the seconds the CUDA-graph capture took."""
 
     decode_steps: int = 0
+    prefill_rounds: int = 0
     generated_tokens: int = 0
     prefill_tokens: int = 0
     cached_prompt_tokens: int = 0
@@ -119,7 +121,7 @@ class Engine:
         max_len = -(-max_len // block_size) * block_size  # whole prefill blocks
         num_rows = -(-num_rows // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
         self.runner = ModelRunner(model, routing, num_rows=num_rows, max_len=max_len, block_size=block_size,
-                                  max_prefill_tokens=max_prefills_per_step * block_size)
+                                  prefill_tokens=max_prefills_per_step * block_size)
         self.prefix_cache = PrefixCache(block_size, prefix_cache_bytes)
         self.lora_layers = lora_layers
         self.num_lora_slots = next(iter(lora_layers.values())).lora_a.shape[0]
@@ -278,32 +280,44 @@ class Engine:
             req.future.set_exception(ValueError(f"adapter {name!r} was unregistered"))
 
     def _admit(self) -> None:
-        """Admits waiting requests (FIFO) into free rows and prefills them in one batched pass.
+        """Admits waiting requests (FIFO) into free rows and prefills them in one batched call.
 
-        A request whose first prompt block is also the first block of another request admitted in this
-        round waits one round, so that it finds the shared prefix (a GRPO group's prompt, a tenant's
-        system prompt) in the prefix cache instead of computing it again."""
+        A request whose first uncached prompt block is also the first uncached block of another request
+        admitted in this round waits one round, so that it finds that prefix (a GRPO group's prompt, a
+        tenant's system prompt) in the prefix cache instead of computing it again; requests that share
+        only cached blocks (the turns of a GRPO group's episodes) are admitted together."""
         fenced = {publish.adapter for publish in self._pending_publishes}
         free_rows = [row for row, req in enumerate(self._rows) if req is None]
-        block = self.runner.block_size
         admitted: list[_Request] = []
-        first_blocks: set[tuple] = set()
+        first_missing: set[tuple] = set()
         remaining = []
         for req in self._waiting:
             if req.future.cancelled():
                 continue
-            shared_key = (req.adapter, tuple(req.prompt_ids[:block])) if len(req.prompt_ids) > block else None
-            if (req.adapter in fenced or not free_rows or len(admitted) >= self.max_prefills_per_step
-                    or shared_key in first_blocks):
+            if req.adapter in fenced or not free_rows or len(admitted) >= self.max_prefills_per_step:
+                remaining.append(req)
+                continue
+            version = -1 if req.adapter is None else self._versions[req.adapter]
+            missing = self.prefix_cache.first_missing(req.adapter, version, req.prompt_ids)
+            shared_key = None if missing is None else (req.adapter, missing)
+            if shared_key in first_missing:
                 remaining.append(req)
                 continue
             if shared_key is not None:
-                first_blocks.add(shared_key)
+                first_missing.add(shared_key)
             req.row = free_rows.pop(0)
             admitted.append(req)
         self._waiting = remaining
-        if admitted:
+        if not admitted:
+            return
+        try:
             self._prefill(admitted)
+        except Exception as error:  # a failed prefill fails its own requests, not the running ones
+            for req in admitted:
+                if self._rows[req.row] is req:
+                    self._retire_row(req.row)
+                if not req.future.done():
+                    req.future.set_exception(error)
 
     def _prefill(self, requests: list[_Request]) -> None:
         started = time.perf_counter()
@@ -317,6 +331,7 @@ class Engine:
             tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.runner.device)
             jobs.append(PrefillJob(req.row, tokens, req.lora_slot, start=len(cached) * self.runner.block_size))
         logits = torch.stack(self.runner.prefill(jobs))
+        self.stats.prefill_rounds += 1
         for req, job in zip(requests, jobs):
             self.prefix_cache.insert(req.adapter, req.version, req.prompt_ids, job.start // self.runner.block_size,
                                      lambda index, row=req.row: self.runner.read_blocks(row, index, 1))
@@ -364,16 +379,18 @@ class Engine:
             self._positions[req.row] = length - 1
 
     def _retire(self, req: _Request, reason: str) -> None:
-        self._rows[req.row] = None
-        self._row_lora[req.row] = -1
-        self._positions[req.row] = 0
+        self._retire_row(req.row)
         if not req.future.cancelled():
             req.future.set_result(Completion(req.output, req.logprobs, reason, req.version))
 
+    def _retire_row(self, row: int) -> None:
+        self._rows[row] = None
+        self._row_lora[row] = -1
+        self._positions[row] = 0
+
     def _fail_running(self, error: Exception) -> None:
         for req in [r for r in self._rows if r is not None]:
-            self._rows[req.row] = None
-            self._row_lora[req.row] = -1
+            self._retire_row(req.row)
             if not req.future.done():
                 req.future.set_exception(error)
 

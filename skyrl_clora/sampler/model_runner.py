@@ -6,9 +6,10 @@ together, and runs the element-wise parts of each layer through the kernels' fus
 residual add, q/k norm with the rotary embedding, SiLU-mul: one Triton launch each on the GPU; on the CPU
 their references, which are Hugging Face's own ops in order):
 
-- ``prefill(jobs)``: several prompts written into their cache rows in fixed-size, position-aligned blocks
-  (so a block's K/V can be cached and reused by any prompt with the same prefix), one block of each
-  prompt per forward pass; returns each prompt's last-token logits ``[V]``.
+- ``prefill(jobs)``: several prompts written into their cache rows in chunks of fixed-size, position-aligned
+  blocks (so a block's K/V can be cached and reused by any prompt with the same prefix), one chunk of each
+  prompt per forward pass of at most ``prefill_tokens`` positions; returns each prompt's last-token
+  logits ``[V]``.
 - ``decode(span)``: one token for each of the cache rows ``0..span-1`` from the runner's decode input
   buffers (``set_decode_inputs``); each row attends to its own cache row up to its position. On CUDA the
   step is replayed from a CUDA graph captured per span bucket (``capture_decode_graphs``): the inputs,
@@ -52,8 +53,8 @@ class PrefillJob:
 class ModelRunner:
     """Forward passes of a causal LM over a slot-based KV cache (see module docstring)."""
 
-    def __init__(self, model: nn.Module, routing: LoRARouting, num_rows: int, max_len: int, block_size: int = 16,
-                 max_prefill_tokens: int = 0) -> None:
+    def __init__(self, model: nn.Module, routing: LoRARouting, num_rows: int, max_len: int, block_size: int,
+                 prefill_tokens: int) -> None:
         if max_len % block_size:
             raise ValueError(f"max_len {max_len} must be a multiple of the prefill block size {block_size}")
         if num_rows % DECODE_ROW_QUANTUM:
@@ -67,6 +68,9 @@ class ModelRunner:
         self.num_rows = num_rows
         self.max_len = max_len
         self.block_size = block_size
+        if prefill_tokens < block_size or prefill_tokens % block_size:
+            raise ValueError(f"prefill_tokens {prefill_tokens} must be a positive multiple of the block size {block_size}")
+        self.prefill_tokens = prefill_tokens  # positions one prefill pass computes at most
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -87,7 +91,7 @@ class ModelRunner:
         lora_layer = next((m for m in model.modules() if hasattr(m, "lora_a")), None)
         if self.device.type == "cuda" and lora_layer is not None:
             num_slots, max_rank = lora_layer.lora_a.shape[0], lora_layer.lora_a.shape[1]
-            tokens = max(num_rows, max_prefill_tokens)
+            tokens = max(num_rows, self.prefill_tokens)
             self.lora_meta = LoRAMeta(tokens, num_slots, self.device, max_rank=max_rank, max_slices=1)
         self._attention_workspace: DecodeWorkspace | None = None
         if self.device.type == "cuda":
@@ -102,11 +106,15 @@ class ModelRunner:
         Job ``i`` fills cache row ``rows[i]`` at positions ``start..T-1`` from ``tokens: [T]`` (positions
         ``< start`` must already hold the prompt's K/V, e.g. copied from the prefix cache).
 
-        Prompts are computed in fixed blocks of ``block_size`` positions aligned at multiples of
-        ``block_size`` (the last block padded; real tokens never attend to padding), one block of every
-        unfinished job per forward pass, so the K/V of a block depend only on the tokens up to its end,
-        not on the prompt's length, where the prefill started or which prompts shared the pass: a cached
-        block is bit-identical to a recomputed one. ``start`` must be a multiple of ``block_size``.
+        Prompts are computed in chunks of whole ``block_size`` blocks aligned at multiples of ``block_size``
+        (a prompt's last chunk padded; real tokens never attend to padding). A forward pass takes one chunk
+        of every unfinished job (at most ``prefill_tokens // block_size`` jobs), all chunks of the pass
+        ``C = min(longest remainder, prefill_tokens // jobs)`` tokens long, rounded to whole blocks, so a
+        pass computes at most ``prefill_tokens`` positions (and none past ``max_len``) and a long prompt
+        needs few passes. A token's K/V depend only on the tokens up to it: on the CPU (one thread) bit
+        for bit whatever the pass looks like, so a cached block equals a recomputed one; on the GPU up to
+        the last bits of kernels that pick their reduction order by shape. ``start`` must be a multiple
+        of ``block_size``.
         """
         block = self.block_size
         for job in jobs:
@@ -114,26 +122,30 @@ class ModelRunner:
                 raise ValueError(f"prefill start {job.start} must be a multiple of {block} below the prompt length")
         logits: list[torch.Tensor | None] = [None] * len(jobs)
         offsets = [job.start for job in jobs]
+        max_jobs = self.prefill_tokens // block
         while True:
-            active = [i for i, job in enumerate(jobs) if offsets[i] < job.tokens.shape[0]]
+            active = [i for i, job in enumerate(jobs) if offsets[i] < job.tokens.shape[0]][:max_jobs]
             if not active:
                 return logits
+            longest = max(jobs[i].tokens.shape[0] - offsets[i] for i in active)
+            room = self.max_len - max(offsets[i] for i in active)  # padding stays inside the cache rows
+            chunk_len = min(-(-longest // block) * block, self.prefill_tokens // (len(active) * block) * block, room)
             chunks, reals = [], []
             for i in active:
-                chunk = jobs[i].tokens[offsets[i] : offsets[i] + block]
+                chunk = jobs[i].tokens[offsets[i] : offsets[i] + chunk_len]
                 reals.append(chunk.shape[0])
-                chunks.append(torch.cat([chunk, chunk.new_zeros(block - chunk.shape[0])]))
+                chunks.append(torch.cat([chunk, chunk.new_zeros(chunk_len - chunk.shape[0])]))
             starts = torch.tensor([offsets[i] for i in active], device=self.device)
             rows = torch.tensor([jobs[i].row for i in active], device=self.device)
-            query_positions = starts[:, None] + self._key_positions[:block][None]  # [B, block]
+            query_positions = starts[:, None] + self._key_positions[:chunk_len][None]  # [B, C]
             # Keys every prompt of the pass attends over (masked past each query's position). On the CPU
             # all max_len positions, so that a prompt's shapes, and so its bits, never depend on the other
-            # prompts of the pass; on the GPU only up to the furthest block of the pass.
-            width = max(offsets[i] for i in active) + block if self.device.type == "cuda" else self.max_len
-            visible = (self._key_positions[:width][None, None] <= query_positions[:, :, None])[:, None]  # [B, 1, block, W]
+            # prompts of the pass; on the GPU only up to the furthest chunk of the pass.
+            width = max(offsets[i] for i in active) + chunk_len if self.device.type == "cuda" else self.max_len
+            visible = (self._key_positions[:width][None, None] <= query_positions[:, :, None])[:, None]  # [B, 1, C, W]
 
             def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                # q: [B, H, block, d]; k, v: [B, KV, block, d]; each prompt attends to its own cache row.
+                # q: [B, H, C, d]; k, v: [B, KV, C, d]; each prompt attends to its own cache row.
                 k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
                 k_cache[rows[:, None], :, query_positions] = k.transpose(1, 2)
                 v_cache[rows[:, None], :, query_positions] = v.transpose(1, 2)
@@ -142,11 +154,11 @@ class ModelRunner:
                     enable_gqa=self.num_kv_heads != self.num_heads,
                 )
 
-            token_slots = torch.tensor([jobs[i].lora_slot for i in active], device=self.device).repeat_interleave(block)
+            token_slots = torch.tensor([jobs[i].lora_slot for i in active], device=self.device).repeat_interleave(chunk_len)
             hidden = self._forward(torch.stack(chunks), query_positions, token_slots, attend)
             finished = []
             for b, i in enumerate(active):
-                offsets[i] += block
+                offsets[i] += chunk_len
                 if offsets[i] >= jobs[i].tokens.shape[0]:
                     finished.append((b, i))
             if finished:

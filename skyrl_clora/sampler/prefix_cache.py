@@ -15,17 +15,19 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 BlockKV = tuple[torch.Tensor, torch.Tensor]  # (k, v) of one block in every layer, each [layers, KV, block_size, d]
 
 
 def block_hashes(tokens: list[int], block_size: int, num_blocks: int) -> list[bytes]:
-    """Cumulative digests: entry ``i`` identifies ``tokens[: (i + 1) * block_size]``."""
+    """Cumulative digests: entry ``i`` identifies ``tokens[: (i + 1) * block_size]`` (tokens as int32 LE)."""
+    data = np.asarray(tokens[: num_blocks * block_size], dtype="<i4").tobytes()
+    step = 4 * block_size
     digests, running = [], hashlib.sha256()
     for index in range(num_blocks):
-        chunk = tokens[index * block_size : (index + 1) * block_size]
-        running.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in chunk))
+        running.update(data[index * step : (index + 1) * step])
         digests.append(running.copy().digest())
     return digests
 
@@ -54,6 +56,18 @@ class PrefixCache:
             found.append(blocks)
         self.hits += len(found)
         return found
+
+    def first_missing(self, adapter: str | None, version: int, tokens: list[int]) -> bytes | None:
+        """The digest of the first block :meth:`lookup` would not find (the first block a prefill of
+        ``tokens`` must compute and could share with another prompt), or None when every block
+        ``lookup`` may return is cached or the cache is off. No side effects."""
+        if self.budget_bytes <= 0:
+            return None
+        usable = (len(tokens) - 1) // self.block_size
+        for digest in block_hashes(tokens, self.block_size, usable):
+            if (adapter, version, digest) not in self._blocks:
+                return digest
+        return None
 
     def insert(self, adapter: str | None, version: int, tokens: list[int], first_block: int,
                read_block: Callable[[int], BlockKV]) -> None:
