@@ -207,6 +207,28 @@ def summarize(result: ModeResult) -> dict:
     }
 
 
+def profile_experiment(model_dir: Path, workload: Workload, device: str, out: Path) -> None:
+    """One experiment of ``workload`` (after the warm-up) under ``torch.profiler``: writes the top GPU kernels
+    and the top CPU ops (self time, every thread) to ``out`` with suffixes ``.kernels.txt`` / ``.cpu.txt``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run_and_release(model_dir, workload, "swap", ["profiled"], [1], device)
+    averages = prof.key_averages()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if device == "cuda":
+        out.with_suffix(".kernels.txt").write_text(averages.table(sort_by="self_cuda_time_total", row_limit=50))
+    out.with_suffix(".cpu.txt").write_text(averages.table(sort_by="self_cpu_time_total", row_limit=50))
+
+
+def write_partial(path: Path, serial: list[ModeResult], concurrent: dict[tuple[str, int], ModeResult]) -> None:
+    """Writes every group measured so far to ``path`` (replaced by the final table's JSON at the end)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    groups = [asdict(r) for r in serial] + [asdict(r) for r in concurrent.values()]
+    path.write_text(json.dumps({"partial": True, "groups": groups}, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-1.7b")
@@ -216,6 +238,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--response", type=int, default=100)
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run of the script")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the table: profile one 1-step experiment after the warm-up and write its "
+                             "GPU-kernel and CPU-op tables beside --out")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     workload = Workload(steps=args.steps, response=args.response)
@@ -226,9 +251,19 @@ def main() -> None:
         names, seeds = [f"tenant-{i}" for i in range(most)], list(range(1, most + 1))
         # Untimed: compiles the Triton kernels once per process (cached for every later cold start).
         run_and_release(model_dir, replace(workload, steps=1), "swap", ["warm-up"], [0], args.device)
-        serial = [run_and_release(model_dir, workload, "swap", [name], [seed], args.device) for name, seed in zip(names, seeds)]
-        concurrent = {(mode, n): run_and_release(model_dir, workload, mode, names[:n], seeds[:n], args.device)
-                      for n in args.tenants for mode in args.modes}
+        if args.profile:
+            profile_experiment(model_dir, replace(workload, steps=1), args.device, args.out)
+            return
+        serial: list[ModeResult] = []
+        for name, seed in zip(names, seeds):
+            serial.append(run_and_release(model_dir, workload, "swap", [name], [seed], args.device))
+            write_partial(args.out, serial, {})
+        # Largest N first: the headline ratio survives a run cut short by a time limit.
+        concurrent: dict[tuple[str, int], ModeResult] = {}
+        for n in sorted(args.tenants, reverse=True):
+            for mode in args.modes:
+                concurrent[(mode, n)] = run_and_release(model_dir, workload, mode, names[:n], seeds[:n], args.device)
+                write_partial(args.out, serial, concurrent)
     rows = []
     for n in args.tenants:
         serial_wall = sum(r.wall_s for r in serial[:n])
