@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
 from skyrl_clora.sampler.prefix_cache import PrefixCache
 from skyrl_clora.sampler.sampling import RowSampling, request_uniform, sample_rows
+
+GIL_SWITCH_SECONDS = 0.0005  # the GIL switch interval while the engine runs on a GPU (Python's default: 5 ms)
 
 
 @dataclass(frozen=True)
@@ -216,10 +219,16 @@ class Engine:
         before them, the GPU schedules a decode step's blocks ahead of waiting training blocks (a tenant's
         rollout is slowed as little as possible by another tenant's training), and a step's host
         synchronisation waits for the engine's own work only. The engine shares only read-only base
-        weights with the trainer; adapters arrive as host tensors."""
+        weights with the trainer; adapters arrive as host tensors.
+
+        The thread also lowers the interpreter's GIL switch interval (process-wide) to
+        :data:`GIL_SWITCH_SECONDS` on a GPU: it takes the GIL back after every host synchronisation, and with
+        Python's default of 5 ms a decode step of about that length could wait as long again behind the
+        trainer's (Python-heavy, eager) thread."""
         device = self.runner.device
         stream = None
         if device.type == "cuda":
+            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_SECONDS))
             torch.cuda.synchronize(device)  # the buffers built on the default stream are ready
             stream = torch.cuda.Stream(device, priority=-1)  # lower is higher: above the default streams (0)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
