@@ -2,7 +2,8 @@
 tensors, the torch reference elsewhere.
 
 Layers call only ``add_lora`` and ``packed_lora``; the sampling engine's model runner calls
-``decode_attention``, ``rms_norm``, ``qk_norm_rope`` and ``silu_mul``. ``backend="triton"`` forces the Triton kernels, which
+``decode_attention``, ``rms_norm``, ``qk_norm_rope`` and ``silu_mul``; the trainer's model calls
+``rms_norm_with_grad`` and ``silu_mul_with_grad``. ``backend="triton"`` forces the Triton kernels, which
 on CPU tensors run only under the Triton interpreter (``TRITON_INTERPRET=1``, as the CPU tests do);
 ``backend="torch"`` forces the reference.
 """
@@ -28,6 +29,7 @@ from skyrl_clora.kernels.reference import (
     silu_mul_ref,
 )
 from skyrl_clora.kernels.sgmv import add_lora_triton
+from skyrl_clora.kernels.train_ops import RMSNormFrozenWeight, SiluMul
 
 Backend = Literal["triton", "torch"]
 
@@ -196,4 +198,32 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend | None = 
     """``silu(gate) * up`` for two tensors of one shape and dtype (a new tensor)."""
     if _use_triton(gate, backend):
         return silu_mul_triton(gate, up)
+    return silu_mul_ref(gate, up)
+
+
+def rms_norm_with_grad(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                       backend: Backend | None = None) -> torch.Tensor:
+    """Differentiable RMSNorm of ``x: [..., H]`` over its last dim with a frozen ``weight: [H]`` (gradients
+    reach ``x`` only; a ``weight`` that requires grad is refused). Torch pseudo-code::
+
+        y = weight * (x / sqrt(mean(x ** 2, dim=-1, keepdim=True) + eps))      # statistics in fp32
+
+    The Triton path (``kernels.train_ops``) is one launch forward and one backward; the torch path is Hugging
+    Face's RMSNorm op for op, differentiated by autograd.
+    """
+    if weight.requires_grad:
+        raise ValueError("rms_norm_with_grad needs a frozen weight (requires_grad=False)")
+    if _use_triton(x, backend):
+        return RMSNormFrozenWeight.apply(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)[0]
+
+
+def silu_mul_with_grad(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
+    """Differentiable ``silu(gate) * up`` for two tensors of one shape and dtype. The Triton path
+    (``kernels.train_ops``) is one launch forward and one backward and saves only ``gate`` and ``up``."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"silu_mul needs gate and up of one shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
+                         f"and {tuple(up.shape)} {up.dtype}")
+    if _use_triton(gate, backend):
+        return SiluMul.apply(gate, up)
     return silu_mul_ref(gate, up)

@@ -23,6 +23,7 @@ from skyrl_clora.kernels import LoRAMeta
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear
 from skyrl_clora.trainer.adapter_store import AdapterStore, TenantState
 from skyrl_clora.trainer.batch import MicroBatch, PassRows, TrainBatch, build_pass_rows, plan_micro_batches
+from skyrl_clora.trainer.fused_modules import fuse_elementwise_modules
 from skyrl_clora.trainer.logprobs import token_logprobs
 from skyrl_clora.trainer.optim import OptimizerConfig, adamw_slot
 
@@ -32,7 +33,8 @@ class Trainer:
 
     ``store.slots`` bounds the tenants of one packed pass; in swap mode a second slot, when there is one,
     receives the next tenant's state (``train_step(..., prefetch=name)``) while the current one trains.
-    ``max_logits`` bounds the fp32 logits alive at once (see :func:`token_logprobs`).
+    ``max_logits`` bounds the fp32 logits alive at once (see :func:`token_logprobs`). The model's RMSNorm and
+    SwiGLU MLP modules are replaced in place by fused ones (:func:`fuse_elementwise_modules`).
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class Trainer:
         micro_batch_size: int,
         max_logits: int = 1 << 27,
     ) -> None:
+        fuse_elementwise_modules(model)
         self.model = model
         self.routing = routing
         self.layers = layers

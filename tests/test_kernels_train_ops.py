@@ -1,0 +1,106 @@
+"""Differentiable fused ops of the trainer (rms_norm_with_grad, silu_mul_with_grad): Triton forward and backward
+(interpreter on the CPU) against the references differentiated by autograd, and the fused modules against
+Hugging Face's own Qwen3 forward and backward."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from skyrl_clora.kernels import dispatch, rms_norm_with_grad, silu_mul_with_grad
+from skyrl_clora.lora.layers import LoRARouting, attach_multi_lora, write_slot
+from skyrl_clora.trainer.fused_modules import FusedRMSNorm, FusedSwiGLUMLP, fuse_elementwise_modules
+
+from helpers import random_adapter
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="Triton needs TRITON_INTERPRET=1 on the CPU (scripts/test.sh sets it)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton computes in fp32 and rounds once; the reference rounds after each op as Hugging Face does.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6))
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
+def _forward_backward(op, inputs: list[torch.Tensor], dy: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    y = op(*leaves)
+    y.backward(dy)
+    return y.detach(), [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7, 96), (2, 3, 4, 48)])  # rows of a hidden state; per-head q/k norm rows
+def test_rms_norm_with_grad_matches_the_reference(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(shape, generator=gen)).to(DEVICE, dtype)
+    weight = (1 + 0.3 * torch.randn(shape[-1], generator=gen)).to(DEVICE, dtype)
+    dy = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    want_y, (want_dx,) = _forward_backward(lambda t: rms_norm_with_grad(t, weight, 1e-6, backend="torch"), [x], dy)
+    got_y, (got_dx,) = _forward_backward(lambda t: rms_norm_with_grad(t, weight, 1e-6, backend="triton"), [x], dy)
+    assert got_y.shape == want_y.shape and got_dx.shape == x.shape
+    _close(got_y, want_y, dtype)
+    _close(got_dx, want_dx, dtype)
+
+
+def test_rms_norm_with_grad_refuses_a_trainable_weight() -> None:
+    weight = torch.ones(8, requires_grad=True)
+    with pytest.raises(ValueError, match="frozen weight"):
+        rms_norm_with_grad(torch.randn(2, 8), weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_with_grad_matches_the_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    gate, up, dy = (3 * torch.randn(5, 300, generator=gen)).to(DEVICE, dtype), torch.randn(5, 300, generator=gen).to(
+        DEVICE, dtype), torch.randn(5, 300, generator=gen).to(DEVICE, dtype)  # 1500: not a multiple of the block
+    want_y, want_grads = _forward_backward(lambda g, u: silu_mul_with_grad(g, u, backend="torch"), [gate, up], dy)
+    got_y, got_grads = _forward_backward(lambda g, u: silu_mul_with_grad(g, u, backend="triton"), [gate, up], dy)
+    _close(got_y, want_y, dtype)
+    for got, want in zip(got_grads, want_grads):
+        _close(got, want, dtype)
+
+
+def _model_with_adapter() -> tuple[Qwen3ForCausalLM, LoRARouting]:
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = Qwen3ForCausalLM(config).to(DEVICE)
+    routing, layers = attach_multi_lora(model, num_slots=1, max_rank=8, trainable=True)
+    write_slot(layers, 0, random_adapter(layers, 3, rank=8))
+    return model, routing
+
+
+def _loss_and_lora_grads(model: Qwen3ForCausalLM, routing: LoRARouting,
+                         input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    with routing.route(torch.zeros(input_ids.numel(), dtype=torch.long, device=DEVICE)):  # every row: slot 0
+        logits = model(input_ids=input_ids, use_cache=False).logits
+    loss = logits.float().logsumexp(-1).mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def test_fused_modules_reproduce_the_hf_forward_and_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    input_ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    plain, plain_routing = _model_with_adapter()
+    want_loss, want_grads = _loss_and_lora_grads(plain, plain_routing, input_ids)
+    assert want_grads and all(float(g.abs().max()) > 0 for g in want_grads), "every adapter tensor gets a gradient"
+    fused, routing = _model_with_adapter()
+    assert fuse_elementwise_modules(fused) == 2 * 4 + 1 + 2  # per layer 4 norms and 1 MLP, plus the final norm
+    assert isinstance(fused.model.norm, FusedRMSNorm) and isinstance(fused.model.layers[1].mlp, FusedSwiGLUMLP)
+    assert {n for n, _ in fused.named_parameters()} == {n for n, _ in plain.named_parameters()}, "paths kept"
+    got_loss, got_grads = _loss_and_lora_grads(fused, routing, input_ids)
+    if DEVICE == "cpu":  # the torch path is Hugging Face's ops in order: bit-identical
+        assert torch.equal(got_loss, want_loss) and all(torch.equal(g, w) for g, w in zip(got_grads, want_grads))
+        monkeypatch.setattr(dispatch, "_use_triton", lambda x, backend: True)  # now the Triton kernels
+        fused.zero_grad()
+        got_loss, got_grads = _loss_and_lora_grads(fused, routing, input_ids)
+    assert torch.allclose(got_loss, want_loss, atol=1e-5)
+    for got, want in zip(got_grads, want_grads):
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), float((got - want).abs().max())
