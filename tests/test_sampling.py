@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_clora.sampler.sampling import RowSampling, request_uniform, sample_rows
+from skyrl_clora.sampler.sampling import CDF_BLOCK, RowSampling, _inverse_cdf, request_uniform, sample_rows
 
 
 def test_request_uniform_is_a_deterministic_stream_in_the_open_interval() -> None:
@@ -57,3 +57,24 @@ def test_greedy_top_p_and_logprobs() -> None:
 def test_mismatched_settings_are_rejected() -> None:
     with pytest.raises(ValueError, match="2 rows of logits but 1"):
         sample_rows(torch.zeros(2, 4), [RowSampling(1.0, 1.0, 0.5)])
+
+
+def test_two_level_inverse_cdf_picks_the_exact_token() -> None:
+    """Against a float64 scan of the whole row: the same token wherever rounding cannot decide (the target
+    farther than 1e-5 of the row's mass from a cumulative sum), and never a token of probability 0."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = 3 * CDF_BLOCK + 77  # a partial last block
+    probs = torch.softmax(torch.randn(400, vocab, generator=generator) * 4, dim=-1)
+    probs[torch.rand(400, vocab, generator=generator) < 0.3] = 0.0  # zeros, as top-p leaves them
+    probs[:50, CDF_BLOCK:] = 0.0  # rows whose mass sits in the first block only
+    uniform = torch.rand(400, generator=generator)
+    uniform[:5] = 1.0  # rounding puts the target at the row's total
+    got = _inverse_cdf(probs, uniform)
+    cdf = probs.double().cumsum(-1)
+    target = uniform.double() * cdf[:, -1]
+    want = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    clear = ((cdf - target[:, None]).abs() > 1e-5 * cdf[:, -1:]).all(-1)
+    assert int(clear.sum()) > 300 and torch.equal(got[clear], want[clear])
+    assert bool((probs.gather(1, got[:, None]) > 0).all()), "a token of probability 0 was drawn"
+    last_positive = torch.where(probs > 0, torch.arange(vocab), 0).amax(-1)
+    assert torch.equal(got[:5], last_positive[:5])

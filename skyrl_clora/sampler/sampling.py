@@ -6,9 +6,12 @@ caller reads the tokens back). Randomness comes from one uniform number per row,
 share its batch, on the device, or on how many steps ran before it (reproducible under any mix of tenants).
 
 Sampling is inverse-CDF: with ``p = softmax(logits / temperature)`` and ``u`` the row's uniform number, the
-token is the first index whose cumulative probability exceeds ``u * sum(p)``. Top-p keeps the smallest set of
-most likely tokens whose mass reaches ``top_p`` and renormalises. ``temperature == 0`` is greedy (argmax).
-The returned log-probability is under the untempered distribution (what the trainer recomputes).
+token is the first index whose cumulative probability exceeds ``u * sum(p)`` (never a token of probability 0).
+The cumulative sums run in two levels, over blocks of :data:`CDF_BLOCK` tokens and then inside the chosen
+block: a scan over the whole vocabulary was the slowest kernel of a GPU decode step. Top-p keeps the
+smallest set of most likely tokens whose mass reaches ``top_p`` and renormalises. ``temperature == 0`` is
+greedy (argmax). The returned log-probability is under the untempered distribution (what the trainer
+recomputes).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 _MASK64 = (1 << 64) - 1
+CDF_BLOCK = 1024  # tokens per block of the two-level inverse CDF
 
 
 def _splitmix64(value: int) -> int:
@@ -55,7 +59,7 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int
     greedy = (temperature == 0.0).to(device, non_blocking=True)
     temperature = temperature.clamp(min=1e-6).to(device, non_blocking=True)
     uniform = torch.tensor([r.uniform for r in rows], dtype=torch.float32).to(device, non_blocking=True)
-    logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+    log_normaliser = torch.logsumexp(logits, dim=-1)  # [N]
 
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     nucleus = [i for i, r in enumerate(rows) if r.top_p < 1.0 and r.temperature > 0.0]
@@ -65,16 +69,29 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int
         top_p = torch.tensor([rows[i].top_p for i in nucleus], dtype=torch.float32, device=device)
         sampled[index] = _inverse_cdf_top_p(probs[index], uniform[index], top_p)
     tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    chosen = logits.gather(1, tokens[:, None])[:, 0] - log_normaliser
     pair = torch.stack([tokens.double(), chosen.double()]).cpu()  # the step's one host synchronisation
     return [int(t) for t in pair[0].tolist()], pair[1].tolist()
 
 
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """``[N, V]`` probabilities, ``[N]`` uniforms -> ``[N]`` token ids (int64)."""
-    cdf = torch.cumsum(probs, dim=-1)
-    target = (uniform * cdf[:, -1]).unsqueeze(1)
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=probs.shape[1] - 1)
+    """``[N, V]`` probabilities (each row with positive mass), ``[N]`` uniforms -> ``[N]`` token ids (int64):
+    the first index whose cumulative probability exceeds ``u * sum(p)``, found block by block; where
+    rounding puts the target past a row's mass, the last token of positive probability."""
+    num, vocab = probs.shape
+    blocks = torch.nn.functional.pad(probs, (0, -vocab % CDF_BLOCK)).view(num, -1, CDF_BLOCK)  # [N, nb, B]
+    block_mass = blocks.sum(-1)  # [N, nb]
+    block_cdf = block_mass.cumsum(-1)
+    target = uniform * block_cdf[:, -1]  # [N]
+    block_ids = torch.arange(block_mass.shape[1], device=probs.device)
+    last_block = torch.where(block_mass > 0, block_ids, 0).amax(-1, keepdim=True)  # [N, 1]
+    block = torch.searchsorted(block_cdf, target[:, None], right=True).clamp(max=last_block)  # [N, 1]
+    inside = blocks.gather(1, block[:, :, None].expand(-1, -1, CDF_BLOCK))[:, 0]  # [N, B]
+    before = (block_cdf.gather(1, block) - block_mass.gather(1, block))[:, 0]  # mass ahead of the block
+    offset = torch.searchsorted(inside.cumsum(-1), (target - before)[:, None], right=True)  # [N, 1]
+    token_ids = torch.arange(CDF_BLOCK, device=probs.device)
+    last_token = torch.where(inside > 0, token_ids, 0).amax(-1, keepdim=True)
+    return (block * CDF_BLOCK + offset.clamp(max=last_token))[:, 0]
 
 
 def _inverse_cdf_top_p(probs: torch.Tensor, uniform: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
