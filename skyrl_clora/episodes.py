@@ -13,10 +13,13 @@ logger = logging.getLogger("skyrl_clora")
 
 
 def episode_batch(tenant: str, rows: list[dict[str, Any]], samples: int, tag: str,
-                  env_args: dict[str, Any] | None = None) -> tuple[GeneratorInput, list[TrajectoryID], list[str]]:
+                  env_args: dict[str, Any] | None = None,
+                  sampling_params: dict[str, Any] | None = None) -> tuple[GeneratorInput, list[TrajectoryID], list[str]]:
     """``samples`` episodes of each dataset row (``prompt``, ``env_class`` and the environment's extras), as
     SkyRL's ``GeneratorInput``; returns it with the trajectory ids and the GRPO group id of each episode
-    (``<tenant>-<tag>-p<row>``). ``env_args`` are added to every episode's extras."""
+    (``<tenant>-<tag>-p<row>``). ``env_args`` are added to every episode's extras. ``sampling_params`` (the
+    inference backend's format) go with every request; None leaves them to the inference client's defaults
+    (the embedded client applies the run's)."""
     prompts, env_classes, extras, trajectory_ids, groups = [], [], [], [], []
     for index, row in enumerate(rows):
         instance = f"{tenant}-{tag}-p{index}"
@@ -26,7 +29,7 @@ def episode_batch(tenant: str, rows: list[dict[str, Any]], samples: int, tag: st
             extras.append({**{k: v for k, v in row.items() if k not in ("prompt", "env_class")}, **(env_args or {})})
             trajectory_ids.append(TrajectoryID(instance_id=instance, repetition_id=repetition))
             groups.append(instance)
-    batch = GeneratorInput(prompts=prompts, env_classes=env_classes, env_extras=extras, sampling_params=None,
+    batch = GeneratorInput(prompts=prompts, env_classes=env_classes, env_extras=extras, sampling_params=sampling_params,
                            trajectory_ids=trajectory_ids, batch_metadata=None)
     return batch, trajectory_ids, groups
 

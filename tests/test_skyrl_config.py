@@ -65,6 +65,7 @@ def test_serial_mode_needs_one_lora_slot_per_batch(tmp_path: Path) -> None:
         (["+tenants=2", "backend.strategy=fsdp"], "FSDP workers hold one LoRA adapter"),
         (["backend.strategy=deepspeed"], "backend.strategy=deepspeed is unknown"),
         (["backend=embedded"], "use backend=skyrl"),
+        (["recipe=taubench", "recipe.user=llm"], "use recipe.user=scripted with backend=skyrl"),
         (["recipe.prompts_per_step=3", "backend.policy_num_gpus_per_node=8", "recipe.samples_per_prompt=1"],
          "SkyRL rejects the translated config (shared)"),
     ],

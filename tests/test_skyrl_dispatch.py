@@ -157,6 +157,8 @@ def test_backend_skyrl_runs_through_main(micro_model_dir: Path, tmp_path: Path) 
     # The worker's step metrics came back through Ray (the micro model's rewards may all be 0: no gradient).
     assert all(r["episodes"] == 4 and r["train/lr"] == 2e-3 and r["train/response_tokens"] > 0
                for r in records if r["event"] == "step")
+    # SkyRL's sampling params reach the server: no turn runs past recipe.max_generate_length (8, 2 turns).
+    assert all(0 < r["rollout/generate/max_assistant_tokens"] <= 2 * 8 for r in records if r["event"] == "step")
     assert sorted((r["tenant"], r["step"]) for r in records if r["event"] == "eval") == [
         ("tenant-0", 0), ("tenant-0", 2), ("tenant-2", 0), ("tenant-2", 2)]
     summary = json.loads((out / "summary.json").read_text())

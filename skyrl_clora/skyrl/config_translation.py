@@ -234,6 +234,9 @@ def translate(cfg: DictConfig, model_path: str | None = None) -> SkyRLPlan:
         raise ConfigError("lora.rank=0 turns LoRA off; backend=skyrl runs each tenant as a LoRA adapter: set lora.rank >= 1")
     trainer = config_section(TrainerConfig, cfg.trainer, "trainer")
     recipe = config_section(RecipeConfig, cfg.recipe, "recipe")
+    if recipe.name == "taubench" and recipe.user == "llm":
+        raise ConfigError("recipe.user=llm (the base model as the customer) runs on backend=embedded only; "
+                          "use recipe.user=scripted with backend=skyrl")
     sampler = config_section(SamplerConfig, cfg.sampler, "sampler")
     tenants = tenant_specs(cfg, lora, trainer)
     path = cfg.model.path if cfg.model.path is not None else model_path

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampling_params_for_backend
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 from skyrl.backends.skyrl_train.utils.ppo_utils import compute_advantages_and_returns
@@ -107,7 +108,12 @@ class SkyRLTenantLoop:
             await self.stack.unload(self.name)
 
     async def _generate(self, rows: list[dict[str, Any]], samples: int, tag: str) -> tuple[dict, list[str]]:
-        batch, trajectory_ids, groups = episode_batch(self.name, rows, samples, tag)
+        """Runs ``samples`` episodes per row through SkyRL's generator with the run's sampling params (as
+        SkyRL's trainer sends them: a vLLM server would otherwise apply vLLM's own defaults, e.g. 16 tokens);
+        returns its output and group ids."""
+        generator_cfg = self.tenant.dispatch.cfg.generator
+        sampling = get_sampling_params_for_backend(generator_cfg.inference_engine.backend, generator_cfg.sampling_params)
+        batch, trajectory_ids, groups = episode_batch(self.name, rows, samples, tag, sampling_params=sampling)
         version = self.tenant.view.weight_version
         output = await self.tenant.generator.generate(batch, disable_tqdm=True)
         for trajectory in trajectory_ids if self.stack.reports_versions else ():
