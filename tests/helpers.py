@@ -16,3 +16,14 @@ def random_adapter(layers: dict[str, MultiLoRALinear], seed: int, rank: int = 8,
     for path in adapter.b:
         adapter.b[path] = torch.randn(adapter.b[path].shape, generator=generator) * b_std
     return adapter
+
+
+# Fused element-wise ops: Triton computes in fp32 and rounds once; the references round after each op as
+# Hugging Face does (and the CPU interpreter truncates when it rounds to bf16).
+FUSED_OP_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def assert_fused_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """``got`` matches ``want`` within :data:`FUSED_OP_TOLERANCE` of ``dtype``, relative to ``want``'s largest entry."""
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6))
+    assert err < FUSED_OP_TOLERANCE[dtype], f"relative error {err:.2e}"

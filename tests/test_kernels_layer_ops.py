@@ -12,17 +12,11 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 
 from skyrl_clora.kernels import qk_norm_rope, rms_norm, silu_mul
 
+from helpers import assert_fused_close
+
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="Triton needs TRITON_INTERPRET=1 on the CPU (scripts/test.sh sets it)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Triton computes in fp32 and rounds once; the reference rounds after each op as Hugging Face does (and the
-# CPU interpreter truncates when it rounds to bf16).
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6))
-    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -34,8 +28,8 @@ def test_rms_norm_matches_reference_and_hf(dtype: torch.dtype, with_residual: bo
     weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype)
     want_y, want_h = rms_norm(x, weight, 1e-6, residual, backend="torch")
     got_y, got_h = rms_norm(x, weight, 1e-6, residual, backend="triton")
-    _close(got_y, want_y, dtype)
-    _close(got_h, want_h, dtype)  # the CPU interpreter rounds to bf16 toward zero, CUDA to nearest
+    assert_fused_close(got_y, want_y, dtype)
+    assert_fused_close(got_h, want_h, dtype)  # the CPU interpreter rounds to bf16 toward zero, CUDA to nearest
     module = Qwen3RMSNorm(96, eps=1e-6).to(DEVICE, dtype)
     module.weight.data.copy_(weight)
     assert torch.equal(want_y, module(want_h)), "the reference must be Hugging Face's RMSNorm op for op"
@@ -55,8 +49,8 @@ def test_qk_norm_rope_matches_reference_and_hf(dtype: torch.dtype, with_norm: bo
     weights = [(1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype) for _ in range(2)] if with_norm else [None, None]
     want_q, want_k = qk_norm_rope(q, k, cos, sin, *weights, 1e-6, backend="torch")
     got_q, got_k = qk_norm_rope(q, k, cos, sin, *weights, 1e-6, backend="triton")
-    _close(got_q, want_q, dtype)
-    _close(got_k, want_k, dtype)
+    assert_fused_close(got_q, want_q, dtype)
+    assert_fused_close(got_k, want_k, dtype)
     assert not torch.allclose(want_q.float(), q.float()), "the rotation must change q"
     # Hugging Face's path: norm per head, transpose to [1, H, N, d], apply_rotary_pos_emb.
     norm_q, norm_k = Qwen3RMSNorm(dim, eps=1e-6).to(DEVICE, dtype), Qwen3RMSNorm(dim, eps=1e-6).to(DEVICE, dtype)
@@ -73,7 +67,7 @@ def test_silu_mul_matches_reference(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(2)
     gate = (3 * torch.randn(7, 300, generator=gen)).to(DEVICE, dtype)
     up = torch.randn(7, 300, generator=gen).to(DEVICE, dtype)
-    _close(silu_mul(gate, up, backend="triton"), silu_mul(gate, up, backend="torch"), dtype)
+    assert_fused_close(silu_mul(gate, up, backend="triton"), silu_mul(gate, up, backend="torch"), dtype)
 
 
 def test_bad_shapes_are_rejected() -> None:

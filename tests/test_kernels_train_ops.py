@@ -14,18 +14,11 @@ from skyrl_clora.kernels import dispatch, rms_norm_with_grad, silu_mul_with_grad
 from skyrl_clora.lora.layers import LoRARouting, attach_multi_lora, write_slot
 from skyrl_clora.trainer.fused_modules import FusedRMSNorm, FusedSwiGLUMLP, fuse_elementwise_modules
 
-from helpers import random_adapter
+from helpers import assert_fused_close, random_adapter
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="Triton needs TRITON_INTERPRET=1 on the CPU (scripts/test.sh sets it)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Triton computes in fp32 and rounds once; the reference rounds after each op as Hugging Face does.
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6))
-    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
 def _forward_backward(op, inputs: list[torch.Tensor], dy: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -45,8 +38,8 @@ def test_rms_norm_with_grad_matches_the_reference(dtype: torch.dtype, shape: tup
     want_y, (want_dx,) = _forward_backward(lambda t: rms_norm_with_grad(t, weight, 1e-6, backend="torch"), [x], dy)
     got_y, (got_dx,) = _forward_backward(lambda t: rms_norm_with_grad(t, weight, 1e-6, backend="triton"), [x], dy)
     assert got_y.shape == want_y.shape and got_dx.shape == x.shape
-    _close(got_y, want_y, dtype)
-    _close(got_dx, want_dx, dtype)
+    assert_fused_close(got_y, want_y, dtype)
+    assert_fused_close(got_dx, want_dx, dtype)
 
 
 def test_rms_norm_with_grad_refuses_a_trainable_weight() -> None:
@@ -62,9 +55,9 @@ def test_silu_mul_with_grad_matches_the_reference(dtype: torch.dtype) -> None:
         DEVICE, dtype), torch.randn(5, 300, generator=gen).to(DEVICE, dtype)  # 1500: not a multiple of the block
     want_y, want_grads = _forward_backward(lambda g, u: silu_mul_with_grad(g, u, backend="torch"), [gate, up], dy)
     got_y, got_grads = _forward_backward(lambda g, u: silu_mul_with_grad(g, u, backend="triton"), [gate, up], dy)
-    _close(got_y, want_y, dtype)
+    assert_fused_close(got_y, want_y, dtype)
     for got, want in zip(got_grads, want_grads):
-        _close(got, want, dtype)
+        assert_fused_close(got, want, dtype)
 
 
 def _model_with_adapter() -> tuple[Qwen3ForCausalLM, LoRARouting]:
