@@ -216,6 +216,23 @@ def test_requests_sharing_only_cached_blocks_are_admitted_together(micro_model_d
         engine.shutdown()
 
 
+def test_a_request_that_reaches_the_engine_after_its_adapter_left_fails_alone(micro_model_dir: Path) -> None:
+    engine, _ = _engine(micro_model_dir, num_rows=4, adapters={"a": 1, "b": 2})
+    try:
+        running = engine.submit(PROMPT, "b", _params(1, max_tokens=40))
+        engine.unregister_adapter("a").result(timeout=60)
+        engine.pause()  # the request sits in the inbox, accepted by submit, as if it raced the unregister
+        engine._slots["a"] = 0
+        late = engine.submit(PROMPT, "a", _params(2))
+        del engine._slots["a"]
+        engine.resume()
+        with pytest.raises(ValueError, match="was unregistered"):
+            late.result(timeout=60)
+        assert len(running.result(timeout=60).token_ids) == 40
+    finally:
+        engine.shutdown()
+
+
 def test_a_failing_prefill_fails_only_its_own_requests(micro_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     engine, _ = _engine(micro_model_dir, num_rows=4, adapters={"a": 1, "b": 2})
     try:

@@ -306,6 +306,9 @@ class Engine:
         for req in self._waiting:
             if req.future.cancelled():
                 continue
+            if req.adapter is not None and req.adapter not in self._slots:  # unregistered after it was submitted
+                req.future.set_exception(ValueError(f"adapter {req.adapter!r} was unregistered"))
+                continue
             if req.adapter in fenced or not free_rows or len(admitted) >= self.max_prefills_per_step:
                 remaining.append(req)
                 continue
