@@ -86,6 +86,7 @@ class ModeResult:
     prefill_s: float = 0.0
     prefill_tokens: int = 0
     cached_prompt_tokens: int = 0
+    prefill_rounds: int = 0
 
 
 def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: int, device: str):
@@ -177,6 +178,7 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     result.prefill_s = services.engine.stats.prefill_seconds
     result.prefill_tokens = services.engine.stats.prefill_tokens
     result.cached_prompt_tokens = services.engine.stats.cached_prompt_tokens
+    result.prefill_rounds = services.engine.stats.prefill_rounds
     result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     return result
 
@@ -188,8 +190,8 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
     row = summarize(result)
     print(f"{train_mode} x{len(names)}: wall {result.wall_s:.1f} s, cold start {result.cold_start_s[0]:.1f} s, per step "
           f"{row['step_s']:.2f} s (rollout {row['rollout_s']:.2f}, train {row['train_s']:.2f}, sync {row['sync_s']:.2f}), "
-          f"engine decode {result.decode_s:.1f} s / prefill {result.prefill_s:.1f} s ({result.prefill_tokens} prompt "
-          f"tokens computed, {result.cached_prompt_tokens} from the prefix cache)", flush=True)
+          f"engine decode {result.decode_s:.1f} s / prefill {result.prefill_s:.1f} s ({result.prefill_rounds} rounds, "
+          f"{result.prefill_tokens} prompt tokens computed, {result.cached_prompt_tokens} from the prefix cache)", flush=True)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
