@@ -33,8 +33,9 @@ class Trainer:
 
     ``store.slots`` bounds the tenants of one packed pass; in swap mode a second slot, when there is one,
     receives the next tenant's state (``train_step(..., prefetch=name)``) while the current one trains.
-    ``max_logits`` bounds the fp32 logits alive at once (see :func:`token_logprobs`). The model's RMSNorm and
-    SwiGLU MLP modules are replaced in place by fused ones (:func:`fuse_elementwise_modules`).
+    ``max_logits`` bounds the fp32 logits alive at once (see :func:`token_logprobs`). With ``fused_elementwise``
+    the model's RMSNorm and SwiGLU MLP modules are replaced in place by fused ones
+    (:func:`fuse_elementwise_modules`); without, the model's own modules run (bench_train's baseline).
     """
 
     def __init__(
@@ -47,8 +48,10 @@ class Trainer:
         optimizer: OptimizerConfig,
         micro_batch_size: int,
         max_logits: int = 1 << 27,
+        fused_elementwise: bool = True,
     ) -> None:
-        fuse_elementwise_modules(model)
+        if fused_elementwise:
+            fuse_elementwise_modules(model)
         self.model = model
         self.routing = routing
         self.layers = layers
