@@ -94,11 +94,12 @@ def run_hf_case(model, batch: int, prompt: int, new: int, adapter_names: list[st
     input_ids = torch.randint(0, QWEN3_VOCAB, (batch, prompt), device="cuda")
     kwargs = {"adapter_names": adapter_names} if adapter_names is not None else {}
     generate = dict(max_new_tokens=new, min_new_tokens=new, do_sample=True, top_k=0, pad_token_id=0)
-    model.generate(input_ids=input_ids[:, :8], max_new_tokens=2, min_new_tokens=2, do_sample=True, top_k=0,
-                   pad_token_id=0, **({"adapter_names": adapter_names} if adapter_names else {}))  # warm-up
+    attention_mask = torch.ones_like(input_ids)
+    warm_up = {**generate, "max_new_tokens": min(new, 8), "min_new_tokens": min(new, 8)}
+    model.generate(input_ids=input_ids, attention_mask=attention_mask, **warm_up, **kwargs)  # the measured batch and prompt
     torch.cuda.synchronize()
     started = time.perf_counter()
-    output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **generate, **kwargs)
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate, **kwargs)
     torch.cuda.synchronize()
     wall = time.perf_counter() - started
     assert output.shape[1] == prompt + new
