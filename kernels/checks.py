@@ -158,3 +158,10 @@ def check_rows_op(name: str, x: torch.Tensor, width: int, residual: torch.Tensor
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
         raise ValueError(f"residual must be contiguous, of {name}'s shape {tuple(x.shape)} and dtype {x.dtype}; got "
                          f"{tuple(residual.shape)} {residual.dtype}")
+
+
+def check_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> None:
+    """``gate`` and ``up`` must have one shape and dtype."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"silu_mul needs gate and up of one shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
+                         f"and {tuple(up.shape)} {up.dtype}")

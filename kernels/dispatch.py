@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from skyrl_clora.kernels.attention import DecodeWorkspace, decode_attention_triton
+from skyrl_clora.kernels.checks import check_silu_mul
 from skyrl_clora.kernels.meta import LoRAMeta
 from skyrl_clora.kernels.packed import packed_lora_triton
 from skyrl_clora.kernels.layer_ops import qk_norm_rope_triton, rms_norm_triton, silu_mul_triton
@@ -221,9 +222,7 @@ def rms_norm_with_grad(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
 def silu_mul_with_grad(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
     """Differentiable ``silu(gate) * up`` for two tensors of one shape and dtype. The Triton path
     (``kernels.train_ops``) is one launch forward and one backward and saves only ``gate`` and ``up``."""
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"silu_mul needs gate and up of one shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
-                         f"and {tuple(up.shape)} {up.dtype}")
+    check_silu_mul(gate, up)
     if _use_triton(gate, backend):
         return SiluMul.apply(gate, up)
     return silu_mul_ref(gate, up)

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from skyrl_clora.kernels.checks import check_rows_op
+from skyrl_clora.kernels.checks import check_rows_op, check_silu_mul
 
-_SILU_BLOCK = 1024
+SILU_BLOCK = 1024  # elements per program of the SiLU-mul kernels (forward here, backward in train_ops)
 
 
 @triton.jit
@@ -118,10 +118,8 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Triton ``silu_mul`` (semantics: ``reference.silu_mul_ref``)."""
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"silu_mul needs gate and up of one shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
-                         f"and {tuple(up.shape)} {up.dtype}")
+    check_silu_mul(gate, up)
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
-    _silu_mul_kernel[(triton.cdiv(gate.numel(), _SILU_BLOCK),)](gate, up, out, gate.numel(), BLOCK=_SILU_BLOCK)
+    _silu_mul_kernel[(triton.cdiv(gate.numel(), SILU_BLOCK),)](gate, up, out, gate.numel(), BLOCK=SILU_BLOCK)
     return out

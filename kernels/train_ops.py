@@ -28,9 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from skyrl_clora.kernels.layer_ops import rms_norm_triton, silu_mul_triton
-
-_SILU_BLOCK = 1024
+from skyrl_clora.kernels.layer_ops import SILU_BLOCK, rms_norm_triton, silu_mul_triton
 
 
 @triton.jit
@@ -98,7 +96,7 @@ class SiluMul(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         dy = dy.contiguous()
         d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
-        _silu_mul_backward_kernel[(triton.cdiv(gate.numel(), _SILU_BLOCK),)](
-            dy, gate, up, d_gate, d_up, gate.numel(), BLOCK=_SILU_BLOCK,
+        _silu_mul_backward_kernel[(triton.cdiv(gate.numel(), SILU_BLOCK),)](
+            dy, gate, up, d_gate, d_up, gate.numel(), BLOCK=SILU_BLOCK,
         )
         return d_gate, d_up

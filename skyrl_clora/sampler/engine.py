@@ -312,8 +312,8 @@ class Engine:
             if req.adapter in fenced or not free_rows or len(admitted) >= self.max_prefills_per_step:
                 remaining.append(req)
                 continue
-            version = -1 if req.adapter is None else self._versions[req.adapter]
-            missing = self.prefix_cache.first_missing(req.adapter, version, req.prompt_ids)
+            req.version = -1 if req.adapter is None else self._versions[req.adapter]
+            missing = self.prefix_cache.first_missing(req.adapter, req.version, req.prompt_ids)
             shared_key = None if missing is None else (req.adapter, missing)
             if shared_key in first_missing:
                 remaining.append(req)
@@ -335,11 +335,11 @@ class Engine:
                     req.future.set_exception(error)
 
     def _prefill(self, requests: list[_Request]) -> None:
+        """Prefills ``requests`` (rows and adapter versions set by :meth:`_admit`) and samples their first tokens."""
         started = time.perf_counter()
         jobs = []
         for req in requests:
             req.lora_slot = -1 if req.adapter is None else self._slots[req.adapter]
-            req.version = -1 if req.adapter is None else self._versions[req.adapter]
             cached = self.prefix_cache.lookup(req.adapter, req.version, req.prompt_ids)
             for index, block in enumerate(cached):
                 self.runner.write_block(req.row, index, block)
