@@ -92,6 +92,7 @@ class SamplerConfig:
     prefix_cache_mb: int
     cuda_graphs: bool
     kv_memory_fraction: float
+    reuse_decode_kv: bool | None
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_memory_fraction < 1:
@@ -100,6 +101,8 @@ class SamplerConfig:
             raise ConfigError("sampler.temperature must be >= 0 and sampler.top_p in (0, 1]")
         if self.prefill_block < 16 or self.prefill_block % 16:
             raise ConfigError(f"sampler.prefill_block={self.prefill_block} must be a positive multiple of 16")
+        if self.reuse_decode_kv not in (None, True, False):
+            raise ConfigError(f"sampler.reuse_decode_kv={self.reuse_decode_kv} must be true, false or null (on a GPU only)")
 
 
 @dataclass(frozen=True)

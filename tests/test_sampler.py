@@ -25,10 +25,11 @@ from helpers import random_adapter
 PROMPT = list(range(5, 25))
 
 
-def _engine(model_dir: Path, num_rows: int, adapters: dict[str, int], max_len: int = 96) -> tuple[Engine, dict]:
+def _engine(model_dir: Path, num_rows: int, adapters: dict[str, int], max_len: int = 96,
+            reuse_decode_kv: bool = False) -> tuple[Engine, dict]:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
-    engine = Engine(model, routing, layers, num_rows=num_rows, max_len=max_len)
+    engine = Engine(model, routing, layers, num_rows=num_rows, max_len=max_len, reuse_decode_kv=reuse_decode_kv)
     weights = {name: random_adapter(layers, seed) for name, seed in adapters.items()}
     for name, adapter in weights.items():
         engine.register_adapter(name, adapter)
@@ -190,6 +191,37 @@ def test_prefix_cache_reuses_blocks_bit_identically(micro_model_dir: Path) -> No
     finally:
         engine.shutdown()
         uncached.shutdown()
+
+
+def test_the_next_turn_computes_only_its_new_tokens_with_reuse_decode_kv(micro_model_dir: Path) -> None:
+    """A finished turn's history serves the next turn of its episode, which then computes only the
+    observation and the last sampled token; the completions match an engine that recomputes everything."""
+    observation = [40, 41, 42, 43, 44]
+    reusing, weights = _engine(micro_model_dir, num_rows=4, adapters={"a": 1, "b": 2}, reuse_decode_kv=True)
+    plain, _ = _engine(micro_model_dir, num_rows=4, adapters={"a": 1, "b": 2})
+    try:
+        def episode(engine: Engine, adapter: str) -> list:
+            first = engine.submit(PROMPT, adapter, _params(1)).result(timeout=60)
+            computed = engine.stats.prefill_tokens
+            second = engine.submit(PROMPT + first.token_ids + observation, adapter, _params(2)).result(timeout=60)
+            return [first, second, engine.stats.prefill_tokens - computed]
+
+        a_reused, a_plain = episode(reusing, "a"), episode(plain, "a")
+        b_reused = episode(reusing, "b")
+        assert a_reused[0].token_ids != b_reused[0].token_ids, "the adapters must sample differently"
+        assert a_reused[2] == len(observation) + 1, "only the observation and the last sampled token are computed"
+        assert a_plain[2] == len(PROMPT) + 12 + len(observation) - 16, "without reuse only the prompt's block is cached"
+        for reused, recomputed in zip(a_reused[:2], a_plain[:2]):
+            assert reused.token_ids == recomputed.token_ids
+            assert torch.allclose(torch.tensor(reused.logprobs), torch.tensor(recomputed.logprobs), atol=1e-4)
+        reusing.publish("a", weights["b"], version=1).result(timeout=60)
+        computed = reusing.stats.prefill_tokens
+        again = PROMPT + a_reused[0].token_ids + observation + a_reused[1].token_ids + observation
+        reusing.submit(again, "a", _params(3)).result(timeout=60)
+        assert reusing.stats.prefill_tokens - computed == len(again), "a new version never reuses the old one's K/V"
+    finally:
+        reusing.shutdown()
+        plain.shutdown()
 
 
 def test_requests_sharing_only_cached_blocks_are_admitted_together(micro_model_dir: Path) -> None:

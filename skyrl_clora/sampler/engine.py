@@ -6,7 +6,9 @@ One background thread owns the model. Each iteration of its loop:
      is sampled entirely with the adapter version it was admitted under; new requests of an adapter with
      a pending publish wait until it lands, so a publish cannot starve);
   3. admits waiting requests into free cache rows (FIFO over all tenants) and prefills them together,
-     taking the prompt blocks it already has from the per-adapter-version prefix cache;
+     taking the prompt blocks it already has from the per-adapter-version prefix cache (and, with
+     ``reuse_decode_kv``, a finished turn's whole history when the prompt extends it: the next turn of
+     a multi-turn episode then computes only its new tokens);
   4. runs one decode step for the rows up to the last running one (a CUDA-graph replay on the GPU),
      samples every running row at once (each with its own counter-based RNG, see ``sampling``) and
      retires the finished ones, resolving their futures.
@@ -32,7 +34,7 @@ import torch
 
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear, write_slot
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
-from skyrl_clora.sampler.prefix_cache import PrefixCache
+from skyrl_clora.sampler.prefix_cache import BlockKV, PrefixCache
 from skyrl_clora.sampler.sampling import RowSampling, request_uniform, sample_rows
 
 GIL_SWITCH_SECONDS = 0.0005  # the GIL switch interval while the engine runs on a GPU (Python's default: 5 ms)
@@ -70,6 +72,7 @@ class _Request:
     row: int = -1
     lora_slot: int = -1
     version: int = -1
+    history: tuple[int, BlockKV] | None = None  # a finished turn's (length, K/V) this prompt extends
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -108,7 +111,14 @@ class EngineStats:
 
 class Engine:
     """Multi-tenant sampler (see module docstring). Thread-safe: ``submit`` and ``publish`` may be called
-    from any thread and return ``concurrent.futures.Future`` objects."""
+    from any thread and return ``concurrent.futures.Future`` objects.
+
+    ``reuse_decode_kv``: a finished request's K/V (its prompt and sampled tokens) go to the prefix cache
+    as a history, which the next request whose prompt extends it takes instead of recomputing. Decode
+    steps compute K/V with other kernels than prefill, so on the CPU this would make a request's bits
+    depend on whether its history was still cached (i.e. on other tenants' traffic): off by default,
+    on for GPU runs (``sampler.reuse_decode_kv``).
+    """
 
     def __init__(
         self,
@@ -121,12 +131,14 @@ class Engine:
         block_size: int = 16,
         prefix_cache_bytes: int = 1 << 30,
         cuda_graphs: bool = True,
+        reuse_decode_kv: bool = False,
     ) -> None:
         max_len = -(-max_len // block_size) * block_size  # whole prefill blocks
         num_rows = -(-num_rows // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
         self.runner = ModelRunner(model, routing, num_rows=num_rows, max_len=max_len, block_size=block_size,
                                   prefill_tokens=max_prefills_per_step * block_size)
         self.prefix_cache = PrefixCache(block_size, prefix_cache_bytes)
+        self.reuse_decode_kv = reuse_decode_kv and prefix_cache_bytes > 0
         self.lora_layers = lora_layers
         self.num_lora_slots = next(iter(lora_layers.values())).lora_a.shape[0]
         self.max_len = max_len
@@ -313,7 +325,9 @@ class Engine:
                 remaining.append(req)
                 continue
             req.version = -1 if req.adapter is None else self._versions[req.adapter]
-            missing = self.prefix_cache.first_missing(req.adapter, req.version, req.prompt_ids)
+            if self.reuse_decode_kv:
+                req.history = self.prefix_cache.take_history(req.adapter, req.version, req.prompt_ids)
+            missing = None if req.history else self.prefix_cache.first_missing(req.adapter, req.version, req.prompt_ids)
             shared_key = None if missing is None else (req.adapter, missing)
             if shared_key in first_missing:
                 remaining.append(req)
@@ -338,18 +352,27 @@ class Engine:
         """Prefills ``requests`` (rows and adapter versions set by :meth:`_admit`) and samples their first tokens."""
         started = time.perf_counter()
         jobs = []
+        block = self.runner.block_size
         for req in requests:
             req.lora_slot = -1 if req.adapter is None else self._slots[req.adapter]
-            cached = self.prefix_cache.lookup(req.adapter, req.version, req.prompt_ids)
-            for index, block in enumerate(cached):
-                self.runner.write_block(req.row, index, block)
+            if req.history is not None:  # the last prompt token is always computed (its logits are needed)
+                start, (k, v) = min(req.history[0], len(req.prompt_ids) - 1), req.history[1]
+                self.runner.write_kv(req.row, 0, (k[:, :, :start], v[:, :, :start]))
+            else:
+                cached = self.prefix_cache.lookup(req.adapter, req.version, req.prompt_ids)
+                start = min(len(cached) * block, len(req.prompt_ids) - 1)
+                if cached:
+                    self.runner.write_kv(req.row, 0, (torch.cat([k for k, _ in cached], dim=2),
+                                                      torch.cat([v for _, v in cached], dim=2)))
             tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.runner.device)
-            jobs.append(PrefillJob(req.row, tokens, req.lora_slot, start=len(cached) * self.runner.block_size))
+            jobs.append(PrefillJob(req.row, tokens, req.lora_slot, start=start))
         logits = torch.stack(self.runner.prefill(jobs))
         self.stats.prefill_rounds += 1
         for req, job in zip(requests, jobs):
-            self.prefix_cache.insert(req.adapter, req.version, req.prompt_ids, job.start // self.runner.block_size,
-                                     lambda index, row=req.row: self.runner.read_blocks(row, index, 1))
+            if req.history is None:  # a history's positions were partly computed by decode steps: not blocks
+                self.prefix_cache.insert(req.adapter, req.version, req.prompt_ids, job.start // block,
+                                         lambda index, row=req.row: self.runner.read_kv(row, index * block, (index + 1) * block))
+            req.history = None
             self.stats.prefill_tokens += len(req.prompt_ids) - job.start
             self.stats.cached_prompt_tokens += job.start
             self._rows[req.row] = req
@@ -394,6 +417,10 @@ class Engine:
             self._positions[req.row] = length - 1
 
     def _retire(self, req: _Request, reason: str) -> None:
+        if self.reuse_decode_kv:  # the row holds the K/V of the prompt and of every sampled token but the last
+            computed = len(req.prompt_ids) + len(req.output) - 1
+            self.prefix_cache.insert_history(req.adapter, req.version, req.prompt_ids + req.output[:-1],
+                                             self.runner.read_kv(req.row, 0, computed))
         self._retire_row(req.row)
         if not req.future.cancelled():
             req.future.set_result(Completion(req.output, req.logprobs, reason, req.version))

@@ -31,6 +31,7 @@ from skyrl_clora.kernels import DecodeWorkspace, LoRAMeta, decode_attention, qk_
 from skyrl_clora.lora.layers import LoRARouting
 
 DECODE_ROW_QUANTUM = 16  # decode batches are whole multiples of this many cache rows
+CHUNK_QUANTUM = 16  # a prefill pass's chunks are padded to whole multiples of this many positions
 
 
 def decode_buckets(num_rows: int) -> list[int]:
@@ -106,20 +107,21 @@ class ModelRunner:
         Job ``i`` fills cache row ``rows[i]`` at positions ``start..T-1`` from ``tokens: [T]`` (positions
         ``< start`` must already hold the prompt's K/V, e.g. copied from the prefix cache).
 
-        Prompts are computed in chunks of whole ``block_size`` blocks aligned at multiples of ``block_size``
-        (a prompt's last chunk padded; real tokens never attend to padding). A forward pass takes one chunk
-        of every unfinished job (at most ``prefill_tokens // block_size`` jobs), all chunks of the pass
-        ``C = min(longest remainder, prefill_tokens // jobs)`` tokens long, rounded to whole blocks, so a
-        pass computes at most ``prefill_tokens`` positions (and none past ``max_len``) and a long prompt
-        needs few passes. A token's K/V depend only on the tokens up to it: on the CPU (one thread) bit
-        for bit whatever the pass looks like, so a cached block equals a recomputed one; on the GPU up to
-        the last bits of kernels that pick their reduction order by shape. ``start`` must be a multiple
-        of ``block_size``.
+        A forward pass takes one chunk of every unfinished job (at most ``prefill_tokens // block_size``
+        jobs), all chunks of the pass ``C`` positions long: the longest remainder rounded up to whole
+        :data:`CHUNK_QUANTUM` positions, at most ``prefill_tokens // jobs`` rounded down to whole blocks, and
+        none past ``max_len``; shorter chunks are padded (real tokens never attend to padding). So a pass
+        computes at most ``prefill_tokens`` positions, a long prompt needs few passes and a short remainder
+        (the next turn of an episode) is not padded to a whole block. A token's K/V depend only on the
+        tokens up to it: on the CPU (one thread) bit for bit whatever the pass looks like, so a cached block
+        equals a recomputed one; on the GPU up to the last bits of kernels that pick their reduction order
+        by shape. ``start`` may be any position below ``T`` (a multiple of ``block_size`` when the positions
+        before it come from the prefix cache, any when they are a finished turn's history).
         """
         block = self.block_size
         for job in jobs:
-            if job.start % block or job.start >= job.tokens.shape[0]:
-                raise ValueError(f"prefill start {job.start} must be a multiple of {block} below the prompt length")
+            if not 0 <= job.start < job.tokens.shape[0]:
+                raise ValueError(f"prefill start {job.start} must be below the prompt length {job.tokens.shape[0]}")
         logits: list[torch.Tensor | None] = [None] * len(jobs)
         offsets = [job.start for job in jobs]
         max_jobs = self.prefill_tokens // block
@@ -129,7 +131,7 @@ class ModelRunner:
                 return logits
             longest = max(jobs[i].tokens.shape[0] - offsets[i] for i in active)
             room = self.max_len - max(offsets[i] for i in active)  # padding stays inside the cache rows
-            chunk_len = min(-(-longest // block) * block, self.prefill_tokens // (len(active) * block) * block, room)
+            chunk_len = min(-(-longest // CHUNK_QUANTUM) * CHUNK_QUANTUM, self.prefill_tokens // (len(active) * block) * block, room)
             chunks, reals = [], []
             for i in active:
                 chunk = jobs[i].tokens[offsets[i] : offsets[i] + chunk_len]
@@ -170,17 +172,16 @@ class ModelRunner:
                 for (_, i), row_logits in zip(finished, self.model.lm_head(last).float()):
                     logits[i] = row_logits
 
-    def read_blocks(self, row: int, first_block: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of row ``row``'s K/V for blocks ``first_block..first_block+num_blocks-1`` of every layer:
-        ``(k, v)``, each ``[layers, KV, num_blocks * block_size, d]``."""
-        lo, hi = first_block * self.block_size, (first_block + num_blocks) * self.block_size
-        return self.k_cache[:, row, :, lo:hi].clone(), self.v_cache[:, row, :, lo:hi].clone()
+    def read_kv(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of row ``row``'s K/V at positions ``start..end-1`` of every layer: ``(k, v)``, each
+        ``[layers, KV, end - start, d]``."""
+        return self.k_cache[:, row, :, start:end].clone(), self.v_cache[:, row, :, start:end].clone()
 
-    def write_block(self, row: int, block_index: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Copies one block's K/V (as returned by :meth:`read_blocks` with ``num_blocks=1``) into row ``row``."""
-        lo, hi = block_index * self.block_size, (block_index + 1) * self.block_size
-        self.k_cache[:, row, :, lo:hi].copy_(kv[0])
-        self.v_cache[:, row, :, lo:hi].copy_(kv[1])
+    def write_kv(self, row: int, start: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Copies ``kv`` (as returned by :meth:`read_kv`) into row ``row`` from position ``start`` on."""
+        end = start + kv[0].shape[2]
+        self.k_cache[:, row, :, start:end].copy_(kv[0])
+        self.v_cache[:, row, :, start:end].copy_(kv[1])
 
     def set_decode_inputs(self, tokens: list[int], positions: list[int], lora_slots: list[int]) -> None:
         """Writes the decode input buffers' first ``len(tokens)`` rows (one host-to-device copy)."""

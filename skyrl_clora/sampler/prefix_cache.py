@@ -1,12 +1,17 @@
 """Prompt-prefix K/V cache of the embedded engine, per adapter version.
 
-The model runner prefills prompts in position-aligned blocks whose K/V depend only on the tokens up to
-the block's end (see ``ModelRunner.prefill``), so a block computed for one request is bit-identical to
-the block any other request with the same prefix would compute. This cache keeps such blocks keyed by
+A prompt position's K/V depend only on the tokens up to it (see ``ModelRunner.prefill``), so a block of
+``block_size`` positions computed by one request's prefill is bit-identical (on the CPU) to the block any
+other request with the same prefix would compute. This cache keeps such blocks keyed by
 ``(adapter, adapter version, hash of all tokens up to the block's end)``: the system prompt shared by a
 tenant's episodes, the prompt shared by the samples of a GRPO group and the history of a multi-turn
 episode are computed once. Keys carry the adapter version, and a publish drops the adapter's blocks, so
 a tenant's update never serves stale K/V and never touches another tenant's entries.
+
+It also keeps whole histories (opt-in, :meth:`insert_history`): the K/V a finished request's row holds
+(its prompt and all but its last sampled token, partly computed by decode steps), so that the next turn
+of its episode, whose prompt extends that history, computes only the new tokens. Blocks and histories
+share one LRU order and one byte budget.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 import torch
 
 BlockKV = tuple[torch.Tensor, torch.Tensor]  # (k, v) of one block in every layer, each [layers, KV, block_size, d]
+HISTORY_TAIL = 8  # a history is indexed by its length and its last tokens, then compared in full
 
 
 def block_hashes(tokens: list[int], block_size: int, num_blocks: int) -> list[bytes]:
@@ -32,27 +38,40 @@ def block_hashes(tokens: list[int], block_size: int, num_blocks: int) -> list[by
     return digests
 
 
+def _tail(tokens: list[int], length: int) -> tuple[int, ...]:
+    """The last (up to) :data:`HISTORY_TAIL` tokens of ``tokens[:length]``."""
+    return tuple(tokens[max(0, length - HISTORY_TAIL) : length])
+
+
 class PrefixCache:
-    """LRU store of prefill blocks under a byte budget (0 disables it)."""
+    """LRU store of prefill blocks and finished histories under a byte budget (0 disables it).
+
+    Entry keys: ``("block", adapter, version, digest)`` -> :data:`BlockKV`;
+    ``("history", adapter, version, serial)`` -> ``(tokens, kv)`` with ``kv`` each ``[layers, KV, len(tokens), d]``.
+    """
 
     def __init__(self, block_size: int, budget_bytes: int) -> None:
         self.block_size = block_size
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
         self.hits = 0
-        self._blocks: OrderedDict[tuple[str | None, int, bytes], BlockKV] = OrderedDict()
+        self._entries: OrderedDict[tuple, BlockKV | tuple[list[int], BlockKV]] = OrderedDict()
+        # Histories by (adapter, version, length, last tokens) -> keys; and the lengths held per adapter version.
+        self._history_index: dict[tuple, list[tuple]] = {}
+        self._history_lengths: dict[tuple[str | None, int], dict[int, int]] = {}
+        self._serial = 0
 
     def lookup(self, adapter: str | None, version: int, tokens: list[int]) -> list[BlockKV]:
-        """The cached leading blocks of ``tokens`` (stopping at the first miss), leaving at least the block
-        that holds the last token to be computed (its logits are needed)."""
-        usable = (len(tokens) - 1) // self.block_size
+        """The cached leading whole blocks of ``tokens`` (stopping at the first miss). All of them may be
+        cached: the caller still computes the last token (its logits are needed)."""
+        usable = len(tokens) // self.block_size
         found = []
         for digest in block_hashes(tokens, self.block_size, usable):
-            key = (adapter, version, digest)
-            blocks = self._blocks.get(key)
+            key = ("block", adapter, version, digest)
+            blocks = self._entries.get(key)
             if blocks is None:
                 break
-            self._blocks.move_to_end(key)
+            self._entries.move_to_end(key)
             found.append(blocks)
         self.hits += len(found)
         return found
@@ -63,9 +82,9 @@ class PrefixCache:
         ``lookup`` may return is cached or the cache is off. No side effects."""
         if self.budget_bytes <= 0:
             return None
-        usable = (len(tokens) - 1) // self.block_size
+        usable = len(tokens) // self.block_size
         for digest in block_hashes(tokens, self.block_size, usable):
-            if (adapter, version, digest) not in self._blocks:
+            if ("block", adapter, version, digest) not in self._entries:
                 return digest
         return None
 
@@ -76,18 +95,65 @@ class PrefixCache:
             return
         full = len(tokens) // self.block_size
         for index, digest in enumerate(block_hashes(tokens, self.block_size, full)):
-            key = (adapter, version, digest)
-            if index < first_block or key in self._blocks:
+            key = ("block", adapter, version, digest)
+            if index < first_block or key in self._entries:
                 continue
             blocks = read_block(index)
-            self._blocks[key] = blocks
-            self.used_bytes += blocks[0].nbytes + blocks[1].nbytes
-        while self.used_bytes > self.budget_bytes and self._blocks:
-            _, evicted = self._blocks.popitem(last=False)
-            self.used_bytes -= evicted[0].nbytes + evicted[1].nbytes
+            self._store(key, blocks, blocks)
+        self._evict()
+
+    def insert_history(self, adapter: str | None, version: int, tokens: list[int], kv: BlockKV) -> None:
+        """Stores the K/V ``kv`` (each ``[layers, KV, len(tokens), d]``) of the positions of ``tokens``."""
+        if self.budget_bytes <= 0 or not tokens:
+            return
+        self._serial += 1
+        key = ("history", adapter, version, self._serial)
+        length = len(tokens)
+        self._history_index.setdefault((adapter, version, length, _tail(tokens, length)), []).append(key)
+        lengths = self._history_lengths.setdefault((adapter, version), {})
+        lengths[length] = lengths.get(length, 0) + 1
+        self._store(key, (list(tokens), kv), kv)
+        self._evict()
+
+    def take_history(self, adapter: str | None, version: int, tokens: list[int]) -> tuple[int, BlockKV] | None:
+        """Removes and returns the longest stored history that is a prefix of ``tokens`` (``(length, kv)``),
+        or None. A history serves one next turn: the turn's own history replaces it when it finishes."""
+        lengths = self._history_lengths.get((adapter, version), {})
+        for length in sorted((n for n in lengths if n <= len(tokens)), reverse=True):
+            for key in self._history_index.get((adapter, version, length, _tail(tokens, length)), []):
+                stored, kv = self._entries[key]
+                if stored == tokens[:length]:
+                    self._remove(key)
+                    self.hits += 1
+                    return length, kv
+        return None
 
     def drop_adapter(self, adapter: str | None) -> None:
-        """Forgets every block of ``adapter`` (called when it gets a new version or is removed)."""
-        for key in [key for key in self._blocks if key[0] == adapter]:
-            evicted = self._blocks.pop(key)
-            self.used_bytes -= evicted[0].nbytes + evicted[1].nbytes
+        """Forgets every block and history of ``adapter`` (called when it gets a new version or is removed)."""
+        for key in [key for key in self._entries if key[1] == adapter]:
+            self._remove(key)
+
+    def _store(self, key: tuple, value: BlockKV | tuple[list[int], BlockKV], kv: BlockKV) -> None:
+        self._entries[key] = value
+        self.used_bytes += kv[0].nbytes + kv[1].nbytes
+
+    def _remove(self, key: tuple) -> None:
+        value = self._entries.pop(key)
+        if key[0] == "history":
+            tokens, kv = value
+            _, adapter, version, _ = key
+            index_key = (adapter, version, len(tokens), _tail(tokens, len(tokens)))
+            self._history_index[index_key].remove(key)
+            if not self._history_index[index_key]:
+                del self._history_index[index_key]
+            lengths = self._history_lengths[(adapter, version)]
+            lengths[len(tokens)] -= 1
+            if not lengths[len(tokens)]:
+                del lengths[len(tokens)]
+        else:
+            kv = value
+        self.used_bytes -= kv[0].nbytes + kv[1].nbytes
+
+    def _evict(self) -> None:
+        while self.used_bytes > self.budget_bytes and self._entries:
+            self._remove(next(iter(self._entries)))

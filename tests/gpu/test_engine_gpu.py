@@ -26,10 +26,12 @@ def _model(dtype: torch.dtype) -> Qwen3ForCausalLM:
         return Qwen3ForCausalLM(config).to(dtype).eval()
 
 
-def _engine(cuda_graphs: bool, tenants: dict[str, int], dtype: torch.dtype = torch.bfloat16) -> Engine:
+def _engine(cuda_graphs: bool, tenants: dict[str, int], dtype: torch.dtype = torch.bfloat16,
+            reuse_decode_kv: bool = False) -> Engine:
     model = _model(dtype)
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=16, trainable=False)
-    engine = Engine(model, routing, layers, num_rows=32, max_len=128, block_size=32, cuda_graphs=cuda_graphs)
+    engine = Engine(model, routing, layers, num_rows=32, max_len=128, block_size=32, cuda_graphs=cuda_graphs,
+                    reuse_decode_kv=reuse_decode_kv)
     for name, seed in tenants.items():
         engine.register_adapter(name, random_adapter(layers, seed, b_std=0.05))
     return engine
@@ -52,6 +54,31 @@ def test_graph_replay_matches_eager_decode_for_mixed_tenants() -> None:
     finally:
         graphed.shutdown()
         eager.shutdown()
+
+
+def test_the_next_turn_reuses_the_decoded_history() -> None:
+    """With reuse_decode_kv the second turn of an episode computes only its observation and the last sampled
+    token; in fp32 its greedy completion equals that of an engine that recomputes the whole prompt."""
+    observation = [300, 301, 302, 303, 304]
+    reusing = _engine(True, {"a": 1, "b": 2}, torch.float32, reuse_decode_kv=True)
+    plain = _engine(True, {"a": 1, "b": 2}, torch.float32)
+    try:
+        turns = {}
+        for engine in (reusing, plain):
+            for name in ("a", "b"):
+                first = _greedy(engine, name)
+                computed = engine.stats.prefill_tokens
+                second = engine.submit(PROMPT + first + observation, name,
+                                       SamplingParams(max_tokens=24, temperature=0.0)).result(timeout=120).token_ids
+                turns[engine is reusing, name] = (first, second, engine.stats.prefill_tokens - computed)
+        assert turns[True, "a"][0] != turns[True, "b"][0], "tenants' outputs must differ"
+        for name in ("a", "b"):
+            assert turns[True, name][2] == len(observation) + 1
+            assert turns[False, name][2] > 24 + len(observation)
+            assert turns[True, name][:2] == turns[False, name][:2]
+    finally:
+        reusing.shutdown()
+        plain.shutdown()
 
 
 def test_publish_in_place_is_seen_by_graph_replays() -> None:

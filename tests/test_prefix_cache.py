@@ -1,0 +1,50 @@
+"""The prefix cache's history entries: longest-prefix match, one use each, shared byte budget, per-adapter drop."""
+
+from __future__ import annotations
+
+import torch
+
+from skyrl_clora.sampler.prefix_cache import PrefixCache
+
+
+def _kv(length: int, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of ``length`` positions (2 layers, 1 KV head, head dim 4): 32 bytes per position each."""
+    return torch.full((2, 1, length, 4), fill), torch.full((2, 1, length, 4), -fill)
+
+
+def test_take_history_returns_the_longest_stored_prefix_once() -> None:
+    cache = PrefixCache(block_size=16, budget_bytes=1 << 20)
+    turn1 = list(range(100, 130))
+    turn2 = turn1 + list(range(200, 215))
+    cache.insert_history("a", 0, turn1, _kv(len(turn1), 1.0))
+    cache.insert_history("a", 0, turn2, _kv(len(turn2), 2.0))
+    cache.insert_history("a", 0, [7] * 10, _kv(10, 3.0))  # not a prefix of the request below
+    request = turn2 + [5, 6, 7]
+    assert cache.take_history("b", 0, request) is None, "another adapter's histories never match"
+    assert cache.take_history("a", 1, request) is None, "another version's histories never match"
+    length, (k, v) = cache.take_history("a", 0, request)
+    assert length == len(turn2) and k.shape[2] == len(turn2) and float(k[0, 0, 0, 0]) == 2.0
+    length, (k, _) = cache.take_history("a", 0, request)
+    assert length == len(turn1) and float(k[0, 0, 0, 0]) == 1.0, "each history serves one request"
+    assert cache.take_history("a", 0, request) is None
+    changed = turn1[:-1] + [999] + list(range(200, 215))
+    cache.insert_history("a", 0, turn1, _kv(len(turn1), 1.0))
+    assert cache.take_history("a", 0, changed) is None, "a history matches only if every token does"
+    assert cache.take_history("a", 0, turn1) is not None, "a prompt equal to a history matches it"
+    cache.take_history("a", 0, [7] * 11)
+    assert cache.used_bytes == 0
+
+
+def test_histories_and_blocks_share_one_budget_and_lru_order() -> None:
+    per_position = 2 * 2 * 1 * 4 * 4  # k and v, 2 layers, 1 head, dim 4, fp32
+    cache = PrefixCache(block_size=16, budget_bytes=100 * per_position)
+    old, new = list(range(60)), list(range(1000, 1060))
+    cache.insert_history("a", 0, old, _kv(60, 1.0))
+    cache.insert("a", 0, list(range(500, 532)), 0, lambda index: _kv(16, 4.0))  # two blocks: 92 positions held
+    assert cache.used_bytes == 92 * per_position
+    cache.insert_history("a", 0, new, _kv(60, 2.0))  # over budget: the oldest entry (the first history) goes
+    assert cache.take_history("a", 0, old + [1]) is None
+    assert cache.used_bytes == 92 * per_position
+    assert len(cache.lookup("a", 0, list(range(500, 533)))) == 2
+    cache.drop_adapter("a")
+    assert cache.used_bytes == 0 and cache.take_history("a", 0, new + [1]) is None
