@@ -163,3 +163,47 @@ def test_chunked_token_logprobs_match_log_softmax() -> None:
     head.weight.requires_grad_(True)
     with pytest.raises(ValueError, match="frozen LM head"):
         token_logprobs(hidden, head, targets)
+
+
+def _grouped_batch(seed: int, groups: int = 3, samples: int = 3) -> TrainBatch:
+    """GRPO-shaped: ``groups`` prompts of different lengths, each sampled ``samples`` times."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 300, (4 + 3 * g,), generator=generator).tolist() for g in range(groups)]
+    responses = [torch.randint(0, 300, (int(torch.randint(2, 9, (1,), generator=generator)),), generator=generator).tolist()
+                 for _ in range(groups * samples)]
+    return TrainBatch(
+        prompt_ids=[prompts[i // samples] for i in range(groups * samples)], response_ids=responses,
+        loss_masks=[[int(j % 4 != 3) for j in range(len(r))] for r in responses],
+        rewards=[float(torch.rand(1, generator=generator) > 0.5) for _ in responses],
+        group_ids=[f"g{i // samples}" for i in range(groups * samples)], rollout_logprobs=None,
+    )
+
+
+def test_shared_prompts_train_as_if_every_row_ran_its_whole_sequence(micro_model_dir: Path) -> None:
+    """Packed A and B with the same prompts (another tenant's adapter changes them: not shared across
+    tenants) and micro-batches that cut groups: computing each prompt once changes nothing."""
+    shared, full = _trainer(micro_model_dir, slots=2, micro_batch_size=4), _trainer(micro_model_dir, slots=2, micro_batch_size=4)
+    full.shared_prefix = False
+    assert shared.shared_prefix
+    calls = []
+    original = shared.decoder.forward
+    shared.decoder.forward = lambda *args, **kwargs: calls.append(kwargs["input_ids"].shape) or original(*args, **kwargs)
+    for step in range(2):
+        items = [("A", _grouped_batch(step)), ("B", _grouped_batch(step))]
+        got = dict(zip(("A", "B"), (m for _, m in shared.train_packed(items))))
+        want = dict(zip(("A", "B"), (m for _, m in full.train_packed(items))))
+        if step:  # once trained (LoRA B starts at zero), the tenants' adapters give different log-probs
+            assert got["A"]["mean_token_logprob"] != pytest.approx(got["B"]["mean_token_logprob"], rel=1e-4)
+        for name in ("A", "B"):
+            for key, value in want[name].items():
+                assert got[name][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
+    assert any(shape[0] < 4 for shape in calls[::2]), "prompt passes run fewer rows than the micro-batch"
+    for name in ("A", "B"):
+        a, b = full.store.tenants[name], shared.store.tenants[name]
+        assert torch.equal(a.rng_state, b.rng_state)
+        for table in ("master", "exp_avg", "exp_avg_sq", "grads"):
+            for key in a.master:
+                # summing a shared prompt's gradients over its rows reorders float additions
+                torch.testing.assert_close(getattr(b, table)[key], getattr(a, table)[key], rtol=1e-4, atol=1e-6)
+    batch = _grouped_batch(5)
+    torch.testing.assert_close(shared.response_logprobs("A", batch), full.response_logprobs("A", batch), rtol=1e-5, atol=1e-5)

@@ -92,7 +92,9 @@ class PassRows:
     (zero-padded), ``row_slot [R]`` int64 (the tenant's device slot), ``prompt_lens``/``seq_lens [R]`` int64,
     ``advantages``/``response_mask``/``rollout_logprobs [R, Lr]`` fp32 (zero beyond each row's response;
     rollout log-probs zero for tenants without them, ``has_rollout[p]`` False). Host copies of the lengths
-    (``host_seq_lens``, ``host_response_lens``) size the micro-batches without a device synchronisation.
+    (``host_seq_lens``, ``host_response_lens``) and slots (``host_row_slot``) size the micro-batches without
+    a device synchronisation. ``prompt_groups[r]``: an id shared by the rows of one tenant with the same
+    prompt (a GRPO group), which the forward computes once per micro-batch.
     """
 
     input_ids: torch.Tensor
@@ -104,6 +106,8 @@ class PassRows:
     rollout_logprobs: torch.Tensor
     host_seq_lens: list[int]
     host_response_lens: list[int]
+    host_row_slot: list[int]
+    prompt_groups: list[int]
     offsets: list[int]
     counts: list[int]
     has_rollout: list[bool]
@@ -133,7 +137,10 @@ def build_pass_rows(
     rollout = [_pad(b.rollout_logprobs, response_len) if b.rollout_logprobs is not None
                else torch.zeros(len(b.prompt_ids), response_len) for b in batches]
     counts = [len(batch.prompt_ids) for batch in batches]
-    row_slot = torch.tensor([slot for slot, count in zip(slots, counts) for _ in range(count)])
+    host_row_slot = [slot for slot, count in zip(slots, counts) for _ in range(count)]
+    group_of: dict[tuple[int, tuple[int, ...]], int] = {}
+    prompt_groups = [group_of.setdefault((tenant, tuple(prompt)), len(group_of))
+                     for tenant, batch in enumerate(batches) for prompt in batch.prompt_ids]
 
     def to_device(tensor: torch.Tensor) -> torch.Tensor:
         if device.type == "cuda":
@@ -141,11 +148,12 @@ def build_pass_rows(
         return tensor.to(device, non_blocking=True)
 
     return PassRows(
-        input_ids=to_device(input_ids), row_slot=to_device(row_slot),
+        input_ids=to_device(input_ids), row_slot=to_device(torch.tensor(host_row_slot)),
         prompt_lens=to_device(torch.tensor([len(p) for p in prompts])), seq_lens=to_device(lengths),
         advantages=to_device(stack([a for a, _ in per_tenant])), response_mask=to_device(stack([m for _, m in per_tenant])),
         rollout_logprobs=to_device(torch.cat(rollout)), host_seq_lens=seq_lens,
-        host_response_lens=[len(r) for r in responses], offsets=list(itertools.accumulate([0] + counts[:-1])),
+        host_response_lens=[len(r) for r in responses], host_row_slot=host_row_slot, prompt_groups=prompt_groups,
+        offsets=list(itertools.accumulate([0] + counts[:-1])),
         counts=counts, has_rollout=[b.rollout_logprobs is not None for b in batches],
         response_tokens=[float(sum(sum(mask) for mask in b.loss_masks)) for b in batches],
     )
@@ -162,6 +170,15 @@ class MicroBatch:
     segments: tuple[tuple[int, int, int], ...]
     width: int
     response_width: int
+
+
+def group_order(groups: list[int], generator: torch.Generator) -> list[int]:
+    """A tenant's row order (local indices): its prompt groups (``groups[i]``: row ``i``'s group id) in an
+    order drawn from ``generator``, each group's rows together in their own order, so that a micro-batch
+    holds whole groups and computes each prompt once."""
+    distinct = list(dict.fromkeys(groups))
+    rank = dict(zip(distinct, torch.randperm(len(distinct), generator=generator).tolist()))
+    return sorted(range(len(groups)), key=lambda row: (rank[groups[row]], row))
 
 
 def plan_micro_batches(rows: PassRows, orders: list[list[int]], micro_batch_size: int) -> tuple[list[int], list[MicroBatch]]:

@@ -5,8 +5,9 @@ Advantages come from SkyRL's advantage-estimator registry and the loss from its 
 (``skyrl.backends.skyrl_train.utils.ppo_utils``), configured by SkyRL's ``AlgorithmConfig``; the
 optimizer is AdamW on each tenant's fp32 master weights with the tenant's own learning-rate schedule.
 
-A pass over ``P`` tenants in slots ``0..P-1``: every tenant's rows are shuffled with the tenant's own RNG,
-the shuffled orders are interleaved into micro-batches of ``micro_batch_size`` rows routed to their
+A pass over ``P`` tenants in slots ``0..P-1``: every tenant's prompt groups are shuffled with the tenant's
+own RNG (a group's rows stay together: a micro-batch computes each shared prompt once, see
+``shared_prefix``), the tenants' row orders are interleaved into micro-batches of ``micro_batch_size`` rows routed to their
 tenants' slots, and per micro-batch the tenants' policy losses are summed and back-propagated once (the
 packed LoRA op gives every slot its own gradients). Then each slot gets its own gradient clipping and
 AdamW step with its tenant's learning rate and step count. Each tenant's loss normaliser covers its own
@@ -15,6 +16,8 @@ batch, so a tenant's update does not depend on which tenants shared its pass (up
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 from skyrl.train.config import AlgorithmConfig
@@ -22,10 +25,11 @@ from skyrl.train.config import AlgorithmConfig
 from skyrl_clora.kernels import LoRAMeta
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear
 from skyrl_clora.trainer.adapter_store import AdapterStore, TenantState
-from skyrl_clora.trainer.batch import MicroBatch, PassRows, TrainBatch, build_pass_rows, plan_micro_batches
+from skyrl_clora.trainer.batch import MicroBatch, PassRows, TrainBatch, build_pass_rows, group_order, plan_micro_batches
 from skyrl_clora.trainer.fused_modules import fuse_elementwise_modules
 from skyrl_clora.trainer.logprobs import token_logprobs
 from skyrl_clora.trainer.optim import OptimizerConfig, adamw_slot
+from skyrl_clora.trainer.shared_prefix import shared_prefix_hidden, supports_shared_prefix
 
 
 class Trainer:
@@ -36,6 +40,8 @@ class Trainer:
     ``max_logits`` bounds the fp32 logits alive at once (see :func:`token_logprobs`). With ``fused_elementwise``
     the model's RMSNorm and SwiGLU MLP modules are replaced in place by fused ones
     (:func:`fuse_elementwise_modules`); without, the model's own modules run (bench_train's baseline).
+    With ``shared_prefix`` (and a decoder of full-attention layers) the rows of a micro-batch that share a
+    prompt compute it once; without, every row runs its whole sequence (bench_train's baseline).
     """
 
     def __init__(
@@ -49,6 +55,7 @@ class Trainer:
         micro_batch_size: int,
         max_logits: int = 1 << 27,
         fused_elementwise: bool = True,
+        shared_prefix: bool = True,
     ) -> None:
         if fused_elementwise:
             fuse_elementwise_modules(model)
@@ -64,6 +71,7 @@ class Trainer:
         self.device = store.device
         self.decoder = model.base_model
         self.head = model.get_output_embeddings()
+        self.shared_prefix = shared_prefix and supports_shared_prefix(self.decoder)
 
     @property
     def pack_size(self) -> int:
@@ -137,10 +145,10 @@ class Trainer:
         then one AdamW step per tenant. Advances each tenant's step count and RNG state."""
         rows = build_pass_rows(batches, slots, self.algorithm, self.device)
         orders = []
-        for state, count in zip(states, rows.counts):
+        for state, offset, count in zip(states, rows.offsets, rows.counts):
             generator = torch.Generator().manual_seed(0)
             generator.set_state(state.rng_state)
-            orders.append(torch.randperm(count, generator=generator).tolist())
+            orders.append(group_order(rows.prompt_groups[offset : offset + count], generator))
             state.rng_state = generator.get_state()
         order, micro_batches = plan_micro_batches(rows, orders, self.micro_batch_size)
         order_device = torch.tensor(order).to(self.device, non_blocking=True)
@@ -150,7 +158,7 @@ class Trainer:
         totals = torch.zeros(3, tenants, device=self.device)  # policy loss, log-prob sum, |log-prob - sampler's|
         for micro in micro_batches:
             row_index = order_device[micro.start : micro.end]
-            log_probs = self._logprobs(rows, row_index, micro)
+            log_probs = self._logprobs(rows, row_index, micro, order[micro.start : micro.end])
             advantages = rows.advantages[row_index, : micro.response_width]
             mask = rows.response_mask[row_index, : micro.response_width]
             rollout = rows.rollout_logprobs[row_index, : micro.response_width]
@@ -186,32 +194,50 @@ class Trainer:
             results.append(metrics)
         return results
 
-    def _logprobs(self, rows: PassRows, row_index: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
-        """Log-probs ``[B, response_width]`` of the response tokens of rows ``row_index``, each under its
-        tenant's slot (positions past a row's response hold a clamped token's log-prob; masks drop them)."""
+    def _logprobs(self, rows: PassRows, row_index: torch.Tensor, micro: MicroBatch, host_rows: list[int]) -> torch.Tensor:
+        """Log-probs ``[B, response_width]`` of the response tokens of rows ``row_index`` (``host_rows`` on the
+        host), each under its tenant's slot (positions past a row's response hold a clamped token's
+        log-prob; masks drop them). Rows that share a prompt compute it once (:func:`shared_prefix_hidden`)."""
         width = micro.width
         input_ids = rows.input_ids[row_index, :width]
-        positions = torch.arange(width, device=self.device)
-        token_slots = torch.where(positions[None] < rows.seq_lens[row_index, None], rows.row_slot[row_index, None], -1)
-        token_slots = token_slots.reshape(-1)
+        groups = [rows.prompt_groups[row] for row in host_rows]
+        distinct = list(dict.fromkeys(groups))
+        if len(distinct) < len(groups) and self.shared_prefix:
+            hidden = shared_prefix_hidden(
+                self.decoder, self._route, input_ids,
+                prompt_lens=[rows.host_seq_lens[r] - rows.host_response_lens[r] for r in host_rows],
+                response_lens=[rows.host_response_lens[r] for r in host_rows],
+                row_slots=[rows.host_row_slot[r] for r in host_rows],
+                prefix_of=[distinct.index(group) for group in groups], response_width=micro.response_width,
+            )
+        else:
+            positions = torch.arange(width, device=self.device)
+            token_slots = torch.where(positions[None] < rows.seq_lens[row_index, None], rows.row_slot[row_index, None], -1)
+            with self._route(token_slots.reshape(-1)):
+                full = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, L, H]
+            # Response token j of a row sits at input position start + j and is predicted at start + j - 1.
+            steps = torch.arange(micro.response_width, device=self.device)
+            index = (rows.prompt_lens[row_index, None] - 1 + steps[None]).clamp(0, max(width - 2, 0))
+            hidden = full.gather(1, index[..., None].expand(-1, -1, full.shape[-1]))
+        steps = torch.arange(micro.response_width, device=self.device)
+        targets = input_ids.gather(1, (rows.prompt_lens[row_index, None] + steps[None]).clamp(max=width - 1))
+        log_probs = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.head, targets.reshape(-1), self.max_logits)
+        return log_probs.view(targets.shape)
+
+    def _route(self, token_slots: torch.Tensor) -> contextlib.AbstractContextManager:
+        """Routes a pass's flattened tokens ``[T]`` to their slots, with the kernels' row grouping built once
+        for every layer of the pass on a GPU."""
         meta = None
-        if token_slots.is_cuda:  # the kernels' row grouping, built once for every layer of the pass
+        if token_slots.is_cuda:
             lora_a = next(iter(self.layers.values())).lora_a
             meta = LoRAMeta.for_batch(token_slots, lora_a.shape[0], lora_a.shape[1], max_slices=1)
-        with self.routing.route(token_slots, meta):
-            hidden = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, L, H]
-        # Response token j of a row sits at input position start + j and is predicted at start + j - 1.
-        steps = torch.arange(micro.response_width, device=self.device)
-        index = (rows.prompt_lens[row_index, None] - 1 + steps[None]).clamp(0, max(width - 2, 0))
-        picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
-        targets = input_ids.gather(1, (index + 1).clamp(max=width - 1))
-        log_probs = token_logprobs(picked.reshape(-1, hidden.shape[-1]), self.head, targets.reshape(-1), self.max_logits)
-        return log_probs.view(index.shape)
+        return self.routing.route(token_slots, meta)
 
     @torch.no_grad()
     def response_logprobs(self, tenant: str, batch: TrainBatch) -> torch.Tensor:
         """Log-probs ``[N, Lr]`` (fp32, device) of ``batch``'s response tokens under ``tenant``'s current
-        adapter, in row order; ``Lr`` = the longest response. The tenant's state is left unchanged."""
+        adapter, in row order; ``Lr`` = the longest response, 0 past each row's response. The tenant's state
+        is left unchanged."""
         slot = self._free_slot(avoid=None)
         self.store.swap_in(tenant, slot)
         try:
@@ -221,8 +247,9 @@ class Trainer:
             out = torch.zeros_like(rows.response_mask)
             for micro in micro_batches:
                 row_index = order_device[micro.start : micro.end]
-                out[row_index, : micro.response_width] = self._logprobs(rows, row_index, micro)
+                out[row_index, : micro.response_width] = self._logprobs(rows, row_index, micro, order[micro.start : micro.end])
         finally:
             self.store.swap_out(slot)
             self.store.wait(tenant)
-        return out
+        lengths = torch.tensor(rows.host_response_lens, device=self.device)
+        return out.masked_fill(torch.arange(out.shape[1], device=self.device)[None] >= lengths[:, None], 0.0)

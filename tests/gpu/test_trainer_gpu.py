@@ -1,5 +1,6 @@
 """The trainer on the GPU: packed training (Triton packed_lora) against swap mode, prefetching swaps on the
-side stream against plain swaps, and response log-probs against full logits in bf16. Skipped without CUDA."""
+side stream against plain swaps, response log-probs against full logits in bf16, and shared-prompt
+micro-batches against whole sequences. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -90,3 +91,30 @@ def test_bf16_response_logprobs_match_full_logits(micro_model_dir: Path) -> None
                 torch.testing.assert_close(got[row, : len(response)], full[len(prompt) - 1 :], rtol=2e-2, atol=2e-2)
     finally:
         trainer.store.swap_out(0)
+
+
+def test_shared_prompts_on_the_gpu_match_whole_sequences(micro_model_dir: Path) -> None:
+    """GRPO groups (4 samples of each of 3 prompts of different lengths), packed A and B, Triton LoRA:
+    computing each prompt once gives the same metrics and master weights as whole sequences (fp32)."""
+    def grouped(seed: int) -> TrainBatch:
+        generator = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, 300, (9 + 11 * g,), generator=generator).tolist() for g in range(3)]
+        responses = [torch.randint(0, 300, (int(torch.randint(2, 30, (1,), generator=generator)),), generator=generator).tolist()
+                     for _ in range(12)]
+        return TrainBatch(prompt_ids=[prompts[i // 4] for i in range(12)], response_ids=responses,
+                          loss_masks=[[1] * len(r) for r in responses], rewards=[float(i % 3 == 0) for i in range(12)],
+                          group_ids=[f"g{i // 4}" for i in range(12)], rollout_logprobs=None)
+
+    shared, full = _trainer(micro_model_dir, 2), _trainer(micro_model_dir, 2)
+    full.shared_prefix = False
+    for step in range(2):
+        items = [("A", grouped(step)), ("B", grouped(step + 10))]
+        got = [m for _, m in shared.train_packed(items)]
+        want = [m for _, m in full.train_packed(items)]
+        for a, b in zip(got, want):
+            for key, value in b.items():
+                assert a[key] == pytest.approx(value, rel=1e-3, abs=1e-5), key
+    for name in ("A", "B"):
+        a, b = full.store.tenants[name], shared.store.tenants[name]
+        assert a.flat["master"].abs().sum() > 0
+        torch.testing.assert_close(b.flat["master"], a.flat["master"], rtol=1e-3, atol=1e-5)
