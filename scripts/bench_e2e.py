@@ -87,6 +87,7 @@ class ModeResult:
     prefill_tokens: int = 0
     cached_prompt_tokens: int = 0
     prefill_rounds: int = 0
+    decode_steps: int = 0
 
 
 def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: int, device: str):
@@ -179,6 +180,7 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     result.prefill_tokens = services.engine.stats.prefill_tokens
     result.cached_prompt_tokens = services.engine.stats.cached_prompt_tokens
     result.prefill_rounds = services.engine.stats.prefill_rounds
+    result.decode_steps = services.engine.stats.decode_steps
     result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     return result
 
@@ -190,7 +192,8 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
     row = summarize(result)
     print(f"{train_mode} x{len(names)}: wall {result.wall_s:.1f} s, cold start {result.cold_start_s[0]:.1f} s, per step "
           f"{row['step_s']:.2f} s (rollout {row['rollout_s']:.2f}, train {row['train_s']:.2f}, sync {row['sync_s']:.2f}), "
-          f"engine decode {result.decode_s:.1f} s / prefill {result.prefill_s:.1f} s ({result.prefill_rounds} rounds, "
+          f"engine decode {result.decode_s:.1f} s ({result.decode_steps} steps, "
+          f"{result.decode_tokens / max(result.decode_steps, 1):.0f} tokens sampled per step) / prefill {result.prefill_s:.1f} s ({result.prefill_rounds} rounds, "
           f"{result.prefill_tokens} prompt tokens computed, {result.cached_prompt_tokens} from the prefix cache)", flush=True)
     gc.collect()
     if device == "cuda":
