@@ -78,6 +78,8 @@ def test_help_lists_settable_keys(capsys: pytest.CaptureFixture) -> None:
     (["+tenants=[{rank:128}]"], "lora.max_rank"),
     (["clora.output_dir=/proc/forbidden"], "not writable"),
     (["clora.mode=parallel"], "concurrent or serial"),
+    (["trainer.shared_prompts=sometimes"], "trainer.shared_prompts"),
+    (["sampler.reuse_decode_kv=2"], "sampler.reuse_decode_kv"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
     assert main(args) == 2

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear, write_slot
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
 from skyrl_clora.sampler.prefix_cache import BlockKV, PrefixCache
@@ -353,7 +354,8 @@ class Engine:
         started = time.perf_counter()
         jobs = []
         block = self.runner.block_size
-        for req in requests:
+        prompts = lists_to_device([req.prompt_ids for req in requests], self.runner.device)
+        for req, tokens in zip(requests, prompts):
             req.lora_slot = -1 if req.adapter is None else self._slots[req.adapter]
             if req.history is not None:  # the last prompt token is always computed (its logits are needed)
                 start, (k, v) = min(req.history[0], len(req.prompt_ids) - 1), req.history[1]
@@ -364,7 +366,6 @@ class Engine:
                 if cached:
                     self.runner.write_kv(req.row, 0, (torch.cat([k for k, _ in cached], dim=2),
                                                       torch.cat([v for _, v in cached], dim=2)))
-            tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.runner.device)
             jobs.append(PrefillJob(req.row, tokens, req.lora_slot, start=start))
         logits = torch.stack(self.runner.prefill(jobs))
         self.stats.prefill_rounds += 1
@@ -390,7 +391,7 @@ class Engine:
         logits = self.runner.decode(span)
         self.stats.decode_steps += 1
         running = [req for req in self._rows[:span] if req is not None]
-        rows = torch.tensor([req.row for req in running], device=logits.device)
+        rows = lists_to_device([[req.row for req in running]], logits.device)[0]
         self._sample(running, logits.index_select(0, rows))
         self.stats.decode_seconds += time.perf_counter() - started
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.kernels import DecodeWorkspace, LoRAMeta, decode_attention, qk_norm_rope, rms_norm, silu_mul
 from skyrl_clora.lora.layers import LoRARouting
 
@@ -137,8 +138,8 @@ class ModelRunner:
                 chunk = jobs[i].tokens[offsets[i] : offsets[i] + chunk_len]
                 reals.append(chunk.shape[0])
                 chunks.append(torch.cat([chunk, chunk.new_zeros(chunk_len - chunk.shape[0])]))
-            starts = torch.tensor([offsets[i] for i in active], device=self.device)
-            rows = torch.tensor([jobs[i].row for i in active], device=self.device)
+            starts, rows, slots = lists_to_device([[offsets[i] for i in active], [jobs[i].row for i in active],
+                                                   [jobs[i].lora_slot for i in active]], self.device)
             query_positions = starts[:, None] + self._key_positions[:chunk_len][None]  # [B, C]
             # Keys every prompt of the pass attends over (masked past each query's position). On the CPU
             # all max_len positions, so that a prompt's shapes, and so its bits, never depend on the other
@@ -156,7 +157,7 @@ class ModelRunner:
                     enable_gqa=self.num_kv_heads != self.num_heads,
                 )
 
-            token_slots = torch.tensor([jobs[i].lora_slot for i in active], device=self.device).repeat_interleave(chunk_len)
+            token_slots = slots.repeat_interleave(chunk_len)
             hidden = self._forward(torch.stack(chunks), query_positions, token_slots, attend)
             finished = []
             for b, i in enumerate(active):
@@ -186,7 +187,7 @@ class ModelRunner:
     def set_decode_inputs(self, tokens: list[int], positions: list[int], lora_slots: list[int]) -> None:
         """Writes the decode input buffers' first ``len(tokens)`` rows (one host-to-device copy)."""
         num = len(tokens)
-        staged = torch.tensor([tokens, positions, lora_slots], dtype=torch.long).to(self.device)
+        staged = lists_to_device([tokens, positions, lora_slots], self.device)
         self.decode_tokens[:num].copy_(staged[0])
         self.decode_positions[:num].copy_(staged[1])
         self.decode_slots[:num].copy_(staged[2])

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from skyrl_clora.device_copy import lists_to_device
+
 _MASK64 = (1 << 64) - 1
 CDF_BLOCK = 1024  # tokens per block of the two-level inverse CDF
 
@@ -55,18 +57,17 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling settings")
     logits = logits.float()
     device = logits.device
-    temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
-    greedy = (temperature == 0.0).to(device, non_blocking=True)
-    temperature = temperature.clamp(min=1e-6).to(device, non_blocking=True)
-    uniform = torch.tensor([r.uniform for r in rows], dtype=torch.float32).to(device, non_blocking=True)
+    temperature, uniform = lists_to_device([[r.temperature for r in rows], [r.uniform for r in rows]], device, torch.float32)
+    greedy = temperature == 0.0
+    temperature = temperature.clamp(min=1e-6)
     log_normaliser = torch.logsumexp(logits, dim=-1)  # [N]
 
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     nucleus = [i for i, r in enumerate(rows) if r.top_p < 1.0 and r.temperature > 0.0]
     sampled = _inverse_cdf(probs, uniform)
     if nucleus:
-        index = torch.tensor(nucleus, device=device)
-        top_p = torch.tensor([rows[i].top_p for i in nucleus], dtype=torch.float32, device=device)
+        index = lists_to_device([nucleus], device)[0]
+        top_p = lists_to_device([[rows[i].top_p for i in nucleus]], device, torch.float32)[0]
         sampled[index] = _inverse_cdf_top_p(probs[index], uniform[index], top_p)
     tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
     chosen = logits.gather(1, tokens[:, None])[:, 0] - log_normaliser

@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from skyrl_clora.device_copy import lists_to_device
+
 
 class _RecordKV:
     """Stands in for a Hugging Face cache in the prompt pass: keeps each layer's K/V ``[U, KV, P, d]``."""
@@ -79,35 +81,32 @@ def shared_prefix_hidden(
     their slots. Entries past a row's response hold values the caller masks out."""
     device = input_ids.device
     num_prefixes = max(prefix_of) + 1
-    first_row = {}
+    first_row: dict[int, int] = {}
     for row, prefix in enumerate(prefix_of):
         first_row.setdefault(prefix, row)
     reps = [first_row[prefix] for prefix in range(num_prefixes)]
     lens = [prompt_lens[row] for row in reps]
     width = max(lens)
+    reps_t, lens_t, rep_slots, row_prompt_lens, row_prefix, row_response_lens, row_slots_t = lists_to_device(
+        [reps, lens, [row_slots[row] for row in reps], prompt_lens, prefix_of, response_lens, row_slots], device)
     steps = torch.arange(max(width, response_width), device=device)
 
-    def slots_where(valid: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        return torch.where(valid, torch.tensor(slots, device=device)[:, None], -1).reshape(-1)
-
-    prompt_len_t = torch.tensor(lens, device=device)
-    prompts = input_ids[torch.tensor(reps, device=device), :width]
     recorded = _RecordKV()
     mask_types = {layer_type: None for layer_type in (getattr(decoder.config, "layer_types", None) or ["full_attention"])}
-    with route(slots_where(steps[None, :width] < prompt_len_t[:, None], [row_slots[row] for row in reps])):
-        prompt_hidden = decoder(input_ids=prompts, attention_mask=mask_types, position_ids=steps[None, :width].expand(num_prefixes, -1),
-                                past_key_values=recorded, use_cache=False).last_hidden_state  # [U, P, H]
+    prompt_steps = steps[None, :width]
+    with route(torch.where(prompt_steps < lens_t[:, None], rep_slots[:, None], -1).reshape(-1)):
+        prompt_hidden = decoder(input_ids=input_ids[reps_t, :width], attention_mask=mask_types,
+                                position_ids=prompt_steps.expand(num_prefixes, -1), past_key_values=recorded,
+                                use_cache=False).last_hidden_state  # [U, P, H]
 
-    row_prompt_lens = torch.tensor(prompt_lens, device=device)
-    row_prefix = torch.tensor(prefix_of, device=device)
     positions = row_prompt_lens[:, None] + steps[None, :response_width]  # [B, R]
     responses = input_ids.gather(1, positions.clamp(max=input_ids.shape[1] - 1))
-    prefix_visible = steps[None, :width] < row_prompt_lens[:, None]  # [B, P]
+    prefix_visible = prompt_steps < row_prompt_lens[:, None]  # [B, P]
     causal = steps[None, :response_width] <= steps[:response_width, None]  # [R, R]
     mask = torch.cat([prefix_visible[:, None, :].expand(-1, response_width, -1),
                       causal[None].expand(len(prefix_of), -1, -1)], dim=2)[:, None]  # [B, 1, R, P + R]
-    response_valid = steps[None, :response_width] < torch.tensor(response_lens, device=device)[:, None]
-    with route(slots_where(response_valid, row_slots)):
+    response_steps = steps[None, :response_width]
+    with route(torch.where(response_steps < row_response_lens[:, None], row_slots_t[:, None], -1).reshape(-1)):
         response_hidden = decoder(input_ids=responses, attention_mask={layer_type: mask for layer_type in mask_types},
                                   position_ids=positions, past_key_values=_PrefixKV(recorded, row_prefix),
                                   use_cache=False).last_hidden_state  # [B, R, H]

@@ -22,6 +22,7 @@ import torch
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 from skyrl.train.config import AlgorithmConfig
 
+from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.kernels import LoRAMeta
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear
 from skyrl_clora.trainer.adapter_store import AdapterStore, TenantState
@@ -41,7 +42,7 @@ class Trainer:
     the model's RMSNorm and SwiGLU MLP modules are replaced in place by fused ones
     (:func:`fuse_elementwise_modules`); without, the model's own modules run (bench_train's baseline).
     With ``shared_prefix`` (and a decoder of full-attention layers) the rows of a micro-batch that share a
-    prompt compute it once; without, every row runs its whole sequence (bench_train's baseline).
+    prompt compute it once (:func:`shared_prefix_hidden`); without, every row runs its whole sequence.
     """
 
     def __init__(
@@ -55,7 +56,7 @@ class Trainer:
         micro_batch_size: int,
         max_logits: int = 1 << 27,
         fused_elementwise: bool = True,
-        shared_prefix: bool = True,
+        shared_prefix: bool = False,
     ) -> None:
         if fused_elementwise:
             fuse_elementwise_modules(model)
@@ -151,7 +152,7 @@ class Trainer:
             orders.append(group_order(rows.prompt_groups[offset : offset + count], generator))
             state.rng_state = generator.get_state()
         order, micro_batches = plan_micro_batches(rows, orders, self.micro_batch_size)
-        order_device = torch.tensor(order).to(self.device, non_blocking=True)
+        order_device = lists_to_device([order], self.device)[0]
         torch._foreach_zero_([view for slot in slots for view in self.store.param_views(slot, grads=True)])
 
         tenants = len(slots)
@@ -243,7 +244,7 @@ class Trainer:
         try:
             rows = build_pass_rows([batch], [slot], self.algorithm, self.device)
             order, micro_batches = plan_micro_batches(rows, [list(range(rows.counts[0]))], self.micro_batch_size)
-            order_device = torch.tensor(order, device=self.device)
+            order_device = lists_to_device([order], self.device)[0]
             out = torch.zeros_like(rows.response_mask)
             for micro in micro_batches:
                 row_index = order_device[micro.start : micro.end]
@@ -251,5 +252,5 @@ class Trainer:
         finally:
             self.store.swap_out(slot)
             self.store.wait(tenant)
-        lengths = torch.tensor(rows.host_response_lens, device=self.device)
+        lengths = lists_to_device([rows.host_response_lens], self.device)[0]
         return out.masked_fill(torch.arange(out.shape[1], device=self.device)[None] >= lengths[:, None], 0.0)

@@ -106,7 +106,7 @@ def test_shared_prompts_on_the_gpu_match_whole_sequences(micro_model_dir: Path) 
                           group_ids=[f"g{i // 4}" for i in range(12)], rollout_logprobs=None)
 
     shared, full = _trainer(micro_model_dir, 2), _trainer(micro_model_dir, 2)
-    full.shared_prefix = False
+    shared.shared_prefix = True
     for step in range(2):
         items = [("A", grouped(step)), ("B", grouped(step + 10))]
         got = [m for _, m in shared.train_packed(items)]
