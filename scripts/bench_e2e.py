@@ -213,8 +213,10 @@ def summarize(result: ModeResult) -> dict:
 
 
 def profile_experiment(model_dir: Path, workload: Workload, device: str, out: Path) -> None:
-    """One experiment of ``workload`` (after the warm-up) under ``torch.profiler``: writes the top GPU kernels
-    and the top CPU ops (self time, every thread) to ``out`` with suffixes ``.kernels.txt`` / ``.cpu.txt``."""
+    """One experiment of ``workload`` (after the warm-up) under ``torch.profiler``: writes the top GPU kernels,
+    the top CPU ops (self time, every thread) and the engine's and trainer's named ranges (``record_function``:
+    admission, prefill, decode step, sampling, trainer forward/backward) to ``out`` with suffixes
+    ``.kernels.txt`` / ``.cpu.txt`` / ``.ranges.txt``."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -225,6 +227,10 @@ def profile_experiment(model_dir: Path, workload: Workload, device: str, out: Pa
     if device == "cuda":
         out.with_suffix(".kernels.txt").write_text(averages.table(sort_by="self_cuda_time_total", row_limit=50))
     out.with_suffix(".cpu.txt").write_text(averages.table(sort_by="self_cpu_time_total", row_limit=50))
+    ranges = [event for event in averages if event.key.startswith(("engine.", "runner.", "trainer."))]
+    out.with_suffix(".ranges.txt").write_text("".join(
+        f"{event.key:24} calls {event.count:6d}  wall (CPU total) {event.cpu_time_total / 1e3:9.1f} ms  "
+        f"device {event.device_time_total / 1e3:9.1f} ms\n" for event in sorted(ranges, key=lambda e: e.key)))
 
 
 def write_partial(path: Path, serial: list[ModeResult], concurrent: dict[tuple[str, int], ModeResult]) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.kernels import DecodeWorkspace, LoRAMeta, decode_attention, qk_norm_rope, rms_norm, silu_mul
@@ -102,6 +103,7 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @torch.no_grad()
+    @record_function("runner.prefill")
     def prefill(self, jobs: list[PrefillJob]) -> list[torch.Tensor]:
         """Prefills several prompts together; returns each one's last-token logits ``[V]`` (fp32).
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.profiler import record_function
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 from skyrl.train.config import AlgorithmConfig
 
@@ -176,7 +177,8 @@ class Trainer:
                 totals[0, tenant] += loss.detach()
                 totals[1, tenant] += (detached * mask[part]).sum()
                 totals[2, tenant] += ((detached - rollout[part]).abs() * mask[part]).sum()
-            loss_sum.backward()
+            with record_function("trainer.backward"):
+                loss_sum.backward()
 
         norms = []
         for slot, state in zip(slots, states):
@@ -195,6 +197,7 @@ class Trainer:
             results.append(metrics)
         return results
 
+    @record_function("trainer.forward")
     def _logprobs(self, rows: PassRows, row_index: torch.Tensor, micro: MicroBatch, host_rows: list[int]) -> torch.Tensor:
         """Log-probs ``[B, response_width]`` of the response tokens of rows ``row_index`` (``host_rows`` on the
         host), each under its tenant's slot (positions past a row's response hold a clamped token's
