@@ -45,7 +45,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, H, eps, HAS_RES:
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, HQ, HK, eps,
-                         D: tl.constexpr, HAS_NORM: tl.constexpr):
+                         q_token_stride, k_token_stride, D: tl.constexpr, HAS_NORM: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, D)
@@ -53,11 +53,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_p
     sign = tl.where(cols < D // 2, -1.0, 1.0)
     is_q = head < HQ
     if is_q:
-        src = q_ptr + (token * HQ + head) * D
+        src = q_ptr + token * q_token_stride + head * D
         dst = q_out_ptr + (token * HQ + head) * D
         w_ptr = qw_ptr
     else:
-        src = k_ptr + (token * HK + head - HQ) * D
+        src = k_ptr + token * k_token_stride + (head - HQ) * D
         dst = k_out_ptr + (token * HK + head - HQ) * D
         w_ptr = kw_ptr
     v = tl.load(src + cols).to(tl.float32)
@@ -72,12 +72,26 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_p
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, g_row_stride, u_row_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, (g / (1.0 + tl.exp(-g)) * u).to(y_ptr.dtype.element_ty), mask=mask)
+    g = tl.load(g_ptr + row * g_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * u_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * N + offs, (g / (1.0 + tl.exp(-g)) * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    """``x: [N, H, d]`` with contiguous heads (any token stride, e.g. a column slice of a fused q/k/v
+    projection); copied only if its heads are not contiguous."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, x.shape[-1]]`` with unit column stride (any row stride, e.g. a column slice of a
+    fused gate/up projection); copied only if it cannot be viewed so."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -106,20 +120,27 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin
         raise ValueError(f"qk_norm_rope's Triton path needs a power-of-two head dim, got {dim}; use backend='torch'")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("qk_norm_rope needs both q_weight and k_weight, or neither")
-    q, k, cos, sin = q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous()
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q, k, cos, sin = _heads(q), _heads(k), cos.contiguous(), sin.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     has_norm = q_weight is not None
     _qk_norm_rope_kernel[(num, heads_q + k.shape[1])](
         q, k, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, q_out, k_out,
-        heads_q, k.shape[1], eps, D=dim, HAS_NORM=has_norm, num_warps=1 if dim <= 128 else 2,
+        heads_q, k.shape[1], eps, q.stride(0), k.stride(0), D=dim, HAS_NORM=has_norm,
+        num_warps=1 if dim <= 128 else 2,
     )
     return q_out, k_out
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Triton ``silu_mul`` (semantics: ``reference.silu_mul_ref``)."""
+    """Triton ``silu_mul`` (semantics: ``reference.silu_mul_ref``); a new contiguous tensor. ``gate`` and
+    ``up`` may be column slices of one fused gate/up projection (read in place)."""
     check_silu_mul(gate, up)
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    _silu_mul_kernel[(triton.cdiv(gate.numel(), SILU_BLOCK),)](gate, up, out, gate.numel(), BLOCK=SILU_BLOCK)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if not gate.numel():
+        return out
+    width = gate.shape[-1]
+    gate_rows, up_rows = _rows(gate), _rows(up)
+    _silu_mul_kernel[(gate_rows.shape[0], triton.cdiv(width, SILU_BLOCK))](
+        gate_rows, up_rows, out, width, gate_rows.stride(0), up_rows.stride(0), BLOCK=SILU_BLOCK)
     return out

@@ -22,6 +22,7 @@ from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.fused_projections import fuse_base_projections
 from skyrl_clora.sync import AdapterSync
 from skyrl_clora.trainer.adapter_store import AdapterStore
 from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
@@ -78,6 +79,7 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
         raise ConfigError(f"model.path={model_path}: tokenizer needs an eos token and a chat template")
     sampler_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    fuse_base_projections(sampler_model.model.layers)  # before the twin, so that it shares the fused weights
     trainer_model = _twin_sharing_weights(sampler_model)
     sampler_routing, sampler_layers = attach_multi_lora(sampler_model, num_tenants, run.lora.max_rank, trainable=False)
     trainer_slots = trainer_slot_count(run, num_tenants)

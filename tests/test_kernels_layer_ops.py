@@ -70,6 +70,29 @@ def test_silu_mul_matches_reference(dtype: torch.dtype) -> None:
     assert_fused_close(silu_mul(gate, up, backend="triton"), silu_mul(gate, up, backend="torch"), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_projection_slices_are_read_in_place(dtype: torch.dtype) -> None:
+    """q/k as column slices of one fused q/k/v output and gate/up as halves of one gate/up output (token rows
+    wider than the slice): the kernels read them in place and match the reference on contiguous copies."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads_q, heads_k, dim = 5, 4, 2, 32
+    qkv = torch.randn(tokens, (heads_q + 2 * heads_k) * dim, generator=gen).to(DEVICE, dtype)
+    q, k, _ = qkv.split([heads_q * dim, heads_k * dim, heads_k * dim], dim=-1)
+    q, k = q.view(tokens, heads_q, dim), k.view(tokens, heads_k, dim)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    cos, sin = torch.randn(tokens, dim, generator=gen).to(DEVICE, dtype), torch.randn(tokens, dim, generator=gen).to(DEVICE, dtype)
+    weights = [(1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype) for _ in range(2)]
+    want_q, want_k = qk_norm_rope(q.contiguous(), k.contiguous(), cos, sin, *weights, 1e-6, backend="torch")
+    got_q, got_k = qk_norm_rope(q, k, cos, sin, *weights, 1e-6, backend="triton")
+    assert_fused_close(got_q, want_q, dtype)
+    assert_fused_close(got_k, want_k, dtype)
+    gate_up = (3 * torch.randn(2, 3, 2 * 1100, generator=gen)).to(DEVICE, dtype)  # [B, L, 2I], I past one block
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = silu_mul(gate, up, backend="triton")
+    assert got.shape == gate.shape and got.is_contiguous()
+    assert_fused_close(got, silu_mul(gate.contiguous(), up.contiguous(), backend="torch"), dtype)
+
+
 def test_bad_shapes_are_rejected() -> None:
     x = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="contiguous float"):

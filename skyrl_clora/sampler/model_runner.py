@@ -2,14 +2,15 @@
 
 The HF modules supply the weights (embeddings, norms, projections with multi-LoRA, MLP) and the rotary
 tables; this runner replaces the attention bookkeeping, so that many sequences of different lengths decode
-together, and runs the element-wise parts of each layer through the kernels' fused ops (RMSNorm with the
-residual add, q/k norm with the rotary embedding, SiLU-mul: one Triton launch each on the GPU; on the CPU
-their references, which are Hugging Face's own ops in order):
+together, runs each layer's q/k/v and gate/up projections as one GEMM and one multi-slice LoRA call each
+(``fused_projections``), and runs the element-wise parts of each layer through the kernels' fused ops
+(RMSNorm with the residual add, q/k norm with the rotary embedding, SiLU-mul: one Triton launch each on the
+GPU; on the CPU their references, which are Hugging Face's own ops in order):
 
-- ``prefill(jobs)``: several prompts written into their cache rows in chunks of fixed-size, position-aligned
-  blocks (so a block's K/V can be cached and reused by any prompt with the same prefix), one chunk of each
-  prompt per forward pass of at most ``prefill_tokens`` positions; returns each prompt's last-token
-  logits ``[V]``.
+- ``prefill(jobs)``: several prompts written into their cache rows in chunks, one chunk of each prompt per
+  forward pass of at most ``prefill_tokens`` positions, from any start position (the positions before it
+  already hold the prompt's K/V: cached blocks or a finished turn's history); returns each prompt's
+  last-token logits ``[V]``.
 - ``decode(span)``: one token for each of the cache rows ``0..span-1`` from the runner's decode input
   buffers (``set_decode_inputs``); each row attends to its own cache row up to its position. On CUDA the
   step is replayed from a CUDA graph captured per span bucket (``capture_decode_graphs``): the inputs,
@@ -31,6 +32,7 @@ from torch.profiler import record_function
 from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.kernels import DecodeWorkspace, LoRAMeta, decode_attention, qk_norm_rope, rms_norm, silu_mul
 from skyrl_clora.lora.layers import LoRARouting
+from skyrl_clora.sampler.fused_projections import fused_layer_projections
 
 DECODE_ROW_QUANTUM = 16  # decode batches are whole multiples of this many cache rows
 CHUNK_QUANTUM = 16  # a prefill pass's chunks are padded to whole multiples of this many positions
@@ -101,6 +103,7 @@ class ModelRunner:
             self._attention_workspace = DecodeWorkspace(num_rows, self.num_heads, max_len,
                                                         self.head_dim, self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._projections = fused_layer_projections(self.decoder.layers)  # per layer: (q/k/v, gate/up)
 
     @torch.no_grad()
     @record_function("runner.prefill")
@@ -261,13 +264,13 @@ class ModelRunner:
         if self.lora_meta is not None:
             self.lora_meta.build(token_slots)
         with self.routing.route(token_slots, self.lora_meta):
-            for layer_idx, layer in enumerate(self.decoder.layers):
+            for layer_idx, (layer, (qkv_proj, gate_up_proj)) in enumerate(zip(self.decoder.layers, self._projections)):
                 norm = layer.input_layernorm
                 hidden, residual = rms_norm(x, norm.weight, norm.variance_epsilon, residual)
                 attn = layer.self_attn
-                q = attn.q_proj(hidden).view(rows, -1, self.head_dim)
-                k = attn.k_proj(hidden).view(rows, -1, self.head_dim)
-                v = attn.v_proj(hidden).view(batch, length, -1, self.head_dim).transpose(1, 2)
+                q, k, v = qkv_proj(hidden, token_slots, self.lora_meta)
+                q, k = q.view(rows, -1, self.head_dim), k.view(rows, -1, self.head_dim)
+                v = v.reshape(batch, length, -1, self.head_dim).transpose(1, 2)
                 q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
                 q, k = qk_norm_rope(q, k, cos, sin, None if q_norm is None else q_norm.weight,
                                     None if k_norm is None else k_norm.weight,
@@ -278,7 +281,7 @@ class ModelRunner:
                 x = attn.o_proj(out.transpose(1, 2).reshape(rows, -1))
                 norm = layer.post_attention_layernorm
                 hidden, residual = rms_norm(x, norm.weight, norm.variance_epsilon, residual)
-                mlp = layer.mlp
-                x = mlp.down_proj(silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
+                gate, up = gate_up_proj(hidden, token_slots, self.lora_meta)
+                x = layer.mlp.down_proj(silu_mul(gate, up))
         hidden, _ = rms_norm(x, self.decoder.norm.weight, self.decoder.norm.variance_epsilon, residual)
         return hidden.view(batch, length, -1)
