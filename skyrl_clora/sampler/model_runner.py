@@ -30,6 +30,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from skyrl_clora.device_copy import lists_to_device
+from skyrl_clora.gpu_settings import avoid_cudnn_attention
 from skyrl_clora.kernels import DecodeWorkspace, LoRAMeta, decode_attention, qk_norm_rope, rms_norm, silu_mul
 from skyrl_clora.lora.layers import LoRARouting
 from skyrl_clora.sampler.fused_projections import fused_layer_projections
@@ -65,6 +66,7 @@ class ModelRunner:
         if num_rows % DECODE_ROW_QUANTUM:
             raise ValueError(f"num_rows {num_rows} must be a multiple of {DECODE_ROW_QUANTUM}")
         self.model = model.eval()
+        avoid_cudnn_attention()
         self.routing = routing
         self.decoder = model.model
         config = model.config
@@ -148,19 +150,24 @@ class ModelRunner:
             query_positions = starts[:, None] + self._key_positions[:chunk_len][None]  # [B, C]
             # Keys every prompt of the pass attends over (masked past each query's position). On the CPU
             # all max_len positions, so that a prompt's shapes, and so its bits, never depend on the other
-            # prompts of the pass; on the GPU only up to the furthest chunk of the pass.
-            width = max(offsets[i] for i in active) + chunk_len if self.device.type == "cuda" else self.max_len
+            # prompts of the pass; on the GPU up to the furthest chunk of the pass, in whole 16-key groups
+            # (the mask alignment memory-efficient attention wants).
+            width = self.max_len
+            if self.device.type == "cuda":
+                width = min(self.max_len, -(-(max(offsets[i] for i in active) + chunk_len) // 16) * 16)
             visible = (self._key_positions[:width][None, None] <= query_positions[:, :, None])[:, None]  # [B, 1, C, W]
+            groups = self.num_heads // self.num_kv_heads
 
             def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 # q: [B, H, C, d]; k, v: [B, KV, C, d]; each prompt attends to its own cache row.
                 k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
                 k_cache[rows[:, None], :, query_positions] = k.transpose(1, 2)
                 v_cache[rows[:, None], :, query_positions] = v.transpose(1, 2)
-                return torch.nn.functional.scaled_dot_product_attention(
-                    q, k_cache[rows, :, :width], v_cache[rows, :, :width], attn_mask=visible,
-                    enable_gqa=self.num_kv_heads != self.num_heads,
-                )
+                keys, values = k_cache[rows, :, :width], v_cache[rows, :, :width]
+                if groups > 1:  # query heads sharing K/V heads (GQA), repeated so that memory-efficient
+                    # attention (no per-shape set-up, unlike cuDNN's: gpu_settings) takes the masked call
+                    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+                return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
 
             token_slots = slots.repeat_interleave(chunk_len)
             hidden = self._forward(torch.stack(chunks), query_positions, token_slots, attend)

@@ -24,6 +24,7 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 from skyrl.train.config import AlgorithmConfig
 
 from skyrl_clora.device_copy import lists_to_device
+from skyrl_clora.gpu_settings import avoid_cudnn_attention
 from skyrl_clora.kernels import LoRAMeta
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear
 from skyrl_clora.trainer.adapter_store import AdapterStore, TenantState
@@ -59,6 +60,7 @@ class Trainer:
         fused_elementwise: bool = True,
         shared_prefix: bool = False,
     ) -> None:
+        avoid_cudnn_attention()
         if fused_elementwise:
             fuse_elementwise_modules(model)
         self.model = model

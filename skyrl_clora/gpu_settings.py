@@ -1,0 +1,19 @@
+"""Process-wide CUDA settings the engine and the trainer rely on.
+
+PyTorch's scaled_dot_product_attention prefers cuDNN's attention on Hopper, and cuDNN builds an execution
+graph for every new combination of shapes (tens to hundreds of milliseconds, then cached per shape). The
+engine's prefill passes and the trainer's micro-batches change their batch, chunk and key lengths all the
+time, so with cuDNN a prefill round cost ~120-150 ms on the H200 whatever it computed (BENCHMARKS.md,
+fourth session). Flash and memory-efficient attention have no per-shape set-up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def avoid_cudnn_attention() -> None:
+    """Turns cuDNN's attention backend off for the whole process (scaled_dot_product_attention then picks
+    flash attention, or memory-efficient attention when there is a mask). A no-op without CUDA."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(False)
