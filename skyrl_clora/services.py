@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+
 import torch
 from skyrl.train.config import AlgorithmConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer

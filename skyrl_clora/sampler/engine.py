@@ -31,10 +31,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.profiler import record_function
 
 from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear, write_slot
+from skyrl_clora.profiling import profiled
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
 from skyrl_clora.sampler.prefix_cache import BlockKV, PrefixCache
 from skyrl_clora.sampler.sampling import RowSampling, request_uniform, sample_rows
@@ -305,7 +305,7 @@ class Engine:
             self._waiting.remove(req)
             req.future.set_exception(ValueError(f"adapter {name!r} was unregistered"))
 
-    @record_function("engine.admit")
+    @profiled("engine.admit")
     def _admit(self) -> None:
         """Admits waiting requests (FIFO) into free rows and prefills them in one batched call.
 
@@ -351,7 +351,7 @@ class Engine:
                 if not req.future.done():
                     req.future.set_exception(error)
 
-    @record_function("engine.prefill")
+    @profiled("engine.prefill")
     def _prefill(self, requests: list[_Request]) -> None:
         """Prefills ``requests`` (rows and adapter versions set by :meth:`_admit`) and samples their first tokens."""
         started = time.perf_counter()
@@ -384,7 +384,7 @@ class Engine:
         self._sample(requests, logits)
         self.stats.prefill_seconds += time.perf_counter() - started
 
-    @record_function("engine.decode_step")
+    @profiled("engine.decode_step")
     def _decode_step(self) -> None:
         """Decodes the rows up to the last running one, rounded up to whole row quanta (requests take the
         lowest free rows, so the running ones stay packed at the front)."""
@@ -399,7 +399,7 @@ class Engine:
         self._sample(running, logits.index_select(0, rows))
         self.stats.decode_seconds += time.perf_counter() - started
 
-    @record_function("engine.sample")
+    @profiled("engine.sample")
     def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
         """Samples the next token of every request from ``logits: [len(requests), V]`` in one batch."""
         settings = [RowSampling(req.params.temperature, req.params.top_p, request_uniform(req.params.seed, len(req.output)))

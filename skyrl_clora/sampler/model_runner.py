@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.gpu_settings import avoid_cudnn_attention
 from skyrl_clora.kernels import DecodeWorkspace, LoRAMeta, decode_attention, qk_norm_rope, rms_norm, silu_mul
 from skyrl_clora.lora.layers import LoRARouting
+from skyrl_clora.profiling import profiled
 from skyrl_clora.sampler.fused_projections import fused_layer_projections
 
 DECODE_ROW_QUANTUM = 16  # decode batches are whole multiples of this many cache rows
@@ -108,7 +108,7 @@ class ModelRunner:
         self._projections = fused_layer_projections(self.decoder.layers)  # per layer: (q/k/v, gate/up)
 
     @torch.no_grad()
-    @record_function("runner.prefill")
+    @profiled("runner.prefill")
     def prefill(self, jobs: list[PrefillJob]) -> list[torch.Tensor]:
         """Prefills several prompts together; returns each one's last-token logits ``[V]`` (fp32).
 

@@ -19,14 +19,15 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.profiler import record_function
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 from skyrl.train.config import AlgorithmConfig
+from torch.profiler import record_function
 
 from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.gpu_settings import avoid_cudnn_attention
 from skyrl_clora.kernels import LoRAMeta
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear
+from skyrl_clora.profiling import profiled
 from skyrl_clora.trainer.adapter_store import AdapterStore, TenantState
 from skyrl_clora.trainer.batch import MicroBatch, PassRows, TrainBatch, build_pass_rows, group_order, plan_micro_batches
 from skyrl_clora.trainer.fused_modules import fuse_elementwise_modules
@@ -199,7 +200,7 @@ class Trainer:
             results.append(metrics)
         return results
 
-    @record_function("trainer.forward")
+    @profiled("trainer.forward")
     def _logprobs(self, rows: PassRows, row_index: torch.Tensor, micro: MicroBatch, host_rows: list[int]) -> torch.Tensor:
         """Log-probs ``[B, response_width]`` of the response tokens of rows ``row_index`` (``host_rows`` on the
         host), each under its tenant's slot (positions past a row's response hold a clamped token's
