@@ -23,7 +23,7 @@ PATCHES = sorted((Path(__file__).resolve().parent.parent / "integration" / "patc
 
 
 def test_patches_apply_to_the_installed_skyrl() -> None:
-    assert [p.name[:4] for p in PATCHES] == ["0001", "0002"]
+    assert [p.name[:4] for p in PATCHES] == ["0001", "0002", "0003"]
     if shutil.which("patch") is None:
         pytest.skip("the patch tool is not installed")
     site_packages = Path(skyrl.__file__).resolve().parent.parent
@@ -89,3 +89,12 @@ def test_a_global_version_bump_leaves_tenant_salts_alone() -> None:
     assert build_vllm_cache_salt(views["b"].weight_version, "b") == "b:0"
     assert views["a"].max_in_flight == views["b"].max_in_flight == 3
     assert tenant_views(shared, ["a", "b"])["a"].max_in_flight == max(1, SKYRL_GENERATE_CONCURRENCY_PER_ENGINE // 2)
+
+
+def test_a_tenant_view_refuses_a_generate_batch_without_sampling_params() -> None:
+    """Run-time form of 0003: the stock client would send {} and vLLM would stop after 16 tokens."""
+    shared = RemoteInferenceClient(proxy_url="http://127.0.0.1:9", server_urls=["http://127.0.0.1:9"], data_parallel_size=1,
+                                   model_name="base")
+    view = tenant_views(shared, ["tenant-a"])["tenant-a"]
+    with pytest.raises(ValueError, match="needs input_batch\\['sampling_params'\\]"):
+        asyncio.run(view.generate({"prompt_token_ids": [[1, 2, 3]]}))

@@ -111,7 +111,7 @@ def test_control_plane_and_tokenizer_endpoints(stack: Stack) -> None:
             with pytest.raises(aiohttp.ClientResponseError, match="not supported"):
                 await stack.views["t0"].generate({"prompt_token_ids": [PROMPT], "sampling_params": {"top_k": 5}})
             with pytest.raises(ValueError, match="cannot generate for model"):
-                await stack.views["t0"].generate({"prompt_token_ids": [PROMPT]}, model="t1")
+                await stack.views["t0"].generate({"prompt_token_ids": [PROMPT], "sampling_params": _sampling(4)}, model="t1")
         finally:
             await client.teardown()
             await stack.close_sessions()

@@ -16,6 +16,8 @@ A :class:`TenantInferenceClient` is a ``RemoteInferenceClient`` for one tenant, 
   (integration/patches/0001-per-tenant-cache-salt.patch is the same fix made upstream.)
 - its generate semaphore has ``max_in_flight`` permits (see :func:`tenant_views` for the default split), so
   each tenant's in-flight requests are bounded on their own and no tenant can starve another.
+- it refuses a generate batch without sampling params (the stock client would send ``{}``, and vLLM's
+  defaults stop after 16 tokens; integration/patches/0003 is the upstream form).
 - it only generates for its own adapter (``model`` omitted or equal to the tenant), and records the adapter
   version the server reports for each request of a session (:meth:`versions_for`), so a trajectory can be
   checked against the version it was sampled with.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from skyrl.backends.skyrl_train.inference_servers.base import InferenceEngineInput, InferenceEngineOutput
 from skyrl.backends.skyrl_train.inference_servers.generate_wire import PackedField
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
 from skyrl.env_vars import SKYRL_GENERATE_CONCURRENCY_PER_ENGINE
@@ -72,6 +75,15 @@ class TenantInferenceClient(RemoteInferenceClient):
             self._detok_sem = asyncio.Semaphore(self.max_in_flight)
             self._sem_loop = current_loop
         return self._gen_sem, self._detok_sem
+
+    async def generate(self, input_batch: InferenceEngineInput, model: Optional[str] = None) -> InferenceEngineOutput:
+        """``RemoteInferenceClient.generate``, refusing a batch without sampling params: the stock client
+        sends ``{}`` for them, and vLLM's defaults then stop after 16 tokens (integration/patches/0003)."""
+        if input_batch.get("sampling_params") is None:
+            raise ValueError(f"generate for tenant {self.tenant!r} needs input_batch['sampling_params'] (at least "
+                             "max_tokens; SkyRL's trainer passes generator.sampling_params): without them vLLM "
+                             "stops after 16 tokens")
+        return await super().generate(input_batch, model=model)
 
     def _resolve_model(self, model: Optional[str], method_name: str) -> str:
         if model and model != self.tenant:
