@@ -32,7 +32,7 @@ def test_take_history_returns_the_longest_stored_prefix_once() -> None:
     assert cache.take_history("a", 0, changed) is None, "a history matches only if every token does"
     assert cache.take_history("a", 0, turn1) is not None, "a prompt equal to a history matches it"
     cache.take_history("a", 0, [7] * 11)
-    assert cache.used_bytes == 0
+    assert cache.used_bytes == 0 and not cache._history_lengths and not cache._history_index, "nothing left behind"
 
 
 def test_histories_and_blocks_share_one_budget_and_lru_order() -> None:

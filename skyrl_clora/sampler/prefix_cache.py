@@ -150,6 +150,8 @@ class PrefixCache:
             lengths[len(tokens)] -= 1
             if not lengths[len(tokens)]:
                 del lengths[len(tokens)]
+            if not lengths:
+                del self._history_lengths[(adapter, version)]
         else:
             kv = value
         self.used_bytes -= kv[0].nbytes + kv[1].nbytes
