@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 def _logits(model: Qwen3ForCausalLM, routing, triton_path: bool) -> tuple[torch.Tensor, torch.Tensor]:
     runner = ModelRunner(model, routing, num_rows=16, max_len=64, block_size=16, prefill_tokens=32)
     if triton_path:  # the buffers ModelRunner preallocates on CUDA
-        runner.lora_meta = LoRAMeta(32, 2, "cpu", max_rank=16, max_slices=1)
+        runner.lora_meta = LoRAMeta(32, 2, "cpu", max_rank=16, max_slices=3)
         runner._attention_workspace = DecodeWorkspace(16, 4, 64, 16, "cpu")
     tokens = torch.arange(3, 23)
     # The same prompt in row 1 with the adapter and in row 3 without it, then one decode step of each.

@@ -99,7 +99,8 @@ class ModelRunner:
         if self.device.type == "cuda" and lora_layer is not None:
             num_slots, max_rank = lora_layer.lora_a.shape[0], lora_layer.lora_a.shape[1]
             tokens = max(num_rows, self.prefill_tokens)
-            self.lora_meta = LoRAMeta(tokens, num_slots, self.device, max_rank=max_rank, max_slices=1)
+            # workspace for the widest fused projection (q/k/v: three slices)
+            self.lora_meta = LoRAMeta(tokens, num_slots, self.device, max_rank=max_rank, max_slices=3)
         self._attention_workspace: DecodeWorkspace | None = None
         if self.device.type == "cuda":
             self._attention_workspace = DecodeWorkspace(num_rows, self.num_heads, max_len,
