@@ -106,3 +106,22 @@ def test_decode_logits_match_the_hf_forward() -> None:
     with torch.no_grad():
         want = runner.model(input_ids=tokens[None]).logits[0, -1].float()
     assert torch.allclose(logits, want, atol=2e-3, rtol=1e-3), float((logits - want).abs().max())
+
+
+def test_prefill_attention_runs_without_cudnn_or_the_math_fallback() -> None:
+    """The runner turns cuDNN's attention off (a graph build per new shape) and its masked prefill call
+    must be one that memory-efficient attention takes: with only that backend allowed, SDPA raises
+    rather than fall back to materialising the scores."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from skyrl_clora.sampler.model_runner import ModelRunner
+
+    model = _model(torch.bfloat16)
+    routing, layers = attach_multi_lora(model, num_slots=2, max_rank=16, trainable=False)
+    runner = ModelRunner(model, routing, num_rows=16, max_len=128, block_size=32, prefill_tokens=128)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    jobs = [PrefillJob(row=0, tokens=torch.tensor(PROMPT, device="cuda"), lora_slot=-1),
+            PrefillJob(row=1, tokens=torch.tensor(PROMPT[:23], device="cuda"), lora_slot=-1, start=5)]
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        logits = runner.prefill(jobs)
+    assert all(torch.isfinite(row).all() for row in logits)

@@ -118,3 +118,20 @@ def test_shared_prompts_on_the_gpu_match_whole_sequences(micro_model_dir: Path) 
         a, b = full.store.tenants[name], shared.store.tenants[name]
         assert a.flat["master"].abs().sum() > 0
         torch.testing.assert_close(b.flat["master"], a.flat["master"], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_training_attention_runs_on_flash_or_memory_efficient_kernels(micro_model_dir: Path, shared_prefix: bool) -> None:
+    """cuDNN's attention is off (a graph build per new shape) and neither the whole-sequence pass nor the
+    shared-prompt passes may fall back to the math kernel: with only flash and memory-efficient attention
+    allowed, SDPA raises instead."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    trainer = _trainer(micro_model_dir, 1, dtype=torch.bfloat16)
+    trainer.shared_prefix = shared_prefix
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    batch = _batch(11, rows=8)
+    batch.prompt_ids[:] = [batch.prompt_ids[i // 4 * 4] for i in range(8)]  # two GRPO groups of 4
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        metrics = trainer.train_step("A", batch)[1]
+    assert metrics["grad_norm"] > 0
