@@ -192,8 +192,10 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
     row = summarize(result)
     print(f"{train_mode} x{len(names)}: wall {result.wall_s:.1f} s, cold start {result.cold_start_s[0]:.1f} s, per step "
           f"{row['step_s']:.2f} s (rollout {row['rollout_s']:.2f}, train {row['train_s']:.2f}, sync {row['sync_s']:.2f}), "
-          f"engine decode {result.decode_s:.1f} s ({result.decode_steps} steps, "
-          f"{result.decode_tokens / max(result.decode_steps, 1):.0f} tokens sampled per step) / prefill {result.prefill_s:.1f} s ({result.prefill_rounds} rounds, "
+          f"engine decode {result.decode_s:.1f} s ({result.decode_steps} steps of "
+          f"{1e3 * result.decode_s / max(result.decode_steps, 1):.1f} ms, "
+          f"{result.decode_tokens / max(result.decode_steps, 1):.0f} tokens sampled per step) / prefill {result.prefill_s:.1f} s "
+          f"({result.prefill_rounds} rounds of {1e3 * result.prefill_s / max(result.prefill_rounds, 1):.0f} ms, "
           f"{result.prefill_tokens} prompt tokens computed, {result.cached_prompt_tokens} from the prefix cache)", flush=True)
     gc.collect()
     if device == "cuda":
