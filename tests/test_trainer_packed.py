@@ -184,9 +184,10 @@ def test_shared_prompts_train_as_if_every_row_ran_its_whole_sequence(micro_model
     tenants) and micro-batches that cut groups: computing each prompt once changes nothing."""
     shared, full = _trainer(micro_model_dir, slots=2, micro_batch_size=4), _trainer(micro_model_dir, slots=2, micro_batch_size=4)
     shared.shared_prefix = True
-    calls = []
-    original = shared.decoder.forward
+    calls, full_calls = [], []
+    original, full_original = shared.decoder.forward, full.decoder.forward
     shared.decoder.forward = lambda *args, **kwargs: calls.append(kwargs["input_ids"].shape) or original(*args, **kwargs)
+    full.decoder.forward = lambda *args, **kwargs: full_calls.append(kwargs["input_ids"].shape) or full_original(*args, **kwargs)
     for step in range(2):
         items = [("A", _grouped_batch(step)), ("B", _grouped_batch(step))]
         got = dict(zip(("A", "B"), (m for _, m in shared.train_packed(items))))
@@ -197,6 +198,7 @@ def test_shared_prompts_train_as_if_every_row_ran_its_whole_sequence(micro_model
             for key, value in want[name].items():
                 assert got[name][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
     assert any(shape[0] < 4 for shape in calls[::2]), "prompt passes run fewer rows than the micro-batch"
+    assert len(full_calls) == 2 * 5, "without shared prompts: one whole-sequence pass per micro-batch (18 rows in 4s)"
     for name in ("A", "B"):
         a, b = full.store.tenants[name], shared.store.tenants[name]
         assert torch.equal(a.rng_state, b.rng_state)

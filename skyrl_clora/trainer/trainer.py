@@ -207,15 +207,18 @@ class Trainer:
         log-prob; masks drop them). Rows that share a prompt compute it once (:func:`shared_prefix_hidden`)."""
         width = micro.width
         input_ids = rows.input_ids[row_index, :width]
-        groups = [rows.prompt_groups[row] for row in host_rows]
-        distinct = list(dict.fromkeys(groups))
-        if len(distinct) < len(groups) and self.shared_prefix:
+        steps = torch.arange(micro.response_width, device=self.device)
+        prefix_of: dict[int, int] = {}  # prompt group -> its index among the micro-batch's distinct prompts
+        if self.shared_prefix:
+            for row in host_rows:
+                prefix_of.setdefault(rows.prompt_groups[row], len(prefix_of))
+        if self.shared_prefix and len(prefix_of) < len(host_rows):  # some rows share a prompt
             hidden = shared_prefix_hidden(
                 self.decoder, self._route, input_ids,
                 prompt_lens=[rows.host_seq_lens[r] - rows.host_response_lens[r] for r in host_rows],
                 response_lens=[rows.host_response_lens[r] for r in host_rows],
                 row_slots=[rows.host_row_slot[r] for r in host_rows],
-                prefix_of=[distinct.index(group) for group in groups], response_width=micro.response_width,
+                prefix_of=[prefix_of[rows.prompt_groups[r]] for r in host_rows], response_width=micro.response_width,
             )
         else:
             positions = torch.arange(width, device=self.device)
@@ -223,10 +226,8 @@ class Trainer:
             with self._route(token_slots.reshape(-1)):
                 full = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, L, H]
             # Response token j of a row sits at input position start + j and is predicted at start + j - 1.
-            steps = torch.arange(micro.response_width, device=self.device)
             index = (rows.prompt_lens[row_index, None] - 1 + steps[None]).clamp(0, max(width - 2, 0))
             hidden = full.gather(1, index[..., None].expand(-1, -1, full.shape[-1]))
-        steps = torch.arange(micro.response_width, device=self.device)
         targets = input_ids.gather(1, (rows.prompt_lens[row_index, None] + steps[None]).clamp(max=width - 1))
         log_probs = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.head, targets.reshape(-1), self.max_logits)
         return log_probs.view(targets.shape)
