@@ -136,18 +136,24 @@ class AdapterWeights:
 
 def write_slot(layers: dict[str, MultiLoRALinear], slot: int, adapter: AdapterWeights | None) -> None:
     """Copies ``adapter`` into ``slot`` of every layer in place (zero-padding ranks below the max);
-    ``None`` clears the slot. Storage is never reallocated."""
+    ``None`` clears the slot. Storage is never reallocated.
+
+    Multi-tensor ops, none of which waits for the device: a copy from pinned host memory (the trainer's
+    swapped-out weights) runs asynchronously in stream order, so its source must not change afterwards
+    (the trainer hands out a fresh buffer per step); pageable sources are copied synchronously by CUDA."""
     with torch.no_grad():
-        for path, layer in layers.items():
-            layer.lora_a[slot].zero_()
-            layer.lora_b[slot].zero_()
-            if adapter is None:
-                layer.scales[slot] = 0.0
-                continue
-            a, b = adapter.a[path], adapter.b[path]
-            layer.lora_a[slot, : adapter.rank].copy_(a)
-            layer.lora_b[slot, :, : adapter.rank].copy_(b)
-            layer.scales[slot] = adapter.scale
+        layer_list = list(layers.values())
+        torch._foreach_zero_([layer.lora_a[slot] for layer in layer_list] + [layer.lora_b[slot] for layer in layer_list])
+        scale = 0.0 if adapter is None else adapter.scale
+        source = torch.full((1,), scale, device=layer_list[0].scales.device, dtype=layer_list[0].scales.dtype)
+        torch._foreach_copy_([layer.scales[slot : slot + 1] for layer in layer_list], [source] * len(layer_list))
+        if adapter is None:
+            return
+        paths = list(layers)
+        targets = [layers[path].lora_a[slot, : adapter.rank] for path in paths]
+        targets += [layers[path].lora_b[slot, :, : adapter.rank] for path in paths]
+        sources = [adapter.a[path] for path in paths] + [adapter.b[path] for path in paths]
+        torch._foreach_copy_(targets, sources, non_blocking=True)
 
 
 def read_slot(layers: dict[str, MultiLoRALinear], slot: int, rank: int, alpha: float) -> AdapterWeights:
