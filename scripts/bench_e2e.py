@@ -214,8 +214,9 @@ def summarize(result: ModeResult) -> dict:
     }
 
 
-def profile_experiment(model_dir: Path, workload: Workload, device: str, out: Path) -> None:
-    """One experiment of ``workload`` (after the warm-up) under ``torch.profiler``: writes the top GPU kernels,
+def profile_experiment(model_dir: Path, workload: Workload, mode: str, tenants: int, device: str, out: Path) -> None:
+    """``tenants`` concurrent experiments of ``workload`` in train ``mode`` (after the warm-up) under
+    ``torch.profiler``: writes the top GPU kernels,
     the top CPU ops (self time, every thread) and the engine's and trainer's named ranges (``record_function``:
     admission, prefill, decode step, sampling, trainer forward/backward) to ``out`` with suffixes
     ``.kernels.txt`` / ``.cpu.txt`` / ``.ranges.txt``."""
@@ -223,7 +224,8 @@ def profile_experiment(model_dir: Path, workload: Workload, device: str, out: Pa
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
-        run_and_release(model_dir, workload, "swap", ["profiled"], [1], device)
+        run_and_release(model_dir, workload, mode, [f"profiled-{i}" for i in range(tenants)],
+                        list(range(1, tenants + 1)), device)
     averages = prof.key_averages()
     out.parent.mkdir(parents=True, exist_ok=True)
     if device == "cuda":
@@ -252,8 +254,8 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=100)
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run of the script")
     parser.add_argument("--profile", action="store_true",
-                        help="instead of the table: profile one 1-step experiment after the warm-up and write its "
-                             "GPU-kernel and CPU-op tables beside --out")
+                        help="instead of the table: profile 1-step experiments after the warm-up (the largest --tenants "
+                             "concurrently, the first of --modes) and write the GPU-kernel, CPU-op and range tables beside --out")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     workload = Workload(steps=args.steps, response=args.response)
@@ -265,7 +267,7 @@ def main() -> None:
         # Untimed: compiles the Triton kernels once per process (cached for every later cold start).
         run_and_release(model_dir, replace(workload, steps=1), "swap", ["warm-up"], [0], args.device)
         if args.profile:
-            profile_experiment(model_dir, replace(workload, steps=1), args.device, args.out)
+            profile_experiment(model_dir, replace(workload, steps=1), args.modes[0], most, args.device, args.out)
             return
         serial: list[ModeResult] = []
         for name, seed in zip(names, seeds):

@@ -114,6 +114,18 @@ def run_round(trainer: Trainer, mode: str, names: list[str], batches: dict[str, 
         trainer.train_step(name, batches[name], prefetch=upcoming)
 
 
+def profile_round(trainer: Trainer, mode: str, names: list[str], batches: dict[str, TrainBatch], path: Path) -> None:
+    """One round of ``mode`` under ``torch.profiler``: writes its top GPU kernels and CPU ops to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_round(trainer, mode, names, batches)
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    path.write_text(averages.table(sort_by="self_cuda_time_total", row_limit=40) + "\n"
+                    + averages.table(sort_by="self_cpu_time_total", row_limit=25))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_train"))
@@ -123,6 +135,9 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=32)
     parser.add_argument("--hf-baseline", action="store_true",
                         help="first measure swap on Hugging Face's own RMSNorm / SwiGLU modules")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to measure (swap always)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one round per mode (after its timed rounds): writes <workload>.<mode>.kernels.txt")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -144,7 +159,8 @@ def main() -> None:
     workloads = args.workloads.split(",")
     # The baseline on Hugging Face's own modules for every workload first, then the fused modules for the rest.
     plan = [(workload, HF_BASELINE) for workload in workloads if args.hf_baseline]
-    plan += [(workload, mode) for workload in workloads for mode in MODES]
+    modes = ["swap"] + [mode for mode in args.modes if mode != "swap"]
+    plan += [(workload, mode) for workload in workloads for mode in modes]
     for workload, mode in plan:
         if mode != HF_BASELINE and not any(isinstance(m, FusedRMSNorm) for m in model.modules()):
             fuse_elementwise_modules(model)
@@ -169,6 +185,8 @@ def main() -> None:
             phase_started = time.perf_counter()
             run_round(trainer, mode, names, batches)
             phases["round (synchronised phases)"] = time.perf_counter() - phase_started
+        if args.profile:
+            profile_round(trainer, mode, names, batches, args.out / f"{workload}.{mode.replace(' ', '')}.kernels.txt")
         median = statistics.median(seconds)
         row = {"workload": workload, "mode": mode, "round_s": median, "round_s_all": seconds,
                "tokens_per_round": tokens, "tokens_per_s": tokens / median, "peak_gib": peak,
