@@ -33,6 +33,7 @@ from skyrl_clora.trainer.batch import MicroBatch, PassRows, TrainBatch, build_pa
 from skyrl_clora.trainer.fused_modules import fuse_elementwise_modules
 from skyrl_clora.trainer.logprobs import token_logprobs
 from skyrl_clora.trainer.optim import OptimizerConfig, adamw_slot
+from skyrl_clora.trainer.prompt_segments import segment_prefix_hidden
 from skyrl_clora.trainer.shared_prefix import shared_prefix_hidden, supports_shared_prefix
 
 
@@ -45,7 +46,9 @@ class Trainer:
     the model's RMSNorm and SwiGLU MLP modules are replaced in place by fused ones
     (:func:`fuse_elementwise_modules`); without, the model's own modules run (bench_train's baseline).
     With ``shared_prefix`` (and a decoder of full-attention layers) the rows of a micro-batch that share a
-    prompt compute it once (:func:`shared_prefix_hidden`); without, every row runs its whole sequence.
+    prompt compute it once: in one pass of prompt and response segments on a GPU (:func:`segment_prefix_hidden`),
+    in a prompt pass and a response pass elsewhere (:func:`shared_prefix_hidden`); without, every row runs
+    its whole sequence.
     """
 
     def __init__(
@@ -204,7 +207,7 @@ class Trainer:
     def _logprobs(self, rows: PassRows, row_index: torch.Tensor, micro: MicroBatch, host_rows: list[int]) -> torch.Tensor:
         """Log-probs ``[B, response_width]`` of the response tokens of rows ``row_index`` (``host_rows`` on the
         host), each under its tenant's slot (positions past a row's response hold a clamped token's
-        log-prob; masks drop them). Rows that share a prompt compute it once (:func:`shared_prefix_hidden`)."""
+        log-prob; masks drop them). Rows that share a prompt compute it once (see the class docstring)."""
         width = micro.width
         input_ids = rows.input_ids[row_index, :width]
         steps = torch.arange(micro.response_width, device=self.device)
@@ -213,7 +216,9 @@ class Trainer:
             for row in host_rows:
                 prefix_of.setdefault(rows.prompt_groups[row], len(prefix_of))
         if self.shared_prefix and len(prefix_of) < len(host_rows):  # some rows share a prompt
-            hidden = shared_prefix_hidden(
+            # one flat pass on a GPU (host-bound: a second pass costs what it saves), two passes elsewhere
+            prefix_hidden = segment_prefix_hidden if self.device.type == "cuda" else shared_prefix_hidden
+            hidden = prefix_hidden(
                 self.decoder, self._route, input_ids,
                 prompt_lens=[rows.host_seq_lens[r] - rows.host_response_lens[r] for r in host_rows],
                 response_lens=[rows.host_response_lens[r] for r in host_rows],

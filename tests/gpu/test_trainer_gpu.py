@@ -135,3 +135,33 @@ def test_training_attention_runs_on_flash_or_memory_efficient_kernels(micro_mode
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
         metrics = trainer.train_step("A", batch)[1]
     assert metrics["grad_norm"] > 0
+
+
+def test_segment_attention_on_flash_matches_its_reference_in_values_and_gradients() -> None:
+    """bf16 flash-attention varlen call of ``SegmentLayout`` (GQA, bottom-right causal segments, prompt keys
+    gathered in front of several responses) against the masked-SDPA reference computed in fp32."""
+    from skyrl_clora.trainer.prompt_segments import SegmentLayout
+
+    generator = torch.Generator().manual_seed(0)
+    prompts, responses, prefix_of = [37, 90], [13, 64, 1, 120], [0, 0, 1, 1]
+    starts = [0, 37]
+    tokens = sum(prompts) + sum(responses)
+    key_index, q_lens, k_lens, cursor = list(range(sum(prompts))), list(prompts), list(prompts), sum(prompts)
+    for length, prefix in zip(responses, prefix_of):
+        key_index += list(range(starts[prefix], starts[prefix] + prompts[prefix])) + list(range(cursor, cursor + length))
+        q_lens.append(length)
+        k_lens.append(prompts[prefix] + length)
+        cursor += length
+    cumulative = lambda lengths: torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))], dtype=torch.int32, device="cuda")
+    layout = SegmentLayout(torch.tensor(key_index, device="cuda"), cumulative(q_lens), cumulative(k_lens), q_lens, k_lens)
+    q, k, v = (torch.randn(1, heads, tokens, 64, generator=generator).cuda() for heads in (8, 2, 2))
+    grad = torch.randn(1, tokens, 8, 64, generator=generator).cuda()
+
+    def run(dtype: torch.dtype) -> list[torch.Tensor]:
+        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = layout.attend(*inputs, scale=0.125)
+        out.backward(grad.to(dtype))
+        return [out.float()] + [t.grad.float() for t in inputs]
+
+    for got, want in zip(run(torch.bfloat16), run(torch.float32)):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

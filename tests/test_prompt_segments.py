@@ -1,0 +1,93 @@
+"""The one-pass shared-prompt forward (prompt and response segments of one flat sequence) against every row
+running its whole sequence: hidden states and LoRA gradients, with two tenants' adapters in one pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from skyrl_clora.lora.layers import attach_multi_lora, write_slot
+from skyrl_clora.lora.peft_export import init_adapter
+from skyrl_clora.trainer.prompt_segments import SegmentLayout, segment_prefix_hidden
+
+
+def _model(model_dir: Path):
+    model = AutoModelForCausalLM.from_pretrained(model_dir).train()
+    routing, layers = attach_multi_lora(model, num_slots=2, max_rank=8, trainable=True)
+    for slot in range(2):
+        adapter = init_adapter(layers, 8, 16.0, torch.Generator().manual_seed(slot))
+        for path in adapter.b:  # B = 0 would leave the base model's output unchanged: tenants must differ
+            adapter.b[path] = torch.randn(adapter.b[path].shape, generator=torch.Generator().manual_seed(slot + 7)) * 0.1
+        write_slot(layers, slot, adapter)
+    return model, routing, layers
+
+
+def _rows() -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
+    """Three prompts of different lengths with 3, 1 and 2 samples; prompt 1 and 2 in slot 1, prompt 0 in slot 0."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (length,), generator=generator).tolist() for length in (7, 12, 5)]
+    prefix_of = [0, 0, 0, 1, 2, 2]
+    responses = [torch.randint(0, 300, (length,), generator=generator).tolist() for length in (4, 9, 1, 6, 3, 8)]
+    return [prompts[p] for p in prefix_of], responses, prefix_of, [0 if p == 0 else 1 for p in prefix_of]
+
+
+def test_segments_match_whole_sequences_in_values_and_gradients(micro_model_dir: Path) -> None:
+    model, routing, layers = _model(micro_model_dir)
+    prompts, responses, prefix_of, slots = _rows()
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    response_width = max(len(r) for r in responses)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+        input_ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+    weights = torch.randn(len(prompts), response_width, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    valid = torch.tensor([[j < len(r) for j in range(response_width)] for r in responses])[..., None]
+
+    def loss_and_grads(hidden: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        loss = (hidden * weights * valid).sum()
+        grads = torch.autograd.grad(loss, [layer.lora_a for layer in layers.values()] + [layer.lora_b for layer in layers.values()])
+        return hidden.detach() * valid, list(grads)
+
+    segments = segment_prefix_hidden(
+        model.model, lambda token_slots: routing.route(token_slots, None), input_ids,
+        prompt_lens=[len(p) for p in prompts], response_lens=[len(r) for r in responses], row_slots=slots,
+        prefix_of=prefix_of, response_width=response_width)
+    got, got_grads = loss_and_grads(segments)
+
+    positions = torch.arange(width)
+    lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)])
+    token_slots = torch.where(positions[None] < lengths[:, None], torch.tensor(slots)[:, None], -1)
+    with routing.route(token_slots.reshape(-1), None):
+        full = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
+    index = torch.tensor([[min(len(p) - 1 + j, width - 1) for j in range(response_width)] for p in prompts])
+    want, want_grads = loss_and_grads(full.gather(1, index[..., None].expand(-1, -1, full.shape[-1])))
+
+    # rows 3 and 4 differ only in their adapter and prompt; same prompt, other slot must change the output
+    assert not torch.allclose(got[0, :4], got[3, :4], atol=1e-3)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        assert b.abs().sum() > 0
+        # sums over a prompt's rows reorder float additions: compare at the gradient's own scale
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * float(b.abs().max()))
+
+
+def test_layout_reference_attends_bottom_right_within_segments() -> None:
+    """Two segments: 2 queries over 3 keys, then 1 query over 1 key; query i of a segment sees its keys up to
+    i + (keys - queries). Checked against per-segment attention computed by hand."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 3, 4, generator=generator)  # [1, H, N, d]
+    k = torch.randn(1, 1, 3, 4, generator=generator)
+    v = torch.randn(1, 1, 3, 4, generator=generator)
+    layout = SegmentLayout(key_index=torch.tensor([0, 1, 2, 2]), cu_q=torch.tensor([0, 2, 3], dtype=torch.int32),
+                           cu_k=torch.tensor([0, 3, 4], dtype=torch.int32), q_lens=[2, 1], k_lens=[3, 1])
+    out = layout.attend(q, k, v, scale=0.5)[0]  # [N, H, d]
+
+    def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(query @ keys.T * 0.5, dim=-1) @ values
+
+    keys, values = k[0, 0], v[0, 0]
+    for head in range(2):
+        torch.testing.assert_close(out[0, head], attend(q[0, head, 0], keys[:2], values[:2]))
+        torch.testing.assert_close(out[1, head], attend(q[0, head, 1], keys[:3], values[:3]))
+        torch.testing.assert_close(out[2, head], attend(q[0, head, 2], keys[2:3], values[2:3]))
