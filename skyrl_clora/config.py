@@ -72,7 +72,7 @@ class TrainerConfig:
     max_grad_norm: float
     algorithm: dict[str, Any]
     pack_size: int = 0
-    shared_prompts: bool | None = None
+    shared_prompts: bool = True
 
     def __post_init__(self) -> None:
         if self.pack_size < 0:
@@ -81,8 +81,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.lr_schedule={self.lr_schedule} is unknown; use constant or cosine")
         if self.micro_batch_size < 1:
             raise ConfigError(f"trainer.micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.shared_prompts not in (None, True, False):
-            raise ConfigError(f"trainer.shared_prompts={self.shared_prompts} must be true, false or null (on the CPU only)")
+        if self.shared_prompts not in (True, False):
+            raise ConfigError(f"trainer.shared_prompts={self.shared_prompts} must be true or false")
 
 
 @dataclass(frozen=True)

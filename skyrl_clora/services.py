@@ -104,7 +104,7 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         trainer_model, trainer_routing, trainer_layers, store, algorithm,
         OptimizerConfig(weight_decay=run.trainer.weight_decay, max_grad_norm=run.trainer.max_grad_norm),
         micro_batch_size=run.trainer.micro_batch_size,
-        shared_prefix=device.type == "cpu" if run.trainer.shared_prompts is None else run.trainer.shared_prompts,
+        shared_prefix=run.trainer.shared_prompts,
     )
     return Services(model_path, tokenizer, engine, client, trainer, store, AdapterSync(engine),
                     cold_start_seconds=time.perf_counter() - started)
