@@ -90,6 +90,8 @@ def _partial_kernel(
     k_ptr,
     v_ptr,
     len_ptr,
+    prefix_row_ptr,
+    prefix_len_ptr,
     o_ptr,
     lse_ptr,
     H,
@@ -113,10 +115,13 @@ def _partial_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
     """For split ``s``, kv head ``j``, row ``b`` and the ``GROUP`` query heads ``h`` of kv head ``j``:
     ``o[b, h, s] = softmax(q[b, h] @ K[b, j, keys].T * scale) @ V[b, j, keys]`` and ``lse[b, h, s]`` (base 2)
-    over ``keys = [s * SPLIT_LEN, min((s + 1) * SPLIT_LEN, length))``; nothing if the range is empty."""
+    over ``keys = [s * SPLIT_LEN, min((s + 1) * SPLIT_LEN, length))``; nothing if the range is empty.
+    HAS_PREFIX: the keys below ``prefix_len[b]`` are read from cache row ``prefix_row[b]`` (rows sharing a
+    prefix then read one copy of it, which their programs, close in the grid, find in L2)."""
     if PDL:
         gdc_launch_dependents()
     pid_s = tl.program_id(0)
@@ -136,21 +141,27 @@ def _partial_kernel(
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:  # the CPU interpreter mis-multiplies bf16 operands
         q = q.to(tl.float32)
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    prefix_row = b
+    prefix_len = 0
+    if HAS_PREFIX:
+        prefix_row = tl.load(prefix_row_ptr + b).to(tl.int32)
+        prefix_len = tl.load(prefix_len_ptr + b).to(tl.int32)
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for i in range(SPLIT_LEN // BLOCK_N):  # keys past the length are masked (loads of them move no data)
         pos = start + i * BLOCK_N + offs_n
         n_mask = pos < length
+        row = tl.where(pos < prefix_len, prefix_row, b).to(tl.int64)  # [BLOCK_N]
         kt = tl.load(
-            k_base + pos[None, :].to(tl.int64) * stride_kl + offs_d[:, None],
+            k_base + row[None, :] * stride_kb + pos[None, :].to(tl.int64) * stride_kl + offs_d[:, None],
             mask=n_mask[None, :] & d_mask[:, None],
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
         vt = tl.load(
-            v_base + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :],
+            v_base + row[:, None] * stride_vb + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :],
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
@@ -220,6 +231,8 @@ def decode_attention_triton(
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
     config: AttentionConfig | None = None,
+    prefix_rows: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton ``decode_attention`` (semantics: ``reference.decode_attention_ref``); returns ``out``.
 
@@ -227,7 +240,7 @@ def decode_attention_triton(
     allocated and nothing waits for the host; otherwise they are allocated here. ``config`` overrides
     ``default_attention_config`` (benchmarks sweep it). Raises ValueError on bad shapes, dtypes or strides.
     """
-    check_decode_attention(q, k_cache, v_cache, lengths, out, MAX_HEAD_DIM)
+    check_decode_attention(q, k_cache, v_cache, lengths, out, MAX_HEAD_DIM, prefix_rows, prefix_lens)
     B, H, D = q.shape
     KV, L = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -254,13 +267,15 @@ def decode_attention_triton(
     group = H // KV
     on_cpu = q.device.type != "cuda"
     pdl = cfg.pdl and has_pdl(q.device)
+    has_prefix = prefix_rows is not None
     _partial_kernel[(num_splits, KV, B)](
-        q, k_cache, v_cache, lengths, partial_o, partial_lse, H, D, L, num_splits, _LOG2E / math.sqrt(D),
+        q, k_cache, v_cache, lengths, prefix_rows if has_prefix else lengths, prefix_lens if has_prefix else lengths,
+        partial_o, partial_lse, H, D, L, num_splits, _LOG2E / math.sqrt(D),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         SPLIT_LEN=cfg.split_len, UPCAST=on_cpu, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl, HAS_PREFIX=has_prefix, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     _reduce_kernel[(H, B)](
         partial_o, partial_lse, lengths, out, H, D, L, num_splits, out.stride(0), out.stride(1),

@@ -118,8 +118,15 @@ def check_decode_attention(
     lengths: torch.Tensor,
     out: torch.Tensor | None,
     max_head_dim: int,
+    prefix_rows: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
 ) -> None:
     """Checks the arguments of ``decode_attention`` for the Triton path (see ``reference.decode_attention_ref``)."""
+    if (prefix_rows is None) != (prefix_lens is None):
+        raise ValueError("prefix_rows and prefix_lens go together: give both or neither")
+    for name, t in (("prefix_rows", prefix_rows), ("prefix_lens", prefix_lens)):
+        if t is not None and (t.shape != (q.shape[0],) or t.dtype not in (torch.int32, torch.int64) or t.device != q.device):
+            raise ValueError(f"{name} must be [B] int32/int64 on q's device, got {tuple(t.shape)} {t.dtype} {t.device}")
     if q.dim() != 3 or q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q must be [B, H, d] in one of {FLOAT_DTYPES}, got {tuple(q.shape)} {q.dtype}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:

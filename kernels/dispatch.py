@@ -129,6 +129,8 @@ def decode_attention(
     *,
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
+    prefix_rows: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
     backend: Backend | None = None,
 ) -> torch.Tensor:
     """One decode step's attention over a slot-based KV cache; returns ``out`` (written in place if given).
@@ -144,6 +146,10 @@ def decode_attention(
                 v = v_cache[b, h // (H // KV), :lengths[b]]
                 out[b, h] = softmax(q[b, h] @ k.T / sqrt(d)) @ v
 
+    With ``prefix_rows``/``prefix_lens`` (``[B]`` ints, both or neither), row ``b`` reads its positions below
+    ``prefix_lens[b]`` from cache row ``prefix_rows[b]`` instead: rows whose prompts were copied from one
+    cached prefix then read one copy of it (``decode_attention_ref`` states it as pseudo-code).
+
     Usage in a decode step (the new token's K/V already written at position ``lengths[b] - 1``)::
 
         ws = DecodeWorkspace(max_rows, H, L, d, device="cuda")       # once
@@ -156,8 +162,9 @@ def decode_attention(
     path (``reference.decode_attention_ref``) masks over all ``L`` positions and ignores ``workspace``.
     """
     if _use_triton(q, backend):
-        return decode_attention_triton(q, k_cache, v_cache, lengths, out=out, workspace=workspace)
-    return decode_attention_ref(q, k_cache, v_cache, lengths, out=out)
+        return decode_attention_triton(q, k_cache, v_cache, lengths, out=out, workspace=workspace,
+                                       prefix_rows=prefix_rows, prefix_lens=prefix_lens)
+    return decode_attention_ref(q, k_cache, v_cache, lengths, out=out, prefix_rows=prefix_rows, prefix_lens=prefix_lens)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,

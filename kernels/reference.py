@@ -106,16 +106,20 @@ def decode_attention_ref(
     v_cache: torch.Tensor,
     lengths: torch.Tensor,
     out: torch.Tensor | None = None,
+    prefix_rows: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode step's attention, each row over its own cache row's first ``lengths[b]`` positions.
+    """One decode step's attention, each row over its own cache row's first ``lengths[b]`` positions, or,
+    with ``prefix_rows``/``prefix_lens`` (``[B]`` ints), over row ``prefix_rows[b]``'s K/V at the positions
+    below ``prefix_lens[b]`` (a row holding the same prefix K/V: reading one copy for several rows).
 
     Semantics, for ``q: [B, H, d]``, ``k_cache, v_cache: [S, KV, L, d]`` (``S >= B``), ``lengths: [B]``,
-    ``G = H // KV`` query heads per kv head::
+    ``G = H // KV`` query heads per kv head, ``r(b, p) = prefix_rows[b] if p < prefix_lens[b] else b``::
 
         for b in range(B):
             n = min(lengths[b], L)
             for h in range(H):
-                k = k_cache[b, h // G, :n]; v = v_cache[b, h // G, :n]          # [n, d]
+                k = stack([k_cache[r(b, p), h // G, p] for p in range(n)])     # [n, d]; v likewise
                 out[b, h] = softmax(q[b, h] @ k.T / sqrt(d)) @ v                 # zeros if n <= 0
 
     Computes in fp32 and writes ``out`` (allocated in ``q``'s dtype if not given); returns it. The
@@ -126,6 +130,11 @@ def decode_attention_ref(
     KV, L = k_cache.shape[1], k_cache.shape[2]
     k = k_cache[:B].float()  # [B, KV, L, d]
     v = v_cache[:B].float()
+    if prefix_rows is not None:
+        positions = torch.arange(L, device=q.device)
+        source = torch.where(positions[None] < prefix_lens.view(B, 1), prefix_rows.view(B, 1), torch.arange(B, device=q.device)[:, None])
+        k = k_cache[source, :, positions].float().permute(0, 2, 1, 3)  # [B, L, KV, d] -> [B, KV, L, d]
+        v = v_cache[source, :, positions].float().permute(0, 2, 1, 3)
     scores = (q.float().view(B, KV, H // KV, D) @ k.transpose(-1, -2)) / D**0.5  # [B, KV, G, L]
     valid = torch.arange(L, device=q.device).view(1, L) < lengths.view(B, 1)  # [B, L]
     scores = scores.masked_fill(~valid.view(B, 1, 1, L), float("-inf"))

@@ -58,6 +58,39 @@ def test_triton_matches_reference(head_dim: int, kv_heads: int, dtype: torch.dty
     assert _err(got, want) < TOLERANCE[dtype], f"relative error {_err(got, want):.2e}"
 
 
+def _shared_prefix_problem(dtype: torch.dtype):
+    """Rows 1, 2 and 4 share row 0's first 37 positions (row 4 only 20 of them, row 3 none): returns the
+    problem whose members' own prefix positions hold NaN, the prefix arguments, and the attention the
+    members would get with row 0's prefix copied into their rows."""
+    from dataclasses import replace
+
+    p = make_attention_problem(5, 4, 2, 70, 16, dtype, seed=11, lengths=[45, 60, 38, 50, 64])
+    prefix_rows = torch.tensor([0, 0, 0, 3, 0])
+    prefix_lens = torch.tensor([37, 37, 37, 0, 20])
+    copied_k, copied_v = p.k_cache.clone(), p.v_cache.clone()
+    for row, length in enumerate(prefix_lens.tolist()):
+        copied_k[row, :, :length] = p.k_cache[0, :, :length]
+        copied_v[row, :, :length] = p.v_cache[0, :, :length]
+        if row:
+            p.k_cache[row, :, :length] = float("nan")
+            p.v_cache[row, :, :length] = float("nan")
+    want = attention_loop_ref(replace(p, k_cache=copied_k, v_cache=copied_v))
+    return p, prefix_rows, prefix_lens, want
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefix_rows_read_the_shared_copy(backend: str, dtype: torch.dtype) -> None:
+    """Members read their prefix from the shared row (their own prefix positions are NaN), across key blocks
+    and splits (37 keys: two 16-key blocks and part of a third; 32-key splits), and their own keys after it."""
+    p, prefix_rows, prefix_lens, want = _shared_prefix_problem(dtype)
+    assert (want[1] - attention_loop_ref(p)[1]).isnan().all(), "the members' own prefix must be unusable"
+    config = {"config": AttentionConfig(split_len=32, block_n=16)} if backend == "triton" else {}
+    call = decode_attention_triton if backend == "triton" else decode_attention_ref
+    got = call(p.q, p.k_cache, p.v_cache, p.lengths, prefix_rows=prefix_rows, prefix_lens=prefix_lens, **config)
+    assert _err(got, want) < TOLERANCE[dtype], f"relative error {_err(got, want):.2e}"
+
+
 @interpreted
 @pytest.mark.parametrize("config", [AttentionConfig(split_len=32, block_n=16), AttentionConfig(split_len=128, block_n=32)])
 def test_triton_configs_match_reference(config: AttentionConfig) -> None:

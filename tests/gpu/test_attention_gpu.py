@@ -96,3 +96,22 @@ def test_decode_step_captured_in_cuda_graph_replays_new_lengths() -> None:
             want = attention_ref_fp32(p)
             assert _err(out, want) < TOLERANCE[torch.bfloat16], f"replay {replay}: relative error {_err(out, want):.2e}"
         assert not torch.allclose(outs[0].float(), outs[1].float(), atol=1e-2), "the two layers' caches must differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefix_rows_read_the_shared_copy_at_real_sizes(dtype: torch.dtype) -> None:
+    """64 rows in 8 groups of 8 whose first 255 positions (a GRPO prompt less its last token) are read from
+    the group's first row; every member's own copy is NaN, so reading it would show."""
+    p = make_attention_problem(64, 16, 8, 640, 128, dtype, device="cuda", seed=7,
+                               lengths=[300 + 4 * row for row in range(64)])
+    prefix_rows = (torch.arange(64, device="cuda") // 8) * 8
+    prefix_lens = torch.full((64,), 255, device="cuda")
+    clean_k, clean_v = p.k_cache.clone(), p.v_cache.clone()
+    clean_k[:, :, :255] = p.k_cache[prefix_rows, :, :255]
+    clean_v[:, :, :255] = p.v_cache[prefix_rows, :, :255]
+    members = prefix_rows != torch.arange(64, device="cuda")
+    p.k_cache[members, :, :255] = float("nan")
+    p.v_cache[members, :, :255] = float("nan")
+    want = decode_attention(p.q.float(), clean_k.float(), clean_v.float(), p.lengths, backend="torch")
+    got = decode_attention(p.q, p.k_cache, p.v_cache, p.lengths, prefix_rows=prefix_rows, prefix_lens=prefix_lens)
+    assert _err(got, want) < TOLERANCE[dtype], f"relative error {_err(got, want):.2e}"
