@@ -89,6 +89,7 @@ class ModeResult:
     cached_prompt_tokens: int = 0
     prefill_rounds: int = 0
     decode_steps: int = 0
+    shared_prefix_positions: int = 0
 
 
 def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: int, device: str):
@@ -182,6 +183,7 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     result.cached_prompt_tokens = services.engine.stats.cached_prompt_tokens
     result.prefill_rounds = services.engine.stats.prefill_rounds
     result.decode_steps = services.engine.stats.decode_steps
+    result.shared_prefix_positions = services.engine.stats.shared_prefix_positions
     result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     return result
 
@@ -197,7 +199,9 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
           f"{1e3 * result.decode_s / max(result.decode_steps, 1):.1f} ms, "
           f"{result.decode_tokens / max(result.decode_steps, 1):.0f} tokens sampled per step) / prefill {result.prefill_s:.1f} s "
           f"({result.prefill_rounds} rounds of {1e3 * result.prefill_s / max(result.prefill_rounds, 1):.0f} ms, "
-          f"{result.prefill_tokens} prompt tokens computed, {result.cached_prompt_tokens} from the prefix cache)", flush=True)
+          f"{result.prefill_tokens} prompt tokens computed, {result.cached_prompt_tokens} from the prefix cache; "
+          f"{result.shared_prefix_positions / max(result.decode_steps, 1):.0f} key positions per decode step read from "
+          "a shared copy)", flush=True)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -1,4 +1,5 @@
-"""The prefix cache's history entries: longest-prefix match, one use each, shared byte budget, per-adapter drop."""
+"""The prefix cache's history entries: longest-prefix match, one use each, shared byte budget, per-adapter drop;
+the prefix identities that tell which cache rows hold the same cached K/V."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def test_take_history_returns_the_longest_stored_prefix_once() -> None:
     request = turn2 + [5, 6, 7]
     assert cache.take_history("b", 0, request) is None, "another adapter's histories never match"
     assert cache.take_history("a", 1, request) is None, "another version's histories never match"
-    length, (k, v) = cache.take_history("a", 0, request)
+    length, (k, v), _ = cache.take_history("a", 0, request)
     assert length == len(turn2) and k.shape[2] == len(turn2) and float(k[0, 0, 0, 0]) == 2.0
-    length, (k, _) = cache.take_history("a", 0, request)
+    length, (k, _), _ = cache.take_history("a", 0, request)
     assert length == len(turn1) and float(k[0, 0, 0, 0]) == 1.0, "each history serves one request"
     assert cache.take_history("a", 0, request) is None
     changed = turn1[:-1] + [999] + list(range(200, 215))
@@ -45,6 +46,24 @@ def test_histories_and_blocks_share_one_budget_and_lru_order() -> None:
     cache.insert_history("a", 0, new, _kv(60, 2.0))  # over budget: the oldest entry (the first history) goes
     assert cache.take_history("a", 0, old + [1]) is None
     assert cache.used_bytes == 92 * per_position
-    assert len(cache.lookup("a", 0, list(range(500, 533)))) == 2
+    assert len(cache.lookup("a", 0, list(range(500, 533)))[0]) == 2
     cache.drop_adapter("a")
     assert cache.used_bytes == 0 and cache.take_history("a", 0, new + [1]) is None
+
+
+def test_identities_name_the_block_chain_a_row_holds() -> None:
+    """A row that stored blocks gets the chain key of its last stored block; a row that looked the same
+    prompt up gets the same key; a history hands its row's identity on; a block stored earlier by another
+    row ends the storing row's run (its bytes there are the other row's)."""
+    cache = PrefixCache(block_size=16, budget_bytes=1 << 20)
+    prompt = list(range(40))  # two whole blocks and 8 positions
+    identity = cache.insert("a", 0, prompt, 0, lambda index: _kv(16, float(index)))
+    blocks, key = cache.lookup("a", 0, prompt)
+    assert len(blocks) == 2 and identity == (key, 32)
+    assert cache.lookup("a", 0, list(range(1, 40))) == ([], None)
+    longer = prompt[:32] + list(range(100, 132))  # shares the two blocks, adds two of its own
+    assert cache.insert("a", 0, longer, 2, lambda index: _kv(16, 9.0))[1] == 64
+    other = list(range(16)) + list(range(300, 332))  # block 0 is cached already: its run never opens
+    assert cache.insert("a", 0, other, 0, lambda index: _kv(16, 5.0)) is None
+    cache.insert_history("a", 0, prompt + [7], _kv(41, 1.0), prefix=identity)
+    assert cache.take_history("a", 0, prompt + [7, 8])[2] == identity

@@ -23,15 +23,20 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 def _logits(model: Qwen3ForCausalLM, routing, triton_path: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    runner = ModelRunner(model, routing, num_rows=16, max_len=64, block_size=16, prefill_tokens=32)
+    runner = ModelRunner(model, routing, num_rows=16, max_len=64, block_size=16, prefill_tokens=32, share_prefix_reads=True)
     if triton_path:  # the buffers ModelRunner preallocates on CUDA
         runner.lora_meta = LoRAMeta(32, 2, "cpu", max_rank=16, max_slices=3)
         runner._attention_workspace = DecodeWorkspace(16, 4, 64, 16, "cpu")
     tokens = torch.arange(3, 23)
-    # The same prompt in row 1 with the adapter and in row 3 without it, then one decode step of each.
-    prefill = runner.prefill([PrefillJob(row=1, tokens=tokens, lora_slot=0), PrefillJob(row=3, tokens=tokens, lora_slot=-1)])
-    runner.set_decode_inputs([0, 5, 0, 5] + [0] * 12, [0, 20, 0, 20] + [0] * 12, [-1, 0, -1, -1] + [-1] * 12)
-    return torch.stack(prefill), runner.decode(16)[[1, 3]]
+    # The same prompt in row 1 with the adapter, in row 3 without it and in row 5 with it again, then one
+    # decode step of each; row 5 reads its first 16 positions from row 1 (the same K/V there).
+    prefill = runner.prefill([PrefillJob(row=1, tokens=tokens, lora_slot=0), PrefillJob(row=3, tokens=tokens, lora_slot=-1),
+                              PrefillJob(row=5, tokens=tokens, lora_slot=0)])
+    runner.set_decode_inputs([0, 5, 0, 5, 0, 5] + [0] * 10, [0, 20, 0, 20, 0, 20] + [0] * 10, [-1, 0, -1, -1, -1, 0] + [-1] * 10,
+                             prefix_rows=[0, 1, 2, 3, 4, 1] + list(range(6, 16)), prefix_lens=[0] * 5 + [16] + [0] * 10)
+    decoded = runner.decode(16)
+    assert torch.equal(decoded[5], decoded[1]), "the same prompt, adapter and token: the same logits"
+    return torch.stack(prefill[:2]), decoded[[1, 3]]
 
 
 def test_triton_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,10 +26,11 @@ PROMPT = list(range(5, 25))
 
 
 def _engine(model_dir: Path, num_rows: int, adapters: dict[str, int], max_len: int = 96,
-            reuse_decode_kv: bool = False) -> tuple[Engine, dict]:
+            reuse_decode_kv: bool = False, share_prefix_reads: bool = False) -> tuple[Engine, dict]:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
-    engine = Engine(model, routing, layers, num_rows=num_rows, max_len=max_len, reuse_decode_kv=reuse_decode_kv)
+    engine = Engine(model, routing, layers, num_rows=num_rows, max_len=max_len, reuse_decode_kv=reuse_decode_kv,
+                    share_prefix_reads=share_prefix_reads)
     weights = {name: random_adapter(layers, seed) for name, seed in adapters.items()}
     for name, adapter in weights.items():
         engine.register_adapter(name, adapter)
@@ -246,6 +247,33 @@ def test_requests_sharing_only_cached_blocks_are_admitted_together(micro_model_d
         assert engine.stats.cached_prompt_tokens == 3 * 32 + 4 * 32
     finally:
         engine.shutdown()
+
+
+def test_rows_sharing_a_cached_prompt_read_one_copy_with_the_same_results(micro_model_dir: Path) -> None:
+    """Two tenants' GRPO groups of one prompt, two turns each (histories reused): decode attention reads the
+    group's copied prompt positions from one row (never across tenants, whose K/V differ), and every token
+    and log-prob equals an engine where each row reads its own copy."""
+    prompt = [(7 * i) % 300 + 5 for i in range(40)]  # two whole blocks and a part
+    engines = [_engine(micro_model_dir, num_rows=16, adapters={"a": 1, "b": 2}, reuse_decode_kv=True,
+                       share_prefix_reads=share)[0] for share in (True, False)]
+    try:
+        results = []
+        for engine in engines:
+            engine.pause()  # the requests reach the engine together
+            firsts = [engine.submit(prompt, adapter, _params(seed, max_tokens=6)) for adapter in "ab" for seed in range(4)]
+            engine.resume()
+            firsts = [future.result(timeout=60) for future in firsts]
+            engine.pause()
+            seconds = [engine.submit(prompt + first.token_ids + [40, 41], adapter, _params(10 + i, max_tokens=6))
+                       for i, (adapter, first) in enumerate(zip("aaaabbbb", firsts))]
+            engine.resume()
+            results.append([(c.token_ids, c.logprobs) for c in firsts + [future.result(timeout=60) for future in seconds]])
+        assert len({tuple(tokens) for tokens, _ in results[0]}) == 16, "samples and tenants must differ"
+        assert results[0] == results[1]
+        assert engines[0].stats.shared_prefix_positions > 0 and engines[1].stats.shared_prefix_positions == 0
+    finally:
+        for engine in engines:
+            engine.shutdown()
 
 
 def test_a_request_that_reaches_the_engine_after_its_adapter_left_fails_alone(micro_model_dir: Path) -> None:

@@ -36,8 +36,9 @@ from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear, write_slot
 from skyrl_clora.profiling import profiled
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
-from skyrl_clora.sampler.prefix_cache import BlockKV, PrefixCache
+from skyrl_clora.sampler.prefix_cache import BlockKV, PrefixCache, PrefixIdentity
 from skyrl_clora.sampler.sampling import RowSampling, request_uniform, sample_rows
+from skyrl_clora.sampler.shared_rows import SharedPrefixRows
 
 GIL_SWITCH_SECONDS = 0.0005  # the GIL switch interval while the engine runs on a GPU (Python's default: 5 ms)
 
@@ -74,7 +75,7 @@ class _Request:
     row: int = -1
     lora_slot: int = -1
     version: int = -1
-    history: tuple[int, BlockKV] | None = None  # a finished turn's (length, K/V) this prompt extends
+    history: tuple[int, BlockKV, PrefixIdentity | None] | None = None  # a finished turn this prompt extends
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -98,7 +99,8 @@ class EngineStats:
     """Counters since start: decode steps, admission rounds that prefilled (one batched prefill call
     each), tokens generated, prompt tokens computed by prefill and prompt tokens served from the prefix
     cache, seconds spent in prefill (with its sampling), in decode steps (with their sampling) and busy
-    in all, and the seconds the CUDA-graph capture took."""
+    in all, the seconds the CUDA-graph capture took, and the key positions decode steps read from another
+    row's copy of a shared prefix."""
 
     decode_steps: int = 0
     prefill_rounds: int = 0
@@ -109,6 +111,7 @@ class EngineStats:
     decode_seconds: float = 0.0
     busy_seconds: float = 0.0
     graph_capture_seconds: float = 0.0
+    shared_prefix_positions: int = 0  # decode-step key positions read from another row's copy
 
 
 class Engine:
@@ -120,6 +123,11 @@ class Engine:
     steps compute K/V with other kernels than prefill, so on the CPU this would make a request's bits
     depend on whether its history was still cached (i.e. on other tenants' traffic): off by default,
     on for GPU runs (``sampler.reuse_decode_kv``).
+
+    ``share_prefix_reads``: decode attention reads the positions that rows copied from one cached block
+    chain from one of those rows (:class:`SharedPrefixRows`): the same answer, bit for bit, from one copy
+    in L2 instead of one per row from memory. On for GPU runs (the services), where decode attention is
+    bound by reading K/V.
     """
 
     def __init__(
@@ -134,11 +142,13 @@ class Engine:
         prefix_cache_bytes: int = 1 << 30,
         cuda_graphs: bool = True,
         reuse_decode_kv: bool = False,
+        share_prefix_reads: bool = False,
     ) -> None:
         max_len = -(-max_len // block_size) * block_size  # whole prefill blocks
         num_rows = -(-num_rows // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
         self.runner = ModelRunner(model, routing, num_rows=num_rows, max_len=max_len, block_size=block_size,
-                                  prefill_tokens=max_prefills_per_step * block_size)
+                                  prefill_tokens=max_prefills_per_step * block_size, share_prefix_reads=share_prefix_reads)
+        self._shared_rows = SharedPrefixRows(num_rows) if share_prefix_reads else None
         self.prefix_cache = PrefixCache(block_size, prefix_cache_bytes)
         self.reuse_decode_kv = reuse_decode_kv and prefix_cache_bytes > 0
         self.lora_layers = lora_layers
@@ -358,24 +368,32 @@ class Engine:
         jobs = []
         block = self.runner.block_size
         prompts = lists_to_device([req.prompt_ids for req in requests], self.runner.device)
+        copied: list[PrefixIdentity | None] = []  # per request: the cached chain its first positions copy
         for req, tokens in zip(requests, prompts):
             req.lora_slot = -1 if req.adapter is None else self._slots[req.adapter]
             if req.history is not None:  # the last prompt token is always computed (its logits are needed)
-                start, (k, v) = min(req.history[0], len(req.prompt_ids) - 1), req.history[1]
+                length, (k, v), identity = req.history
+                start = min(length, len(req.prompt_ids) - 1)
                 self.runner.write_kv(req.row, 0, (k[:, :, :start], v[:, :, :start]))
             else:
-                cached = self.prefix_cache.lookup(req.adapter, req.version, req.prompt_ids)
+                cached, key = self.prefix_cache.lookup(req.adapter, req.version, req.prompt_ids)
                 start = min(len(cached) * block, len(req.prompt_ids) - 1)
+                identity = None if key is None else (key, len(cached) * block)
                 if cached:
                     self.runner.write_kv(req.row, 0, (torch.cat([k for k, _ in cached], dim=2),
                                                       torch.cat([v for _, v in cached], dim=2)))
+            copied.append(None if identity is None else (identity[0], min(identity[1], start)))
             jobs.append(PrefillJob(req.row, tokens, req.lora_slot, start=start))
         logits = torch.stack(self.runner.prefill(jobs))
         self.stats.prefill_rounds += 1
-        for req, job in zip(requests, jobs):
+        for req, job, identity in zip(requests, jobs, copied):
             if req.history is None:  # a history's positions were partly computed by decode steps: not blocks
-                self.prefix_cache.insert(req.adapter, req.version, req.prompt_ids, job.start // block,
-                                         lambda index, row=req.row: self.runner.read_kv(row, index * block, (index + 1) * block))
+                stored = self.prefix_cache.insert(req.adapter, req.version, req.prompt_ids, job.start // block,
+                                                  lambda index, row=req.row: self.runner.read_kv(row, index * block, (index + 1) * block))
+                if stored is not None and job.start % block == 0:  # its copied positions continue the chain it stored
+                    identity = stored
+            if self._shared_rows is not None:
+                self._shared_rows.assign(req.row, identity)
             req.history = None
             self.stats.prefill_tokens += len(req.prompt_ids) - job.start
             self.stats.cached_prompt_tokens += job.start
@@ -391,7 +409,12 @@ class Engine:
         started = time.perf_counter()
         last = max(row for row, req in enumerate(self._rows) if req is not None)
         span = min(self.runner.num_rows, -(-(last + 1) // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM)
-        self.runner.set_decode_inputs(self._tokens[:span], self._positions[:span], self._row_lora[:span])
+        prefix_rows = prefix_lens = None
+        if self._shared_rows is not None:
+            prefix_rows, prefix_lens = self._shared_rows.sources(span)  # rows past the span hold no identity
+            self.stats.shared_prefix_positions += self._shared_rows.borrowed_positions
+        self.runner.set_decode_inputs(self._tokens[:span], self._positions[:span], self._row_lora[:span],
+                                      prefix_rows, prefix_lens)
         logits = self.runner.decode(span)
         self.stats.decode_steps += 1
         running = [req for req in self._rows[:span] if req is not None]
@@ -425,13 +448,16 @@ class Engine:
     def _retire(self, req: _Request, reason: str) -> None:
         if self.reuse_decode_kv:  # the row holds the K/V of the prompt and of every sampled token but the last
             computed = len(req.prompt_ids) + len(req.output) - 1
+            identity = None if self._shared_rows is None else self._shared_rows.identity(req.row)
             self.prefix_cache.insert_history(req.adapter, req.version, req.prompt_ids + req.output[:-1],
-                                             self.runner.read_kv(req.row, 0, computed))
+                                             self.runner.read_kv(req.row, 0, computed), prefix=identity)
         self._retire_row(req.row)
         if not req.future.cancelled():
             req.future.set_result(Completion(req.output, req.logprobs, reason, req.version))
 
     def _retire_row(self, row: int) -> None:
+        if self._shared_rows is not None:
+            self._shared_rows.clear(row)
         self._rows[row] = None
         self._row_lora[row] = -1
         self._positions[row] = 0

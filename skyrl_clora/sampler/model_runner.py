@@ -12,7 +12,8 @@ GPU; on the CPU their references, which are Hugging Face's own ops in order):
   already hold the prompt's K/V: cached blocks or a finished turn's history); returns each prompt's
   last-token logits ``[V]``.
 - ``decode(span)``: one token for each of the cache rows ``0..span-1`` from the runner's decode input
-  buffers (``set_decode_inputs``); each row attends to its own cache row up to its position. On CUDA the
+  buffers (``set_decode_inputs``); each row attends to its own cache row up to its position (with
+  ``share_prefix_reads``, its first positions from the row the engine names as holding the same K/V). On CUDA the
   step is replayed from a CUDA graph captured per span bucket (``capture_decode_graphs``): the inputs,
   the LoRA slot buffers and the segment metadata live in fixed buffers, so in-place adapter publishes and
   new inputs are seen by the replay.
@@ -60,7 +61,7 @@ class ModelRunner:
     """Forward passes of a causal LM over a slot-based KV cache (see module docstring)."""
 
     def __init__(self, model: nn.Module, routing: LoRARouting, num_rows: int, max_len: int, block_size: int,
-                 prefill_tokens: int) -> None:
+                 prefill_tokens: int, share_prefix_reads: bool = False) -> None:
         if max_len % block_size:
             raise ValueError(f"max_len {max_len} must be a multiple of the prefill block size {block_size}")
         if num_rows % DECODE_ROW_QUANTUM:
@@ -92,6 +93,11 @@ class ModelRunner:
         self.decode_tokens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
         self.decode_positions = torch.zeros(num_rows, dtype=torch.long, device=self.device)
         self.decode_slots = torch.full((num_rows,), -1, dtype=torch.long, device=self.device)
+        # Per row: the cache row holding its first ``decode_prefix_lens`` positions (decode_attention's
+        # prefix_rows / prefix_lens), when share_prefix_reads.
+        self.share_prefix_reads = share_prefix_reads
+        self.decode_prefix_rows = torch.arange(num_rows, device=self.device)
+        self.decode_prefix_lens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
         # Segment metadata of the multi-LoRA kernels, built once per forward into fixed buffers (CUDA only:
         # the CPU reference needs none).
         self.lora_meta: LoRAMeta | None = None
@@ -197,13 +203,16 @@ class ModelRunner:
         self.k_cache[:, row, :, start:end].copy_(kv[0])
         self.v_cache[:, row, :, start:end].copy_(kv[1])
 
-    def set_decode_inputs(self, tokens: list[int], positions: list[int], lora_slots: list[int]) -> None:
-        """Writes the decode input buffers' first ``len(tokens)`` rows (one host-to-device copy)."""
+    def set_decode_inputs(self, tokens: list[int], positions: list[int], lora_slots: list[int],
+                          prefix_rows: list[int] | None = None, prefix_lens: list[int] | None = None) -> None:
+        """Writes the decode input buffers' first ``len(tokens)`` rows (one host-to-device copy); the prefix
+        lists (both or neither) name each row's shared-prefix source row and length."""
         num = len(tokens)
-        staged = lists_to_device([tokens, positions, lora_slots], self.device)
-        self.decode_tokens[:num].copy_(staged[0])
-        self.decode_positions[:num].copy_(staged[1])
-        self.decode_slots[:num].copy_(staged[2])
+        values = [tokens, positions, lora_slots] + ([prefix_rows, prefix_lens] if prefix_rows is not None else [])
+        staged = lists_to_device(values, self.device)
+        targets = [self.decode_tokens, self.decode_positions, self.decode_slots, self.decode_prefix_rows, self.decode_prefix_lens]
+        for target, values_t in zip(targets, staged):
+            target[:num].copy_(values_t)
 
     @torch.no_grad()
     def decode(self, span: int) -> torch.Tensor:
@@ -247,13 +256,16 @@ class ModelRunner:
         tokens, positions = self.decode_tokens[:span], self.decode_positions[:span]
         lengths = positions + 1  # each row sees its own cache row up to and including its position
         rows = self._row_index[:span]
+        prefix_rows = self.decode_prefix_rows[:span] if self.share_prefix_reads else None
+        prefix_lens = self.decode_prefix_lens[:span] if self.share_prefix_reads else None
 
         def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q: [span, H, 1, d]; k, v: [span, KV, 1, d]
             k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
             k_cache[rows, :, positions] = k[:, :, 0]
             v_cache[rows, :, positions] = v[:, :, 0]
-            out = decode_attention(q[:, :, 0], k_cache, v_cache, lengths, workspace=self._attention_workspace)
+            out = decode_attention(q[:, :, 0], k_cache, v_cache, lengths, workspace=self._attention_workspace,
+                                   prefix_rows=prefix_rows, prefix_lens=prefix_lens)
             return out.unsqueeze(2)
 
         hidden = self._forward(tokens.view(-1, 1), positions.view(-1, 1), self.decode_slots[:span], attend)

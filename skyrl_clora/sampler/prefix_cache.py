@@ -24,6 +24,9 @@ import numpy as np
 import torch
 
 BlockKV = tuple[torch.Tensor, torch.Tensor]  # (k, v) of one block in every layer, each [layers, KV, block_size, d]
+# A cache row's first positions as copies of a cached block chain: (the chain's last block key, positions).
+# Rows with the same chain key hold the same K/V bytes over the positions both cover.
+PrefixIdentity = tuple[tuple, int]
 HISTORY_TAIL = 8  # a history is indexed by its length and its last tokens, then compared in full
 
 
@@ -47,7 +50,8 @@ class PrefixCache:
     """LRU store of prefill blocks and finished histories under a byte budget (0 disables it).
 
     Entry keys: ``("block", adapter, version, digest)`` -> :data:`BlockKV`;
-    ``("history", adapter, version, serial)`` -> ``(tokens, kv)`` with ``kv`` each ``[layers, KV, len(tokens), d]``.
+    ``("history", adapter, version, serial)`` -> ``(tokens, kv, prefix)`` with ``kv`` each
+    ``[layers, KV, len(tokens), d]`` and ``prefix`` the :data:`PrefixIdentity` of the history's first positions.
     """
 
     def __init__(self, block_size: int, budget_bytes: int) -> None:
@@ -55,17 +59,18 @@ class PrefixCache:
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
         self.hits = 0
-        self._entries: OrderedDict[tuple, BlockKV | tuple[list[int], BlockKV]] = OrderedDict()
+        self._entries: OrderedDict[tuple, BlockKV | tuple] = OrderedDict()
         # Histories by (adapter, version, length, last tokens) -> keys; and the lengths held per adapter version.
         self._history_index: dict[tuple, list[tuple]] = {}
         self._history_lengths: dict[tuple[str | None, int], dict[int, int]] = {}
         self._serial = 0
 
-    def lookup(self, adapter: str | None, version: int, tokens: list[int]) -> list[BlockKV]:
-        """The cached leading whole blocks of ``tokens`` (stopping at the first miss). All of them may be
-        cached: the caller still computes the last token (its logits are needed)."""
+    def lookup(self, adapter: str | None, version: int, tokens: list[int]) -> tuple[list[BlockKV], tuple | None]:
+        """The cached leading whole blocks of ``tokens`` (stopping at the first miss) and the key of the last
+        one (None if none is cached). All of them may be cached: the caller still computes the last token
+        (its logits are needed)."""
         usable = len(tokens) // self.block_size
-        found = []
+        found, last = [], None
         for digest in block_hashes(tokens, self.block_size, usable):
             key = ("block", adapter, version, digest)
             blocks = self._entries.get(key)
@@ -73,8 +78,9 @@ class PrefixCache:
                 break
             self._entries.move_to_end(key)
             found.append(blocks)
+            last = key
         self.hits += len(found)
-        return found
+        return found, last
 
     def first_missing(self, adapter: str | None, version: int, tokens: list[int]) -> bytes | None:
         """The digest of the first block :meth:`lookup` would not find (the first block a prefill of
@@ -89,21 +95,34 @@ class PrefixCache:
         return None
 
     def insert(self, adapter: str | None, version: int, tokens: list[int], first_block: int,
-               read_block: Callable[[int], BlockKV]) -> None:
-        """Stores the prompt's full blocks from ``first_block`` on; ``read_block(i)`` returns block ``i``'s K/V."""
+               read_block: Callable[[int], BlockKV]) -> PrefixIdentity | None:
+        """Stores the prompt's full blocks from ``first_block`` on; ``read_block(i)`` returns block ``i``'s K/V.
+
+        Returns the identity of the caller's row when it stored blocks ``first_block..e-1`` itself (its
+        positions below ``e * block_size`` are then the cache's bytes, the earlier ones having come from
+        :meth:`lookup`): ``(key of block e - 1, e * block_size)``; None when it stored none."""
         if self.budget_bytes <= 0:
-            return
+            return None
         full = len(tokens) // self.block_size
+        identity, run_open = None, True
         for index, digest in enumerate(block_hashes(tokens, self.block_size, full)):
             key = ("block", adapter, version, digest)
-            if index < first_block or key in self._entries:
+            if index < first_block:
+                continue
+            if key in self._entries:
+                run_open = False  # cached by another row: its bytes, not necessarily this row's
                 continue
             blocks = read_block(index)
             self._store(key, blocks, blocks)
+            if run_open:
+                identity = (key, (index + 1) * self.block_size)
         self._evict()
+        return identity
 
-    def insert_history(self, adapter: str | None, version: int, tokens: list[int], kv: BlockKV) -> None:
-        """Stores the K/V ``kv`` (each ``[layers, KV, len(tokens), d]``) of the positions of ``tokens``."""
+    def insert_history(self, adapter: str | None, version: int, tokens: list[int], kv: BlockKV,
+                       prefix: PrefixIdentity | None = None) -> None:
+        """Stores the K/V ``kv`` (each ``[layers, KV, len(tokens), d]``) of the positions of ``tokens``, whose
+        first positions may be copies of a cached block chain (``prefix``, handed back by :meth:`take_history`)."""
         if self.budget_bytes <= 0 or not tokens:
             return
         self._serial += 1
@@ -112,20 +131,21 @@ class PrefixCache:
         self._history_index.setdefault((adapter, version, length, _tail(tokens, length)), []).append(key)
         lengths = self._history_lengths.setdefault((adapter, version), {})
         lengths[length] = lengths.get(length, 0) + 1
-        self._store(key, (list(tokens), kv), kv)
+        self._store(key, (list(tokens), kv, prefix), kv)
         self._evict()
 
-    def take_history(self, adapter: str | None, version: int, tokens: list[int]) -> tuple[int, BlockKV] | None:
-        """Removes and returns the longest stored history that is a prefix of ``tokens`` (``(length, kv)``),
-        or None. A history serves one next turn: the turn's own history replaces it when it finishes."""
+    def take_history(self, adapter: str | None, version: int,
+                     tokens: list[int]) -> tuple[int, BlockKV, PrefixIdentity | None] | None:
+        """Removes and returns the longest stored history that is a prefix of ``tokens`` (``(length, kv,
+        prefix)``), or None. A history serves one next turn: the turn's own history replaces it when it finishes."""
         lengths = self._history_lengths.get((adapter, version), {})
         for length in sorted((n for n in lengths if n <= len(tokens)), reverse=True):
             for key in self._history_index.get((adapter, version, length, _tail(tokens, length)), []):
-                stored, kv = self._entries[key]
+                stored, kv, prefix = self._entries[key]
                 if stored == tokens[:length]:
                     self._remove(key)
                     self.hits += 1
-                    return length, kv
+                    return length, kv, prefix
         return None
 
     def drop_adapter(self, adapter: str | None) -> None:
@@ -133,14 +153,14 @@ class PrefixCache:
         for key in [key for key in self._entries if key[1] == adapter]:
             self._remove(key)
 
-    def _store(self, key: tuple, value: BlockKV | tuple[list[int], BlockKV], kv: BlockKV) -> None:
+    def _store(self, key: tuple, value: BlockKV | tuple, kv: BlockKV) -> None:
         self._entries[key] = value
         self.used_bytes += kv[0].nbytes + kv[1].nbytes
 
     def _remove(self, key: tuple) -> None:
         value = self._entries.pop(key)
         if key[0] == "history":
-            tokens, kv = value
+            tokens, kv, _ = value
             _, adapter, version, _ = key
             index_key = (adapter, version, len(tokens), _tail(tokens, len(tokens)))
             self._history_index[index_key].remove(key)

@@ -1,0 +1,57 @@
+"""Which cache rows hold the same cached prompt K/V, so that a decode step's attention reads one copy.
+
+The engine copies a prompt's cached blocks into every row that uses them (the samples of a GRPO group, the
+episodes sharing a system prompt), and a finished turn's history carries the copy into the next turn's
+row. Rows whose first positions are copies of one block chain (one :data:`PrefixIdentity` key) hold the
+same bytes there; decode attention then reads those positions from one of them, the group's *source*
+(``decode_attention``'s ``prefix_rows`` / ``prefix_lens``). The source is the member covering the most
+positions (the lowest row among equals), so every member's positions are inside it. The answer is
+bit-identical to reading each row's own copy; what changes is that the group's programs read the same
+addresses, which the GPU serves from L2 instead of HBM.
+"""
+
+from __future__ import annotations
+
+from skyrl_clora.sampler.prefix_cache import PrefixIdentity
+
+
+class SharedPrefixRows:
+    """Per cache row, the block chain its first positions copy; per decode span, each row's source row and
+    shared length (recomputed only after a row joins or leaves)."""
+
+    def __init__(self, num_rows: int) -> None:
+        self._identity: list[PrefixIdentity | None] = [None] * num_rows
+        self._sources: tuple[list[int], list[int]] | None = None
+        self.borrowed_positions = 0  # positions the rows read from another row (as of the last sources())
+
+    def assign(self, row: int, identity: PrefixIdentity | None) -> None:
+        """Row ``row`` now holds ``identity``'s positions (None: nothing shared)."""
+        self._identity[row] = identity if identity is not None and identity[1] > 0 else None
+        self._sources = None
+
+    def clear(self, row: int) -> None:
+        """Row ``row`` was retired (its K/V will be overwritten)."""
+        self.assign(row, None)
+
+    def identity(self, row: int) -> PrefixIdentity | None:
+        return self._identity[row]
+
+    def sources(self, span: int) -> tuple[list[int], list[int]]:
+        """``(prefix_rows, prefix_lens)`` for rows ``0..span-1``: the row to read the shared positions from
+        and how many positions (a row outside any group reads itself, 0 positions)."""
+        if self._sources is None:
+            best: dict[tuple, tuple[int, int]] = {}  # chain key -> (positions, row) of the widest member
+            for row, identity in enumerate(self._identity):
+                if identity is not None:
+                    key, length = identity
+                    if key not in best or length > best[key][0]:
+                        best[key] = (length, row)
+            rows = list(range(len(self._identity)))
+            lens = [0] * len(self._identity)
+            for row, identity in enumerate(self._identity):
+                if identity is not None:
+                    rows[row], lens[row] = best[identity[0]][1], identity[1]
+            self._sources = (rows, lens)
+            self.borrowed_positions = sum(n for row, (source, n) in enumerate(zip(rows, lens)) if source != row)
+        rows, lens = self._sources
+        return rows[:span], lens[:span]
