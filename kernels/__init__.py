@@ -1,5 +1,6 @@
 """Multi-LoRA ops, decode attention and fused layer ops (installed as ``skyrl_clora.kernels``): one dispatch
-over pure-torch references and Triton kernels. Layers call only ``add_lora`` and ``packed_lora``; the
+over pure-torch references and Triton kernels. Layers call only ``add_lora`` and ``lora_linear`` (a frozen
+linear layer plus ``packed_lora``); the
 sampling engine calls ``decode_attention``, ``rms_norm``, ``qk_norm_rope`` and ``silu_mul``; the trainer's
 model calls ``rms_norm_with_grad`` and ``silu_mul_with_grad``; the dispatch picks the implementation by
 device. ``LoRAMeta`` (the per-step row grouping) and ``DecodeWorkspace``
@@ -11,6 +12,7 @@ from skyrl_clora.kernels.attention import DecodeWorkspace
 from skyrl_clora.kernels.dispatch import (
     add_lora,
     decode_attention,
+    lora_linear,
     packed_lora,
     qk_norm_rope,
     rms_norm,
@@ -21,6 +23,6 @@ from skyrl_clora.kernels.dispatch import (
 from skyrl_clora.kernels.meta import LoRAMeta
 
 __all__ = [
-    "DecodeWorkspace", "LoRAMeta", "add_lora", "decode_attention", "packed_lora", "qk_norm_rope", "rms_norm",
+    "DecodeWorkspace", "LoRAMeta", "add_lora", "decode_attention", "lora_linear", "packed_lora", "qk_norm_rope", "rms_norm",
     "rms_norm_with_grad", "silu_mul", "silu_mul_with_grad",
 ]

@@ -1,7 +1,7 @@
 """Picks the implementation of each op (multi-LoRA, decode attention, fused layer ops): Triton for CUDA
 tensors, the torch reference elsewhere.
 
-Layers call only ``add_lora`` and ``packed_lora``; the sampling engine's model runner calls
+Layers call only ``add_lora`` and ``lora_linear`` (``packed_lora`` plus the base layer); the sampling engine's model runner calls
 ``decode_attention``, ``rms_norm``, ``qk_norm_rope`` and ``silu_mul``; the trainer's model calls
 ``rms_norm_with_grad`` and ``silu_mul_with_grad``. ``backend="triton"`` forces the Triton kernels, which
 on CPU tensors run only under the Triton interpreter (``TRITON_INTERPRET=1``, as the CPU tests do);
@@ -119,6 +119,30 @@ def packed_lora(
     if _use_triton(x, backend):
         return packed_lora_triton(x, lora_a, lora_b, scales, token_slots, meta=meta)
     return packed_lora_ref(x, lora_a, lora_b, scales, token_slots)
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scales: torch.Tensor,
+    token_slots: torch.Tensor,
+    *,
+    meta: LoRAMeta | None = None,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """A frozen linear layer with packed LoRA adapters: ``x @ weight.T + bias + packed_lora(x, ...)``.
+
+    Shapes as :func:`packed_lora`, plus ``weight: [H_out, H_in]`` and ``bias: [H_out]`` (or None), both
+    frozen; returns a new ``[T, H_out]``. Differentiable in ``x``, ``lora_a`` and ``lora_b``. The Triton
+    path is one autograd node whose expand kernels add the LoRA terms into the base GEMMs' outputs (``y``
+    forward, ``dx`` backward); the torch path is the base layer plus :func:`packed_lora`, in that order.
+    """
+    if _use_triton(x, backend):
+        return packed_lora_triton(x, lora_a, lora_b, scales, token_slots, meta=meta, weight=weight, bias=bias)
+    return torch.nn.functional.linear(x, weight, bias) + packed_lora_ref(x, lora_a, lora_b, scales, token_slots)
 
 
 def decode_attention(

@@ -140,22 +140,26 @@ def _shrink(x: torch.Tensor, w: torch.Tensor, meta: LoRAMeta, rank: int) -> torc
 class PackedLoRAFunction(torch.autograd.Function):
     """``y = packed_lora(x, A, B, scales, meta)`` with a backward that gives dx, dA and dB in four launches
     (plus a sum of split-K partials after each shrink and, for large batches, of row-split partials after each
-    weight gradient).
+    weight gradient); with a frozen base ``weight`` (and ``bias``), the whole LoRA linear layer
+    ``x @ weight.T + bias + packed_lora(x, ...)`` in one node: the LoRA terms are added into the base
+    GEMMs' outputs (forward and dx) by the expand kernel, instead of two more element-wise passes.
 
     Forward, for ``x: [T, H_in]``, ``A: [P, R, H_in]``, ``B: [P, H_out, R]``, ``s = slot(t)``::
 
         h[t] = x[t] @ A[s].T                      # [T, R] fp32, saved for backward
         y[t] = scales[s] * h[t] @ B[s].T          # [T, H_out], zero for rows with no slot (written, not added)
+        y += x @ weight.T + bias                  # with a base layer
 
     Backward, for ``dy: [T, H_out]``::
 
         g[t]  = dy[t] @ B[s]                      # [T, R] fp32 (unscaled)
         dx[t] = scales[s] * g[t] @ A[s]           # zero for rows with no slot
+        dx   += dy @ weight                       # with a base layer
         dA[p] = scales[p] * g[rows_p].T @ x[rows_p]
         dB[p] = scales[p] * dy[rows_p].T @ h[rows_p]
 
-    ``scales`` get no gradient. Forward keeps a snapshot of the meta's index buffers, so a later
-    ``meta.build`` (the next micro-batch) cannot change what backward reads.
+    ``scales``, ``weight`` and ``bias`` get no gradient. Forward keeps a snapshot of the meta's index
+    buffers, so a later ``meta.build`` (the next micro-batch) cannot change what backward reads.
     """
 
     @staticmethod
@@ -166,15 +170,18 @@ class PackedLoRAFunction(torch.autograd.Function):
         lora_b: torch.Tensor,
         scales: torch.Tensor,
         meta: LoRAMeta,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         R = lora_a.shape[1]
         saved = meta.snapshot()
         h = _shrink(x, lora_a.unsqueeze(0), saved, R)
-        y = x.new_empty(x.shape[0], lora_b.shape[1])
+        base = weight is not None
+        y = torch.nn.functional.linear(x, weight, bias) if base else x.new_empty(x.shape[0], lora_b.shape[1])
         if x.shape[0] > 0:
             cfg = default_config(x.shape[0], x.shape[1], lora_a.shape[0], 1, R)
-            sgmv_expand(y, h, (lora_b,), scales, saved, R, cfg, store=True)
-        ctx.save_for_backward(x, lora_a, lora_b, scales)
+            sgmv_expand(y, h, (lora_b,), scales, saved, R, cfg, store=not base)
+        ctx.save_for_backward(x, lora_a, lora_b, scales, weight)
         ctx.h, ctx.meta, ctx.rank = h, saved, R
         return y
 
@@ -182,32 +189,31 @@ class PackedLoRAFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        x, lora_a, lora_b, scales = ctx.saved_tensors
+        x, lora_a, lora_b, scales, weight = ctx.saved_tensors
         h, meta, R = ctx.h, ctx.meta, ctx.rank
         dy = dy.contiguous()
         need_x, need_a, need_b = ctx.needs_input_grad[:3]
-        if x.shape[0] == 0:
+        if x.shape[0] == 0:  # (scales, meta, weight and bias never get gradients)
             return (
                 torch.empty_like(x) if need_x else None,
                 torch.zeros_like(lora_a) if need_a else None,
                 torch.zeros_like(lora_b) if need_b else None,
-                None,
-                None,
+                None, None, None, None,
             )
         dx = da = db = None
         if need_x or need_a:
             g = _shrink(dy, lora_b.transpose(1, 2).unsqueeze(0), meta, R)
             if need_x:
-                dx = torch.empty_like(x)
+                dx = dy @ weight if weight is not None else torch.empty_like(x)
                 cfg = default_config(x.shape[0], dy.shape[1], lora_a.shape[0], 1, R)
-                sgmv_expand(dx, g, (lora_a.transpose(1, 2),), scales, meta, R, cfg, store=True)
+                sgmv_expand(dx, g, (lora_a.transpose(1, 2),), scales, meta, R, cfg, store=weight is None)
             if need_a:
                 da = torch.empty_like(lora_a)
                 _seg_outer(da, g[0, 0, :, :R], x, scales, meta)
         if need_b:
             db = torch.empty_like(lora_b)
             _seg_outer(db, dy, h[0, 0, :, :R], scales, meta)
-        return dx, da, db, None, None
+        return dx, da, db, None, None, None, None
 
 
 def packed_lora_triton(
@@ -217,13 +223,23 @@ def packed_lora_triton(
     scales: torch.Tensor,
     token_slots: torch.Tensor,
     meta: LoRAMeta | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton ``packed_lora`` (semantics: ``reference.packed_lora_ref``); returns a new ``[T, H_out]``.
+    """Triton ``packed_lora`` (semantics: ``reference.packed_lora_ref``); returns a new ``[T, H_out]``. With
+    a frozen base ``weight: [H_out, H_in]`` (and ``bias: [H_out]``), the whole layer: that plus
+    ``x @ weight.T + bias``.
 
     ``meta``, if given, must have been built from ``token_slots`` (``meta.build(token_slots)``).
     """
     check_packed(x, lora_a, lora_b, scales, token_slots)
+    if weight is not None:
+        if weight.shape != (lora_b.shape[1], x.shape[1]) or weight.dtype != x.dtype or weight.device != x.device:
+            raise ValueError(f"the base weight must be [{lora_b.shape[1]}, {x.shape[1]}] {x.dtype} on {x.device}, "
+                             f"got {tuple(weight.shape)} {weight.dtype} {weight.device}")
+        if weight.requires_grad or (bias is not None and bias.requires_grad):
+            raise ValueError("the base layer must be frozen (requires_grad=False): only LoRA weights get gradients")
     if meta is None:
         meta = LoRAMeta.for_batch(token_slots, lora_a.shape[0], lora_a.shape[1], 1)
     check_meta(meta, x, lora_a.shape[0])
-    return PackedLoRAFunction.apply(x, lora_a, lora_b, scales, meta)
+    return PackedLoRAFunction.apply(x, lora_a, lora_b, scales, meta, weight, bias)

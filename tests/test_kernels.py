@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from skyrl_clora.kernels import LoRAMeta, add_lora, packed_lora
+from skyrl_clora.kernels import LoRAMeta, add_lora, lora_linear, packed_lora
 from skyrl_clora.kernels import packed
 from skyrl_clora.kernels.reference import add_lora_ref, packed_lora_ref
 from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton
@@ -143,6 +143,37 @@ def test_packed_forward_and_grads_match_reference(layout: str, rank: int, dtype:
     unused = [s for s in range(4) if not (slots == s).any()]
     for s in unused:  # an adapter with no rows gets exactly zero gradient
         assert got[2][s].abs().max() == 0 and got[3][s].abs().max() == 0
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["skewed", "no_adapter"])
+def test_lora_linear_adds_the_adapters_into_the_base_layer(layout: str, dtype: torch.dtype) -> None:
+    """``lora_linear`` (one autograd node: the expand kernels add into the base GEMMs' y and dx) against the
+    torch path (base layer plus ``packed_lora_ref``), values and gradients; rows with no adapter get the base
+    layer alone."""
+    x, a, b, scales, slots, dy = _packed_case(layout, 16, dtype, seed=5)
+    gen = torch.Generator().manual_seed(9)
+    weight, bias = torch.randn(24, 32, generator=gen).to(dtype), torch.randn(24, generator=gen).to(dtype)
+    def layer(x, a, b, scales, slots, weight, bias, **kwargs):
+        return lora_linear(x, weight, bias, a, b, scales, slots, **kwargs)
+
+    want = _packed_grads(layer, x.float(), a.float(), b.float(), scales, slots, dy.float(), weight=weight.float(),
+                         bias=bias.float())
+    got = _packed_grads(layer, x, a, b, scales, slots, dy, weight=weight, bias=bias, backend="triton")
+    for name, g, w in zip(("y", "dx", "dA", "dB"), got, want):
+        err = rel_error(g, w, torch.zeros_like(w))
+        assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
+    base = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    assert rel_error(got[0][slots < 0], base[slots < 0], torch.zeros_like(base[slots < 0])) < TOLERANCE[dtype]
+    assert rel_error(got[0][slots >= 0], base[slots >= 0], torch.zeros_like(base[slots >= 0])) > 1e-2, "adapters count"
+
+
+def test_lora_linear_rejects_a_trainable_base_layer() -> None:
+    x, a, b, scales, slots, _ = _packed_case("uniform", 16, torch.float32)
+    weight = torch.zeros(24, 32, requires_grad=True)
+    with pytest.raises(ValueError, match="frozen"):
+        packed.packed_lora_triton(x, a, b, scales, slots, weight=weight)
 
 
 @interpreted

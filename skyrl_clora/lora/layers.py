@@ -9,8 +9,8 @@ Two kinds of slot stacks exist:
   (``copy_`` into the same storage, so CUDA graphs and cached pointers stay valid); applied with
   :func:`skyrl_clora.kernels.add_lora` under ``no_grad``.
 - training slots (``trainable=True``): ``nn.Parameter`` stacks, one slot per tenant being trained in the
-  pass (1 in swap mode, P in packed mode), applied with the autograd op
-  :func:`skyrl_clora.kernels.packed_lora`.
+  pass (1 in swap mode, P in packed mode), applied with the base layer by the autograd op
+  :func:`skyrl_clora.kernels.lora_linear` (the base layer plus ``packed_lora``).
 
 Shapes (PEFT/vLLM layout): ``lora_a: [S, R, H_in]``, ``lora_b: [S, H_out, R]``, ``scales: [S]`` fp32,
 where ``R`` is the maximum rank; a slot of rank ``r < R`` has zero rows/columns beyond ``r``.
@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from skyrl_clora.kernels import LoRAMeta, add_lora, packed_lora
+from skyrl_clora.kernels import LoRAMeta, add_lora, lora_linear
 
 TARGET_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -79,14 +79,15 @@ class MultiLoRALinear(nn.Module):
         self.register_buffer("scales", scales, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         token_slots = self.routing.token_slots
         if token_slots is None:
-            return y
+            return self.base(x)
         flat_x = x.reshape(-1, self.in_features)
-        if self.trainable:
-            delta = packed_lora(flat_x, self.lora_a, self.lora_b, self.scales, token_slots, meta=self.routing.meta)
-            return y + delta.view(y.shape)
+        if self.trainable:  # base layer and adapters in one autograd node (on a GPU)
+            flat_y = lora_linear(flat_x, self.base.weight, self.base.bias, self.lora_a, self.lora_b, self.scales,
+                                 token_slots, meta=self.routing.meta)
+            return flat_y.view(*x.shape[:-1], self.out_features)
+        y = self.base(x)
         flat_y = y.view(-1, self.out_features)
         with torch.no_grad():
             add_lora(flat_y, flat_x, self.lora_a, (self.lora_b,), self.scales, token_slots, meta=self.routing.meta)

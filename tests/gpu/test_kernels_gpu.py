@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_clora.kernels import LoRAMeta, add_lora, packed_lora
+from skyrl_clora.kernels import LoRAMeta, add_lora, lora_linear, packed_lora
 from skyrl_clora.kernels.reference import packed_lora_ref
 from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton
 from skyrl_clora.kernels.testing import LAYOUTS, TOLERANCE, adapters_differ, make_problem, reference_out, rel_error
@@ -84,6 +84,25 @@ def test_packed_grads_match_reference(num_tokens: int, layout: str, rank: int, d
     no_adapter = p.token_slots < 0
     for got in results[1][:2]:  # y and dx are written in full: exactly zero where there is no adapter
         assert torch.equal(got[no_adapter], torch.zeros_like(got[no_adapter]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("num_tokens", [256, 4096])
+def test_lora_linear_matches_base_layer_plus_reference(num_tokens: int, dtype: torch.dtype) -> None:
+    """The one-node LoRA linear layer (expand kernels adding into the base GEMMs' y and dx) against the
+    base layer plus the fp32 reference, values and gradients."""
+    p = make_problem(num_tokens, 1024, (768,), 8, 16, dtype, "skewed", device="cuda", seed=3)
+    dy = torch.randn(num_tokens, 768, device="cuda", dtype=dtype)
+    weight = torch.randn(768, 1024, device="cuda", dtype=dtype) / 32
+    results = []
+    for cast, backend in ((torch.float32, "torch"), (dtype, "triton")):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (p.x, p.lora_a, p.lora_b[0])]
+        y = lora_linear(leaves[0], weight.to(cast), None, leaves[1], leaves[2], p.scales, p.token_slots, backend=backend)
+        y.backward(dy.to(cast))
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for name, got, want in zip(("y", "dx", "dA", "dB"), results[1], results[0]):
+        err = rel_error(got, want, torch.zeros_like(want))
+        assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
 
 
 def test_cuda_dispatch_takes_the_triton_path() -> None:
