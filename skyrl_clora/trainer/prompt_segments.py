@@ -31,6 +31,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from skyrl_clora.device_copy import lists_to_device
+from skyrl_clora.trainer.shared_prefix import prompt_representatives
 
 ATTENTION_NAME = "clora_segments"
 
@@ -122,10 +123,7 @@ def segment_prefix_hidden(
     have the same prompt tokens and slot). ``route(token_slots)`` routes the pass's tokens to their slots.
     Entries past a row's response hold the hidden state of its last token, which the caller masks out."""
     device = input_ids.device
-    first_row: dict[int, int] = {}
-    for row, prefix in enumerate(prefix_of):
-        first_row.setdefault(prefix, row)
-    reps = [first_row[prefix] for prefix in range(len(first_row))]
+    reps = prompt_representatives(prefix_of)
     prompt_starts, responses_from = _offsets([prompt_lens[row] for row in reps])
     response_starts, _ = _offsets(response_lens, responses_from)
     # Flat token list: (row of input_ids, column) per token, its position and its LoRA slot.

@@ -56,6 +56,14 @@ class _PrefixKV:
         return torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
 
 
+def prompt_representatives(prefix_of: list[int]) -> list[int]:
+    """For prompts ``0..U-1`` (``prefix_of[b]``: row ``b``'s prompt), the first row of each."""
+    first_row: dict[int, int] = {}
+    for row, prefix in enumerate(prefix_of):
+        first_row.setdefault(prefix, row)
+    return [first_row[prefix] for prefix in range(len(first_row))]
+
+
 def supports_shared_prefix(decoder: nn.Module) -> bool:
     """Whether every attention layer of ``decoder`` is full (causal) attention, which the response pass's
     mask reproduces (sliding-window layers would need their window in it)."""
@@ -80,11 +88,8 @@ def shared_prefix_hidden(
     have the same prompt tokens and slot). ``route(token_slots)`` routes a pass's flattened tokens to
     their slots. Entries past a row's response hold values the caller masks out."""
     device = input_ids.device
-    num_prefixes = max(prefix_of) + 1
-    first_row: dict[int, int] = {}
-    for row, prefix in enumerate(prefix_of):
-        first_row.setdefault(prefix, row)
-    reps = [first_row[prefix] for prefix in range(num_prefixes)]
+    reps = prompt_representatives(prefix_of)
+    num_prefixes = len(reps)
     lens = [prompt_lens[row] for row in reps]
     width = max(lens)
     reps_t, lens_t, rep_slots, row_prompt_lens, row_prefix, row_response_lens, row_slots_t = lists_to_device(
