@@ -67,3 +67,6 @@ def test_identities_name_the_block_chain_a_row_holds() -> None:
     assert cache.insert("a", 0, other, 0, lambda index: _kv(16, 5.0)) is None
     cache.insert_history("a", 0, prompt + [7], _kv(41, 1.0), prefix=identity)
     assert cache.take_history("a", 0, prompt + [7, 8])[2] == identity
+    cache.drop_adapter("a")  # computed again after an eviction: another entry, maybe other bits
+    again = cache.insert("a", 0, prompt, 0, lambda index: _kv(16, float(index)))
+    assert again[1] == 32 and again[0] != identity[0]

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 BlockKV = tuple[torch.Tensor, torch.Tensor]  # (k, v) of one block in every layer, each [layers, KV, block_size, d]
-# A cache row's first positions as copies of a cached block chain: (the chain's last block key, positions).
-# Rows with the same chain key hold the same K/V bytes over the positions both cover.
+# A cache row's first positions as copies of a cached block chain: (the chain's last block entry, positions).
+# The entry is its key plus the serial number it was stored under (a chain evicted and computed again is a
+# new entry), so rows with the same one hold the same K/V bytes over the positions both cover.
 PrefixIdentity = tuple[tuple, int]
 HISTORY_TAIL = 8  # a history is indexed by its length and its last tokens, then compared in full
 
@@ -64,11 +65,12 @@ class PrefixCache:
         self._history_index: dict[tuple, list[tuple]] = {}
         self._history_lengths: dict[tuple[str | None, int], dict[int, int]] = {}
         self._serial = 0
+        self._block_serial: dict[tuple, int] = {}  # block key -> the serial number it was stored under
 
     def lookup(self, adapter: str | None, version: int, tokens: list[int]) -> tuple[list[BlockKV], tuple | None]:
-        """The cached leading whole blocks of ``tokens`` (stopping at the first miss) and the key of the last
-        one (None if none is cached). All of them may be cached: the caller still computes the last token
-        (its logits are needed)."""
+        """The cached leading whole blocks of ``tokens`` (stopping at the first miss) and the entry (key and
+        serial number, as in :data:`PrefixIdentity`) of the last one (None if none is cached). All of them may
+        be cached: the caller still computes the last token (its logits are needed)."""
         usable = len(tokens) // self.block_size
         found, last = [], None
         for digest in block_hashes(tokens, self.block_size, usable):
@@ -78,7 +80,7 @@ class PrefixCache:
                 break
             self._entries.move_to_end(key)
             found.append(blocks)
-            last = key
+            last = key + (self._block_serial[key],)
         self.hits += len(found)
         return found, last
 
@@ -113,9 +115,11 @@ class PrefixCache:
                 run_open = False  # cached by another row: its bytes, not necessarily this row's
                 continue
             blocks = read_block(index)
+            self._serial += 1
+            self._block_serial[key] = self._serial
             self._store(key, blocks, blocks)
             if run_open:
-                identity = (key, (index + 1) * self.block_size)
+                identity = (key + (self._serial,), (index + 1) * self.block_size)
         self._evict()
         return identity
 
@@ -174,6 +178,7 @@ class PrefixCache:
                 del self._history_lengths[(adapter, version)]
         else:
             kv = value
+            del self._block_serial[key]
         self.used_bytes -= kv[0].nbytes + kv[1].nbytes
 
     def _evict(self) -> None:
