@@ -14,8 +14,9 @@ decoder as its attention mask under the :data:`ATTENTION_NAME` implementation):
   so their gradients sum over the rows of a prompt) and causally to itself.
 
 That is variable-length causal attention with the causal diagonal at the bottom right of each segment's
-``[queries, keys]`` block: one flash-attention call on bf16/fp16 CUDA tensors, a masked SDPA reference
-elsewhere. A token's hidden state equals the one a whole-sequence pass of its row computes.
+``[queries, keys]`` block: one flash-attention call on bf16/fp16 CUDA tensors; elsewhere a masked-SDPA
+reference over a dense ``[N, N]`` mask, for tests (the trainer takes the two-pass form there). A token's
+hidden state equals the one a whole-sequence pass of its row computes.
 """
 
 from __future__ import annotations

@@ -46,9 +46,9 @@ class Trainer:
     the model's RMSNorm and SwiGLU MLP modules are replaced in place by fused ones
     (:func:`fuse_elementwise_modules`); without, the model's own modules run (bench_train's baseline).
     With ``shared_prefix`` (and a decoder of full-attention layers) the rows of a micro-batch that share a
-    prompt compute it once: in one pass of prompt and response segments on a GPU (:func:`segment_prefix_hidden`),
-    in a prompt pass and a response pass elsewhere (:func:`shared_prefix_hidden`); without, every row runs
-    its whole sequence.
+    prompt compute it once: in one pass of prompt and response segments on a GPU in half precision
+    (:func:`segment_prefix_hidden`), in a prompt pass and a response pass elsewhere (:func:`shared_prefix_hidden`);
+    without, every row runs its whole sequence.
     """
 
     def __init__(
@@ -216,8 +216,10 @@ class Trainer:
             for row in host_rows:
                 prefix_of.setdefault(rows.prompt_groups[row], len(prefix_of))
         if self.shared_prefix and len(prefix_of) < len(host_rows):  # some rows share a prompt
-            # one flat pass on a GPU (host-bound: a second pass costs what it saves), two passes elsewhere
-            prefix_hidden = segment_prefix_hidden if self.device.type == "cuda" else shared_prefix_hidden
+            # one flat pass on flash attention (a GPU in half precision; host-bound there, a second pass costs
+            # what it saves), two passes elsewhere (the segments' reference attention is a dense [N, N] mask)
+            flash = self.device.type == "cuda" and self.head.weight.dtype in (torch.float16, torch.bfloat16)
+            prefix_hidden = segment_prefix_hidden if flash else shared_prefix_hidden
             hidden = prefix_hidden(
                 self.decoder, self._route, input_ids,
                 prompt_lens=[rows.host_seq_lens[r] - rows.host_response_lens[r] for r in host_rows],
