@@ -175,9 +175,11 @@ class PackedLoRAFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         R = lora_a.shape[1]
         saved = meta.snapshot()
-        h = _shrink(x, lora_a.unsqueeze(0), saved, R)
         base = weight is not None
+        # The base GEMM runs before the shrink: an expand launched with PDL may start while the kernel just
+        # before it runs (sgmv_expand), so that kernel must not be the one writing y.
         y = torch.nn.functional.linear(x, weight, bias) if base else x.new_empty(x.shape[0], lora_b.shape[1])
+        h = _shrink(x, lora_a.unsqueeze(0), saved, R)
         if x.shape[0] > 0:
             cfg = default_config(x.shape[0], x.shape[1], lora_a.shape[0], 1, R)
             sgmv_expand(y, h, (lora_b,), scales, saved, R, cfg, store=not base)
@@ -201,10 +203,11 @@ class PackedLoRAFunction(torch.autograd.Function):
                 None, None, None, None,
             )
         dx = da = db = None
+        if need_x:  # the base GEMM before the shrink, as in forward
+            dx = dy @ weight if weight is not None else torch.empty_like(x)
         if need_x or need_a:
             g = _shrink(dy, lora_b.transpose(1, 2).unsqueeze(0), meta, R)
             if need_x:
-                dx = dy @ weight if weight is not None else torch.empty_like(x)
                 cfg = default_config(x.shape[0], dy.shape[1], lora_a.shape[0], 1, R)
                 sgmv_expand(dx, g, (lora_a.transpose(1, 2),), scales, meta, R, cfg, store=weight is None)
             if need_a:
