@@ -128,9 +128,10 @@ def decode_attention_ref(
     """
     B, H, D = q.shape
     KV, L = k_cache.shape[1], k_cache.shape[2]
-    k = k_cache[:B].float()  # [B, KV, L, d]
-    v = v_cache[:B].float()
-    if prefix_rows is not None:
+    if prefix_rows is None:
+        k = k_cache[:B].float()  # [B, KV, L, d]
+        v = v_cache[:B].float()
+    else:
         positions = torch.arange(L, device=q.device)
         source = torch.where(positions[None] < prefix_lens.view(B, 1), prefix_rows.view(B, 1), torch.arange(B, device=q.device)[:, None])
         k = k_cache[source, :, positions].float().permute(0, 2, 1, 3)  # [B, L, KV, d] -> [B, KV, L, d]
