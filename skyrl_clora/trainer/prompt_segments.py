@@ -125,8 +125,10 @@ def segment_prefix_hidden(
     Entries past a row's response hold the hidden state of its last token, which the caller masks out."""
     device = input_ids.device
     reps = prompt_representatives(prefix_of)
-    prompt_starts, responses_from = _offsets([prompt_lens[row] for row in reps])
-    response_starts, _ = _offsets(response_lens, responses_from)
+    q_lens = [prompt_lens[rep] for rep in reps] + list(response_lens)  # the segments: prompts, then responses
+    k_lens = [prompt_lens[rep] for rep in reps] + [p + r for p, r in zip(prompt_lens, response_lens)]
+    cu_q = list(accumulate(q_lens, initial=0))  # each segment's first token
+    prompt_starts, response_starts, responses_from = cu_q[: len(reps)], cu_q[len(reps) : -1], cu_q[len(reps)]
     # Flat token list: (row of input_ids, column) per token, its position and its LoRA slot.
     rows, columns, slots = [], [], []
     for rep in reps:
@@ -142,8 +144,6 @@ def segment_prefix_hidden(
         prefix_start = prompt_starts[prefix_of[row]]
         key_index += range(prefix_start, prefix_start + prompt_lens[row])
         key_index += range(response_starts[row], response_starts[row] + length)
-    q_lens = [prompt_lens[rep] for rep in reps] + list(response_lens)
-    k_lens = [prompt_lens[rep] for rep in reps] + [p + r for p, r in zip(prompt_lens, response_lens)]
     # Hidden state predicting response token j: the prompt's last token for j = 0, response token j - 1 after.
     predictors = []
     for row, length in enumerate(response_lens):
@@ -151,7 +151,7 @@ def segment_prefix_hidden(
         own = [response_starts[row] + j - 1 for j in range(1, min(length, response_width))]
         predictors += [last_prompt] + own + [own[-1] if own else last_prompt] * (response_width - 1 - len(own))
     rows_t, columns_t, slots_t, key_index_t, cu_q, cu_k, predictors_t = lists_to_device(
-        [rows, columns, slots, key_index, list(accumulate(q_lens, initial=0)), list(accumulate(k_lens, initial=0)), predictors], device)
+        [rows, columns, slots, key_index, cu_q, list(accumulate(k_lens, initial=0)), predictors], device)
     layout = SegmentLayout(key_index_t, cu_q.int(), cu_k.int(), q_lens, k_lens)
     tokens = input_ids[rows_t, columns_t][None]  # [1, N]
     mask_types = getattr(decoder.config, "layer_types", None) or ["full_attention"]
@@ -159,13 +159,4 @@ def segment_prefix_hidden(
         hidden = decoder(input_ids=tokens, position_ids=columns_t[None], attention_mask={t: layout for t in mask_types},
                          use_cache=False).last_hidden_state[0]  # [N, H]
     return hidden.index_select(0, predictors_t).view(len(prefix_of), response_width, -1)
-
-
-def _offsets(lengths: list[int], start: int = 0) -> tuple[list[int], int]:
-    """Start of each of consecutive segments of ``lengths`` from ``start``, and the end of the last."""
-    starts = []
-    for length in lengths:
-        starts.append(start)
-        start += length
-    return starts, start
 

@@ -80,6 +80,10 @@ class Trainer:
         self.decoder = model.base_model
         self.head = model.get_output_embeddings()
         self.shared_prefix = shared_prefix and supports_shared_prefix(self.decoder)
+        # One flat pass on flash attention (a GPU in half precision; host-bound there, a second pass costs
+        # what it saves), two passes elsewhere (the segments' reference attention is a dense [N, N] mask).
+        flash = self.device.type == "cuda" and self.head.weight.dtype in (torch.float16, torch.bfloat16)
+        self._prefix_hidden = segment_prefix_hidden if flash else shared_prefix_hidden
 
     @property
     def pack_size(self) -> int:
@@ -216,11 +220,7 @@ class Trainer:
             for row in host_rows:
                 prefix_of.setdefault(rows.prompt_groups[row], len(prefix_of))
         if self.shared_prefix and len(prefix_of) < len(host_rows):  # some rows share a prompt
-            # one flat pass on flash attention (a GPU in half precision; host-bound there, a second pass costs
-            # what it saves), two passes elsewhere (the segments' reference attention is a dense [N, N] mask)
-            flash = self.device.type == "cuda" and self.head.weight.dtype in (torch.float16, torch.bfloat16)
-            prefix_hidden = segment_prefix_hidden if flash else shared_prefix_hidden
-            hidden = prefix_hidden(
+            hidden = self._prefix_hidden(
                 self.decoder, self._route, input_ids,
                 prompt_lens=[rows.host_seq_lens[r] - rows.host_response_lens[r] for r in host_rows],
                 response_lens=[rows.host_response_lens[r] for r in host_rows],
