@@ -11,6 +11,17 @@ partials). The grids depend only on ``B``, ``H``, ``KV`` and ``L``, the lengths 
 and with ``out`` and a :class:`DecodeWorkspace` given nothing is allocated: a decode step is capturable
 in a CUDA graph and replayable with new lengths.
 
+Shared prefixes (``prefix_rows`` / ``prefix_lens``: row ``b`` reads its first ``prefix_lens[b]`` positions
+from cache row ``prefix_rows[b]``, e.g. the samples of a GRPO group that copied one cached prompt): the
+rows naming one source row ``s`` form its group, and a group's prefix is read once per kv head and split
+for up to :data:`PREFIX_GROUP_ROWS` members together (the members' query heads are the rows of one tile,
+so the prefix's keys go through one program instead of one per member); each member's own programs then
+read only its positions after the prefix, and the reduce merges the prefix partials with the row's own.
+A small first kernel finds the groups on the device (each row's rank among the rows naming its source):
+members past the first :data:`PREFIX_GROUP_ROWS` of a group, and rows naming a source outside the batch,
+read their prefix in their own programs from the source row. The result equals reading each row's own
+copy up to rounding (the prefix is a partial softmax of its own).
+
 Semantics: ``reference.decode_attention_ref``; entry point: ``dispatch.decode_attention``.
 """
 
@@ -30,6 +41,10 @@ from skyrl_clora.kernels.sgmv import has_pdl
 MAX_HEAD_DIM = 256
 # A row's splits at most (bounds the reduce kernel's tile): longer caches get longer splits.
 _MAX_SPLITS = 64
+# Rows of a shared-prefix group whose prefix one program reads together (a GRPO group's samples).
+PREFIX_GROUP_ROWS = 8
+# Query rows of one program at most (members x query heads per kv head) when prefixes are shared.
+_MAX_QUERY_TILE = 64
 _LOG2E = 1.4426950408889634
 
 
@@ -53,12 +68,20 @@ def default_attention_config(max_len: int) -> AttentionConfig:
 
 
 def _workspace_floats(num_rows: int, num_heads: int, head_dim: int, max_len: int, split_len: int) -> int:
-    """Floats of the partials: ``[B, H, splits, d]`` outputs then ``[B, H, splits]`` log-sum-exps."""
-    return num_rows * num_heads * triton.cdiv(max_len, split_len) * (head_dim + 1)
+    """Floats of the partials: ``[B, H, slots, d]`` outputs then ``[B, H, slots]`` log-sum-exps, with two
+    slots per split (the row's own keys and, with a shared prefix, the prefix's)."""
+    return num_rows * num_heads * 2 * triton.cdiv(max_len, split_len) * (head_dim + 1)
+
+
+def _group_ints(num_rows: int) -> int:
+    """Ints of the prefix-group tables: per row its served prefix length, member count, group length and
+    ``PREFIX_GROUP_ROWS`` member rows."""
+    return num_rows * (3 + PREFIX_GROUP_ROWS)
 
 
 class DecodeWorkspace:
-    """Float32 scratch for the partial results of ``decode_attention``, allocated once.
+    """Scratch for ``decode_attention``, allocated once: float32 partial results and the int32 prefix-group
+    tables.
 
     Sized for batches of up to ``max_rows`` rows under the default config (one buffer serves every
     layer, since layers run one after another). Usage::
@@ -82,6 +105,45 @@ class DecodeWorkspace:
             )
         numel = _workspace_floats(max_rows, num_heads, head_dim, max_len, default_attention_config(max_len).split_len)
         self.buffer = torch.empty(numel, dtype=torch.float32, device=device)
+        self.groups = torch.empty(_group_ints(max_rows), dtype=torch.int32, device=device)
+
+
+@triton.jit
+def _prefix_groups_kernel(
+    len_ptr,
+    prefix_row_ptr,
+    prefix_len_ptr,
+    served_ptr,
+    count_ptr,
+    group_len_ptr,
+    members_ptr,
+    B,
+    L,
+    B_P2: tl.constexpr,
+    MEMBERS: tl.constexpr,
+):
+    """Row ``b`` as a member: ``served[b]`` = its shared prefix length if it is among the first ``MEMBERS``
+    rows (by index) naming its source, a row of the batch (it is then ``members[source, rank]``), else 0.
+    Row ``b`` as a source: ``count[b]`` = its members (at most ``MEMBERS``), ``group_len[b]`` = the longest
+    prefix among all rows naming it. A row's prefix length is ``min(prefix_len, length, L)``; 0 means none."""
+    b = tl.program_id(0)
+    offs = tl.arange(0, B_P2)
+    in_batch = offs < B
+    lengths = tl.minimum(tl.load(len_ptr + offs, mask=in_batch, other=0), L)
+    lens = tl.minimum(tl.load(prefix_len_ptr + offs, mask=in_batch, other=0), lengths).to(tl.int32)
+    rows = tl.load(prefix_row_ptr + offs, mask=in_batch, other=-1).to(tl.int32)
+    grouped = (lens > 0) & (rows >= 0) & (rows < B)  # rows whose source has a group program
+    source = tl.sum(tl.where(offs == b, rows, 0), axis=0)
+    own_len = tl.sum(tl.where(offs == b, lens, 0), axis=0)
+    is_grouped = tl.sum(tl.where(offs == b, grouped.to(tl.int32), 0), axis=0) > 0
+    rank = tl.sum((grouped & (rows == source) & (offs < b)).to(tl.int32), axis=0)
+    served = is_grouped & (rank < MEMBERS)
+    tl.store(served_ptr + b, tl.where(served, own_len, 0))
+    if served:
+        tl.store(members_ptr + source * MEMBERS + rank, b)
+    mine = grouped & (rows == b)
+    tl.store(count_ptr + b, tl.minimum(tl.sum(mine.to(tl.int32), axis=0), MEMBERS))
+    tl.store(group_len_ptr + b, tl.max(tl.where(mine, lens, 0), axis=0))
 
 
 @triton.jit
@@ -92,12 +154,17 @@ def _partial_kernel(
     len_ptr,
     prefix_row_ptr,
     prefix_len_ptr,
+    served_ptr,
+    count_ptr,
+    group_len_ptr,
+    members_ptr,
     o_ptr,
     lse_ptr,
     H,
     D,
     L,
     NUM_SPLITS,
+    NUM_SLOTS,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -108,7 +175,8 @@ def _partial_kernel(
     stride_vh,
     stride_vl,
     GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    MEMBERS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_LEN: tl.constexpr,
@@ -117,44 +185,71 @@ def _partial_kernel(
     PDL: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
 ):
-    """For split ``s``, kv head ``j``, row ``b`` and the ``GROUP`` query heads ``h`` of kv head ``j``:
-    ``o[b, h, s] = softmax(q[b, h] @ K[b, j, keys].T * scale) @ V[b, j, keys]`` and ``lse[b, h, s]`` (base 2)
-    over ``keys = [s * SPLIT_LEN, min((s + 1) * SPLIT_LEN, length))``; nothing if the range is empty.
-    HAS_PREFIX: the keys below ``prefix_len[b]`` are read from cache row ``prefix_row[b]`` (rows sharing a
-    prefix then read one copy of it, which their programs, close in the grid, find in L2)."""
+    """Program ``(slot, kv head j, row b)``; the tile's query rows are ``(row, head)`` pairs of kv head ``j``.
+
+    ``slot = s < NUM_SPLITS`` (row program): the ``GROUP`` query heads of row ``b`` over keys
+    ``[s * SPLIT_LEN, min((s + 1) * SPLIT_LEN, length))``, less the positions below ``served[b]`` (read by
+    its group's program); with HAS_PREFIX, keys below ``prefix_len[b]`` of a row not served come from cache
+    row ``prefix_row[b]``. ``slot = NUM_SPLITS + s`` (prefix program, HAS_PREFIX only): the query heads of
+    the members of row ``b``'s group over the same split of row ``b``'s keys, each member up to its own
+    prefix length. Writes ``o[row, h, slot] = softmax(q @ K.T * scale) @ V`` over the program's keys and
+    ``lse[row, h, slot]`` (base 2; ``-inf`` where a query has no key in the range)."""
     if PDL:
         gdc_launch_dependents()
-    pid_s = tl.program_id(0)
+    pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
+    is_prefix = pid >= NUM_SPLITS
+    start = tl.where(is_prefix, pid - NUM_SPLITS, pid) * SPLIT_LEN
     length = tl.minimum(tl.load(len_ptr + b).to(tl.int32), L)
-    start = pid_s * SPLIT_LEN
-    if start >= length:
-        return
-    offs_g = tl.arange(0, BLOCK_G)
+    offs_q = tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    g_mask = offs_g < GROUP
     d_mask = offs_d < D
-    heads = kvh * GROUP + offs_g
-    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    # Row program: query rows = the row's heads; keys of row b, below `split_at` from row `low_row`.
+    q_row = tl.zeros([BLOCK_Q], dtype=tl.int32) + b
+    head = kvh * GROUP + offs_q
+    q_ok = offs_q < GROUP
+    lo = tl.zeros([BLOCK_Q], dtype=tl.int32) + start
+    hi = tl.zeros([BLOCK_Q], dtype=tl.int32) + tl.minimum(start + SPLIT_LEN, length)
+    low_row = b
+    split_at = 0
+    if HAS_PREFIX:
+        served = tl.load(served_ptr + b)
+        lo = tl.where(served > 0, tl.maximum(lo, served), lo)
+        low_row = tl.where(served > 0, b, tl.load(prefix_row_ptr + b).to(tl.int32))
+        split_at = tl.where(served > 0, 0, tl.minimum(tl.load(prefix_len_ptr + b).to(tl.int32), length))
+        # Prefix program: query rows = (member, head) pairs of row b's group; keys of row b.
+        member = offs_q // GROUP
+        m_ok = is_prefix & (member < tl.load(count_ptr + b)) & (offs_q < MEMBERS * GROUP)
+        m_row = tl.load(members_ptr + b * MEMBERS + member, mask=m_ok, other=0)
+        m_len = tl.load(served_ptr + m_row, mask=m_ok, other=0)
+        q_row = tl.where(is_prefix, m_row, q_row)
+        head = tl.where(is_prefix, kvh * GROUP + offs_q % GROUP, head)
+        q_ok = tl.where(is_prefix, m_ok, q_ok)
+        lo = tl.where(is_prefix, start, lo)
+        hi = tl.where(is_prefix, tl.minimum(start + SPLIT_LEN, m_len), hi)
+        split_at = tl.where(is_prefix, 0, split_at)
+    hi = tl.where(q_ok, hi, lo)  # query rows of no program: an empty range
+    row_head = (q_row.to(tl.int64) * H + head) * NUM_SLOTS + pid  # [BLOCK_Q]
+    if tl.max(hi - lo, axis=0) <= 0:
+        tl.store(lse_ptr + row_head, tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32), mask=q_ok)
+        return
+    q_ptrs = q_ptr + q_row[:, None].to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=q_ok[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:  # the CPU interpreter mis-multiplies bf16 operands
         q = q.to(tl.float32)
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
-    prefix_row = b
-    prefix_len = 0
-    if HAS_PREFIX:
-        prefix_row = tl.load(prefix_row_ptr + b).to(tl.int32)
-        prefix_len = tl.load(prefix_len_ptr + b).to(tl.int32)
-    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    denom = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for i in range(SPLIT_LEN // BLOCK_N):  # keys past the length are masked (loads of them move no data)
+    first = tl.min(tl.where(q_ok, lo, L), axis=0)
+    last = tl.max(hi, axis=0)
+    m = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    for i in range(SPLIT_LEN // BLOCK_N):  # keys outside [first, last) are masked (their loads move no data)
         pos = start + i * BLOCK_N + offs_n
-        n_mask = pos < length
-        row = tl.where(pos < prefix_len, prefix_row, b).to(tl.int64)  # [BLOCK_N]
+        n_mask = (pos >= first) & (pos < last)
+        row = tl.where(pos < split_at, low_row, b).to(tl.int64)  # [BLOCK_N]
         kt = tl.load(
             k_base + row[None, :] * stride_kb + pos[None, :].to(tl.int64) * stride_kl + offs_d[:, None],
             mask=n_mask[None, :] & d_mask[:, None],
@@ -168,20 +263,21 @@ def _partial_kernel(
         if UPCAST:
             kt, vt = kt.to(tl.float32), vt.to(tl.float32)
         scores = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # base-2 logits
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: the first block holds key `start`
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        valid = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
+        scores = tl.where(valid, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query with no key yet
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
         m = m_new
-    row_head = (b * H + heads).to(tl.int64) * NUM_SPLITS + pid_s  # [BLOCK_G]
     tl.store(
         o_ptr + row_head[:, None] * D + offs_d[None, :],
-        acc / denom[:, None],
-        mask=g_mask[:, None] & d_mask[None, :],
+        acc / tl.maximum(denom, 1e-30)[:, None],
+        mask=q_ok[:, None] & d_mask[None, :],
     )
-    tl.store(lse_ptr + row_head, m + tl.log2(denom), mask=g_mask)
+    tl.store(lse_ptr + row_head, tl.where(denom > 0, m + tl.log2(tl.maximum(denom, 1e-30)), float("-inf")), mask=q_ok)
 
 
 @triton.jit
@@ -189,36 +285,43 @@ def _reduce_kernel(
     o_ptr,
     lse_ptr,
     len_ptr,
+    served_ptr,
     out_ptr,
     H,
     D,
     L,
     NUM_SPLITS,
+    NUM_SLOTS,
     stride_ob,
     stride_oh,
     SPLIT_LEN: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
+    SLOTS_P2: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
     """``out[b, h] = sum_s w_s * o[b, h, s] / sum_s w_s`` with ``w_s = 2 ** lse[b, h, s]`` over the row's
-    non-empty splits; zeros for a row of length 0."""
+    written slots: its splits up to its length and, when its group read its prefix, the prefix's splits;
+    zeros for a row of length 0."""
     h = tl.program_id(0)
     b = tl.program_id(1)
     length = tl.minimum(tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0), L)
-    n_valid = (length + SPLIT_LEN - 1) // SPLIT_LEN
-    offs_s = tl.arange(0, SPLITS_P2)
+    offs_s = tl.arange(0, SLOTS_P2)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < n_valid
+    s_mask = offs_s < (length + SPLIT_LEN - 1) // SPLIT_LEN
     d_mask = offs_d < D
-    base = (b * H + h).to(tl.int64) * NUM_SPLITS
+    base = (b * H + h).to(tl.int64) * NUM_SLOTS
     if PDL:
         gdc_wait()  # the partials are complete and visible from here on
+    if HAS_PREFIX:
+        served = tl.load(served_ptr + b)
+        s_mask = s_mask | ((offs_s >= NUM_SPLITS) & (offs_s < NUM_SLOTS) & ((offs_s - NUM_SPLITS) * SPLIT_LEN < served))
     lse = tl.load(lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
     top = tl.max(lse, axis=0)
-    top = tl.where(n_valid > 0, top, 0.0)  # a row of length 0 has no partials: all weights 0
-    w = tl.where(s_mask, tl.exp2(lse - top), 0.0)
-    o = tl.load(o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # a row of length 0 has no partials: all weights 0
+    used = s_mask & (lse != float("-inf"))
+    w = tl.where(used, tl.exp2(lse - top), 0.0)
+    o = tl.load(o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=used[:, None] & d_mask[None, :], other=0.0)
     res = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -236,9 +339,11 @@ def decode_attention_triton(
 ) -> torch.Tensor:
     """Triton ``decode_attention`` (semantics: ``reference.decode_attention_ref``); returns ``out``.
 
-    Two launches, grids ``(splits, KV, B)`` and ``(H, B)``. With ``out`` and ``workspace`` given nothing is
-    allocated and nothing waits for the host; otherwise they are allocated here. ``config`` overrides
-    ``default_attention_config`` (benchmarks sweep it). Raises ValueError on bad shapes, dtypes or strides.
+    Launches: with a shared prefix the group tables (grid ``(B,)``), then the partials (grid ``(slots, KV,
+    B)``, two slots per split with a prefix, else one) and the reduce (grid ``(H, B)``). With ``out`` and
+    ``workspace`` given nothing is allocated and nothing waits for the host; otherwise they are allocated
+    here. ``config`` overrides ``default_attention_config`` (benchmarks sweep it). Raises ValueError on bad
+    shapes, dtypes or strides.
     """
     check_decode_attention(q, k_cache, v_cache, lengths, out, MAX_HEAD_DIM, prefix_rows, prefix_lens)
     B, H, D = q.shape
@@ -251,35 +356,45 @@ def decode_attention_triton(
     if cfg.split_len % cfg.block_n or cfg.block_n < 16:
         raise ValueError(f"split_len {cfg.split_len} must be a multiple of block_n {cfg.block_n} (>= 16)")
     num_splits = triton.cdiv(L, cfg.split_len)
+    has_prefix = prefix_rows is not None
+    num_slots = num_splits * (2 if has_prefix else 1)
     need = _workspace_floats(B, H, D, L, cfg.split_len)
     if workspace is None:
         buf = torch.empty(need, dtype=torch.float32, device=q.device)
-    elif workspace.buffer.numel() < need or workspace.buffer.device != q.device:
+        groups = torch.empty(_group_ints(B), dtype=torch.int32, device=q.device)
+    elif workspace.buffer.numel() < need or workspace.groups.numel() < _group_ints(B) or workspace.buffer.device != q.device:
         raise ValueError(
             f"the DecodeWorkspace holds {workspace.buffer.numel()} floats on {workspace.buffer.device}, this call "
             f"needs {need} on {q.device}: build it for at least {B} rows, {H} heads, max_len {L}, head_dim {D}"
         )
     else:
-        buf = workspace.buffer
-    partial_o = buf[: B * H * num_splits * D]
-    partial_lse = buf[B * H * num_splits * D : need]
+        buf, groups = workspace.buffer, workspace.groups
+    partial_o = buf[: B * H * num_slots * D]
+    partial_lse = buf[B * H * num_slots * D : B * H * num_slots * (D + 1)]
+    served, count, group_len, members = groups[: _group_ints(B)].split([B, B, B, B * PREFIX_GROUP_ROWS])  # members: [B, MEMBERS] used
     block_d = max(16, triton.next_power_of_2(D))
     group = H // KV
+    members_per_tile = max(1, min(PREFIX_GROUP_ROWS, _MAX_QUERY_TILE // group)) if has_prefix else 1
     on_cpu = q.device.type != "cuda"
     pdl = cfg.pdl and has_pdl(q.device)
-    has_prefix = prefix_rows is not None
-    _partial_kernel[(num_splits, KV, B)](
+    if has_prefix:
+        _prefix_groups_kernel[(B,)](
+            lengths, prefix_rows, prefix_lens, served, count, group_len, members, B, L,
+            B_P2=triton.next_power_of_2(B), MEMBERS=members_per_tile, num_warps=4,
+        )  # fmt: skip
+    _partial_kernel[(num_slots, KV, B)](
         q, k_cache, v_cache, lengths, prefix_rows if has_prefix else lengths, prefix_lens if has_prefix else lengths,
-        partial_o, partial_lse, H, D, L, num_splits, _LOG2E / math.sqrt(D),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        served, count, group_len, members, partial_o, partial_lse, H, D, L, num_splits, num_slots,
+        _LOG2E / math.sqrt(D), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=cfg.block_n,
-        SPLIT_LEN=cfg.split_len, UPCAST=on_cpu, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PDL=pdl, HAS_PREFIX=has_prefix, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP=group, MEMBERS=members_per_tile, BLOCK_Q=max(16, triton.next_power_of_2(group * members_per_tile)),
+        BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_LEN=cfg.split_len, UPCAST=on_cpu,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, HAS_PREFIX=has_prefix,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     _reduce_kernel[(H, B)](
-        partial_o, partial_lse, lengths, out, H, D, L, num_splits, out.stride(0), out.stride(1),
-        SPLIT_LEN=cfg.split_len, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=pdl,
-        launch_pdl=pdl, num_warps=4,
+        partial_o, partial_lse, lengths, served, out, H, D, L, num_splits, num_slots, out.stride(0), out.stride(1),
+        SPLIT_LEN=cfg.split_len, SLOTS_P2=triton.next_power_of_2(num_slots), BLOCK_D=block_d, PDL=pdl,
+        HAS_PREFIX=has_prefix, launch_pdl=pdl, num_warps=4,
     )  # fmt: skip
     return out

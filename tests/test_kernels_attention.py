@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import DecodeWorkspace, decode_attention
-from skyrl_clora.kernels.attention import AttentionConfig, decode_attention_triton
+from skyrl_clora.kernels.attention import PREFIX_GROUP_ROWS, AttentionConfig, decode_attention_triton
 from skyrl_clora.kernels.reference import decode_attention_ref
 from skyrl_clora.kernels.testing import TOLERANCE, attention_loop_ref, make_attention_problem, rel_error
 
@@ -89,6 +89,36 @@ def test_prefix_rows_read_the_shared_copy(backend: str, dtype: torch.dtype) -> N
     call = decode_attention_triton if backend == "triton" else decode_attention_ref
     got = call(p.q, p.k_cache, p.v_cache, p.lengths, prefix_rows=prefix_rows, prefix_lens=prefix_lens, **config)
     assert _err(got, want) < TOLERANCE[dtype], f"relative error {_err(got, want):.2e}"
+
+
+@interpreted
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
+def test_prefix_groups_larger_than_a_tile_and_sources_outside_the_batch(kv_heads: int) -> None:
+    """Eleven rows name row 0 (more than ``PREFIX_GROUP_ROWS``: the last three read their prefix in their own
+    programs), with prefix lengths ending inside key blocks and splits, one of them longer than the source's
+    own; row 11 names cache row 13, past the batch. Every member's own prefix positions are NaN."""
+    from dataclasses import replace
+
+    lengths = [50, 60, 38, 45, 64, 41, 52, 70, 33, 66, 47, 58]
+    p = make_attention_problem(12, 4, kv_heads, 70, 16, torch.float32, cache_rows=14, seed=5, lengths=lengths)
+    prefix_rows = torch.tensor([0] * 11 + [13])
+    prefix_lens = torch.tensor([37, 37, 20, 45, 37, 3, 37, 0, 33, 37, 37, 40])
+    assert PREFIX_GROUP_ROWS < int((prefix_lens[:11] > 0).sum()), "the group must overflow one tile"
+    copied_k, copied_v = p.k_cache.clone(), p.v_cache.clone()
+    for row, (source, length) in enumerate(zip(prefix_rows.tolist(), prefix_lens.tolist())):
+        copied_k[row, :, :length] = p.k_cache[source, :, :length]
+        copied_v[row, :, :length] = p.v_cache[source, :, :length]
+        if row != source:
+            p.k_cache[row, :, :length] = float("nan")
+            p.v_cache[row, :, :length] = float("nan")
+    want = attention_loop_ref(replace(p, k_cache=copied_k, v_cache=copied_v))
+    assert (want[1] - want[4]).abs().max() > 1e-2, "members must get different outputs"
+    workspace = DecodeWorkspace(12, 4, 600, 16, "cpu")  # 600 positions: as many 256-key splits as 32-key ones at 70
+    got = decode_attention_triton(p.q, p.k_cache, p.v_cache, p.lengths, prefix_rows=prefix_rows, prefix_lens=prefix_lens,
+                                  workspace=workspace, config=AttentionConfig(split_len=32, block_n=16))
+    assert _err(got, want) < TOLERANCE[torch.float32], f"relative error {_err(got, want):.2e}"
+    # The group programs read the prefix of the first eight members (by row) of row 0's group, no other.
+    assert workspace.groups[:12].tolist() == [37, 37, 20, 45, 37, 3, 37, 0, 33, 0, 0, 0]
 
 
 @interpreted

@@ -70,3 +70,28 @@ def test_identities_name_the_block_chain_a_row_holds() -> None:
     cache.drop_adapter("a")  # computed again after an eviction: another entry, maybe other bits
     again = cache.insert("a", 0, prompt, 0, lambda index: _kv(16, float(index)))
     assert again[1] == 32 and again[0] != identity[0]
+
+
+def test_shared_rows_cut_a_chain_into_groups_read_from_their_widest_member() -> None:
+    """Ten rows copy chain A (more than one attention tile of PREFIX_GROUP_ROWS rows), two copy chain B and
+    one copies nothing: A's rows form a group of the first eight and one of the last two, each read from
+    its member covering the most positions."""
+    from skyrl_clora.kernels.attention import PREFIX_GROUP_ROWS
+    from skyrl_clora.sampler.shared_rows import SharedPrefixRows
+
+    assert PREFIX_GROUP_ROWS == 8
+    shared = SharedPrefixRows(16)
+    a_rows = [0, 1, 2, 3, 5, 6, 7, 8, 9, 10]
+    widths = [128, 256, 256, 128, 256, 128, 128, 384, 128, 256]
+    for row, width in zip(a_rows, widths):
+        shared.assign(row, (("block", "a", 0, b"x", 1), width))
+    shared.assign(11, (("block", "b", 0, b"y", 2), 128))
+    shared.assign(12, (("block", "b", 0, b"y", 2), 256))
+    rows, lens = shared.sources(14)
+    assert rows[:8] == [8, 8, 8, 8, 4, 8, 8, 8] and rows[9:11] == [10, 10]  # row 4 holds nothing: itself
+    assert rows[11:13] == [12, 12] and rows[13] == 13
+    assert lens[:4] == [128, 256, 256, 128] and lens[4] == 0 and lens[8] == 384 and lens[12] == 256
+    assert shared.borrowed_positions == sum(widths) - 384 - 256 + 128
+    shared.clear(8)
+    rows, _ = shared.sources(14)
+    assert rows[0] == rows[9] == 1 and rows[10] == 10, "rows 0-7 and 9 regroup, read from the first of the widest"

@@ -35,7 +35,10 @@ def _logits(model: Qwen3ForCausalLM, routing, triton_path: bool) -> tuple[torch.
     runner.set_decode_inputs([0, 5, 0, 5, 0, 5] + [0] * 10, [0, 20, 0, 20, 0, 20] + [0] * 10, [-1, 0, -1, -1, -1, 0] + [-1] * 10,
                              prefix_rows=[0, 1, 2, 3, 4, 1] + list(range(6, 16)), prefix_lens=[0] * 5 + [16] + [0] * 10)
     decoded = runner.decode(16)
-    assert torch.equal(decoded[5], decoded[1]), "the same prompt, adapter and token: the same logits"
+    # The same prompt, adapter and token: the same logits (the kernels read row 5's prefix in a program of
+    # its own, whose partial softmax is merged with the rest: equal up to rounding).
+    same = torch.allclose(decoded[5], decoded[1], atol=1e-5) if triton_path else torch.equal(decoded[5], decoded[1])
+    assert same, float((decoded[5] - decoded[1]).abs().max())
     return torch.stack(prefill[:2]), decoded[[1, 3]]
 
 

@@ -125,9 +125,9 @@ class Engine:
     on for GPU runs (``sampler.reuse_decode_kv``).
 
     ``share_prefix_reads``: decode attention reads the positions that rows copied from one cached block
-    chain from one of those rows (:class:`SharedPrefixRows`): the same answer, bit for bit, from one copy
-    in L2 instead of one per row from memory. On for GPU runs (the services), where decode attention is
-    bound by reading K/V.
+    chain once for up to eight such rows (:class:`SharedPrefixRows`), instead of once per row: the same
+    answer up to rounding (bit for bit on the CPU, whose reference reads the shared copy per row). On for
+    GPU runs (the services), where decode attention is bound by reading K/V.
     """
 
     def __init__(

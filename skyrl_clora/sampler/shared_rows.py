@@ -3,15 +3,17 @@
 The engine copies a prompt's cached blocks into every row that uses them (the samples of a GRPO group, the
 episodes sharing a system prompt), and a finished turn's history carries the copy into the next turn's
 row. Rows whose first positions are copies of one block chain (one :data:`PrefixIdentity` key) hold the
-same bytes there; decode attention then reads those positions from one of them, the group's *source*
-(``decode_attention``'s ``prefix_rows`` / ``prefix_lens``). The source is the member covering the most
-positions (the lowest row among equals), so every member's positions are inside it. The answer is
-bit-identical to reading each row's own copy; what changes is that the group's programs read the same
-addresses, which the GPU serves from L2 instead of HBM.
+same bytes there; decode attention then reads those positions once for the group, from one member, the
+group's *source* (``decode_attention``'s ``prefix_rows`` / ``prefix_lens``): one program per kv head and
+key split takes the query heads of up to ``PREFIX_GROUP_ROWS`` rows, so the prefix's K/V are read once
+instead of once per row. The rows of one chain are cut into groups of that many (by row), and a group's
+source is its member covering the most positions (the lowest row among equals), so every member's
+positions are inside it. The answer equals reading each row's own copy up to rounding.
 """
 
 from __future__ import annotations
 
+from skyrl_clora.kernels.attention import PREFIX_GROUP_ROWS
 from skyrl_clora.sampler.prefix_cache import PrefixIdentity
 
 
@@ -40,17 +42,18 @@ class SharedPrefixRows:
         """``(prefix_rows, prefix_lens)`` for rows ``0..span-1``: the row to read the shared positions from
         and how many positions (a row outside any group reads itself, 0 positions)."""
         if self._sources is None:
-            best: dict[tuple, tuple[int, int]] = {}  # chain key -> (positions, row) of the widest member
+            chains: dict[tuple, list[int]] = {}  # chain key -> its rows, in row order
             for row, identity in enumerate(self._identity):
                 if identity is not None:
-                    key, length = identity
-                    if key not in best or length > best[key][0]:
-                        best[key] = (length, row)
+                    chains.setdefault(identity[0], []).append(row)
             rows = list(range(len(self._identity)))
             lens = [0] * len(self._identity)
-            for row, identity in enumerate(self._identity):
-                if identity is not None:
-                    rows[row], lens[row] = best[identity[0]][1], identity[1]
+            for members in chains.values():
+                for first in range(0, len(members), PREFIX_GROUP_ROWS):
+                    group = members[first : first + PREFIX_GROUP_ROWS]
+                    source = max(group, key=lambda row: (self._identity[row][1], -row))
+                    for row in group:
+                        rows[row], lens[row] = source, self._identity[row][1]
             self._sources = (rows, lens)
             self.borrowed_positions = sum(n for row, (source, n) in enumerate(zip(rows, lens)) if source != row)
         rows, lens = self._sources

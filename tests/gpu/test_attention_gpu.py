@@ -99,10 +99,12 @@ def test_decode_step_captured_in_cuda_graph_replays_new_lengths() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_prefix_rows_read_the_shared_copy_at_real_sizes(dtype: torch.dtype) -> None:
-    """64 rows in 8 groups of 8 whose first 255 positions (a GRPO prompt less its last token) are read from
-    the group's first row; every member's own copy is NaN, so reading it would show."""
-    p = make_attention_problem(64, 16, 8, 640, 128, dtype, device="cuda", seed=7,
+@pytest.mark.parametrize("heads", [16, 32], ids=["1.7b", "4b"])
+def test_prefix_rows_read_the_shared_copy_at_real_sizes(heads: int, dtype: torch.dtype) -> None:
+    """64 rows in 8 groups of 8 whose first 255 positions (a GRPO prompt less its last token) are read once
+    per group (Qwen3-1.7B's and 4B's query heads per kv head: 16- and 32-row tiles); every member's own
+    copy is NaN, so reading it would show."""
+    p = make_attention_problem(64, heads, 8, 640, 128, dtype, device="cuda", seed=7,
                                lengths=[300 + 4 * row for row in range(64)])
     prefix_rows = (torch.arange(64, device="cuda") // 8) * 8
     prefix_lens = torch.full((64,), 255, device="cuda")
