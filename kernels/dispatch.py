@@ -1,11 +1,11 @@
-"""Picks the implementation of each op (multi-LoRA, decode attention, fused layer ops): Triton for CUDA
-tensors, the torch reference elsewhere.
+"""Picks the implementation of each op (multi-LoRA, decode attention, fused layer ops, token sampling):
+Triton for CUDA tensors, the torch reference elsewhere.
 
 Layers call only ``add_lora`` and ``lora_linear`` (``packed_lora`` plus the base layer); the sampling engine's model runner calls
 ``decode_attention``, ``rms_norm``, ``qk_norm_rope`` and ``silu_mul``; the trainer's model calls
-``rms_norm_with_grad`` and ``silu_mul_with_grad``. ``backend="triton"`` forces the Triton kernels, which
-on CPU tensors run only under the Triton interpreter (``TRITON_INTERPRET=1``, as the CPU tests do);
-``backend="torch"`` forces the reference.
+``rms_norm_with_grad`` and ``silu_mul_with_grad``; the engine's sampler calls ``sample_tokens``.
+``backend="triton"`` forces the Triton kernels, which on CPU tensors run only under the Triton interpreter
+(``TRITON_INTERPRET=1``, as the CPU tests do); ``backend="torch"`` forces the reference.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from skyrl_clora.kernels.reference import (
     packed_lora_ref,
     qk_norm_rope_ref,
     rms_norm_ref,
+    sample_tokens_ref,
     silu_mul_ref,
 )
+from skyrl_clora.kernels.sampling import sample_tokens_triton
 from skyrl_clora.kernels.sgmv import add_lora_triton
 from skyrl_clora.kernels.train_ops import RMSNormFrozenWeight, SiluMul
 
@@ -257,3 +259,27 @@ def silu_mul_with_grad(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend
     if _use_triton(gate, backend):
         return SiluMul.apply(gate, up)
     return silu_mul_ref(gate, up)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, *,
+                  backend: Backend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits: [N, V]`` (any float dtype; fp32 arithmetic), greedy where
+    ``temperature: [N]`` (float32) is 0, else drawn by inverse CDF with the row's ``uniform: [N]`` (float32,
+    in ``[0, 1]``); returns ``(tokens [N] int64, logprobs [N] float32)`` on ``logits``' device, the
+    log-probabilities under the untempered distribution. Torch pseudo-code, per row::
+
+        if temperature == 0:
+            token = argmax(logits)                                      # the first maximum
+        else:
+            p = softmax(logits / temperature)
+            token = first index with cumsum(p)[token] > uniform * sum(p)   # else the last index with p > 0
+        logprob = logits[token] - logsumexp(logits)
+
+    The torch path (``reference.sample_tokens_ref``) sums the CDF in blocks of 1024 tokens; the Triton path
+    (``kernels.sampling``, one launch) sums unnormalised probabilities in its own order, so the two draw
+    different tokens only where the target lies within rounding of a cumulative sum. Neither waits for the
+    host. Top-p is not here (the sampler keeps its sort-based path for those rows).
+    """
+    if _use_triton(logits, backend):
+        return sample_tokens_triton(logits, temperature, uniform)
+    return sample_tokens_ref(logits, temperature, uniform)

@@ -1,4 +1,4 @@
-"""Pure-torch reference implementations of the multi-LoRA ops.
+"""Pure-torch reference implementations of the multi-LoRA ops (and of the other ops of ``dispatch``).
 
 These are the semantics every fast kernel must match (tests compare against them in fp32), and the
 implementation the CPU path runs. Layouts follow vLLM/PEFT:
@@ -16,6 +16,9 @@ result unchanged.
 from __future__ import annotations
 
 import torch
+
+CDF_BLOCK = 1024  # tokens per block of the two-level inverse CDF of sample_tokens_ref
+MIN_TEMPERATURE = 1e-6  # sample_tokens clamps temperatures to it (greedy rows compute a draw they discard)
 
 
 def add_lora_ref(
@@ -184,3 +187,42 @@ def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` (the SwiGLU MLP's activation), in the inputs' dtype."""
     return torch.nn.functional.silu(gate) * up
+
+
+def sample_tokens_ref(logits: torch.Tensor, temperature: torch.Tensor,
+                      uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy or inverse-CDF sampling of one token per row of ``logits: [N, V]`` (any float dtype, computed
+    in fp32) with ``temperature, uniform: [N]`` float32; returns ``(tokens [N] int64, logprobs [N] float32)``::
+
+        p = softmax(logits / temperature)                               # temperature clamped to 1e-6
+        token = argmax(logits) if temperature == 0 else inverse_cdf_ref(p, uniform)
+        logprob = logits[token] - logsumexp(logits)                     # untempered
+
+    The sampler's CPU path, whose draws the engine's tests compare bit for bit. No host synchronisation.
+    """
+    logits = logits.float()
+    probs = torch.softmax(logits / temperature.clamp(min=MIN_TEMPERATURE)[:, None], dim=-1)
+    tokens = torch.where(temperature == 0.0, logits.argmax(dim=-1), inverse_cdf_ref(probs, uniform))
+    return tokens, logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
+def inverse_cdf_ref(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """``[N, V]`` probabilities (each row with positive mass), ``[N]`` uniforms -> ``[N]`` token ids (int64):
+    the first index whose cumulative probability exceeds ``u * sum(p)``, found in two levels (blocks of
+    :data:`CDF_BLOCK` tokens, then inside the chosen block: a scan over the whole vocabulary was the
+    slowest kernel of a GPU decode step); where rounding puts the target past a row's mass, the last token
+    of positive probability."""
+    num, vocab = probs.shape
+    blocks = torch.nn.functional.pad(probs, (0, -vocab % CDF_BLOCK)).view(num, -1, CDF_BLOCK)  # [N, nb, B]
+    block_mass = blocks.sum(-1)  # [N, nb]
+    block_cdf = block_mass.cumsum(-1)
+    target = uniform * block_cdf[:, -1]  # [N]
+    block_ids = torch.arange(block_mass.shape[1], device=probs.device)
+    last_block = torch.where(block_mass > 0, block_ids, 0).amax(-1, keepdim=True)  # [N, 1]
+    block = torch.searchsorted(block_cdf, target[:, None], right=True).clamp(max=last_block)  # [N, 1]
+    inside = blocks.gather(1, block[:, :, None].expand(-1, -1, CDF_BLOCK))[:, 0]  # [N, B]
+    before = (block_cdf.gather(1, block) - block_mass.gather(1, block))[:, 0]  # mass ahead of the block
+    offset = torch.searchsorted(inside.cumsum(-1), (target - before)[:, None], right=True)  # [N, 1]
+    token_ids = torch.arange(CDF_BLOCK, device=probs.device)
+    last_token = torch.where(inside > 0, token_ids, 0).amax(-1, keepdim=True)
+    return (block * CDF_BLOCK + offset.clamp(max=last_token))[:, 0]

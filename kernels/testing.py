@@ -1,4 +1,5 @@
-"""Random multi-LoRA problems over adapter layouts, for the parity tests (CPU and GPU) and the benchmarks.
+"""Random multi-LoRA problems over adapter layouts, for the parity tests (CPU and GPU) and the benchmarks;
+random decode-attention and token-sampling problems with their float64 checks.
 
 Layouts follow punica's sweep of adapter popularity: every row its own adapter in turn (``distinct``),
 ``uniform``, ``zipf``, all rows one adapter (``identical``), 90% on one adapter (``skewed``), and a third
@@ -202,3 +203,76 @@ def attention_ref_fp32(p: AttentionProblem) -> torch.Tensor:
     return decode_attention_ref(
         p.q.float(), p.k_cache.float().nan_to_num(0.0), p.v_cache.float().nan_to_num(0.0), p.lengths
     )
+
+
+@dataclass
+class SamplingProblem:
+    """Inputs of one ``sample_tokens`` call (see ``reference.sample_tokens_ref`` for the shapes)."""
+
+    logits: torch.Tensor
+    temperature: torch.Tensor
+    uniform: torch.Tensor
+
+
+SAMPLING_TEMPERATURES = (0.6, 1.0, 0.0)  # row i draws at SAMPLING_TEMPERATURES[i % 3]
+
+
+def make_sampling_problem(num_rows: int, vocab: int, dtype: torch.dtype = torch.float32,
+                          device: torch.device | str = "cpu", seed: int = 0) -> SamplingProblem:
+    """Random logits ``[num_rows, vocab]`` with rows of four kinds in turn (row ``i`` of kind ``i % 4``):
+    spread (``randn * 3``), peaked (one token 12 ahead), flat (``randn * 0.01``), sparse (``-inf`` but 8
+    tokens in the first two thirds of the vocabulary); temperatures ``SAMPLING_TEMPERATURES[i % 3]``, so every
+    kind is drawn greedily and at both temperatures over 12 rows. Row 2 (greedy) has its maximum at three
+    tokens, the first at ``vocab // 3 - 1``; row 3 (sparse) draws with ``u = 1.0`` (its target is the row's
+    total mass: the last token of positive probability, followed by a third of the vocabulary at ``-inf``).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, vocab, generator=gen, dtype=torch.float64)
+    for row in range(num_rows):
+        kind = row % 4
+        if kind == 0:
+            logits[row] *= 3.0
+        elif kind == 1:
+            logits[row, int(torch.randint(vocab, (1,), generator=gen))] += 12.0
+        elif kind == 2:
+            logits[row] *= 0.01
+        else:
+            kept = torch.randperm(2 * vocab // 3, generator=gen)[:8]
+            logits[row] = float("-inf")
+            logits[row, kept] = torch.randn(8, generator=gen, dtype=torch.float64) * 2
+    if num_rows > 2:
+        logits[2, [vocab // 3 - 1, vocab // 3 + 5, vocab - 2]] = logits[2].max() + 1.0
+    temperature = torch.tensor([SAMPLING_TEMPERATURES[i % 3] for i in range(num_rows)])
+    uniform = torch.rand(num_rows, generator=gen)
+    if num_rows > 3:
+        uniform[3] = 1.0
+    return SamplingProblem(logits.to(dtype).to(device), temperature.to(device), uniform.to(device))
+
+
+def check_samples(p: SamplingProblem, tokens: torch.Tensor, logprobs: torch.Tensor, tol: float = 1e-5) -> torch.Tensor:
+    """Asserts ``sample_tokens``' semantics in float64 for every row and returns the ``[N]`` bool mask of the
+    sampled rows whose target ``u * total`` lies farther than ``tol * total`` from every cumulative sum (there
+    any implementation must draw the same token; elsewhere rounding decides).
+
+    Greedy rows: the first maximum. Sampled rows: a token of positive probability whose cumulative
+    interval ``[cdf(token) - p(token), cdf(token)]`` holds the target within ``tol * total``. Every row: the
+    log-probability ``logits[token] - logsumexp(logits)`` within ``tol``.
+    """
+    logits, tokens, logprobs = p.logits.double(), tokens.to(p.logits.device), logprobs.double().to(p.logits.device)
+    temperature, uniform = p.temperature.double(), p.uniform.float().double()
+    greedy = temperature == 0.0
+    assert torch.equal(tokens[greedy], logits[greedy].argmax(-1)), "a greedy row missed its first maximum"
+    probs = torch.softmax(logits / temperature.clamp(min=1e-6)[:, None], dim=-1)
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    target = uniform[:, None] * total
+    chosen_p = probs.gather(1, tokens[:, None])
+    after = cdf.gather(1, tokens[:, None])
+    sampled = ~greedy
+    assert bool((chosen_p[sampled] > 0).all()), "a token of probability 0 was drawn"
+    inside = (after - chosen_p - tol * total <= target) & (target <= after + tol * total)
+    outside = (~inside[:, 0] & sampled).nonzero()[:, 0].tolist()
+    assert not outside, f"targets outside their tokens' intervals in rows {outside}"
+    want = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    assert torch.allclose(logprobs, want, rtol=0.0, atol=tol), f"log-probability error {(logprobs - want).abs().max():.2e}"
+    return sampled & ((cdf - target).abs() > tol * total).all(-1)

@@ -7,11 +7,12 @@ share its batch, on the device, or on how many steps ran before it (reproducible
 
 Sampling is inverse-CDF: with ``p = softmax(logits / temperature)`` and ``u`` the row's uniform number, the
 token is the first index whose cumulative probability exceeds ``u * sum(p)`` (never a token of probability 0).
-The cumulative sums run in two levels, over blocks of :data:`CDF_BLOCK` tokens and then inside the chosen
-block: a scan over the whole vocabulary was the slowest kernel of a GPU decode step. Top-p keeps the
-smallest set of most likely tokens whose mass reaches ``top_p`` and renormalises. ``temperature == 0`` is
-greedy (argmax). The returned log-probability is under the untempered distribution (what the trainer
-recomputes).
+``temperature == 0`` is greedy (argmax). The returned log-probability is under the untempered distribution
+(what the trainer recomputes). These rows go through ``kernels.sample_tokens``: on a GPU one Triton launch
+for the whole step (``kernels.sampling``), elsewhere the torch reference, whose cumulative sums run in two
+levels (blocks of :data:`CDF_BLOCK` tokens, then inside the chosen block). Top-p keeps the smallest set of
+most likely tokens whose mass reaches ``top_p`` and renormalises; those rows are drawn by a sort-based torch
+path after the kernel.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from skyrl_clora.device_copy import lists_to_device
+from skyrl_clora.kernels import sample_tokens
+from skyrl_clora.kernels.reference import CDF_BLOCK as CDF_BLOCK  # re-exported: the block size of the torch path
+from skyrl_clora.kernels.reference import MIN_TEMPERATURE
+from skyrl_clora.kernels.reference import inverse_cdf_ref as _inverse_cdf
 
 _MASK64 = (1 << 64) - 1
-CDF_BLOCK = 1024  # tokens per block of the two-level inverse CDF
 
 
 def _splitmix64(value: int) -> int:
@@ -52,47 +56,36 @@ class RowSampling:
 
 def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], list[float]]:
     """Samples one token for each row of ``logits: [N, V]`` (any float dtype; computed in fp32) with the
-    settings ``rows[i]`` (``len(rows) == N``). Returns the tokens and their untempered log-probabilities."""
+    settings ``rows[i]`` (``len(rows) == N``). Returns the tokens and their untempered log-probabilities.
+
+    Greedy and plain rows go through ``kernels.sample_tokens`` (one Triton launch for CUDA logits, the torch
+    reference elsewhere); top-p rows are then drawn again by the sort-based nucleus path."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling settings")
-    logits = logits.float()
     device = logits.device
     temperature, uniform = lists_to_device([[r.temperature for r in rows], [r.uniform for r in rows]], device, torch.float32)
-    greedy = temperature == 0.0
-    temperature = temperature.clamp(min=1e-6)
-    log_normaliser = torch.logsumexp(logits, dim=-1)  # [N]
-
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    tokens, logprobs = sample_tokens(logits, temperature, uniform)
     nucleus = [i for i, r in enumerate(rows) if r.top_p < 1.0 and r.temperature > 0.0]
-    sampled = _inverse_cdf(probs, uniform)
     if nucleus:
         index = lists_to_device([nucleus], device)[0]
         top_p = lists_to_device([[rows[i].top_p for i in nucleus]], device, torch.float32)[0]
-        sampled[index] = _inverse_cdf_top_p(probs[index], uniform[index], top_p)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
-    chosen = logits.gather(1, tokens[:, None])[:, 0] - log_normaliser
-    pair = torch.stack([tokens.double(), chosen.double()]).cpu()  # the step's one host synchronisation
-    return [int(t) for t in pair[0].tolist()], pair[1].tolist()
+        picked = logits.index_select(0, index).float()
+        probs = torch.softmax(picked / temperature[index].clamp(min=MIN_TEMPERATURE)[:, None], dim=-1)
+        chosen = _inverse_cdf_top_p(probs, uniform[index], top_p)
+        tokens[index] = chosen
+        logprobs[index] = picked.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)
+    host_tokens, host_logprobs = _to_host(tokens, logprobs)  # the step's one host synchronisation
+    return host_tokens.tolist(), host_logprobs.tolist()
 
 
-def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """``[N, V]`` probabilities (each row with positive mass), ``[N]`` uniforms -> ``[N]`` token ids (int64):
-    the first index whose cumulative probability exceeds ``u * sum(p)``, found block by block; where
-    rounding puts the target past a row's mass, the last token of positive probability."""
-    num, vocab = probs.shape
-    blocks = torch.nn.functional.pad(probs, (0, -vocab % CDF_BLOCK)).view(num, -1, CDF_BLOCK)  # [N, nb, B]
-    block_mass = blocks.sum(-1)  # [N, nb]
-    block_cdf = block_mass.cumsum(-1)
-    target = uniform * block_cdf[:, -1]  # [N]
-    block_ids = torch.arange(block_mass.shape[1], device=probs.device)
-    last_block = torch.where(block_mass > 0, block_ids, 0).amax(-1, keepdim=True)  # [N, 1]
-    block = torch.searchsorted(block_cdf, target[:, None], right=True).clamp(max=last_block)  # [N, 1]
-    inside = blocks.gather(1, block[:, :, None].expand(-1, -1, CDF_BLOCK))[:, 0]  # [N, B]
-    before = (block_cdf.gather(1, block) - block_mass.gather(1, block))[:, 0]  # mass ahead of the block
-    offset = torch.searchsorted(inside.cumsum(-1), (target - before)[:, None], right=True)  # [N, 1]
-    token_ids = torch.arange(CDF_BLOCK, device=probs.device)
-    last_token = torch.where(inside > 0, token_ids, 0).amax(-1, keepdim=True)
-    return (block * CDF_BLOCK + offset.clamp(max=last_token))[:, 0]
+def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors on the CPU after one wait: asynchronous copies (to pinned memory) then one stream
+    synchronisation for CUDA tensors; CPU tensors as they are."""
+    if tensors[0].device.type != "cuda":
+        return [t.cpu() for t in tensors]
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return host
 
 
 def _inverse_cdf_top_p(probs: torch.Tensor, uniform: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
