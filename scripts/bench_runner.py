@@ -17,7 +17,7 @@ rows are mixed over the adapters. Cases:
   computes the whole prompt, the others its last position (the engine's call once the prompt is cached).
 - ``sample``: the engine's sampler on ``[span, V]`` logits.
 
-Each case is also profiled (``--profile``): operator and kernel tables by GPU time beside ``--out``.
+Each case is also profiled (``--profile``): operator and kernel tables by GPU and by CPU time beside ``--out``.
 
 Usage (GPU): python scripts/bench_runner.py --out $OUT/runner.json --profile
 """
@@ -55,7 +55,8 @@ def gpu_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def profile_to(path: Path, fn: Callable[[], object], calls: int) -> None:
-    """Writes the operator table (by self GPU time) of ``calls`` calls of ``fn`` to ``path``."""
+    """Writes the operator tables (by self GPU time, then by self CPU time) of ``calls`` calls of ``fn`` to
+    ``path``."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -63,7 +64,8 @@ def profile_to(path: Path, fn: Callable[[], object], calls: int) -> None:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    path.write_text(f"{calls} calls\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45))
+    tables = [prof.key_averages().table(sort_by=key, row_limit=45) for key in ("self_cuda_time_total", "self_cpu_time_total")]
+    path.write_text(f"{calls} calls\n" + "\n".join(tables))
 
 
 def decode_rows(span: int, samples: int, prompt: int, context: int, rng: random.Random) -> tuple[list[int], list[int], list[int]]:
