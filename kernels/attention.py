@@ -74,9 +74,9 @@ def _workspace_floats(num_rows: int, num_heads: int, head_dim: int, max_len: int
 
 
 def _group_ints(num_rows: int) -> int:
-    """Ints of the prefix-group tables: per row its served prefix length, member count, group length and
+    """Ints of the prefix-group tables: per row its served prefix length, member count and
     ``PREFIX_GROUP_ROWS`` member rows."""
-    return num_rows * (3 + PREFIX_GROUP_ROWS)
+    return num_rows * (2 + PREFIX_GROUP_ROWS)
 
 
 class DecodeWorkspace:
@@ -115,7 +115,6 @@ def _prefix_groups_kernel(
     prefix_len_ptr,
     served_ptr,
     count_ptr,
-    group_len_ptr,
     members_ptr,
     B,
     L,
@@ -124,8 +123,8 @@ def _prefix_groups_kernel(
 ):
     """Row ``b`` as a member: ``served[b]`` = its shared prefix length if it is among the first ``MEMBERS``
     rows (by index) naming its source, a row of the batch (it is then ``members[source, rank]``), else 0.
-    Row ``b`` as a source: ``count[b]`` = its members (at most ``MEMBERS``), ``group_len[b]`` = the longest
-    prefix among all rows naming it. A row's prefix length is ``min(prefix_len, length, L)``; 0 means none."""
+    Row ``b`` as a source: ``count[b]`` = its members (at most ``MEMBERS``). A row's prefix length is
+    ``min(prefix_len, length, L)``; 0 means none."""
     b = tl.program_id(0)
     offs = tl.arange(0, B_P2)
     in_batch = offs < B
@@ -143,7 +142,6 @@ def _prefix_groups_kernel(
         tl.store(members_ptr + source * MEMBERS + rank, b)
     mine = grouped & (rows == b)
     tl.store(count_ptr + b, tl.minimum(tl.sum(mine.to(tl.int32), axis=0), MEMBERS))
-    tl.store(group_len_ptr + b, tl.max(tl.where(mine, lens, 0), axis=0))
 
 
 @triton.jit
@@ -156,7 +154,6 @@ def _partial_kernel(
     prefix_len_ptr,
     served_ptr,
     count_ptr,
-    group_len_ptr,
     members_ptr,
     o_ptr,
     lse_ptr,
@@ -371,7 +368,7 @@ def decode_attention_triton(
         buf, groups = workspace.buffer, workspace.groups
     partial_o = buf[: B * H * num_slots * D]
     partial_lse = buf[B * H * num_slots * D : B * H * num_slots * (D + 1)]
-    served, count, group_len, members = groups[: _group_ints(B)].split([B, B, B, B * PREFIX_GROUP_ROWS])  # members: [B, MEMBERS] used
+    served, count, members = groups[: _group_ints(B)].split([B, B, B * PREFIX_GROUP_ROWS])  # members: [B, MEMBERS] used
     block_d = max(16, triton.next_power_of_2(D))
     group = H // KV
     members_per_tile = max(1, min(PREFIX_GROUP_ROWS, _MAX_QUERY_TILE // group)) if has_prefix else 1
@@ -379,12 +376,12 @@ def decode_attention_triton(
     pdl = cfg.pdl and has_pdl(q.device)
     if has_prefix:
         _prefix_groups_kernel[(B,)](
-            lengths, prefix_rows, prefix_lens, served, count, group_len, members, B, L,
+            lengths, prefix_rows, prefix_lens, served, count, members, B, L,
             B_P2=triton.next_power_of_2(B), MEMBERS=members_per_tile, num_warps=4,
         )  # fmt: skip
     _partial_kernel[(num_slots, KV, B)](
         q, k_cache, v_cache, lengths, prefix_rows if has_prefix else lengths, prefix_lens if has_prefix else lengths,
-        served, count, group_len, members, partial_o, partial_lse, H, D, L, num_splits, num_slots,
+        served, count, members, partial_o, partial_lse, H, D, L, num_splits, num_slots,
         _LOG2E / math.sqrt(D), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, MEMBERS=members_per_tile, BLOCK_Q=max(16, triton.next_power_of_2(group * members_per_tile)),
