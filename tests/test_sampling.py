@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_clora.sampler.sampling import CDF_BLOCK, RowSampling, _inverse_cdf, request_uniform, sample_rows
+from skyrl_clora.kernels.reference import CDF_BLOCK, inverse_cdf_ref
+from skyrl_clora.sampler.sampling import RowSampling, request_uniform, sample_rows
 
 
 def test_request_uniform_is_a_deterministic_stream_in_the_open_interval() -> None:
@@ -69,7 +70,7 @@ def test_two_level_inverse_cdf_picks_the_exact_token() -> None:
     probs[:50, CDF_BLOCK:] = 0.0  # rows whose mass sits in the first block only
     uniform = torch.rand(400, generator=generator)
     uniform[:5] = 1.0  # rounding puts the target at the row's total
-    got = _inverse_cdf(probs, uniform)
+    got = inverse_cdf_ref(probs, uniform)
     cdf = probs.double().cumsum(-1)
     target = uniform.double() * cdf[:, -1]
     want = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]

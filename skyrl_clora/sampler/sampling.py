@@ -10,7 +10,7 @@ token is the first index whose cumulative probability exceeds ``u * sum(p)`` (ne
 ``temperature == 0`` is greedy (argmax). The returned log-probability is under the untempered distribution
 (what the trainer recomputes). These rows go through ``kernels.sample_tokens``: on a GPU one Triton launch
 for the whole step (``kernels.sampling``), elsewhere the torch reference, whose cumulative sums run in two
-levels (blocks of :data:`CDF_BLOCK` tokens, then inside the chosen block). Top-p keeps the smallest set of
+levels (blocks of ``kernels.reference.CDF_BLOCK`` tokens, then inside the chosen block). Top-p keeps the smallest set of
 most likely tokens whose mass reaches ``top_p`` and renormalises; those rows are drawn by a sort-based torch
 path after the kernel.
 """
@@ -23,9 +23,7 @@ import torch
 
 from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.kernels import sample_tokens
-from skyrl_clora.kernels.reference import CDF_BLOCK as CDF_BLOCK  # re-exported: the block size of the torch path
-from skyrl_clora.kernels.reference import MIN_TEMPERATURE
-from skyrl_clora.kernels.reference import inverse_cdf_ref as _inverse_cdf
+from skyrl_clora.kernels.reference import MIN_TEMPERATURE, inverse_cdf_ref
 
 _MASK64 = (1 << 64) - 1
 
@@ -92,5 +90,5 @@ def _inverse_cdf_top_p(probs: torch.Tensor, uniform: torch.Tensor, top_p: torch.
     """Inverse-CDF sampling restricted to each row's nucleus (most likely tokens up to mass ``top_p``)."""
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p[:, None]
-    picked = _inverse_cdf(sorted_probs * keep, uniform)
+    picked = inverse_cdf_ref(sorted_probs * keep, uniform)
     return order.gather(1, picked[:, None])[:, 0]
