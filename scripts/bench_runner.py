@@ -37,7 +37,7 @@ from make_random_model import QWEN3_VOCAB, SHAPES, build_random_model, qwen3_con
 
 from skyrl_clora.lora.layers import attach_multi_lora, write_slot
 from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
-from skyrl_clora.sampler.sampling import RowSampling, sample_rows
+from skyrl_clora.sampler.sampling import sample_rows
 
 
 def gpu_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -109,8 +109,8 @@ def run_decode(runner: ModelRunner, args: argparse.Namespace, weight_bytes: int,
             if args.profile:
                 profile_to(args.out.with_suffix(f".decode{span}.{name}.txt"), lambda: runner.decode(span), 10)
         logits = torch.randn(span, QWEN3_VOCAB, device=runner.device)
-        settings = [RowSampling(1.0, 1.0, rng.random()) for _ in range(span)]
-        row["sample_ms"] = gpu_ms(lambda: sample_rows(logits, settings), args.repeats)
+        uniform = [rng.random() for _ in range(span)]
+        row["sample_ms"] = gpu_ms(lambda: sample_rows(logits, [1.0] * span, [1.0] * span, uniform), args.repeats)
         results.append(row)
         print(json.dumps(row), flush=True)
     return results

@@ -37,7 +37,7 @@ from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear
 from skyrl_clora.profiling import profiled
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
 from skyrl_clora.sampler.prefix_cache import BlockKV, PrefixCache, PrefixIdentity
-from skyrl_clora.sampler.sampling import RowSampling, request_uniform, sample_rows
+from skyrl_clora.sampler.sampling import request_uniforms, sample_rows
 from skyrl_clora.sampler.shared_rows import SharedPrefixRows
 
 GIL_SWITCH_SECONDS = 0.0005  # the GIL switch interval while the engine runs on a GPU (Python's default: 5 ms)
@@ -425,9 +425,9 @@ class Engine:
     @profiled("engine.sample")
     def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
         """Samples the next token of every request from ``logits: [len(requests), V]`` in one batch."""
-        settings = [RowSampling(req.params.temperature, req.params.top_p, request_uniform(req.params.seed, len(req.output)))
-                    for req in requests]
-        tokens, logprobs = sample_rows(logits, settings)
+        uniform = request_uniforms([req.params.seed for req in requests], [len(req.output) for req in requests])
+        tokens, logprobs = sample_rows(logits, [req.params.temperature for req in requests],
+                                       [req.params.top_p for req in requests], uniform)
         for req, token, logprob in zip(requests, tokens, logprobs):
             self._accept_token(req, token, logprob)
 

@@ -17,59 +17,63 @@ path after the kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.kernels import sample_tokens
 from skyrl_clora.kernels.reference import MIN_TEMPERATURE, inverse_cdf_ref
 
-_MASK64 = (1 << 64) - 1
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-def _splitmix64(value: int) -> int:
-    """One round of the SplitMix64 generator's output function (a bijective 64-bit mix)."""
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return value ^ (value >> 31)
+def _splitmix64(value: np.ndarray) -> np.ndarray:
+    """One round of the SplitMix64 generator's output function (a bijective 64-bit mix), element-wise on
+    ``uint64`` (wrapping arithmetic)."""
+    value = value + _GOLDEN
+    value = (value ^ (value >> np.uint64(30))) * _MIX1
+    value = (value ^ (value >> np.uint64(27))) * _MIX2
+    return value ^ (value >> np.uint64(31))
 
 
-def request_uniform(seed: int, index: int) -> float:
-    """The uniform number in ``(0, 1)`` for token ``index`` of the request seeded ``seed``."""
-    bits = _splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 11  # 53 random bits
-    return (bits + 0.5) / float(1 << 53)
+def request_uniforms(seeds: Sequence[int], indices: Sequence[int]) -> np.ndarray:
+    """``[N]`` float64 in ``(0, 1)``: the uniform number for token ``indices[i]`` of the request seeded
+    ``seeds[i]`` (seeds taken modulo 2**64), one vectorised pass for a whole step."""
+    seeds_u = np.array([seed & 0xFFFFFFFFFFFFFFFF for seed in seeds], dtype=np.uint64)
+    bits = _splitmix64(_splitmix64(seeds_u) ^ np.asarray(indices, dtype=np.uint64)) >> np.uint64(11)  # 53 random bits
+    return (bits.astype(np.float64) + 0.5) / float(1 << 53)
 
 
-@dataclass(frozen=True)
-class RowSampling:
-    """Sampling settings and RNG draw of one row: ``temperature`` (0 = greedy), ``top_p`` and ``uniform``
-    (from :func:`request_uniform`)."""
-
-    temperature: float
-    top_p: float
-    uniform: float
-
-
-def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], list[float]]:
-    """Samples one token for each row of ``logits: [N, V]`` (any float dtype; computed in fp32) with the
-    settings ``rows[i]`` (``len(rows) == N``). Returns the tokens and their untempered log-probabilities.
+def sample_rows(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float],
+                uniform: Sequence[float]) -> tuple[list[int], list[float]]:
+    """Samples one token for each row of ``logits: [N, V]`` (any float dtype; computed in fp32), row ``i``
+    with ``temperature[i]`` (0 = greedy), ``top_p[i]`` and RNG draw ``uniform[i]`` (from
+    :func:`request_uniforms`; all three of length ``N``). Returns the tokens and their untempered
+    log-probabilities.
 
     Greedy and plain rows go through ``kernels.sample_tokens`` (one Triton launch for CUDA logits, the torch
     reference elsewhere); top-p rows are then drawn again by the sort-based nucleus path."""
-    if logits.shape[0] != len(rows):
-        raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling settings")
+    if not logits.shape[0] == len(temperature) == len(top_p) == len(uniform):
+        raise ValueError(f"{logits.shape[0]} rows of logits but {len(temperature)} temperatures, {len(top_p)} top-p "
+                         f"values and {len(uniform)} uniform draws")
     device = logits.device
-    temperature, uniform = lists_to_device([[r.temperature for r in rows], [r.uniform for r in rows]], device, torch.float32)
-    tokens, logprobs = sample_tokens(logits, temperature, uniform)
-    nucleus = [i for i, r in enumerate(rows) if r.top_p < 1.0 and r.temperature > 0.0]
+    host = torch.from_numpy(np.stack([np.asarray(temperature, dtype=np.float32), np.asarray(uniform, dtype=np.float32)]))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    temperature_d, uniform_d = host.to(device, non_blocking=True)
+    tokens, logprobs = sample_tokens(logits, temperature_d, uniform_d)
+    top_p_h = np.asarray(top_p, dtype=np.float32)
+    nucleus = np.nonzero((top_p_h < 1.0) & (host[0].numpy() > 0.0))[0].tolist()
     if nucleus:
         index = lists_to_device([nucleus], device)[0]
-        top_p = lists_to_device([[rows[i].top_p for i in nucleus]], device, torch.float32)[0]
+        top_p_d = lists_to_device([top_p_h[nucleus].tolist()], device, torch.float32)[0]
         picked = logits.index_select(0, index).float()
-        probs = torch.softmax(picked / temperature[index].clamp(min=MIN_TEMPERATURE)[:, None], dim=-1)
-        chosen = _inverse_cdf_top_p(probs, uniform[index], top_p)
+        probs = torch.softmax(picked / temperature_d[index].clamp(min=MIN_TEMPERATURE)[:, None], dim=-1)
+        chosen = _inverse_cdf_top_p(probs, uniform_d[index], top_p_d)
         tokens[index] = chosen
         logprobs[index] = picked.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)
     host_tokens, host_logprobs = _to_host(tokens, logprobs)  # the step's one host synchronisation

@@ -9,7 +9,7 @@ import torch
 from skyrl_clora.kernels import sample_tokens
 from skyrl_clora.kernels.reference import sample_tokens_ref
 from skyrl_clora.kernels.testing import check_samples, make_sampling_problem
-from skyrl_clora.sampler.sampling import RowSampling, request_uniform, sample_rows
+from skyrl_clora.sampler.sampling import request_uniforms, sample_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 VOCAB = 151936
@@ -37,18 +37,21 @@ def test_sample_rows_on_cuda() -> None:
     nucleus, and the kernel's rows (no top-p) bit for bit the same alone as in the batch."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(48, VOCAB, generator=generator, device="cuda", dtype=torch.bfloat16) * 3
-    settings = [RowSampling([0.0, 1.0, 0.6][i % 3], [1.0, 0.9, 1.0, 0.5][i % 4], request_uniform(i, 7)) for i in range(48)]
-    tokens, logprobs = sample_rows(logits, settings)
+    temperature = [[0.0, 1.0, 0.6][i % 3] for i in range(48)]
+    top_p = [[1.0, 0.9, 1.0, 0.5][i % 4] for i in range(48)]
+    uniform = request_uniforms(range(48), [7] * 48)
+    tokens, logprobs = sample_rows(logits, temperature, top_p, uniform)
     assert len(set(tokens)) > 40, "rows must draw different tokens"
     want = torch.log_softmax(logits.double(), dim=-1)[torch.arange(48), torch.tensor(tokens)].cpu()
     assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64), want, atol=1e-5, rtol=0.0)
-    for row, setting in enumerate(settings):
-        if setting.top_p < 1.0 and setting.temperature > 0.0:
-            probs = torch.softmax(logits[row].double() / setting.temperature, dim=-1)
+    for row in range(48):
+        if top_p[row] < 1.0 and temperature[row] > 0.0:
+            probs = torch.softmax(logits[row].double() / temperature[row], dim=-1)
             mass_ahead = float(probs[probs > probs[tokens[row]]].sum())
-            assert mass_ahead < setting.top_p + 1e-4, f"row {row} drew outside its nucleus"
+            assert mass_ahead < top_p[row] + 1e-4, f"row {row} drew outside its nucleus"
         elif row % 5 == 0:
-            assert sample_rows(logits[row:row + 1], [setting]) == ([tokens[row]], [logprobs[row]])
+            alone = sample_rows(logits[row:row + 1], temperature[row:row + 1], top_p[row:row + 1], uniform[row:row + 1])
+            assert alone == ([tokens[row]], [logprobs[row]])
 
 
 def test_kernel_is_capturable_in_a_cuda_graph() -> None:
