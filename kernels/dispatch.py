@@ -1,8 +1,8 @@
-"""Picks the implementation of each op (multi-LoRA, decode attention, fused layer ops, token sampling):
-Triton for CUDA tensors, the torch reference elsewhere.
+"""Picks the implementation of each op (multi-LoRA, decode and prefill attention, fused layer ops, token
+sampling): Triton for CUDA tensors, the torch reference elsewhere.
 
 Layers call only ``add_lora`` and ``lora_linear`` (``packed_lora`` plus the base layer); the sampling engine's model runner calls
-``decode_attention``, ``rms_norm``, ``qk_norm_rope`` and ``silu_mul``; the trainer's model calls
+``decode_attention``, ``prefill_attention``, ``rms_norm``, ``qk_norm_rope`` and ``silu_mul``; the trainer's model calls
 ``rms_norm_with_grad`` and ``silu_mul_with_grad``; the engine's sampler calls ``sample_tokens``.
 ``backend="triton"`` forces the Triton kernels, which on CPU tensors run only under the Triton interpreter
 (``TRITON_INTERPRET=1``, as the CPU tests do); ``backend="torch"`` forces the reference.
@@ -20,11 +20,13 @@ from skyrl_clora.kernels.attention import DecodeWorkspace, decode_attention_trit
 from skyrl_clora.kernels.checks import check_silu_mul
 from skyrl_clora.kernels.meta import LoRAMeta
 from skyrl_clora.kernels.packed import packed_lora_triton
+from skyrl_clora.kernels.prefill_attention import check_prefill_attention, prefill_attention_triton
 from skyrl_clora.kernels.layer_ops import qk_norm_rope_triton, rms_norm_triton, silu_mul_triton
 from skyrl_clora.kernels.reference import (
     add_lora_ref,
     decode_attention_ref,
     packed_lora_ref,
+    prefill_attention_ref,
     qk_norm_rope_ref,
     rms_norm_ref,
     sample_tokens_ref,
@@ -191,6 +193,49 @@ def decode_attention(
         return decode_attention_triton(q, k_cache, v_cache, lengths, out=out, workspace=workspace,
                                        prefix_rows=prefix_rows, prefix_lens=prefix_lens)
     return decode_attention_ref(q, k_cache, v_cache, lengths, out=out, prefix_rows=prefix_rows, prefix_lens=prefix_lens)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    job_rows: torch.Tensor,
+    job_starts: torch.Tensor,
+    q_offsets: torch.Tensor,
+    q_lens: torch.Tensor,
+    scale: float,
+    *,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """Attention of one layer for a ragged prefill pass, keys read straight from the KV cache; returns a new
+    ``[T, H, d]`` in ``q``'s dtype.
+
+    Shapes: ``q: [T, H, d]``, the pass's query tokens, job ``j``'s at ``q[q_offsets[j] : q_offsets[j] +
+    q_lens[j]]`` (disjoint ranges in any order; ``q_lens[j] = 0``: an unused job slot); ``k_cache, v_cache:
+    [S, KV, L, d]`` holding the pass's own K/V already; ``job_rows, job_starts, q_offsets, q_lens: [J]``
+    int64; ``H % KV == 0`` (GQA: head ``h`` reads kv head ``h // (H // KV)``). One dtype (bf16, fp16 or fp32)
+    for ``q`` and the caches; fp32 softmax and accumulation, the output rounded once (the Triton path, like
+    flash attention, rounds the softmax weights to the model dtype for their product with V). Torch
+    pseudo-code::
+
+        out = zeros(T, H, d)                                             # tokens of no job stay 0
+        for j in range(J):
+            for i in range(q_lens[j]):
+                t, p = q_offsets[j] + i, job_starts[j] + i
+                for h in range(H):
+                    k = k_cache[job_rows[j], h // (H // KV), :p + 1]       # [p + 1, d]; v likewise
+                    out[t, h] = softmax(scale * q[t, h] @ k.T) @ v
+
+    The Triton path (``kernels.prefill_attention``) reads only each job's positions up to its last query
+    (causal tiles), needs unit stride along ``d`` and ``d <= 256``, never waits for the host and allocates
+    only ``out``: a prefill pass is capturable in a CUDA graph and replayable with new metadata copied into
+    the same tensors. The torch path (``reference.prefill_attention_ref``, the CPU engine's) loops over the
+    jobs on the host. Raises ValueError on bad shapes or dtypes.
+    """
+    if _use_triton(q, backend):
+        return prefill_attention_triton(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens, scale)
+    check_prefill_attention(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens)
+    return prefill_attention_ref(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,

@@ -19,6 +19,7 @@ import torch
 
 CDF_BLOCK = 1024  # tokens per block of the two-level inverse CDF of sample_tokens_ref
 MIN_TEMPERATURE = 1e-6  # sample_tokens clamps temperatures to it (greedy rows compute a draw they discard)
+PREFILL_QUERY_QUANTUM = 16  # prefill_attention_ref pads each job's queries to whole multiples of this many rows
 
 
 def add_lora_ref(
@@ -147,6 +148,58 @@ def decode_attention_ref(
     if out is None:
         return result.to(q.dtype)
     out.copy_(result)
+    return out
+
+
+def prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    job_rows: torch.Tensor,
+    job_starts: torch.Tensor,
+    q_offsets: torch.Tensor,
+    q_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a ragged prefill pass, each job's queries causally over its own cache row.
+
+    Semantics, for ``q: [T, H, d]``, ``k_cache, v_cache: [S, KV, L, d]`` (one layer), ``G = H // KV`` and
+    ``[J]`` int64 metadata (a job with ``q_lens[j] <= 0`` is an unused slot)::
+
+        out = zeros(T, H, d)                                             # tokens of no job stay 0
+        for j in range(J):
+            for i in range(q_lens[j]):
+                t, p = q_offsets[j] + i, job_starts[j] + i               # token in q, position in the row
+                for h in range(H):
+                    k = k_cache[job_rows[j], h // G, :p + 1]               # [p + 1, d]; v likewise
+                    out[t, h] = softmax(scale * q[t, h] @ k.T) @ v
+
+    Per job, one ``scaled_dot_product_attention`` in the model dtype over all ``L`` positions of the row
+    (masked past each query's position, GQA by ``repeat_interleave``), the queries zero-padded to whole
+    :data:`PREFILL_QUERY_QUANTUM` rows: the CPU's flash attention takes another GEMM path for a block of a
+    few query rows, so without the padding a query's fp32 bits would depend on its job's length. So a
+    job's result depends neither on the other jobs of the pass nor on the pass's shapes (the engine's CPU
+    runs are reproducible bit for bit), and equals the runner's former call on chunks padded to whole 16
+    positions. With ``scale = 1 / math.sqrt(d)`` this is SDPA's default scale. Reads the metadata on the
+    host (``.tolist()``): not capturable in a CUDA graph.
+    """
+    groups = q.shape[1] // k_cache.shape[1]
+    key_positions = torch.arange(k_cache.shape[2], device=q.device)
+    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    for row, start, offset, n in zip(job_rows.tolist(), job_starts.tolist(), q_offsets.tolist(), q_lens.tolist()):
+        if n <= 0:
+            continue
+        padded = -(-n // PREFILL_QUERY_QUANTUM) * PREFILL_QUERY_QUANTUM
+        q_job = torch.nn.functional.pad(q[offset : offset + n], (0, 0, 0, 0, 0, padded - n)).transpose(0, 1)[None]
+        keys, values = k_cache[row][None], v_cache[row][None]  # [1, KV, L, d]
+        if groups > 1:
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        query_positions = start + torch.arange(padded, device=q.device)
+        visible = key_positions[None, :] <= query_positions[:, None]  # [padded, L]
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q_job, keys, values, attn_mask=visible[None, None], scale=scale
+        )  # [1, H, padded, d]
+        out[offset : offset + n] = attended[0, :, :n].transpose(0, 1)
     return out
 
 

@@ -1,5 +1,5 @@
 """Random multi-LoRA problems over adapter layouts, for the parity tests (CPU and GPU) and the benchmarks;
-random decode-attention and token-sampling problems with their float64 checks.
+random decode-attention, prefill-attention and token-sampling problems with their float64 checks.
 
 Layouts follow punica's sweep of adapter popularity: every row its own adapter in turn (``distinct``),
 ``uniform``, ``zipf``, all rows one adapter (``identical``), 90% on one adapter (``skewed``), and a third
@@ -8,11 +8,14 @@ of the rows with no adapter (``no_adapter``).
 
 from __future__ import annotations
 
+import math
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from skyrl_clora.kernels.reference import add_lora_ref, decode_attention_ref
+from skyrl_clora.kernels.reference import add_lora_ref, decode_attention_ref, prefill_attention_ref
 
 LAYOUTS = ("distinct", "uniform", "zipf", "identical", "skewed", "no_adapter")
 # Largest relative error ||got - ref|| / ||ref - out_before|| accepted against the fp32 reference:
@@ -203,6 +206,95 @@ def attention_ref_fp32(p: AttentionProblem) -> torch.Tensor:
     return decode_attention_ref(
         p.q.float(), p.k_cache.float().nan_to_num(0.0), p.v_cache.float().nan_to_num(0.0), p.lengths
     )
+
+
+@dataclass
+class PrefillProblem:
+    """Inputs of one ``prefill_attention`` call (see ``reference.prefill_attention_ref`` for the shapes)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    job_rows: torch.Tensor
+    job_starts: torch.Tensor
+    q_offsets: torch.Tensor
+    q_lens: torch.Tensor
+    scale: float
+
+    def args(self) -> tuple:
+        """The positional arguments of ``prefill_attention``."""
+        return (self.q, self.k_cache, self.v_cache, self.job_rows, self.job_starts, self.q_offsets, self.q_lens, self.scale)
+
+
+def make_prefill_problem(
+    jobs: Sequence[tuple[int, int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    max_len: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_rows: int,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    poison: bool = False,
+) -> PrefillProblem:
+    """A ragged pass of ``jobs``, ``(row, start, q_len)`` per job slot (``q_len`` 0: an unused slot at offset
+    0). The jobs' tokens are laid out in ``q`` in a shuffled order with 1 or 2 tokens of no job before each
+    job and after the last, so ``q_offsets`` are neither sorted nor contiguous. Keys are scaled so the
+    softmax is neither flat nor one-hot; ``scale = 1 / sqrt(d)``.
+
+    ``poison``: each row's cache positions past its jobs' last position, the rows of no job and ``q``'s
+    tokens of no job hold NaN (a kernel that reads them returns NaN; the torch reference, which reads every
+    position, must then be given the clean tensors: ``prefill_ref_fp32``).
+    """
+    order = random.Random(seed)
+    offsets, token = [0] * len(jobs), 0
+    for j in order.sample(range(len(jobs)), len(jobs)):
+        if jobs[j][2] > 0:
+            token += order.randint(1, 2)
+            offsets[j], token = token, token + jobs[j][2]
+    num_tokens = token + order.randint(1, 2)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen, device=device)
+    k = torch.randn(cache_rows, num_kv_heads, max_len, head_dim, generator=gen, device=device) * 1.5
+    v = torch.randn(cache_rows, num_kv_heads, max_len, head_dim, generator=gen, device=device)
+    if poison:
+        ends = [0] * cache_rows
+        covered = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+        for (row, start, n), offset in zip(jobs, offsets):
+            if n > 0:
+                ends[row] = max(ends[row], start + n)
+                covered[offset : offset + n] = True
+        past = torch.arange(max_len, device=device)[None, :] >= torch.tensor(ends, device=device)[:, None]  # [S, L]
+        k.masked_fill_(past[:, None, :, None], float("nan"))
+        v.masked_fill_(past[:, None, :, None], float("nan"))
+        q[~covered] = float("nan")
+    rows, starts, lens = (torch.tensor([job[i] for job in jobs], dtype=torch.int64, device=device) for i in range(3))
+    return PrefillProblem(q.to(dtype), k.to(dtype), v.to(dtype), rows, starts,
+                          torch.tensor(offsets, dtype=torch.int64, device=device), lens, 1 / math.sqrt(head_dim))
+
+
+def prefill_loop_ref(p: PrefillProblem) -> torch.Tensor:
+    """``prefill_attention``'s semantics as a plain loop over the jobs' queries in float64 (``[T, H, d]`` on the
+    CPU, zeros for tokens of no job); reads only the keys each query sees."""
+    T, H, D = p.q.shape
+    group = H // p.k_cache.shape[1]
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    metadata = (p.job_rows.tolist(), p.job_starts.tolist(), p.q_offsets.tolist(), p.q_lens.tolist())
+    for row, start, offset, n in zip(*metadata):
+        for i in range(n):
+            keys = p.k_cache[row, :, : start + i + 1].double().cpu().repeat_interleave(group, 0)  # [H, p + 1, d]
+            values = p.v_cache[row, :, : start + i + 1].double().cpu().repeat_interleave(group, 0)
+            weights = torch.softmax(torch.einsum("hd,hkd->hk", p.q[offset + i].double().cpu(), keys) * p.scale, dim=-1)
+            out[offset + i] = torch.einsum("hk,hkd->hd", weights, values)
+    return out
+
+
+def prefill_ref_fp32(p: PrefillProblem) -> torch.Tensor:
+    """``prefill_attention_ref`` in fp32 on the problem's (rounded) inputs, poison replaced by zeros (the
+    reference masks the positions past each query but still reads them)."""
+    return prefill_attention_ref(p.q.float().nan_to_num(0.0), p.k_cache.float().nan_to_num(0.0),
+                                 p.v_cache.float().nan_to_num(0.0), *p.args()[3:])
 
 
 @dataclass
