@@ -83,6 +83,7 @@ class ModeResult:
     steps: list[StepRecord] = field(default_factory=list)
     decode_tokens: int = 0
     decode_s: float = 0.0
+    decode_sampling_s: float = 0.0
     peak_memory_gib: float = 0.0
     prefill_s: float = 0.0
     prefill_tokens: int = 0
@@ -178,6 +179,7 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     result.wall_s = time.perf_counter() - started
     result.decode_tokens = services.engine.stats.generated_tokens
     result.decode_s = services.engine.stats.decode_seconds
+    result.decode_sampling_s = services.engine.stats.decode_sampling_seconds
     result.prefill_s = services.engine.stats.prefill_seconds
     result.prefill_tokens = services.engine.stats.prefill_tokens
     result.cached_prompt_tokens = services.engine.stats.cached_prompt_tokens
@@ -196,7 +198,8 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
     print(f"{train_mode} x{len(names)}: wall {result.wall_s:.1f} s, cold start {result.cold_start_s[0]:.1f} s, per step "
           f"{row['step_s']:.2f} s (rollout {row['rollout_s']:.2f}, train {row['train_s']:.2f}, sync {row['sync_s']:.2f}), "
           f"engine decode {result.decode_s:.1f} s ({result.decode_steps} steps of "
-          f"{1e3 * result.decode_s / max(result.decode_steps, 1):.1f} ms, "
+          f"{1e3 * result.decode_s / max(result.decode_steps, 1):.1f} ms, of which "
+          f"{1e3 * result.decode_sampling_s / max(result.decode_steps, 1):.1f} ms in sampling, waiting for the GPU, "
           f"{result.decode_tokens / max(result.decode_steps, 1):.0f} tokens sampled per step) / prefill {result.prefill_s:.1f} s "
           f"({result.prefill_rounds} rounds of {1e3 * result.prefill_s / max(result.prefill_rounds, 1):.0f} ms, "
           f"{result.prefill_tokens} prompt tokens computed, {result.cached_prompt_tokens} from the prefix cache; "

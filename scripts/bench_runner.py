@@ -13,9 +13,11 @@ rows are mixed over the adapters. Cases:
   copy bandwidth measured in the same run.
 - ``prefill turn``: the next turn of ``--jobs`` episodes: each job's first ``--history`` positions are in
   its cache row, ``--observation`` + 1 new positions are computed (the engine's call after a tool result).
+  Both prefill cases are timed eager and replayed from CUDA graphs.
 - ``prefill prompt``: the first turn of ``--jobs`` episodes in groups of ``--samples``: one job per group
   computes the whole prompt, the others its last position (the engine's call once the prompt is cached).
 - ``sample``: the engine's sampler on ``[span, V]`` logits.
+- ``prefill attention``: one layer's attention kernel on the turn's jobs, at several query-tile sizes.
 
 Each case is also profiled (``--profile``): operator and kernel tables by GPU and by CPU time beside ``--out``.
 
@@ -91,7 +93,7 @@ def run_decode(runner: ModelRunner, args: argparse.Namespace, weight_bytes: int,
     for share in (False, True):
         runner.share_prefix_reads = share
         runner._graphs.clear()
-        runner.capture_decode_graphs()
+        runner.capture_graphs()
         forms[share] = dict(runner._graphs)
     for span in args.spans:
         positions, sources, lens = decode_rows(span, args.samples, args.prompt, args.context, rng)
@@ -108,7 +110,7 @@ def run_decode(runner: ModelRunner, args: argparse.Namespace, weight_bytes: int,
             row[f"{name}_roofline_ms"] = 1e3 * (weight_bytes + (shared_kv if share else own_kv)) / bandwidth
             if args.profile:
                 profile_to(args.out.with_suffix(f".decode{span}.{name}.txt"), lambda: runner.decode(span), 10)
-        logits = torch.randn(span, QWEN3_VOCAB, device=runner.device)
+        logits = torch.randn(span, QWEN3_VOCAB, device=runner.device, dtype=runner.dtype)  # what decode returns
         uniform = [rng.random() for _ in range(span)]
         row["sample_ms"] = gpu_ms(lambda: sample_rows(logits, [1.0] * span, [1.0] * span, uniform), args.repeats)
         results.append(row)
@@ -117,21 +119,46 @@ def run_decode(runner: ModelRunner, args: argparse.Namespace, weight_bytes: int,
 
 
 def run_prefill(runner: ModelRunner, args: argparse.Namespace, name: str, jobs: list[PrefillJob]) -> dict:
-    """Times (wall, synchronised: the engine waits for the logits) and profiles one ``runner.prefill(jobs)``."""
+    """Times (wall, synchronised: the engine waits for the logits) and profiles one ``runner.prefill(jobs)``,
+    eager and replayed from CUDA graphs, side by side."""
     def call() -> None:
         runner.prefill(jobs)
         torch.cuda.synchronize()
 
-    call()
-    times = []
-    for _ in range(args.repeats):
-        started = time.perf_counter()
-        call()
-        times.append(1e3 * (time.perf_counter() - started))
     computed = sum(job.tokens.shape[0] - job.start for job in jobs)
-    row = {"case": name, "jobs": len(jobs), "computed_positions": computed, "ms": sorted(times)[len(times) // 2]}
-    if args.profile:
-        profile_to(args.out.with_suffix(f".{name.replace(' ', '_')}.txt"), call, 3)
+    row = {"case": name, "jobs": len(jobs), "computed_positions": computed}
+    for graphs in (False, True):
+        runner.prefill_graphs = graphs
+        call()  # warm-up (with graphs: the capture)
+        times = []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            call()
+            times.append(1e3 * (time.perf_counter() - started))
+        form = "graph" if graphs else "eager"
+        row[f"{form}_ms"] = sorted(times)[len(times) // 2]
+        if args.profile:
+            profile_to(args.out.with_suffix(f".{name.replace(' ', '_')}.{form}.txt"), call, 3)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def run_prefill_attention(runner: ModelRunner, args: argparse.Namespace, jobs: list[PrefillJob]) -> dict:
+    """One layer's ``prefill_attention`` for ``jobs`` (a turn's new positions over their histories in the
+    cache) at each ``--attention-block-q`` (tokens per query tile), GPU time by CUDA events."""
+    from skyrl_clora.kernels.prefill_attention import PrefillConfig, prefill_attention_triton
+
+    counts = [job.tokens.shape[0] - job.start for job in jobs]
+    offsets = [sum(counts[:i]) for i in range(len(jobs))]
+    rows, starts, q_offsets, q_lens = (torch.tensor(v, device=runner.device) for v in
+                                       ([job.row for job in jobs], [job.start for job in jobs], offsets, counts))
+    q = torch.randn(sum(counts), runner.num_heads, runner.head_dim, device=runner.device, dtype=runner.dtype)
+    k_cache, v_cache = runner.k_cache[0], runner.v_cache[0]
+    row = {"case": "prefill attention, one layer", "jobs": len(jobs), "tokens": sum(counts)}
+    for block_q in args.attention_block_q:
+        config = PrefillConfig(block_q=block_q, num_warps=8 if block_q * runner.num_heads // runner.num_kv_heads > 64 else 4)
+        row[f"block_q{block_q}_us"] = 1e3 * gpu_ms(lambda: prefill_attention_triton(
+            q, k_cache, v_cache, rows, starts, q_offsets, q_lens, runner.head_dim ** -0.5, config), args.repeats)
     print(json.dumps(row), flush=True)
     return row
 
@@ -148,6 +175,8 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=388)
     parser.add_argument("--observation", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--attention-block-q", type=int, nargs="+", default=[16, 32, 64],
+                        help="query tokens per tile of the prefill attention kernel, timed alone on a turn")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -173,6 +202,7 @@ def main() -> None:
     turn = [PrefillJob(row, tokens(args.history + args.observation + 1), row % args.tenants, start=args.history)
             for row in range(args.jobs)]
     results["cases"].append(run_prefill(runner, args, "prefill turn", turn))
+    results["cases"].append(run_prefill_attention(runner, args, turn))
     prompt = []
     for row in range(args.jobs):
         first = row % args.samples == 0

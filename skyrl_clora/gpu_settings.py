@@ -1,10 +1,10 @@
-"""Process-wide CUDA settings the engine and the trainer rely on.
+"""Process-wide CUDA settings the trainer relies on.
 
 PyTorch's scaled_dot_product_attention prefers cuDNN's attention on Hopper, and cuDNN builds an execution
 graph for every new combination of shapes (tens to hundreds of milliseconds, then cached per shape). The
-engine's prefill passes and the trainer's micro-batches change their batch, chunk and key lengths all the
-time, so with cuDNN a prefill round cost ~120-150 ms on the H200 whatever it computed (BENCHMARKS.md,
-fourth session). Flash and memory-efficient attention have no per-shape set-up.
+trainer's micro-batches change their batch and sequence lengths all the time (so did the engine's prefill
+passes when they called SDPA: a prefill round cost ~120-150 ms on the H200 whatever it computed,
+BENCHMARKS.md, fourth session). Flash and memory-efficient attention have no per-shape set-up.
 """
 
 from __future__ import annotations

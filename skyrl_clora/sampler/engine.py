@@ -5,8 +5,8 @@ One background thread owns the model. Each iteration of its loop:
   2. applies every pending publish whose adapter has no running request (the version fence: a request
      is sampled entirely with the adapter version it was admitted under; new requests of an adapter with
      a pending publish wait until it lands, so a publish cannot starve);
-  3. admits waiting requests into free cache rows (FIFO over all tenants) and prefills them together,
-     taking the prompt blocks it already has from the per-adapter-version prefix cache (and, with
+  3. admits waiting requests into free cache rows (FIFO over all tenants) and prefills them together
+     (ragged passes, replayed from CUDA graphs on the GPU), taking the prompt blocks it already has from the per-adapter-version prefix cache (and, with
      ``reuse_decode_kv``, a finished turn's whole history when the prompt extends it: the next turn of
      a multi-turn episode then computes only its new tokens);
   4. runs one decode step for the rows up to the last running one (a CUDA-graph replay on the GPU),
@@ -98,9 +98,10 @@ class _Unregister:
 class EngineStats:
     """Counters since start: decode steps, admission rounds that prefilled (one batched prefill call
     each), tokens generated, prompt tokens computed by prefill and prompt tokens served from the prefix
-    cache, seconds spent in prefill (with its sampling), in decode steps (with their sampling) and busy
-    in all, the seconds the CUDA-graph capture took, and the key positions decode steps read from another
-    row's copy of a shared prefix."""
+    cache, seconds spent in prefill (with its sampling and first-use graph captures), in decode steps (with
+    their sampling) and busy in all, the seconds decode steps spent in their sampling call (which waits
+    for the step's GPU work: the rest of a decode step is host work), the seconds the decode CUDA graphs'
+    capture took, and the key positions decode steps read from another row's copy of a shared prefix."""
 
     decode_steps: int = 0
     prefill_rounds: int = 0
@@ -109,6 +110,7 @@ class EngineStats:
     cached_prompt_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    decode_sampling_seconds: float = 0.0
     busy_seconds: float = 0.0
     graph_capture_seconds: float = 0.0
     shared_prefix_positions: int = 0  # decode-step key positions read from another row's copy
@@ -157,7 +159,7 @@ class Engine:
         self.max_prefills_per_step = max_prefills_per_step
         self.stats = EngineStats()
         if cuda_graphs and self.runner.device.type == "cuda":
-            self.stats.graph_capture_seconds = self.runner.capture_decode_graphs()
+            self.stats.graph_capture_seconds = self.runner.capture_graphs()
         self._slots: dict[str, int] = {}
         self._versions: dict[str, int] = {}
         self._inbox: queue.Queue = queue.Queue()
@@ -419,17 +421,21 @@ class Engine:
         self.stats.decode_steps += 1
         running = [req for req in self._rows[:span] if req is not None]
         rows = lists_to_device([[req.row for req in running]], logits.device)[0]
-        self._sample(running, logits.index_select(0, rows))
+        self.stats.decode_sampling_seconds += self._sample(running, logits.index_select(0, rows))
         self.stats.decode_seconds += time.perf_counter() - started
 
     @profiled("engine.sample")
-    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
-        """Samples the next token of every request from ``logits: [len(requests), V]`` in one batch."""
+    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> float:
+        """Samples the next token of every request from ``logits: [len(requests), V]`` in one batch; returns
+        the seconds the sampling call took (it waits for the GPU work queued before it)."""
         uniform = request_uniforms([req.params.seed for req in requests], [len(req.output) for req in requests])
+        started = time.perf_counter()
         tokens, logprobs = sample_rows(logits, [req.params.temperature for req in requests],
                                        [req.params.top_p for req in requests], uniform)
+        seconds = time.perf_counter() - started
         for req, token, logprob in zip(requests, tokens, logprobs):
             self._accept_token(req, token, logprob)
+        return seconds
 
     def _accept_token(self, req: _Request, token: int, logprob: float) -> None:
         """Appends ``token`` to ``req``; retires the request when it is done."""

@@ -7,37 +7,47 @@ together, runs each layer's q/k/v and gate/up projections as one GEMM and one mu
 (RMSNorm with the residual add, q/k norm with the rotary embedding, SiLU-mul: one Triton launch each on the
 GPU; on the CPU their references, which are Hugging Face's own ops in order):
 
-- ``prefill(jobs)``: several prompts written into their cache rows in chunks, one chunk of each prompt per
-  forward pass of at most ``prefill_tokens`` positions, from any start position (the positions before it
-  already hold the prompt's K/V: cached blocks or a finished turn's history); returns each prompt's
-  last-token logits ``[V]``.
+- ``prefill(jobs)``: several prompts written into their cache rows by ragged forward passes of at most
+  ``prefill_tokens`` positions (the prompts' positions laid end to end, no per-prompt padding), from any
+  start position (the positions before it already hold the prompt's K/V: cached blocks or a finished
+  turn's history); returns each prompt's last-token logits ``[V]``.
 - ``decode(span)``: one token for each of the cache rows ``0..span-1`` from the runner's decode input
   buffers (``set_decode_inputs``); each row attends to its own cache row up to its position (with
   ``share_prefix_reads``, its first positions from the row the engine names as holding the same K/V). On CUDA the
-  step is replayed from a CUDA graph captured per span bucket (``capture_decode_graphs``): the inputs,
+  step is replayed from a CUDA graph captured per span bucket (``capture_graphs``): the inputs,
   the LoRA slot buffers and the segment metadata live in fixed buffers, so in-place adapter publishes and
   new inputs are seen by the replay.
 
-KV cache: ``k_cache, v_cache: [layers, S, kv_heads, max_len, head_dim]`` in the model dtype (one tensor
-each, so a prompt block of every layer is copied in one operation).
+KV cache: ``k_cache, v_cache: [layers, num_rows + 1, kv_heads, max_len, head_dim]`` in the model dtype (one
+tensor each, so a prompt block of every layer is copied in one operation); the last row is scratch space
+for the K/V of a prefill pass's padding.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from skyrl_clora.device_copy import lists_to_device
-from skyrl_clora.gpu_settings import avoid_cudnn_attention
-from skyrl_clora.kernels import DecodeWorkspace, LoRAMeta, decode_attention, qk_norm_rope, rms_norm, silu_mul
+from skyrl_clora.kernels import (
+    DecodeWorkspace,
+    LoRAMeta,
+    decode_attention,
+    prefill_attention,
+    qk_norm_rope,
+    rms_norm,
+    silu_mul,
+)
 from skyrl_clora.lora.layers import LoRARouting
 from skyrl_clora.profiling import profiled
 from skyrl_clora.sampler.fused_projections import fused_layer_projections
 
 DECODE_ROW_QUANTUM = 16  # decode batches are whole multiples of this many cache rows
-CHUNK_QUANTUM = 16  # a prefill pass's chunks are padded to whole multiples of this many positions
+PREFILL_TOKEN_QUANTUM = 16  # a prefill pass's flat batch is padded to whole multiples of this many positions
 
 
 def decode_buckets(num_rows: int) -> list[int]:
@@ -45,6 +55,14 @@ def decode_buckets(num_rows: int) -> list[int]:
     buckets = [span for span in (16, 32, 48, 64) if span < num_rows]
     buckets += list(range(128, num_rows, 64))
     return buckets + [num_rows]
+
+
+def prefill_buckets(prefill_tokens: int) -> list[int]:
+    """Flat-batch sizes a prefill pass's CUDA graph is captured for: 16, 32, ... doubling up to 512, then
+    multiples of 256, and ``prefill_tokens`` (every pass rounds up to one)."""
+    buckets = [size for size in (16, 32, 64, 128, 256, 512) if size < prefill_tokens]
+    buckets += list(range(768, prefill_tokens, 256))
+    return buckets + [prefill_tokens]
 
 
 @dataclass
@@ -67,7 +85,6 @@ class ModelRunner:
         if num_rows % DECODE_ROW_QUANTUM:
             raise ValueError(f"num_rows {num_rows} must be a multiple of {DECODE_ROW_QUANTUM}")
         self.model = model.eval()
-        avoid_cudnn_attention()
         self.routing = routing
         self.decoder = model.model
         config = model.config
@@ -84,11 +101,11 @@ class ModelRunner:
         self.num_kv_heads = config.num_key_value_heads
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        shape = (len(self.decoder.layers), num_rows, self.num_kv_heads, max_len, self.head_dim)
+        self.scratch_row = num_rows  # a cache row no request uses: a prefill pass's padding writes its K/V there
+        shape = (len(self.decoder.layers), num_rows + 1, self.num_kv_heads, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self._row_index = torch.arange(num_rows, device=self.device)
-        self._key_positions = torch.arange(max_len, device=self.device)
         # Decode inputs (written by set_decode_inputs, read by eager steps and graph replays).
         self.decode_tokens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
         self.decode_positions = torch.zeros(num_rows, dtype=torch.long, device=self.device)
@@ -112,6 +129,19 @@ class ModelRunner:
             self._attention_workspace = DecodeWorkspace(num_rows, self.num_heads, max_len,
                                                         self.head_dim, self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_capture_seconds = 0.0  # decode graphs and, as they are captured, prefill graphs
+        # Inputs of a prefill pass (written by _prefill_pass, read by eager passes and graph replays): the
+        # flat batch's token ids, its (positions, cache rows, LoRA slots) and its jobs' (cache rows, first
+        # positions, first flat index, token counts); unused job slots count 0 tokens.
+        self.max_prefill_jobs = prefill_tokens // block_size
+        self._pass_ids = torch.zeros(prefill_tokens, dtype=torch.long, device=self.device)
+        self._pass_tokens = torch.zeros(3, prefill_tokens, dtype=torch.long, device=self.device)
+        self._pass_jobs = torch.zeros(4, self.max_prefill_jobs, dtype=torch.long, device=self.device)
+        # With prefill_graphs (turned on by capture_graphs), prefill passes replay CUDA graphs by flat-batch
+        # size, each captured on its first use.
+        self.prefill_graphs = False
+        self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._prefill_pool = None
         self._projections = fused_layer_projections(self.decoder.layers)  # per layer: (q/k/v, gate/up)
 
     @torch.no_grad()
@@ -119,78 +149,123 @@ class ModelRunner:
     def prefill(self, jobs: list[PrefillJob]) -> list[torch.Tensor]:
         """Prefills several prompts together; returns each one's last-token logits ``[V]`` (fp32).
 
-        Job ``i`` fills cache row ``rows[i]`` at positions ``start..T-1`` from ``tokens: [T]`` (positions
+        Job ``i`` fills cache row ``jobs[i].row`` at positions ``start..T-1`` from ``tokens: [T]`` (positions
         ``< start`` must already hold the prompt's K/V, e.g. copied from the prefix cache).
 
-        A forward pass takes one chunk of every unfinished job (at most ``prefill_tokens // block_size``
-        jobs), all chunks of the pass ``C`` positions long: the longest remainder rounded up to whole
-        :data:`CHUNK_QUANTUM` positions, at most ``prefill_tokens // jobs`` rounded down to whole blocks, and
-        none past ``max_len``; shorter chunks are padded (real tokens never attend to padding). So a pass
-        computes at most ``prefill_tokens`` positions, a long prompt needs few passes and a short remainder
-        (the next turn of an episode) is not padded to a whole block. A token's K/V depend only on the
-        tokens up to it: on the CPU (one thread) bit for bit whatever the pass looks like, so a cached block
-        equals a recomputed one; on the GPU up to the last bits of kernels that pick their reduction order
-        by shape. ``start`` may be any position below ``T`` (a multiple of ``block_size`` when the positions
-        before it come from the prefix cache, any when they are a finished turn's history).
+        A forward pass is ragged: a flat batch of at most ``prefill_tokens`` positions holding the next
+        positions of up to ``prefill_tokens // block_size`` unfinished jobs, in job order, each job all its
+        remaining positions while they fit and the pass's last job as many as fit (the rest waits for the
+        next pass). No job is padded; the flat batch is padded at its end to whole :data:`PREFILL_TOKEN_QUANTUM`
+        positions, whose K/V go to a scratch cache row. Attention (``kernels.prefill_attention``) reads each
+        job's keys straight from its cache row. A token's K/V depend only on the tokens up to it: on the CPU
+        (one thread) bit for bit whatever the pass looks like, so a cached block equals a recomputed one;
+        on the GPU up to the last bits of kernels that pick their reduction order by shape. ``start`` may be
+        any position below ``T`` (a multiple of ``block_size`` when the positions before it come from the
+        prefix cache, any when they are a finished turn's history).
         """
-        block = self.block_size
         for job in jobs:
             if not 0 <= job.start < job.tokens.shape[0]:
                 raise ValueError(f"prefill start {job.start} must be below the prompt length {job.tokens.shape[0]}")
         logits: list[torch.Tensor | None] = [None] * len(jobs)
         offsets = [job.start for job in jobs]
-        max_jobs = self.prefill_tokens // block
         while True:
-            active = [i for i, job in enumerate(jobs) if offsets[i] < job.tokens.shape[0]][:max_jobs]
-            if not active:
+            picked: list[tuple[int, int]] = []  # (job index, positions this pass computes)
+            budget = self.prefill_tokens
+            for i, job in enumerate(jobs):
+                left = job.tokens.shape[0] - offsets[i]
+                if left <= 0:
+                    continue
+                if len(picked) == self.max_prefill_jobs or budget == 0:
+                    break
+                picked.append((i, min(left, budget)))
+                budget -= picked[-1][1]
+            if not picked:
                 return logits
-            longest = max(jobs[i].tokens.shape[0] - offsets[i] for i in active)
-            room = self.max_len - max(offsets[i] for i in active)  # padding stays inside the cache rows
-            chunk_len = min(-(-longest // CHUNK_QUANTUM) * CHUNK_QUANTUM, self.prefill_tokens // (len(active) * block) * block, room)
-            chunks, reals = [], []
-            for i in active:
-                chunk = jobs[i].tokens[offsets[i] : offsets[i] + chunk_len]
-                reals.append(chunk.shape[0])
-                chunks.append(torch.cat([chunk, chunk.new_zeros(chunk_len - chunk.shape[0])]))
-            starts, rows, slots = lists_to_device([[offsets[i] for i in active], [jobs[i].row for i in active],
-                                                   [jobs[i].lora_slot for i in active]], self.device)
-            query_positions = starts[:, None] + self._key_positions[:chunk_len][None]  # [B, C]
-            # Keys every prompt of the pass attends over (masked past each query's position). On the CPU
-            # all max_len positions, so that a prompt's shapes, and so its bits, never depend on the other
-            # prompts of the pass; on the GPU up to the furthest chunk of the pass, in whole 16-key groups
-            # (the mask alignment memory-efficient attention wants).
-            width = self.max_len
-            if self.device.type == "cuda":
-                width = min(self.max_len, -(-(max(offsets[i] for i in active) + chunk_len) // 16) * 16)
-            visible = (self._key_positions[:width][None, None] <= query_positions[:, :, None])[:, None]  # [B, 1, C, W]
-            groups = self.num_heads // self.num_kv_heads
-
-            def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                # q: [B, H, C, d]; k, v: [B, KV, C, d]; each prompt attends to its own cache row.
-                k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
-                k_cache[rows[:, None], :, query_positions] = k.transpose(1, 2)
-                v_cache[rows[:, None], :, query_positions] = v.transpose(1, 2)
-                keys, values = k_cache[rows, :, :width], v_cache[rows, :, :width]
-                if groups > 1:  # query heads sharing K/V heads (GQA), repeated so that memory-efficient
-                    # attention (no per-shape set-up, unlike cuDNN's: gpu_settings) takes the masked call
-                    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-                return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
-
-            token_slots = slots.repeat_interleave(chunk_len)
-            hidden = self._forward(torch.stack(chunks), query_positions, token_slots, attend)
-            finished = []
-            for b, i in enumerate(active):
-                offsets[i] += chunk_len
-                if offsets[i] >= jobs[i].tokens.shape[0]:
-                    finished.append((b, i))
-            if finished:
-                # One LM-head product for the finished prompts, padded to whole row quanta (a row gets the
-                # same bits for any number of quanta).
-                last = hidden[[b for b, _ in finished], [reals[b] - 1 for b, _ in finished]]  # [F, hidden]
-                padded = -(-len(finished) // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
-                last = torch.cat([last, last.new_zeros(padded - len(finished), last.shape[1])])
-                for (_, i), row_logits in zip(finished, self.model.lm_head(last).float()):
+            pass_logits = self._prefill_pass([(jobs[i], offsets[i], count) for i, count in picked])
+            for (i, count), row_logits in zip(picked, pass_logits):
+                offsets[i] += count
+                if offsets[i] == jobs[i].tokens.shape[0]:
                     logits[i] = row_logits
+
+    def _prefill_pass(self, chunks: list[tuple[PrefillJob, int, int]]) -> torch.Tensor:
+        """One ragged forward pass over ``chunks`` of ``(job, first position, count)``: writes their K/V and
+        returns the logits ``[len(chunks), V]`` (fp32) of each chunk's last position. With
+        :attr:`prefill_graphs` (set by :meth:`capture_graphs`), a pass replays the graph of its flat-batch
+        size (:func:`prefill_buckets`), captured on that size's first use (right after an eager pass, which
+        compiles the kernels)."""
+        total = sum(count for _, _, count in chunks)
+        size = -(-total // PREFILL_TOKEN_QUANTUM) * PREFILL_TOKEN_QUANTUM
+        if self.prefill_graphs:
+            size = next(bucket for bucket in prefill_buckets(self.prefill_tokens) if bucket >= total)
+        self._pass_ids[:total].copy_(torch.cat([job.tokens[start : start + count] for job, start, count in chunks]))
+        positions: list[int] = []
+        token_rows: list[int] = []
+        token_slots: list[int] = []
+        offsets: list[int] = []
+        for job, start, count in chunks:
+            offsets.append(len(positions))
+            positions.extend(range(start, start + count))
+            token_rows.extend([job.row] * count)
+            token_slots.extend([job.lora_slot] * count)
+        pad = size - total  # the padding's K/V go to the scratch row; its ids are whatever the buffer holds
+        unused = [0] * (self.max_prefill_jobs - len(chunks))
+        tokens, jobs = lists_to_device(
+            [positions + [0] * pad + token_rows + [self.scratch_row] * pad + token_slots + [-1] * pad,
+             [job.row for job, _, _ in chunks] + unused + [start for _, start, _ in chunks] + unused
+             + offsets + unused + [count for _, _, count in chunks] + unused], self.device)
+        self._pass_tokens[:, :size].copy_(tokens.view(3, size))
+        self._pass_jobs.copy_(jobs.view(4, -1))
+        if not self.prefill_graphs:
+            return self._prefill_forward(size)[: len(chunks)]
+        if size not in self._prefill_graphs:
+            logits = self._prefill_forward(size)
+            self._capture_prefill(size)
+            return logits[: len(chunks)]
+        graph, logits = self._prefill_graphs[size]
+        graph.replay()
+        return logits[: len(chunks)].clone()  # the graph's output is overwritten by its next replay
+
+    def _prefill_forward(self, size: int) -> torch.Tensor:
+        """The prefill pass over the first ``size`` positions of the pass buffers -> logits ``[J', V]`` (fp32)
+        of each job slot's last position (``J'``: the job slots rounded up to whole row quanta, so that a
+        row gets the same bits whatever the pass holds)."""
+        ids = self._pass_ids[:size]
+        positions, token_rows, token_slots = self._pass_tokens[:, :size]
+        job_rows, job_starts, q_offsets, q_lens = self._pass_jobs
+        scale = 1 / math.sqrt(self.head_dim)  # exactly SDPA's default
+
+        def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q: [T, H, d]; k, v: [T, KV, d]; each job attends to its own cache row.
+            k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
+            k_cache[token_rows, :, positions] = k
+            v_cache[token_rows, :, positions] = v
+            return prefill_attention(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens, scale)
+
+        hidden = self._forward(ids, positions, token_slots, attend)
+        last = hidden.index_select(0, (q_offsets + q_lens - 1).clamp(min=0))  # [J, hidden]
+        rows = -(-last.shape[0] // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
+        last = torch.cat([last, last.new_zeros(rows - last.shape[0], last.shape[1])])
+        return self.model.lm_head(last).float()
+
+    def _capture_prefill(self, size: int) -> None:
+        """Captures the prefill pass of flat-batch size ``size`` (the pass buffers hold a real pass; capture
+        records without running). Captured on a side stream in thread-local mode, without the device-wide
+        synchronisation of ``torch.cuda.graph``: other threads (the trainer) keep running meanwhile."""
+        started = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream())
+        if self._prefill_pool is None:
+            self._prefill_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self._prefill_pool, capture_error_mode="thread_local")
+            try:
+                logits = self._prefill_forward(size)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        self._prefill_graphs[size] = (graph, logits)
+        self.graph_capture_seconds += time.perf_counter() - started
 
     def read_kv(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of row ``row``'s K/V at positions ``start..end-1`` of every layer: ``(k, v)``, each
@@ -217,7 +292,8 @@ class ModelRunner:
     @torch.no_grad()
     def decode(self, span: int) -> torch.Tensor:
         """One decode step for cache rows ``0..span-1`` from the decode input buffers -> logits ``[span, V]``
-        (fp32). Writes each row's new K/V at its position (must be < max_len); rows that are not running
+        in the model dtype (the sampler computes in fp32 from them; a ``[512, 151936]`` fp32 copy would cost
+        311 MB of writes per step). Writes each row's new K/V at its position (must be < max_len); rows that are not running
         carry any token and position, and their outputs are ignored by the caller.
 
         Callers keep ``span`` a multiple of :data:`DECODE_ROW_QUANTUM`: the base GEMMs then give each row
@@ -229,12 +305,11 @@ class ModelRunner:
                 return logits[:span]
         return self._decode_eager(span)
 
-    def capture_decode_graphs(self) -> float:
-        """Captures one CUDA graph per span bucket (:func:`decode_buckets`), largest first so that the
-        smaller ones reuse its memory pool. Call before any request runs: capturing writes K/V at the
-        buffers' positions. Returns the seconds it took."""
-        import time
-
+    def capture_graphs(self) -> float:
+        """Captures one decode CUDA graph per span bucket (:func:`decode_buckets`), largest first so that the
+        smaller ones reuse its memory pool, and turns on prefill graphs (captured on first use, in a pool of
+        their own). Call before any request runs: the warm-up passes write K/V at the buffers' positions.
+        Returns the seconds the decode graphs took (:attr:`graph_capture_seconds` adds the prefill ones)."""
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
@@ -249,7 +324,10 @@ class ModelRunner:
                 logits = self._decode_eager(span)
             self._graphs[span] = (graph, logits)
         torch.cuda.synchronize()
-        return time.perf_counter() - started
+        self.prefill_graphs = True
+        seconds = time.perf_counter() - started
+        self.graph_capture_seconds += seconds
+        return seconds
 
     @torch.no_grad()
     def _decode_eager(self, span: int) -> torch.Tensor:
@@ -260,26 +338,24 @@ class ModelRunner:
         prefix_lens = self.decode_prefix_lens[:span] if self.share_prefix_reads else None
 
         def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # q: [span, H, 1, d]; k, v: [span, KV, 1, d]
+            # q: [span, H, d]; k, v: [span, KV, d]
             k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
-            k_cache[rows, :, positions] = k[:, :, 0]
-            v_cache[rows, :, positions] = v[:, :, 0]
-            out = decode_attention(q[:, :, 0], k_cache, v_cache, lengths, workspace=self._attention_workspace,
-                                   prefix_rows=prefix_rows, prefix_lens=prefix_lens)
-            return out.unsqueeze(2)
+            k_cache[rows, :, positions] = k
+            v_cache[rows, :, positions] = v
+            return decode_attention(q, k_cache, v_cache, lengths, workspace=self._attention_workspace,
+                                    prefix_rows=prefix_rows, prefix_lens=prefix_lens)
 
-        hidden = self._forward(tokens.view(-1, 1), positions.view(-1, 1), self.decode_slots[:span], attend)
-        return self.model.lm_head(hidden[:, 0]).float()
+        hidden = self._forward(tokens, positions, self.decode_slots[:span], attend)
+        return self.model.lm_head(hidden)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_slots: torch.Tensor, attend) -> torch.Tensor:
-        """The decoder stack over ``input_ids: [B, T]``; ``attend(layer, q, k, v)`` does cache I/O and attention.
-        Returns final hidden states ``[B, T, hidden]``."""
-        batch, length = input_ids.shape
-        rows = batch * length
+        """The decoder stack over a flat batch ``input_ids: [T]`` at ``position_ids: [T]``; ``attend(layer, q, k, v)``
+        (``q: [T, H, d]``, ``k, v: [T, KV, d]`` -> ``[T, H, d]``) does cache I/O and attention. Returns the
+        final hidden states ``[T, hidden]``."""
+        rows = input_ids.shape[0]
         x = self.decoder.embed_tokens(input_ids)
-        cos, sin = self.decoder.rotary_emb(x, position_ids)  # [B, T, d] each
-        cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
-        x = x.view(rows, -1)
+        cos, sin = self.decoder.rotary_emb(x[None], position_ids[None])  # [1, T, d] each
+        cos, sin = cos[0], sin[0]
         residual = None
         if self.lora_meta is not None:
             self.lora_meta.build(token_slots)
@@ -290,18 +366,16 @@ class ModelRunner:
                 attn = layer.self_attn
                 q, k, v = qkv_proj(hidden, token_slots, self.lora_meta)
                 q, k = q.view(rows, -1, self.head_dim), k.view(rows, -1, self.head_dim)
-                v = v.reshape(batch, length, -1, self.head_dim).transpose(1, 2)
+                v = v.view(rows, -1, self.head_dim)
                 q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
                 q, k = qk_norm_rope(q, k, cos, sin, None if q_norm is None else q_norm.weight,
                                     None if k_norm is None else k_norm.weight,
                                     0.0 if q_norm is None else q_norm.variance_epsilon)
-                q = q.view(batch, length, -1, self.head_dim).transpose(1, 2)
-                k = k.view(batch, length, -1, self.head_dim).transpose(1, 2)
-                out = attend(layer_idx, q, k, v)  # [B, H, T, d]
-                x = attn.o_proj(out.transpose(1, 2).reshape(rows, -1))
+                out = attend(layer_idx, q, k, v)  # [T, H, d]
+                x = attn.o_proj(out.reshape(rows, -1))
                 norm = layer.post_attention_layernorm
                 hidden, residual = rms_norm(x, norm.weight, norm.variance_epsilon, residual)
                 gate, up = gate_up_proj(hidden, token_slots, self.lora_meta)
                 x = layer.mlp.down_proj(silu_mul(gate, up))
         hidden, _ = rms_norm(x, self.decoder.norm.weight, self.decoder.norm.variance_epsilon, residual)
-        return hidden.view(batch, length, -1)
+        return hidden

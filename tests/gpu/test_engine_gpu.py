@@ -1,5 +1,6 @@
-"""The embedded engine on the GPU: CUDA-graph decode against eager decode and the HF forward, mixed tenants,
-in-place publishes seen by graph replays. Skipped without CUDA."""
+"""The embedded engine on the GPU: CUDA-graph decode against eager decode and the HF forward, graphed ragged
+prefill passes against eager ones, mixed tenants, in-place publishes seen by graph replays. Skipped without
+CUDA."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from skyrl_clora.lora.layers import attach_multi_lora
+from skyrl_clora.lora.layers import attach_multi_lora, write_slot
 from skyrl_clora.sampler.engine import Engine, SamplingParams
 from skyrl_clora.sampler.model_runner import PrefillJob
 
@@ -108,20 +109,33 @@ def test_decode_logits_match_the_hf_forward() -> None:
     assert torch.allclose(logits, want, atol=2e-3, rtol=1e-3), float((logits - want).abs().max())
 
 
-def test_prefill_attention_runs_without_cudnn_or_the_math_fallback() -> None:
-    """The runner turns cuDNN's attention off (a graph build per new shape) and its masked prefill call
-    must be one that memory-efficient attention takes: with only that backend allowed, SDPA raises
-    rather than fall back to materialising the scores."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+def test_graphed_prefill_passes_match_eager_ones() -> None:
+    """Ragged prefill passes replayed from CUDA graphs (each flat-batch size captured on its first use, then
+    replayed with other jobs) give the logits and K/V of eager passes, for mixed tenants and starts."""
     from skyrl_clora.sampler.model_runner import ModelRunner
 
-    model = _model(torch.bfloat16)
-    routing, layers = attach_multi_lora(model, num_slots=2, max_rank=16, trainable=False)
-    runner = ModelRunner(model, routing, num_rows=16, max_len=128, block_size=32, prefill_tokens=128)
-    assert not torch.backends.cuda.cudnn_sdp_enabled()
-    jobs = [PrefillJob(row=0, tokens=torch.tensor(PROMPT, device="cuda"), lora_slot=-1),
-            PrefillJob(row=1, tokens=torch.tensor(PROMPT[:23], device="cuda"), lora_slot=-1, start=5)]
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-        logits = runner.prefill(jobs)
-    assert all(torch.isfinite(row).all() for row in logits)
+    model = _model(torch.float32)
+    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=16, trainable=False)
+    for slot, seed in ((0, 1), (1, 2)):
+        write_slot(layers, slot, random_adapter(layers, seed, b_std=0.05))
+    runners = [ModelRunner(model, routing, num_rows=16, max_len=128, block_size=16, prefill_tokens=128) for _ in range(2)]
+    runners[0].prefill_graphs = True  # no decode graphs needed here
+    rounds = [
+        [(0, PROMPT, 0, 0), (1, PROMPT[:23], 1, 5), (2, PROMPT[:9], -1, 0)],  # 69 positions: size 128, captured
+        [(3, PROMPT[3:], 1, 0), (4, PROMPT, 0, 32), (5, PROMPT[:17], 0, 16)],  # 47 positions: size 64, captured
+        [(6, PROMPT, 1, 0), (7, PROMPT[::-1], 0, 0)],  # 80 positions: size 128, replayed with other jobs
+    ]
+    for jobs in rounds:
+        for row, tokens, slot, start in jobs:
+            if start:  # the positions before start: an earlier eager pass of the same tokens, in both runners
+                runners[1].prefill([PrefillJob(row, torch.tensor(tokens[:start], device="cuda"), slot)])
+                runners[0].write_kv(row, 0, runners[1].read_kv(row, 0, start))
+        graphed, eager = [runner.prefill([PrefillJob(row, torch.tensor(tokens, device="cuda"), slot, start)
+                                          for row, tokens, slot, start in jobs]) for runner in runners]
+        assert not torch.allclose(graphed[0], graphed[1]), "jobs' logits must differ"
+        for got, want in zip(graphed, eager):
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), float((got - want).abs().max())
+        for row, tokens, _, _ in jobs:
+            got, want = runners[0].read_kv(row, 0, len(tokens)), runners[1].read_kv(row, 0, len(tokens))
+            assert all(torch.allclose(g, w, atol=1e-4, rtol=1e-4) for g, w in zip(got, want))
+    assert sorted(runners[0]._prefill_graphs) == [64, 128]
