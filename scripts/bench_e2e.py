@@ -191,11 +191,13 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
 
 
 def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names: list[str], seeds: list[int],
-                    device: str) -> ModeResult:
-    """:func:`run_group`, then frees the GPU memory its services held (the next cold start starts empty)."""
+                    device: str, label: str | None = None) -> ModeResult:
+    """:func:`run_group` (its result's mode named ``label``, default the train mode), then frees the GPU memory
+    its services held (the next cold start starts empty)."""
     result = run_group(model_dir, workload, train_mode, names, seeds, device)
+    result.mode = label or train_mode
     row = summarize(result)
-    print(f"{train_mode} x{len(names)}: wall {result.wall_s:.1f} s, cold start {result.cold_start_s[0]:.1f} s, per step "
+    print(f"{result.mode} x{len(names)}: wall {result.wall_s:.1f} s, cold start {result.cold_start_s[0]:.1f} s, per step "
           f"{row['step_s']:.2f} s (rollout {row['rollout_s']:.2f}, train {row['train_s']:.2f}, sync {row['sync_s']:.2f}), "
           f"engine decode {result.decode_s:.1f} s ({result.decode_steps} steps of "
           f"{1e3 * result.decode_s / max(result.decode_steps, 1):.1f} ms, of which "
@@ -262,8 +264,18 @@ def main() -> None:
                              "concurrently, the first of --modes) and write the GPU-kernel and CPU tables beside --out")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run (serial and concurrent alike), e.g. trainer.shared_prompts=true")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                        help="also run every concurrent mode with these overrides, as mode+NAME (serial runs without), "
+                             "e.g. carve32:trainer.sm_carveout=32")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    variants = {"": ()}
+    for spec in args.variant:
+        name, _, overrides = spec.partition(":")
+        if not name or "=" not in overrides:
+            parser.error(f"--variant {spec!r}: use NAME:KEY=VALUE[,KEY=VALUE]")
+        variants[f"+{name}"] = tuple(overrides.split(","))
+    labels = [mode + suffix for suffix in variants for mode in args.modes]
     workload = Workload(steps=args.steps, response=args.response, overrides=tuple(args.override))
     with tempfile.TemporaryDirectory() as folder:
         model_dir = Path(folder) / args.shape
@@ -282,9 +294,12 @@ def main() -> None:
         # Largest N first: the headline ratio survives a run cut short by a time limit.
         concurrent: dict[tuple[str, int], ModeResult] = {}
         for n in sorted(args.tenants, reverse=True):
-            for mode in args.modes:
-                concurrent[(mode, n)] = run_and_release(model_dir, workload, mode, names[:n], seeds[:n], args.device)
-                write_partial(args.out, serial, concurrent)
+            for suffix, overrides in variants.items():
+                for mode in args.modes:
+                    variant = replace(workload, overrides=workload.overrides + overrides)
+                    result = run_and_release(model_dir, variant, mode, names[:n], seeds[:n], args.device, mode + suffix)
+                    concurrent[(result.mode, n)] = result
+                    write_partial(args.out, serial, concurrent)
     rows = []
     for n in args.tenants:
         serial_wall = sum(r.wall_s for r in serial[:n])
@@ -293,18 +308,18 @@ def main() -> None:
                                             serial_steps, sum(r.decode_tokens for r in serial[:n]),
                                             sum(r.decode_s for r in serial[:n]), max(r.peak_memory_gib for r in serial[:n]))),
                      "throughput_vs_serial": 1.0})
-        for mode in args.modes:
-            result = concurrent[(mode, n)]
+        for label in labels:
+            result = concurrent[(label, n)]
             rows.append({**summarize(result), "throughput_vs_serial": serial_wall / result.wall_s})
     one = {row["mode"]: row for row in rows if row["tenants"] == 1}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"shape": args.shape, "workload": asdict(workload), "rows": rows}, indent=2) + "\n")
     print(f"{args.shape}: {workload}")
-    print(f"{'mode':7} {'N':>2} {'wall s':>7} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
+    print(f"{'mode':14} {'N':>2} {'wall s':>7} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
           f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'peak GiB':>8}")
     for row in rows:
         base = one.get(row["mode"], row)
-        print(f"{row['mode']:7} {row['tenants']:2d} {row['wall_s']:7.1f} {row['throughput_vs_serial']:8.2f} "
+        print(f"{row['mode']:14} {row['tenants']:2d} {row['wall_s']:7.1f} {row['throughput_vs_serial']:8.2f} "
               f"{row['step_s']:7.2f} {row['step_s'] / base['step_s']:6.2f} {row['rollout_s']:7.2f} "
               f"{row['rollout_s'] / base['rollout_s']:6.2f} {row['train_s']:6.2f} {row['sync_s']:5.2f} "
               f"{row['decode_tokens_per_s']:12.0f} {row['peak_memory_gib']:8.1f}")

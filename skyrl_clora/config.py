@@ -73,8 +73,11 @@ class TrainerConfig:
     algorithm: dict[str, Any]
     pack_size: int = 0
     shared_prompts: bool = True
+    sm_carveout: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.sm_carveout < 128:
+            raise ConfigError(f"trainer.sm_carveout={self.sm_carveout} must be in [0, 128) (SMs left free; 0: none)")
         if self.pack_size < 0:
             raise ConfigError(f"trainer.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
         if self.lr_schedule not in ("constant", "cosine"):

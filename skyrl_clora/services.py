@@ -29,6 +29,7 @@ from skyrl_clora.trainer.adapter_store import AdapterStore
 from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_BLAS_LIBRARY = torch.backends.cuda.preferred_blas_library()  # what carve_gemm_sms(0) restores
 
 
 @dataclass
@@ -107,8 +108,22 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         micro_batch_size=run.trainer.micro_batch_size,
         shared_prefix=run.trainer.shared_prompts,
     )
+    if device.type == "cuda":
+        carve_gemm_sms(run.trainer.sm_carveout)
     return Services(model_path, tokenizer, engine, client, trainer, store, AdapterSync(engine),
                     cold_start_seconds=time.perf_counter() - started)
+
+
+def carve_gemm_sms(count: int) -> None:
+    """Makes the process's eager cuBLAS GEMMs (the trainer's) target all but ``count`` SMs (0: all), process-wide.
+
+    cuBLAS's Hopper GEMMs are persistent kernels that hold every SM until they finish (0.3-0.7 ms for a
+    training micro-batch's projections), so each kernel of a decode step launched meanwhile waits that long
+    for an SM, however high its stream's priority. Routed through cuBLASLt (the path that honours PyTorch's
+    SM carve-out); the engine's decode graphs, captured before this runs, keep all SMs (its prefill graphs,
+    captured on first use, are carved too)."""
+    torch.backends.cuda.preferred_blas_library("cublaslt" if count else _DEFAULT_BLAS_LIBRARY)
+    torch._C._set_sm_carveout_experimental(count or None)
 
 
 def fit_kv_rows(model: torch.nn.Module, rows: int, max_len: int, memory_fraction: float) -> int:
