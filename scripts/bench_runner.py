@@ -17,7 +17,7 @@ rows are mixed over the adapters. Cases:
 - ``prefill prompt``: the first turn of ``--jobs`` episodes in groups of ``--samples``: one job per group
   computes the whole prompt, the others its last position (the engine's call once the prompt is cached).
 - ``sample``: the engine's sampler on ``[span, V]`` logits.
-- ``prefill attention``: one layer's attention kernel on the turn's jobs, at several query-tile sizes.
+- ``prefill attention``: one layer's attention kernel on the turn's jobs, at several launch configs.
 
 Each case is also profiled (``--profile``): operator and kernel tables by GPU and by CPU time beside ``--out``.
 
@@ -145,7 +145,7 @@ def run_prefill(runner: ModelRunner, args: argparse.Namespace, name: str, jobs: 
 
 def run_prefill_attention(runner: ModelRunner, args: argparse.Namespace, jobs: list[PrefillJob]) -> dict:
     """One layer's ``prefill_attention`` for ``jobs`` (a turn's new positions over their histories in the
-    cache) at each ``--attention-block-q`` (tokens per query tile), GPU time by CUDA events."""
+    cache) at each of ``--attention-configs``, GPU time by CUDA events."""
     from skyrl_clora.kernels.prefill_attention import PrefillConfig, prefill_attention_triton
 
     counts = [job.tokens.shape[0] - job.start for job in jobs]
@@ -155,9 +155,10 @@ def run_prefill_attention(runner: ModelRunner, args: argparse.Namespace, jobs: l
     q = torch.randn(sum(counts), runner.num_heads, runner.head_dim, device=runner.device, dtype=runner.dtype)
     k_cache, v_cache = runner.k_cache[0], runner.v_cache[0]
     row = {"case": "prefill attention, one layer", "jobs": len(jobs), "tokens": sum(counts)}
-    for block_q in args.attention_block_q:
-        config = PrefillConfig(block_q=block_q, num_warps=8 if block_q * runner.num_heads // runner.num_kv_heads > 64 else 4)
-        row[f"block_q{block_q}_us"] = 1e3 * gpu_ms(lambda: prefill_attention_triton(
+    for name in args.attention_configs:
+        block_q, block_n, warps, stages = (int(part) for part in name.split("/"))
+        config = PrefillConfig(block_q=block_q, block_n=block_n, num_warps=warps, num_stages=stages)
+        row[f"{name}_us"] = 1e3 * gpu_ms(lambda: prefill_attention_triton(
             q, k_cache, v_cache, rows, starts, q_offsets, q_lens, runner.head_dim ** -0.5, config), args.repeats)
     print(json.dumps(row), flush=True)
     return row
@@ -175,8 +176,8 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=388)
     parser.add_argument("--observation", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--attention-block-q", type=int, nargs="+", default=[16, 32, 64],
-                        help="query tokens per tile of the prefill attention kernel, timed alone on a turn")
+    parser.add_argument("--attention-configs", nargs="+", default=["32/64/4/2", "64/64/8/2"],
+                        help="prefill attention kernel configs timed alone on a turn: block_q/block_n/warps/stages")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

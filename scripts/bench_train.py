@@ -137,7 +137,7 @@ def main() -> None:
                         help="first measure swap on Hugging Face's own RMSNorm / SwiGLU modules")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to measure (swap always)")
     parser.add_argument("--profile", action="store_true",
-                        help="also profile one round per mode (after its timed rounds): writes <workload>.<mode>.kernels.txt")
+                        help="also profile one round per mode (after its timed rounds): writes <workload>.<mode>.kernels.txt (mode without spaces, commas as dashes)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -186,7 +186,7 @@ def main() -> None:
             run_round(trainer, mode, names, batches)
             phases["round (synchronised phases)"] = time.perf_counter() - phase_started
         if args.profile:
-            profile_round(trainer, mode, names, batches, args.out / f"{workload}.{mode.replace(' ', '')}.kernels.txt")
+            profile_round(trainer, mode, names, batches, args.out / f"{workload}.{mode.replace(' ', '').replace(',', '-')}.kernels.txt")
         median = statistics.median(seconds)
         row = {"workload": workload, "mode": mode, "round_s": median, "round_s_all": seconds,
                "tokens_per_round": tokens, "tokens_per_s": tokens / median, "peak_gib": peak,
