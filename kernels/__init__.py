@@ -2,7 +2,7 @@
 ``skyrl_clora.kernels``): one dispatch over pure-torch references and Triton kernels. Layers call only
 ``add_lora`` and ``lora_linear`` (a frozen linear layer plus ``packed_lora``); the sampling engine calls
 ``decode_attention``, ``prefill_attention``, ``rms_norm``, ``qk_norm_rope`` and ``silu_mul``; the trainer's
-model calls ``rms_norm_with_grad`` and ``silu_mul_with_grad``; the sampler calls ``sample_tokens``; the
+model calls ``rms_norm_with_grad``, ``silu_mul_with_grad`` and ``rope_with_grad``; the sampler calls ``sample_tokens``; the
 dispatch picks the implementation by device. ``LoRAMeta`` (the per-step row grouping) and ``DecodeWorkspace``
 (attention partials) are preallocated buffers, for CUDA graphs. This package imports nothing from the rest
 of the plugin.
@@ -18,6 +18,7 @@ from skyrl_clora.kernels.dispatch import (
     qk_norm_rope,
     rms_norm,
     rms_norm_with_grad,
+    rope_with_grad,
     sample_tokens,
     silu_mul,
     silu_mul_with_grad,
@@ -26,5 +27,5 @@ from skyrl_clora.kernels.meta import LoRAMeta
 
 __all__ = [
     "DecodeWorkspace", "LoRAMeta", "add_lora", "decode_attention", "lora_linear", "packed_lora", "prefill_attention",
-    "qk_norm_rope", "rms_norm", "rms_norm_with_grad", "sample_tokens", "silu_mul", "silu_mul_with_grad",
+    "qk_norm_rope", "rms_norm", "rms_norm_with_grad", "rope_with_grad", "sample_tokens", "silu_mul", "silu_mul_with_grad",
 ]

@@ -34,7 +34,7 @@ from skyrl_clora.kernels.reference import (
 )
 from skyrl_clora.kernels.sampling import sample_tokens_triton
 from skyrl_clora.kernels.sgmv import add_lora_triton
-from skyrl_clora.kernels.train_ops import RMSNormFrozenWeight, SiluMul
+from skyrl_clora.kernels.train_ops import RMSNormFrozenWeight, RotaryEmbedding, SiluMul
 
 Backend = Literal["triton", "torch"]
 
@@ -304,6 +304,22 @@ def silu_mul_with_grad(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend
     if _use_triton(gate, backend):
         return SiluMul.apply(gate, up)
     return silu_mul_ref(gate, up)
+
+
+def rope_with_grad(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                   backend: Backend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding of ``q: [N, Hq, d]`` and ``k: [N, Hk, d]`` with ``cos, sin: [N, d]``, differentiable
+    in ``q`` and ``k`` (the trainer's). Returns new ``(q, k)``; semantics as :func:`qk_norm_rope` without
+    weights::
+
+        x = x * cos[:, None] + cat(-x[..., d // 2:], x[..., :d // 2], -1) * sin[:, None]
+
+    The Triton path (``train_ops.RotaryEmbedding``, one launch each way, power-of-two ``d``) computes in
+    fp32 and rounds once, and its backward assumes both halves of ``sin``'s last dim are equal (as rotary
+    tables are built); the torch path is Hugging Face's op sequence under autograd."""
+    if _use_triton(q, backend):
+        return RotaryEmbedding.apply(q, k, cos, sin)
+    return qk_norm_rope_ref(q, k, cos, sin, None, None, 0.0)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, *,

@@ -17,9 +17,17 @@ whole activation tensor through memory. These read and write each tensor once:
 
       d_gate = dy * up * s * (1 + gate * (1 - s));  d_up = dy * gate * s
 
+- ``RotaryEmbedding``: the rotary embedding of q and k, ``y = x * cos + rotate_half(x) * sin`` (Hugging
+  Face's ``apply_rotary_pos_emb``: 4 element-wise kernels forward and about 8 backward per tensor, over
+  strided views); one launch each way for q and k together. With both halves of ``sin``'s last dim equal
+  (how rotary tables are built) the transpose of ``rotate_half(.) * sin`` is ``rotate_half(.) * -sin``, so
+  the backward is the same rotation with ``-sin``::
+
+      dx = dy * cos + rotate_half(dy) * -sin
+
 They compute in fp32 and round once to the inputs' dtype. Semantics: ``reference.rms_norm_ref`` (no
-residual) and ``reference.silu_mul_ref``; entry points: ``dispatch.rms_norm_with_grad``,
-``dispatch.silu_mul_with_grad``.
+residual), ``reference.silu_mul_ref`` and ``reference.qk_norm_rope_ref`` (no weights); entry points:
+``dispatch.rms_norm_with_grad``, ``dispatch.silu_mul_with_grad``, ``dispatch.rope_with_grad``.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from skyrl_clora.kernels.layer_ops import SILU_BLOCK, rms_norm_triton, silu_mul_triton
+from skyrl_clora.kernels.layer_ops import SILU_BLOCK, qk_norm_rope_triton, rms_norm_triton, silu_mul_triton
 
 
 @triton.jit
@@ -100,3 +108,20 @@ class SiluMul(torch.autograd.Function):
             dy, gate, up, d_gate, d_up, gate.numel(), BLOCK=SILU_BLOCK,
         )
         return d_gate, d_up
+
+
+class RotaryEmbedding(torch.autograd.Function):
+    """``(q, k) -> (rope(q), rope(k))`` for ``q: [N, Hq, d]``, ``k: [N, Hk, d]`` (contiguous heads, any token
+    stride) and ``cos, sin: [N, d]`` (no gradient); saves ``cos`` and ``sin`` only."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,  # type: ignore[override]
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(cos, sin)
+        return qk_norm_rope_triton(q, k, cos, sin, None, None, 0.0)
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        grad_q, grad_k = qk_norm_rope_triton(dq, dk, cos, -sin, None, None, 0.0)
+        return grad_q, grad_k, None, None
