@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from skyrl_clora.device_copy import lists_to_device
@@ -37,7 +38,8 @@ from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear
 from skyrl_clora.profiling import profiled
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
 from skyrl_clora.sampler.prefix_cache import BlockKV, PrefixCache, PrefixIdentity
-from skyrl_clora.sampler.sampling import request_uniforms, sample_rows
+from skyrl_clora.sampler.running_rows import RunningRows
+from skyrl_clora.sampler.sampling import sample_rows
 from skyrl_clora.sampler.shared_rows import SharedPrefixRows
 
 GIL_SWITCH_SECONDS = 0.0005  # the GIL switch interval while the engine runs on a GPU (Python's default: 5 ms)
@@ -166,12 +168,9 @@ class Engine:
         self._waiting: list[_Request] = []
         self._pending_publishes: list[_Publish | _Unregister] = []
         self._rows: list[_Request | None] = [None] * num_rows
+        self._running = RunningRows(num_rows, max_len)  # per cache row: decode inputs, settings, outputs so far
         self._paused = threading.Event()
         self._stop = threading.Event()
-        # Per cache row, on the host: the next input token, its position and the row's LoRA slot.
-        self._tokens = [0] * num_rows
-        self._positions = [0] * num_rows
-        self._row_lora = [-1] * num_rows
         self._thread = threading.Thread(target=self._loop, name="clora-engine", daemon=True)
         self._thread.start()
 
@@ -400,8 +399,10 @@ class Engine:
             self.stats.prefill_tokens += len(req.prompt_ids) - job.start
             self.stats.cached_prompt_tokens += job.start
             self._rows[req.row] = req
-            self._row_lora[req.row] = req.lora_slot
-        self._sample(requests, logits)
+            params = req.params
+            self._running.start(req.row, len(req.prompt_ids), req.lora_slot, params.seed, params.temperature, params.top_p,
+                                params.max_tokens, params.stop_token_ids)
+        self._sample(np.array([req.row for req in requests], dtype=np.int64), logits)
         self.stats.prefill_seconds += time.perf_counter() - started
 
     @profiled("engine.decode_step")
@@ -409,47 +410,38 @@ class Engine:
         """Decodes the rows up to the last running one, rounded up to whole row quanta (requests take the
         lowest free rows, so the running ones stay packed at the front)."""
         started = time.perf_counter()
-        last = max(row for row, req in enumerate(self._rows) if req is not None)
-        span = min(self.runner.num_rows, -(-(last + 1) // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM)
+        running = self._running
+        span = min(self.runner.num_rows, -(-(running.last_active() + 1) // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM)
         prefix_rows = prefix_lens = None
         if self._shared_rows is not None:
             prefix_rows, prefix_lens = self._shared_rows.sources(span)  # rows past the span hold no identity
             self.stats.shared_prefix_positions += self._shared_rows.borrowed_positions
-        self.runner.set_decode_inputs(self._tokens[:span], self._positions[:span], self._row_lora[:span],
+        self.runner.set_decode_inputs(running.tokens[:span], running.positions[:span], running.lora[:span],
                                       prefix_rows, prefix_lens)
         logits = self.runner.decode(span)
         self.stats.decode_steps += 1
-        running = [req for req in self._rows[:span] if req is not None]
-        rows = lists_to_device([[req.row for req in running]], logits.device)[0]
-        self.stats.decode_sampling_seconds += self._sample(running, logits.index_select(0, rows))
+        rows = running.active_below(span)
+        rows_device = lists_to_device([rows], logits.device)[0]
+        self.stats.decode_sampling_seconds += self._sample(rows, logits.index_select(0, rows_device))
         self.stats.decode_seconds += time.perf_counter() - started
 
     @profiled("engine.sample")
-    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> float:
-        """Samples the next token of every request from ``logits: [len(requests), V]`` in one batch; returns
-        the seconds the sampling call took (it waits for the GPU work queued before it)."""
-        uniform = request_uniforms([req.params.seed for req in requests], [len(req.output) for req in requests])
+    def _sample(self, rows: np.ndarray, logits: torch.Tensor) -> float:
+        """Samples the next token of the requests in cache rows ``rows`` from ``logits: [len(rows), V]`` in one
+        batch and retires the requests that finished; returns the seconds the sampling call took (it waits
+        for the GPU work queued before it)."""
+        running = self._running
+        uniform = running.uniforms(rows)
         started = time.perf_counter()
-        tokens, logprobs = sample_rows(logits, [req.params.temperature for req in requests],
-                                       [req.params.top_p for req in requests], uniform)
+        tokens, logprobs = sample_rows(logits, running.temperature[rows], running.top_p[rows], uniform)
         seconds = time.perf_counter() - started
-        for req, token, logprob in zip(requests, tokens, logprobs):
-            self._accept_token(req, token, logprob)
+        self.stats.generated_tokens += len(tokens)
+        finished, stopped = running.accept(rows, np.asarray(tokens, dtype=np.int64), np.asarray(logprobs, dtype=np.float64))
+        for row, stop in zip(finished.tolist(), stopped.tolist()):
+            req = self._rows[row]
+            req.output, req.logprobs = running.output(row)
+            self._retire(req, "stop" if stop else "length")
         return seconds
-
-    def _accept_token(self, req: _Request, token: int, logprob: float) -> None:
-        """Appends ``token`` to ``req``; retires the request when it is done."""
-        req.output.append(token)
-        req.logprobs.append(logprob)
-        self.stats.generated_tokens += 1
-        length = len(req.prompt_ids) + len(req.output)
-        if token in req.params.stop_token_ids:
-            self._retire(req, "stop")
-        elif len(req.output) >= req.params.max_tokens or length >= self.max_len:
-            self._retire(req, "length")
-        else:
-            self._tokens[req.row] = token
-            self._positions[req.row] = length - 1
 
     def _retire(self, req: _Request, reason: str) -> None:
         if self.reuse_decode_kv:  # the row holds the K/V of the prompt and of every sampled token but the last
@@ -465,8 +457,7 @@ class Engine:
         if self._shared_rows is not None:
             self._shared_rows.clear(row)
         self._rows[row] = None
-        self._row_lora[row] = -1
-        self._positions[row] = 0
+        self._running.release(row)
 
     def _fail_running(self, error: Exception) -> None:
         for req in [r for r in self._rows if r is not None]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -278,10 +279,11 @@ class ModelRunner:
         self.k_cache[:, row, :, start:end].copy_(kv[0])
         self.v_cache[:, row, :, start:end].copy_(kv[1])
 
-    def set_decode_inputs(self, tokens: list[int], positions: list[int], lora_slots: list[int],
-                          prefix_rows: list[int] | None = None, prefix_lens: list[int] | None = None) -> None:
-        """Writes the decode input buffers' first ``len(tokens)`` rows (one host-to-device copy); the prefix
-        lists (both or neither) name each row's shared-prefix source row and length."""
+    def set_decode_inputs(self, tokens: Sequence[int], positions: Sequence[int], lora_slots: Sequence[int],
+                          prefix_rows: Sequence[int] | None = None, prefix_lens: Sequence[int] | None = None) -> None:
+        """Writes the decode input buffers' first ``len(tokens)`` rows (one host-to-device copy; lists or int
+        numpy arrays); the prefix sequences (both or neither) name each row's shared-prefix source row and
+        length."""
         num = len(tokens)
         values = [tokens, positions, lora_slots] + ([prefix_rows, prefix_lens] if prefix_rows is not None else [])
         staged = lists_to_device(values, self.device)

@@ -40,10 +40,13 @@ def _splitmix64(value: np.ndarray) -> np.ndarray:
     return value ^ (value >> np.uint64(31))
 
 
-def request_uniforms(seeds: Sequence[int], indices: Sequence[int]) -> np.ndarray:
+def request_uniforms(seeds: Sequence[int] | np.ndarray, indices: Sequence[int] | np.ndarray) -> np.ndarray:
     """``[N]`` float64 in ``(0, 1)``: the uniform number for token ``indices[i]`` of the request seeded
-    ``seeds[i]`` (seeds taken modulo 2**64), one vectorised pass for a whole step."""
-    seeds_u = np.array([seed & 0xFFFFFFFFFFFFFFFF for seed in seeds], dtype=np.uint64)
+    ``seeds[i]`` (seeds taken modulo 2**64; a ``uint64`` array as it is), one vectorised pass for a whole step."""
+    if isinstance(seeds, np.ndarray) and seeds.dtype == np.uint64:
+        seeds_u = seeds
+    else:
+        seeds_u = np.array([seed & 0xFFFFFFFFFFFFFFFF for seed in seeds], dtype=np.uint64)
     bits = _splitmix64(_splitmix64(seeds_u) ^ np.asarray(indices, dtype=np.uint64)) >> np.uint64(11)  # 53 random bits
     return (bits.astype(np.float64) + 0.5) / float(1 << 53)
 

@@ -1,0 +1,78 @@
+"""Host time of one engine decode step at R running rows, without the model or the sampler's kernel (CPU).
+
+On the GPU a decode step is a graph replay plus the sampler's kernel, both queued in microseconds; the rest
+is the engine thread's own Python (choosing the rows, staging the inputs, RNG draws, accepting tokens,
+stop and length checks), paid after every step's synchronisation and, in concurrent runs, while holding the
+GIL the trainer's thread also needs. This times that part alone: an Engine over a one-layer model whose
+``runner.decode`` returns fixed logits and whose ``sample_rows`` returns fixed tokens, every row running
+(GRPO groups of 8 rows sharing a prefix, as the engine's shared-prefix reads see them), median of
+``--repeats`` batches of ``--steps`` steps.
+
+Usage: python scripts/bench_engine_host.py --rows 64 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import statistics
+import time
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import skyrl_clora.sampler.engine as engine_module
+from skyrl_clora.lora.layers import attach_multi_lora
+from skyrl_clora.sampler.engine import Engine, SamplingParams, _Request
+
+PROMPT = 300
+VOCAB = 512
+
+
+def step_ms(rows: int, steps: int, repeats: int) -> float:
+    """Median milliseconds of one ``Engine._decode_step`` with ``rows`` running rows."""
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = Qwen3ForCausalLM(config)
+    routing, layers = attach_multi_lora(model, num_slots=8, max_rank=8, trainable=False)
+    max_len = PROMPT + steps * (repeats + 1) + 16
+    engine = Engine(model, routing, layers, num_rows=rows, max_len=max_len, block_size=16, cuda_graphs=False,
+                    share_prefix_reads=True)
+    engine.shutdown()  # the benchmark drives the engine's step from this thread
+    logits = torch.randn(rows, VOCAB)
+    engine.runner.decode = lambda span: logits[:span]
+    tokens, logprobs = [7] * rows, [-1.5] * rows
+    original = engine_module.sample_rows
+    engine_module.sample_rows = lambda logits, temperature, top_p, uniform: (tokens[: len(temperature)], logprobs[: len(temperature)])
+    try:
+        for row in range(rows):
+            params = SamplingParams(max_tokens=10**6, seed=row, stop_token_ids=(0,))
+            request = _Request(list(range(PROMPT)), None, params, concurrent.futures.Future(), row=row)
+            engine._rows[row] = request
+            engine._shared_rows.assign(row, ((row // 8,), PROMPT - PROMPT % 16))
+            engine._running.start(row, PROMPT, -1, params.seed, 1.0, 1.0, params.max_tokens, params.stop_token_ids)
+        engine._decode_step()
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for _ in range(steps):
+                engine._decode_step()
+            times.append(1e3 * (time.perf_counter() - started) / steps)
+        return statistics.median(times)
+    finally:
+        engine_module.sample_rows = original
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 512])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for rows in args.rows:
+        print(f"rows {rows:4d}: {step_ms(rows, args.steps, args.repeats):.3f} ms of host time per decode step", flush=True)
+
+
+if __name__ == "__main__":
+    main()

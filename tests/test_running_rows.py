@@ -1,0 +1,35 @@
+"""The engine's per-row tables (skyrl_clora.sampler.running_rows): a step's acceptance of sampled tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from skyrl_clora.sampler.running_rows import RunningRows
+from skyrl_clora.sampler.sampling import request_uniforms
+
+
+def test_accept_appends_sets_next_inputs_and_finishes_by_stop_or_length() -> None:
+    rows = RunningRows(num_rows=4, max_len=12)
+    rows.start(0, prompt_len=5, lora_slot=2, seed=11, temperature=1.0, top_p=1.0, max_tokens=10, stop_token_ids=(99,))
+    rows.start(1, prompt_len=9, lora_slot=-1, seed=12, temperature=0.0, top_p=1.0, max_tokens=10, stop_token_ids=())
+    rows.start(3, prompt_len=3, lora_slot=0, seed=13, temperature=0.7, top_p=0.9, max_tokens=2,
+               stop_token_ids=(98, 99, 97))  # widens the stop table
+    assert rows.active_below(4).tolist() == [0, 1, 3] and rows.last_active() == 3
+    assert rows.uniforms(np.array([0, 3])).tolist() == request_uniforms([11, 13], [0, 0]).tolist()
+
+    active = rows.active_below(4)
+    finished, stopped = rows.accept(active, np.array([5, 6, 7]), np.array([-0.5, -1.0, -1.5]))
+    assert finished.size == 0 and not stopped.any()
+    assert rows.tokens[[0, 1, 3]].tolist() == [5, 6, 7]
+    assert rows.positions[[0, 1, 3]].tolist() == [5, 9, 3]  # the sampled token sits right after the prompt
+
+    # row 0 draws a stop token; row 1 reaches max_len (9 + 3 = 12); row 3 reaches max_tokens (2)
+    finished, stopped = rows.accept(active, np.array([99, 8, 9]), np.array([-0.1, -0.2, -0.3]))
+    assert finished.tolist() == [0, 3] and stopped.tolist() == [True, False]
+    assert rows.output(0) == ([5, 99], [-0.5, -0.1]) and rows.output(3) == ([7, 9], [-1.5, -0.3])
+    assert rows.uniforms(np.array([0])).tolist() == request_uniforms([11], [2]).tolist()
+    finished, stopped = rows.accept(np.array([1]), np.array([4]), np.array([-2.0]))
+    assert finished.tolist() == [1] and stopped.tolist() == [False] and rows.output(1)[0] == [6, 8, 4]
+
+    rows.release(3)
+    assert rows.active_below(4).tolist() == [0, 1] and rows.lora[3] == -1 and rows.positions[3] == 0
