@@ -121,7 +121,9 @@ class RotaryEmbedding(torch.autograd.Function):
         return qk_norm_rope_triton(q, k, cos, sin, None, None, 0.0)
 
     @staticmethod
-    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx, dq: torch.Tensor, dk: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         cos, sin = ctx.saved_tensors
         grad_q, grad_k = qk_norm_rope_triton(dq, dk, cos, -sin, None, None, 0.0)
         return grad_q, grad_k, None, None

@@ -43,7 +43,8 @@ def step_ms(rows: int, steps: int, repeats: int) -> float:
     engine.runner.decode = lambda span: logits[:span]
     tokens, logprobs = [7] * rows, [-1.5] * rows
     original = engine_module.sample_rows
-    engine_module.sample_rows = lambda logits, temperature, top_p, uniform: (tokens[: len(temperature)], logprobs[: len(temperature)])
+    engine_module.sample_rows = lambda logits, temperature, top_p, uniform: (tokens[: len(temperature)],
+                                                                             logprobs[: len(temperature)])
     try:
         for row in range(rows):
             params = SamplingParams(max_tokens=10**6, seed=row, stop_token_ids=(0,))

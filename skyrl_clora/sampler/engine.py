@@ -6,9 +6,9 @@ One background thread owns the model. Each iteration of its loop:
      is sampled entirely with the adapter version it was admitted under; new requests of an adapter with
      a pending publish wait until it lands, so a publish cannot starve);
   3. admits waiting requests into free cache rows (FIFO over all tenants) and prefills them together
-     (ragged passes, replayed from CUDA graphs on the GPU), taking the prompt blocks it already has from the per-adapter-version prefix cache (and, with
-     ``reuse_decode_kv``, a finished turn's whole history when the prompt extends it: the next turn of
-     a multi-turn episode then computes only its new tokens);
+     (ragged passes, replayed from CUDA graphs on the GPU), taking the prompt blocks it already has from
+     the per-adapter-version prefix cache (and, with ``reuse_decode_kv``, a finished turn's whole history
+     when the prompt extends it: the next turn of a multi-turn episode then computes only its new tokens);
   4. runs one decode step for the rows up to the last running one (a CUDA-graph replay on the GPU),
      samples every running row at once (each with its own counter-based RNG, see ``sampling``) and
      retires the finished ones, resolving their futures.
