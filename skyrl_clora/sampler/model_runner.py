@@ -195,7 +195,7 @@ class ModelRunner:
         size (:func:`prefill_buckets`), captured on that size's first use (right after an eager pass, which
         compiles the kernels)."""
         total = sum(count for _, _, count in chunks)
-        size = -(-total // PREFILL_TOKEN_QUANTUM) * PREFILL_TOKEN_QUANTUM
+        size = min(-(-total // PREFILL_TOKEN_QUANTUM) * PREFILL_TOKEN_QUANTUM, self.prefill_tokens)
         if self.prefill_graphs:
             size = next(bucket for bucket in prefill_buckets(self.prefill_tokens) if bucket >= total)
         self._pass_ids[:total].copy_(torch.cat([job.tokens[start : start + count] for job, start, count in chunks]))
