@@ -20,8 +20,9 @@ def test_accept_appends_sets_next_inputs_and_finishes_by_stop_or_length() -> Non
     active = rows.active_below(4)
     finished, stopped = rows.accept(active, np.array([5, 6, 7]), np.array([-0.5, -1.0, -1.5]))
     assert finished.size == 0 and not stopped.any()
-    assert rows.tokens[[0, 1, 3]].tolist() == [5, 6, 7]
-    assert rows.positions[[0, 1, 3]].tolist() == [5, 9, 3]  # the sampled token sits right after the prompt
+    tokens, positions, slots = rows.decode_inputs(4)
+    assert tokens.tolist() == [5, 6, 0, 7] and slots.tolist() == [2, -1, -1, 0]
+    assert positions.tolist() == [5, 9, 0, 3]  # the sampled token sits right after the prompt; row 2 is free
 
     # row 0 draws a stop token; row 1 reaches max_len (9 + 3 = 12); row 3 reaches max_tokens (2)
     finished, stopped = rows.accept(active, np.array([99, 8, 9]), np.array([-0.1, -0.2, -0.3]))
@@ -32,4 +33,5 @@ def test_accept_appends_sets_next_inputs_and_finishes_by_stop_or_length() -> Non
     assert finished.tolist() == [1] and stopped.tolist() == [False] and rows.output(1)[0] == [6, 8, 4]
 
     rows.release(3)
-    assert rows.active_below(4).tolist() == [0, 1] and rows.lora[3] == -1 and rows.positions[3] == 0
+    tokens, positions, slots = rows.decode_inputs(4)
+    assert rows.active_below(4).tolist() == [0, 1] and slots[3] == -1 and positions[3] == 0

@@ -416,8 +416,7 @@ class Engine:
         if self._shared_rows is not None:
             prefix_rows, prefix_lens = self._shared_rows.sources(span)  # rows past the span hold no identity
             self.stats.shared_prefix_positions += self._shared_rows.borrowed_positions
-        self.runner.set_decode_inputs(running.tokens[:span], running.positions[:span], running.lora[:span],
-                                      prefix_rows, prefix_lens)
+        self.runner.set_decode_inputs(*running.decode_inputs(span), prefix_rows, prefix_lens)
         logits = self.runner.decode(span)
         self.stats.decode_steps += 1
         rows = running.active_below(span)

@@ -18,19 +18,19 @@ class RunningRows:
     """Tables over ``num_rows`` cache rows (row ``r`` holds one request at a time, between :meth:`start` and
     :meth:`release`):
 
-    - the decode inputs: ``tokens[r]`` (the last sampled token) at ``positions[r]`` with LoRA slot ``lora[r]``
-      (``-1``: none; every released row has position 0 and slot -1);
+    - ``active[r]`` and the row's LoRA slot ``lora[r]`` (``-1``: none);
     - the sampling settings: ``seed``, ``temperature``, ``top_p``;
     - the progress: ``prompt_len``, ``drawn`` (tokens sampled so far), ``limit`` (the most it may sample:
       ``min(max_tokens, max_len - prompt_len)``), ``stop`` (its stop token ids, padded with -1);
     - the outputs so far: ``out_tokens[r, :drawn[r]]`` and ``out_logprobs[r, :drawn[r]]``.
+
+    A running row's decode input (:meth:`decode_inputs`) follows from these: its last sampled token, at
+    position ``prompt_len + drawn - 1``.
     """
 
     def __init__(self, num_rows: int, max_len: int) -> None:
         self.max_len = max_len
         self.active = np.zeros(num_rows, dtype=bool)
-        self.tokens = np.zeros(num_rows, dtype=np.int64)
-        self.positions = np.zeros(num_rows, dtype=np.int64)
         self.lora = np.full(num_rows, -1, dtype=np.int64)
         self.seed = np.zeros(num_rows, dtype=np.uint64)
         self.temperature = np.zeros(num_rows, dtype=np.float32)
@@ -62,8 +62,15 @@ class RunningRows:
 
     def release(self, row: int) -> None:
         self.active[row] = False
-        self.lora[row] = -1
-        self.positions[row] = 0
+
+    def decode_inputs(self, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows ``0..span-1``'s decode inputs ``(tokens, positions, lora slots)``: a running row's last sampled
+        token at ``prompt_len + drawn - 1`` with its slot; a free row token 0 at position 0 with slot -1."""
+        active = self.active[:span]
+        drawn = self.drawn[:span]
+        last = self.out_tokens[np.arange(span), np.maximum(drawn - 1, 0)]
+        return (np.where(active, last, 0), np.where(active, self.prompt_len[:span] + drawn - 1, 0),
+                np.where(active, self.lora[:span], -1))
 
     def last_active(self) -> int:
         """The highest running row (-1 if none)."""
@@ -79,9 +86,8 @@ class RunningRows:
         return request_uniforms(self.seed[rows], self.drawn[rows])
 
     def accept(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Appends ``tokens[i]`` (log-prob ``logprobs[i]``) to row ``rows[i]``'s output; the rows that go on get
-        it as their next decode input. Returns the rows that finished and, for each, whether by a stop token
-        (else by their length limit)."""
+        """Appends ``tokens[i]`` (log-prob ``logprobs[i]``) to row ``rows[i]``'s output. Returns the rows that
+        finished and, for each, whether by a stop token (else by their length limit)."""
         drawn = self.drawn[rows]
         self.out_tokens[rows, drawn] = tokens
         self.out_logprobs[rows, drawn] = logprobs
@@ -89,9 +95,6 @@ class RunningRows:
         self.drawn[rows] = drawn
         stopped = (self.stop[rows] == tokens[:, None]).any(axis=1)
         finished = stopped | (drawn >= self.limit[rows])
-        going = rows[~finished]
-        self.tokens[going] = tokens[~finished]
-        self.positions[going] = self.prompt_len[going] + drawn[~finished] - 1
         return rows[finished], stopped[finished]
 
     def output(self, row: int) -> tuple[list[int], list[float]]:
