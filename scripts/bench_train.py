@@ -115,15 +115,19 @@ def run_round(trainer: Trainer, mode: str, names: list[str], batches: dict[str, 
 
 
 def profile_round(trainer: Trainer, mode: str, names: list[str], batches: dict[str, TrainBatch], path: Path) -> None:
-    """One round of ``mode`` under ``torch.profiler``: writes its top GPU kernels and CPU ops to ``path``."""
+    """One round of ``mode`` under ``torch.profiler``: writes its top GPU kernels, CPU ops and GPU ops by input
+    shapes to ``path``."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         run_round(trainer, mode, names, batches)
         torch.cuda.synchronize()
     averages = prof.key_averages()
+    by_shape = prof.key_averages(group_by_input_shape=True)
     path.write_text(averages.table(sort_by="self_cuda_time_total", row_limit=40) + "\n"
-                    + averages.table(sort_by="self_cpu_time_total", row_limit=25))
+                    + averages.table(sort_by="self_cpu_time_total", row_limit=25) + "\n"
+                    + by_shape.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=40,
+                                     max_shapes_column_width=120))
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Differentiable fused ops of the trainer (rms_norm_with_grad, silu_mul_with_grad, rope_with_grad): Triton
 forward and backward (interpreter on the CPU) against the references differentiated by autograd, and the fused
-modules and rotary embedding against Hugging Face's own Qwen3 forward and backward."""
+modules and rotary embedding against Hugging Face's own Qwen3 forward and backward; the LM-head loss op
+(chosen_logprobs_) against its reference and a float64 log-softmax."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from skyrl_clora.kernels import dispatch, rms_norm_with_grad, rope_with_grad, silu_mul_with_grad
+from skyrl_clora.kernels import chosen_logprobs_, dispatch, rms_norm_with_grad, rope_with_grad, silu_mul_with_grad
 from skyrl_clora.lora.layers import LoRARouting, attach_multi_lora, write_slot
 from skyrl_clora.trainer.fused_modules import FusedRMSNorm, FusedSwiGLUMLP, fuse_elementwise_modules, fused_apply_rotary_pos_emb
 
@@ -155,3 +156,33 @@ def test_fused_modules_reproduce_the_hf_forward_and_backward(monkeypatch: pytest
     assert torch.allclose(got_loss, want_loss, atol=1e-5)
     for got, want in zip(got_grads, want_grads):
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chosen_logprobs_and_their_logit_gradients_match_the_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    vocab = 9000  # three of the kernel's 4096-column chunks, the last one partial
+    logits = (torch.randn(6, vocab, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, vocab, (6,), generator=gen)
+    targets[0], targets[1] = vocab - 1, 0
+    exact = torch.log_softmax(logits.double(), dim=-1)
+    exact_grad = torch.nn.functional.one_hot(targets, vocab).double() - exact.exp()
+    for backend in ("torch", "triton"):
+        untouched = logits.clone().to(DEVICE)
+        plain = chosen_logprobs_(untouched, targets.to(DEVICE), write_grad=False, backend=backend)
+        grads = logits.clone().to(DEVICE)
+        out = chosen_logprobs_(grads, targets.to(DEVICE), write_grad=True, backend=backend)
+        assert torch.equal(untouched.cpu(), logits)
+        assert out.dtype == torch.float32 and out.std() > 0.5
+        torch.testing.assert_close(plain, out)
+        torch.testing.assert_close(out.cpu().double(), exact.gather(1, targets[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+        tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-4}
+        torch.testing.assert_close(grads.cpu().double(), exact_grad.to(dtype).double(), **tolerance)
+
+
+def test_chosen_logprobs_refuses_strided_logits_and_wrong_targets() -> None:
+    logits = torch.zeros(4, 10)
+    with pytest.raises(ValueError, match="unit column stride"):
+        chosen_logprobs_(logits.t(), torch.zeros(10, dtype=torch.long), write_grad=False)
+    with pytest.raises(ValueError, match="int64 targets"):
+        chosen_logprobs_(logits, torch.zeros(4, dtype=torch.int32), write_grad=False)

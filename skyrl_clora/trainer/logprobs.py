@@ -2,14 +2,19 @@
 
 The trainer needs the log-prob of each response token only. Computing the LM head over every position of
 a ``[B, L]`` batch in fp32 costs ``B * L * V * 4`` bytes (tens of GB for Qwen3's 151k vocabulary); here the
-head runs over the gathered response positions only, a chunk of rows at a time, and the backward
-recomputes each chunk's logits instead of keeping them.
+head runs over the gathered response positions only, a chunk of rows at a time. A chosen token's
+log-prob has the gradient ``onehot - softmax`` with respect to its row's logits whatever the loss is, so
+when a gradient is needed the forward also computes ``G = (onehot - softmax) @ W`` per chunk (``G: [N, H]``,
+the hidden states' gradient per unit of ``d loss / d out``) and the backward only scales it: the head's
+GEMM runs twice per token, not three times (forward, a recompute, backward), and no logits are kept.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from skyrl_clora.kernels import chosen_logprobs_
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -24,30 +29,24 @@ class _TokenLogprobs(torch.autograd.Function):
         targets: torch.Tensor,
         chunk: int,
     ) -> torch.Tensor:
+        need_grad = ctx.needs_input_grad[0]
         out = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
+        basis = hidden.new_empty(hidden.shape) if need_grad else None  # [N, H]: d out[n] / d hidden[n]
         for start in range(0, hidden.shape[0], chunk):
-            logits = F.linear(hidden[start : start + chunk], weight, bias).float()
-            picked = logits.gather(1, targets[start : start + chunk, None])[:, 0]
-            out[start : start + chunk] = picked - torch.logsumexp(logits, dim=-1)
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.chunk = chunk
+            end = start + chunk
+            logits = F.linear(hidden[start:end], weight, bias)
+            out[start:end] = chosen_logprobs_(logits, targets[start:end], write_grad=need_grad)
+            if need_grad:  # logits now hold d out / d logits
+                torch.matmul(logits, weight, out=basis[start:end])
+        ctx.save_for_backward(basis)
         return out
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, bias, targets = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden)
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            end = start + ctx.chunk
-            logits = F.linear(hidden[start:end], weight, bias).float()
-            grad = grad_out[start:end, None]
-            # d out / d logits = onehot(target) - softmax(logits)
-            dlogits = torch.softmax(logits, dim=-1).mul_(-grad)
-            dlogits.scatter_add_(1, targets[start:end, None], grad)
-            grad_hidden[start:end] = dlogits.to(weight.dtype) @ weight
-        return grad_hidden, None, None, None, None
+        (basis,) = ctx.saved_tensors
+        return (basis * grad_out[:, None]).to(basis.dtype), None, None, None, None
 
 
 def token_logprobs(

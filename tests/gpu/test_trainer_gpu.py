@@ -15,6 +15,7 @@ from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.logprobs import token_logprobs
 from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.trainer import Trainer
 
@@ -165,3 +166,26 @@ def test_segment_attention_on_flash_matches_its_reference_in_values_and_gradient
 
     for got, want in zip(run(torch.bfloat16), run(torch.float32)):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_token_logprobs_and_gradients_at_qwen3_vocabulary_match_float64() -> None:
+    """The Triton LM-head loss (``chosen_logprobs_``) in chunks, forward and backward, at Qwen3-1.7B's head."""
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(2048, 151936, bias=False).requires_grad_(False)
+    head.weight.data.normal_(0.0, 0.02, generator=gen)
+    hidden = torch.randn(1000, 2048, generator=gen)
+    targets = torch.randint(0, 151936, (1000,), generator=gen)
+    weights = torch.randn(1000, generator=gen)
+    head_gpu = head.to("cuda", torch.bfloat16)
+    hidden_gpu = hidden.to("cuda", torch.bfloat16).requires_grad_(True)
+    got = token_logprobs(hidden_gpu, head_gpu, targets.cuda(), max_logits=300 * 151936)  # chunks of 300 rows
+    (got * weights.cuda()).sum().backward()
+    hidden64 = hidden_gpu.detach().double().requires_grad_(True)
+    logits64 = hidden64 @ head_gpu.weight.double().T
+    expected = torch.log_softmax(logits64, dim=-1).gather(1, targets.cuda()[:, None])[:, 0]
+    (expected * weights.cuda().double()).sum().backward()
+    assert got.std() > 0.1
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=0.05)  # bf16 logits: ~0.01 per logit
+    cosine = torch.nn.functional.cosine_similarity(hidden_gpu.grad.double().flatten(), hidden64.grad.flatten(), dim=0)
+    assert cosine > 0.999
+    torch.testing.assert_close(hidden_gpu.grad.double(), hidden64.grad, rtol=0.05, atol=2e-3)
