@@ -172,3 +172,13 @@ def check_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> None:
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul needs gate and up of one shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
                          f"and {tuple(up.shape)} {up.dtype}")
+
+
+def check_chosen_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """``logits: [N, V]`` with unit column stride and ``targets: [N]`` int64 on one device."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"chosen_logprobs_ needs logits [N, V] with unit column stride, got {tuple(logits.shape)} "
+                         f"strides {logits.stride()}")
+    if targets.shape != (logits.shape[0],) or targets.dtype != torch.int64 or targets.device != logits.device:
+        raise ValueError(f"chosen_logprobs_ needs int64 targets [{logits.shape[0]}] on {logits.device}, got "
+                         f"{targets.dtype} {tuple(targets.shape)} on {targets.device}")

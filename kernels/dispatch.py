@@ -3,7 +3,8 @@ sampling): Triton for CUDA tensors, the torch reference elsewhere.
 
 Layers call only ``add_lora`` and ``lora_linear`` (``packed_lora`` plus the base layer); the sampling engine's model runner calls
 ``decode_attention``, ``prefill_attention``, ``rms_norm``, ``qk_norm_rope`` and ``silu_mul``; the trainer's model calls
-``rms_norm_with_grad`` and ``silu_mul_with_grad``; the engine's sampler calls ``sample_tokens``.
+``rms_norm_with_grad``, ``silu_mul_with_grad`` and ``rope_with_grad``, its LM-head loss ``chosen_logprobs_``; the
+engine's sampler calls ``sample_tokens``.
 ``backend="triton"`` forces the Triton kernels, which on CPU tensors run only under the Triton interpreter
 (``TRITON_INTERPRET=1``, as the CPU tests do); ``backend="torch"`` forces the reference.
 """
@@ -17,13 +18,15 @@ from typing import Literal
 import torch
 
 from skyrl_clora.kernels.attention import DecodeWorkspace, decode_attention_triton
-from skyrl_clora.kernels.checks import check_silu_mul
+from skyrl_clora.kernels.checks import check_chosen_logprobs, check_silu_mul
+from skyrl_clora.kernels.logprob_ops import chosen_logprobs_triton
 from skyrl_clora.kernels.meta import LoRAMeta
 from skyrl_clora.kernels.packed import packed_lora_triton
 from skyrl_clora.kernels.prefill_attention import check_prefill_attention, prefill_attention_triton
 from skyrl_clora.kernels.layer_ops import qk_norm_rope_triton, rms_norm_triton, silu_mul_triton
 from skyrl_clora.kernels.reference import (
     add_lora_ref,
+    chosen_logprobs_ref,
     decode_attention_ref,
     packed_lora_ref,
     prefill_attention_ref,
@@ -344,3 +347,21 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, uniform: torc
     if _use_triton(logits, backend):
         return sample_tokens_triton(logits, temperature, uniform)
     return sample_tokens_ref(logits, temperature, uniform)
+
+
+def chosen_logprobs_(logits: torch.Tensor, targets: torch.Tensor, *, write_grad: bool,
+                     backend: Backend | None = None) -> torch.Tensor:
+    """Each row's chosen-token log-probability under ``logits: [N, V]`` (any float dtype, unit column stride;
+    fp32 arithmetic) for ``targets: [N]`` int64, as ``[N]`` float32; with ``write_grad`` also overwrites
+    ``logits`` with that log-probability's gradient with respect to the row's logits. Torch pseudo-code::
+
+        out = log_softmax(logits.float(), -1).gather(1, targets[:, None])[:, 0]
+        if write_grad:
+            logits[:] = one_hot(targets, V) - softmax(logits.float(), -1)
+
+    The Triton path (``kernels.logprob_ops``) is one launch that reads each row twice and writes it once;
+    the torch path is ``reference.chosen_logprobs_ref``. No host synchronisation."""
+    check_chosen_logprobs(logits, targets)
+    if _use_triton(logits, backend):
+        return chosen_logprobs_triton(logits, targets, write_grad)
+    return chosen_logprobs_ref(logits, targets, write_grad)

@@ -4,9 +4,9 @@ A decode step of a small batch is bound by the number of kernels, not by their a
 modules run RMSNorm as ~8 kernels, the rotary embedding as ~10 and the MLP activation as 2. These fuse each
 into one launch:
 
-- ``rms_norm_triton``: optional residual add, then RMSNorm (one program per row);
+- ``rms_norm_triton``: optional residual add, then RMSNorm (a tile of rows per program, see ``row_tile``);
 - ``qk_norm_rope_triton``: per-head RMSNorm of q and k (Qwen3's ``q_norm``/``k_norm``, optional) and the
-  rotary embedding, for all heads of q and k in one launch (one program per token and head);
+  rotary embedding, for all heads of q and k in one launch (a tile of (token, head) rows per program);
 - ``silu_mul_triton``: ``silu(gate) * up``.
 
 They compute in fp32 and round once to the model dtype (Hugging Face rounds after each op, so results
@@ -25,50 +25,75 @@ import triton.language as tl
 from skyrl_clora.kernels.checks import check_rows_op, check_silu_mul
 
 SILU_BLOCK = 1024  # elements per program of the SiLU-mul kernels (forward here, backward in train_ops)
+ROW_TILE_ELEMENTS = 4096  # elements per program of the row-wise kernels (see row_tile)
+
+
+def row_tile(width: int) -> tuple[int, int, int]:
+    """``(block, rows, num_warps)`` of the row-wise kernels for rows of ``width`` elements: the row padded to a
+    power of two, and as many rows per program as fill a tile of ~4096 elements (rows of 128, Qwen3's per-head
+    norms, otherwise make programs of 128 elements that leave the GPU's bandwidth unused)."""
+    block = triton.next_power_of_2(width)
+    rows = max(1, ROW_TILE_ELEMENTS // block)
+    return block, rows, 8 if block * rows >= 2048 else 4
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, N, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                     ROWS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < H
-    x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
+    mask = (rows < N)[:, None] & (cols < H)[None, :]
+    offs = rows[:, None] * H + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if HAS_RES:
-        r = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0)
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * H + cols, x, mask=mask)
+        tl.store(res_out_ptr + offs, x, mask=mask)
     xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * H + cols, (xf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / H + eps)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, (xf * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, HQ, HK, eps,
-                         q_token_stride, k_token_stride, D: tl.constexpr, HAS_NORM: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    cols = tl.arange(0, D)
-    rotated = (cols + D // 2) % D
-    sign = tl.where(cols < D // 2, -1.0, 1.0)
-    is_q = head < HQ
-    if is_q:
-        src = q_ptr + token * q_token_stride + head * D
-        dst = q_out_ptr + (token * HQ + head) * D
+def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, N, HQ, HK, eps,
+                         q_token_stride, k_token_stride, q_programs, D: tl.constexpr, HAS_NORM: tl.constexpr,
+                         ROWS: tl.constexpr):
+    """Rows are (token, head) pairs, ``ROWS`` per program: programs ``0..q_programs-1`` take q's ``N * HQ``
+    rows, the others k's ``N * HK``. Each row is read as its two halves ``x1``, ``x2``; the rotary embedding
+    is ``(x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2)``."""
+    pid = tl.program_id(0)
+    half = tl.arange(0, D // 2)
+    if pid < q_programs:
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        valid = rows < N * HQ
+        token = (rows // HQ).to(tl.int64)
+        src = q_ptr + token * q_token_stride + (rows % HQ) * D
+        dst = q_out_ptr + rows.to(tl.int64) * D
         w_ptr = qw_ptr
     else:
-        src = k_ptr + token * k_token_stride + (head - HQ) * D
-        dst = k_out_ptr + (token * HK + head - HQ) * D
+        rows = (pid - q_programs) * ROWS + tl.arange(0, ROWS)
+        valid = rows < N * HK
+        token = (rows // HK).to(tl.int64)
+        src = k_ptr + token * k_token_stride + (rows % HK) * D
+        dst = k_out_ptr + rows.to(tl.int64) * D
         w_ptr = kw_ptr
-    v = tl.load(src + cols).to(tl.float32)
-    v_rot = tl.load(src + rotated).to(tl.float32)
+    mask = valid[:, None]
+    first = src[:, None] + half[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + D // 2, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        rstd = tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
-        v = v * rstd * tl.load(w_ptr + cols).to(tl.float32)
-        v_rot = v_rot * rstd * tl.load(w_ptr + rotated).to(tl.float32)
-    cos = tl.load(cos_ptr + token * D + cols).to(tl.float32)
-    sin = tl.load(sin_ptr + token * D + cols).to(tl.float32)
-    tl.store(dst + cols, (v * cos + sign * v_rot * sin).to(q_out_ptr.dtype.element_ty))
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+        x1 = x1 * rstd * tl.load(w_ptr + half).to(tl.float32)[None, :]
+        x2 = x2 * rstd * tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :]
+    table = token[:, None] * D + half[None, :]
+    cos1 = tl.load(cos_ptr + table, mask=mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + table + D // 2, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + table, mask=mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + table + D // 2, mask=mask, other=0.0).to(tl.float32)
+    out = dst[:, None] + half[None, :]
+    tl.store(out, (x1 * cos1 - x2 * sin1).to(q_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + D // 2, (x2 * cos2 + x1 * sin2).to(q_out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -100,10 +125,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     check_rows_op("x", x, weight.shape[0], residual)
     y = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else x
-    block = triton.next_power_of_2(x.shape[1])
-    _rms_norm_kernel[(x.shape[0],)](
-        x, residual if residual is not None else x, weight, y, residual_out, x.shape[1], eps,
-        HAS_RES=residual is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+    block, rows, warps = row_tile(x.shape[1])
+    _rms_norm_kernel[(triton.cdiv(x.shape[0], rows),)](
+        x, residual if residual is not None else x, weight, y, residual_out, x.shape[0], x.shape[1], eps,
+        HAS_RES=residual is not None, BLOCK=block, ROWS=rows, num_warps=warps,
     )
     return y, residual_out
 
@@ -124,10 +149,12 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     has_norm = q_weight is not None
-    _qk_norm_rope_kernel[(num, heads_q + k.shape[1])](
+    _, rows, warps = row_tile(dim)
+    q_programs = triton.cdiv(num * heads_q, rows)
+    _qk_norm_rope_kernel[(q_programs + triton.cdiv(num * k.shape[1], rows),)](
         q, k, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, q_out, k_out,
-        heads_q, k.shape[1], eps, q.stride(0), k.stride(0), D=dim, HAS_NORM=has_norm,
-        num_warps=1 if dim <= 128 else 2,
+        num, heads_q, k.shape[1], eps, q.stride(0), k.stride(0), q_programs, D=dim, HAS_NORM=has_norm, ROWS=rows,
+        num_warps=warps,
     )
     return q_out, k_out
 

@@ -242,6 +242,19 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def chosen_logprobs_ref(logits: torch.Tensor, targets: torch.Tensor, write_grad: bool) -> torch.Tensor:
+    """``[N]`` float32 ``log_softmax(logits.float())[n, targets[n]]`` for ``logits: [N, V]``; with ``write_grad``
+    overwrites ``logits`` with ``onehot(targets) - softmax(logits.float())`` (each row's log-prob's gradient
+    with respect to its logits, rounded to ``logits``' dtype)."""
+    values = logits.float()
+    out = values.gather(1, targets[:, None])[:, 0] - torch.logsumexp(values, dim=-1)
+    if write_grad:
+        grad = torch.softmax(values, dim=-1).neg_()
+        grad.scatter_add_(1, targets[:, None], torch.ones_like(grad[:, :1]))
+        logits.copy_(grad)
+    return out
+
+
 def sample_tokens_ref(logits: torch.Tensor, temperature: torch.Tensor,
                       uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy or inverse-CDF sampling of one token per row of ``logits: [N, V]`` (any float dtype, computed

@@ -36,22 +36,23 @@ import torch
 import triton
 import triton.language as tl
 
-from skyrl_clora.kernels.layer_ops import SILU_BLOCK, qk_norm_rope_triton, rms_norm_triton, silu_mul_triton
+from skyrl_clora.kernels.layer_ops import SILU_BLOCK, qk_norm_rope_triton, rms_norm_triton, row_tile, silu_mul_triton
 
 
 @triton.jit
-def _rms_norm_backward_kernel(dy_ptr, x_ptr, w_ptr, dx_ptr, H, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_backward_kernel(dy_ptr, x_ptr, w_ptr, dx_ptr, N, H, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < H
-    x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+    mask = (rows < N)[:, None] & (cols < H)[None, :]
+    offs = rows[:, None] * H + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)[:, None]
     x_hat = x * rstd
     g = dy * w
-    dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=0) / H))
-    tl.store(dx_ptr + row * H + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=1) / H)[:, None])
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -83,9 +84,10 @@ class RMSNormFrozenWeight(torch.autograd.Function):
         rows, weight = ctx.saved_tensors
         dy_rows = dy.reshape(rows.shape).contiguous()
         dx = torch.empty_like(rows)
-        block = triton.next_power_of_2(rows.shape[1])
-        _rms_norm_backward_kernel[(rows.shape[0],)](
-            dy_rows, rows, weight, dx, rows.shape[1], ctx.eps, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        block, per_program, warps = row_tile(rows.shape[1])
+        _rms_norm_backward_kernel[(triton.cdiv(rows.shape[0], per_program),)](
+            dy_rows, rows, weight, dx, rows.shape[0], rows.shape[1], ctx.eps, BLOCK=block, ROWS=per_program,
+            num_warps=warps,
         )
         return dx.view(dy.shape), None, None
 

@@ -23,8 +23,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_reference_and_hf(dtype: torch.dtype, with_residual: bool) -> None:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 96, generator=gen).to(DEVICE, dtype)
-    residual = torch.randn(5, 96, generator=gen).to(DEVICE, dtype) if with_residual else None
+    x = torch.randn(70, 96, generator=gen).to(DEVICE, dtype)  # three programs of 32 rows, the last partial
+    residual = torch.randn(70, 96, generator=gen).to(DEVICE, dtype) if with_residual else None
     weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype)
     want_y, want_h = rms_norm(x, weight, 1e-6, residual, backend="torch")
     got_y, got_h = rms_norm(x, weight, 1e-6, residual, backend="triton")
@@ -39,11 +39,11 @@ def test_rms_norm_matches_reference_and_hf(dtype: torch.dtype, with_residual: bo
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_qk_norm_rope_matches_reference_and_hf(dtype: torch.dtype, with_norm: bool) -> None:
     gen = torch.Generator().manual_seed(1)
-    tokens, heads_q, heads_k, dim = 6, 4, 2, 32
+    tokens, heads_q, heads_k, dim = 45, 4, 2, 32  # q: 180 (token, head) rows, two programs of 128; k: one
     q = torch.randn(tokens, heads_q, dim, generator=gen).to(DEVICE, dtype)
     k = torch.randn(tokens, heads_k, dim, generator=gen).to(DEVICE, dtype)
     config = Qwen3Config(hidden_size=heads_q * dim, num_attention_heads=heads_q, num_key_value_heads=heads_k, head_dim=dim)
-    positions = torch.tensor([[0, 3, 7, 8, 40, 100]], device=DEVICE)
+    positions = torch.randint(0, 200, (1, tokens), generator=gen).to(DEVICE)
     cos, sin = Qwen3RotaryEmbedding(config).to(DEVICE)(q.view(1, tokens, -1), positions)
     cos, sin = cos[0].to(dtype), sin[0].to(dtype)
     weights = [(1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype) for _ in range(2)] if with_norm else [None, None]
