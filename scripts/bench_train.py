@@ -130,6 +130,26 @@ def profile_round(trainer: Trainer, mode: str, names: list[str], batches: dict[s
                                      max_shapes_column_width=120))
 
 
+def host_profile_round(trainer: Trainer, mode: str, names: list[str], batches: dict[str, TrainBatch], path: Path) -> None:
+    """One round of ``mode`` under ``cProfile`` (Python functions' own and cumulative host time; time blocked in
+    a device synchronisation counts to the function that synchronised): writes both tables to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    run_round(trainer, mode, names, batches)
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(45)
+    path.write_text(text.getvalue())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_train"))
@@ -142,6 +162,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to measure (swap always)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one round per mode (after its timed rounds): writes <workload>.<mode>.kernels.txt (mode without spaces, commas as dashes)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also run one round per mode under cProfile: writes <workload>.<mode>.host.txt")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -189,8 +211,11 @@ def main() -> None:
             phase_started = time.perf_counter()
             run_round(trainer, mode, names, batches)
             phases["round (synchronised phases)"] = time.perf_counter() - phase_started
+        stem = f"{workload}.{mode.replace(' ', '').replace(',', '-')}"
         if args.profile:
-            profile_round(trainer, mode, names, batches, args.out / f"{workload}.{mode.replace(' ', '').replace(',', '-')}.kernels.txt")
+            profile_round(trainer, mode, names, batches, args.out / f"{stem}.kernels.txt")
+        if args.host_profile:
+            host_profile_round(trainer, mode, names, batches, args.out / f"{stem}.host.txt")
         median = statistics.median(seconds)
         row = {"workload": workload, "mode": mode, "round_s": median, "round_s_all": seconds,
                "tokens_per_round": tokens, "tokens_per_s": tokens / median, "peak_gib": peak,

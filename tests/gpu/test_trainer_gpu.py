@@ -57,7 +57,10 @@ def test_packed_equals_swap_on_the_gpu(micro_model_dir: Path) -> None:
     for name, *_ in TENANTS:
         a, b = swap.store.tenants[name], packed.store.tenants[name]
         assert a.flat["master"].abs().sum() > 0
-        torch.testing.assert_close(b.flat["master"], a.flat["master"], rtol=1e-3, atol=1e-5)
+        # AdamW's first steps move each weight by about lr * sign(gradient): a weight whose gradient is within
+        # float rounding of Adam's eps moves by a rounding-sensitive fraction of lr (2e-3 to 8e-3 here), so the
+        # absolute tolerance is 1% of the smallest lr; a real difference between the modes moves weights by ~lr.
+        torch.testing.assert_close(b.flat["master"], a.flat["master"], rtol=1e-3, atol=2e-5)
 
 
 def test_prefetching_on_the_side_stream_gives_the_same_states(micro_model_dir: Path) -> None:
@@ -118,7 +121,10 @@ def test_shared_prompts_on_the_gpu_match_whole_sequences(micro_model_dir: Path) 
     for name in ("A", "B"):
         a, b = full.store.tenants[name], shared.store.tenants[name]
         assert a.flat["master"].abs().sum() > 0
-        torch.testing.assert_close(b.flat["master"], a.flat["master"], rtol=1e-3, atol=1e-5)
+        # AdamW's first steps move each weight by about lr * sign(gradient): a weight whose gradient is within
+        # float rounding of Adam's eps moves by a rounding-sensitive fraction of lr (2e-3 to 8e-3 here), so the
+        # absolute tolerance is 1% of the smallest lr; a real difference between the modes moves weights by ~lr.
+        torch.testing.assert_close(b.flat["master"], a.flat["master"], rtol=1e-3, atol=2e-5)
 
 
 @pytest.mark.parametrize("shared_prefix", [False, True])
