@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from skyrl_clora.kernels.checks import check_decode_attention
+from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
 from skyrl_clora.kernels.sgmv import has_pdl
 
 MAX_HEAD_DIM = 256
@@ -64,13 +65,13 @@ def default_attention_config(max_len: int) -> AttentionConfig:
     per row; longer caches get longer splits). Never by the number of rows or the lengths' values, so a
     row's result is bit-identical whatever the batch around it (the engine's runs stay reproducible when
     the number of decoded rows changes); on the H200 shorter splits gained nothing (BENCHMARKS.md)."""
-    return AttentionConfig(split_len=max(256, triton.next_power_of_2(triton.cdiv(max_len, _MAX_SPLITS))))
+    return AttentionConfig(split_len=max(256, next_power_of_2(cdiv(max_len, _MAX_SPLITS))))
 
 
 def _workspace_floats(num_rows: int, num_heads: int, head_dim: int, max_len: int, split_len: int) -> int:
     """Floats of the partials: ``[B, H, slots, d]`` outputs then ``[B, H, slots]`` log-sum-exps, with two
     slots per split (the row's own keys and, with a shared prefix, the prefix's)."""
-    return num_rows * num_heads * 2 * triton.cdiv(max_len, split_len) * (head_dim + 1)
+    return num_rows * num_heads * 2 * cdiv(max_len, split_len) * (head_dim + 1)
 
 
 def _group_ints(num_rows: int) -> int:
@@ -352,7 +353,7 @@ def decode_attention_triton(
     cfg = config or default_attention_config(L)
     if cfg.split_len % cfg.block_n or cfg.block_n < 16:
         raise ValueError(f"split_len {cfg.split_len} must be a multiple of block_n {cfg.block_n} (>= 16)")
-    num_splits = triton.cdiv(L, cfg.split_len)
+    num_splits = cdiv(L, cfg.split_len)
     has_prefix = prefix_rows is not None
     num_slots = num_splits * (2 if has_prefix else 1)
     need = _workspace_floats(B, H, D, L, cfg.split_len)
@@ -369,7 +370,7 @@ def decode_attention_triton(
     partial_o = buf[: B * H * num_slots * D]
     partial_lse = buf[B * H * num_slots * D : B * H * num_slots * (D + 1)]
     served, count, members = groups[: _group_ints(B)].split([B, B, B * PREFIX_GROUP_ROWS])  # members: [B, MEMBERS] used
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, next_power_of_2(D))
     group = H // KV
     members_per_tile = max(1, min(PREFIX_GROUP_ROWS, _MAX_QUERY_TILE // group)) if has_prefix else 1
     on_cpu = q.device.type != "cuda"
@@ -377,21 +378,21 @@ def decode_attention_triton(
     if has_prefix:
         _prefix_groups_kernel[(B,)](
             lengths, prefix_rows, prefix_lens, served, count, members, B, L,
-            B_P2=triton.next_power_of_2(B), MEMBERS=members_per_tile, num_warps=4,
+            B_P2=next_power_of_2(B), MEMBERS=members_per_tile, num_warps=4,
         )  # fmt: skip
     _partial_kernel[(num_slots, KV, B)](
         q, k_cache, v_cache, lengths, prefix_rows if has_prefix else lengths, prefix_lens if has_prefix else lengths,
         served, count, members, partial_o, partial_lse, H, D, L, num_splits, num_slots,
         _LOG2E / math.sqrt(D), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=group, MEMBERS=members_per_tile, BLOCK_Q=max(16, triton.next_power_of_2(group * members_per_tile)),
+        GROUP=group, MEMBERS=members_per_tile, BLOCK_Q=max(16, next_power_of_2(group * members_per_tile)),
         BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_LEN=cfg.split_len, UPCAST=on_cpu,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, HAS_PREFIX=has_prefix,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     _reduce_kernel[(H, B)](
         partial_o, partial_lse, lengths, served, out, H, D, L, num_splits, num_slots, out.stride(0), out.stride(1),
-        SPLIT_LEN=cfg.split_len, SLOTS_P2=triton.next_power_of_2(num_slots), BLOCK_D=block_d, PDL=pdl,
+        SPLIT_LEN=cfg.split_len, SLOTS_P2=next_power_of_2(num_slots), BLOCK_D=block_d, PDL=pdl,
         HAS_PREFIX=has_prefix, launch_pdl=pdl, num_warps=4,
     )  # fmt: skip
     return out

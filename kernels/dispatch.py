@@ -1,7 +1,7 @@
 """Picks the implementation of each op (multi-LoRA, decode and prefill attention, fused layer ops, token
 sampling): Triton for CUDA tensors, the torch reference elsewhere.
 
-Layers call only ``add_lora`` and ``lora_linear`` (``packed_lora`` plus the base layer); the sampling engine's model runner calls
+Layers call only ``add_lora``, ``lora_linear`` (``packed_lora`` plus the base layer) and ``dense_lora_linear``; the sampling engine's model runner calls
 ``decode_attention``, ``prefill_attention``, ``rms_norm``, ``qk_norm_rope`` and ``silu_mul``; the trainer's model calls
 ``rms_norm_with_grad``, ``silu_mul_with_grad`` and ``rope_with_grad``, its LM-head loss ``chosen_logprobs_``; the
 engine's sampler calls ``sample_tokens``.
@@ -19,6 +19,7 @@ import torch
 
 from skyrl_clora.kernels.attention import DecodeWorkspace, decode_attention_triton
 from skyrl_clora.kernels.checks import check_chosen_logprobs, check_silu_mul
+from skyrl_clora.kernels.dense_lora import DenseLoRALinear
 from skyrl_clora.kernels.logprob_ops import chosen_logprobs_triton
 from skyrl_clora.kernels.meta import LoRAMeta
 from skyrl_clora.kernels.packed import packed_lora_triton
@@ -150,6 +151,25 @@ def lora_linear(
     if _use_triton(x, backend):
         return packed_lora_triton(x, lora_a, lora_b, scales, token_slots, meta=meta, weight=weight, bias=bias)
     return torch.nn.functional.linear(x, weight, bias) + packed_lora_ref(x, lora_a, lora_b, scales, token_slots)
+
+
+def dense_lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scales: torch.Tensor,
+    slot: int,
+) -> torch.Tensor:
+    """:func:`lora_linear` for a batch whose rows all use adapter ``slot`` (the trainer's one-tenant pass): the
+    same values (up to rounding: ``scales[slot] * x @ A.T`` is rounded to the model dtype) from plain torch
+    GEMMs on every device (``kernels.dense_lora``), differentiable in ``x``, ``lora_a`` and ``lora_b``."""
+    if not 0 <= slot < lora_a.shape[0]:
+        raise ValueError(f"slot {slot} is outside the adapters' {lora_a.shape[0]} slots")
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        raise ValueError("the base layer must be frozen (requires_grad=False): only LoRA weights get gradients")
+    return DenseLoRALinear.apply(x, weight, bias, lora_a, lora_b, scales, slot)
 
 
 def decode_attention(

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from skyrl_clora.kernels.checks import check_rows_op, check_silu_mul
+from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
 
 SILU_BLOCK = 1024  # elements per program of the SiLU-mul kernels (forward here, backward in train_ops)
 ROW_TILE_ELEMENTS = 4096  # elements per program of the row-wise kernels (see row_tile)
@@ -32,7 +33,7 @@ def row_tile(width: int) -> tuple[int, int, int]:
     """``(block, rows, num_warps)`` of the row-wise kernels for rows of ``width`` elements: the row padded to a
     power of two, and as many rows per program as fill a tile of ~4096 elements (rows of 128, Qwen3's per-head
     norms, otherwise make programs of 128 elements that leave the GPU's bandwidth unused)."""
-    block = triton.next_power_of_2(width)
+    block = next_power_of_2(width)
     rows = max(1, ROW_TILE_ELEMENTS // block)
     return block, rows, 8 if block * rows >= 2048 else 4
 
@@ -126,7 +127,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     y = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else x
     block, rows, warps = row_tile(x.shape[1])
-    _rms_norm_kernel[(triton.cdiv(x.shape[0], rows),)](
+    _rms_norm_kernel[(cdiv(x.shape[0], rows),)](
         x, residual if residual is not None else x, weight, y, residual_out, x.shape[0], x.shape[1], eps,
         HAS_RES=residual is not None, BLOCK=block, ROWS=rows, num_warps=warps,
     )
@@ -150,8 +151,8 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     has_norm = q_weight is not None
     _, rows, warps = row_tile(dim)
-    q_programs = triton.cdiv(num * heads_q, rows)
-    _qk_norm_rope_kernel[(q_programs + triton.cdiv(num * k.shape[1], rows),)](
+    q_programs = cdiv(num * heads_q, rows)
+    _qk_norm_rope_kernel[(q_programs + cdiv(num * k.shape[1], rows),)](
         q, k, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, q_out, k_out,
         num, heads_q, k.shape[1], eps, q.stride(0), k.stride(0), q_programs, D=dim, HAS_NORM=has_norm, ROWS=rows,
         num_warps=warps,
@@ -168,6 +169,6 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return out
     width = gate.shape[-1]
     gate_rows, up_rows = _rows(gate), _rows(up)
-    _silu_mul_kernel[(gate_rows.shape[0], triton.cdiv(width, SILU_BLOCK))](
+    _silu_mul_kernel[(gate_rows.shape[0], cdiv(width, SILU_BLOCK))](
         gate_rows, up_rows, out, width, gate_rows.stride(0), up_rows.stride(0), BLOCK=SILU_BLOCK)
     return out

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
+
 # Vocabulary columns per step of a row's program.
 _BLOCK_V = 4096
 
@@ -69,9 +71,9 @@ def chosen_logprobs_triton(logits: torch.Tensor, targets: torch.Tensor, write_gr
     out = torch.empty(rows, device=logits.device, dtype=torch.float32)
     if rows == 0:
         return out
-    block = min(_BLOCK_V, triton.next_power_of_2(vocab))
+    block = min(_BLOCK_V, next_power_of_2(vocab))
     _chosen_logprobs_kernel[(rows,)](
         logits, targets, out, vocab, logits.stride(0),
-        WRITE_GRAD=write_grad, BLOCK_V=block, NUM_CHUNKS=triton.cdiv(vocab, block), num_warps=8,
+        WRITE_GRAD=write_grad, BLOCK_V=block, NUM_CHUNKS=cdiv(vocab, block), num_warps=8,
     )  # fmt: skip
     return out

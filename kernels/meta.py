@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from skyrl_clora.kernels.host_math import next_power_of_2
+
 # Tokens handled per loop iteration of the build kernel (it compares a chunk with itself: CHUNK**2 work).
 _BUILD_CHUNK = 128
 # Shrink partial sums a workspace holds per (slice, token, rank) at the meta's largest batch.
@@ -22,7 +24,7 @@ _WORKSPACE_SPLITS = 4
 
 def rank_pad(rank: int) -> int:
     """The rank the kernels compute with: the next power of two, at least 16 (``tl.dot``'s minimum)."""
-    return max(16, triton.next_power_of_2(rank))
+    return max(16, next_power_of_2(rank))
 
 
 @triton.jit
@@ -146,7 +148,7 @@ class LoRAMeta:
             self.seg_count,
             T,
             self.num_slots,
-            S_P2=triton.next_power_of_2(self.num_slots + 1),
+            S_P2=next_power_of_2(self.num_slots + 1),
             CHUNK=_BUILD_CHUNK,
             num_warps=4,
         )

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from skyrl_clora.kernels.checks import check_packed
+from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
 from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
 from skyrl_clora.kernels.sgmv import check_meta, default_config, sgmv_expand, sgmv_shrink
 
@@ -99,7 +100,7 @@ def _row_splits(num_rows: int, tiles: int) -> int:
     _SPLIT_ROWS`` (1 below ``2 * _SPLIT_ROWS`` rows) nor ``_MAX_SPLITS``. Based on the batch's row count,
     not on the slots: one busy slot is the case to fill the GPU for, and the host does not know the segment
     lengths."""
-    return max(1, min(triton.cdiv(_SPLIT_TARGET_PROGRAMS, tiles), num_rows // _SPLIT_ROWS, _MAX_SPLITS))
+    return max(1, min(cdiv(_SPLIT_TARGET_PROGRAMS, tiles), num_rows // _SPLIT_ROWS, _MAX_SPLITS))
 
 
 def _seg_outer(g: torch.Tensor, p: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, meta: LoRAMeta) -> None:
@@ -110,9 +111,9 @@ def _seg_outer(g: torch.Tensor, p: torch.Tensor, q: torch.Tensor, scales: torch.
     writes per-chunk partials to a float32 workspace ``[splits, S, DP, DQ]`` and their sum is copied to ``g``.
     """
     S, DP, DQ = g.shape
-    block_p = min(_GRAD_BLOCK, max(16, triton.next_power_of_2(DP)))
-    block_q = min(_GRAD_BLOCK, max(16, triton.next_power_of_2(DQ)))
-    tiles_p, tiles_q = triton.cdiv(DP, block_p), triton.cdiv(DQ, block_q)
+    block_p = min(_GRAD_BLOCK, max(16, next_power_of_2(DP)))
+    block_q = min(_GRAD_BLOCK, max(16, next_power_of_2(DQ)))
+    tiles_p, tiles_q = cdiv(DP, block_p), cdiv(DQ, block_q)
     splits = _row_splits(p.shape[0], tiles_p * tiles_q)
     out = g.unsqueeze(0) if splits == 1 else g.new_empty(splits, S, DP, DQ, dtype=torch.float32)
     _seg_outer_kernel[(S * splits, tiles_p, tiles_q)](

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from skyrl_clora.kernels.attention import MAX_HEAD_DIM
 from skyrl_clora.kernels.checks import FLOAT_DTYPES
+from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
 
 _LOG2E = 1.4426950408889634
 _METADATA = ("job_rows", "job_starts", "q_offsets", "q_lens")
@@ -46,7 +47,7 @@ def default_prefill_config(groups: int) -> PrefillConfig:
     """By the query heads per kv head alone: ``block_q`` tokens so that a tile has 64 rows (``block_q *
     groups``, at least 16 tokens: 128 rows for 8 heads per kv head), 8 warps for 128-row tiles. Never by
     the metadata's values, so a job's result does not depend on the other jobs of its pass."""
-    block_q = max(16, 64 // triton.next_power_of_2(groups))
+    block_q = max(16, 64 // next_power_of_2(groups))
     return PrefillConfig(block_q=block_q, num_warps=8 if block_q * groups > 64 else 4)
 
 
@@ -243,12 +244,12 @@ def prefill_attention_triton(
     if T == 0 or J == 0:
         return out
     groups = H // KV
-    _prefill_kernel[(triton.cdiv(T, cfg.block_q) + J, KV)](
+    _prefill_kernel[(cdiv(T, cfg.block_q) + J, KV)](
         q, k_cache, v_cache, out, job_rows, job_starts, q_offsets, q_lens, T, J, L, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        GROUPS=groups, HEAD_DIM=D, BLOCK_Q=cfg.block_q, BLOCK_M=triton.next_power_of_2(cfg.block_q * groups),
-        BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_J=triton.next_power_of_2(J),
+        GROUPS=groups, HEAD_DIM=D, BLOCK_Q=cfg.block_q, BLOCK_M=next_power_of_2(cfg.block_q * groups),
+        BLOCK_N=cfg.block_n, BLOCK_D=max(16, next_power_of_2(D)), BLOCK_J=next_power_of_2(J),
         INTERPRETED=q.device.type != "cuda", DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
 from skyrl_clora.kernels.reference import MIN_TEMPERATURE
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -129,10 +130,10 @@ def sample_tokens_triton(
     logprobs = torch.empty(num, dtype=torch.float32, device=logits.device)
     if num == 0:
         return tokens, logprobs
-    chunks = triton.cdiv(vocab, block_v)
+    chunks = cdiv(vocab, block_v)
     _sample_kernel[(num,)](
         logits, temperature.float().contiguous(), uniform.float().contiguous(), tokens, logprobs, vocab,
-        logits.stride(0), BLOCK_V=block_v, NUM_CHUNKS=chunks, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)),
+        logits.stride(0), BLOCK_V=block_v, NUM_CHUNKS=chunks, CHUNKS_P2=max(2, next_power_of_2(chunks)),
         num_warps=num_warps,
     )
     return tokens, logprobs

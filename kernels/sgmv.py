@@ -9,9 +9,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from skyrl_clora.kernels.checks import check_add_lora
+from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
 from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
 from skyrl_clora.kernels.sgmv_kernels import expand_kernel, shrink_kernel
 
@@ -52,12 +52,12 @@ sizes the expand is launched with PDL (``sgmv_kernels``), where the GPU has it.
     decode = num_tokens <= 256
     block_m = 16 if decode else 64
     block_k = 128
-    tiles = triton.cdiv(num_tokens, block_m) + min(num_slots, num_tokens)
+    tiles = cdiv(num_tokens, block_m) + min(num_slots, num_tokens)
     split_k = 1
     while tiles * num_a_slices * split_k < _TARGET_PROGRAMS and split_k * 2 * block_k <= h_in:
         split_k *= 2
     max_split = max(1, h_in // block_k)
-    split_k = max(split_k, min(triton.cdiv(h_in, 512 if decode else 2048), max_split))
+    split_k = max(split_k, min(cdiv(h_in, 512 if decode else 2048), max_split))
     num_warps = 8 if not decode and rank_pad(rank) >= 32 else 4
     return SgmvConfig(
         block_m=block_m, block_k=block_k, block_n=128, split_k=split_k, num_warps=num_warps, pdl=decode
@@ -79,7 +79,7 @@ def _pdl_flags(x: torch.Tensor, config: SgmvConfig) -> dict[str, bool]:
 def _slice_args(weights: tuple[torch.Tensor, ...], block_n: int) -> dict[str, int]:
     """Per-slice widths, column offsets, first column block and slot stride, padded to three slices."""
     widths = [w.shape[1] for w in weights]
-    blocks = [triton.cdiv(n, block_n) for n in widths]
+    blocks = [cdiv(n, block_n) for n in widths]
     firsts = [sum(blocks[:i]) for i in range(len(weights))] + [_NO_SLICE] * (3 - len(weights))
     cols = [sum(widths[:i]) for i in range(len(weights))] + [0] * (3 - len(weights))
     widths += [0] * (3 - len(weights))
@@ -121,13 +121,13 @@ def sgmv_shrink(
     T, K = x.shape
     n_a, S = w.shape[0], w.shape[1]
     n_split = ws.shape[0]
-    k_iters = triton.cdiv(triton.cdiv(K, n_split), config.block_k)
-    grid = (triton.cdiv(T, config.block_m) + min(S, T), n_split, n_a)
+    k_iters = cdiv(cdiv(K, n_split), config.block_k)
+    grid = (cdiv(T, config.block_m) + min(S, T), n_split, n_a)
     shrink_kernel[grid](
         x, w, ws, meta.sorted_rows, meta.seg_count,
         S, K, rank, x.stride(0), w.stride(0), w.stride(1), w.stride(2), w.stride(3),
         ws.stride(0), ws.stride(1),
-        S_P2=triton.next_power_of_2(S), BLOCK_M=config.block_m, BLOCK_R=rank_pad(rank),
+        S_P2=next_power_of_2(S), BLOCK_M=config.block_m, BLOCK_R=rank_pad(rank),
         BLOCK_K=config.block_k, K_ITERS=k_iters, EVEN_K=n_split * k_iters * config.block_k == K,
         **_dot_flags(x), PDL=config.pdl and has_pdl(x.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -157,14 +157,14 @@ def sgmv_expand(
     S = weights[0].shape[0]
     T = out.shape[0]
     sa = _slice_args(weights, config.block_n)
-    grid = (triton.cdiv(T, config.block_m) + min(S, T) + int(store), sa.pop("total_blocks"))
+    grid = (cdiv(T, config.block_m) + min(S, T) + int(store), sa.pop("total_blocks"))
     w = list(weights) + [weights[0]] * (3 - len(weights))
     expand_kernel[grid](
         ws, out, w[0], w[1], w[2], scales if scales is not None else ws,
         meta.sorted_rows, meta.seg_count, S, T, rank, **sa,
         stride_w_n=weights[0].stride(1), stride_w_r=weights[0].stride(2), stride_ot=out.stride(0),
         stride_ws_split=ws.stride(0), stride_ws_slice=ws.stride(1),
-        S_P2=triton.next_power_of_2(S + int(store)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        S_P2=next_power_of_2(S + int(store)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_R=rank_pad(rank), SPLIT_K=ws.shape[0], NUM_SLICES=len(weights),
         A_PER_SLICE=ws.shape[1] > 1, HAS_SCALE=scales is not None, STORE=store, **_dot_flags(out),
         **_pdl_flags(out, config),
@@ -207,7 +207,7 @@ def add_lora_triton(
             f"meta.workspace holds {meta.workspace.numel()} floats, this layer needs {per_split}: "
             "build the LoRAMeta with a larger max_rank or max_slices"
         )
-    split_k = triton.cdiv(K, triton.cdiv(triton.cdiv(K, split_k), cfg.block_k) * cfg.block_k)
+    split_k = cdiv(K, cdiv(cdiv(K, split_k), cfg.block_k) * cfg.block_k)
     ws = meta.workspace[: split_k * per_split].view(split_k, a4.shape[0], T, r_pad)
     sgmv_shrink(ws, x, a4, meta, R, cfg)
     sgmv_expand(out, ws, lora_b, scales, meta, R, cfg)

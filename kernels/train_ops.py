@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from skyrl_clora.kernels.host_math import cdiv
 from skyrl_clora.kernels.layer_ops import SILU_BLOCK, qk_norm_rope_triton, rms_norm_triton, row_tile, silu_mul_triton
 
 
@@ -85,7 +86,7 @@ class RMSNormFrozenWeight(torch.autograd.Function):
         dy_rows = dy.reshape(rows.shape).contiguous()
         dx = torch.empty_like(rows)
         block, per_program, warps = row_tile(rows.shape[1])
-        _rms_norm_backward_kernel[(triton.cdiv(rows.shape[0], per_program),)](
+        _rms_norm_backward_kernel[(cdiv(rows.shape[0], per_program),)](
             dy_rows, rows, weight, dx, rows.shape[0], rows.shape[1], ctx.eps, BLOCK=block, ROWS=per_program,
             num_warps=warps,
         )
@@ -106,7 +107,7 @@ class SiluMul(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         dy = dy.contiguous()
         d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
-        _silu_mul_backward_kernel[(triton.cdiv(gate.numel(), SILU_BLOCK),)](
+        _silu_mul_backward_kernel[(cdiv(gate.numel(), SILU_BLOCK),)](
             dy, gate, up, d_gate, d_up, gate.numel(), BLOCK=SILU_BLOCK,
         )
         return d_gate, d_up

@@ -1,7 +1,8 @@
 """Differentiable fused ops of the trainer (rms_norm_with_grad, silu_mul_with_grad, rope_with_grad): Triton
 forward and backward (interpreter on the CPU) against the references differentiated by autograd, and the fused
 modules and rotary embedding against Hugging Face's own Qwen3 forward and backward; the LM-head loss op
-(chosen_logprobs_) against its reference and a float64 log-softmax."""
+(chosen_logprobs_) against its reference and a float64 log-softmax; the one-slot dense LoRA layer against the
+routed one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from skyrl_clora.kernels import chosen_logprobs_, dispatch, rms_norm_with_grad, rope_with_grad, silu_mul_with_grad
+from skyrl_clora.kernels import chosen_logprobs_, dense_lora_linear, dispatch, lora_linear, rms_norm_with_grad, rope_with_grad, silu_mul_with_grad
 from skyrl_clora.lora.layers import LoRARouting, attach_multi_lora, write_slot
 from skyrl_clora.trainer.fused_modules import FusedRMSNorm, FusedSwiGLUMLP, fuse_elementwise_modules, fused_apply_rotary_pos_emb
 
@@ -186,3 +187,42 @@ def test_chosen_logprobs_refuses_strided_logits_and_wrong_targets() -> None:
         chosen_logprobs_(logits.t(), torch.zeros(10, dtype=torch.long), write_grad=False)
     with pytest.raises(ValueError, match="int64 targets"):
         chosen_logprobs_(logits, torch.zeros(4, dtype=torch.int32), write_grad=False)
+
+
+def _layer_and_grads(op, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                     dy: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, lora_a, lora_b)]
+    y = op(*leaves)
+    y.backward(dy)
+    return [y.detach()] + [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_lora_linear_equals_the_routed_layer_with_every_row_in_one_slot(bias: bool) -> None:
+    gen = torch.Generator().manual_seed(4)
+    tokens, h_in, h_out, slots, max_rank = 37, 48, 40, 3, 16
+    x = torch.randn(tokens, h_in, generator=gen, dtype=torch.float64)
+    weight = torch.randn(h_out, h_in, generator=gen, dtype=torch.float64) / 7
+    base_bias = torch.randn(h_out, generator=gen, dtype=torch.float64) if bias else None
+    lora_a = torch.randn(slots, max_rank, h_in, generator=gen, dtype=torch.float64)
+    lora_a[1, 8:] = 0  # slot 1 has rank 8 of the 16
+    lora_b = torch.randn(slots, h_out, max_rank, generator=gen, dtype=torch.float64)
+    lora_b[1, :, 8:] = 0
+    scales = torch.tensor([0.5, 2.0, 1.5], dtype=torch.float64)
+    dy = torch.randn(tokens, h_out, generator=gen, dtype=torch.float64)
+    outputs = []
+    for slot in (1, 2):
+        routed = _layer_and_grads(lambda t, a, b: lora_linear(t, weight, base_bias, a, b, scales,
+                                                              torch.full((tokens,), slot), backend="torch"),
+                                  x, lora_a, lora_b, dy)
+        dense = _layer_and_grads(lambda t, a, b: dense_lora_linear(t, weight, base_bias, a, b, scales, slot),
+                                 x, lora_a, lora_b, dy)
+        for got, want in zip(dense, routed):
+            torch.testing.assert_close(got, want)
+        other = [s for s in range(slots) if s != slot]
+        assert dense[2][other].abs().sum() == 0 and dense[3][other].abs().sum() == 0
+        assert dense[2][slot].abs().sum() > 0 and dense[3][slot].abs().sum() > 0
+        outputs.append(dense[0])
+    assert not torch.allclose(outputs[0], outputs[1]), "the two slots' adapters must give different outputs"
+    with pytest.raises(ValueError, match="outside the adapters' 3 slots"):
+        dense_lora_linear(x, weight, base_bias, lora_a, lora_b, scales, 3)

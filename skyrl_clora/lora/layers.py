@@ -10,7 +10,8 @@ Two kinds of slot stacks exist:
   :func:`skyrl_clora.kernels.add_lora` under ``no_grad``.
 - training slots (``trainable=True``): ``nn.Parameter`` stacks, one slot per tenant being trained in the
   pass (1 in swap mode, P in packed mode), applied with the base layer by the autograd op
-  :func:`skyrl_clora.kernels.lora_linear` (the base layer plus ``packed_lora``).
+  :func:`skyrl_clora.kernels.lora_linear` (the base layer plus ``packed_lora``), or by
+  :func:`skyrl_clora.kernels.dense_lora_linear` when the routing names one slot for every row.
 
 Shapes (PEFT/vLLM layout): ``lora_a: [S, R, H_in]``, ``lora_b: [S, H_out, R]``, ``scales: [S]`` fp32,
 where ``R`` is the maximum rank; a slot of rank ``r < R`` has zero rows/columns beyond ``r``.
@@ -25,7 +26,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from skyrl_clora.kernels import LoRAMeta, add_lora, lora_linear
+from skyrl_clora.kernels import LoRAMeta, add_lora, dense_lora_linear, lora_linear
 
 TARGET_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -37,21 +38,26 @@ class LoRARouting:
     ``token_slots``: ``[T]`` int64 over the flattened ``[batch * seq]`` rows of the forward input, ``-1``
     for rows that use the base model alone; ``None`` means no LoRA at all. ``meta``: the kernels'
     segment metadata already built from ``token_slots`` (shared by every layer of the pass), or ``None``.
+    ``single_slot``: the one slot of the pass, set by a caller whose rows all use it except padding whose
+    outputs reach no real row (the trainer's right padding): training layers then run that adapter as one
+    dense LoRA over every row (``kernels.dense_lora_linear``); else ``None``.
     """
 
     token_slots: torch.Tensor | None = None
     meta: LoRAMeta | None = None
+    single_slot: int | None = None
 
     @contextlib.contextmanager
-    def route(self, token_slots: torch.Tensor | None, meta: LoRAMeta | None = None) -> Iterator[None]:
+    def route(self, token_slots: torch.Tensor | None, meta: LoRAMeta | None = None,
+              single_slot: int | None = None) -> Iterator[None]:
         """Routes rows to slots for the duration of the ``with`` block (not re-entrant across threads:
         each model tree has its own routing and is driven by one thread at a time)."""
-        previous = self.token_slots, self.meta
-        self.token_slots, self.meta = token_slots, meta
+        previous = self.token_slots, self.meta, self.single_slot
+        self.token_slots, self.meta, self.single_slot = token_slots, meta, single_slot
         try:
             yield
         finally:
-            self.token_slots, self.meta = previous
+            self.token_slots, self.meta, self.single_slot = previous
 
 
 class MultiLoRALinear(nn.Module):
@@ -83,9 +89,13 @@ class MultiLoRALinear(nn.Module):
         if token_slots is None:
             return self.base(x)
         flat_x = x.reshape(-1, self.in_features)
-        if self.trainable:  # base layer and adapters in one autograd node (on a GPU)
-            flat_y = lora_linear(flat_x, self.base.weight, self.base.bias, self.lora_a, self.lora_b, self.scales,
-                                 token_slots, meta=self.routing.meta)
+        if self.trainable:  # base layer and adapters in one autograd node
+            if self.routing.single_slot is not None:
+                flat_y = dense_lora_linear(flat_x, self.base.weight, self.base.bias, self.lora_a, self.lora_b,
+                                           self.scales, self.routing.single_slot)
+            else:
+                flat_y = lora_linear(flat_x, self.base.weight, self.base.bias, self.lora_a, self.lora_b, self.scales,
+                                     token_slots, meta=self.routing.meta)
             return flat_y.view(*x.shape[:-1], self.out_features)
         y = self.base(x)
         flat_y = y.view(-1, self.out_features)

@@ -17,6 +17,7 @@ batch, so a tenant's update does not depend on which tenants shared its pass (up
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
@@ -215,13 +216,16 @@ class Trainer:
         width = micro.width
         input_ids = rows.input_ids[row_index, :width]
         steps = torch.arange(micro.response_width, device=self.device)
+        slots = {rows.host_row_slot[row] for row in host_rows}
+        single_slot = slots.pop() if len(slots) == 1 else None
+        route = functools.partial(self._route, single_slot=single_slot)
         prefix_of: dict[int, int] = {}  # prompt group -> its index among the micro-batch's distinct prompts
         if self.shared_prefix:
             for row in host_rows:
                 prefix_of.setdefault(rows.prompt_groups[row], len(prefix_of))
         if self.shared_prefix and len(prefix_of) < len(host_rows):  # some rows share a prompt
             hidden = self._prefix_hidden(
-                self.decoder, self._route, input_ids,
+                self.decoder, route, input_ids,
                 prompt_lens=[rows.host_seq_lens[r] - rows.host_response_lens[r] for r in host_rows],
                 response_lens=[rows.host_response_lens[r] for r in host_rows],
                 row_slots=[rows.host_row_slot[r] for r in host_rows],
@@ -230,7 +234,7 @@ class Trainer:
         else:
             positions = torch.arange(width, device=self.device)
             token_slots = torch.where(positions[None] < rows.seq_lens[row_index, None], rows.row_slot[row_index, None], -1)
-            with self._route(token_slots.reshape(-1)):
+            with route(token_slots.reshape(-1)):
                 full = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, L, H]
             # Response token j of a row sits at input position start + j and is predicted at start + j - 1.
             index = (rows.prompt_lens[row_index, None] - 1 + steps[None]).clamp(0, max(width - 2, 0))
@@ -239,14 +243,17 @@ class Trainer:
         log_probs = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.head, targets.reshape(-1), self.max_logits)
         return log_probs.view(targets.shape)
 
-    def _route(self, token_slots: torch.Tensor) -> contextlib.AbstractContextManager:
-        """Routes a pass's flattened tokens ``[T]`` to their slots, with the kernels' row grouping built once
-        for every layer of the pass on a GPU."""
+    def _route(self, token_slots: torch.Tensor, single_slot: int | None = None) -> contextlib.AbstractContextManager:
+        """Routes a pass's flattened tokens ``[T]`` to their slots. With ``single_slot`` (the slot of every row of
+        the micro-batch; tokens at -1 are right padding) the layers run one dense LoRA over all tokens: padding
+        reaches no real position (causal attention, or masked prompt keys) and its log-probs are masked, so the
+        loss and its gradients are those of the routed form. Otherwise the kernels' row grouping is built
+        once for every layer of the pass on a GPU."""
         meta = None
-        if token_slots.is_cuda:
+        if token_slots.is_cuda and single_slot is None:
             lora_a = next(iter(self.layers.values())).lora_a
             meta = LoRAMeta.for_batch(token_slots, lora_a.shape[0], lora_a.shape[1], max_slices=1)
-        return self.routing.route(token_slots, meta)
+        return self.routing.route(token_slots, meta, single_slot)
 
     @torch.no_grad()
     def response_logprobs(self, tenant: str, batch: TrainBatch) -> torch.Tensor:
