@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from skyrl_clora.lora.layers import attach_multi_lora, write_slot
 from skyrl_clora.lora.peft_export import init_adapter
-from skyrl_clora.trainer.prompt_segments import SegmentLayout, segment_prefix_hidden
+from skyrl_clora.trainer.prompt_segments import SegmentLayout, flat_layout, segment_prefix_hidden
+from skyrl_clora.trainer.shared_prefix import prompt_representatives
 
 
 def _model(model_dir: Path):
@@ -91,3 +92,47 @@ def test_layout_reference_attends_bottom_right_within_segments() -> None:
         torch.testing.assert_close(out[0, head], attend(q[0, head, 0], keys[:2], values[:2]))
         torch.testing.assert_close(out[1, head], attend(q[0, head, 1], keys[:3], values[:3]))
         torch.testing.assert_close(out[2, head], attend(q[0, head, 2], keys[2:3], values[2:3]))
+
+
+def _flat_layout_loops(prompt_lens, response_lens, row_slots, prefix_of, response_width):
+    """The flat pass written out with Python loops (the form ``flat_layout`` vectorises)."""
+    reps = prompt_representatives(prefix_of)
+    q_lens = [prompt_lens[rep] for rep in reps] + list(response_lens)
+    k_lens = [prompt_lens[rep] for rep in reps] + [p + r for p, r in zip(prompt_lens, response_lens)]
+    cu_q = [0]
+    for length in q_lens:
+        cu_q.append(cu_q[-1] + length)
+    prompt_starts, response_starts = cu_q[: len(reps)], cu_q[len(reps) : -1]
+    rows, columns = [], []
+    for rep in reps:
+        rows += [rep] * prompt_lens[rep]
+        columns += range(prompt_lens[rep])
+    for row, (start, length) in enumerate(zip(prompt_lens, response_lens)):
+        rows += [row] * length
+        columns += range(start, start + length)
+    key_index = list(range(cu_q[len(reps)]))
+    for row, length in enumerate(response_lens):
+        prefix_start = prompt_starts[prefix_of[row]]
+        key_index += range(prefix_start, prefix_start + prompt_lens[row])
+        key_index += range(response_starts[row], response_starts[row] + length)
+    predictors = []
+    for row, length in enumerate(response_lens):
+        last_prompt = prompt_starts[prefix_of[row]] + prompt_lens[row] - 1
+        own = [response_starts[row] + j - 1 for j in range(1, min(length, response_width))]
+        predictors += [last_prompt] + own + [own[-1] if own else last_prompt] * (response_width - 1 - len(own))
+    return {"rows": rows, "columns": columns, "slots": [row_slots[row] for row in rows], "key_index": key_index,
+            "q_lens": q_lens, "k_lens": k_lens, "cu_q": cu_q, "predictors": predictors}
+
+
+def test_flat_layout_equals_its_loop_form() -> None:
+    gen = torch.Generator().manual_seed(9)
+    prefix_of = [0, 0, 1, 2, 2, 2, 1, 3]  # a prompt's rows need not be adjacent
+    prompt_of = [int(n) for n in torch.randint(1, 30, (4,), generator=gen)]
+    prompt_lens = [prompt_of[p] for p in prefix_of]
+    response_lens = [0, 1, 2, 17, 5, 30, 9, 12]  # empty, one token, and one past the width below
+    row_slots = [1, 1, 0, 2, 2, 2, 0, 1]
+    got = flat_layout(prompt_lens, response_lens, row_slots, prefix_of, response_width=20)
+    want = _flat_layout_loops(prompt_lens, response_lens, row_slots, prefix_of, response_width=20)
+    for name, values in want.items():
+        assert got[name].tolist() == values, name
+    assert got["cu_k"].tolist()[-1] == len(want["key_index"])

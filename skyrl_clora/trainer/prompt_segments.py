@@ -24,8 +24,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from itertools import accumulate
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import AttentionInterface
@@ -92,6 +92,12 @@ def segment_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 AttentionInterface.register(ATTENTION_NAME, segment_attention)
 
 
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])`` without a Python loop."""
+    offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+    return offsets + np.arange(int(lengths.sum()))
+
+
 @contextlib.contextmanager
 def _segment_attention(decoder: nn.Module) -> Iterator[None]:
     """Runs the decoder's attention layers through :func:`segment_attention` (the backward keeps the graph
@@ -103,6 +109,42 @@ def _segment_attention(decoder: nn.Module) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = previous
+
+
+def flat_layout(prompt_lens: list[int], response_lens: list[int], row_slots: list[int], prefix_of: list[int],
+                response_width: int) -> dict[str, np.ndarray]:
+    """The flat pass of :func:`segment_prefix_hidden` as int64 arrays: per token (``N``) its ``rows`` and
+    ``columns`` in ``input_ids`` and its LoRA ``slots``; per segment (``S``: the distinct prompts, then every
+    row's response) ``q_lens`` and ``k_lens`` with their prefix sums ``cu_q``/``cu_k`` ``[S + 1]``; the keys'
+    token indices ``key_index`` segment by segment; and ``predictors`` ``[B * response_width]``, the token
+    whose hidden state predicts each response position (the prompt's last token for position 0, response
+    token ``j - 1`` for position ``j``, the row's last predictor repeated past its response)."""
+    reps = np.asarray(prompt_representatives(prefix_of))
+    prompt, response = np.asarray(prompt_lens), np.asarray(response_lens)
+    prefix, num_rows = np.asarray(prefix_of), len(prompt_lens)
+    # The segments: the distinct prompts, then every row's response.
+    q_lens = np.concatenate([prompt[reps], response])
+    k_lens = np.concatenate([prompt[reps], prompt + response])
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)])  # each segment's first token
+    prompt_starts, response_starts = cu_q[: len(reps)], cu_q[len(reps) : -1]
+    # Flat token list: (row of input_ids, column) per token, its position and its LoRA slot.
+    segment_rows = np.concatenate([reps, np.arange(num_rows)])
+    rows = np.repeat(segment_rows, q_lens)
+    columns = _ranges(np.concatenate([np.zeros(len(reps), dtype=np.int64), prompt]), q_lens)
+    slots = np.asarray(row_slots)[rows]
+    # Keys: prompt segments see their own tokens; response b sees its prompt's segment, then itself.
+    key_starts = np.stack([prompt_starts[prefix], response_starts], axis=1).reshape(-1)
+    key_lens = np.stack([prompt, response], axis=1).reshape(-1)
+    key_index = np.concatenate([np.arange(cu_q[len(reps)]), _ranges(key_starts, key_lens)])
+    # Hidden state predicting response token j: the prompt's last token for j = 0, response token j - 1 after
+    # (repeating the last one past the row's response).
+    last_prompt = prompt_starts[prefix] + prompt - 1
+    own = np.minimum(response, response_width)  # response tokens predicted inside the width
+    steps = np.arange(response_width)[None]
+    predictors = np.where((steps == 0) | (own[:, None] < 2), last_prompt[:, None],
+                          response_starts[:, None] + np.minimum(steps, own[:, None] - 1) - 1).reshape(-1)
+    return {"rows": rows, "columns": columns, "slots": slots, "key_index": key_index, "q_lens": q_lens,
+            "k_lens": k_lens, "cu_q": cu_q, "cu_k": np.concatenate([[0], np.cumsum(k_lens)]), "predictors": predictors}
 
 
 def segment_prefix_hidden(
@@ -123,40 +165,15 @@ def segment_prefix_hidden(
     shares its prompt with every row of the same ``prefix_of[b]`` (``0..U-1``; rows of one prompt must
     have the same prompt tokens and slot). ``route(token_slots)`` routes the pass's tokens to their slots.
     Entries past a row's response hold the hidden state of its last token, which the caller masks out."""
-    device = input_ids.device
-    reps = prompt_representatives(prefix_of)
-    q_lens = [prompt_lens[rep] for rep in reps] + list(response_lens)  # the segments: prompts, then responses
-    k_lens = [prompt_lens[rep] for rep in reps] + [p + r for p, r in zip(prompt_lens, response_lens)]
-    cu_q = list(accumulate(q_lens, initial=0))  # each segment's first token
-    prompt_starts, response_starts, responses_from = cu_q[: len(reps)], cu_q[len(reps) : -1], cu_q[len(reps)]
-    # Flat token list: (row of input_ids, column) per token, its position and its LoRA slot.
-    rows, columns, slots = [], [], []
-    for rep in reps:
-        rows += [rep] * prompt_lens[rep]
-        columns += range(prompt_lens[rep])
-        slots += [row_slots[rep]] * prompt_lens[rep]
-    for row, (start, length) in enumerate(zip(prompt_lens, response_lens)):
-        rows += [row] * length
-        columns += range(start, start + length)
-        slots += [row_slots[row]] * length
-    key_index: list[int] = list(range(responses_from))  # prompt segments see their own tokens
-    for row, length in enumerate(response_lens):
-        prefix_start = prompt_starts[prefix_of[row]]
-        key_index += range(prefix_start, prefix_start + prompt_lens[row])
-        key_index += range(response_starts[row], response_starts[row] + length)
-    # Hidden state predicting response token j: the prompt's last token for j = 0, response token j - 1 after.
-    predictors = []
-    for row, length in enumerate(response_lens):
-        last_prompt = prompt_starts[prefix_of[row]] + prompt_lens[row] - 1
-        own = [response_starts[row] + j - 1 for j in range(1, min(length, response_width))]
-        predictors += [last_prompt] + own + [own[-1] if own else last_prompt] * (response_width - 1 - len(own))
-    rows_t, columns_t, slots_t, key_index_t, cu_q, cu_k, predictors_t = lists_to_device(
-        [rows, columns, slots, key_index, cu_q, list(accumulate(k_lens, initial=0)), predictors], device)
-    layout = SegmentLayout(key_index_t, cu_q.int(), cu_k.int(), q_lens, k_lens)
+    layout = flat_layout(prompt_lens, response_lens, row_slots, prefix_of, response_width)
+    rows_t, columns_t, slots_t, key_index_t, cu_q_t, cu_k_t, predictors_t = lists_to_device(
+        [layout[name] for name in ("rows", "columns", "slots", "key_index", "cu_q", "cu_k", "predictors")],
+        input_ids.device)
+    segments = SegmentLayout(key_index_t, cu_q_t.int(), cu_k_t.int(), layout["q_lens"].tolist(), layout["k_lens"].tolist())
     tokens = input_ids[rows_t, columns_t][None]  # [1, N]
     mask_types = getattr(decoder.config, "layer_types", None) or ["full_attention"]
     with _segment_attention(decoder), route(slots_t):
-        hidden = decoder(input_ids=tokens, position_ids=columns_t[None], attention_mask={t: layout for t in mask_types},
+        hidden = decoder(input_ids=tokens, position_ids=columns_t[None], attention_mask={t: segments for t in mask_types},
                          use_cache=False).last_hidden_state[0]  # [N, H]
     return hidden.index_select(0, predictors_t).view(len(prefix_of), response_width, -1)
 
