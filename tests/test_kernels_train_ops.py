@@ -12,7 +12,9 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from skyrl_clora.kernels import chosen_logprobs_, dense_lora_linear, dispatch, lora_linear, rms_norm_with_grad, rope_with_grad, silu_mul_with_grad
+from skyrl_clora.kernels import (
+    chosen_logprobs_, dense_lora_linear, dispatch, lora_linear, rms_norm_with_grad, rope_with_grad, silu_mul_with_grad,
+)
 from skyrl_clora.lora.layers import LoRARouting, attach_multi_lora, write_slot
 from skyrl_clora.trainer.fused_modules import FusedRMSNorm, FusedSwiGLUMLP, fuse_elementwise_modules, fused_apply_rotary_pos_emb
 
