@@ -182,3 +182,9 @@ def check_chosen_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> None:
     if targets.shape != (logits.shape[0],) or targets.dtype != torch.int64 or targets.device != logits.device:
         raise ValueError(f"chosen_logprobs_ needs int64 targets [{logits.shape[0]}] on {logits.device}, got "
                          f"{targets.dtype} {tuple(targets.shape)} on {targets.device}")
+
+
+def check_frozen_base(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """A LoRA layer's base ``weight`` (and ``bias``) must not require gradients."""
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        raise ValueError("the base layer must be frozen (requires_grad=False): only LoRA weights get gradients")

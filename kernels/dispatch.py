@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 
 from skyrl_clora.kernels.attention import DecodeWorkspace, decode_attention_triton
-from skyrl_clora.kernels.checks import check_chosen_logprobs, check_silu_mul
+from skyrl_clora.kernels.checks import check_chosen_logprobs, check_frozen_base, check_silu_mul
 from skyrl_clora.kernels.dense_lora import DenseLoRALinear
 from skyrl_clora.kernels.logprob_ops import chosen_logprobs_triton
 from skyrl_clora.kernels.meta import LoRAMeta
@@ -167,8 +167,7 @@ def dense_lora_linear(
     GEMMs on every device (``kernels.dense_lora``), differentiable in ``x``, ``lora_a`` and ``lora_b``."""
     if not 0 <= slot < lora_a.shape[0]:
         raise ValueError(f"slot {slot} is outside the adapters' {lora_a.shape[0]} slots")
-    if weight.requires_grad or (bias is not None and bias.requires_grad):
-        raise ValueError("the base layer must be frozen (requires_grad=False): only LoRA weights get gradients")
+    check_frozen_base(weight, bias)
     return DenseLoRALinear.apply(x, weight, bias, lora_a, lora_b, scales, slot)
 
 

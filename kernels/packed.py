@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from skyrl_clora.kernels.checks import check_packed
+from skyrl_clora.kernels.checks import check_frozen_base, check_packed
 from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
 from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
 from skyrl_clora.kernels.sgmv import check_meta, default_config, sgmv_expand, sgmv_shrink
@@ -241,8 +241,7 @@ def packed_lora_triton(
         if weight.shape != (lora_b.shape[1], x.shape[1]) or weight.dtype != x.dtype or weight.device != x.device:
             raise ValueError(f"the base weight must be [{lora_b.shape[1]}, {x.shape[1]}] {x.dtype} on {x.device}, "
                              f"got {tuple(weight.shape)} {weight.dtype} {weight.device}")
-        if weight.requires_grad or (bias is not None and bias.requires_grad):
-            raise ValueError("the base layer must be frozen (requires_grad=False): only LoRA weights get gradients")
+        check_frozen_base(weight, bias)
     if meta is None:
         meta = LoRAMeta.for_batch(token_slots, lora_a.shape[0], lora_a.shape[1], 1)
     check_meta(meta, x, lora_a.shape[0])
