@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=32)
     parser.add_argument("--hf-baseline", action="store_true",
                         help="first measure swap on Hugging Face's own RMSNorm / SwiGLU modules")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to measure (swap always)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to measure (swap always, as the baseline; the profiles cover only the modes named)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one round per mode (after its timed rounds): writes <workload>.<mode>.kernels.txt (mode without spaces, commas as dashes)")
     parser.add_argument("--host-profile", action="store_true",
@@ -212,9 +212,9 @@ def main() -> None:
             run_round(trainer, mode, names, batches)
             phases["round (synchronised phases)"] = time.perf_counter() - phase_started
         stem = f"{workload}.{mode.replace(' ', '').replace(',', '-')}"
-        if args.profile:
+        if args.profile and mode in args.modes:
             profile_round(trainer, mode, names, batches, args.out / f"{stem}.kernels.txt")
-        if args.host_profile:
+        if args.host_profile and mode in args.modes:
             host_profile_round(trainer, mode, names, batches, args.out / f"{stem}.host.txt")
         median = statistics.median(seconds)
         row = {"workload": workload, "mode": mode, "round_s": median, "round_s_all": seconds,
