@@ -8,9 +8,9 @@ dispatcher. For ``x: [T, H_in]``, ``A = lora_a[slot]: [R, H_in]``, ``B = lora_b[
 ``s = scales[slot]``::
 
     hs = s * (x @ A.T)                        # [T, R], model dtype, saved for backward
-    y  = x @ weight.T + bias + hs @ B.T
+    y  = hs @ B.T + bias;  y += x @ weight.T   # the base GEMM accumulates onto the LoRA term (beta = 1)
     gs = s * (dy @ B)                         # backward
-    dx = dy @ weight + gs @ A
+    dx = gs @ A;  dx += dy @ weight
     dA[slot] = gs.T @ x;  dB[slot] = dy.T @ hs   # every other slot's gradient is zero
 
 ``hs`` is rounded to the model dtype, as PEFT's LoRA layers do (the packed Triton op keeps it in fp32).
@@ -40,8 +40,10 @@ class DenseLoRALinear(torch.autograd.Function):
     ) -> torch.Tensor:
         scale = scales[slot]
         hs = torch.mm(x, lora_a[slot].t()).mul_(scale)
-        y = torch.nn.functional.linear(x, weight, bias)
-        y.addmm_(hs, lora_b[slot].t())
+        # The rank-R product writes y and the base GEMM accumulates onto it (its epilogue reads y): one pass
+        # over y fewer than adding the LoRA term to the base output afterwards.
+        y = torch.mm(hs, lora_b[slot].t()) if bias is None else torch.addmm(bias, hs, lora_b[slot].t())
+        y.addmm_(x, weight.t())
         ctx.save_for_backward(x, weight, lora_a, lora_b, scales, hs)
         ctx.slot = slot
         return y
@@ -55,9 +57,9 @@ class DenseLoRALinear(torch.autograd.Function):
         need_x, _, _, need_a, need_b = ctx.needs_input_grad[:5]
         dx = da = db = None
         gs = torch.mm(dy, lora_b[slot]).mul_(scales[slot]) if need_x or need_a else None
-        if need_x:
-            dx = torch.mm(dy, weight)
-            dx.addmm_(gs, lora_a[slot])
+        if need_x:  # as in forward: the rank-R product first, the base GEMM accumulating onto it
+            dx = torch.mm(gs, lora_a[slot])
+            dx.addmm_(dy, weight)
         if need_a:
             da = torch.zeros_like(lora_a)
             torch.mm(gs.t(), x, out=da[slot])
