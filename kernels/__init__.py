@@ -3,7 +3,7 @@
 ``add_lora``, ``lora_linear`` (a frozen linear layer plus ``packed_lora``) and ``dense_lora_linear`` (one slot
 for every row); the sampling engine calls ``decode_attention``, ``prefill_attention``, ``rms_norm``,
 ``qk_norm_rope`` and ``silu_mul``; the trainer calls ``rms_norm_with_grad``, ``silu_mul_with_grad``,
-``rope_with_grad`` and, for its LM-head loss, ``chosen_logprobs_``; the sampler calls ``sample_tokens``; the
+``rope_with_grad``, ``gather_rows`` (shared-prompt attention's keys) and, for its LM-head loss, ``chosen_logprobs_``; the sampler calls ``sample_tokens``; the
 dispatch picks the implementation by device. ``LoRAMeta`` (the per-step row grouping) and ``DecodeWorkspace``
 (attention partials) are preallocated buffers, for CUDA graphs. This package imports nothing from the rest of
 the plugin.
@@ -15,6 +15,7 @@ from skyrl_clora.kernels.dispatch import (
     chosen_logprobs_,
     decode_attention,
     dense_lora_linear,
+    gather_rows,
     lora_linear,
     packed_lora,
     prefill_attention,
@@ -30,6 +31,6 @@ from skyrl_clora.kernels.meta import LoRAMeta
 
 __all__ = [
     "DecodeWorkspace", "LoRAMeta", "add_lora", "chosen_logprobs_", "decode_attention", "dense_lora_linear",
-    "lora_linear", "packed_lora", "prefill_attention", "qk_norm_rope", "rms_norm", "rms_norm_with_grad",
+    "gather_rows", "lora_linear", "packed_lora", "prefill_attention", "qk_norm_rope", "rms_norm", "rms_norm_with_grad",
     "rope_with_grad", "sample_tokens", "silu_mul", "silu_mul_with_grad",
 ]

@@ -4,7 +4,7 @@ sampling): Triton for CUDA tensors, the torch reference elsewhere.
 Layers call only ``add_lora``, ``lora_linear`` (``packed_lora`` plus the base layer) and ``dense_lora_linear``;
 the sampling engine's model runner calls ``decode_attention``, ``prefill_attention``, ``rms_norm``,
 ``qk_norm_rope`` and ``silu_mul``; the trainer's model calls ``rms_norm_with_grad``, ``silu_mul_with_grad`` and
-``rope_with_grad``, its LM-head loss ``chosen_logprobs_``; the engine's sampler calls ``sample_tokens``.
+``rope_with_grad``, its shared-prompt attention ``gather_rows``, its LM-head loss ``chosen_logprobs_``; the engine's sampler calls ``sample_tokens``.
 ``backend="triton"`` forces the Triton kernels, which on CPU tensors run only under the Triton interpreter
 (``TRITON_INTERPRET=1``, as the CPU tests do); ``backend="torch"`` forces the reference.
 """
@@ -20,6 +20,7 @@ import torch
 from skyrl_clora.kernels.attention import DecodeWorkspace, decode_attention_triton
 from skyrl_clora.kernels.checks import check_chosen_logprobs, check_frozen_base, check_silu_mul
 from skyrl_clora.kernels.dense_lora import DenseLoRALinear
+from skyrl_clora.kernels.gather_ops import GatherRows
 from skyrl_clora.kernels.logprob_ops import chosen_logprobs_triton
 from skyrl_clora.kernels.meta import LoRAMeta
 from skyrl_clora.kernels.packed import packed_lora_triton
@@ -384,3 +385,18 @@ def chosen_logprobs_(logits: torch.Tensor, targets: torch.Tensor, *, write_grad:
     if _use_triton(logits, backend):
         return chosen_logprobs_triton(logits, targets, write_grad)
     return chosen_logprobs_ref(logits, targets, write_grad)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, starts: torch.Tensor, sources: torch.Tensor, *,
+                backend: Backend | None = None) -> torch.Tensor:
+    """``x.index_select(0, index)`` for ``x: [N, ...]`` and ``index: [K]`` int64, differentiable in ``x``;
+    ``(starts [N + 1], sources [K])`` is ``gather_ops.inverse_index(index, N)`` on ``x``'s device. Torch
+    pseudo-code of the gradient::
+
+        dx = zeros_like(x).index_add_(0, index, dy)      # = sum of dy[sources[starts[t]:starts[t + 1]]]
+
+    The Triton path (``kernels.gather_ops``) sums each row's gradients in fp32 in one launch, without
+    atomics; the torch path is ``index_select`` under autograd (``index_add_`` backward)."""
+    if _use_triton(x, backend):
+        return GatherRows.apply(x, index, starts, sources)
+    return x.index_select(0, index)

@@ -2,19 +2,21 @@
 forward and backward (interpreter on the CPU) against the references differentiated by autograd, and the fused
 modules and rotary embedding against Hugging Face's own Qwen3 forward and backward; the LM-head loss op
 (chosen_logprobs_) against its reference and a float64 log-softmax; the one-slot dense LoRA layer against the
-routed one."""
+routed one; the atomics-free gather (gather_rows) against index_select under autograd."""
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from skyrl_clora.kernels import (
-    chosen_logprobs_, dense_lora_linear, dispatch, lora_linear, rms_norm_with_grad, rope_with_grad, silu_mul_with_grad,
+    chosen_logprobs_, dense_lora_linear, dispatch, gather_rows, lora_linear, rms_norm_with_grad, rope_with_grad, silu_mul_with_grad,
 )
+from skyrl_clora.kernels.gather_ops import inverse_index
 from skyrl_clora.lora.layers import LoRARouting, attach_multi_lora, write_slot
 from skyrl_clora.trainer.fused_modules import FusedRMSNorm, FusedSwiGLUMLP, fuse_elementwise_modules, fused_apply_rotary_pos_emb
 
@@ -228,3 +230,27 @@ def test_dense_lora_linear_equals_the_routed_layer_with_every_row_in_one_slot(bi
     assert not torch.allclose(outputs[0], outputs[1]), "the two slots' adapters must give different outputs"
     with pytest.raises(ValueError, match="outside the adapters' 3 slots"):
         dense_lora_linear(x, weight, base_bias, lora_a, lora_b, scales, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_rows_backward_sums_each_rows_gradients_like_index_select(dtype: torch.dtype) -> None:
+    """Rows gathered 0, 1 or several times (as prompt keys are, once per row of their group), from a strided
+    ``[N, KV, d]`` view (the trainer's transposed keys), with a width past one program's block."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(3, 40, 352, generator=gen).to(DEVICE, dtype)  # [KV, N, d]; rows of 3 * 352 > 1024 columns
+    index_np = np.concatenate([np.arange(0, 40, 2), np.repeat(np.arange(5, 12), 4), [39, 0, 39]])
+    index = torch.from_numpy(index_np).to(DEVICE)
+    starts, sources = (torch.from_numpy(a).to(DEVICE) for a in inverse_index(index_np, 40))
+    dy = torch.randn(len(index_np), 3, 352, generator=gen).to(DEVICE, dtype)
+    def gather(backend: str):
+        return lambda x: gather_rows(x.transpose(0, 1), index, starts, sources, backend=backend)
+
+    got_y, (got_dx,) = _forward_backward(gather("triton"), [base], dy)
+    want_y, (want_dx,) = _forward_backward(gather("torch"), [base], dy)
+    assert (want_dx[:, 1::2].abs().sum(dim=(0, 2)) > 0).sum() >= 4  # some odd rows gathered ...
+    assert want_dx[:, 13].abs().sum() == 0  # ... and some never: their gradient is zero
+    torch.testing.assert_close(got_y, want_y, rtol=0, atol=0)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got_dx, want_dx, rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match="past the 40 rows"):
+        inverse_index(np.array([0, 40]), 40)

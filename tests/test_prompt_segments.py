@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from skyrl_clora.kernels.gather_ops import inverse_index
 from skyrl_clora.lora.layers import attach_multi_lora, write_slot
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.prompt_segments import SegmentLayout, flat_layout, segment_prefix_hidden
@@ -80,8 +82,10 @@ def test_layout_reference_attends_bottom_right_within_segments() -> None:
     q = torch.randn(1, 2, 3, 4, generator=generator)  # [1, H, N, d]
     k = torch.randn(1, 1, 3, 4, generator=generator)
     v = torch.randn(1, 1, 3, 4, generator=generator)
-    layout = SegmentLayout(key_index=torch.tensor([0, 1, 2, 2]), cu_q=torch.tensor([0, 2, 3], dtype=torch.int32),
-                           cu_k=torch.tensor([0, 3, 4], dtype=torch.int32), q_lens=[2, 1], k_lens=[3, 1])
+    starts, sources = (torch.from_numpy(a) for a in inverse_index(np.array([0, 1, 2, 2]), 3))
+    layout = SegmentLayout(key_index=torch.tensor([0, 1, 2, 2]), gather_starts=starts, gather_sources=sources,
+                           cu_q=torch.tensor([0, 2, 3], dtype=torch.int32), cu_k=torch.tensor([0, 3, 4], dtype=torch.int32),
+                           q_lens=[2, 1], k_lens=[3, 1])
     out = layout.attend(q, k, v, scale=0.5)[0]  # [N, H, d]
 
     def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -120,7 +124,14 @@ def _flat_layout_loops(prompt_lens, response_lens, row_slots, prefix_of, respons
         last_prompt = prompt_starts[prefix_of[row]] + prompt_lens[row] - 1
         own = [response_starts[row] + j - 1 for j in range(1, min(length, response_width))]
         predictors += [last_prompt] + own + [own[-1] if own else last_prompt] * (response_width - 1 - len(own))
+    gatherers: list[list[int]] = [[] for _ in range(cu_q[-1])]  # per token, the key positions that are it
+    for position, token in enumerate(key_index):
+        gatherers[token].append(position)
+    gather_starts = [0]
+    for positions in gatherers:
+        gather_starts.append(gather_starts[-1] + len(positions))
     return {"rows": rows, "columns": columns, "slots": [row_slots[row] for row in rows], "key_index": key_index,
+            "gather_starts": gather_starts, "gather_sources": [p for positions in gatherers for p in positions],
             "q_lens": q_lens, "k_lens": k_lens, "cu_q": cu_q, "predictors": predictors}
 
 

@@ -32,6 +32,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from skyrl_clora.device_copy import lists_to_device
+from skyrl_clora.kernels import gather_rows
+from skyrl_clora.kernels.gather_ops import inverse_index
 from skyrl_clora.trainer.shared_prefix import prompt_representatives
 
 ATTENTION_NAME = "clora_segments"
@@ -46,6 +48,8 @@ class SegmentLayout:
     k_lens[s] - q_lens[s]``. ``cu_q``/``cu_k`` are int32 device tensors ``[S + 1]``."""
 
     key_index: torch.Tensor  # [sum k_lens] int64: token index of every segment's keys, segment by segment
+    gather_starts: torch.Tensor  # [N + 1] and [sum k_lens] int64: key_index's inverse (gather_ops.inverse_index)
+    gather_sources: torch.Tensor
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     q_lens: list[int]
@@ -55,8 +59,8 @@ class SegmentLayout:
         """``query: [1, H, N, d]``, ``key``/``value: [1, KV, N, d]`` -> ``[1, N, H, d]`` (Hugging Face's layout
         after attention)."""
         q = query[0].transpose(0, 1).contiguous()  # [N, H, d]
-        k = key[0].transpose(0, 1).index_select(0, self.key_index)  # [sum k_lens, KV, d]
-        v = value[0].transpose(0, 1).index_select(0, self.key_index)
+        k = gather_rows(key[0].transpose(0, 1), self.key_index, self.gather_starts, self.gather_sources)  # [sum k_lens, KV, d]
+        v = gather_rows(value[0].transpose(0, 1), self.key_index, self.gather_starts, self.gather_sources)
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             out = torch.ops.aten._flash_attention_forward(
                 q, k, v, self.cu_q, self.cu_k, max(self.q_lens), max(self.k_lens), 0.0, True, False, scale=scale)[0]
@@ -116,7 +120,8 @@ def flat_layout(prompt_lens: list[int], response_lens: list[int], row_slots: lis
     """The flat pass of :func:`segment_prefix_hidden` as int64 arrays: per token (``N``) its ``rows`` and
     ``columns`` in ``input_ids`` and its LoRA ``slots``; per segment (``S``: the distinct prompts, then every
     row's response) ``q_lens`` and ``k_lens`` with their prefix sums ``cu_q``/``cu_k`` ``[S + 1]``; the keys'
-    token indices ``key_index`` segment by segment; and ``predictors`` ``[B * response_width]``, the token
+    token indices ``key_index`` segment by segment, with its inverse ``gather_starts`` ``[N + 1]`` /
+    ``gather_sources`` (``gather_ops.inverse_index``: which keys each token is); and ``predictors`` ``[B * response_width]``, the token
     whose hidden state predicts each response position (the prompt's last token for position 0, response
     token ``j - 1`` for position ``j``, the row's last predictor repeated past its response)."""
     reps = np.asarray(prompt_representatives(prefix_of))
@@ -143,7 +148,9 @@ def flat_layout(prompt_lens: list[int], response_lens: list[int], row_slots: lis
     steps = np.arange(response_width)[None]
     predictors = np.where((steps == 0) | (own[:, None] < 2), last_prompt[:, None],
                           response_starts[:, None] + np.minimum(steps, own[:, None] - 1) - 1).reshape(-1)
-    return {"rows": rows, "columns": columns, "slots": slots, "key_index": key_index, "q_lens": q_lens,
+    gather_starts, gather_sources = inverse_index(key_index, int(cu_q[-1]))
+    return {"rows": rows, "columns": columns, "slots": slots, "key_index": key_index, "gather_starts": gather_starts,
+            "gather_sources": gather_sources, "q_lens": q_lens,
             "k_lens": k_lens, "cu_q": cu_q, "cu_k": np.concatenate([[0], np.cumsum(k_lens)]), "predictors": predictors}
 
 
@@ -166,10 +173,11 @@ def segment_prefix_hidden(
     have the same prompt tokens and slot). ``route(token_slots)`` routes the pass's tokens to their slots.
     Entries past a row's response hold the hidden state of its last token, which the caller masks out."""
     layout = flat_layout(prompt_lens, response_lens, row_slots, prefix_of, response_width)
-    rows_t, columns_t, slots_t, key_index_t, cu_q_t, cu_k_t, predictors_t = lists_to_device(
-        [layout[name] for name in ("rows", "columns", "slots", "key_index", "cu_q", "cu_k", "predictors")],
-        input_ids.device)
-    segments = SegmentLayout(key_index_t, cu_q_t.int(), cu_k_t.int(), layout["q_lens"].tolist(), layout["k_lens"].tolist())
+    names = ("rows", "columns", "slots", "key_index", "gather_starts", "gather_sources", "cu_q", "cu_k", "predictors")
+    rows_t, columns_t, slots_t, key_index_t, starts_t, sources_t, cu_q_t, cu_k_t, predictors_t = lists_to_device(
+        [layout[name] for name in names], input_ids.device)
+    segments = SegmentLayout(key_index_t, starts_t, sources_t, cu_q_t.int(), cu_k_t.int(), layout["q_lens"].tolist(),
+                             layout["k_lens"].tolist())
     tokens = input_ids[rows_t, columns_t][None]  # [1, N]
     mask_types = getattr(decoder.config, "layer_types", None) or ["full_attention"]
     with _segment_attention(decoder), route(slots_t):

@@ -1,13 +1,15 @@
 """GPU parity of the Triton multi-LoRA kernels at real sizes, and CUDA-graph capture and replay of a decode
-step. Skipped without CUDA. Tolerances per dtype: ``kernels.testing.TOLERANCE``.
+step; the dense one-slot layer and the trainer's atomics-free key gather at training sizes. Skipped without CUDA. Tolerances per dtype: ``kernels.testing.TOLERANCE``.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from skyrl_clora.kernels import LoRAMeta, add_lora, dense_lora_linear, lora_linear, packed_lora
+from skyrl_clora.kernels import LoRAMeta, add_lora, dense_lora_linear, gather_rows, lora_linear, packed_lora
+from skyrl_clora.kernels.gather_ops import inverse_index
 from skyrl_clora.kernels.reference import packed_lora_ref
 from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton
 from skyrl_clora.kernels.testing import LAYOUTS, TOLERANCE, adapters_differ, make_problem, reference_out, rel_error
@@ -181,3 +183,25 @@ def test_dense_one_slot_layer_matches_the_triton_routed_layer_at_training_sizes(
         err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
         assert err < 2e-2, err
     assert results[1][2][0].abs().sum() == 0 and results[1][2][1].abs().sum() > 0
+
+
+def test_gather_rows_gradient_matches_index_add_at_a_micro_batchs_keys() -> None:
+    """The shared-prompt pass's key gather of one e2e micro-batch (4 prompts of 256 tokens, 8 rows each with a
+    364-token response; bf16 ``[N, 8, 128]`` keys): the Triton segmented-sum backward against ``index_add_`` in
+    float32."""
+    prompts, rows, response = 4, 8, 364
+    prompt_tokens = np.arange(prompts * 256).reshape(prompts, 256)
+    cursor, key_index = prompts * 256, [np.arange(prompts * 256)]
+    for row in range(prompts * rows):
+        key_index += [prompt_tokens[row // rows], np.arange(cursor, cursor + response)]
+        cursor += response
+    index_np = np.concatenate(key_index)
+    starts, sources = (torch.from_numpy(a).cuda() for a in inverse_index(index_np, cursor))
+    index = torch.from_numpy(index_np).cuda()
+    gen = torch.Generator().manual_seed(2)
+    keys = torch.randn(8, cursor, 128, generator=gen).cuda().bfloat16().requires_grad_(True)  # [KV, N, d]
+    dy = torch.randn(len(index_np), 8, 128, generator=gen).cuda().bfloat16()
+    gather_rows(keys.transpose(0, 1), index, starts, sources).backward(dy)
+    want = torch.zeros(cursor, 8, 128, device="cuda").index_add_(0, index, dy.float()).transpose(0, 1)
+    assert want[:, : prompts * 256].abs().mean() > 2 * want[:, prompts * 256 :].abs().mean()  # prompts: 9 terms
+    torch.testing.assert_close(keys.grad.float(), want, rtol=1e-2, atol=2e-2)

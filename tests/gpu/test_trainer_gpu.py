@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from skyrl.train.config import AlgorithmConfig
@@ -147,6 +148,7 @@ def test_training_attention_runs_on_flash_or_memory_efficient_kernels(micro_mode
 def test_segment_attention_on_flash_matches_its_reference_in_values_and_gradients() -> None:
     """bf16 flash-attention varlen call of ``SegmentLayout`` (GQA, bottom-right causal segments, prompt keys
     gathered in front of several responses) against the masked-SDPA reference computed in fp32."""
+    from skyrl_clora.kernels.gather_ops import inverse_index
     from skyrl_clora.trainer.prompt_segments import SegmentLayout
 
     generator = torch.Generator().manual_seed(0)
@@ -160,7 +162,9 @@ def test_segment_attention_on_flash_matches_its_reference_in_values_and_gradient
         k_lens.append(prompts[prefix] + length)
         cursor += length
     cumulative = lambda lengths: torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))], dtype=torch.int32, device="cuda")
-    layout = SegmentLayout(torch.tensor(key_index, device="cuda"), cumulative(q_lens), cumulative(k_lens), q_lens, k_lens)
+    starts, sources = (torch.from_numpy(a).cuda() for a in inverse_index(np.array(key_index), tokens))
+    layout = SegmentLayout(torch.tensor(key_index, device="cuda"), starts, sources, cumulative(q_lens), cumulative(k_lens),
+                           q_lens, k_lens)
     q, k, v = (torch.randn(1, heads, tokens, 64, generator=generator).cuda() for heads in (8, 2, 2))
     grad = torch.randn(1, tokens, 8, 64, generator=generator).cuda()
 
