@@ -99,8 +99,11 @@ class SamplerConfig:
     cuda_graphs: bool
     kv_memory_fraction: float
     reuse_decode_kv: bool | None
+    stream_priority: str = "high"
 
     def __post_init__(self) -> None:
+        if self.stream_priority not in ("high", "normal"):
+            raise ConfigError(f"sampler.stream_priority={self.stream_priority} is unknown; use high or normal")
         if not 0 < self.kv_memory_fraction < 1:
             raise ConfigError(f"sampler.kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1)")
         if self.temperature < 0 or not 0 < self.top_p <= 1:

@@ -94,7 +94,7 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
                     prefix_cache_bytes=run.sampler.prefix_cache_mb << 20, cuda_graphs=run.sampler.cuda_graphs,
                     reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
-                    share_prefix_reads=device.type == "cuda")
+                    share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority)
     client = EmbeddedInferenceClient(
         engine, tokenizer, model_name=model_path, seed=run.seed,
         default_sampling={"max_tokens": run.recipe.max_generate_length, "temperature": run.sampler.temperature,

@@ -15,8 +15,8 @@ One background thread owns the model. Each iteration of its loop:
 Other tenants' requests keep decoding while one tenant's adapter is published: a publish is a ``copy_``
 into that tenant's slot between two decode steps (dropping only that tenant's cached prefixes), never a
 pause or a global cache reset.
-On a GPU the engine thread issues its work on a high-priority CUDA stream of its own, so it overlaps
-with training and goes ahead of it.
+On a GPU the engine thread issues its work on a CUDA stream of its own, so it overlaps with training; by
+default at high priority, so it goes ahead of it (``stream_priority``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ from skyrl_clora.sampler.sampling import sample_rows
 from skyrl_clora.sampler.shared_rows import SharedPrefixRows
 
 GIL_SWITCH_SECONDS = 0.0005  # the GIL switch interval while the engine runs on a GPU (Python's default: 5 ms)
+# The engine stream's CUDA priority by name (lower is higher; the trainer's default streams are at 0).
+STREAM_PRIORITIES = {"high": -1, "normal": 0}
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,9 @@ class Engine:
     chain once for up to eight such rows (:class:`SharedPrefixRows`), instead of once per row: the same
     answer up to rounding (bit for bit on the CPU, whose reference reads the shared copy per row). On for
     GPU runs (the services), where decode attention is bound by reading K/V.
+
+    ``stream_priority``: ``"high"`` (the engine's blocks are scheduled ahead of waiting training blocks) or
+    ``"normal"`` (the engine's stream and the trainer's default stream share the GPU as equals).
     """
 
     def __init__(
@@ -147,7 +152,11 @@ class Engine:
         cuda_graphs: bool = True,
         reuse_decode_kv: bool = False,
         share_prefix_reads: bool = False,
+        stream_priority: str = "high",
     ) -> None:
+        if stream_priority not in STREAM_PRIORITIES:
+            raise ValueError(f"stream_priority={stream_priority!r} is unknown; use one of {sorted(STREAM_PRIORITIES)}")
+        self.stream_priority = stream_priority
         max_len = -(-max_len // block_size) * block_size  # whole prefill blocks
         num_rows = -(-num_rows // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
         self.runner = ModelRunner(model, routing, num_rows=num_rows, max_len=max_len, block_size=block_size,
@@ -239,11 +248,11 @@ class Engine:
     # ---- engine thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        """The engine thread. On a GPU all its work runs on its own high-priority CUDA stream: the trainer's
-        kernels (on the default stream of another thread) then overlap with decode steps instead of queueing
-        before them, the GPU schedules a decode step's blocks ahead of waiting training blocks (a tenant's
-        rollout is slowed as little as possible by another tenant's training), and a step's host
-        synchronisation waits for the engine's own work only. The engine shares only read-only base
+        """The engine thread. On a GPU all its work runs on its own CUDA stream: the trainer's kernels (on the
+        default stream of another thread) then overlap with decode steps instead of queueing before them, and
+        a step's host synchronisation waits for the engine's own work only. At ``stream_priority="high"`` the
+        GPU schedules a decode step's blocks ahead of waiting training blocks (a tenant's rollout is slowed as
+        little as possible by another tenant's training); at ``"normal"`` neither goes first. The engine shares only read-only base
         weights with the trainer; adapters arrive as host tensors.
 
         The thread also lowers the interpreter's GIL switch interval (process-wide) to
@@ -255,7 +264,7 @@ class Engine:
         if device.type == "cuda":
             sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_SECONDS))
             torch.cuda.synchronize(device)  # the buffers built on the default stream are ready
-            stream = torch.cuda.Stream(device, priority=-1)  # lower is higher: above the default streams (0)
+            stream = torch.cuda.Stream(device, priority=STREAM_PRIORITIES[self.stream_priority])
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self._serve()
 
