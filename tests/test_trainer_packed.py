@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
-from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.batch import TrainBatch, plan_micro_batches
 from skyrl_clora.trainer.logprobs import token_logprobs
 from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.trainer import Trainer
@@ -208,3 +209,18 @@ def test_shared_prompts_train_as_if_every_row_ran_its_whole_sequence(micro_model
                 torch.testing.assert_close(getattr(b, table)[key], getattr(a, table)[key], rtol=1e-4, atol=1e-6)
     batch = _grouped_batch(5)
     torch.testing.assert_close(shared.response_logprobs("A", batch), full.response_logprobs("A", batch), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_micro_batches_interleave_tenants_by_whole_prompt_groups() -> None:
+    """Three tenants with groups of 4 rows (the last tenant has one group): micro-batches of 8 rows take each
+    tenant's groups in turn, whole, so every prompt falls in one micro-batch; each tenant keeps its order."""
+    groups = [0, 0, 0, 0, 1, 1, 1, 1] + [2, 2, 2, 2, 3, 3, 3, 3] + [4, 4, 4, 4]
+    rows = SimpleNamespace(offsets=[0, 8, 16], prompt_groups=groups, host_seq_lens=[10] * 20,
+                           host_response_lens=[5] * 20)
+    orders = [[4, 5, 6, 7, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7], [3, 2, 1, 0]]
+    order, micro_batches = plan_micro_batches(rows, orders, micro_batch_size=8)
+    assert order == [4, 5, 6, 7, 8, 9, 10, 11, 0, 1, 2, 3, 19, 18, 17, 16, 12, 13, 14, 15]  # tenant-sorted in a micro-batch
+    for micro in micro_batches:
+        prompts = [groups[row] for row in order[micro.start : micro.end]]
+        assert all(prompts.count(g) == 4 for g in set(prompts)), prompts  # whole groups only
+    assert [m.segments for m in micro_batches] == [((0, 0, 4), (1, 4, 8)), ((0, 0, 4), (2, 4, 8)), ((1, 0, 4),)]

@@ -182,12 +182,19 @@ def group_order(groups: list[int], generator: torch.Generator) -> list[int]:
 
 
 def plan_micro_batches(rows: PassRows, orders: list[list[int]], micro_batch_size: int) -> tuple[list[int], list[MicroBatch]]:
-    """Interleaves the tenants' shuffled row orders (``orders[p]``: tenant ``p``'s local row order) round-robin,
-    cuts the sequence into micro-batches of ``micro_batch_size`` rows and groups each by tenant (keeping each
-    tenant's order). With one tenant this is its shuffled order cut into consecutive micro-batches.
-    Returns the global row order and the micro-batches over it."""
-    sequence = [(p, rows.offsets[p] + order[k]) for k in range(max(map(len, orders)))
-                for p, order in enumerate(orders) if k < len(order)]
+    """Interleaves the tenants' shuffled row orders (``orders[p]``: tenant ``p``'s local row order) round-robin
+    by runs of one prompt group (every tenant's first run, then every tenant's second, ...: a group's rows stay
+    together, so a micro-batch computes a shared prompt once, as in swap mode), cuts the sequence into
+    micro-batches of ``micro_batch_size`` rows and groups each by tenant (keeping each tenant's order). With
+    one tenant this is its shuffled order cut into consecutive micro-batches. Returns the global row order and
+    the micro-batches over it."""
+    runs = []  # per tenant, its order cut into runs of consecutive rows of one prompt group
+    for p, order in enumerate(orders):
+        groups = [rows.prompt_groups[rows.offsets[p] + row] for row in order]
+        runs.append([[(p, rows.offsets[p] + row) for _, row in run]
+                     for _, run in itertools.groupby(zip(groups, order), key=lambda item: item[0])])
+    sequence = [item for k in range(max(map(len, runs))) for tenant_runs in runs if k < len(tenant_runs)
+                for item in tenant_runs[k]]
     order: list[int] = []
     micro_batches = []
     for start in range(0, len(sequence), micro_batch_size):

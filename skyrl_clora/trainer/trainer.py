@@ -7,8 +7,8 @@ optimizer is AdamW on each tenant's fp32 master weights with the tenant's own le
 
 A pass over ``P`` tenants in slots ``0..P-1``: every tenant's prompt groups are shuffled with the tenant's
 own RNG (a group's rows stay together: a micro-batch computes each shared prompt once, see
-``shared_prefix``), the tenants' row orders are interleaved into micro-batches of ``micro_batch_size`` rows routed to their
-tenants' slots, and per micro-batch the tenants' policy losses are summed and back-propagated once (the
+``shared_prefix``), the tenants' row orders are interleaved group by group into micro-batches of ``micro_batch_size`` rows
+routed to their tenants' slots, and per micro-batch the tenants' policy losses are summed and back-propagated once (the
 packed LoRA op gives every slot its own gradients). Then each slot gets its own gradient clipping and
 AdamW step with its tenant's learning rate and step count. Each tenant's loss normaliser covers its own
 batch, so a tenant's update does not depend on which tenants shared its pass (up to float rounding).
