@@ -3,10 +3,10 @@
 ``add_lora``, ``lora_linear`` (a frozen linear layer plus ``packed_lora``) and ``dense_lora_linear`` (one slot
 for every row); the sampling engine calls ``decode_attention``, ``prefill_attention``, ``rms_norm``,
 ``qk_norm_rope`` and ``silu_mul``; the trainer calls ``rms_norm_with_grad``, ``silu_mul_with_grad``,
-``rope_with_grad``, ``gather_rows`` (shared-prompt attention's keys) and, for its LM-head loss, ``chosen_logprobs_``; the sampler calls ``sample_tokens``; the
-dispatch picks the implementation by device. ``LoRAMeta`` (the per-step row grouping) and ``DecodeWorkspace``
-(attention partials) are preallocated buffers, for CUDA graphs. This package imports nothing from the rest of
-the plugin.
+``rope_with_grad``, ``gather_rows`` (shared-prompt attention's keys) and, for its LM-head loss,
+``chosen_logprobs_``; the sampler calls ``sample_tokens``; the dispatch picks the implementation by device.
+``LoRAMeta`` (the per-step row grouping) and ``DecodeWorkspace`` (attention partials) are preallocated buffers,
+for CUDA graphs. This package imports nothing from the rest of the plugin.
 """
 
 from skyrl_clora.kernels.attention import DecodeWorkspace

@@ -4,7 +4,8 @@ sampling): Triton for CUDA tensors, the torch reference elsewhere.
 Layers call only ``add_lora``, ``lora_linear`` (``packed_lora`` plus the base layer) and ``dense_lora_linear``;
 the sampling engine's model runner calls ``decode_attention``, ``prefill_attention``, ``rms_norm``,
 ``qk_norm_rope`` and ``silu_mul``; the trainer's model calls ``rms_norm_with_grad``, ``silu_mul_with_grad`` and
-``rope_with_grad``, its shared-prompt attention ``gather_rows``, its LM-head loss ``chosen_logprobs_``; the engine's sampler calls ``sample_tokens``.
+``rope_with_grad``, its shared-prompt attention ``gather_rows``, its LM-head loss ``chosen_logprobs_``; the
+engine's sampler calls ``sample_tokens``.
 ``backend="triton"`` forces the Triton kernels, which on CPU tensors run only under the Triton interpreter
 (``TRITON_INTERPRET=1``, as the CPU tests do); ``backend="torch"`` forces the reference.
 """

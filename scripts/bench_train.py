@@ -159,7 +159,8 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=32)
     parser.add_argument("--hf-baseline", action="store_true",
                         help="first measure swap on Hugging Face's own RMSNorm / SwiGLU modules")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to measure (swap always, as the baseline; the profiles cover only the modes named)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="modes to measure (swap always, as the baseline; the profiles cover only the modes named)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one round per mode (after its timed rounds): writes <workload>.<mode>.kernels.txt (mode without spaces, commas as dashes)")
     parser.add_argument("--host-profile", action="store_true",

@@ -59,8 +59,9 @@ class SegmentLayout:
         """``query: [1, H, N, d]``, ``key``/``value: [1, KV, N, d]`` -> ``[1, N, H, d]`` (Hugging Face's layout
         after attention)."""
         q = query[0].transpose(0, 1).contiguous()  # [N, H, d]
-        k = gather_rows(key[0].transpose(0, 1), self.key_index, self.gather_starts, self.gather_sources)  # [sum k_lens, KV, d]
-        v = gather_rows(value[0].transpose(0, 1), self.key_index, self.gather_starts, self.gather_sources)
+        inverse = (self.gather_starts, self.gather_sources)
+        k = gather_rows(key[0].transpose(0, 1), self.key_index, *inverse)  # [sum k_lens, KV, d]
+        v = gather_rows(value[0].transpose(0, 1), self.key_index, *inverse)
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             out = torch.ops.aten._flash_attention_forward(
                 q, k, v, self.cu_q, self.cu_k, max(self.q_lens), max(self.k_lens), 0.0, True, False, scale=scale)[0]
@@ -121,9 +122,10 @@ def flat_layout(prompt_lens: list[int], response_lens: list[int], row_slots: lis
     ``columns`` in ``input_ids`` and its LoRA ``slots``; per segment (``S``: the distinct prompts, then every
     row's response) ``q_lens`` and ``k_lens`` with their prefix sums ``cu_q``/``cu_k`` ``[S + 1]``; the keys'
     token indices ``key_index`` segment by segment, with its inverse ``gather_starts`` ``[N + 1]`` /
-    ``gather_sources`` (``gather_ops.inverse_index``: which keys each token is); and ``predictors`` ``[B * response_width]``, the token
-    whose hidden state predicts each response position (the prompt's last token for position 0, response
-    token ``j - 1`` for position ``j``, the row's last predictor repeated past its response)."""
+    ``gather_sources`` (``gather_ops.inverse_index``: which keys each token is); and ``predictors``
+    ``[B * response_width]``, the token whose hidden state predicts each response position (the prompt's last
+    token for position 0, response token ``j - 1`` for position ``j``, the row's last predictor repeated past
+    its response)."""
     reps = np.asarray(prompt_representatives(prefix_of))
     prompt, response = np.asarray(prompt_lens), np.asarray(response_lens)
     prefix, num_rows = np.asarray(prefix_of), len(prompt_lens)

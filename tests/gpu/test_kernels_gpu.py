@@ -1,5 +1,6 @@
 """GPU parity of the Triton multi-LoRA kernels at real sizes, and CUDA-graph capture and replay of a decode
-step; the dense one-slot layer and the trainer's atomics-free key gather at training sizes. Skipped without CUDA. Tolerances per dtype: ``kernels.testing.TOLERANCE``.
+step; the dense one-slot layer and the trainer's atomics-free key gather at training sizes. Skipped without
+CUDA. Tolerances per dtype: ``kernels.testing.TOLERANCE``.
 """
 
 from __future__ import annotations
