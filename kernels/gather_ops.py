@@ -16,6 +16,8 @@ entry point: ``dispatch.gather_rows``.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import triton
@@ -70,7 +72,7 @@ class GatherRows(torch.autograd.Function):
         starts, sources = ctx.saved_tensors
         dy = dy.contiguous()
         dx = dy.new_empty(ctx.x_shape)
-        width = dx[0].numel() if dx.shape[0] else 0
+        width = math.prod(ctx.x_shape[1:])  # elements of one row
         if dx.numel():
             block = min(_BLOCK, max(16, next_power_of_2(width)))
             _segment_sum_kernel[(dx.shape[0], cdiv(width, block))](dy, starts, sources, dx, width, BLOCK=block)
