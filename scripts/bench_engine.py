@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_kernels import copy_bandwidth
 from make_random_model import QWEN3_VOCAB, SHAPES, build_random_model, qwen3_config
 from transformers import Qwen3ForCausalLM
 
@@ -38,22 +39,6 @@ def random_adapter(layers: dict, rank: int, seed: int) -> AdapterWeights:
         adapter.a[path] = torch.randn(rank, layer.in_features, generator=generator) * 0.01
         adapter.b[path] = torch.randn(layer.out_features, rank, generator=generator) * 0.01
     return adapter
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a large device-to-device copy (read + write)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3)
 
 
 def run_engine_case(engine: Engine, batch: int, prompt: int, new: int, adapters: list[str | None], seed: int) -> dict:
