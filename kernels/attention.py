@@ -47,6 +47,10 @@ PREFIX_GROUP_ROWS = 8
 # Query rows of one program at most (members x query heads per kv head) when prefixes are shared.
 _MAX_QUERY_TILE = 64
 _LOG2E = 1.4426950408889634
+# The partials kernel's register cap with shared prefixes (head dim <= 128): the compiler's 156 registers
+# allow 3 programs per SM (18.75% occupancy, DRAM at 45% under ncu); 96 ran the engine's shared-prompt shape
+# 6% faster on the H200 (BENCHMARKS.md, tenth session).
+PREFIX_MAXNREG = 96
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     pdl: bool = True
+    # Registers per thread at most (ptxas ``.maxnreg``; GPU only). None: :data:`PREFIX_MAXNREG` with shared
+    # prefixes at head dims up to 128, the compiler's choice otherwise; 0: the compiler's choice.
+    maxnreg: int | None = None
 
 
 def default_attention_config(max_len: int) -> AttentionConfig:
@@ -324,6 +331,15 @@ def _reduce_kernel(
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+def _register_cap(cfg: AttentionConfig, has_prefix: bool, block_d: int, on_cpu: bool) -> dict[str, int]:
+    """The partials kernel's ``maxnreg`` launch option, if any (see ``AttentionConfig.maxnreg``)."""
+    if on_cpu:
+        return {}
+    if cfg.maxnreg is None:
+        return {"maxnreg": PREFIX_MAXNREG} if has_prefix and block_d <= 128 else {}
+    return {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
+
+
 def decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -388,7 +404,7 @@ def decode_attention_triton(
         GROUP=group, MEMBERS=members_per_tile, BLOCK_Q=max(16, next_power_of_2(group * members_per_tile)),
         BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_LEN=cfg.split_len, UPCAST=on_cpu,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, HAS_PREFIX=has_prefix,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg, has_prefix, block_d, on_cpu),
     )  # fmt: skip
     _reduce_kernel[(H, B)](
         partial_o, partial_lse, lengths, served, out, H, D, L, num_splits, num_slots, out.stride(0), out.stride(1),

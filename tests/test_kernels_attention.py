@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import DecodeWorkspace, decode_attention
-from skyrl_clora.kernels.attention import PREFIX_GROUP_ROWS, AttentionConfig, decode_attention_triton
+from skyrl_clora.kernels.attention import (
+    PREFIX_GROUP_ROWS,
+    PREFIX_MAXNREG,
+    AttentionConfig,
+    _register_cap,
+    decode_attention_triton,
+)
 from skyrl_clora.kernels.reference import decode_attention_ref
 from skyrl_clora.kernels.testing import TOLERANCE, attention_loop_ref, make_attention_problem, rel_error
 
@@ -184,3 +190,15 @@ def test_triton_rejects_bad_arguments() -> None:
         with pytest.raises(ValueError, match=message):
             decode_attention(*args, backend="triton")
     assert torch.allclose(decode_attention_ref(p.q, p.k_cache, p.v_cache, p.lengths).double(), attention_loop_ref(p))
+
+
+def test_register_cap_only_for_shared_prefixes_on_the_gpu() -> None:
+    """The partials kernel's ``maxnreg``: the prefix cap by default with shared prefixes at head dims up to
+    128, none without prefixes, for wider heads, on the CPU, or with ``maxnreg=0``; an explicit cap wins."""
+    default = AttentionConfig()
+    assert _register_cap(default, True, 128, False) == {"maxnreg": PREFIX_MAXNREG}
+    assert _register_cap(default, False, 128, False) == {}
+    assert _register_cap(default, True, 256, False) == {}
+    assert _register_cap(default, True, 128, True) == {}
+    assert _register_cap(AttentionConfig(maxnreg=0), True, 128, False) == {}
+    assert _register_cap(AttentionConfig(maxnreg=128), False, 256, False) == {"maxnreg": 128}
