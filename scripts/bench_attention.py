@@ -1,12 +1,12 @@
 """Decode-attention benchmark for the GPU machine: Qwen3-1.7B's attention shape (H=16, KV=8, d=128, bf16),
 cache length L=2048, B in {64, 256, 512} rows, lengths drawn uniformly in [1, 2 * mean - 1] for mean
-context 256 and 1024.
+context 256 and 1024; and the engine's shape with shared prompts (``PrefixCase``: B in {320, 512}, L=640).
 
 Times, each from CUDA-graph replays (median; cache sets rotated so the K/V read per call exceed 3x the
 L2): our ``decode_attention`` (Triton flash-decoding, ``out`` and workspace preallocated), torch SDPA with
 a boolean mask over all L positions (what the embedded engine did before), and the memory roofline (K/V
 bytes the rows' lengths need, plus q and out, / measured device copy bandwidth). ``--sweep`` also times
-alternative launch configs on two cases.
+alternative launch configs on three cases.
 
     python scripts/bench_attention.py --out DIR [--sweep]
 
@@ -78,10 +78,54 @@ class Case:
         return graph_time([call(s) for s in self.sets])
 
 
+class PrefixCase:
+    """The engine's decode shape (bench_runner's and bench_e2e's): ``rows`` rows in GRPO groups of
+    ``samples`` whose first ``prompt`` positions are the group's prompt, held by its first row (the members'
+    copies are never read: they hold NaN here), then each row's own positions up to a length drawn uniformly
+    from ``[prompt + 1, context]``; cache length ``max_len`` (bench_runner's for context 520)."""
+
+    def __init__(self, rows: int, samples: int = 8, prompt: int = 256, context: int = 520, max_len: int = 640,
+                 seed: int = 0) -> None:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.B, self.max_len = rows, max_len
+        self.lengths = torch.randint(prompt + 1, context + 1, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+        self.prefix_rows = torch.arange(rows, device="cuda", dtype=torch.int32) // samples * samples
+        self.prefix_lens = torch.full((rows,), prompt, device="cuda", dtype=torch.int32)
+        members = int((self.prefix_rows != torch.arange(rows, device="cuda")).sum())
+        kv_bytes = (int(self.lengths.sum()) - members * prompt) * KV * D * 2 * 2  # what shared reads must read
+        self.bytes = kv_bytes + 2 * rows * H * D * 2
+        n_sets = max(1, min(4, math.ceil(3 * L2_BYTES / kv_bytes)))
+        self.sets = []
+        for _ in range(n_sets):
+            k = torch.randn(rows, KV, max_len, D, device="cuda", dtype=DT, generator=gen)
+            v = torch.randn(rows, KV, max_len, D, device="cuda", dtype=DT, generator=gen)
+            k[self.prefix_rows != torch.arange(rows, device="cuda"), :, :prompt] = float("nan")
+            v[self.prefix_rows != torch.arange(rows, device="cuda"), :, :prompt] = float("nan")
+            self.sets.append({"q": torch.randn(rows, H, D, device="cuda", dtype=DT, generator=gen), "k": k, "v": v,
+                              "out": torch.empty(rows, H, D, device="cuda", dtype=DT)})
+        self.ws = DecodeWorkspace(rows, H, max_len, D, device="cuda")
+        s = self.sets[0]
+        self.call(s, None)()
+        want = decode_attention(s["q"].float(), s["k"].float(), s["v"].float(), self.lengths, backend="torch",
+                                prefix_rows=self.prefix_rows, prefix_lens=self.prefix_lens)
+        self.max_rel_error = ((s["out"].float() - want).norm() / want.norm()).item()
+
+    def call(self, s: dict, config: AttentionConfig | None) -> Callable[[], None]:
+        """One call on input set ``s``; a swept ``config`` allocates its own workspace (its split length may
+        need more partials than the default's)."""
+        ws = self.ws if config is None else None
+        return lambda: decode_attention_triton(s["q"], s["k"], s["v"], self.lengths, out=s["out"], workspace=ws,
+                                               config=config, prefix_rows=self.prefix_rows, prefix_lens=self.prefix_lens)
+
+    def ours(self, config: AttentionConfig | None = None) -> float:
+        return graph_time([self.call(s, config) for s in self.sets])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_attention"))
-    parser.add_argument("--sweep", action="store_true", help="time alternative launch configs on two cases")
+    parser.add_argument("--sweep", action="store_true", help="time alternative launch configs on three cases")
+    parser.add_argument("--shared-only", action="store_true", help="only the shared-prompt cases")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     warm_up()
@@ -95,7 +139,7 @@ def main() -> None:
         "| rel err vs fp32 |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for rows in (64, 256, 512):
+    for rows in () if args.shared_only else (64, 256, 512):
         for mean in (256, 1024):
             case = Case(rows, mean)
             r = {"B": rows, "mean": mean, "mean_measured": case.lengths.float().mean().item(), "bytes": case.bytes,
@@ -109,12 +153,9 @@ def main() -> None:
             )
             print(lines[-1], flush=True)
             if args.sweep and (rows, mean) in ((64, 256), (512, 1024)):
-                configs = [AttentionConfig(split_len=s, block_n=bn) for s in (64, 128, 256, 512) for bn in (32, 64)]
-                configs += [
-                    AttentionConfig(split_len=256, block_n=64, num_warps=8),
-                    AttentionConfig(split_len=256, block_n=64, num_stages=3),
-                    AttentionConfig(split_len=256, block_n=128, num_warps=8),
-                ]
+                configs = [AttentionConfig(split_len=s, block_n=bn) for s in (128, 256, 512) for bn in (32, 64)]
+                configs += [AttentionConfig(num_warps=8), AttentionConfig(num_stages=3)]
+                configs += [AttentionConfig(block_n=128, num_warps=8), AttentionConfig(maxnreg=128), AttentionConfig(maxnreg=96)]
                 timed = {repr(c): case.ours(c) for c in configs}
                 results["sweep"].append({"B": rows, "mean": mean, "times_s": timed})
                 best = min(timed, key=timed.get)
@@ -122,6 +163,26 @@ def main() -> None:
                 lines.append(f"| sweep | best of {len(configs)}: {best} | | {timed[best] * 1e6:.1f} | | | | | |")
             del case
             torch.cuda.empty_cache()
+    lines += ["", "Shared prompts (groups of 8, 256-position prompt read once per group, lengths in [257, 520], "
+              f"L=640, split_len {default_attention_config(640).split_len}):", "",
+              "| B | ours us | roofline us | ours/roofline | rel err vs fp32 |", "| --- | --- | --- | --- | --- |"]
+    for rows in (320, 512):
+        case = PrefixCase(rows)
+        r = {"B": rows, "case": "shared prompts", "bytes": case.bytes, "ours_s": case.ours(),
+             "roofline_s": case.bytes / bandwidth, "rel_error": case.max_rel_error}
+        results["table"].append(r)
+        lines.append(f"| {rows} | {r['ours_s'] * 1e6:.1f} | {r['roofline_s'] * 1e6:.1f} | "
+                     f"{r['ours_s'] / r['roofline_s']:.2f} | {r['rel_error']:.1e} |")
+        print(lines[-1], flush=True)
+        if args.sweep and rows == 512:
+            configs = [AttentionConfig(maxnreg=r, num_stages=st) for r in (0, 128, 112, 96, 80) for st in (2, 3)]
+            timed = {repr(c): case.ours(c) for c in configs}
+            results["sweep"].append({"B": rows, "case": "shared prompts", "times_s": timed})
+            for name, t in sorted(timed.items(), key=lambda item: item[1]):
+                lines.append(f"| sweep: {name} | {t * 1e6:.1f} | | {t / r['roofline_s']:.2f} | |")
+            print("\n".join(lines[-len(configs):]), flush=True)
+        del case
+        torch.cuda.empty_cache()
     (args.out / "bench_attention.json").write_text(json.dumps(results, indent=1))
     (args.out / "bench_attention.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
