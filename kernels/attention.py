@@ -65,6 +65,9 @@ class AttentionConfig:
     # Registers per thread at most (ptxas ``.maxnreg``; GPU only). None: :data:`PREFIX_MAXNREG` with shared
     # prefixes at head dims up to 128, the compiler's choice otherwise; 0: the compiler's choice.
     maxnreg: int | None = None
+    # Warps of a reduce program (one per row and query head); 0: one per 1,024 floats of its [slots, d] tile
+    # (``reduce_warps``): 4 per program ran the shared-prompt shape 10% slower than 1 (BENCHMARKS.md).
+    reduce_warps: int = 0
 
 
 def default_attention_config(max_len: int) -> AttentionConfig:
@@ -331,6 +334,11 @@ def _reduce_kernel(
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+def reduce_warps(slots_p2: int, block_d: int) -> int:
+    """Warps of a reduce program over a ``[slots_p2, block_d]`` fp32 tile: one per 1,024 floats, 1 to 8."""
+    return max(1, min(8, slots_p2 * block_d // 1024))
+
+
 def _register_cap(cfg: AttentionConfig, has_prefix: bool, block_d: int, on_cpu: bool) -> dict[str, int]:
     """The partials kernel's ``maxnreg`` launch option, if any (see ``AttentionConfig.maxnreg``)."""
     if on_cpu:
@@ -406,9 +414,10 @@ def decode_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, HAS_PREFIX=has_prefix,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg, has_prefix, block_d, on_cpu),
     )  # fmt: skip
+    slots_p2 = next_power_of_2(num_slots)
     _reduce_kernel[(H, B)](
         partial_o, partial_lse, lengths, served, out, H, D, L, num_splits, num_slots, out.stride(0), out.stride(1),
-        SPLIT_LEN=cfg.split_len, SLOTS_P2=next_power_of_2(num_slots), BLOCK_D=block_d, PDL=pdl,
-        HAS_PREFIX=has_prefix, launch_pdl=pdl, num_warps=4,
+        SPLIT_LEN=cfg.split_len, SLOTS_P2=slots_p2, BLOCK_D=block_d, PDL=pdl,
+        HAS_PREFIX=has_prefix, launch_pdl=pdl, num_warps=cfg.reduce_warps or reduce_warps(slots_p2, block_d),
     )  # fmt: skip
     return out

@@ -156,6 +156,7 @@ def main() -> None:
                 configs = [AttentionConfig(split_len=s, block_n=bn) for s in (128, 256, 512) for bn in (32, 64)]
                 configs += [AttentionConfig(num_warps=8), AttentionConfig(num_stages=3)]
                 configs += [AttentionConfig(block_n=128, num_warps=8), AttentionConfig(maxnreg=128), AttentionConfig(maxnreg=96)]
+                configs += [AttentionConfig(reduce_warps=w) for w in (1, 2, 4)]
                 timed = {repr(c): case.ours(c) for c in configs}
                 results["sweep"].append({"B": rows, "mean": mean, "times_s": timed})
                 best = min(timed, key=timed.get)
@@ -176,6 +177,7 @@ def main() -> None:
         print(lines[-1], flush=True)
         if args.sweep and rows == 512:
             configs = [AttentionConfig(maxnreg=r, num_stages=st) for r in (0, 128, 112, 96, 80) for st in (2, 3)]
+            configs += [AttentionConfig(reduce_warps=w) for w in (1, 2, 4)] + [AttentionConfig(pdl=False)]
             timed = {repr(c): case.ours(c) for c in configs}
             results["sweep"].append({"B": rows, "case": "shared prompts", "times_s": timed})
             for name, t in sorted(timed.items(), key=lambda item: item[1]):

@@ -18,6 +18,7 @@ from skyrl_clora.kernels.attention import (
     AttentionConfig,
     _register_cap,
     decode_attention_triton,
+    reduce_warps,
 )
 from skyrl_clora.kernels.reference import decode_attention_ref
 from skyrl_clora.kernels.testing import TOLERANCE, attention_loop_ref, make_attention_problem, rel_error
@@ -202,3 +203,11 @@ def test_register_cap_only_for_shared_prefixes_on_the_gpu() -> None:
     assert _register_cap(default, True, 128, True) == {}
     assert _register_cap(AttentionConfig(maxnreg=0), True, 128, False) == {}
     assert _register_cap(AttentionConfig(maxnreg=128), False, 256, False) == {"maxnreg": 128}
+
+
+def test_reduce_warps_one_per_thousand_floats_of_the_tile() -> None:
+    """The engine's shape (6 slots padded to 8, d=128) gets one warp; long caches' tiles more, at most 8."""
+    assert reduce_warps(8, 128) == 1
+    assert reduce_warps(4, 16) == 1
+    assert reduce_warps(16, 128) == 2
+    assert reduce_warps(128, 256) == 8
