@@ -8,7 +8,7 @@ a boolean mask over all L positions (what the embedded engine did before), and t
 bytes the rows' lengths need, plus q and out, / measured device copy bandwidth). ``--sweep`` also times
 alternative launch configs on three cases.
 
-    python scripts/bench_attention.py --out DIR [--sweep]
+    python scripts/bench_attention.py --out DIR [--sweep] [--shared-only]
 
 Writes DIR/bench_attention.json and DIR/bench_attention.md, and prints the table.
 """
@@ -91,16 +91,16 @@ class PrefixCase:
         self.lengths = torch.randint(prompt + 1, context + 1, (rows,), device="cuda", generator=gen, dtype=torch.int32)
         self.prefix_rows = torch.arange(rows, device="cuda", dtype=torch.int32) // samples * samples
         self.prefix_lens = torch.full((rows,), prompt, device="cuda", dtype=torch.int32)
-        members = int((self.prefix_rows != torch.arange(rows, device="cuda")).sum())
-        kv_bytes = (int(self.lengths.sum()) - members * prompt) * KV * D * 2 * 2  # what shared reads must read
+        is_member = self.prefix_rows != torch.arange(rows, device="cuda")  # rows that read a group's prompt
+        kv_bytes = (int(self.lengths.sum()) - int(is_member.sum()) * prompt) * KV * D * 2 * 2  # what shared reads read
         self.bytes = kv_bytes + 2 * rows * H * D * 2
         n_sets = max(1, min(4, math.ceil(3 * L2_BYTES / kv_bytes)))
         self.sets = []
         for _ in range(n_sets):
             k = torch.randn(rows, KV, max_len, D, device="cuda", dtype=DT, generator=gen)
             v = torch.randn(rows, KV, max_len, D, device="cuda", dtype=DT, generator=gen)
-            k[self.prefix_rows != torch.arange(rows, device="cuda"), :, :prompt] = float("nan")
-            v[self.prefix_rows != torch.arange(rows, device="cuda"), :, :prompt] = float("nan")
+            k[is_member, :, :prompt] = float("nan")
+            v[is_member, :, :prompt] = float("nan")
             self.sets.append({"q": torch.randn(rows, H, D, device="cuda", dtype=DT, generator=gen), "k": k, "v": v,
                               "out": torch.empty(rows, H, D, device="cuda", dtype=DT)})
         self.ws = DecodeWorkspace(rows, H, max_len, D, device="cuda")
@@ -176,7 +176,7 @@ def main() -> None:
                      f"{r['ours_s'] / r['roofline_s']:.2f} | {r['rel_error']:.1e} |")
         print(lines[-1], flush=True)
         if args.sweep and rows == 512:
-            configs = [AttentionConfig(maxnreg=r, num_stages=st) for r in (0, 128, 112, 96, 80) for st in (2, 3)]
+            configs = [AttentionConfig(maxnreg=cap, num_stages=st) for cap in (0, 128, 112, 96, 80) for st in (2, 3)]
             configs += [AttentionConfig(reduce_warps=w) for w in (1, 2, 4)] + [AttentionConfig(pdl=False)]
             timed = {repr(c): case.ours(c) for c in configs}
             results["sweep"].append({"B": rows, "case": "shared prompts", "times_s": timed})
