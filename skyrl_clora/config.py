@@ -74,14 +74,10 @@ class TrainerConfig:
     pack_size: int = 0
     shared_prompts: bool = True
     sm_carveout: int = 0
-    max_sms: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.sm_carveout < 128:
             raise ConfigError(f"trainer.sm_carveout={self.sm_carveout} must be in [0, 128) (SMs left free; 0: none)")
-        if self.max_sms < 0 or self.max_sms % 8:
-            raise ConfigError(f"trainer.max_sms={self.max_sms} must be 0 (all SMs) or a positive multiple of 8 "
-                              "(the SM granularity of a CUDA green context)")
         if self.pack_size < 0:
             raise ConfigError(f"trainer.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
         if self.lr_schedule not in ("constant", "cosine"):

@@ -20,7 +20,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from skyrl_clora.config import ConfigError, RunConfig
-from skyrl_clora.gpu_settings import SMLimitedStream, sm_limited_stream
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
 from skyrl_clora.sampler.engine import Engine
@@ -107,25 +106,12 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         trainer_model, trainer_routing, trainer_layers, store, algorithm,
         OptimizerConfig(weight_decay=run.trainer.weight_decay, max_grad_norm=run.trainer.max_grad_norm),
         micro_batch_size=run.trainer.micro_batch_size,
-        shared_prefix=run.trainer.shared_prompts, sm_stream=trainer_sm_stream(run, device),
+        shared_prefix=run.trainer.shared_prompts,
     )
     if device.type == "cuda":
         carve_gemm_sms(run.trainer.sm_carveout)
     return Services(model_path, tokenizer, engine, client, trainer, store, AdapterSync(engine),
                     cold_start_seconds=time.perf_counter() - started)
-
-
-def trainer_sm_stream(run: RunConfig, device: torch.device) -> SMLimitedStream | None:
-    """The trainer's stream for ``trainer.max_sms`` (a stream on that many SMs; the others stay free for the
-    engine's decode steps), or None (the calling thread's stream, all SMs)."""
-    if not run.trainer.max_sms:
-        return None
-    if device.type != "cuda":
-        raise ConfigError(f"trainer.max_sms={run.trainer.max_sms} needs a CUDA device; set trainer.max_sms=0")
-    try:
-        return sm_limited_stream(run.trainer.max_sms, device)
-    except ValueError as error:
-        raise ConfigError(f"trainer.max_sms={run.trainer.max_sms}: {error}; set trainer.max_sms=0 or change it") from None
 
 
 def carve_gemm_sms(count: int) -> None:

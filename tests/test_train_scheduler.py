@@ -104,15 +104,3 @@ def test_unknown_train_mode_is_a_one_line_config_error(micro_model_dir: Path, tm
         build_run_config(compose_config(_args(micro_model_dir, tmp_path, "clora.train_mode=fused")))
     with pytest.raises(ConfigError, match="trainer.pack_size must be >= 0"):
         build_run_config(compose_config(_args(micro_model_dir, tmp_path, "trainer.pack_size=-1")))
-
-
-def test_an_sm_limit_without_a_gpu_is_a_one_line_config_error(micro_model_dir: Path, tmp_path: Path) -> None:
-    from skyrl_clora.config import build_run_config
-    from skyrl_clora.main import compose_config
-    from skyrl_clora.services import trainer_sm_stream
-
-    run = build_run_config(compose_config(_args(micro_model_dir, tmp_path, "trainer.max_sms=64")))
-    assert run.trainer.max_sms == 64
-    with pytest.raises(ConfigError, match=r"trainer.max_sms=64 needs a CUDA device; set trainer.max_sms=0"):
-        trainer_sm_stream(run, torch.device("cpu"))
-    assert trainer_sm_stream(build_run_config(compose_config(_args(micro_model_dir, tmp_path))), torch.device("cpu")) is None

@@ -25,7 +25,7 @@ from skyrl.train.config import AlgorithmConfig
 from torch.profiler import record_function
 
 from skyrl_clora.device_copy import lists_to_device
-from skyrl_clora.gpu_settings import SMLimitedStream, avoid_cudnn_attention
+from skyrl_clora.gpu_settings import avoid_cudnn_attention
 from skyrl_clora.kernels import LoRAMeta
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear
 from skyrl_clora.profiling import profiled
@@ -36,26 +36,6 @@ from skyrl_clora.trainer.logprobs import token_logprobs
 from skyrl_clora.trainer.optim import OptimizerConfig, adamw_slot
 from skyrl_clora.trainer.prompt_segments import segment_prefix_hidden
 from skyrl_clora.trainer.shared_prefix import shared_prefix_hidden, supports_shared_prefix
-
-
-def _on_trainer_stream(method):
-    """Runs a :class:`Trainer` method on the trainer's stream when it has one: the stream first waits for the
-    caller's current stream, and the caller's stream waits for the method's work afterwards (results such as
-    :meth:`Trainer.response_logprobs`' are then safe to use on the caller's stream)."""
-
-    @functools.wraps(method)
-    def run(self: "Trainer", *args, **kwargs):
-        if self.stream is None:
-            return method(self, *args, **kwargs)
-        caller = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(caller)
-        try:
-            with torch.cuda.stream(self.stream):
-                return method(self, *args, **kwargs)
-        finally:
-            caller.wait_stream(self.stream)
-
-    return run
 
 
 class Trainer:
@@ -70,8 +50,6 @@ class Trainer:
     prompt compute it once: in one pass of prompt and response segments on a GPU in half precision
     (:func:`segment_prefix_hidden`), in a prompt pass and a response pass elsewhere (:func:`shared_prefix_hidden`);
     without, every row runs its whole sequence.
-    With ``sm_stream`` (a CUDA stream on part of the SMs, :func:`sm_limited_stream`) every pass runs on that
-    stream, whichever thread calls, and its kernels leave the other SMs to the engine's decode steps.
     """
 
     def __init__(
@@ -86,7 +64,6 @@ class Trainer:
         max_logits: int = 1 << 27,
         fused_elementwise: bool = True,
         shared_prefix: bool = False,
-        sm_stream: SMLimitedStream | None = None,
     ) -> None:
         avoid_cudnn_attention()
         if fused_elementwise:
@@ -104,8 +81,6 @@ class Trainer:
         self.decoder = model.base_model
         self.head = model.get_output_embeddings()
         self.shared_prefix = shared_prefix and supports_shared_prefix(self.decoder)
-        self.sm_stream = sm_stream  # holds its green context, which must outlive the stream
-        self.stream = None if sm_stream is None else sm_stream.stream
         # One flat pass on flash attention (a GPU in half precision; host-bound there, a second pass costs
         # what it saves), two passes elsewhere (the segments' reference attention is a dense [N, N] mask).
         flash = self.device.type == "cuda" and self.head.weight.dtype in (torch.float16, torch.bfloat16)
@@ -116,7 +91,6 @@ class Trainer:
         """The most tenants one packed pass trains (the store's device slots)."""
         return len(self.store.slots)
 
-    @_on_trainer_stream
     def train_step(
         self, tenant: str, batch: TrainBatch, prefetch: str | None = None
     ) -> tuple[AdapterWeights, dict[str, float]]:
@@ -132,7 +106,6 @@ class Trainer:
             self.store.prefetch(prefetch, self._free_slot(avoid=slot))
         return self._train_swapped([(tenant, slot)], [batch])[0]
 
-    @_on_trainer_stream
     def train_packed(self, items: list[tuple[str, TrainBatch]]) -> list[tuple[AdapterWeights, dict[str, float]]]:
         """Packed mode: trains every ``(tenant, batch)`` of ``items`` (distinct tenants, at most
         :attr:`pack_size`) in one pass; returns each tenant's new weights and metrics, in ``items`` order."""
@@ -282,7 +255,6 @@ class Trainer:
             meta = LoRAMeta.for_batch(token_slots, lora_a.shape[0], lora_a.shape[1], max_slices=1)
         return self.routing.route(token_slots, meta, single_slot)
 
-    @_on_trainer_stream
     @torch.no_grad()
     def response_logprobs(self, tenant: str, batch: TrainBatch) -> torch.Tensor:
         """Log-probs ``[N, Lr]`` (fp32, device) of ``batch``'s response tokens under ``tenant``'s current

@@ -1,10 +1,9 @@
 """The trainer on the GPU: packed training (Triton packed_lora) against swap mode, prefetching swaps on the
-side stream against plain swaps, passes on an SM-limited stream against the default stream, response log-probs against full logits in bf16, and shared-prompt
+side stream against plain swaps, response log-probs against full logits in bf16, and shared-prompt
 micro-batches against whole sequences. Skipped without CUDA."""
 
 from __future__ import annotations
 
-import concurrent.futures
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,6 @@ import torch
 from skyrl.train.config import AlgorithmConfig
 from transformers import AutoModelForCausalLM
 
-from skyrl_clora.gpu_settings import SMLimitedStream, sm_limited_stream
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
@@ -26,15 +24,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 TENANTS = (("A", 8, 16.0, 5e-3, 0), ("B", 16, 16.0, 2e-3, 1), ("C", 4, 12.0, 8e-3, 2))
 
 
-def _trainer(model_dir: Path, slots: int, dtype: torch.dtype = torch.float32, sm_stream: SMLimitedStream | None = None) -> Trainer:
+def _trainer(model_dir: Path, slots: int, dtype: torch.dtype = torch.float32) -> Trainer:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
     routing, layers = attach_multi_lora(model, num_slots=slots, max_rank=16, trainable=True)
     store = AdapterStore(layers, num_slots=slots)
     for name, rank, alpha, lr, seed in TENANTS:
         weights = init_adapter(layers, rank, alpha, torch.Generator().manual_seed(seed))
         store.register(name, weights, LRSchedule(base_lr=lr), seed=seed)
-    return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(), micro_batch_size=5,
-                   sm_stream=sm_stream)
+    return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(), micro_batch_size=5)
 
 
 def _batch(seed: int, rows: int) -> TrainBatch:
@@ -81,28 +78,6 @@ def test_prefetching_on_the_side_stream_gives_the_same_states(micro_model_dir: P
             a, b = plain.store.tenants[name].flat[table], prefetching.store.tenants[name].flat[table]
             assert a.is_pinned() and b.is_pinned()
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
-
-
-def test_training_on_an_sm_limited_stream_from_a_worker_thread_matches_the_default_stream(micro_model_dir: Path) -> None:
-    """The scheduler's path with ``trainer.max_sms``: passes called from a worker thread run on a green
-    context's stream (torch GEMMs, flash attention and the packed Triton op there) and give the states the
-    default stream gives."""
-    limited = sm_limited_stream(16, torch.device("cuda"))
-    assert limited.sm_count == 16 and limited.stream != torch.cuda.current_stream()
-    plain, green = _trainer(micro_model_dir, 3), _trainer(micro_model_dir, 3, sm_stream=limited)
-    batches = {name: _batch(40 + i, rows=8 + i) for i, (name, *_) in enumerate(TENANTS)}
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        expected = [m for _, m in plain.train_packed(list(batches.items()))] + [plain.train_step("A", batches["A"], "B")[1]]
-        got = pool.submit(green.train_packed, list(batches.items())).result()
-        got = [m for _, m in got] + [pool.submit(green.train_step, "A", batches["A"], "B").result()[1]]
-        logprobs = pool.submit(green.response_logprobs, "C", batches["C"]).result()
-    assert len({round(m["mean_token_logprob"], 5) for m in expected[:3]}) == 3
-    for want, have in zip(expected, got):
-        assert have == pytest.approx(want, rel=1e-3, abs=1e-5)
-    torch.testing.assert_close(logprobs, plain.response_logprobs("C", batches["C"]), rtol=1e-4, atol=1e-5)
-    for name, *_ in TENANTS:  # tolerances as in test_packed_equals_swap_on_the_gpu
-        torch.testing.assert_close(green.store.tenants[name].flat["master"], plain.store.tenants[name].flat["master"],
-                                   rtol=1e-3, atol=2e-5)
 
 
 def test_bf16_response_logprobs_match_full_logits(micro_model_dir: Path) -> None:
