@@ -169,7 +169,7 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
             register(services, run, name, seed)
 
         async def main() -> None:
-            scheduler = TrainScheduler(services.trainer, run.train_mode)
+            scheduler = services.train_scheduler(run)
             await asyncio.gather(*(experiment(services, scheduler, name, seed, workload, result.steps)
                                    for name, seed in zip(names, seeds)))
 
@@ -285,9 +285,9 @@ def main() -> None:
         # Untimed: compiles the Triton kernels once per process (cached for every later cold start), at every
         # N in every mode, so that no timed group pays for the shapes only it reaches (seventh session: a group
         # first at its N paid compiles; eighth: N=2 and the first serial experiment paid prefill shapes only
-        # their N reaches).
+        # their N reaches; the eleventh: without N=1 among --tenants, the serial experiments' shapes).
         warm_names = [f"warm-up-{i}" for i in range(most)]
-        for n in sorted(args.tenants, reverse=True):
+        for n in sorted(set(args.tenants) | {1}, reverse=True):
             for mode in args.modes:
                 run_and_release(model_dir, replace(workload, steps=1), mode, warm_names[:n], [0] * n, args.device,
                                 f"warm-up {mode}")

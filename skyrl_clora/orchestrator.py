@@ -142,7 +142,7 @@ class TenantLoop:
 
 async def _run_group(run: RunConfig, specs: list[TenantSpec], services: Services, metrics: MetricsLog) -> None:
     asyncio.get_running_loop().set_exception_handler(log_orphaned_task_error)
-    scheduler = TrainScheduler(services.trainer, run.train_mode)
+    scheduler = services.train_scheduler(run)
     loops = [TenantLoop(run, spec, services, metrics, scheduler) for spec in specs]
     for loop in loops:
         loop.register()

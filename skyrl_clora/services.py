@@ -26,6 +26,7 @@ from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.fused_projections import fuse_base_projections
 from skyrl_clora.sync import AdapterSync
 from skyrl_clora.trainer.adapter_store import AdapterStore
+from skyrl_clora.trainer.scheduler import TrainScheduler
 from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,6 +45,11 @@ class Services:
     store: AdapterStore
     sync: AdapterSync
     cold_start_seconds: float
+
+    def train_scheduler(self, run: RunConfig) -> TrainScheduler:
+        """The scheduler the tenants of one run share: ``clora.train_mode`` passes, with the engine paused for
+        each of them unless ``trainer.overlap_sampling``."""
+        return TrainScheduler(self.trainer, run.train_mode, sampler=None if run.trainer.overlap_sampling else self.engine)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

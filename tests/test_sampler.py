@@ -225,6 +225,23 @@ def test_the_next_turn_computes_only_its_new_tokens_with_reuse_decode_kv(micro_m
         plain.shutdown()
 
 
+def test_pauses_nest_and_an_unmatched_resume_is_an_error(micro_model_dir: Path) -> None:
+    engine, _ = _engine(micro_model_dir, num_rows=4, adapters={"a": 1})
+    try:
+        engine.pause()
+        engine.pause()  # the train scheduler's pause inside a caller's
+        future = engine.submit(PROMPT, "a", _params(0, max_tokens=3))
+        engine.resume()
+        time.sleep(0.3)
+        assert not future.done() and engine.stats.decode_steps == 0, "one pause is still held"
+        engine.resume()
+        assert len(future.result(timeout=60).token_ids) == 3
+        with pytest.raises(RuntimeError, match="resume\\(\\) without a pause"):
+            engine.resume()
+    finally:
+        engine.shutdown()
+
+
 def test_requests_sharing_only_cached_blocks_are_admitted_together(micro_model_dir: Path) -> None:
     """The samples of a GRPO group wait one round for their shared uncached prompt; the next turns of the
     group's episodes (the prompt cached, the histories their own) are admitted in one round."""

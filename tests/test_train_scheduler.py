@@ -76,16 +76,45 @@ def test_swap_scheduler_trains_in_arrival_order_with_prefetch(micro_model_dir: P
         TrainScheduler(trainer, "fused")
 
 
+class _RecordingSampler:
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def pause(self) -> None:
+        self.events.append("pause")
+
+    def resume(self) -> None:
+        self.events.append("resume")
+
+
+@pytest.mark.parametrize("mode", ["swap", "packed"])
+def test_the_scheduler_pauses_sampling_around_every_pass_also_a_failing_one(micro_model_dir: Path, mode: str) -> None:
+    trainer = _trainer(micro_model_dir, slots=2)
+    events: list[str] = []
+    for name in ("train_step", "train_packed"):
+        method = getattr(trainer, name)
+        setattr(trainer, name, lambda *args, method=method: (events.append("train"), method(*args))[1])
+    scheduler = TrainScheduler(trainer, mode, sampler=_RecordingSampler(events))
+    results = asyncio.run(_submit(scheduler, [("A", _batch(0)), ("B", _batch(1))]))
+    assert all(not isinstance(r, Exception) for r in results)
+    passes = 2 if mode == "swap" else 1
+    assert events == ["pause", "train", "resume"] * passes
+    events.clear()
+    results = asyncio.run(_submit(scheduler, [("ghost", _batch(2))]))  # the pass raises: sampling resumes anyway
+    assert isinstance(results[0], KeyError) and events == ["pause", "train", "resume"]
+
+
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return [f"model.path={model_dir}", f"clora.output_dir={out}", "clora.steps=2", "clora.progress=false",
             "recipe.prompts_per_step=2", "recipe.samples_per_prompt=2", "recipe.eval_prompts=1",
             "recipe.max_generate_length=8", "recipe.max_turns=1", "recipe.max_input_length=120", *extra]
 
 
-@pytest.mark.parametrize("train_mode", ["swap", "packed"])
-def test_train_modes_end_to_end(train_mode: str, micro_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("train_mode, overlap", [("swap", "true"), ("packed", "true"), ("swap", "false")])
+def test_train_modes_end_to_end(train_mode: str, overlap: str, micro_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / train_mode
-    assert main(_args(micro_model_dir, out, "+tenants=[{lr:1e-3},{lr:4e-3,rank:8}]", f"clora.train_mode={train_mode}")) == 0
+    assert main(_args(micro_model_dir, out, "+tenants=[{lr:1e-3},{lr:4e-3,rank:8}]", f"clora.train_mode={train_mode}",
+                      f"trainer.overlap_sampling={overlap}")) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert [row["status"] for row in summary["per_tenant"]] == ["ok", "ok"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

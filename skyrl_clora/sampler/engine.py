@@ -178,7 +178,9 @@ class Engine:
         self._pending_publishes: list[_Publish | _Unregister] = []
         self._rows: list[_Request | None] = [None] * num_rows
         self._running = RunningRows(num_rows, max_len)  # per cache row: decode inputs, settings, outputs so far
-        self._paused = threading.Event()
+        self._paused = threading.Event()  # set while _pauses > 0
+        self._pauses = 0
+        self._pause_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="clora-engine", daemon=True)
         self._thread.start()
@@ -233,12 +235,20 @@ class Engine:
         return future
 
     def pause(self) -> None:
-        """Stops stepping (in-flight requests keep their state) until :meth:`resume`."""
-        self._paused.set()
+        """Stops stepping after the step in flight (requests keep their state) until :meth:`resume`. Pauses
+        nest: the engine steps again once every :meth:`pause` has had its :meth:`resume`."""
+        with self._pause_lock:
+            self._pauses += 1
+            self._paused.set()
 
     def resume(self) -> None:
-        self._paused.clear()
-        self._inbox.put(None)
+        with self._pause_lock:
+            if self._pauses == 0:
+                raise RuntimeError("Engine.resume() without a pause()")
+            self._pauses -= 1
+            if self._pauses == 0:
+                self._paused.clear()
+                self._inbox.put(None)
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -7,18 +7,33 @@ event loop.
   order) trains in one packed pass (``Trainer.train_packed``).
 A tenant whose batch is invalid fails alone (its ``train`` call raises); if a pass itself raises, the
 tenants of that pass fail and the others keep going.
+
+Given a ``sampler`` to pause (the engine, ``trainer.overlap_sampling=false``), every pass runs with sampling
+paused, so the GPU runs one workload at a time instead of sharing itself between a training pass and the
+other tenants' decode steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.trainer.batch import TrainBatch, validate_batch
 from skyrl_clora.trainer.trainer import Trainer
 
 TRAIN_MODES = ("swap", "packed")
+Result = TypeVar("Result")
+
+
+class PausableSampler(Protocol):
+    """What the scheduler needs of a sampler to keep it off the GPU during a pass (``Engine`` has it)."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
 
 
 @dataclass
@@ -29,13 +44,15 @@ class _Request:
 
 
 class TrainScheduler:
-    """Queues ``(tenant, batch)`` requests and drains them through ``trainer`` in ``mode`` (swap or packed)."""
+    """Queues ``(tenant, batch)`` requests and drains them through ``trainer`` in ``mode`` (swap or packed);
+    with ``sampler``, sampling is paused for every pass."""
 
-    def __init__(self, trainer: Trainer, mode: str) -> None:
+    def __init__(self, trainer: Trainer, mode: str, sampler: PausableSampler | None = None) -> None:
         if mode not in TRAIN_MODES:
             raise ValueError(f"train mode {mode!r} is unknown; use swap or packed")
         self.trainer = trainer
         self.mode = mode
+        self.sampler = sampler
         self._waiting: list[_Request] = []
         self._drainer: asyncio.Task | None = None
 
@@ -72,10 +89,11 @@ class TrainScheduler:
     async def _run(self, requests: list[_Request]) -> None:
         try:
             if self.mode == "packed":
-                results = await asyncio.to_thread(self.trainer.train_packed, [(r.tenant, r.batch) for r in requests])
+                results = await asyncio.to_thread(self._pass, self.trainer.train_packed, [(r.tenant, r.batch) for r in requests])
             else:
                 upcoming = self._waiting[0].tenant if self._waiting else None
-                results = [await asyncio.to_thread(self.trainer.train_step, requests[0].tenant, requests[0].batch, upcoming)]
+                results = [await asyncio.to_thread(self._pass, self.trainer.train_step, requests[0].tenant, requests[0].batch,
+                                                   upcoming)]
         except Exception as error:  # noqa: BLE001 - the pass's tenants fail, the scheduler keeps serving the others
             for request in requests:
                 _fail(request, error)
@@ -83,6 +101,17 @@ class TrainScheduler:
         for request, (weights, metrics) in zip(requests, results):
             if not request.result.done():  # done: its tenant's task was cancelled meanwhile
                 request.result.set_result((weights, {**metrics, "pass_tenants": float(len(requests))}))
+
+
+    def _pass(self, train: Callable[..., Result], *args) -> Result:
+        """Runs one training call (on a worker thread), with sampling paused around it when there is a sampler."""
+        if self.sampler is None:
+            return train(*args)
+        self.sampler.pause()
+        try:
+            return train(*args)
+        finally:
+            self.sampler.resume()
 
 
 def _fail(request: _Request, error: Exception) -> None:
