@@ -74,7 +74,7 @@ class TrainerConfig:
     pack_size: int = 0
     shared_prompts: bool = True
     sm_carveout: int = 0
-    overlap_sampling: bool = True
+    overlap_sampling: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.sm_carveout < 128:
@@ -87,8 +87,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.shared_prompts not in (True, False):
             raise ConfigError(f"trainer.shared_prompts={self.shared_prompts} must be true or false")
-        if self.overlap_sampling not in (True, False):
-            raise ConfigError(f"trainer.overlap_sampling={self.overlap_sampling} must be true or false")
+        if self.overlap_sampling not in (None, True, False):
+            raise ConfigError(f"trainer.overlap_sampling={self.overlap_sampling} must be true, false or null (on the CPU only)")
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,13 @@ class Services:
 
     def train_scheduler(self, run: RunConfig) -> TrainScheduler:
         """The scheduler the tenants of one run share: ``clora.train_mode`` passes, with the engine paused for
-        each of them unless ``trainer.overlap_sampling``."""
-        return TrainScheduler(self.trainer, run.train_mode, sampler=None if run.trainer.overlap_sampling else self.engine)
+        each of them unless ``trainer.overlap_sampling`` (null: overlap on the CPU, where the trainer and the
+        engine each keep a core busy; pause on a GPU, where either saturates the device and the two side by
+        side take longer than one after the other: BENCHMARKS.md, eleventh session, Runs 2-3)."""
+        overlap = run.trainer.overlap_sampling
+        if overlap is None:
+            overlap = self.trainer.device.type != "cuda"
+        return TrainScheduler(self.trainer, run.train_mode, sampler=None if overlap else self.engine)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

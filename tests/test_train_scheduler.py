@@ -125,6 +125,21 @@ def test_train_modes_end_to_end(train_mode: str, overlap: str, micro_model_dir: 
     assert all(1 <= r["train/pass_tenants"] <= (2 if train_mode == "packed" else 1) for r in steps)
 
 
+@pytest.mark.parametrize("overlap, paused", [("null", False), ("true", False), ("false", True)])
+def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: Path, tmp_path: Path, overlap: str,
+                                                              paused: bool) -> None:
+    from skyrl_clora.config import build_run_config
+    from skyrl_clora.main import compose_config
+    from skyrl_clora.services import build_services
+
+    run = build_run_config(compose_config(_args(micro_model_dir, tmp_path, f"trainer.overlap_sampling={overlap}")))
+    services = build_services(run, str(micro_model_dir), num_tenants=1, rows_per_tenant=2)
+    try:
+        assert services.train_scheduler(run).sampler is (services.engine if paused else None)
+    finally:
+        services.shutdown()
+
+
 def test_unknown_train_mode_is_a_one_line_config_error(micro_model_dir: Path, tmp_path: Path) -> None:
     from skyrl_clora.config import build_run_config
     from skyrl_clora.main import compose_config

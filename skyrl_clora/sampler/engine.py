@@ -15,8 +15,9 @@ One background thread owns the model. Each iteration of its loop:
 Other tenants' requests keep decoding while one tenant's adapter is published: a publish is a ``copy_``
 into that tenant's slot between two decode steps (dropping only that tenant's cached prefixes), never a
 pause or a global cache reset.
-On a GPU the engine thread issues its work on a CUDA stream of its own, so it overlaps with training; by
-default at high priority, so it goes ahead of it (``stream_priority``).
+On a GPU the engine thread issues its work on a CUDA stream of its own, so it can overlap with training
+(``trainer.overlap_sampling=true``; by default on a GPU the train scheduler pauses the engine for each pass),
+at high priority by default, so it goes ahead of it (``stream_priority``).
 """
 
 from __future__ import annotations
