@@ -88,7 +88,7 @@ class TrainerConfig:
         if self.shared_prompts not in (True, False):
             raise ConfigError(f"trainer.shared_prompts={self.shared_prompts} must be true or false")
         if self.overlap_sampling not in (None, True, False):
-            raise ConfigError(f"trainer.overlap_sampling={self.overlap_sampling} must be true, false or null (on the CPU only)")
+            raise ConfigError(f"trainer.overlap_sampling={self.overlap_sampling} must be true, false or null (null: true on the CPU, false on a GPU)")
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,9 @@ class RunConfig:
             raise ConfigError(f"clora.train_mode={self.train_mode} is unknown; use swap or packed")
         if self.train_mode == "packed" and self.backend != "embedded":
             raise ConfigError("clora.train_mode=packed needs backend=embedded; use clora.train_mode=swap")
+        if self.trainer.overlap_sampling is False and self.backend != "embedded":
+            raise ConfigError("trainer.overlap_sampling=false needs backend=embedded (backend=skyrl's servers keep sampling); "
+                              "remove the override")
         if self.steps < 1:
             raise ConfigError(f"clora.steps must be >= 1, got {self.steps}")
         if self.backend not in ("embedded", "skyrl"):

@@ -82,6 +82,7 @@ def test_help_lists_settable_keys(capsys: pytest.CaptureFixture) -> None:
     (["sampler.reuse_decode_kv=2"], "sampler.reuse_decode_kv"),
     (["sampler.stream_priority=urgent"], "sampler.stream_priority"),
     (["trainer.overlap_sampling=sometimes"], "trainer.overlap_sampling=sometimes must be true, false or null"),
+    (["backend=skyrl", "trainer.overlap_sampling=false"], "trainer.overlap_sampling=false needs backend=embedded"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
     assert main(args) == 2
