@@ -88,7 +88,8 @@ class TrainerConfig:
         if self.shared_prompts not in (True, False):
             raise ConfigError(f"trainer.shared_prompts={self.shared_prompts} must be true or false")
         if self.overlap_sampling not in (None, True, False):
-            raise ConfigError(f"trainer.overlap_sampling={self.overlap_sampling} must be true, false or null (null: true on the CPU, false on a GPU)")
+            raise ConfigError(f"trainer.overlap_sampling={self.overlap_sampling} must be true, false or null "
+                              "(null: true on the CPU, false on a GPU)")
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,6 @@ class TrainScheduler:
             if not request.result.done():  # done: its tenant's task was cancelled meanwhile
                 request.result.set_result((weights, {**metrics, "pass_tenants": float(len(requests))}))
 
-
     def _pass(self, train: Callable[..., Result], *args) -> Result:
         """Runs one training call (on a worker thread), with sampling paused around it when there is a sampler."""
         if self.sampler is None:
