@@ -91,6 +91,10 @@ class ModeResult:
     prefill_rounds: int = 0
     decode_steps: int = 0
     shared_prefix_positions: int = 0
+    engine_busy_s: float = 0.0  # the engine thread's split of the run (EngineStats)
+    engine_paused_s: float = 0.0
+    engine_idle_s: float = 0.0
+    train_passes_s: float = 0.0  # the trainer's passes (TrainScheduler.pass_seconds)
 
 
 def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: int, device: str):
@@ -172,6 +176,7 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
             scheduler = services.train_scheduler(run)
             await asyncio.gather(*(experiment(services, scheduler, name, seed, workload, result.steps)
                                    for name, seed in zip(names, seeds)))
+            result.train_passes_s = scheduler.pass_seconds
 
         asyncio.run(main())
     finally:
@@ -186,6 +191,9 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     result.prefill_rounds = services.engine.stats.prefill_rounds
     result.decode_steps = services.engine.stats.decode_steps
     result.shared_prefix_positions = services.engine.stats.shared_prefix_positions
+    stats = services.engine.stats
+    result.engine_busy_s, result.engine_paused_s = stats.busy_seconds, stats.paused_seconds
+    result.engine_idle_s = stats.idle_seconds
     result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     return result
 
@@ -206,7 +214,8 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
           f"({result.prefill_rounds} rounds of {1e3 * result.prefill_s / max(result.prefill_rounds, 1):.0f} ms, "
           f"{result.prefill_tokens} prompt tokens computed, {result.cached_prompt_tokens} from the prefix cache; "
           f"{result.shared_prefix_positions / max(result.decode_steps, 1):.0f} key positions per decode step read from "
-          "a shared copy)", flush=True)
+          f"a shared copy); engine thread busy {result.engine_busy_s:.1f} s, paused {result.engine_paused_s:.1f} s, idle "
+          f"{result.engine_idle_s:.1f} s; training passes {result.train_passes_s:.1f} s", flush=True)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

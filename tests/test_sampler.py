@@ -236,6 +236,7 @@ def test_pauses_nest_and_an_unmatched_resume_is_an_error(micro_model_dir: Path) 
         assert not future.done() and engine.stats.decode_steps == 0, "one pause is still held"
         engine.resume()
         assert len(future.result(timeout=60).token_ids) == 3
+        assert engine.stats.paused_seconds >= 0.25 and engine.stats.busy_seconds > 0
         with pytest.raises(RuntimeError, match="resume\\(\\) without a pause"):
             engine.resume()
     finally:

@@ -104,9 +104,11 @@ class EngineStats:
     """Counters since start: decode steps, admission rounds that prefilled (one batched prefill call
     each), tokens generated, prompt tokens computed by prefill and prompt tokens served from the prefix
     cache, seconds spent in prefill (with its sampling and first-use graph captures), in decode steps (with
-    their sampling) and busy in all, the seconds decode steps spent in their sampling call (which waits
-    for the step's GPU work: the rest of a decode step is host work), the seconds the decode CUDA graphs'
-    capture took, and the key positions decode steps read from another row's copy of a shared prefix."""
+    their sampling) and busy in all, the seconds the loop waited while paused and while it had nothing to do
+    (no running row, request or publish; busy + paused + idle is the engine thread's lifetime, up to the
+    loop's own bookkeeping), the seconds decode steps spent in their sampling call (which waits for the
+    step's GPU work: the rest of a decode step is host work), the seconds the decode CUDA graphs' capture
+    took, and the key positions decode steps read from another row's copy of a shared prefix."""
 
     decode_steps: int = 0
     prefill_rounds: int = 0
@@ -117,6 +119,8 @@ class EngineStats:
     decode_seconds: float = 0.0
     decode_sampling_seconds: float = 0.0
     busy_seconds: float = 0.0
+    paused_seconds: float = 0.0
+    idle_seconds: float = 0.0
     graph_capture_seconds: float = 0.0
     shared_prefix_positions: int = 0  # decode-step key positions read from another row's copy
 
@@ -283,7 +287,13 @@ class Engine:
     def _serve(self) -> None:
         while not self._stop.is_set():
             idle = not self._waiting and not self._pending_publishes and not any(self._rows)
-            self._drain_inbox(block=idle or self._paused.is_set())
+            paused = self._paused.is_set()
+            waited = time.perf_counter()
+            self._drain_inbox(block=idle or paused)
+            if paused:
+                self.stats.paused_seconds += time.perf_counter() - waited
+            elif idle:
+                self.stats.idle_seconds += time.perf_counter() - waited
             if self._paused.is_set() or self._stop.is_set():
                 continue
             started = time.perf_counter()

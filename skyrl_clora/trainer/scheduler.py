@@ -16,6 +16,7 @@ other tenants' decode steps.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -45,7 +46,8 @@ class _Request:
 
 class TrainScheduler:
     """Queues ``(tenant, batch)`` requests and drains them through ``trainer`` in ``mode`` (swap or packed);
-    with ``sampler``, sampling is paused for every pass."""
+    with ``sampler``, sampling is paused for every pass. ``pass_seconds``: the passes' time so far (with the
+    pauses around them)."""
 
     def __init__(self, trainer: Trainer, mode: str, sampler: PausableSampler | None = None) -> None:
         if mode not in TRAIN_MODES:
@@ -53,6 +55,7 @@ class TrainScheduler:
         self.trainer = trainer
         self.mode = mode
         self.sampler = sampler
+        self.pass_seconds = 0.0
         self._waiting: list[_Request] = []
         self._drainer: asyncio.Task | None = None
 
@@ -104,13 +107,15 @@ class TrainScheduler:
 
     def _pass(self, train: Callable[..., Result], *args) -> Result:
         """Runs one training call (on a worker thread), with sampling paused around it when there is a sampler."""
-        if self.sampler is None:
-            return train(*args)
-        self.sampler.pause()
+        started = time.perf_counter()
+        if self.sampler is not None:
+            self.sampler.pause()
         try:
             return train(*args)
         finally:
-            self.sampler.resume()
+            if self.sampler is not None:
+                self.sampler.resume()
+            self.pass_seconds += time.perf_counter() - started
 
 
 def _fail(request: _Request, error: Exception) -> None:
