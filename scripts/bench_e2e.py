@@ -182,17 +182,18 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     finally:
         services.shutdown()
     result.wall_s = time.perf_counter() - started
-    result.decode_tokens = services.engine.stats.generated_tokens
-    result.decode_s = services.engine.stats.decode_seconds
-    result.decode_sampling_s = services.engine.stats.decode_sampling_seconds
-    result.prefill_s = services.engine.stats.prefill_seconds
-    result.prefill_tokens = services.engine.stats.prefill_tokens
-    result.cached_prompt_tokens = services.engine.stats.cached_prompt_tokens
-    result.prefill_rounds = services.engine.stats.prefill_rounds
-    result.decode_steps = services.engine.stats.decode_steps
-    result.shared_prefix_positions = services.engine.stats.shared_prefix_positions
     stats = services.engine.stats
-    result.engine_busy_s, result.engine_paused_s = stats.busy_seconds, stats.paused_seconds
+    result.decode_tokens = stats.generated_tokens
+    result.decode_s = stats.decode_seconds
+    result.decode_sampling_s = stats.decode_sampling_seconds
+    result.prefill_s = stats.prefill_seconds
+    result.prefill_tokens = stats.prefill_tokens
+    result.cached_prompt_tokens = stats.cached_prompt_tokens
+    result.prefill_rounds = stats.prefill_rounds
+    result.decode_steps = stats.decode_steps
+    result.shared_prefix_positions = stats.shared_prefix_positions
+    result.engine_busy_s = stats.busy_seconds
+    result.engine_paused_s = stats.paused_seconds
     result.engine_idle_s = stats.idle_seconds
     result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     return result
