@@ -159,12 +159,13 @@ def check_decode_attention(
 
 
 def check_rows_op(name: str, x: torch.Tensor, width: int, residual: torch.Tensor | None) -> None:
-    """``x`` (and ``residual``) must be contiguous ``[N, width]`` float tensors of one dtype."""
-    if x.dim() != 2 or x.shape[1] != width or not x.is_contiguous() or x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name} must be a contiguous float [N, {width}] tensor, got shape {tuple(x.shape)} {x.dtype}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
-        raise ValueError(f"residual must be contiguous, of {name}'s shape {tuple(x.shape)} and dtype {x.dtype}; got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
+    """``x`` (and ``residual``) must be float ``[N, width]`` tensors of one dtype with unit column stride."""
+    if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1 or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be a float [N, {width}] tensor with unit column stride, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()} {x.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError(f"residual must have unit column stride, {name}'s shape {tuple(x.shape)} and dtype {x.dtype}; "
+                         f"got {tuple(residual.shape)} strides {residual.stride()} {residual.dtype}")
 
 
 def check_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> None:

@@ -2,7 +2,7 @@
 sampling): Triton for CUDA tensors, the torch reference elsewhere.
 
 Layers call only ``add_lora``, ``lora_linear`` (``packed_lora`` plus the base layer) and ``dense_lora_linear``;
-the sampling engine's model runner calls ``decode_attention``, ``prefill_attention``, ``rms_norm``,
+the sampling engine's model runner calls ``folded_lora_linear``, ``decode_attention``, ``prefill_attention``, ``rms_norm``,
 ``qk_norm_rope`` and ``silu_mul``; the trainer's model calls ``rms_norm_with_grad``, ``silu_mul_with_grad`` and
 ``rope_with_grad``, its shared-prompt attention ``gather_rows``, its LM-head loss ``chosen_logprobs_``; the
 engine's sampler calls ``sample_tokens``.
@@ -21,6 +21,7 @@ import torch
 from skyrl_clora.kernels.attention import DecodeWorkspace, decode_attention_triton
 from skyrl_clora.kernels.checks import check_chosen_logprobs, check_frozen_base, check_silu_mul
 from skyrl_clora.kernels.dense_lora import DenseLoRALinear
+from skyrl_clora.kernels.folded import FoldedWeights, fold_pays, folded_lora_linear_triton
 from skyrl_clora.kernels.gather_ops import GatherRows
 from skyrl_clora.kernels.logprob_ops import chosen_logprobs_triton
 from skyrl_clora.kernels.meta import LoRAMeta
@@ -97,6 +98,39 @@ def add_lora(
         add_lora_triton(out, x, lora_a, tuple(lora_b), scales, token_slots, meta=meta)
     else:
         add_lora_ref(out, x, lora_a, tuple(lora_b), scales, token_slots)
+
+
+def folded_lora_linear(
+    x: torch.Tensor,
+    folded: FoldedWeights,
+    lora_b: Sequence[torch.Tensor],
+    scales: torch.Tensor,
+    token_slots: torch.Tensor | None,
+    *,
+    meta: LoRAMeta | None = None,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """An inference linear layer with multi-LoRA, its slots' A folded into its weight (``kernels.folded``).
+
+    Returns ``y = x @ folded.base_weight.T + folded.base_bias`` plus, for ``token_slots`` not None, the
+    :func:`add_lora` terms with ``lora_a = folded.lora_a``: ``y[t, slice_i] += scales[s] * (x[t] @ A_i[s].T) @
+    B_i[s].T`` for ``s = token_slots[t] >= 0``. Shapes: ``x: [T, H_in]``, ``lora_b[i]: [S, H_out_i, R]`` with
+    ``sum(H_out_i) = folded.out_features``; returns ``[T, H_out]`` with unit column stride (on the folded path
+    a column view of a ``[T, H_out + extra]`` GEMM output). The Triton path runs one GEMM over the whole folded
+    weight and one segmented expand when ``kernels.folded.fold_pays`` says the extra columns cost less than a
+    shrink, and otherwise the base GEMM over ``folded.base_weight`` plus :func:`add_lora`, as the torch path
+    always does. ``meta`` as for :func:`add_lora`.
+    """
+    lora_b = tuple(lora_b)
+    if token_slots is None:
+        return torch.nn.functional.linear(x, folded.base_weight, folded.base_bias)
+    if _use_triton(x, backend) and fold_pays(x.shape[0], folded.out_features, folded.extra_features):
+        if meta is None:
+            meta = LoRAMeta.for_batch(token_slots, folded.num_slots, folded.rank, folded.slices)
+        return folded_lora_linear_triton(x, folded, lora_b, scales, token_slots, meta)
+    y = torch.nn.functional.linear(x, folded.base_weight, folded.base_bias)
+    add_lora(y, x, folded.lora_a, lora_b, scales, token_slots, meta=meta, backend=backend)
+    return y
 
 
 def packed_lora(
@@ -270,8 +304,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         h = x if residual is None else residual + x
         y = weight * (h / sqrt(mean(h ** 2, dim=-1, keepdim=True) + eps))      # statistics in fp32
 
-    Nothing is written in place. The Triton path (``kernels.layer_ops``) needs contiguous inputs of one
-    float dtype and rounds once to it; the torch path is Hugging Face's RMSNorm op for op.
+    Nothing is written in place. The Triton path (``kernels.layer_ops``) needs inputs of one float dtype with
+    unit column stride (any row stride) and rounds once to it; the torch path is Hugging Face's RMSNorm op for op.
     """
     if _use_triton(x, backend):
         return rms_norm_triton(x, weight, eps, residual)

@@ -39,15 +39,16 @@ def row_tile(width: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, N, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                     ROWS: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, N, H, eps, stride_x, stride_res, HAS_RES: tl.constexpr,
+                     BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """``x`` and ``res`` rows at ``stride_x`` / ``stride_res`` elements; ``y`` and ``res_out`` contiguous."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows < N)[:, None] & (cols < H)[None, :]
     offs = rows[:, None] * H + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_RES:
-        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+        r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + offs, x, mask=mask)
     xf = x.to(tl.float32)
@@ -122,13 +123,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton ``rms_norm`` (semantics: ``reference.rms_norm_ref``); ``x``, ``residual``: ``[N, H]`` contiguous."""
+    """Triton ``rms_norm`` (semantics: ``reference.rms_norm_ref``); ``x``, ``residual``: ``[N, H]`` with unit column
+    stride (any row stride, e.g. a column view of a folded LoRA layer's output). ``y`` and, with a residual, the
+    returned sum are new contiguous tensors; without one the returned ``h`` is ``x`` itself."""
     check_rows_op("x", x, weight.shape[0], residual)
-    y = torch.empty_like(x)
-    residual_out = torch.empty_like(x) if residual is not None else x
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else x
     block, rows, warps = row_tile(x.shape[1])
     _rms_norm_kernel[(cdiv(x.shape[0], rows),)](
         x, residual if residual is not None else x, weight, y, residual_out, x.shape[0], x.shape[1], eps,
+        x.stride(0), residual.stride(0) if residual is not None else 0,
         HAS_RES=residual is not None, BLOCK=block, ROWS=rows, num_warps=warps,
     )
     return y, residual_out

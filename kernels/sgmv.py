@@ -154,20 +154,63 @@ def sgmv_expand(
     its partials) has finished, and reads everything but ``ws`` early: that kernel must not write ``out``,
     the weights, ``scales`` or the meta.
     """
+    _expand(out, ws, (ws.stride(0), ws.stride(1), ws.stride(2), 0), ws.shape[0], ws.shape[1] > 1, weights, scales,
+            meta, rank, config, store=store, late_out=False)
+
+
+def expand_folded(
+    out: torch.Tensor,
+    h: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    scales: torch.Tensor,
+    meta: LoRAMeta,
+    rank: int,
+    config: SgmvConfig,
+) -> None:
+    """In place: ``out[t, col_i:col_i+H_i] += scales[s] * h[t, a_i, s, :rank] @ weights[i][s, :, :rank].T``.
+
+    ``h: [T, slices_a, S, rank]`` with unit rank stride holds every slot's shrink of every row, e.g. the
+    extra output columns of a GEMM whose weight has each slot's A appended below the base weight
+    (``kernels.folded``); ``a_i = i`` when ``h`` has one slice per weight, else 0. Shapes otherwise as
+    ``sgmv_expand``. With ``config.pdl`` the launch may start before the kernel just before it has finished,
+    which may have written ``out`` and ``h`` (both are read after the wait), but not the weights, ``scales``
+    or the meta.
+    """
+    _expand(out, h, (0, h.stride(1), h.stride(0), h.stride(2)), 1, h.shape[1] > 1, weights, scales, meta, rank,
+            config, store=False, late_out=True)
+
+
+def _expand(
+    out: torch.Tensor,
+    ws: torch.Tensor,
+    ws_strides: tuple[int, int, int, int],
+    split_k: int,
+    a_per_slice: bool,
+    weights: tuple[torch.Tensor, ...],
+    scales: torch.Tensor | None,
+    meta: LoRAMeta,
+    rank: int,
+    config: SgmvConfig,
+    store: bool,
+    late_out: bool,
+) -> None:
+    """Launches ``expand_kernel``; ``ws_strides``: (split, slice, row, slot) element strides of ``ws``."""
     S = weights[0].shape[0]
     T = out.shape[0]
     sa = _slice_args(weights, config.block_n)
     grid = (cdiv(T, config.block_m) + min(S, T) + int(store), sa.pop("total_blocks"))
     w = list(weights) + [weights[0]] * (3 - len(weights))
+    split_stride, slice_stride, row_stride, slot_stride = ws_strides
     expand_kernel[grid](
         ws, out, w[0], w[1], w[2], scales if scales is not None else ws,
         meta.sorted_rows, meta.seg_count, S, T, rank, **sa,
         stride_w_n=weights[0].stride(1), stride_w_r=weights[0].stride(2), stride_ot=out.stride(0),
-        stride_ws_split=ws.stride(0), stride_ws_slice=ws.stride(1),
+        stride_ws_split=split_stride, stride_ws_slice=slice_stride, stride_ws_row=row_stride,
+        stride_ws_slot=slot_stride,
         S_P2=next_power_of_2(S + int(store)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_R=rank_pad(rank), SPLIT_K=ws.shape[0], NUM_SLICES=len(weights),
-        A_PER_SLICE=ws.shape[1] > 1, HAS_SCALE=scales is not None, STORE=store, **_dot_flags(out),
-        **_pdl_flags(out, config),
+        BLOCK_R=rank_pad(rank), SPLIT_K=split_k, NUM_SLICES=len(weights),
+        A_PER_SLICE=a_per_slice, HAS_SCALE=scales is not None, STORE=store, **_dot_flags(out),
+        **_pdl_flags(out, config), LATE_OUT=late_out,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 

@@ -179,6 +179,8 @@ def expand_kernel(
     stride_ot,
     stride_ws_split,
     stride_ws_slice,
+    stride_ws_row,
+    stride_ws_slot,
     S_P2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -191,11 +193,15 @@ def expand_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
+    LATE_OUT: tl.constexpr = False,
 ):
-    """``out[row, col_i + n] += scale[slot] * sum_split(ws[split, a_i, row]) @ w_i[slot, n, :R].T``.
+    """``out[row, col_i + n] += scale[slot] * sum_split(ws[split, a_i, row, slot]) @ w_i[slot, n, :R].T``.
 
-    STORE: ``=`` instead of ``+=``, and rows with no adapter (the null segment) are set to zero. PDL: all
-    loads but the partial sums happen before ``gdc_wait``.
+    ``ws`` is addressed ``split * stride_ws_split + a_i * stride_ws_slice + row * stride_ws_row + slot *
+    stride_ws_slot + r`` (the shrink's fp32 partials have slot stride 0; a folded GEMM's output columns hold
+    every slot's ``h``). Only its first ``R`` rank columns are read. STORE: ``=`` instead of ``+=``, and rows
+    with no adapter (the null segment) are set to zero. PDL: all loads but the partial sums happen before
+    ``gdc_wait``; LATE_OUT also keeps the load of ``out`` after it (the kernel before wrote ``out``).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -227,18 +233,21 @@ def expand_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     w_ptrs = w_ptr + slot * slot_stride + offs_r[:, None] * stride_w_r + offs_n[None, :] * stride_w_n
     wt = tl.load(w_ptrs, mask=(offs_r < R)[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-    if not STORE:
+    if not STORE and not LATE_OUT:
         o = tl.load(o_ptrs, mask=o_mask, other=0.0)
     if HAS_SCALE:
         scale = tl.load(scale_ptr + slot)
-    ws_ptrs = ws_ptr + rows[:, None] * BLOCK_R + offs_r[None, :]
+    ws_ptrs = ws_ptr + rows[:, None].to(tl.int64) * stride_ws_row + slot * stride_ws_slot + offs_r[None, :]
     if A_PER_SLICE:
         ws_ptrs += sl * stride_ws_slice
+    ws_mask = m_mask[:, None] & (offs_r < R)[None, :]
     if PDL:
-        gdc_wait()  # the shrink's partial sums are complete and visible from here on
+        gdc_wait()  # the partial sums (and, LATE_OUT, out) are complete and visible from here on
+    if not STORE and LATE_OUT:
+        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
     h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
-        h += tl.load(ws_ptrs + split * stride_ws_split, mask=m_mask[:, None], other=0.0)
+        h += tl.load(ws_ptrs + split * stride_ws_split, mask=ws_mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         h *= scale
     h = h.to(wt.dtype)

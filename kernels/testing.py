@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from skyrl_clora.kernels.folded import FoldedWeights, fold_lora_weights
 from skyrl_clora.kernels.reference import add_lora_ref, decode_attention_ref, prefill_attention_ref
 
 LAYOUTS = ("distinct", "uniform", "zipf", "identical", "skewed", "no_adapter")
@@ -112,6 +113,18 @@ def rel_error(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor) -> fl
     """``||got - want|| / ||want - before||``: the error relative to the size of the update."""
     got, want, before = got.double(), want.double(), before.double()
     return ((got - want).norm() / (want - before).norm().clamp_min(1e-30)).item()
+
+
+def fold_problem(p: LoRAProblem, with_bias: bool, seed: int = 0) -> FoldedWeights:
+    """A random base layer for ``p`` with its slots' A folded below the weight (``kernels.folded``); ``p.out``
+    becomes the base layer's output ``x @ W.T + bias`` (of the order of the deltas, like ``make_problem``'s)."""
+    gen = torch.Generator().manual_seed(seed)
+    h_in, width = p.x.shape[1], p.out.shape[1]
+    weight = (torch.randn(width, h_in, generator=gen) / h_in**0.5).to(p.x.device, p.x.dtype)
+    bias = torch.randn(width, generator=gen).to(p.x.device, p.x.dtype) if with_bias else None
+    lora_a = p.lora_a if p.lora_a.dim() == 4 else p.lora_a.unsqueeze(0)  # one A shared by every slice
+    p.out = torch.nn.functional.linear(p.x, weight, bias)
+    return fold_lora_weights(weight, bias, lora_a)
 
 
 def adapters_differ(p: LoRAProblem) -> bool:

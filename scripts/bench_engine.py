@@ -112,7 +112,7 @@ def main() -> None:
     routing, layers = attach_multi_lora(model, num_slots=32, max_rank=16, trainable=False)
     rows = max(args.batches)
     started = time.perf_counter()
-    engine = Engine(model, routing, layers, num_rows=rows, max_len=args.prompt + args.new, block_size=128,
+    engine = Engine(model, layers, num_rows=rows, max_len=args.prompt + args.new, block_size=128,
                     max_prefills_per_step=64, prefix_cache_bytes=0)
     build_s = time.perf_counter() - started
     names = [f"tenant-{i}" for i in range(32)]

@@ -36,7 +36,7 @@ def step_ms(rows: int, steps: int, repeats: int) -> float:
     model = Qwen3ForCausalLM(config)
     routing, layers = attach_multi_lora(model, num_slots=8, max_rank=8, trainable=False)
     max_len = PROMPT + steps * (repeats + 1) + 16
-    engine = Engine(model, routing, layers, num_rows=rows, max_len=max_len, block_size=16, cuda_graphs=False,
+    engine = Engine(model, layers, num_rows=rows, max_len=max_len, block_size=16, cuda_graphs=False,
                     share_prefix_reads=True)
     engine.shutdown()  # the benchmark drives the engine's step from this thread
     logits = torch.randn(rows, VOCAB)

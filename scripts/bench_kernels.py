@@ -3,12 +3,18 @@
 For hidden 4096 and the Qwen3-4B projections, N adapters in {1, 8, 32}, tokens in {16, 64, 256, 4096} and
 rank in {16, 64} (bf16, uniform random adapter per row) it times, each from CUDA-graph replays (median
 over repeats, inputs rotated over enough sets to leave the L2 cache): our ``add_lora`` (shrink + expand,
-all slices; the per-step ``LoRAMeta.build`` is not included and is timed on its own), a PEFT-style loop
+all slices; the per-step ``LoRAMeta.build`` is not included and is timed on its own), the folded layer
+(``kernels.folded``: one GEMM over the base weight with every slot's A appended, one expand; its LoRA add-on
+is the layer's time minus the base GEMM's over the same weights, timed side by side), a PEFT-style loop
 over adapters and slices, gather + bmm, the base layer's GEMM alone, and the memory roofline (bytes the
 op must move / measured device copy bandwidth). Then packed LoRA training (forward + backward of the
 LoRA part) against the adapters one after another. ``--sweep`` also times alternative launch configs.
 
-    python scripts/bench_kernels.py --out DIR [--sweep decode|prefill|all] [--quick] [--tokens T ...] [--ranks R ...]
+    python scripts/bench_kernels.py --out DIR [--sweep decode|prefill|all] [--quick] [--lean] [--tokens T ...]
+        [--ranks R ...] [--adapters N ...]
+
+``--lean`` leaves out the PEFT loop, gather + bmm and the no-PDL variant (the issue's targets need only ours,
+the folded layer and the base GEMM).
 
 Prints the tables last; writes every number to DIR/bench_kernels.json and the tables to
 DIR/bench_kernels.md.
@@ -27,7 +33,10 @@ from pathlib import Path
 
 import torch
 
-from skyrl_clora.kernels import LoRAMeta, add_lora, packed_lora
+import torch.nn.functional as F
+
+from skyrl_clora.kernels import LoRAMeta, add_lora, fold_lora_weights, packed_lora
+from skyrl_clora.kernels.folded import folded_lora_linear_triton
 from skyrl_clora.kernels.meta import rank_pad
 from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton, default_config, sgmv_expand, sgmv_shrink
 
@@ -203,6 +212,24 @@ class Case:
         ]
         return graph_time(calls)
 
+    def folded(self) -> tuple[float, float]:
+        """(the folded layer: GEMM over ``[W; A]`` + expand, the base GEMM ``x @ W.T`` alone), seconds per call,
+        over the same rotated weights, so that their difference is what the LoRA adds to the layer."""
+        width = sum(self.widths)
+        n = max(1, min(16, math.ceil(3 * L2_BYTES / (2 * width * self.h_in))))
+        layers = []
+        for i in range(n):
+            s = self.sets[i % len(self.sets)]
+            a = s["a"] if self.per_slice else s["a"].unsqueeze(0)
+            w = torch.randn(width, self.h_in, device="cuda", dtype=DT) / self.h_in**0.5
+            layers.append((s, fold_lora_weights(w, None, a)))
+        with_lora = graph_time([
+            lambda s=s, f=f: folded_lora_linear_triton(s["x"], f, s["b"], self.scales, self.slots, self.meta)
+            for s, f in layers
+        ])  # fmt: skip
+        base = graph_time([lambda s=s, f=f: F.linear(s["x"], f.base_weight) for s, f in layers])
+        return with_lora, base
+
     def meta_build(self) -> float:
         return graph_time([lambda: self.meta.build(self.slots)])
 
@@ -253,27 +280,30 @@ def sweep(results: dict, which: str) -> list[str]:
 
 
 def main_table(
-    results: dict, bandwidth: float, quick: bool, tokens: tuple[int, ...], ranks: tuple[int, ...]
+    results: dict, bandwidth: float, quick: bool, lean: bool, tokens: tuple[int, ...], ranks: tuple[int, ...],
+    adapters: tuple[int, ...],
 ) -> list[str]:
     lines = [
-        "| shape | N | T | r | ours us | no-PDL us | base GEMM us | ours/base | PEFT loop us | PEFT/ours | gather+bmm us "
-        "| gather/ours | roofline us | ours/roofline |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | N | T | r | ours us | no-PDL us | base GEMM us | ours/base | folded layer us | its base us "
+        "| folded add-on us | add-on/base | PEFT loop us | PEFT/ours | gather+bmm us | gather/ours | roofline us "
+        "| ours/roofline |",
+        "| --- " * 18 + "|",
     ]
     shapes = ("h4096",) if quick else tuple(SHAPES)
     for shape in shapes:
         for rank in ranks:
-            for n in (1, 8, 32):
+            for n in adapters:
                 for t in tokens:
                     r: dict = {"shape": shape, "N": n, "T": t, "rank": rank}
                     try:
                         case = Case(shape, n, t, rank)
                         r["bytes"] = case.bytes
                         r["ours_s"] = case.ours()
-                        r["no_pdl_s"] = case.ours_without_pdl()
+                        r["no_pdl_s"] = None if lean else case.ours_without_pdl()
                         r["base_s"] = case.base_gemm()
-                        r["peft_s"] = case.peft_loop()
-                        r["gather_s"] = case.gather_bmm()
+                        r["folded_s"], r["folded_base_s"] = case.folded()
+                        r["peft_s"] = None if lean else case.peft_loop()
+                        r["gather_s"] = None if lean else case.gather_bmm()
                         r["roofline_s"] = case.bytes / bandwidth
                         del case
                     except Exception as e:  # a failed row is reported in the table, the others still run
@@ -283,13 +313,19 @@ def main_table(
                         print(lines[-1], flush=True)
                         continue
                     results["table"].append(r)
-                    us = {k: r[k] * 1e6 for k in ("ours_s", "base_s", "peft_s", "gather_s", "roofline_s")}
-                    no_pdl = "-" if r["no_pdl_s"] is None else f"{r['no_pdl_s'] * 1e6:.1f}"
+                    us = {k: (None if v is None else v * 1e6) for k, v in r.items() if k.endswith("_s")}
+                    add_on = us["folded_s"] - us["folded_base_s"]
+
+                    def cell(key: str, ratio_to: str | None = None) -> str:
+                        if us[key] is None:
+                            return "- |" if ratio_to is None else "- | - |"
+                        return f"{us[key]:.1f} |" + ("" if ratio_to is None else f" {us[key] / us[ratio_to]:.1f} |")
+
                     lines.append(
-                        f"| {shape} | {n} | {t} | {rank} | {us['ours_s']:.1f} | {no_pdl} | {us['base_s']:.1f} | "
-                        f"{r['ours_s'] / r['base_s']:.2f} | {us['peft_s']:.1f} | {r['peft_s'] / r['ours_s']:.1f} | "
-                        f"{us['gather_s']:.1f} | {r['gather_s'] / r['ours_s']:.1f} | {us['roofline_s']:.1f} | "
-                        f"{r['ours_s'] / r['roofline_s']:.1f} |"
+                        f"| {shape} | {n} | {t} | {rank} | {us['ours_s']:.1f} | {cell('no_pdl_s')} {us['base_s']:.1f} | "
+                        f"{us['ours_s'] / us['base_s']:.2f} | {us['folded_s']:.1f} | {us['folded_base_s']:.1f} | "
+                        f"{add_on:.1f} | {add_on / us['folded_base_s']:.2f} | {cell('peft_s', 'ours_s')} "
+                        f"{cell('gather_s', 'ours_s')} {us['roofline_s']:.1f} | {us['ours_s'] / us['roofline_s']:.1f} |"
                     )
                     print(lines[-1], flush=True)
     lines += ["", "| T | N | LoRAMeta.build us (once per step) |", "| --- | --- | --- |"]
@@ -378,6 +414,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="hidden 4096 only in the main table")
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 4096], help="main table token counts")
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64], help="main table ranks")
+    parser.add_argument("--adapters", type=int, nargs="+", default=[1, 8, 32], help="main table adapter counts")
+    parser.add_argument("--lean", action="store_true", help="main table: ours, the folded layer and the base GEMM")
+    parser.add_argument("--no-packed", action="store_true", help="skip packed training")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(), "sweep": [], "table": [], "meta_build": []}
@@ -391,12 +430,14 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     results["copy_bandwidth_Bps"] = bandwidth
     lines += [f"device: {results['device']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", ""]
-    lines += packed_training(results) + [""]
-    save()
+    if not args.no_packed:
+        lines += packed_training(results) + [""]
+        save()
     if args.sweep:
         lines += sweep(results, args.sweep) + [""]
         save()
-    lines += main_table(results, bandwidth, args.quick, tuple(args.tokens), tuple(args.ranks))
+    lines += main_table(results, bandwidth, args.quick, args.lean, tuple(args.tokens), tuple(args.ranks),
+                        tuple(args.adapters))
     results["copy_bandwidth_end_Bps"] = copy_bandwidth()
     lines += ["", f"copy bandwidth at the end: {results['copy_bandwidth_end_Bps'] / 1e12:.2f} TB/s"]
     save()

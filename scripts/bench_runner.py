@@ -194,7 +194,7 @@ def main() -> None:
         write_slot(layers, slot, random_adapter(layers, 16, seed=slot))
     num_rows = max(max(args.spans), args.jobs)
     max_len = -(-max(args.context, args.history + args.observation + 1) // 128) * 128
-    runner = ModelRunner(model, routing, num_rows=num_rows, max_len=max_len, block_size=128, prefill_tokens=64 * 128)
+    runner = ModelRunner(model, num_rows=num_rows, max_len=max_len, block_size=128, prefill_tokens=64 * 128)
     results = {"shape": args.shape, "copy_bandwidth_GBps": bandwidth / 1e9, "cases": []}
     results["cases"] += run_decode(runner, args, weight_bytes, kv_token_bytes, bandwidth, rng)
 

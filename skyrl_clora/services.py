@@ -92,16 +92,17 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
         raise ConfigError(f"model.path={model_path}: tokenizer needs an eos token and a chat template")
     sampler_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
-    fuse_base_projections(sampler_model.model.layers)  # before the twin, so that it shares the fused weights
+    # before the twin, so that it shares the fused weights (the engine's LoRA A rows are folded below them)
+    fuse_base_projections(sampler_model.model.layers, num_tenants, run.lora.max_rank)
     trainer_model = _twin_sharing_weights(sampler_model)
-    sampler_routing, sampler_layers = attach_multi_lora(sampler_model, num_tenants, run.lora.max_rank, trainable=False)
+    _, sampler_layers = attach_multi_lora(sampler_model, num_tenants, run.lora.max_rank, trainable=False)
     trainer_slots = trainer_slot_count(run, num_tenants)
     trainer_routing, trainer_layers = attach_multi_lora(trainer_model, trainer_slots, run.lora.max_rank, trainable=True)
 
     max_len = run.recipe.max_input_length + run.recipe.max_generate_length
     rows = fit_kv_rows(sampler_model, run.sampler.max_rows or num_tenants * rows_per_tenant, max_len,
                        run.sampler.kv_memory_fraction)
-    engine = Engine(sampler_model, sampler_routing, sampler_layers, num_rows=rows, max_len=max_len,
+    engine = Engine(sampler_model, sampler_layers, num_rows=rows, max_len=max_len,
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
                     prefix_cache_bytes=run.sampler.prefix_cache_mb << 20, cuda_graphs=run.sampler.cuda_graphs,
                     reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,

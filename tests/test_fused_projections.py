@@ -1,6 +1,7 @@
-"""The engine's fused q/k/v and gate/up projections: weights become views of one matrix (shared with the
-trainer's twin), LoRA A buffers views of one stack, and the runner's logits with adapters equal the HF
-forward through the unfused multi-LoRA layers (Qwen3, and Qwen2 with q/k/v biases)."""
+"""The engine's folded projections (q/k/v, o, gate/up, down): base weights and LoRA A buffers become views of
+one matrix per group (base weights shared with the trainer's twin), publishes land in it, and the runner's
+logits with adapters equal the HF forward through the unfused multi-LoRA layers (Qwen3, and Qwen2 with q/k/v
+biases)."""
 
 from __future__ import annotations
 
@@ -31,29 +32,42 @@ def test_fused_weights_are_views_shared_with_the_twin() -> None:
     attn = model.model.layers[1].self_attn
     before = {name: getattr(attn, name).weight.clone() for name in ("q_proj", "k_proj", "v_proj")}
     assert attn.q_proj.bias is not None, "Qwen2's q/k/v have biases"
-    fuse_base_projections(model.model.layers)
-    weight, bias = attn.fused_qkv
-    assert weight.shape == (sum(t.shape[0] for t in before.values()), SHAPE["hidden_size"]) and bias is not None
+    fuse_base_projections(model.model.layers, num_slots=3, max_rank=8)
+    folded = attn.folded_qkv
+    width = sum(t.shape[0] for t in before.values())
+    assert folded.weight.shape == (width + 3 * 3 * 8, SHAPE["hidden_size"]) and folded.bias is not None
+    assert folded.lora_a.shape == (3, 3, 8, SHAPE["hidden_size"]) and not folded.lora_a.any(), "zeroed A rows"
+    assert attn.folded_o.lora_a.shape == (3, 8, SHAPE["hidden_size"]), "one projection: one A per slot"
+    assert not folded.bias[width:].any(), "the A rows' outputs get no bias"
     for name, value in before.items():
         linear = getattr(attn, name)
         assert torch.equal(linear.weight, value)
-        assert linear.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
-    fuse_base_projections(model.model.layers)
-    assert attn.fused_qkv[0] is weight, "fusing again changes nothing"
+        assert linear.weight.untyped_storage().data_ptr() == folded.weight.untyped_storage().data_ptr()
+    assert attn.o_proj.weight.untyped_storage().data_ptr() == attn.folded_o.weight.untyped_storage().data_ptr()
+    fuse_base_projections(model.model.layers, num_slots=3, max_rank=8)
+    assert attn.folded_qkv is folded, "folding again changes nothing"
+    with pytest.raises(ValueError, match="folded for 3 slots of rank 8"):
+        fuse_base_projections(model.model.layers, num_slots=4, max_rank=8)
     twin = _twin_sharing_weights(model)
     assert twin.model.layers[1].self_attn.k_proj.weight.data_ptr() == attn.k_proj.weight.data_ptr()
     assert twin.model.layers[1].mlp.up_proj.weight.data_ptr() == model.model.layers[1].mlp.up_proj.weight.data_ptr()
+    assert twin.model.layers[1].mlp.down_proj.weight.data_ptr() == model.model.layers[1].mlp.down_proj.weight.data_ptr()
 
 
-def test_lora_buffers_are_views_of_one_stack_that_publishes_reach() -> None:
+def test_lora_buffers_are_views_of_the_folded_weights_that_publishes_reach() -> None:
     model = _model("qwen3")
     routing, layers = attach_multi_lora(model, num_slots=3, max_rank=8, trainable=False)
-    qkv, gate_up = fused_layer_projections(model.model.layers)[0]
+    write_slot(layers, 2, random_adapter(layers, seed=3))  # before folding: the values must survive it
+    kept = model.model.layers[0].mlp.down_proj.lora_a.clone()
+    projections = fused_layer_projections(model.model.layers)[0]
     write_slot(layers, 1, random_adapter(layers, seed=4))
-    attn = model.model.layers[0].self_attn
-    assert torch.equal(qkv.lora_a[2], attn.v_proj.lora_a) and qkv.lora_a[2].abs().sum() > 0
-    assert attn.k_proj.scales is attn.q_proj.scales and float(qkv.scales[1]) == 2.0
-    assert gate_up.lora_b[1] is model.model.layers[0].mlp.up_proj.lora_b
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert torch.equal(projections.qkv.folded.lora_a[2], attn.v_proj.lora_a) and attn.v_proj.lora_a[1].abs().sum() > 0
+    assert attn.v_proj.lora_a.data_ptr() == projections.qkv.folded.lora_a[2].data_ptr()
+    assert torch.equal(projections.down.folded.lora_a[2], kept[2]) and kept[2].abs().sum() > 0
+    assert mlp.down_proj.lora_a.data_ptr() == projections.down.folded.lora_a.data_ptr()
+    assert attn.k_proj.scales is attn.q_proj.scales and float(projections.qkv.scales[1]) == 2.0
+    assert projections.gate_up.lora_b[1] is mlp.up_proj.lora_b
     with pytest.raises(ValueError, match="inference MultiLoRALinear"):
         trainable = _model("qwen3")
         attach_multi_lora(trainable, num_slots=2, max_rank=8, trainable=True)
@@ -64,7 +78,7 @@ def test_lora_buffers_are_views_of_one_stack_that_publishes_reach() -> None:
 def test_runner_logits_with_adapters_equal_the_unfused_hf_forward(kind: str) -> None:
     model = _model(kind)
     routing, layers = attach_multi_lora(model, num_slots=2, max_rank=8, trainable=False)
-    runner = ModelRunner(model, routing, num_rows=16, max_len=64, block_size=16, prefill_tokens=64)
+    runner = ModelRunner(model, num_rows=16, max_len=64, block_size=16, prefill_tokens=64)
     write_slot(layers, 1, random_adapter(layers, seed=1))
     tokens = torch.tensor([5, 9, 31, 7, 200, 11, 3, 42, 17, 8])
     with_adapter = runner.prefill([PrefillJob(row=0, tokens=tokens, lora_slot=1)])[0]

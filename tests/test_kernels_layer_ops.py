@@ -23,8 +23,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_reference_and_hf(dtype: torch.dtype, with_residual: bool) -> None:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(70, 96, generator=gen).to(DEVICE, dtype)  # three programs of 32 rows, the last partial
-    residual = torch.randn(70, 96, generator=gen).to(DEVICE, dtype) if with_residual else None
+    # three programs of 32 rows, the last partial; x a column view (a folded LoRA layer's output), residual a
+    # column view of another width
+    x = torch.randn(70, 128, generator=gen).to(DEVICE, dtype)[:, :96]
+    residual = torch.randn(70, 112, generator=gen).to(DEVICE, dtype)[:, 8:104] if with_residual else None
     weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype)
     want_y, want_h = rms_norm(x, weight, 1e-6, residual, backend="torch")
     got_y, got_h = rms_norm(x, weight, 1e-6, residual, backend="triton")
@@ -95,8 +97,10 @@ def test_fused_projection_slices_are_read_in_place(dtype: torch.dtype) -> None:
 
 def test_bad_shapes_are_rejected() -> None:
     x = torch.zeros(2, 8, device=DEVICE)
-    with pytest.raises(ValueError, match="contiguous float"):
+    with pytest.raises(ValueError, match="unit column stride"):
         rms_norm(x, torch.ones(16, device=DEVICE), 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="unit column stride"):
+        rms_norm(x[:, ::2], torch.ones(4, device=DEVICE), 1e-6, backend="triton")
     with pytest.raises(ValueError, match="power-of-two head dim"):
         qk_norm_rope(torch.zeros(2, 2, 24, device=DEVICE), torch.zeros(2, 1, 24, device=DEVICE),
                      torch.zeros(2, 24, device=DEVICE), torch.zeros(2, 24, device=DEVICE), None, None, 1e-6,

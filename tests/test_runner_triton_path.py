@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 (scripts/test.sh sets it)")
 
 
-def _logits(model: Qwen3ForCausalLM, routing, triton_path: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    runner = ModelRunner(model, routing, num_rows=16, max_len=64, block_size=16, prefill_tokens=32, share_prefix_reads=True)
+def _logits(model: Qwen3ForCausalLM, triton_path: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    runner = ModelRunner(model, num_rows=16, max_len=64, block_size=16, prefill_tokens=32, share_prefix_reads=True)
     if triton_path:  # the buffers ModelRunner preallocates on CUDA
         runner.lora_meta = LoRAMeta(32, 2, "cpu", max_rank=16, max_slices=3)
         runner._attention_workspace = DecodeWorkspace(16, 4, 64, 16, "cpu")
@@ -42,17 +42,19 @@ def _logits(model: Qwen3ForCausalLM, routing, triton_path: bool) -> tuple[torch.
     return torch.stack(prefill[:2]), decoded[[1, 3]]
 
 
-def test_triton_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fold", [True, False], ids=["folded-gemm", "base-gemm-and-shrink"])
+def test_triton_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch, fold: bool) -> None:
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     model = Qwen3ForCausalLM(config).eval()
-    routing, layers = attach_multi_lora(model, num_slots=2, max_rank=16, trainable=False)
+    _, layers = attach_multi_lora(model, num_slots=2, max_rank=16, trainable=False)
     write_slot(layers, 0, random_adapter(layers, 1, rank=8))
-    want_prefill, want_decode = _logits(model, routing, triton_path=False)
+    want_prefill, want_decode = _logits(model, triton_path=False)
     assert not torch.allclose(want_prefill[0], want_prefill[1], atol=1e-3), "the adapter must change the row's logits"
     assert not torch.allclose(want_decode[0], want_decode[1], atol=1e-3), "the adapter must change the row's logits"
     monkeypatch.setattr(dispatch, "_use_triton", lambda x, backend: True)
-    got_prefill, got_decode = _logits(model, routing, triton_path=True)
+    monkeypatch.setattr(dispatch, "fold_pays", lambda *shape: fold)  # both Triton paths of folded_lora_linear
+    got_prefill, got_decode = _logits(model, triton_path=True)
     assert torch.allclose(got_prefill, want_prefill, atol=1e-5), float((got_prefill - want_prefill).abs().max())
     assert torch.allclose(got_decode, want_decode, atol=1e-5), float((got_decode - want_decode).abs().max())

@@ -29,7 +29,7 @@ def _engine(model_dir: Path, num_rows: int, adapters: dict[str, int], max_len: i
             reuse_decode_kv: bool = False, share_prefix_reads: bool = False) -> tuple[Engine, dict]:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
-    engine = Engine(model, routing, layers, num_rows=num_rows, max_len=max_len, reuse_decode_kv=reuse_decode_kv,
+    engine = Engine(model, layers, num_rows=num_rows, max_len=max_len, reuse_decode_kv=reuse_decode_kv,
                     share_prefix_reads=share_prefix_reads)
     weights = {name: random_adapter(layers, seed) for name, seed in adapters.items()}
     for name, adapter in weights.items():
@@ -172,7 +172,7 @@ def test_prefix_cache_reuses_blocks_bit_identically(micro_model_dir: Path) -> No
     engine, weights = _engine(micro_model_dir, num_rows=4, adapters={"a": 1, "b": 2}, max_len=256)
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
-    uncached = Engine(model, routing, layers, num_rows=4, max_len=256, prefix_cache_bytes=0)
+    uncached = Engine(model, layers, num_rows=4, max_len=256, prefix_cache_bytes=0)
     uncached.register_adapter("a", weights["a"])
     try:
         first = engine.submit(long_prompt, "a", _params(1, max_tokens=16)).result(timeout=60)
@@ -337,7 +337,7 @@ def test_prefill_and_decode_logits_match_the_hf_forward(micro_model_dir: Path) -
 
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
     routing, _ = attach_multi_lora(model, num_slots=2, max_rank=8, trainable=False)
-    runner = ModelRunner(model, routing, num_rows=16, max_len=64, block_size=16, prefill_tokens=64)
+    runner = ModelRunner(model, num_rows=16, max_len=64, block_size=16, prefill_tokens=64)
     tokens = torch.tensor(PROMPT + [3, 4, 5])
     prefill_logits = runner.prefill([PrefillJob(row=2, tokens=tokens[:-1], lora_slot=-1)])[0]
     runner.set_decode_inputs([0, 0, int(tokens[-1])] + [0] * 13, [0, 0, len(tokens) - 1] + [0] * 13, [-1] * 16)

@@ -41,7 +41,7 @@ class Stack:
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         routing, self.layers = attach_multi_lora(model, num_slots=len(TENANTS), max_rank=8, trainable=False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.engine = Engine(model, routing, self.layers, num_rows=12, max_len=112)
+        self.engine = Engine(model, self.layers, num_rows=12, max_len=112)
         self.model_dir = str(model_dir)
         self.server = EmbeddedServer(self.engine, self.tokenizer, model_name=self.model_dir, seed=0)
         url = self.server.start()

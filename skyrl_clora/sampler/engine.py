@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from skyrl_clora.device_copy import lists_to_device
-from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear, write_slot
+from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear, write_slot
 from skyrl_clora.profiling import profiled
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
 from skyrl_clora.sampler.prefix_cache import BlockKV, PrefixCache, PrefixIdentity
@@ -147,7 +147,6 @@ class Engine:
     def __init__(
         self,
         model: torch.nn.Module,
-        routing: LoRARouting,
         lora_layers: dict[str, MultiLoRALinear],
         num_rows: int,
         max_len: int,
@@ -164,7 +163,7 @@ class Engine:
         self.stream_priority = stream_priority
         max_len = -(-max_len // block_size) * block_size  # whole prefill blocks
         num_rows = -(-num_rows // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
-        self.runner = ModelRunner(model, routing, num_rows=num_rows, max_len=max_len, block_size=block_size,
+        self.runner = ModelRunner(model, num_rows=num_rows, max_len=max_len, block_size=block_size,
                                   prefill_tokens=max_prefills_per_step * block_size, share_prefix_reads=share_prefix_reads)
         self._shared_rows = SharedPrefixRows(num_rows) if share_prefix_reads else None
         self.prefix_cache = PrefixCache(block_size, prefix_cache_bytes)

@@ -1,66 +1,84 @@
-"""Fused q/k/v and gate/up projections with their multi-LoRA, for the engine's decoder layers.
+"""The engine's decoder-layer projections: fused where they share an input, LoRA A folded into the weights.
 
-A decode step runs each layer's seven projections at M = the step's rows (tens): seven short GEMMs and
-seven LoRA shrink/expand pairs, bound by launch latency and by the CUDA graph's node count rather than by
-the bytes they move. The engine runs the projections that read the same input as one:
+A decode step runs each layer's seven projections at M = the step's rows (tens to hundreds): short GEMMs and
+multi-LoRA shrink/expand pairs, bound by launch latency and by the CUDA graph's node count rather than by the
+bytes they move. The engine runs a layer as four projections, q/k/v, o, gate/up and down, each one GEMM
+over a :class:`~skyrl_clora.kernels.FoldedWeights` (``kernels.folded``) and one segmented LoRA expand:
 
-- :func:`fuse_base_projections` concatenates a layer's q/k/v weights (and biases) into one matrix and its
-  gate/up weights into another, and makes each module's own weight a view into the fused matrix: no
-  memory is duplicated, and a model that shares these tensors (the trainer's twin, built afterwards from
-  the state dict) keeps sharing them.
-- :func:`fused_layer_projections` stacks the slices' LoRA A buffers into one ``[slices, S, R, H_in]``
-  tensor (each layer's ``lora_a`` becomes a view of it, so in-place publishes still land) and shares one
-  ``scales`` buffer, so each group's LoRA is one multi-slice ``add_lora`` call.
+- :func:`fuse_base_projections` concatenates the base weights (and biases) of the projections that read
+  the same input (q/k/v, gate/up; o and down alone) and appends rows for every adapter slot's LoRA A below
+  them. Each module's own weight becomes a view of the folded matrix: no base weight is duplicated, and a
+  model that shares these tensors (the trainer's twin, built afterwards from the state dict) keeps sharing
+  them.
+- :func:`fused_layer_projections` makes each inference :class:`MultiLoRALinear` layer's ``lora_a`` a view of
+  its folded matrix's A rows (keeping the values; in-place publishes land in the GEMM's weight) and shares
+  one ``scales`` buffer per group, so each group is one ``kernels.folded_lora_linear`` call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from skyrl_clora.kernels import LoRAMeta, add_lora
+from skyrl_clora.kernels import FoldedWeights, LoRAMeta, fold_lora_weights, folded_lora_linear
 from skyrl_clora.lora.layers import MultiLoRALinear
 
-GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj"), "fused_qkv"), ("mlp", ("gate_proj", "up_proj"), "fused_gate_up"))
+# (owner module, projections reading one input, attribute holding their FoldedWeights on the owner)
+GROUPS = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj"), "folded_qkv"),
+    ("self_attn", ("o_proj",), "folded_o"),
+    ("mlp", ("gate_proj", "up_proj"), "folded_gate_up"),
+    ("mlp", ("down_proj",), "folded_down"),
+)
 
 
 @dataclass
 class FusedProjection:
-    """Projections of one input run as one: ``y = x @ weight.T + bias`` (``weight: [sum(sizes), H_in]``),
-    plus each row's slot LoRA of every slice (``lora_a: [slices, S, R, H_in]``, ``lora_b[i]: [S, sizes[i], R]``,
+    """Projections of one input run as one: ``y = x @ base_weight.T + base_bias`` over ``folded``, plus each
+    row's slot LoRA of every slice (``folded.lora_a: [slices, S, R, H_in]``, ``lora_b[i]: [S, sizes[i], R]``,
     ``scales: [S]``), split into the slices' outputs ``[T, sizes[i]]``."""
 
-    weight: torch.Tensor
-    bias: torch.Tensor | None
+    folded: FoldedWeights
     sizes: list[int]
-    lora_a: torch.Tensor
     lora_b: tuple[torch.Tensor, ...]
     scales: torch.Tensor
 
     def __call__(self, x: torch.Tensor, token_slots: torch.Tensor | None, meta: LoRAMeta | None) -> list[torch.Tensor]:
-        """``x: [T, H_in]`` -> the slices' outputs (column views of one ``[T, sum(sizes)]`` tensor)."""
-        y = F.linear(x, self.weight, self.bias)
-        if token_slots is not None:
-            add_lora(y, x, self.lora_a, self.lora_b, self.scales, token_slots, meta=meta)
+        """``x: [T, H_in]`` -> the slices' outputs (column views of one ``[T, >= sum(sizes)]`` tensor)."""
+        y = folded_lora_linear(x, self.folded, self.lora_b, self.scales, token_slots, meta=meta)
         return list(y.split(self.sizes, dim=-1))
+
+
+class LayerProjections(NamedTuple):
+    """One decoder layer's projections, in the order the layer runs them."""
+
+    qkv: FusedProjection
+    o: FusedProjection
+    gate_up: FusedProjection
+    down: FusedProjection
 
 
 def _linear(module: nn.Module) -> nn.Linear:
     return module.base if isinstance(module, MultiLoRALinear) else module
 
 
-def fuse_base_projections(decoder_layers: nn.ModuleList) -> None:
-    """Fuses every layer's q/k/v and gate/up weights (see module docstring); the fused matrices are kept as
-    ``fused_qkv`` / ``fused_gate_up`` ``(weight, bias)`` attributes of the attention / MLP module.
-    Idempotent. Raises ValueError for a layer whose projections are missing or mix biased and unbiased."""
+def fuse_base_projections(decoder_layers: nn.ModuleList, num_slots: int, max_rank: int) -> None:
+    """Folds every layer's projection groups (see module docstring) with zeroed A rows for ``num_slots``
+    adapter slots of rank ``max_rank``; the :class:`FoldedWeights` are kept as ``folded_*`` attributes of the
+    attention / MLP module. Idempotent for the same slots and rank. Raises ValueError for a layer whose
+    projections are missing or mix biased and unbiased, or that was folded for other slots or rank."""
     with torch.no_grad():
         for index, layer in enumerate(decoder_layers):
             for owner_name, names, attribute in GROUPS:
                 owner = getattr(layer, owner_name)
-                if hasattr(owner, attribute):
+                folded = getattr(owner, attribute, None)
+                if folded is not None:
+                    if (folded.num_slots, folded.rank) != (num_slots, max_rank):
+                        raise ValueError(f"decoder layer {index} was folded for {folded.num_slots} slots of rank "
+                                         f"{folded.rank}, not {num_slots} of rank {max_rank}")
                     continue
                 if not all(hasattr(owner, name) for name in names):
                     raise ValueError(f"decoder layer {index}: the engine needs {owner_name}.{'/'.join(names)} projections")
@@ -69,36 +87,46 @@ def fuse_base_projections(decoder_layers: nn.ModuleList) -> None:
                     raise ValueError(f"decoder layer {index}: {owner_name} mixes biased and unbiased projections")
                 weight = torch.cat([linear.weight for linear in linears])
                 bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
+                lora_a = weight.new_zeros(len(names), num_slots, max_rank, weight.shape[1])
+                folded = fold_lora_weights(weight, bias, lora_a)
                 start = 0
                 for linear in linears:
                     end = start + linear.out_features
-                    linear.weight.data = weight[start:end]
+                    linear.weight.data = folded.weight[start:end]
                     if bias is not None:
-                        linear.bias.data = bias[start:end]
+                        linear.bias.data = folded.bias[start:end]
                     start = end
-                setattr(owner, attribute, (weight, bias))
+                setattr(owner, attribute, folded)
 
 
-def fused_layer_projections(decoder_layers: nn.ModuleList) -> list[tuple[FusedProjection, FusedProjection]]:
-    """Per layer, its q/k/v and gate/up :class:`FusedProjection` (fusing the base weights first if needed).
-    The projections must be inference :class:`MultiLoRALinear` layers (``trainable=False``); their LoRA A
-    buffers and scales are re-pointed into shared storage, keeping their values."""
-    fuse_base_projections(decoder_layers)
+def fused_layer_projections(decoder_layers: nn.ModuleList) -> list[LayerProjections]:
+    """Per layer, its four :class:`FusedProjection` (folding the base weights first if needed). The projections
+    must be inference :class:`MultiLoRALinear` layers (``trainable=False``); their LoRA A buffers become views
+    of the folded weights and their scales one shared buffer per group, keeping their values."""
+    first = getattr(decoder_layers[0].self_attn, "q_proj", None) if len(decoder_layers) else None
+    if isinstance(first, MultiLoRALinear):
+        fuse_base_projections(decoder_layers, *first.lora_a.shape[:2])
     fused = []
     for layer in decoder_layers:
-        pair = []
+        group = []
         for owner_name, names, attribute in GROUPS:
             owner = getattr(layer, owner_name)
             layers = [getattr(owner, name) for name in names]
             if not all(isinstance(m, MultiLoRALinear) and not m.trainable for m in layers):
                 raise ValueError(f"{owner_name}.{'/'.join(names)} must be inference MultiLoRALinear layers (attach_multi_lora "
                                  "with trainable=False) before the engine fuses them")
-            stacked = torch.stack([m.lora_a for m in layers])  # [slices, S, R, H_in]
-            for position, module in enumerate(layers):
-                module.lora_a = stacked[position]
-                module.scales = layers[0].scales
-            weight, bias = getattr(owner, attribute)
-            pair.append(FusedProjection(weight, bias, [m.out_features for m in layers], stacked,
-                                        tuple(m.lora_b for m in layers), layers[0].scales))
-        fused.append((pair[0], pair[1]))
+            folded: FoldedWeights = getattr(owner, attribute)
+            if (folded.num_slots, folded.rank) != tuple(layers[0].lora_a.shape[:2]):
+                raise ValueError(f"{owner_name} was folded for {folded.num_slots} slots of rank {folded.rank}, its "
+                                 f"LoRA layers have {tuple(layers[0].lora_a.shape[:2])}")
+            views = list(folded.lora_a) if len(layers) > 1 else [folded.lora_a]  # each [S, R, H_in]
+            with torch.no_grad():
+                for view, module in zip(views, layers):
+                    if module.lora_a.data_ptr() != view.data_ptr():
+                        view.copy_(module.lora_a)
+                        module.lora_a = view
+                    module.scales = layers[0].scales
+            group.append(FusedProjection(folded, [m.out_features for m in layers], tuple(m.lora_b for m in layers),
+                                         layers[0].scales))
+        fused.append(LayerProjections(*group))
     return fused

@@ -2,10 +2,11 @@
 
 The HF modules supply the weights (embeddings, norms, projections with multi-LoRA, MLP) and the rotary
 tables; this runner replaces the attention bookkeeping, so that many sequences of different lengths decode
-together, runs each layer's q/k/v and gate/up projections as one GEMM and one multi-slice LoRA call each
-(``fused_projections``), and runs the element-wise parts of each layer through the kernels' fused ops
-(RMSNorm with the residual add, q/k norm with the rotary embedding, SiLU-mul: one Triton launch each on the
-GPU; on the CPU their references, which are Hugging Face's own ops in order):
+together, runs each layer's projections as four groups (q/k/v, o, gate/up, down) of one GEMM, whose weight
+holds the slots' LoRA A, and one LoRA expand each (``fused_projections``), and runs the element-wise parts of
+each layer through the kernels' fused ops (RMSNorm with the residual add, q/k norm with the rotary embedding,
+SiLU-mul: one Triton launch each on the GPU; on the CPU their references, which are Hugging Face's own ops in
+order):
 
 - ``prefill(jobs)``: several prompts written into their cache rows by ragged forward passes of at most
   ``prefill_tokens`` positions (the prompts' positions laid end to end, no per-prompt padding), from any
@@ -43,7 +44,6 @@ from skyrl_clora.kernels import (
     rms_norm,
     silu_mul,
 )
-from skyrl_clora.lora.layers import LoRARouting
 from skyrl_clora.profiling import profiled
 from skyrl_clora.sampler.fused_projections import fused_layer_projections
 
@@ -79,14 +79,13 @@ class PrefillJob:
 class ModelRunner:
     """Forward passes of a causal LM over a slot-based KV cache (see module docstring)."""
 
-    def __init__(self, model: nn.Module, routing: LoRARouting, num_rows: int, max_len: int, block_size: int,
+    def __init__(self, model: nn.Module, num_rows: int, max_len: int, block_size: int,
                  prefill_tokens: int, share_prefix_reads: bool = False) -> None:
         if max_len % block_size:
             raise ValueError(f"max_len {max_len} must be a multiple of the prefill block size {block_size}")
         if num_rows % DECODE_ROW_QUANTUM:
             raise ValueError(f"num_rows {num_rows} must be a multiple of {DECODE_ROW_QUANTUM}")
         self.model = model.eval()
-        self.routing = routing
         self.decoder = model.model
         config = model.config
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -143,7 +142,7 @@ class ModelRunner:
         self.prefill_graphs = False
         self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_pool = None
-        self._projections = fused_layer_projections(self.decoder.layers)  # per layer: (q/k/v, gate/up)
+        self._projections = fused_layer_projections(self.decoder.layers)  # per layer: q/k/v, o, gate/up, down
 
     @torch.no_grad()
     @profiled("runner.prefill")
@@ -361,23 +360,22 @@ class ModelRunner:
         residual = None
         if self.lora_meta is not None:
             self.lora_meta.build(token_slots)
-        with self.routing.route(token_slots, self.lora_meta):
-            for layer_idx, (layer, (qkv_proj, gate_up_proj)) in enumerate(zip(self.decoder.layers, self._projections)):
-                norm = layer.input_layernorm
-                hidden, residual = rms_norm(x, norm.weight, norm.variance_epsilon, residual)
-                attn = layer.self_attn
-                q, k, v = qkv_proj(hidden, token_slots, self.lora_meta)
-                q, k = q.view(rows, -1, self.head_dim), k.view(rows, -1, self.head_dim)
-                v = v.view(rows, -1, self.head_dim)
-                q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-                q, k = qk_norm_rope(q, k, cos, sin, None if q_norm is None else q_norm.weight,
-                                    None if k_norm is None else k_norm.weight,
-                                    0.0 if q_norm is None else q_norm.variance_epsilon)
-                out = attend(layer_idx, q, k, v)  # [T, H, d]
-                x = attn.o_proj(out.reshape(rows, -1))
-                norm = layer.post_attention_layernorm
-                hidden, residual = rms_norm(x, norm.weight, norm.variance_epsilon, residual)
-                gate, up = gate_up_proj(hidden, token_slots, self.lora_meta)
-                x = layer.mlp.down_proj(silu_mul(gate, up))
+        for layer_idx, (layer, projections) in enumerate(zip(self.decoder.layers, self._projections)):
+            norm = layer.input_layernorm
+            hidden, residual = rms_norm(x, norm.weight, norm.variance_epsilon, residual)
+            attn = layer.self_attn
+            q, k, v = projections.qkv(hidden, token_slots, self.lora_meta)
+            q, k = q.view(rows, -1, self.head_dim), k.view(rows, -1, self.head_dim)
+            v = v.view(rows, -1, self.head_dim)
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            q, k = qk_norm_rope(q, k, cos, sin, None if q_norm is None else q_norm.weight,
+                                None if k_norm is None else k_norm.weight,
+                                0.0 if q_norm is None else q_norm.variance_epsilon)
+            out = attend(layer_idx, q, k, v)  # [T, H, d]
+            (x,) = projections.o(out.reshape(rows, -1), token_slots, self.lora_meta)
+            norm = layer.post_attention_layernorm
+            hidden, residual = rms_norm(x, norm.weight, norm.variance_epsilon, residual)
+            gate, up = projections.gate_up(hidden, token_slots, self.lora_meta)
+            (x,) = projections.down(silu_mul(gate, up), token_slots, self.lora_meta)
         hidden, _ = rms_norm(x, self.decoder.norm.weight, self.decoder.norm.variance_epsilon, residual)
         return hidden

@@ -156,7 +156,7 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     routing, layers = attach_multi_lora(model, len(names), run.lora.max_rank, trainable=False)
     rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in plan.tenants)
-    engine = Engine(model, routing, layers, num_rows=run.sampler.max_rows or len(names) * rows_per_tenant,
+    engine = Engine(model, layers, num_rows=run.sampler.max_rows or len(names) * rows_per_tenant,
                     max_len=run.recipe.max_input_length + run.recipe.max_generate_length,
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
                     prefix_cache_bytes=run.sampler.prefix_cache_mb << 20)

@@ -31,7 +31,7 @@ def _engine(cuda_graphs: bool, tenants: dict[str, int], dtype: torch.dtype = tor
             reuse_decode_kv: bool = False) -> Engine:
     model = _model(dtype)
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=16, trainable=False)
-    engine = Engine(model, routing, layers, num_rows=32, max_len=128, block_size=32, cuda_graphs=cuda_graphs,
+    engine = Engine(model, layers, num_rows=32, max_len=128, block_size=32, cuda_graphs=cuda_graphs,
                     reuse_decode_kv=reuse_decode_kv)
     for name, seed in tenants.items():
         engine.register_adapter(name, random_adapter(layers, seed, b_std=0.05))
@@ -118,7 +118,7 @@ def test_graphed_prefill_passes_match_eager_ones() -> None:
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=16, trainable=False)
     for slot, seed in ((0, 1), (1, 2)):
         write_slot(layers, slot, random_adapter(layers, seed, b_std=0.05))
-    runners = [ModelRunner(model, routing, num_rows=16, max_len=128, block_size=16, prefill_tokens=128) for _ in range(2)]
+    runners = [ModelRunner(model, num_rows=16, max_len=128, block_size=16, prefill_tokens=128) for _ in range(2)]
     runners[0].prefill_graphs = True  # no decode graphs needed here
     rounds = [
         [(0, PROMPT, 0, 0), (1, PROMPT[:23], 1, 5), (2, PROMPT[:9], -1, 0)],  # 69 positions: size 128, captured

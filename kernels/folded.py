@@ -1,0 +1,108 @@
+"""Multi-LoRA inference layers whose LoRA shrink is folded into the base GEMM.
+
+At decode sizes a multi-LoRA layer is bound by launches, not bytes: the segmented shrink ``x @ A[s].T`` and
+expand ``h @ B[s].T`` (``sgmv``) are two short dependent kernels beside a base GEMM that itself only streams
+its weight. Appending every slot's A below the base weight, ``W' = [W; A_0; ...; A_{S-1}]``, makes one GEMM
+``x @ W'.T`` produce the base output and every slot's ``h`` (extra output columns); one segmented expand
+(``sgmv.expand_folded``) then adds each row's own slot's term. The shrink's cost becomes the extra columns'
+share of the GEMM: the A bytes it must read anyway at decode sizes, and ``T * S * R`` multiply-adds per
+input feature at prefill sizes, where reading x once more is cheaper for many slots (``fold_pays``).
+
+The folded weight is the storage: the base weight and each slot's A are views of it, so in-place adapter
+publishes (``copy_`` into ``lora_a``) land in the GEMM's weight and captured CUDA graphs stay valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from skyrl_clora.kernels.checks import check_add_lora
+from skyrl_clora.kernels.meta import LoRAMeta
+from skyrl_clora.kernels.sgmv import check_meta, default_config, expand_folded
+
+# Extra GEMM columns the fold may add, as a fraction of the base output width: at decode sizes (a GEMM that
+# streams its weight, so extra columns cost their bytes, about one short launch at a quarter of the weight)
+# and beyond (a compute-bound GEMM, where the unfolded shrink's second read of x is cheaper for many slots).
+_DECODE_TOKENS = 256
+_DECODE_EXTRA_FRACTION = 1 / 4
+_PREFILL_EXTRA_FRACTION = 1 / 16
+
+
+@dataclass(frozen=True)
+class FoldedWeights:
+    """A linear layer's base weight with every slot's LoRA A appended below it.
+
+    ``weight: [H_out + slices * S * R, H_in]``: rows ``:H_out`` are the base weight, the rest every slot's A
+    (one per output slice, or one shared by all slices: ``slices = 1``), slice-major then slot-major. ``bias``:
+    ``[H_out + slices * S * R]`` with zeros past ``H_out``, or None.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+    slices: int
+    num_slots: int
+    rank: int
+
+    @property
+    def base_weight(self) -> torch.Tensor:
+        return self.weight[: self.out_features]
+
+    @property
+    def base_bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias[: self.out_features]
+
+    @property
+    def lora_a(self) -> torch.Tensor:
+        """A view of ``weight``, as ``add_lora`` takes it: ``[slices, S, R, H_in]``, or ``[S, R, H_in]`` for one A
+        shared by every output slice (``slices = 1``)."""
+        a = self.weight[self.out_features :].view(self.slices, self.num_slots, self.rank, self.weight.shape[1])
+        return a[0] if self.slices == 1 else a
+
+    @property
+    def extra_features(self) -> int:
+        return self.weight.shape[0] - self.out_features
+
+
+def fold_lora_weights(weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor) -> FoldedWeights:
+    """New storage ``[weight; lora_a]`` for ``weight: [H_out, H_in]``, ``bias: [H_out]`` (or None) and
+    ``lora_a: [slices, S, R, H_in]`` of the same dtype and device (their values are copied)."""
+    if lora_a.dim() != 4 or lora_a.shape[-1] != weight.shape[1] or lora_a.dtype != weight.dtype:
+        raise ValueError(f"lora_a must be [slices, S, R, {weight.shape[1]}] {weight.dtype}, got "
+                         f"{tuple(lora_a.shape)} {lora_a.dtype}")
+    slices, num_slots, rank, h_in = lora_a.shape
+    folded = torch.cat([weight, lora_a.reshape(-1, h_in)])
+    folded_bias = None if bias is None else torch.cat([bias, bias.new_zeros(slices * num_slots * rank)])
+    return FoldedWeights(folded, folded_bias, weight.shape[0], slices, num_slots, rank)
+
+
+def fold_pays(num_tokens: int, out_features: int, extra_features: int) -> bool:
+    """Whether the folded GEMM beats base GEMM + segmented shrink for a batch of ``num_tokens`` rows."""
+    fraction = _DECODE_EXTRA_FRACTION if num_tokens <= _DECODE_TOKENS else _PREFILL_EXTRA_FRACTION
+    return extra_features <= fraction * out_features
+
+
+def folded_lora_linear_triton(
+    x: torch.Tensor,
+    folded: FoldedWeights,
+    lora_b: tuple[torch.Tensor, ...],
+    scales: torch.Tensor,
+    token_slots: torch.Tensor,
+    meta: LoRAMeta,
+) -> torch.Tensor:
+    """The folded path of ``dispatch.folded_lora_linear``: one GEMM over ``folded.weight`` and one
+    ``expand_folded``. Returns ``[T, H_out]``, a column view of the GEMM's ``[T, H_out + extra]`` output
+    (row stride ``H_out + extra``). ``meta`` must be built from ``token_slots``; nothing waits for the host."""
+    check_meta(meta, x, folded.num_slots)
+    y = F.linear(x, folded.weight, folded.bias)
+    out = y[:, : folded.out_features]
+    check_add_lora(out, x, folded.lora_a, lora_b, scales, token_slots)
+    T = x.shape[0]
+    if T:
+        h = y[:, folded.out_features :].view(T, folded.slices, folded.num_slots, folded.rank)
+        config = default_config(T, x.shape[1], folded.num_slots, folded.slices, folded.rank)
+        expand_folded(out, h, lora_b, scales, meta, folded.rank, config)
+    return out

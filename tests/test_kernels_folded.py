@@ -1,0 +1,75 @@
+"""Multi-LoRA layers with their slots' A folded into the base weight (``kernels.folded``): the layer's output
+against the base layer plus the fp32 ``add_lora`` reference, on the CPU through the Triton interpreter, on
+both Triton paths (the folded GEMM with one expand, and the base GEMM with shrink and expand); tests/gpu/
+repeats it at real sizes and in a CUDA graph. Tolerances per dtype: ``kernels.testing.TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import skyrl_clora.kernels.dispatch as dispatch
+from skyrl_clora.kernels import LoRAMeta, fold_lora_weights, folded_lora_linear
+from skyrl_clora.kernels.folded import fold_pays
+from skyrl_clora.kernels.testing import LAYOUTS, TOLERANCE, adapters_differ, fold_problem, make_problem, reference_out, rel_error
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"
+)
+SHAPES = {"qkv": ((48, 16, 16), True), "gate_up": ((32, 32), True), "shared_a": ((32, 32), False), "one": ((40,), False)}
+
+
+@interpreted
+@pytest.mark.parametrize("fold", [True, False], ids=["folded-gemm", "base-gemm-and-shrink"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rank", [8, 16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_folded_layer_matches_base_layer_plus_reference(layout: str, shape: str, rank: int, dtype: torch.dtype,
+                                                        fold: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    widths, per_slice_a = SHAPES[shape]
+    # h_in=80 is not a multiple of the K tiles; 24 rows leave a partial row tile
+    p = make_problem(24, 80, widths, num_slots=4, rank=rank, dtype=dtype, layout=layout, per_slice_a=per_slice_a, seed=rank)
+    folded = fold_problem(p, with_bias=shape == "qkv", seed=rank)
+    if p.token_slots.unique().ge(0).sum() > 1:
+        assert adapters_differ(p), "adapters give equal outputs: the parity test would be vacuous"
+    monkeypatch.setattr(dispatch, "fold_pays", lambda *shape: fold)
+    meta = LoRAMeta(max_tokens=32, num_slots=4, device="cpu", max_rank=rank, max_slices=3)
+    meta.build(p.token_slots)
+    got = folded_lora_linear(p.x, folded, p.lora_b, p.scales, p.token_slots, meta=meta, backend="triton")
+    want = reference_out(p)
+    assert got.shape == p.out.shape and got.stride(1) == 1
+    err = rel_error(got, want, p.out)
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+    base_only = p.token_slots < 0
+    torch.testing.assert_close(got[base_only], p.out[base_only])
+
+
+@interpreted
+def test_publishes_into_lora_a_reach_the_folded_gemm() -> None:
+    p = make_problem(16, 32, (32,), num_slots=3, rank=8, dtype=torch.float32, layout="uniform")
+    folded = fold_problem(p, with_bias=False)
+    folded.lora_a[1].copy_(torch.randn(8, 32))  # an in-place publish into slot 1, as the engine's sync does
+    assert folded.lora_a.data_ptr() == folded.weight[32:].data_ptr()
+    p.lora_a = folded.lora_a
+    got = folded_lora_linear(p.x, folded, p.lora_b, p.scales, p.token_slots, backend="triton")
+    assert rel_error(got, reference_out(p), p.out) < TOLERANCE[torch.float32]
+
+
+def test_fold_pays_by_rows_and_extra_columns() -> None:
+    assert fold_pays(256, 6144, 3 * 32 * 16)  # decode: a quarter of the base columns may be added
+    assert not fold_pays(256, 2560, 32 * 64)
+    assert fold_pays(4096, 6144, 3 * 8 * 16)  # prefill: a sixteenth
+    assert not fold_pays(4096, 2560, 32 * 16)
+
+
+def test_fold_rejects_mismatched_lora_a() -> None:
+    weight = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match=r"lora_a must be \[slices, S, R, 16\]"):
+        fold_lora_weights(weight, None, torch.zeros(2, 4, 16))
+    folded = fold_lora_weights(weight, torch.ones(8), torch.zeros(1, 2, 4, 16))
+    assert folded.weight.shape == (16, 16) and folded.bias.tolist() == [1.0] * 8 + [0.0] * 8
+    assert torch.equal(folded.base_weight, weight) and folded.extra_features == 8
