@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from skyrl_clora.kernels import LoRAMeta, add_lora, fold_lora_weights, packed_lora
 from skyrl_clora.kernels.folded import folded_lora_linear_triton
 from skyrl_clora.kernels.meta import rank_pad
-from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton, default_config, sgmv_expand, sgmv_shrink
+from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton, default_config, expand_folded, sgmv_expand, sgmv_shrink
 
 DT = torch.bfloat16
 L2_BYTES = 60 * 2**20
@@ -279,6 +279,59 @@ def sweep(results: dict, which: str) -> list[str]:
     return lines
 
 
+def folded_sweep(results: dict) -> list[str]:
+    """The folded layer's parts for the q/k/v shape (and hidden 4096 beside it): the base GEMM, the GEMM over
+    ``[W; A]`` with its row count padded to multiples of 1 / 256 / 512 (zero rows), and ``expand_folded`` alone
+    under the default config and variants of its column tile and warps."""
+    lines = [
+        "| shape | N | T | base GEMM us | [W; A] GEMM us (pad 1 / 256 / 512) | expand default us | best expand us "
+        "| best config |",
+        "| --- " * 8 + "|",
+    ]
+    for shape in ("4B.qkv", "h4096"):
+        for n in (8, 32):
+            for t in (16, 64, 256, 4096):
+                case = Case(shape, n, t, 16)
+                width, n_a = sum(case.widths), len(case.widths) if case.per_slice else 1
+                n_w = max(1, min(16, math.ceil(3 * L2_BYTES / (2 * width * case.h_in))))
+                weights = [torch.randn(width, case.h_in, device="cuda", dtype=DT) for _ in range(n_w)]
+                sets = [case.sets[i % len(case.sets)] for i in range(n_w)]
+                base = graph_time([lambda s=s, w=w: F.linear(s["x"], w) for s, w in zip(sets, weights)])
+                gemms = []
+                for multiple in (1, 256, 512):
+                    extra = n_a * n * 16
+                    pad = -(width + extra) % multiple
+                    ext = [torch.cat([w, s["a"].reshape(-1, case.h_in), w.new_zeros(pad, case.h_in)])
+                           for s, w in zip(sets, weights)]
+                    gemms.append(graph_time([lambda s=s, w=w: F.linear(s["x"], w) for s, w in zip(sets, ext)]))
+                    del ext
+                ys = [torch.randn(t, width + n_a * n * 16, device="cuda", dtype=DT) for _ in case.sets]
+                default = default_config(t, case.h_in, n, n_a, 16)
+
+                def expand(cfg: SgmvConfig) -> float:
+                    return graph_time([
+                        lambda s=s, y=y, c=case: expand_folded(y[:, :width], y[:, width:].view(t, n_a, n, 16), s["b"],
+                                                               c.scales, c.meta, 16, cfg)
+                        for s, y in zip(case.sets, ys)
+                    ])  # fmt: skip
+
+                timed = {repr(default): expand(default)}
+                for bn in (64, 128, 256):
+                    for warps in (2, 4, 8):
+                        cfg = dataclasses.replace(default, block_n=bn, num_warps=warps)
+                        if repr(cfg) not in timed:
+                            timed[repr(cfg)] = expand(cfg)
+                best = min(timed, key=timed.get)
+                row = {"shape": shape, "N": n, "T": t, "base_s": base, "gemm_pad_s": gemms, "expand_s": timed}
+                results["folded_sweep"].append(row)
+                lines.append(
+                    f"| {shape} | {n} | {t} | {base * 1e6:.1f} | {' / '.join(f'{g * 1e6:.1f}' for g in gemms)} | "
+                    f"{timed[repr(default)] * 1e6:.1f} | {timed[best] * 1e6:.1f} | {best} |"
+                )
+                print(lines[-1], flush=True)
+    return lines
+
+
 def main_table(
     results: dict, bandwidth: float, quick: bool, lean: bool, tokens: tuple[int, ...], ranks: tuple[int, ...],
     adapters: tuple[int, ...],
@@ -411,6 +464,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_kernels"))
     parser.add_argument("--sweep", choices=["decode", "prefill", "all"], help="time alternative launch configs")
+    parser.add_argument("--folded-sweep", action="store_true", help="the folded layer's parts and expand configs")
+    parser.add_argument("--no-table", action="store_true", help="skip the main table")
     parser.add_argument("--quick", action="store_true", help="hidden 4096 only in the main table")
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 4096], help="main table token counts")
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64], help="main table ranks")
@@ -419,7 +474,7 @@ def main() -> None:
     parser.add_argument("--no-packed", action="store_true", help="skip packed training")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"device": torch.cuda.get_device_name(), "sweep": [], "table": [], "meta_build": []}
+    results: dict = {"device": torch.cuda.get_device_name(), "sweep": [], "folded_sweep": [], "table": [], "meta_build": []}
     lines: list[str] = []
 
     def save() -> None:  # after every section, so a run cut short keeps what it measured
@@ -436,8 +491,12 @@ def main() -> None:
     if args.sweep:
         lines += sweep(results, args.sweep) + [""]
         save()
-    lines += main_table(results, bandwidth, args.quick, args.lean, tuple(args.tokens), tuple(args.ranks),
-                        tuple(args.adapters))
+    if args.folded_sweep:
+        lines += folded_sweep(results) + [""]
+        save()
+    if not args.no_table:
+        lines += main_table(results, bandwidth, args.quick, args.lean, tuple(args.tokens), tuple(args.ranks),
+                            tuple(args.adapters))
     results["copy_bandwidth_end_Bps"] = copy_bandwidth()
     lines += ["", f"copy bandwidth at the end: {results['copy_bandwidth_end_Bps'] / 1e12:.2f} TB/s"]
     save()
