@@ -7,6 +7,8 @@ its weight. Appending every slot's A below the base weight, ``W' = [W; A_0; ...;
 (``sgmv.expand_folded``) then adds each row's own slot's term. The shrink's cost becomes the extra columns'
 share of the GEMM: the A bytes it must read anyway at decode sizes, and ``T * S * R`` multiply-adds per
 input feature at prefill sizes, where reading x once more is cheaper for many slots (``fold_pays``).
+Measured on the H200 (Qwen3-4B shapes, rank 16, 8 slots): the LoRA add-on at 16-256 rows falls to 0.11-0.34x
+the base GEMM except for q/k/v (0.43x), against 0.28-0.72x for base GEMM + shrink + expand.
 
 The folded weight is the storage: the base weight and each slot's A are views of it, so in-place adapter
 publishes (``copy_`` into ``lora_a``) land in the GEMM's weight and captured CUDA graphs stay valid.
@@ -23,12 +25,15 @@ from skyrl_clora.kernels.checks import check_add_lora
 from skyrl_clora.kernels.meta import LoRAMeta
 from skyrl_clora.kernels.sgmv import check_meta, default_config, expand_folded
 
-# Extra GEMM columns the fold may add, as a fraction of the base output width: at decode sizes (a GEMM that
-# streams its weight, so extra columns cost their bytes, about one short launch at a quarter of the weight)
-# and beyond (a compute-bound GEMM, where the unfolded shrink's second read of x is cheaper for many slots).
+# When the fold pays (``fold_pays``). At decode sizes the GEMM streams its weight, so the extra columns cost
+# their bytes: the A bytes the shrink would read anyway; the fold saved a launch in every measured row up to a
+# quarter of the base columns (Qwen3-4B q/k/v at 32 slots of rank 16). Beyond, the GEMM is compute-bound: an
+# extra column costs 2 * T * H_in flops where the shrink reads x's 2 * T * H_in bytes once, which break even
+# near 175 columns on an H200 (~700 TFLOP/s, ~4 TB/s); measured at 4096 rows, 128 and 256 extra columns
+# folded faster, 384 and more slower (BENCHMARKS.md, twelfth session, Runs 1-2).
 _DECODE_TOKENS = 256
 _DECODE_EXTRA_FRACTION = 1 / 4
-_PREFILL_EXTRA_FRACTION = 1 / 16
+_PREFILL_EXTRA_COLUMNS = 256
 
 
 @dataclass(frozen=True)
@@ -81,8 +86,9 @@ def fold_lora_weights(weight: torch.Tensor, bias: torch.Tensor | None, lora_a: t
 
 def fold_pays(num_tokens: int, out_features: int, extra_features: int) -> bool:
     """Whether the folded GEMM beats base GEMM + segmented shrink for a batch of ``num_tokens`` rows."""
-    fraction = _DECODE_EXTRA_FRACTION if num_tokens <= _DECODE_TOKENS else _PREFILL_EXTRA_FRACTION
-    return extra_features <= fraction * out_features
+    if num_tokens <= _DECODE_TOKENS:
+        return extra_features <= _DECODE_EXTRA_FRACTION * out_features
+    return extra_features <= _PREFILL_EXTRA_COLUMNS
 
 
 def folded_lora_linear_triton(

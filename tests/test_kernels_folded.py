@@ -62,8 +62,8 @@ def test_publishes_into_lora_a_reach_the_folded_gemm() -> None:
 def test_fold_pays_by_rows_and_extra_columns() -> None:
     assert fold_pays(256, 6144, 3 * 32 * 16)  # decode: a quarter of the base columns may be added
     assert not fold_pays(256, 2560, 32 * 64)
-    assert fold_pays(4096, 6144, 3 * 8 * 16)  # prefill: a sixteenth
-    assert not fold_pays(4096, 2560, 32 * 16)
+    assert fold_pays(4096, 19456, 2 * 8 * 16)  # prefill: at most 256 columns, whatever the base width
+    assert not fold_pays(4096, 6144, 3 * 8 * 16)
 
 
 def test_fold_rejects_mismatched_lora_a() -> None:
