@@ -119,7 +119,7 @@ def _packed_grads(fn, x, a, b, scales, slots, dy, **kwargs) -> list[torch.Tensor
     return [y.detach()] + [t.grad for t in leaves]
 
 
-PACKED_CASES = [(layout, 16) for layout in ("uniform", "skewed", "no_adapter", "identical")] + [
+PACKED_CASES = [(layout, 16) for layout in ("distinct", "uniform", "skewed", "no_adapter", "identical")] + [
     ("uniform", 8),
     ("no_adapter", 64),
 ]
@@ -185,31 +185,71 @@ def test_packed_split_k_partials_are_summed() -> None:
         assert rel_error(g, w, torch.zeros_like(w)) < TOLERANCE[torch.float32], name
 
 
-def test_packed_row_split_rule() -> None:
-    assert packed._row_splits(1023, 16) == 1  # below two splits' worth of rows
-    assert packed._row_splits(14_000, 16) == 27  # one tenant's micro-batch, dA at H_in = 2048: rows bound it
-    assert packed._row_splits(14_000, 48) == 11  # 48 column tiles: the program target bounds it
-    assert packed._row_splits(1 << 20, 1) == packed._MAX_SPLITS
+def test_packed_chunk_and_tile_rules() -> None:
+    assert packed._chunk_rows(4096, 32, 128) == 512  # benchmark, dy kernel: one chunk per 512-row slot
+    assert packed._chunk_rows(4096, 16, 32) == 256  # benchmark, x kernel: two chunks per slot
+    assert packed._chunk_rows(12_288, 8, 32) == 256  # one tenant's micro-batch at 2048 features: 48 chunks
+    assert packed._chunk_rows(24, 1, 32) == 32  # at least one row tile
+    assert packed._chunk_rows(100_000, 1, 64) == 256  # a power of two of row tiles
+    assert [packed._forward_rows(t) for t in (24, 4064, 4096)] == [16, 16, 32]
+    assert packed._fit(512, (32 + 16) * 2) == 512  # bf16 rank 16: the whole tile
+    assert packed._fit(512, (32 + 64) * 4) == 128  # fp32 rank 64: cut to the shared-memory budget
+    assert packed._fit(64, 1 << 20) == 16  # never below tl.dot's minimum
+
+
+def _packed_grads_of(fn, x, a, b, scales, slots, dy, need, **kwargs) -> list[torch.Tensor | None]:
+    leaves = [t.detach().clone().requires_grad_(n) for t, n in zip((x, a, b), need)]
+    y = fn(*leaves, scales, slots, **kwargs)
+    y.backward(dy)
+    return [y.detach()] + [t.grad for t in leaves]
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_packed_grads_split_rows(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    """Weight gradients with each slot's rows cut into chunks (per-chunk partials summed): uneven
-    segments, an empty slot and rows with no slot."""
-    monkeypatch.setattr(packed, "_SPLIT_ROWS", 16)
-    monkeypatch.setattr(packed, "_GRAD_ROWS", 16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("base", [False, True], ids=["lora", "base"])
+def test_packed_multi_chunk_path(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, base: bool) -> None:
+    """Backward with each slot's rows cut into chunks of 32 rows (two row tiles of 16): per-chunk partials
+    of dA and dB summed by the finishing kernels, uneven segments (130, 37 and 3 rows), an empty slot and
+    rows with no slot; the forward with 16-row tiles."""
+    monkeypatch.setattr(packed, "_DY_ROWS", 16)
+    monkeypatch.setattr(packed, "_X_ROWS", 16)
+    monkeypatch.setattr(packed, "_BWD_TARGET_PROGRAMS", 4)
     T = 200
     x, a, b, scales, _, dy = _packed_case("uniform", 16, dtype, num_tokens=T, seed=3)
     slots = torch.tensor([0] * 130 + [2] * 37 + [3] * 3 + [-1] * 30)
     slots = slots[torch.randperm(T, generator=torch.Generator().manual_seed(4))]
-    assert packed._row_splits(T, 1) == 12  # slot 0: 9 chunks of 16 rows (the last of 2), 3 empty chunks
-    want = _packed_grads(packed_lora_ref, x.float(), a.float(), b.float(), scales, slots, dy.float())
-    got = _packed_grads(packed_lora, x, a, b, scales, slots, dy, backend="triton")
-    for name, g, w in zip(("dA", "dB"), got[2:], want[2:]):
+    assert packed._chunk_rows(T, 1, 16) == 32  # slot 0: 5 chunks (the last of 2 rows), slot 2: 2 chunks
+    kwargs = {}
+    if base:
+        gen = torch.Generator().manual_seed(9)
+        kwargs = {"weight": torch.randn(24, 32, generator=gen).to(dtype), "bias": torch.randn(24, generator=gen).to(dtype)}
+
+    def layer(x, a, b, scales, slots, weight=None, bias=None, **kw):
+        return lora_linear(x, weight, bias, a, b, scales, slots, **kw) if weight is not None else packed_lora(
+            x, a, b, scales, slots, **kw)
+
+    want = _packed_grads(layer, x.float(), a.float(), b.float(), scales, slots, dy.float(),
+                         **{k: v.float() for k, v in kwargs.items()})
+    got = _packed_grads(layer, x, a, b, scales, slots, dy, backend="triton", **kwargs)
+    for name, g, w in zip(("y", "dx", "dA", "dB"), got, want):
         err = rel_error(g, w, torch.zeros_like(w))
         assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
     assert got[2][1].abs().max() == 0 and got[3][1].abs().max() == 0  # slot 1 has no rows
+    if not base:
+        assert torch.equal(got[1][slots < 0], torch.zeros_like(got[1][slots < 0]))
+
+
+@interpreted
+@pytest.mark.parametrize("need", [(True, False, False), (False, True, False), (False, False, True), (True, False, True)],
+                         ids=["x", "A", "B", "x+B"])
+def test_packed_computes_only_the_needed_grads(need: tuple[bool, bool, bool]) -> None:
+    x, a, b, scales, slots, dy = _packed_case("no_adapter", 8, torch.float32, seed=6)
+    want = _packed_grads_of(packed_lora_ref, x, a, b, scales, slots, dy, need)
+    got = _packed_grads_of(packed_lora, x, a, b, scales, slots, dy, need, backend="triton")
+    for name, g, w in zip(("y", "dx", "dA", "dB"), got, want):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            assert rel_error(g, w, torch.zeros_like(w)) < TOLERANCE[torch.float32], name
 
 
 @interpreted

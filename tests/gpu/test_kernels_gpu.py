@@ -89,6 +89,80 @@ def test_packed_grads_match_reference(num_tokens: int, layout: str, rank: int, d
         assert torch.equal(got[no_adapter], torch.zeros_like(got[no_adapter]))
 
 
+@pytest.mark.parametrize("base", [False, True], ids=["lora", "base"])
+@pytest.mark.parametrize("shape", ["bench", "one_slot_12k"])
+def test_packed_training_shapes_match_reference(shape: str, base: bool) -> None:
+    """bf16 values and all gradients against the fp32 reference (with a base layer: ``lora_linear`` against
+    the base layer plus the reference) at the benchmark's shape (8 adapters of 512 contiguous rows, hidden
+    4096, rank 16: one chunk per slot) and at one tenant's micro-batch (12,288 rows in one slot of four,
+    256 rows with no slot, 2048 features: 24 chunks, partial sums)."""
+    gen = torch.Generator().manual_seed(7)
+    if shape == "bench":
+        num_slots, h_in, h_out, slots = 8, 4096, 4096, torch.arange(8).repeat_interleave(512)
+    else:
+        num_slots, h_in, h_out = 4, 2048, 2048
+        slots = torch.cat([torch.full((12_288,), 2), torch.full((256,), -1)])[torch.randperm(12_544, generator=gen)]
+    T, rank = slots.shape[0], 16
+    x, dy = torch.randn(T, h_in, generator=gen), torch.randn(T, h_out, generator=gen)
+    a = torch.randn(num_slots, rank, h_in, generator=gen) / h_in**0.5
+    b = torch.randn(num_slots, h_out, rank, generator=gen)
+    weight = torch.randn(h_out, h_in, generator=gen) / h_in**0.5
+    scales, slots = (torch.rand(num_slots, generator=gen) + 0.5).cuda(), slots.cuda()
+    results = []
+    for cast, backend in ((torch.float32, "torch"), (torch.bfloat16, "triton")):
+        leaves = [t.cuda().to(cast).requires_grad_() for t in (x, a, b)]
+        if base:
+            y = lora_linear(leaves[0], weight.cuda().to(cast), None, *leaves[1:], scales, slots, backend=backend)
+        else:
+            y = packed_lora(*leaves, scales, slots, backend=backend)
+        y.backward(dy.cuda().to(cast))
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for name, got, want in zip(("y", "dx", "dA", "dB"), results[1], results[0]):
+        err = rel_error(got, want, torch.zeros_like(want))
+        assert err < TOLERANCE[torch.bfloat16], f"{name}: relative error {err:.2e}"
+    used = slots.unique()
+    for s in range(num_slots):  # a slot with no rows gets exactly zero gradients
+        if s not in used:
+            assert results[1][2][s].abs().max() == 0 and results[1][3][s].abs().max() == 0
+
+
+def test_packed_training_step_captured_in_cuda_graph() -> None:
+    """Forward and ``torch.autograd.grad`` wrt x, A and B (the benchmark's call, with a meta) captured in one
+    CUDA graph: replays with new x, dy and slots match the eager call."""
+    T, S, h, rank = 2048, 4, 1024, 16
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(T, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    a = (torch.randn(S, rank, h, device="cuda", dtype=torch.bfloat16, generator=gen) / 32).requires_grad_()
+    b = torch.randn(S, h, rank, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    dy = torch.randn(T, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    scales = torch.tensor([2.0, 0.5, 1.0, 3.0], device="cuda")
+    slots = torch.randint(-1, S, (T,), device="cuda", generator=gen)
+    meta = LoRAMeta(max_tokens=T, num_slots=S, device="cuda", max_rank=rank)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        meta.build(slots)
+        y = packed_lora(x, a, b, scales, slots, meta=meta)
+        return (y.detach(),) + torch.autograd.grad(y, (x, a, b), dy)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for replay in range(3):
+        slots.copy_(torch.randint(-1 if replay else 0, S, (T,), device="cuda", generator=gen))
+        with torch.no_grad():
+            x.copy_(torch.randn(T, h, device="cuda", generator=gen))
+        dy.copy_(torch.randn(T, h, device="cuda", generator=gen))
+        graph.replay()
+        want = step()
+        for name, got, w in zip(("y", "dx", "dA", "dB"), captured, want):
+            assert torch.equal(got, w), f"replay {replay}: {name} differs from the eager call"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("num_tokens", [256, 4096])
 def test_lora_linear_matches_base_layer_plus_reference(num_tokens: int, dtype: torch.dtype) -> None:
