@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -22,6 +23,27 @@ LAYOUTS = ("distinct", "uniform", "zipf", "identical", "skewed", "no_adapter")
 # Largest relative error ||got - ref|| / ||ref - out_before|| accepted against the fp32 reference:
 # fp32 (ieee dots) is near rounding; fp16/bf16 round the input, h and the output to 10/7 mantissa bits.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+Result = TypeVar("Result")
+
+
+def capture_graph(step: Callable[[], Result]) -> tuple[torch.cuda.CUDAGraph, Result, int]:
+    """Runs ``step`` once on a side stream (compiling and warming up outside the capture), then captures it in a
+    CUDA graph; returns the graph, what the captured call returned, and the bytes it allocated in the capture
+    (after capture_begin's own bookkeeping tensors)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        allocated = torch.cuda.memory_allocated()
+        result = step()
+        step_allocated = torch.cuda.memory_allocated() - allocated
+    return graph, result, step_allocated
 
 
 def make_slots(layout: str, num_tokens: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:

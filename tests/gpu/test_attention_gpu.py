@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import DecodeWorkspace, decode_attention
-from skyrl_clora.kernels.testing import TOLERANCE, attention_ref_fp32, make_attention_problem, rel_error
+from skyrl_clora.kernels.testing import TOLERANCE, attention_ref_fp32, capture_graph, make_attention_problem, rel_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -70,17 +70,7 @@ def test_decode_step_captured_in_cuda_graph_replays_new_lengths() -> None:
         for p, out in zip(layers, outs):
             decode_attention(q, p.k_cache, p.v_cache, lengths, out=out, workspace=ws)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        allocated = torch.cuda.memory_allocated()
-        step()
-        step_allocated = torch.cuda.memory_allocated() - allocated
+    graph, _, step_allocated = capture_graph(step)
     assert step_allocated == 0, f"the captured decode step allocated {step_allocated} bytes"
     gen = torch.Generator(device="cuda").manual_seed(7)
     for replay in range(3):

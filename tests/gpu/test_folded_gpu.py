@@ -10,7 +10,15 @@ import torch
 
 import skyrl_clora.kernels.dispatch as dispatch
 from skyrl_clora.kernels import LoRAMeta, folded_lora_linear
-from skyrl_clora.kernels.testing import TOLERANCE, adapters_differ, fold_problem, make_problem, reference_out, rel_error
+from skyrl_clora.kernels.testing import (
+    TOLERANCE,
+    adapters_differ,
+    capture_graph,
+    fold_problem,
+    make_problem,
+    reference_out,
+    rel_error,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SHAPES = {  # Qwen3-4B's projections and hidden 4096: (h_in, widths, one A per slice)
@@ -68,21 +76,12 @@ def test_folded_decode_step_captured_in_cuda_graph_replays_new_batches_and_publi
         p.lora_a = folded.lora_a  # the reference reads the folded weight's A rows, as publishes write them
     slots = torch.zeros(T, dtype=torch.int64, device="cuda")
     meta = LoRAMeta(max_tokens=T, num_slots=S, device="cuda", max_rank=16, max_slices=3)
-    outs: list[torch.Tensor] = []
 
-    def step() -> None:
+    def step() -> list[torch.Tensor]:
         meta.build(slots)
-        outs[:] = [folded_lora_linear(p.x, folded, p.lora_b, p.scales, slots, meta=meta) for p, folded in layers]
+        return [folded_lora_linear(p.x, folded, p.lora_b, p.scales, slots, meta=meta) for p, folded in layers]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, outs, _ = capture_graph(step)
     gen = torch.Generator(device="cuda").manual_seed(5)
     for replay in range(3):
         new_slots = torch.randint(-1, S, (T,), device="cuda", generator=gen)

@@ -13,7 +13,15 @@ from skyrl_clora.kernels import LoRAMeta, add_lora, dense_lora_linear, gather_ro
 from skyrl_clora.kernels.gather_ops import inverse_index
 from skyrl_clora.kernels.reference import packed_lora_ref
 from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton
-from skyrl_clora.kernels.testing import LAYOUTS, TOLERANCE, adapters_differ, make_problem, reference_out, rel_error
+from skyrl_clora.kernels.testing import (
+    LAYOUTS,
+    TOLERANCE,
+    adapters_differ,
+    capture_graph,
+    make_problem,
+    reference_out,
+    rel_error,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -205,17 +213,7 @@ def test_decode_step_captured_in_cuda_graph_replays_new_batches() -> None:
         for p in layers:
             add_lora(p.out, p.x, p.lora_a, p.lora_b, p.scales, slots, meta=meta)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        allocated = torch.cuda.memory_allocated()  # after capture_begin's own bookkeeping tensors
-        step()
-        step_allocated = torch.cuda.memory_allocated() - allocated
+    graph, _, step_allocated = capture_graph(step)
     assert step_allocated == 0, f"the captured decode step allocated {step_allocated} bytes"
     gen = torch.Generator(device="cuda").manual_seed(5)
     for layout_seed in range(3):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import prefill_attention
-from skyrl_clora.kernels.testing import TOLERANCE, make_prefill_problem, prefill_ref_fp32, rel_error
+from skyrl_clora.kernels.testing import TOLERANCE, capture_graph, make_prefill_problem, prefill_ref_fp32, rel_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -95,17 +95,7 @@ def test_prefill_pass_captured_in_cuda_graph_replays_new_metadata() -> None:
     def attend() -> torch.Tensor:
         return prefill_attention(q, k_cache, v_cache, *metadata, HEAD_DIM**-0.5)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        attend()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        allocated = torch.cuda.memory_allocated()
-        out = attend()
-        pass_allocated = torch.cuda.memory_allocated() - allocated
+    graph, out, pass_allocated = capture_graph(attend)
     assert pass_allocated == out.numel() * out.element_size(), f"the captured pass allocated {pass_allocated} bytes"
     previous = None
     for replay, layout in enumerate(["turns", "prompts", "mixed"]):
