@@ -106,7 +106,8 @@ class EngineStats:
     cache, seconds spent in prefill (with its sampling and first-use graph captures), in decode steps (with
     their sampling) and busy in all, the seconds the loop waited while paused and while it had nothing to do
     (no running row, request or publish; busy + paused + idle is the engine thread's lifetime, up to the
-    loop's own bookkeeping), the seconds decode steps spent in their sampling call (which waits for the
+    loop's own bookkeeping; a wait counts by the state it began in, so a pause that starts while the loop
+    has nothing to do adds to idle), the seconds decode steps spent in their sampling call (which waits for the
     step's GPU work: the rest of a decode step is host work), the seconds the decode CUDA graphs' capture
     took, and the key positions decode steps read from another row's copy of a shared prefix."""
 
