@@ -199,11 +199,13 @@ class Case:
 
         return graph_time([call(self.sets[0])], min_calls=4)
 
+    def weight_sets(self) -> int:
+        """How many base weights of this layer to rotate over so that each call misses the L2 cache (1-16)."""
+        return max(1, min(16, math.ceil(3 * L2_BYTES / (2 * sum(self.widths) * self.h_in))))
+
     def base_gemm(self) -> float:
         width = sum(self.widths)
-        w_bytes = 2 * width * self.h_in
-        n = max(1, min(16, math.ceil(3 * L2_BYTES / w_bytes)))
-        ws = [torch.randn(width, self.h_in, device="cuda", dtype=DT) for _ in range(n)]
+        ws = [torch.randn(width, self.h_in, device="cuda", dtype=DT) for _ in range(self.weight_sets())]
         outs = [s["out"] for s in self.sets]
         xs = [s["x"] for s in self.sets]
         calls = [
@@ -216,9 +218,8 @@ class Case:
         """(the folded layer: GEMM over ``[W; A]`` + expand, the base GEMM ``x @ W.T`` alone), seconds per call,
         over the same rotated weights, so that their difference is what the LoRA adds to the layer."""
         width = sum(self.widths)
-        n = max(1, min(16, math.ceil(3 * L2_BYTES / (2 * width * self.h_in))))
         layers = []
-        for i in range(n):
+        for i in range(self.weight_sets()):
             s = self.sets[i % len(self.sets)]
             a = s["a"] if self.per_slice else s["a"].unsqueeze(0)
             w = torch.randn(width, self.h_in, device="cuda", dtype=DT) / self.h_in**0.5
@@ -293,7 +294,7 @@ def folded_sweep(results: dict) -> list[str]:
             for t in (16, 64, 256, 4096):
                 case = Case(shape, n, t, 16)
                 width, n_a = sum(case.widths), len(case.widths) if case.per_slice else 1
-                n_w = max(1, min(16, math.ceil(3 * L2_BYTES / (2 * width * case.h_in))))
+                n_w = case.weight_sets()
                 weights = [torch.randn(width, case.h_in, device="cuda", dtype=DT) for _ in range(n_w)]
                 sets = [case.sets[i % len(case.sets)] for i in range(n_w)]
                 base = graph_time([lambda s=s, w=w: F.linear(s["x"], w) for s, w in zip(sets, weights)])
