@@ -12,9 +12,12 @@ LoRA part) against the adapters one after another. ``--sweep`` also times altern
 
     python scripts/bench_kernels.py --out DIR [--sweep decode|prefill|all] [--quick] [--lean] [--tokens T ...]
         [--ranks R ...] [--adapters N ...]
+    python scripts/bench_kernels.py --out DIR --packed-sweep [--packed-configs JSON]
 
 ``--lean`` leaves out the PEFT loop, gather + bmm and the no-PDL variant (the issue's targets need only ours,
-the folded layer and the base GEMM).
+the folded layer and the base GEMM). ``--packed-sweep`` times packed training under launch configs of its
+kernels (``PackedConfig``; ``PACKED_SWEEP``, or the JSON list of changes to the defaults given, e.g.
+``'[{}, {"fwd_rows": 16, "x_target_programs": 128}]'``) instead of the packed table and the main table.
 
 Prints the tables last; writes every number to DIR/bench_kernels.json and the tables to
 DIR/bench_kernels.md.
@@ -35,9 +38,10 @@ import torch
 
 import torch.nn.functional as F
 
-from skyrl_clora.kernels import LoRAMeta, add_lora, fold_lora_weights, packed_lora
+from skyrl_clora.kernels import LoRAMeta, add_lora, fold_lora_weights
 from skyrl_clora.kernels.folded import folded_lora_linear_triton
 from skyrl_clora.kernels.meta import rank_pad
+from skyrl_clora.kernels.packed import PackedConfig, packed_lora_triton
 from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton, default_config, expand_folded, sgmv_expand, sgmv_shrink
 
 DT = torch.bfloat16
@@ -391,41 +395,57 @@ def main_table(
     return lines
 
 
+class PackedCase:
+    """Packed training's inputs: N=8 adapters, rank 16, 4096 tokens in all (512 each, contiguous), hidden 4096
+    in and out; forward + backward of the LoRA part, packed in one pass (``packed_lora_triton`` under a
+    launch config) or the adapters one after another (plain torch autograd)."""
+
+    N, R, T, H = 8, 16, 4096, 4096
+
+    def __init__(self) -> None:
+        n, r, t, h = self.N, self.R, self.T, self.H
+        self.per = t // n
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        self.x = torch.randn(t, h, device="cuda", dtype=DT, generator=gen, requires_grad=True)
+        self.a = (torch.randn(n, r, h, device="cuda", dtype=DT, generator=gen) / h**0.5).requires_grad_()
+        self.b = torch.randn(n, h, r, device="cuda", dtype=DT, generator=gen).requires_grad_()
+        self.dy = torch.randn(t, h, device="cuda", dtype=DT, generator=gen)
+        self.scales = torch.full((n,), 2.0, device="cuda")
+        self.slots = torch.arange(n, device="cuda").repeat_interleave(self.per)
+        self.meta = LoRAMeta(max_tokens=t, num_slots=n, device="cuda", max_rank=r)
+        self.meta.build(self.slots)
+        self.xs = [self.x.detach()[i * self.per : (i + 1) * self.per].clone().requires_grad_() for i in range(n)]
+        self.as_ = [self.a.detach()[i].clone().requires_grad_() for i in range(n)]
+        self.bs = [self.b.detach()[i].clone().requires_grad_() for i in range(n)]
+
+    def packed(self, config: PackedConfig | None = None) -> Callable[[], None]:
+        def run() -> None:
+            y = packed_lora_triton(self.x, self.a, self.b, self.scales, self.slots, meta=self.meta, config=config)
+            torch.autograd.grad(y, (self.x, self.a, self.b), self.dy)
+
+        return run
+
+    def packed_forward(self, config: PackedConfig | None = None) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                packed_lora_triton(self.x, self.a, self.b, self.scales, self.slots, meta=self.meta, config=config)
+
+        return run
+
+    def sequential(self) -> None:
+        for i in range(self.N):
+            y = (self.xs[i] @ self.as_[i].T) @ self.bs[i].T * 2.0
+            torch.autograd.grad(y, (self.xs[i], self.as_[i], self.bs[i]), self.dy[i * self.per : (i + 1) * self.per])
+
+    def sequential_forward(self) -> None:
+        with torch.no_grad():
+            for i in range(self.N):
+                (self.xs[i] @ self.as_[i].T) @ self.bs[i].T * 2.0
+
+
 def packed_training(results: dict) -> list[str]:
-    """N=8 adapters, rank 16, 4096 tokens in all (512 each, contiguous), hidden 4096: forward + backward
-    of the LoRA part, packed in one pass vs the adapters one after another (plain torch autograd)."""
-    n, r, t, h = 8, 16, 4096, 4096
-    per = t // n
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(t, h, device="cuda", dtype=DT, generator=gen, requires_grad=True)
-    a = (torch.randn(n, r, h, device="cuda", dtype=DT, generator=gen) / h**0.5).requires_grad_()
-    b = torch.randn(n, h, r, device="cuda", dtype=DT, generator=gen).requires_grad_()
-    dy = torch.randn(t, h, device="cuda", dtype=DT, generator=gen)
-    scales = torch.full((n,), 2.0, device="cuda")
-    slots = torch.arange(n, device="cuda").repeat_interleave(per)
-    meta = LoRAMeta(max_tokens=t, num_slots=n, device="cuda", max_rank=r)
-    meta.build(slots)
-    xs = [x.detach()[i * per : (i + 1) * per].clone().requires_grad_() for i in range(n)]
-    as_ = [a.detach()[i].clone().requires_grad_() for i in range(n)]
-    bs = [b.detach()[i].clone().requires_grad_() for i in range(n)]
-
-    def packed() -> None:
-        y = packed_lora(x, a, b, scales, slots, meta=meta)
-        torch.autograd.grad(y, (x, a, b), dy)
-
-    def sequential() -> None:
-        for i in range(n):
-            y = (xs[i] @ as_[i].T) @ bs[i].T * 2.0
-            torch.autograd.grad(y, (xs[i], as_[i], bs[i]), dy[i * per : (i + 1) * per])
-
-    def packed_forward() -> None:
-        with torch.no_grad():
-            packed_lora(x, a, b, scales, slots, meta=meta)
-
-    def sequential_forward() -> None:
-        with torch.no_grad():
-            for i in range(n):
-                (xs[i] @ as_[i].T) @ bs[i].T * 2.0
+    """``PackedCase``: packed vs the adapters one after another, in CUDA graphs and eagerly."""
+    case = PackedCase()
 
     def eager(fn: Callable[[], None]) -> float:
         for _ in range(3):
@@ -440,12 +460,12 @@ def packed_training(results: dict) -> list[str]:
         return statistics.median(times)
 
     res = {
-        "packed_graph_s": graph_time([packed], min_calls=10),
-        "sequential_graph_s": graph_time([sequential], min_calls=10),
-        "packed_eager_s": eager(packed),
-        "sequential_eager_s": eager(sequential),
-        "packed_forward_graph_s": graph_time([packed_forward], min_calls=10),
-        "sequential_forward_graph_s": graph_time([sequential_forward], min_calls=10),
+        "packed_graph_s": graph_time([case.packed()], min_calls=10),
+        "sequential_graph_s": graph_time([case.sequential], min_calls=10),
+        "packed_eager_s": eager(case.packed()),
+        "sequential_eager_s": eager(case.sequential),
+        "packed_forward_graph_s": graph_time([case.packed_forward()], min_calls=10),
+        "sequential_forward_graph_s": graph_time([case.sequential_forward], min_calls=10),
     }
     results["packed"] = res
     return [
@@ -461,6 +481,51 @@ def packed_training(results: dict) -> list[str]:
     ]
 
 
+# ``--packed-sweep``'s configs, as changes to ``PackedConfig()``'s defaults (the defaults first): one kernel's
+# shape at a time, so that each config compiles one or two new kernels.
+PACKED_SWEEP: list[dict[str, int | None]] = [
+    {},
+    {"fwd_rows": 16}, {"fwd_warps": 8}, {"fwd_rows": 16, "fwd_warps": 8}, {"fwd_block_n": 128}, {"fwd_block_k": 256},
+    {"fwd_stages": 3},
+    {"dy_rows": 64}, {"dy_rows": 64, "dy_stages": 4}, {"dy_stages": 2}, {"dy_block_n": 256}, {"dy_block_n": 64},
+    {"dy_warps": 8}, {"dy_warps": 8, "dy_maxnreg": 128},
+    {"x_rows": 64}, {"x_rows": 16}, {"x_block_k": 128}, {"x_block_k": 512}, {"x_warps": 8}, {"x_stages": 3},
+    {"x_maxnreg": 96},
+    {"x_target_programs": 128}, {"dy_target_programs": 512, "x_target_programs": 512}, {"dy_maxnreg": 64, "x_maxnreg": 64},
+]
+
+
+def packed_sweep(results: dict, changes: list[dict[str, int | None]]) -> list[str]:
+    """``PackedCase`` under each of ``changes`` to the default ``PackedConfig``: forward + backward and forward
+    alone by CUDA-graph replay, against the adapters one after another (timed once)."""
+    case = PackedCase()
+    sequential = graph_time([case.sequential], min_calls=10)
+    results["packed_sweep"] = {"sequential_graph_s": sequential, "configs": []}
+    lines = [
+        f"packed training sweep, N={case.N} r={case.R} T={case.T} hidden {case.H}; {case.N} adapters one after another: "
+        f"{sequential * 1e6:.1f} us",
+        "",
+        "| config (changes to the defaults) | fwd+bwd us | forward us | difference us | speed-up vs sequential |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for change in changes:
+        label = ", ".join(f"{k}={v}" for k, v in change.items()) or "default"
+        row: dict = {"changes": change}
+        try:
+            config = PackedConfig(**change)
+            row["config"] = dataclasses.asdict(config)
+            row["graph_s"] = graph_time([case.packed(config)], min_calls=10)
+            row["forward_graph_s"] = graph_time([case.packed_forward(config)], min_calls=10)
+            lines.append(f"| {label} | {row['graph_s'] * 1e6:.1f} | {row['forward_graph_s'] * 1e6:.1f} | "
+                         f"{(row['graph_s'] - row['forward_graph_s']) * 1e6:.1f} | {sequential / row['graph_s']:.2f}x |")
+        except Exception as e:  # a failed config (e.g. out of shared memory) is reported, the others still run
+            row["error"] = repr(e)
+            lines.append(f"| {label} | error: {e!r} | | | |")
+        results["packed_sweep"]["configs"].append(row)
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_kernels"))
@@ -473,7 +538,15 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, nargs="+", default=[1, 8, 32], help="main table adapter counts")
     parser.add_argument("--lean", action="store_true", help="main table: ours, the folded layer and the base GEMM")
     parser.add_argument("--no-packed", action="store_true", help="skip packed training")
+    parser.add_argument("--packed-sweep", action="store_true",
+                        help="packed training under launch-config variants, instead of the packed table and the main table")
+    parser.add_argument("--packed-configs", type=json.loads, metavar="JSON",
+                        help="the packed sweep's configs (implies --packed-sweep): a JSON list of dicts of PackedConfig "
+                             "fields to change (default: PACKED_SWEEP)")
     args = parser.parse_args()
+    args.packed_sweep = args.packed_sweep or args.packed_configs is not None
+    if args.packed_sweep:
+        args.no_packed = args.no_table = True
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(), "sweep": [], "folded_sweep": [], "table": [], "meta_build": []}
     lines: list[str] = []
@@ -488,6 +561,9 @@ def main() -> None:
     lines += [f"device: {results['device']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", ""]
     if not args.no_packed:
         lines += packed_training(results) + [""]
+        save()
+    if args.packed_sweep:
+        lines += packed_sweep(results, args.packed_configs or PACKED_SWEEP) + [""]
         save()
     if args.sweep:
         lines += sweep(results, args.sweep) + [""]

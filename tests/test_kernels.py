@@ -186,12 +186,14 @@ def test_packed_split_k_partials_are_summed() -> None:
 
 
 def test_packed_chunk_and_tile_rules() -> None:
-    assert packed._chunk_rows(4096, 32, 128) == 512  # benchmark, dy kernel: one chunk per 512-row slot
-    assert packed._chunk_rows(4096, 16, 32) == 256  # benchmark, x kernel: two chunks per slot
-    assert packed._chunk_rows(12_288, 8, 32) == 256  # one tenant's micro-batch at 2048 features: 48 chunks
-    assert packed._chunk_rows(24, 1, 32) == 32  # at least one row tile
-    assert packed._chunk_rows(100_000, 1, 64) == 256  # a power of two of row tiles
-    assert [packed._forward_rows(t) for t in (24, 4064, 4096)] == [16, 16, 32]
+    assert packed._chunk_rows(4096, 32, 128, 256) == 512  # benchmark, dy kernel: one chunk per 512-row slot
+    assert packed._chunk_rows(4096, 16, 32, 256) == 256  # benchmark, x kernel: two chunks per slot
+    assert packed._chunk_rows(4096, 16, 32, 128) == 512  # half the programs: one chunk per slot
+    assert packed._chunk_rows(12_288, 8, 32, 256) == 256  # one tenant's micro-batch at 2048 features: 48 chunks
+    assert packed._chunk_rows(24, 1, 32, 256) == 32  # at least one row tile
+    assert packed._chunk_rows(100_000, 1, 64, 256) == 256  # a power of two of row tiles
+    assert [packed._forward_rows(t, 32, 128) for t in (24, 4064, 4096)] == [16, 16, 32]
+    assert [packed._forward_rows(t, 64, 64) for t in (2048, 4096)] == [32, 64]
     assert packed._fit(512, (32 + 16) * 2) == 512  # bf16 rank 16: the whole tile
     assert packed._fit(512, (32 + 64) * 4) == 128  # fp32 rank 64: cut to the shared-memory budget
     assert packed._fit(64, 1 << 20) == 16  # never below tl.dot's minimum
@@ -207,36 +209,68 @@ def _packed_grads_of(fn, x, a, b, scales, slots, dy, need, **kwargs) -> list[tor
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("base", [False, True], ids=["lora", "base"])
-def test_packed_multi_chunk_path(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, base: bool) -> None:
+def test_packed_multi_chunk_path(dtype: torch.dtype, base: bool) -> None:
     """Backward with each slot's rows cut into chunks of 32 rows (two row tiles of 16): per-chunk partials
     of dA and dB summed by the finishing kernels, uneven segments (130, 37 and 3 rows), an empty slot and
     rows with no slot; the forward with 16-row tiles."""
-    monkeypatch.setattr(packed, "_DY_ROWS", 16)
-    monkeypatch.setattr(packed, "_X_ROWS", 16)
-    monkeypatch.setattr(packed, "_BWD_TARGET_PROGRAMS", 4)
+    config = packed.PackedConfig(dy_rows=16, x_rows=16, dy_target_programs=4, x_target_programs=4)
     T = 200
     x, a, b, scales, _, dy = _packed_case("uniform", 16, dtype, num_tokens=T, seed=3)
     slots = torch.tensor([0] * 130 + [2] * 37 + [3] * 3 + [-1] * 30)
     slots = slots[torch.randperm(T, generator=torch.Generator().manual_seed(4))]
-    assert packed._chunk_rows(T, 1, 16) == 32  # slot 0: 5 chunks (the last of 2 rows), slot 2: 2 chunks
+    assert packed._chunk_rows(T, 1, 16, 4) == 32  # slot 0: 5 chunks (the last of 2 rows), slot 2: 2 chunks
     kwargs = {}
     if base:
         gen = torch.Generator().manual_seed(9)
         kwargs = {"weight": torch.randn(24, 32, generator=gen).to(dtype), "bias": torch.randn(24, generator=gen).to(dtype)}
 
-    def layer(x, a, b, scales, slots, weight=None, bias=None, **kw):
-        return lora_linear(x, weight, bias, a, b, scales, slots, **kw) if weight is not None else packed_lora(
-            x, a, b, scales, slots, **kw)
+    def reference(x, a, b, scales, slots, weight=None, bias=None):
+        return lora_linear(x, weight, bias, a, b, scales, slots) if weight is not None else packed_lora(
+            x, a, b, scales, slots)
 
-    want = _packed_grads(layer, x.float(), a.float(), b.float(), scales, slots, dy.float(),
+    want = _packed_grads(reference, x.float(), a.float(), b.float(), scales, slots, dy.float(),
                          **{k: v.float() for k, v in kwargs.items()})
-    got = _packed_grads(layer, x, a, b, scales, slots, dy, backend="triton", **kwargs)
+    got = _packed_grads(packed.packed_lora_triton, x, a, b, scales, slots, dy, config=config, **kwargs)
     for name, g, w in zip(("y", "dx", "dA", "dB"), got, want):
         err = rel_error(g, w, torch.zeros_like(w))
         assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
     assert got[2][1].abs().max() == 0 and got[3][1].abs().max() == 0  # slot 1 has no rows
     if not base:
         assert torch.equal(got[1][slots < 0], torch.zeros_like(got[1][slots < 0]))
+
+
+PACKED_CONFIGS = {
+    # every slot in one backward chunk of 128 rows (no partials); 64-row forward tiles, 2 K and 2 N iterations
+    "one_chunk": packed.PackedConfig(fwd_rows=64, fwd_target_programs=1, fwd_block_k=32, fwd_block_n=16,
+                                     dy_block_n=16, x_block_k=32, x_rows=128, dy_target_programs=1,
+                                     x_target_programs=1),
+    # 16-row chunks: partials of dA and dB for every slot over 16 rows; the launch options (not run by the
+    # interpreter, but passed through)
+    "many_chunks": packed.PackedConfig(fwd_rows=16, dy_rows=16, x_rows=16, dy_block_n=16, x_block_k=32,
+                                       dy_target_programs=64, x_target_programs=64, fwd_warps=8, dy_warps=8,
+                                       x_warps=2, fwd_stages=2, dy_stages=2, x_stages=2, dy_maxnreg=128,
+                                       x_maxnreg=64),
+}
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", list(PACKED_CONFIGS))
+def test_packed_configs_match_reference(name: str, dtype: torch.dtype) -> None:
+    """Launch shapes other than the default (``PackedConfig``): the same values and gradients, within the
+    dtype's tolerance of the reference, at 96 rows of 4 slots (and rows with no slot), 64 features in."""
+    config = PACKED_CONFIGS[name]
+    x, a, b, scales, slots, dy = _packed_case("no_adapter", 16, dtype, num_tokens=96, seed=7, h_in=64)
+    chunk = 128 if name == "one_chunk" else 16  # both backward kernels have 2 column tiles
+    assert packed._chunk_rows(96, 2, config.dy_rows, config.dy_target_programs) == chunk
+    assert packed._chunk_rows(96, 2, config.x_rows, config.x_target_programs) == chunk
+    assert (torch.bincount(slots[slots >= 0]).max() > chunk) == (name == "many_chunks")
+    want = _packed_grads(packed_lora_ref, x.float(), a.float(), b.float(), scales, slots, dy.float())
+    got = _packed_grads(packed.packed_lora_triton, x, a, b, scales, slots, dy, config=config)
+    for label, g, w in zip(("y", "dx", "dA", "dB"), got, want):
+        err = rel_error(g, w, torch.zeros_like(w))
+        assert err < TOLERANCE[dtype], f"{label}: relative error {err:.2e}"
+    assert torch.equal(got[1][slots < 0], torch.zeros_like(got[1][slots < 0]))
 
 
 @interpreted
