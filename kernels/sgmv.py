@@ -64,14 +64,14 @@ sizes the expand is launched with PDL (``sgmv_kernels``), where the GPU has it.
     )
 
 
-def _dot_flags(x: torch.Tensor) -> dict[str, object]:
+def dot_flags(x: torch.Tensor) -> dict[str, object]:
     return {
         "UPCAST": x.device.type != "cuda",
         "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
     }
 
 
-def _pdl_flags(x: torch.Tensor, config: SgmvConfig) -> dict[str, bool]:
+def pdl_flags(x: torch.Tensor, config: SgmvConfig) -> dict[str, bool]:
     pdl = config.pdl and has_pdl(x.device)
     return {"PDL": pdl, "launch_pdl": pdl}
 
@@ -129,7 +129,7 @@ def sgmv_shrink(
         ws.stride(0), ws.stride(1),
         S_P2=next_power_of_2(S), BLOCK_M=config.block_m, BLOCK_R=rank_pad(rank),
         BLOCK_K=config.block_k, K_ITERS=k_iters, EVEN_K=n_split * k_iters * config.block_k == K,
-        **_dot_flags(x), PDL=config.pdl and has_pdl(x.device),
+        **dot_flags(x), PDL=config.pdl and has_pdl(x.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
@@ -209,8 +209,8 @@ def _expand(
         stride_ws_slot=slot_stride,
         S_P2=next_power_of_2(S + int(store)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_R=rank_pad(rank), SPLIT_K=split_k, NUM_SLICES=len(weights),
-        A_PER_SLICE=a_per_slice, HAS_SCALE=scales is not None, STORE=store, **_dot_flags(out),
-        **_pdl_flags(out, config), LATE_OUT=late_out,
+        A_PER_SLICE=a_per_slice, HAS_SCALE=scales is not None, STORE=store, **dot_flags(out),
+        **pdl_flags(out, config), LATE_OUT=late_out,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
@@ -242,15 +242,22 @@ def add_lora_triton(
         meta = LoRAMeta.for_batch(token_slots, S, R, a4.shape[0])
     check_meta(meta, x, S)
     cfg = config or default_config(T, K, S, a4.shape[0], R)
-    r_pad = rank_pad(R)
-    per_split = a4.shape[0] * T * r_pad
-    split_k = min(cfg.split_k, meta.workspace.numel() // per_split)
+    ws = shrink_workspace(meta, T, K, a4.shape[0], R, cfg)
+    sgmv_shrink(ws, x, a4, meta, R, cfg)
+    sgmv_expand(out, ws, lora_b, scales, meta, R, cfg)
+
+
+def shrink_workspace(meta: LoRAMeta, T: int, K: int, slices: int, rank: int, config: SgmvConfig) -> torch.Tensor:
+    """The view of ``meta.workspace`` that ``sgmv_shrink`` writes for ``T`` rows of ``K`` features:
+    ``[split_k, slices, T, rank_pad(rank)]`` float32, with ``config.split_k`` cut down to what the workspace
+    holds and to whole K tiles. Raises ValueError if not even one split fits."""
+    r_pad = rank_pad(rank)
+    per_split = slices * T * r_pad
+    split_k = min(config.split_k, meta.workspace.numel() // per_split)
     if split_k < 1:
         raise ValueError(
             f"meta.workspace holds {meta.workspace.numel()} floats, this layer needs {per_split}: "
             "build the LoRAMeta with a larger max_rank or max_slices"
         )
-    split_k = cdiv(K, cdiv(cdiv(K, split_k), cfg.block_k) * cfg.block_k)
-    ws = meta.workspace[: split_k * per_split].view(split_k, a4.shape[0], T, r_pad)
-    sgmv_shrink(ws, x, a4, meta, R, cfg)
-    sgmv_expand(out, ws, lora_b, scales, meta, R, cfg)
+    split_k = cdiv(K, cdiv(cdiv(K, split_k), config.block_k) * config.block_k)
+    return meta.workspace[: split_k * per_split].view(split_k, slices, T, r_pad)
