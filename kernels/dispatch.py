@@ -2,8 +2,8 @@
 sampling): Triton for CUDA tensors, the torch reference elsewhere.
 
 Layers call only ``add_lora``, ``lora_linear`` (``packed_lora`` plus the base layer) and ``dense_lora_linear``;
-the sampling engine's model runner calls ``folded_lora_linear``, ``decode_attention``, ``prefill_attention``, ``rms_norm``,
-``qk_norm_rope`` and ``silu_mul``; the trainer's model calls ``rms_norm_with_grad``, ``silu_mul_with_grad`` and
+the sampling engine's model runner calls ``folded_qkv_rope``, ``folded_lora_linear``, ``decode_attention``,
+``prefill_attention``, ``rms_norm`` and ``silu_mul``; the trainer's model calls ``rms_norm_with_grad``, ``silu_mul_with_grad`` and
 ``rope_with_grad``, its shared-prompt attention ``gather_rows``, its LM-head loss ``chosen_logprobs_``; the
 engine's sampler calls ``sample_tokens``.
 ``backend="triton"`` forces the Triton kernels, which on CPU tensors run only under the Triton interpreter
@@ -27,6 +27,7 @@ from skyrl_clora.kernels.logprob_ops import chosen_logprobs_triton
 from skyrl_clora.kernels.meta import LoRAMeta
 from skyrl_clora.kernels.packed import packed_lora_triton
 from skyrl_clora.kernels.prefill_attention import check_prefill_attention, prefill_attention_triton
+from skyrl_clora.kernels.qkv_rope import folded_qkv_rope_triton
 from skyrl_clora.kernels.layer_ops import qk_norm_rope_triton, rms_norm_triton, silu_mul_triton
 from skyrl_clora.kernels.reference import (
     add_lora_ref,
@@ -131,6 +132,47 @@ def folded_lora_linear(
     y = torch.nn.functional.linear(x, folded.base_weight, folded.base_bias)
     add_lora(y, x, folded.lora_a, lora_b, scales, token_slots, meta=meta, backend=backend)
     return y
+
+
+def folded_qkv_rope(
+    x: torch.Tensor,
+    folded: FoldedWeights,
+    lora_b: Sequence[torch.Tensor],
+    scales: torch.Tensor,
+    token_slots: torch.Tensor | None,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    *,
+    meta: LoRAMeta | None = None,
+    backend: Backend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An attention block's q/k/v projection, its multi-LoRA terms, q/k RMSNorm and rotary embedding in one
+    call. ``folded`` and ``lora_b = (B_q, B_k, B_v)`` as for :func:`folded_lora_linear`, whose slices are q
+    (``Hq * head_dim`` wide), k and v (``Hk * head_dim`` each); the rest as for :func:`qk_norm_rope`. Returns
+    new ``q: [T, Hq, d]``, ``k, v: [T, Hk, d]``. Torch pseudo-code::
+
+        q, k, v = folded_lora_linear(x, folded, lora_b, scales, token_slots).split(widths, -1)  # -> heads
+        q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
+
+    The Triton path (for ``token_slots`` not None and a power-of-two ``head_dim >= 32``, or when forced) runs
+    the LoRA expand inside the norm + rotary kernel (``kernels.qkv_rope``): one GEMM and one kernel at decode
+    sizes, plus the shrink where the fold does not pay. ``meta`` as for :func:`add_lora`.
+    """
+    lora_b = tuple(lora_b)
+    fusable = head_dim >= 32 and not head_dim & (head_dim - 1)
+    if token_slots is not None and _use_triton(x, backend) and (fusable or backend == "triton"):
+        if meta is None:
+            meta = LoRAMeta.for_batch(token_slots, folded.num_slots, folded.rank, folded.slices)
+        return folded_qkv_rope_triton(x, folded, lora_b, scales, token_slots, meta, head_dim, cos, sin,
+                                      q_weight, k_weight, eps)
+    y = folded_lora_linear(x, folded, lora_b, scales, token_slots, meta=meta, backend=backend)
+    q, k, v = (t.reshape(x.shape[0], -1, head_dim) for t in y.split([b.shape[1] for b in lora_b], dim=-1))
+    q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, backend=backend)
+    return q, k, v.contiguous()
 
 
 def packed_lora(

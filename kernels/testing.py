@@ -17,7 +17,7 @@ from typing import TypeVar
 import torch
 
 from skyrl_clora.kernels.folded import FoldedWeights, fold_lora_weights
-from skyrl_clora.kernels.reference import add_lora_ref, decode_attention_ref, prefill_attention_ref
+from skyrl_clora.kernels.reference import add_lora_ref, decode_attention_ref, prefill_attention_ref, qk_norm_rope_ref
 
 LAYOUTS = ("distinct", "uniform", "zipf", "identical", "skewed", "no_adapter")
 # Largest relative error ||got - ref|| / ||ref - out_before|| accepted against the fp32 reference:
@@ -167,6 +167,47 @@ def adapters_differ(p: LoRAProblem) -> bool:
         for i in range(len(deltas))
         for j in range(i + 1, len(deltas))
     )
+
+
+@dataclass
+class QKVRopeProblem:
+    """A folded q/k/v layer (``lora.out`` its base output) and the norm + rotary inputs of ``folded_qkv_rope``."""
+
+    lora: LoRAProblem
+    folded: FoldedWeights
+    head_dim: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float = 1e-6
+
+
+def make_qkv_rope_problem(num_tokens: int, h_in: int, heads_q: int, heads_kv: int, head_dim: int, num_slots: int,
+                          rank: int, dtype: torch.dtype, layout: str, with_norm: bool,
+                          device: torch.device | str = "cpu", seed: int = 0) -> QKVRopeProblem:
+    """``make_problem`` with q/k/v slices of whole heads (one A per slice) and a biased base layer folded
+    (``fold_problem``), rotary tables at random positions, and per-head norm weights if ``with_norm``."""
+    widths = (heads_q * head_dim, heads_kv * head_dim, heads_kv * head_dim)
+    lora = make_problem(num_tokens, h_in, widths, num_slots, rank, dtype, layout, per_slice_a=True, device=device,
+                        seed=seed)
+    folded = fold_problem(lora, with_bias=True, seed=seed)
+    lora.lora_a = folded.lora_a
+    gen = torch.Generator().manual_seed(seed + 1)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).double()
+    inv_freq = 1e6 ** (-torch.arange(0, head_dim, 2).double() / head_dim)
+    angles = (positions[:, None] * inv_freq[None, :]).repeat(1, 2)
+    norms = [(1 + 0.1 * torch.randn(head_dim, generator=gen)).to(device, dtype) if with_norm else None for _ in range(2)]
+    return QKVRopeProblem(lora, folded, head_dim, angles.cos().to(device, dtype), angles.sin().to(device, dtype), *norms)
+
+
+def qkv_rope_ref_fp32(p: QKVRopeProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``folded_qkv_rope``'s q, k, v computed in fp32 from the (rounded) inputs."""
+    y = reference_out(p.lora)
+    q, k, v = (t.reshape(y.shape[0], -1, p.head_dim) for t in y.split([b.shape[1] for b in p.lora.lora_b], dim=-1))
+    weights = [None if w is None else w.float() for w in (p.q_weight, p.k_weight)]
+    q, k = qk_norm_rope_ref(q, k, p.cos.float(), p.sin.float(), *weights, p.eps)
+    return q, k, v
 
 
 @dataclass

@@ -1,0 +1,173 @@
+"""The attention block's q/k/v projection with its multi-LoRA expand fused into q/k RMSNorm + rotary.
+
+A folded q/k/v layer (``kernels.folded``) is one GEMM and one segmented expand; at decode sizes the expand is
+a launch of its own whose fixed latency alone is about what a 0.35x-of-the-GEMM budget allows (BENCHMARKS.md,
+twelfth session, Run 2), and the kernel after it (``qk_norm_rope``) reads the same q and k again. Here one
+kernel does both: each program takes ``BLOCK_M`` rows of one slot's segment (``LoRAMeta``) and one head of
+q, k or v, adds the rows' LoRA term to the GEMM's output in registers, rounds it to the model dtype (as the
+unfused expand's ``y += delta`` does), then applies the per-head RMSNorm and rotary embedding to q and k and
+writes q, k and v out. Rows with no adapter (the null segment) get the norm and rotary alone.
+
+The LoRA partial sums ``h`` come from the folded GEMM's extra columns (one split), or at prefill sizes, where
+the fold does not pay, from ``sgmv_shrink``'s split-K partials over the base GEMM; either way they are
+addressed ``split * s_split + a * s_slice + row * s_row + slot * s_slot + r`` as in ``sgmv_kernels``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from skyrl_clora.kernels.checks import check_add_lora
+from skyrl_clora.kernels.folded import FoldedWeights, fold_pays
+from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
+from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
+from skyrl_clora.kernels.sgmv import check_meta, default_config, dot_flags, pdl_flags, sgmv_shrink, shrink_workspace
+from skyrl_clora.kernels.sgmv_kernels import tile_of
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    y_ptr, ws_ptr, bq_ptr, bk_ptr, bv_ptr, scale_ptr, sorted_ptr, count_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+    q_out_ptr, k_out_ptr, v_out_ptr,
+    S, T, R, HQ, HK, eps, stride_yt, stride_b_n, stride_b_r, ss_q, ss_k, ss_v,
+    stride_ws_split, stride_ws_slice, stride_ws_row, stride_ws_slot,
+    S_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, SPLIT_K: tl.constexpr,
+    A_PER_SLICE: tl.constexpr, HAS_NORM: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program (segment tile ``pid_m``, head ``pid_n`` of ``HQ + 2 * HK``); see the module docstring. With PDL
+    every load but ``y`` and ``ws`` (written by the kernels just before) happens before ``gdc_wait``."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    slot, seg_start, seg_len, m0 = tile_of(pid_m, count_ptr, S, T, S_P2, BLOCK_M, True)
+    if slot > S:
+        return
+    sl = (head >= HQ).to(tl.int32) + (head >= HQ + HK).to(tl.int32)  # 0: q, 1: k, 2: v
+    head_in = head - tl.where(sl == 0, 0, tl.where(sl == 1, HQ, HQ + HK))
+    b_ptr = bq_ptr
+    slot_stride = ss_q
+    if sl == 1:
+        b_ptr = bk_ptr
+        slot_stride = ss_k
+    if sl == 2:
+        b_ptr = bv_ptr
+        slot_stride = ss_v
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    mask = m_mask[:, None]
+    half = tl.arange(0, D // 2)
+    offs_r = tl.arange(0, BLOCK_R)
+    has_lora = slot < S
+    r_mask = (offs_r < R) & has_lora
+    b_ptrs = b_ptr + slot * slot_stride + (head_in * D + half)[None, :] * stride_b_n + offs_r[:, None] * stride_b_r
+    b1 = tl.load(b_ptrs, mask=r_mask[:, None], other=0.0)  # [BLOCK_R, D/2]
+    b2 = tl.load(b_ptrs + (D // 2) * stride_b_n, mask=r_mask[:, None], other=0.0)
+    scale = tl.load(scale_ptr + slot, mask=has_lora, other=0.0)
+    ws_ptrs = ws_ptr + rows[:, None] * stride_ws_row + slot * stride_ws_slot + offs_r[None, :]
+    if A_PER_SLICE:
+        ws_ptrs += sl * stride_ws_slice
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + head * D + half[None, :]
+    if PDL:
+        gdc_wait()  # the GEMM's output and the partial sums are complete and visible from here on
+    x1 = tl.load(y_ptrs, mask=mask, other=0.0)
+    x2 = tl.load(y_ptrs + D // 2, mask=mask, other=0.0)
+    h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        h += tl.load(ws_ptrs + split * stride_ws_split, mask=mask & r_mask[None, :], other=0.0).to(tl.float32)
+    h = (h * scale).to(b1.dtype)
+    if UPCAST:
+        h, b1, b2 = h.to(tl.float32), b1.to(tl.float32), b2.to(tl.float32)
+    # y += delta in the model dtype, as the unfused expand writes it
+    x1 = (x1.to(tl.float32) + tl.dot(h, b1, input_precision=DOT_PRECISION)).to(x1.dtype).to(tl.float32)
+    x2 = (x2.to(tl.float32) + tl.dot(h, b2, input_precision=DOT_PRECISION)).to(x2.dtype).to(tl.float32)
+    if sl == 2:
+        dst = v_out_ptr + rows[:, None] * (HK * D) + head_in * D + half[None, :]
+        tl.store(dst, x1.to(v_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + D // 2, x2.to(v_out_ptr.dtype.element_ty), mask=mask)
+        return
+    out_ptr = q_out_ptr
+    heads = HQ
+    w_ptr = qw_ptr
+    if sl == 1:
+        out_ptr = k_out_ptr
+        heads = HK
+        w_ptr = kw_ptr
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+        x1 = x1 * rstd * tl.load(w_ptr + half).to(tl.float32)[None, :]
+        x2 = x2 * rstd * tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :]
+    table = rows[:, None] * D + half[None, :]
+    cos1 = tl.load(cos_ptr + table, mask=mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + table + D // 2, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + table, mask=mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + table + D // 2, mask=mask, other=0.0).to(tl.float32)
+    dst = out_ptr + rows[:, None] * (heads * D) + head_in * D + half[None, :]
+    tl.store(dst, (x1 * cos1 - x2 * sin1).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + D // 2, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def folded_qkv_rope_triton(
+    x: torch.Tensor,
+    folded: FoldedWeights,
+    lora_b: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scales: torch.Tensor,
+    token_slots: torch.Tensor,
+    meta: LoRAMeta,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton path of ``dispatch.folded_qkv_rope``: one GEMM (over the folded weight where
+    ``fold_pays``, else over the base weight followed by ``sgmv_shrink``) and one ``_qkv_rope_kernel``.
+    Returns new contiguous ``q: [T, Hq, d]``, ``k, v: [T, Hk, d]``; ``meta`` must be built from
+    ``token_slots``; nothing waits for the host."""
+    T, K = x.shape
+    check_meta(meta, x, folded.num_slots)
+    widths = [b.shape[1] for b in lora_b]
+    if len(lora_b) != 3 or widths[1] != widths[2] or any(w % head_dim for w in widths):
+        raise ValueError(f"folded_qkv_rope needs q, k, v slices of whole {head_dim}-wide heads with k and v alike, "
+                         f"got widths {widths}")
+    if head_dim & (head_dim - 1) or head_dim < 32:
+        raise ValueError(f"folded_qkv_rope's Triton path needs a power-of-two head dim >= 32, got {head_dim}; "
+                         "use backend='torch'")
+    if lora_b[1].stride()[1:] != lora_b[0].stride()[1:] or lora_b[2].stride()[1:] != lora_b[0].stride()[1:]:
+        raise ValueError("folded_qkv_rope needs the q, k and v LoRA B tables laid out alike along H_out and rank")
+    heads_q, heads_kv = widths[0] // head_dim, widths[1] // head_dim
+    S, R = folded.num_slots, folded.rank
+    config = default_config(T, K, S, folded.slices, R)
+    if fold_pays(T, folded.out_features, folded.extra_features):
+        y = F.linear(x, folded.weight, folded.bias)
+        h = y[:, folded.out_features :].view(T, folded.slices, S, R)
+        ws, ws_strides, split_k = h, (0, h.stride(1), h.stride(0), h.stride(2)), 1
+    else:
+        y = F.linear(x, folded.base_weight, folded.base_bias)
+        lora_a = folded.lora_a if folded.slices > 1 else folded.lora_a.unsqueeze(0)
+        ws = shrink_workspace(meta, T, K, folded.slices, R, config)
+        sgmv_shrink(ws, x, lora_a, meta, R, config)
+        ws_strides, split_k = (ws.stride(0), ws.stride(1), ws.stride(2), 0), ws.shape[0]
+    check_add_lora(y[:, : folded.out_features], x, folded.lora_a, lora_b, scales, token_slots)
+    q = x.new_empty(T, heads_q, head_dim)
+    k = x.new_empty(T, heads_kv, head_dim)
+    v = x.new_empty(T, heads_kv, head_dim)
+    if T == 0:
+        return q, k, v
+    has_norm = q_weight is not None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    grid = (cdiv(T, config.block_m) + min(S, T) + 1, heads_q + 2 * heads_kv)
+    _qkv_rope_kernel[grid](
+        y, ws, lora_b[0], lora_b[1], lora_b[2], scales, meta.sorted_rows, meta.seg_count, cos, sin,
+        q_weight if has_norm else y, k_weight if has_norm else y, q, k, v,
+        S, T, R, heads_q, heads_kv, eps, y.stride(0), lora_b[0].stride(1), lora_b[0].stride(2),
+        lora_b[0].stride(0), lora_b[1].stride(0), lora_b[2].stride(0), *ws_strides,
+        S_P2=next_power_of_2(S + 1), BLOCK_M=config.block_m, BLOCK_R=rank_pad(R), D=head_dim, SPLIT_K=split_k,
+        A_PER_SLICE=folded.slices > 1, HAS_NORM=has_norm, **dot_flags(x), **pdl_flags(x, config), num_warps=4,
+    )  # fmt: skip
+    return q, k, v

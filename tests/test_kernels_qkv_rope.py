@@ -1,0 +1,94 @@
+"""The q/k/v projection with its LoRA expand fused into q/k norm + rotary (``kernels.qkv_rope``): the Triton
+kernel (interpreter on the CPU) against the fp32 reference over adapter layouts, on both of its paths (the
+folded GEMM's partial sums, and the base GEMM with the split-K shrink); tests/gpu/ repeats it at Qwen3-4B
+sizes and in a CUDA graph. Tolerances per dtype: ``kernels.testing.TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import skyrl_clora.kernels.qkv_rope as qkv_rope
+from skyrl_clora.kernels import LoRAMeta, folded_qkv_rope
+from skyrl_clora.kernels.testing import (
+    LAYOUTS,
+    TOLERANCE,
+    QKVRopeProblem,
+    adapters_differ,
+    make_qkv_rope_problem,
+    qkv_rope_ref_fp32,
+    rel_error,
+)
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"
+)
+
+
+def run(p: QKVRopeProblem, backend: str, meta: LoRAMeta | None = None) -> tuple[torch.Tensor, ...]:
+    lora = p.lora
+    return folded_qkv_rope(lora.x, p.folded, lora.lora_b, lora.scales, lora.token_slots, p.head_dim, p.cos, p.sin,
+                           p.q_weight, p.k_weight, p.eps, meta=meta, backend=backend)
+
+
+def check(p: QKVRopeProblem, got: tuple[torch.Tensor, ...]) -> None:
+    """q and k within the dtype's tolerance of the fp32 reference (relative to their largest entry), v relative
+    to the LoRA update (as the folded layer's tests), and rows with no adapter as the base layer gives them."""
+    dtype = p.lora.x.dtype
+    want = qkv_rope_ref_fp32(p)
+    for name, g, w in zip("qk", got[:2], want[:2]):
+        err = float((g.float() - w).abs().max() / w.abs().max())
+        assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
+    base_v = p.lora.out[:, -got[2].shape[1] * p.head_dim:].reshape(got[2].shape)
+    err = rel_error(got[2], want[2], base_v)
+    assert err < TOLERANCE[dtype], f"v: relative error {err:.2e}"
+    no_adapter = p.lora.token_slots < 0
+    torch.testing.assert_close(got[2][no_adapter], base_v[no_adapter])
+
+
+@interpreted
+@pytest.mark.parametrize("fold", [True, False], ids=["folded-gemm", "base-gemm-and-shrink"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fused_qkv_rope_matches_reference(layout: str, dtype: torch.dtype, fold: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # 24 rows leave a partial row tile; h_in=80 is not a multiple of the shrink's K tiles
+    p = make_qkv_rope_problem(24, 80, 4, 2, 32, num_slots=4, rank=16, dtype=dtype, layout=layout, with_norm=True,
+                              seed=len(layout))
+    if p.lora.token_slots.unique().ge(0).sum() > 1:
+        assert adapters_differ(p.lora), "adapters give equal outputs: the parity test would be vacuous"
+    monkeypatch.setattr(qkv_rope, "fold_pays", lambda *shape: fold)
+    meta = LoRAMeta(max_tokens=32, num_slots=4, device="cpu", max_rank=16, max_slices=3)
+    meta.build(p.lora.token_slots)
+    got = run(p, "triton", meta)
+    assert [t.shape for t in got] == [(24, 4, 32), (24, 2, 32), (24, 2, 32)]
+    check(p, got)
+
+
+@interpreted
+def test_fused_qkv_rope_without_norm_and_at_rank_8() -> None:
+    p = make_qkv_rope_problem(16, 64, 2, 1, 32, num_slots=3, rank=8, dtype=torch.float32, layout="uniform",
+                              with_norm=False)
+    check(p, run(p, "triton"))
+
+
+def test_torch_path_is_the_folded_layer_then_qk_norm_rope() -> None:
+    p = make_qkv_rope_problem(10, 48, 2, 1, 32, num_slots=3, rank=8, dtype=torch.float32, layout="no_adapter",
+                              with_norm=True)
+    check(p, run(p, "torch"))
+
+
+@interpreted
+def test_fused_qkv_rope_rejects_what_its_kernel_cannot_run() -> None:
+    p = make_qkv_rope_problem(8, 48, 2, 1, 32, num_slots=2, rank=8, dtype=torch.float32, layout="uniform",
+                              with_norm=False)
+    lora = p.lora
+    with pytest.raises(ValueError, match="power-of-two head dim >= 32, got 16"):
+        folded_qkv_rope(lora.x, p.folded, lora.lora_b, lora.scales, lora.token_slots, 16, p.cos, p.sin, None, None,
+                        p.eps, backend="triton")
+    with pytest.raises(ValueError, match="whole 48-wide heads"):
+        folded_qkv_rope(lora.x, p.folded, lora.lora_b, lora.scales, lora.token_slots, 48, p.cos, p.sin, None, None,
+                        p.eps, backend="triton")
