@@ -26,7 +26,7 @@ def _logits(model: Qwen3ForCausalLM, triton_path: bool) -> tuple[torch.Tensor, t
     runner = ModelRunner(model, num_rows=16, max_len=64, block_size=16, prefill_tokens=32, share_prefix_reads=True)
     if triton_path:  # the buffers ModelRunner preallocates on CUDA
         runner.lora_meta = LoRAMeta(32, 2, "cpu", max_rank=16, max_slices=3)
-        runner._attention_workspace = DecodeWorkspace(16, 4, 64, 16, "cpu")
+        runner._attention_workspace = DecodeWorkspace(16, 4, 64, 32, "cpu")
     tokens = torch.arange(3, 23)
     # The same prompt in row 1 with the adapter, in row 3 without it and in row 5 with it again, then one
     # decode step of each; row 5 reads its first 16 positions from row 1 (the same K/V there).
@@ -46,7 +46,7 @@ def _logits(model: Qwen3ForCausalLM, triton_path: bool) -> tuple[torch.Tensor, t
 def test_triton_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch, fold: bool) -> None:
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # the fused q/k/v kernel's least
     model = Qwen3ForCausalLM(config).eval()
     _, layers = attach_multi_lora(model, num_slots=2, max_rank=16, trainable=False)
     write_slot(layers, 0, random_adapter(layers, 1, rank=8))

@@ -3,10 +3,10 @@
 The HF modules supply the weights (embeddings, norms, projections with multi-LoRA, MLP) and the rotary
 tables; this runner replaces the attention bookkeeping, so that many sequences of different lengths decode
 together, runs each layer's projections as four groups (q/k/v, o, gate/up, down) of one GEMM, whose weight
-holds the slots' LoRA A, and one LoRA expand each (``fused_projections``), and runs the element-wise parts of
-each layer through the kernels' fused ops (RMSNorm with the residual add, q/k norm with the rotary embedding,
-SiLU-mul: one Triton launch each on the GPU; on the CPU their references, which are Hugging Face's own ops in
-order):
+holds the slots' LoRA A, and one LoRA expand each (``fused_projections``; q/k/v's expand runs inside the q/k
+norm + rotary kernel, ``kernels.folded_qkv_rope``), and runs the element-wise parts of each layer through the
+kernels' fused ops (RMSNorm with the residual add, SiLU-mul: one Triton launch each on the GPU; on the CPU
+their references, which are Hugging Face's own ops in order):
 
 - ``prefill(jobs)``: several prompts written into their cache rows by ragged forward passes of at most
   ``prefill_tokens`` positions (the prompts' positions laid end to end, no per-prompt padding), from any
@@ -39,8 +39,8 @@ from skyrl_clora.kernels import (
     DecodeWorkspace,
     LoRAMeta,
     decode_attention,
+    folded_qkv_rope,
     prefill_attention,
-    qk_norm_rope,
     rms_norm,
     silu_mul,
 )
@@ -363,14 +363,11 @@ class ModelRunner:
         for layer_idx, (layer, projections) in enumerate(zip(self.decoder.layers, self._projections)):
             norm = layer.input_layernorm
             hidden, residual = rms_norm(x, norm.weight, norm.variance_epsilon, residual)
-            attn = layer.self_attn
-            q, k, v = projections.qkv(hidden, token_slots, self.lora_meta)
-            q, k = q.view(rows, -1, self.head_dim), k.view(rows, -1, self.head_dim)
-            v = v.view(rows, -1, self.head_dim)
+            attn, qkv = layer.self_attn, projections.qkv
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            q, k = qk_norm_rope(q, k, cos, sin, None if q_norm is None else q_norm.weight,
-                                None if k_norm is None else k_norm.weight,
-                                0.0 if q_norm is None else q_norm.variance_epsilon)
+            q, k, v = folded_qkv_rope(hidden, qkv.folded, qkv.lora_b, qkv.scales, token_slots, self.head_dim, cos, sin,
+                                      None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                                      0.0 if q_norm is None else q_norm.variance_epsilon, meta=self.lora_meta)
             out = attend(layer_idx, q, k, v)  # [T, H, d]
             (x,) = projections.o(out.reshape(rows, -1), token_slots, self.lora_meta)
             norm = layer.post_attention_layernorm
