@@ -1,0 +1,105 @@
+"""The q/k/v projection's LoRA with its expand fused into q/k norm + rotary, on the GPU machine (issue 3).
+
+For Qwen3-4B's attention block (hidden 2560, 32 query and 8 key/value heads of 128, one A per slice),
+rank 16, N adapters in {8, 32} and tokens in {16, 64, 256, 4096} (bf16, uniform random adapter per row),
+it times from CUDA-graph replays (``bench_kernels.graph_time``: median, inputs and weights rotated past
+the L2), side by side in one process:
+
+- the base GEMM ``x @ W.T`` alone (issue 3's denominator);
+- the engine's block without LoRA: the base GEMM and ``qk_norm_rope``;
+- today's LoRA block: ``folded_lora_linear`` (folded GEMM + expand, or base GEMM + shrink + expand where the
+  fold does not pay) and ``qk_norm_rope``;
+- the fused LoRA block: ``folded_qkv_rope`` (folded GEMM, or base GEMM + shrink, and one kernel that adds
+  the LoRA terms, normalises and rotates).
+
+A block's LoRA add-on is its time minus the block without LoRA; the table gives each add-on over the base
+GEMM, the ratio issue 3's targets bound (decode <= 0.35x at N=8, <= 0.6x at N=32; prefill <= 0.25x / 0.45x).
+
+    python scripts/bench_qkv_rope.py --out DIR [--adapters N ...] [--tokens T ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench_kernels import DT, Case, copy_bandwidth, graph_time, warm_up
+from skyrl_clora.kernels import fold_lora_weights, folded_lora_linear, folded_qkv_rope, qk_norm_rope
+
+HEAD_DIM = 128
+HEADS_Q, HEADS_KV = 32, 8
+EPS = 1e-6
+
+
+def time_case(n_adapters: int, tokens: int) -> dict[str, float]:
+    """Seconds per call of the four variants (module docstring) for one (N, T)."""
+    case = Case("4B.qkv", n_adapters, tokens, 16)
+    meta = case.meta
+    width = sum(case.widths)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    angles = torch.rand(tokens, HEAD_DIM, device="cuda", generator=gen) * 6.28
+    cos, sin = angles.cos().to(DT), angles.sin().to(DT)
+    norms = [1 + 0.1 * torch.randn(HEAD_DIM, device="cuda", dtype=DT, generator=gen) for _ in range(2)]
+    layers = []
+    for i in range(case.weight_sets()):
+        s = case.sets[i % len(case.sets)]
+        w = torch.randn(width, case.h_in, device="cuda", dtype=DT, generator=gen) / case.h_in**0.5
+        layers.append((s, fold_lora_weights(w, None, s["a"])))
+
+    def norm_rope(y: torch.Tensor) -> None:
+        q, k, _ = (t.view(tokens, -1, HEAD_DIM) for t in y.split(list(case.widths), dim=-1))
+        qk_norm_rope(q, k, cos, sin, *norms, EPS)
+
+    def unfused(s: dict, f) -> None:
+        norm_rope(folded_lora_linear(s["x"], f, s["b"], case.scales, case.slots, meta=meta))
+
+    def fused(s: dict, f) -> None:
+        folded_qkv_rope(s["x"], f, s["b"], case.scales, case.slots, HEAD_DIM, cos, sin, *norms, EPS, meta=meta)
+
+    return {
+        "base_gemm_s": graph_time([lambda s=s, f=f: F.linear(s["x"], f.base_weight) for s, f in layers]),
+        "base_block_s": graph_time([lambda s=s, f=f: norm_rope(F.linear(s["x"], f.base_weight)) for s, f in layers]),
+        "unfused_block_s": graph_time([lambda s=s, f=f: unfused(s, f) for s, f in layers]),
+        "fused_block_s": graph_time([lambda s=s, f=f: fused(s, f) for s, f in layers]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("outputs/bench_qkv_rope"))
+    parser.add_argument("--adapters", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 4096])
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    warm_up()
+    results: dict = {"device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": copy_bandwidth(), "rows": []}
+    lines = [
+        f"device: {results['device']}; copy bandwidth {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s", "",
+        "| N | T | base GEMM us | block without LoRA us | today's LoRA block us | fused LoRA block us | today's add-on / GEMM "
+        "| fused add-on / GEMM |",
+        "| --- " * 8 + "|",
+    ]  # fmt: skip
+    for n in args.adapters:
+        for t in args.tokens:
+            row = {"N": n, "T": t, **time_case(n, t)}
+            results["rows"].append(row)
+            base = row["base_block_s"]
+            us = {k: v * 1e6 for k, v in row.items() if k.endswith("_s")}
+            lines.append(
+                f"| {n} | {t} | {us['base_gemm_s']:.1f} | {us['base_block_s']:.1f} | {us['unfused_block_s']:.1f} | "
+                f"{us['fused_block_s']:.1f} | {(row['unfused_block_s'] - base) / row['base_gemm_s']:.2f} | "
+                f"**{(row['fused_block_s'] - base) / row['base_gemm_s']:.2f}** |"
+            )
+            print(lines[-1], flush=True)
+    results["copy_bandwidth_end_Bps"] = copy_bandwidth()
+    (args.out / "bench_qkv_rope.json").write_text(json.dumps(results, indent=1))
+    (args.out / "bench_qkv_rope.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
