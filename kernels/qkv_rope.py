@@ -28,10 +28,6 @@ from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
 from skyrl_clora.kernels.sgmv import check_meta, default_config, dot_flags, pdl_flags, sgmv_shrink, shrink_workspace
 from skyrl_clora.kernels.sgmv_kernels import tile_of
 
-# Programs a launch aims for (about two waves of the H200's 132 multiprocessors) before a program takes
-# several heads (``heads_per_program``).
-_TARGET_PROGRAMS = 264
-
 
 @triton.jit
 def _qkv_rope_kernel(
@@ -39,24 +35,24 @@ def _qkv_rope_kernel(
     q_out_ptr, k_out_ptr, v_out_ptr,
     S, T, R, HQ, HK, eps, stride_yt, stride_b_n, stride_b_r, ss_q, ss_k, ss_v,
     stride_ws_split, stride_ws_slice, stride_ws_row, stride_ws_slot,
-    S_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
-    SPLIT_K: tl.constexpr, A_PER_SLICE: tl.constexpr, HAS_NORM: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    S_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, SPLIT_K: tl.constexpr,
+    A_PER_SLICE: tl.constexpr, HAS_NORM: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Program (segment tile ``pid_m``, group ``pid_n`` of ``HEADS`` heads of one slice, q's groups first, then
-    k's and v's); see the module docstring. The tiles walk the slots' segments and then the null segment
-    (``tile_of`` over the ``S`` slots only: past them, the rows from ``sum(counts)`` to ``T``). The group's rows,
-    partial sums and rotary tables are loaded once for its heads. With PDL everything but ``y``, ``ws`` and
-    the B tiles is loaded before ``gdc_wait``."""
+    """Program (segment tile ``pid_m``, head ``pid_n`` of ``HQ + 2 * HK``: q's, then k's, then v's); see the
+    module docstring. The tiles walk the slots' segments and then the null segment (``tile_of`` over the ``S``
+    slots only, whose scan costs every program ``S_P2**2`` steps: past them come the rows from ``sum(counts)``
+    to ``T``). With PDL every load but ``y`` and ``ws`` (written by the kernels just before) happens before
+    ``gdc_wait``."""
     pid_m = tl.program_id(0)
-    head0 = tl.program_id(1) * HEADS
+    head = tl.program_id(1)
     slot, seg_start, seg_len, m0 = tile_of(pid_m, count_ptr, S, T, S_P2, BLOCK_M, False)
     if slot >= S:  # the null segment: every row with no adapter, after the slots' rows
         seg_len = T - seg_start
     if m0 >= seg_len:
         return
-    sl = (head0 >= HQ).to(tl.int32) + (head0 >= HQ + HK).to(tl.int32)  # 0: q, 1: k, 2: v
-    head0_in = head0 - tl.where(sl == 0, 0, tl.where(sl == 1, HQ, HQ + HK))
+    sl = (head >= HQ).to(tl.int32) + (head >= HQ + HK).to(tl.int32)  # 0: q, 1: k, 2: v
+    head_in = head - tl.where(sl == 0, 0, tl.where(sl == 1, HQ, HQ + HK))
     b_ptr, slot_stride, w_ptr, out_ptr, heads = bq_ptr, ss_q, qw_ptr, q_out_ptr, HQ
     if sl == 1:
         b_ptr, slot_stride, w_ptr, out_ptr, heads = bk_ptr, ss_k, kw_ptr, k_out_ptr, HK
@@ -70,6 +66,9 @@ def _qkv_rope_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     has_lora = slot < S
     r_mask = (offs_r < R) & has_lora
+    b_ptrs = b_ptr + slot * slot_stride + (head_in * D + half)[None, :] * stride_b_n + offs_r[:, None] * stride_b_r
+    b1 = tl.load(b_ptrs, mask=r_mask[:, None], other=0.0)  # [BLOCK_R, D/2]
+    b2 = tl.load(b_ptrs + (D // 2) * stride_b_n, mask=r_mask[:, None], other=0.0)
     scale = tl.load(scale_ptr + slot, mask=has_lora, other=0.0)
     table = rows[:, None] * D + half[None, :]
     rope_mask = mask & (sl < 2)  # v is neither normalised nor rotated
@@ -83,44 +82,28 @@ def _qkv_rope_kernel(
     ws_ptrs = ws_ptr + rows[:, None] * stride_ws_row + slot * stride_ws_slot + offs_r[None, :]
     if A_PER_SLICE:
         ws_ptrs += sl * stride_ws_slice
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + head * D + half[None, :]
     if PDL:
         gdc_wait()  # the GEMM's output and the partial sums are complete and visible from here on
+    x1 = tl.load(y_ptrs, mask=mask, other=0.0)
+    x2 = tl.load(y_ptrs + D // 2, mask=mask, other=0.0)
     h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
         h += tl.load(ws_ptrs + split * stride_ws_split, mask=mask & r_mask[None, :], other=0.0).to(tl.float32)
-    h = h * scale
-    for j in tl.static_range(HEADS):
-        head_in = head0_in + j
-        b_ptrs = b_ptr + slot * slot_stride + (head_in * D + half)[None, :] * stride_b_n + offs_r[:, None] * stride_b_r
-        b1 = tl.load(b_ptrs, mask=r_mask[:, None], other=0.0)  # [BLOCK_R, D/2]
-        b2 = tl.load(b_ptrs + (D // 2) * stride_b_n, mask=r_mask[:, None], other=0.0)
-        y_ptrs = y_ptr + rows[:, None] * stride_yt + (head0 + j) * D + half[None, :]
-        x1 = tl.load(y_ptrs, mask=mask, other=0.0)
-        x2 = tl.load(y_ptrs + D // 2, mask=mask, other=0.0)
-        hj = h.to(b1.dtype)
-        if UPCAST:
-            hj, b1, b2 = hj.to(tl.float32), b1.to(tl.float32), b2.to(tl.float32)
-        # y += delta in the model dtype, as the unfused expand writes it
-        x1 = (x1.to(tl.float32) + tl.dot(hj, b1, input_precision=DOT_PRECISION)).to(x1.dtype).to(tl.float32)
-        x2 = (x2.to(tl.float32) + tl.dot(hj, b2, input_precision=DOT_PRECISION)).to(x2.dtype).to(tl.float32)
-        if sl < 2:
-            if HAS_NORM:
-                rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
-                x1, x2 = x1 * rstd * w1, x2 * rstd * w2
-            x1, x2 = x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
-        dst = out_ptr + rows[:, None] * (heads * D) + head_in * D + half[None, :]
-        tl.store(dst, x1.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + D // 2, x2.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def heads_per_program(tiles: int, heads_q: int, heads_kv: int) -> int:
-    """Heads each program of ``_qkv_rope_kernel`` takes: 1, 2 or 4 (dividing ``heads_q`` and ``heads_kv``), as
-    many as keep ``tiles * (heads_q + 2 * heads_kv) / group`` programs at ``_TARGET_PROGRAMS`` or more."""
-    group, heads = 1, heads_q + 2 * heads_kv
-    while (group < 4 and heads_q % (2 * group) == 0 and heads_kv % (2 * group) == 0
-           and tiles * heads // (2 * group) >= _TARGET_PROGRAMS):
-        group *= 2
-    return group
+    h = (h * scale).to(b1.dtype)
+    if UPCAST:
+        h, b1, b2 = h.to(tl.float32), b1.to(tl.float32), b2.to(tl.float32)
+    # y += delta in the model dtype, as the unfused expand writes it
+    x1 = (x1.to(tl.float32) + tl.dot(h, b1, input_precision=DOT_PRECISION)).to(x1.dtype).to(tl.float32)
+    x2 = (x2.to(tl.float32) + tl.dot(h, b2, input_precision=DOT_PRECISION)).to(x2.dtype).to(tl.float32)
+    if sl < 2:
+        if HAS_NORM:
+            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+            x1, x2 = x1 * rstd * w1, x2 * rstd * w2
+        x1, x2 = x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+    dst = out_ptr + rows[:, None] * (heads * D) + head_in * D + half[None, :]
+    tl.store(dst, x1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + D // 2, x2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def folded_qkv_rope_triton(
@@ -136,13 +119,11 @@ def folded_qkv_rope_triton(
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
-    heads_per_group: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton path of ``dispatch.folded_qkv_rope``: one GEMM (over the folded weight where
     ``fold_pays``, else over the base weight followed by ``sgmv_shrink``) and one ``_qkv_rope_kernel``.
     Returns new contiguous ``q: [T, Hq, d]``, ``k, v: [T, Hk, d]``; ``meta`` must be built from
-    ``token_slots``; nothing waits for the host. ``heads_per_group`` overrides ``heads_per_program``
-    (benchmarks sweep it)."""
+    ``token_slots``; nothing waits for the host."""
     T, K = x.shape
     check_meta(meta, x, folded.num_slots)
     widths = [b.shape[1] for b in lora_b]
@@ -175,17 +156,13 @@ def folded_qkv_rope_triton(
         return q, k, v
     has_norm = q_weight is not None
     cos, sin = cos.contiguous(), sin.contiguous()
-    tiles = cdiv(T, config.block_m) + min(S, T) + 1
-    group = heads_per_group or heads_per_program(tiles, heads_q, heads_kv)
-    if heads_q % group or heads_kv % group:
-        raise ValueError(f"heads_per_group {group} must divide the {heads_q} q and {heads_kv} k/v heads")
-    grid = (tiles, (heads_q + 2 * heads_kv) // group)
+    grid = (cdiv(T, config.block_m) + min(S, T) + 1, heads_q + 2 * heads_kv)
     _qkv_rope_kernel[grid](
         y, ws, lora_b[0], lora_b[1], lora_b[2], scales, meta.sorted_rows, meta.seg_count, cos, sin,
         q_weight if has_norm else y, k_weight if has_norm else y, q, k, v,
         S, T, R, heads_q, heads_kv, eps, y.stride(0), lora_b[0].stride(1), lora_b[0].stride(2),
         lora_b[0].stride(0), lora_b[1].stride(0), lora_b[2].stride(0), *ws_strides,
-        S_P2=next_power_of_2(S), BLOCK_M=config.block_m, BLOCK_R=rank_pad(R), D=head_dim, HEADS=group, SPLIT_K=split_k,
+        S_P2=next_power_of_2(S), BLOCK_M=config.block_m, BLOCK_R=rank_pad(R), D=head_dim, SPLIT_K=split_k,
         A_PER_SLICE=folded.slices > 1, HAS_NORM=has_norm, **dot_flags(x), **pdl_flags(x, config), num_warps=4,
     )  # fmt: skip
     return q, k, v

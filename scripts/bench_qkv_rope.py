@@ -10,7 +10,7 @@ the L2), side by side in one process:
 - today's LoRA block: ``folded_lora_linear`` (folded GEMM + expand, or base GEMM + shrink + expand where the
   fold does not pay) and ``qk_norm_rope``;
 - the fused LoRA block: ``folded_qkv_rope`` (folded GEMM, or base GEMM + shrink, and one kernel that adds
-  the LoRA terms, normalises and rotates), under its default heads per program and under 1, 2 and 4.
+  the LoRA terms, normalises and rotates).
 
 A block's LoRA add-on is its time minus the block without LoRA; the table gives each add-on over the base
 GEMM, the ratio issue 3's targets bound (decode <= 0.35x at N=8, <= 0.6x at N=32; prefill <= 0.25x / 0.45x).
@@ -29,12 +29,10 @@ import torch.nn.functional as F
 
 from bench_kernels import DT, Case, copy_bandwidth, graph_time, warm_up
 from skyrl_clora.kernels import fold_lora_weights, folded_lora_linear, folded_qkv_rope, qk_norm_rope
-from skyrl_clora.kernels.qkv_rope import folded_qkv_rope_triton
 
 HEAD_DIM = 128
 HEADS_Q, HEADS_KV = 32, 8
 EPS = 1e-6
-GROUPS = (1, 2, 4)  # heads per program of the fused kernel, timed beside the default (heads_per_program)
 
 
 def time_case(n_adapters: int, tokens: int) -> dict[str, float]:
@@ -62,19 +60,12 @@ def time_case(n_adapters: int, tokens: int) -> dict[str, float]:
     def fused(s: dict, f) -> None:
         folded_qkv_rope(s["x"], f, s["b"], case.scales, case.slots, HEAD_DIM, cos, sin, *norms, EPS, meta=meta)
 
-    def fused_group(s: dict, f, group: int) -> None:
-        folded_qkv_rope_triton(s["x"], f, s["b"], case.scales, case.slots, meta, HEAD_DIM, cos, sin, *norms, EPS,
-                               heads_per_group=group)
-
-    times = {
+    return {
         "base_gemm_s": graph_time([lambda s=s, f=f: F.linear(s["x"], f.base_weight) for s, f in layers]),
         "base_block_s": graph_time([lambda s=s, f=f: norm_rope(F.linear(s["x"], f.base_weight)) for s, f in layers]),
         "unfused_block_s": graph_time([lambda s=s, f=f: unfused(s, f) for s, f in layers]),
         "fused_block_s": graph_time([lambda s=s, f=f: fused(s, f) for s, f in layers]),
     }
-    for group in GROUPS:
-        times[f"fused_group{group}_s"] = graph_time([lambda s=s, f=f, g=group: fused_group(s, f, g) for s, f in layers])
-    return times
 
 
 def main() -> None:
@@ -88,9 +79,9 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": copy_bandwidth(), "rows": []}
     lines = [
         f"device: {results['device']}; copy bandwidth {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s", "",
-        "| N | T | base GEMM us | block without LoRA us | today's LoRA block us | fused LoRA block us | fused, 1 / 2 / 4 "
-        "heads per program us | today's add-on / GEMM | fused add-on / GEMM |",
-        "| --- " * 9 + "|",
+        "| N | T | base GEMM us | block without LoRA us | today's LoRA block us | fused LoRA block us "
+        "| today's add-on / GEMM | fused add-on / GEMM |",
+        "| --- " * 8 + "|",
     ]  # fmt: skip
     for n in args.adapters:
         for t in args.tokens:
@@ -98,11 +89,9 @@ def main() -> None:
             results["rows"].append(row)
             base = row["base_block_s"]
             us = {k: v * 1e6 for k, v in row.items() if k.endswith("_s")}
-            groups = " / ".join(f"{us['fused_group%d_s' % g]:.1f}" for g in GROUPS)
             lines.append(
                 f"| {n} | {t} | {us['base_gemm_s']:.1f} | {us['base_block_s']:.1f} | {us['unfused_block_s']:.1f} | "
-                f"{us['fused_block_s']:.1f} | {groups} | "
-                f"{(row['unfused_block_s'] - base) / row['base_gemm_s']:.2f} | "
+                f"{us['fused_block_s']:.1f} | {(row['unfused_block_s'] - base) / row['base_gemm_s']:.2f} | "
                 f"**{(row['fused_block_s'] - base) / row['base_gemm_s']:.2f}** |"
             )
             print(lines[-1], flush=True)
