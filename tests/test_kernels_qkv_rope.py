@@ -69,18 +69,15 @@ def test_fused_qkv_rope_matches_reference(layout: str, dtype: torch.dtype, fold:
 
 
 @interpreted
-@pytest.mark.parametrize("layout", ["no_adapter", "zipf"])
-def test_slot_counts_not_a_power_of_two(layout: str) -> None:
-    """3 slots: the slot scan is 4 wide, and the tiles past the slots' are the null segment's."""
-    p = make_qkv_rope_problem(40, 64, 4, 2, 32, num_slots=3, rank=16, dtype=torch.float32, layout=layout,
-                              with_norm=True)
-    check(p, run(p, "triton"))
-
-
-@interpreted
-def test_fused_qkv_rope_without_norm_and_at_rank_8() -> None:
-    p = make_qkv_rope_problem(16, 64, 2, 1, 32, num_slots=3, rank=8, dtype=torch.float32, layout="uniform",
-                              with_norm=False)
+@pytest.mark.parametrize("tokens,heads_q,heads_kv,num_slots,rank,layout,with_norm", [
+    (40, 4, 2, 3, 16, "no_adapter", True),  # 3 slots: a 4-wide slot scan; the tiles past the slots' are the null segment's
+    (40, 4, 2, 3, 16, "zipf", True),
+    (16, 2, 1, 3, 8, "uniform", False),  # no q/k norm (Llama / Qwen2 layout), rank 8
+])  # fmt: skip
+def test_other_slot_counts_ranks_and_no_norm(tokens: int, heads_q: int, heads_kv: int, num_slots: int, rank: int,
+                                             layout: str, with_norm: bool) -> None:
+    p = make_qkv_rope_problem(tokens, 64, heads_q, heads_kv, 32, num_slots=num_slots, rank=rank, dtype=torch.float32,
+                              layout=layout, with_norm=with_norm)
     check(p, run(p, "triton"))
 
 
