@@ -15,8 +15,6 @@ addressed ``split * s_split + a * s_slice + row * s_row + slot * s_slot + r`` as
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -121,12 +119,9 @@ def folded_qkv_rope_triton(
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
-    shrink_stream: torch.cuda.Stream | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton path of ``dispatch.folded_qkv_rope``: one GEMM (over the folded weight where
     ``fold_pays``, else over the base weight followed by ``sgmv_shrink``) and one ``_qkv_rope_kernel``.
-    With ``shrink_stream`` the path is always the base GEMM and the shrink, the shrink on that stream beside
-    the GEMM (forked from and joined back to the current stream; in a CUDA graph capture, two branches).
     Returns new contiguous ``q: [T, Hq, d]``, ``k, v: [T, Hk, d]``; ``meta`` must be built from
     ``token_slots``; nothing waits for the host."""
     T, K = x.shape
@@ -143,24 +138,15 @@ def folded_qkv_rope_triton(
     heads_q, heads_kv = widths[0] // head_dim, widths[1] // head_dim
     S, R = folded.num_slots, folded.rank
     config = default_config(T, K, S, folded.slices, R)
-    if shrink_stream is None and fold_pays(T, folded.out_features, folded.extra_features):
+    if fold_pays(T, folded.out_features, folded.extra_features):
         y = F.linear(x, folded.weight, folded.bias)
         h = y[:, folded.out_features :].view(T, folded.slices, S, R)
         ws, ws_strides, split_k = h, (0, h.stride(1), h.stride(0), h.stride(2)), 1
     else:
+        y = F.linear(x, folded.base_weight, folded.base_bias)
         lora_a = folded.lora_a if folded.slices > 1 else folded.lora_a.unsqueeze(0)
         ws = shrink_workspace(meta, T, K, folded.slices, R, config)
-        if shrink_stream is None:
-            y = F.linear(x, folded.base_weight, folded.base_bias)
-            sgmv_shrink(ws, x, lora_a, meta, R, config)
-        else:
-            config = dataclasses.replace(config, pdl=False)  # the kernel after the join waits on an event, not a launch
-            main = torch.cuda.current_stream(x.device)
-            shrink_stream.wait_stream(main)
-            with torch.cuda.stream(shrink_stream):
-                sgmv_shrink(ws, x, lora_a, meta, R, config)
-            y = F.linear(x, folded.base_weight, folded.base_bias)
-            main.wait_stream(shrink_stream)
+        sgmv_shrink(ws, x, lora_a, meta, R, config)
         ws_strides, split_k = (ws.stride(0), ws.stride(1), ws.stride(2), 0), ws.shape[0]
     check_add_lora(y[:, : folded.out_features], x, folded.lora_a, lora_b, scales, token_slots)
     q = x.new_empty(T, heads_q, head_dim)

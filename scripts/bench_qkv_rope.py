@@ -10,8 +10,7 @@ the L2), side by side in one process:
 - today's LoRA block: ``folded_lora_linear`` (folded GEMM + expand, or base GEMM + shrink + expand where the
   fold does not pay) and ``qk_norm_rope``;
 - the fused LoRA block: ``folded_qkv_rope`` (folded GEMM, or base GEMM + shrink, and one kernel that adds
-  the LoRA terms, normalises and rotates), and the same with the shrink on a second stream beside the base GEMM
-  (``shrink_stream``: two branches of the captured graph).
+  the LoRA terms, normalises and rotates).
 
 A block's LoRA add-on is its time minus the block without LoRA; the table gives each add-on over the base
 GEMM, the ratio issue 3's targets bound (decode <= 0.35x at N=8, <= 0.6x at N=32; prefill <= 0.25x / 0.45x).
@@ -30,7 +29,6 @@ import torch.nn.functional as F
 
 from bench_kernels import DT, Case, copy_bandwidth, graph_time, warm_up
 from skyrl_clora.kernels import fold_lora_weights, folded_lora_linear, folded_qkv_rope, qk_norm_rope
-from skyrl_clora.kernels.qkv_rope import folded_qkv_rope_triton
 
 HEAD_DIM = 128
 HEADS_Q, HEADS_KV = 32, 8
@@ -62,17 +60,11 @@ def time_case(n_adapters: int, tokens: int) -> dict[str, float]:
     def fused(s: dict, f) -> None:
         folded_qkv_rope(s["x"], f, s["b"], case.scales, case.slots, HEAD_DIM, cos, sin, *norms, EPS, meta=meta)
 
-    def fused_beside(s: dict, f) -> None:
-        folded_qkv_rope_triton(s["x"], f, s["b"], case.scales, case.slots, meta, HEAD_DIM, cos, sin, *norms, EPS,
-                               shrink_stream=side)
-
-    side = torch.cuda.Stream()
     return {
         "base_gemm_s": graph_time([lambda s=s, f=f: F.linear(s["x"], f.base_weight) for s, f in layers]),
         "base_block_s": graph_time([lambda s=s, f=f: norm_rope(F.linear(s["x"], f.base_weight)) for s, f in layers]),
         "unfused_block_s": graph_time([lambda s=s, f=f: unfused(s, f) for s, f in layers]),
         "fused_block_s": graph_time([lambda s=s, f=f: fused(s, f) for s, f in layers]),
-        "fused_beside_s": graph_time([lambda s=s, f=f: fused_beside(s, f) for s, f in layers]),
     }
 
 
@@ -88,8 +80,8 @@ def main() -> None:
     lines = [
         f"device: {results['device']}; copy bandwidth {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s", "",
         "| N | T | base GEMM us | block without LoRA us | today's LoRA block us | fused LoRA block us "
-        "| fused, shrink beside the GEMM us | today's add-on / GEMM | fused add-on / GEMM | shrink beside: add-on / GEMM |",
-        "| --- " * 10 + "|",
+        "| today's add-on / GEMM | fused add-on / GEMM |",
+        "| --- " * 8 + "|",
     ]  # fmt: skip
     for n in args.adapters:
         for t in args.tokens:
@@ -99,10 +91,8 @@ def main() -> None:
             us = {k: v * 1e6 for k, v in row.items() if k.endswith("_s")}
             lines.append(
                 f"| {n} | {t} | {us['base_gemm_s']:.1f} | {us['base_block_s']:.1f} | {us['unfused_block_s']:.1f} | "
-                f"{us['fused_block_s']:.1f} | {us['fused_beside_s']:.1f} | "
-                f"{(row['unfused_block_s'] - base) / row['base_gemm_s']:.2f} | "
-                f"**{(row['fused_block_s'] - base) / row['base_gemm_s']:.2f}** | "
-                f"{(row['fused_beside_s'] - base) / row['base_gemm_s']:.2f} |"
+                f"{us['fused_block_s']:.1f} | {(row['unfused_block_s'] - base) / row['base_gemm_s']:.2f} | "
+                f"**{(row['fused_block_s'] - base) / row['base_gemm_s']:.2f}** |"
             )
             print(lines[-1], flush=True)
     results["copy_bandwidth_end_Bps"] = copy_bandwidth()

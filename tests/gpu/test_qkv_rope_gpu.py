@@ -1,7 +1,6 @@
 """GPU parity of the q/k/v projection with its LoRA expand fused into q/k norm + rotary (``kernels.qkv_rope``)
-at Qwen3-4B's attention sizes on each of its paths (the shrink also on a second stream beside the GEMM), and
-the fused block captured in a CUDA graph, replayed with new rows, slots and a published adapter. Skipped without
-CUDA. Tolerances: ``kernels.testing.TOLERANCE``.
+at Qwen3-4B's attention sizes on both of its paths, and the fused block captured in a CUDA graph, replayed
+with new rows, slots and a published adapter. Skipped without CUDA. Tolerances: ``kernels.testing.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -24,16 +23,10 @@ from skyrl_clora.kernels.testing import (
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def fused(p: QKVRopeProblem, meta: LoRAMeta | None = None,
-          shrink_stream: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, ...]:
+def fused(p: QKVRopeProblem, meta: LoRAMeta | None = None) -> tuple[torch.Tensor, ...]:
     lora = p.lora
-    if shrink_stream is None:
-        return folded_qkv_rope(lora.x, p.folded, lora.lora_b, lora.scales, lora.token_slots, p.head_dim, p.cos, p.sin,
-                               p.q_weight, p.k_weight, p.eps, meta=meta)
-    meta = meta or LoRAMeta.for_batch(lora.token_slots, p.folded.num_slots, p.folded.rank, p.folded.slices)
-    return qkv_rope.folded_qkv_rope_triton(lora.x, p.folded, lora.lora_b, lora.scales, lora.token_slots, meta,
-                                           p.head_dim, p.cos, p.sin, p.q_weight, p.k_weight, p.eps,
-                                           shrink_stream=shrink_stream)
+    return folded_qkv_rope(lora.x, p.folded, lora.lora_b, lora.scales, lora.token_slots, p.head_dim, p.cos, p.sin,
+                           p.q_weight, p.k_weight, p.eps, meta=meta)
 
 
 def check(p: QKVRopeProblem, got: tuple[torch.Tensor, ...], label: str = "") -> None:
@@ -47,31 +40,28 @@ def check(p: QKVRopeProblem, got: tuple[torch.Tensor, ...], label: str = "") -> 
     assert err < TOLERANCE[torch.bfloat16], f"{label}v: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("path", ["folded-gemm", "base-gemm-and-shrink", "shrink-beside-gemm"])
+@pytest.mark.parametrize("fold", [True, False], ids=["folded-gemm", "base-gemm-and-shrink"])
 @pytest.mark.parametrize("num_slots,layout", [(8, "no_adapter"), (32, "uniform")])
 @pytest.mark.parametrize("num_tokens", [16, 256, 4096])
-def test_fused_qkv_rope_matches_reference_at_qwen3_4b_sizes(num_tokens: int, num_slots: int, layout: str, path: str,
+def test_fused_qkv_rope_matches_reference_at_qwen3_4b_sizes(num_tokens: int, num_slots: int, layout: str, fold: bool,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     p = make_qkv_rope_problem(num_tokens, 2560, 32, 8, 128, num_slots, 16, torch.bfloat16, layout, with_norm=True,
                               device="cuda", seed=num_tokens + num_slots)
     assert adapters_differ(p.lora), "adapters give equal outputs: the parity test would be vacuous"
-    monkeypatch.setattr(qkv_rope, "fold_pays", lambda *shape: path == "folded-gemm")
-    check(p, fused(p, shrink_stream=torch.cuda.Stream() if path == "shrink-beside-gemm" else None))
+    monkeypatch.setattr(qkv_rope, "fold_pays", lambda *shape: fold)
+    check(p, fused(p))
 
 
-@pytest.mark.parametrize("beside", [False, True], ids=["one-stream", "shrink-beside-gemm"])
-def test_fused_qkv_rope_captured_in_cuda_graph_replays_new_batches_and_publishes(beside: bool) -> None:
+def test_fused_qkv_rope_captured_in_cuda_graph_replays_new_batches_and_publishes() -> None:
     T, S = 64, 8
     p = make_qkv_rope_problem(T, 2560, 32, 8, 128, S, 16, torch.bfloat16, "uniform", with_norm=True, device="cuda")
     slots = torch.zeros(T, dtype=torch.int64, device="cuda")
     p.lora.token_slots = slots
     meta = LoRAMeta(max_tokens=T, num_slots=S, device="cuda", max_rank=16, max_slices=3)
 
-    side = torch.cuda.Stream() if beside else None
-
     def step() -> tuple[torch.Tensor, ...]:
         meta.build(slots)
-        return fused(p, meta, side)
+        return fused(p, meta)
 
     graph, outs, _ = capture_graph(step)
     gen = torch.Generator(device="cuda").manual_seed(5)
