@@ -94,6 +94,8 @@ class ModeResult:
     engine_busy_s: float = 0.0  # the engine thread's split of the run (EngineStats)
     engine_paused_s: float = 0.0
     engine_idle_s: float = 0.0
+    engine_idle_waits: int = 0
+    engine_longest_idle_s: float = 0.0
     train_passes_s: float = 0.0  # the trainer's passes (TrainScheduler.pass_seconds)
 
 
@@ -195,6 +197,8 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     result.engine_busy_s = stats.busy_seconds
     result.engine_paused_s = stats.paused_seconds
     result.engine_idle_s = stats.idle_seconds
+    result.engine_idle_waits = stats.idle_waits
+    result.engine_longest_idle_s = stats.longest_idle_seconds
     result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     return result
 
@@ -216,7 +220,8 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
           f"{result.prefill_tokens} prompt tokens computed, {result.cached_prompt_tokens} from the prefix cache; "
           f"{result.shared_prefix_positions / max(result.decode_steps, 1):.0f} key positions per decode step read from "
           f"a shared copy); engine thread busy {result.engine_busy_s:.1f} s, paused {result.engine_paused_s:.1f} s, idle "
-          f"{result.engine_idle_s:.1f} s; training passes {result.train_passes_s:.1f} s", flush=True)
+          f"{result.engine_idle_s:.1f} s ({result.engine_idle_waits} waits of 1 ms or more, the longest "
+          f"{result.engine_longest_idle_s:.2f} s); training passes {result.train_passes_s:.1f} s", flush=True)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -107,9 +107,10 @@ class EngineStats:
     their sampling) and busy in all, the seconds the loop waited while paused and while it had nothing to do
     (no running row, request or publish; busy + paused + idle is the engine thread's lifetime, up to the
     loop's own bookkeeping; a wait counts by the state it began in, so a pause that starts while the loop
-    has nothing to do adds to idle), the seconds decode steps spent in their sampling call (which waits for the
-    step's GPU work: the rest of a decode step is host work), the seconds the decode CUDA graphs' capture
-    took, and the key positions decode steps read from another row's copy of a shared prefix."""
+    has nothing to do adds to idle; idle waits of 1 ms or more are counted and the longest kept, a wait ending
+    at the first request or publish, or after 0.5 s), the seconds decode steps spent in their sampling call
+    (which waits for the step's GPU work: the rest of a decode step is host work), the seconds the decode CUDA
+    graphs' capture took, and the key positions decode steps read from another row's copy of a shared prefix."""
 
     decode_steps: int = 0
     prefill_rounds: int = 0
@@ -122,6 +123,8 @@ class EngineStats:
     busy_seconds: float = 0.0
     paused_seconds: float = 0.0
     idle_seconds: float = 0.0
+    idle_waits: int = 0
+    longest_idle_seconds: float = 0.0
     graph_capture_seconds: float = 0.0
     shared_prefix_positions: int = 0  # decode-step key positions read from another row's copy
 
@@ -288,12 +291,15 @@ class Engine:
         while not self._stop.is_set():
             idle = not self._waiting and not self._pending_publishes and not any(self._rows)
             paused = self._paused.is_set()
-            waited = time.perf_counter()
+            began = time.perf_counter()
             self._drain_inbox(block=idle or paused)
+            waited = time.perf_counter() - began
             if paused:
-                self.stats.paused_seconds += time.perf_counter() - waited
+                self.stats.paused_seconds += waited
             elif idle:
-                self.stats.idle_seconds += time.perf_counter() - waited
+                self.stats.idle_seconds += waited
+                self.stats.idle_waits += waited >= 1e-3
+                self.stats.longest_idle_seconds = max(self.stats.longest_idle_seconds, waited)
             if self._paused.is_set() or self._stop.is_set():
                 continue
             started = time.perf_counter()
