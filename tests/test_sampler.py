@@ -228,6 +228,7 @@ def test_the_next_turn_computes_only_its_new_tokens_with_reuse_decode_kv(micro_m
 def test_pauses_nest_and_an_unmatched_resume_is_an_error(micro_model_dir: Path) -> None:
     engine, _ = _engine(micro_model_dir, num_rows=4, adapters={"a": 1})
     try:
+        time.sleep(0.2)  # nothing to do: an idle wait, which the submit below ends
         engine.pause()
         engine.pause()  # the train scheduler's pause inside a caller's
         future = engine.submit(PROMPT, "a", _params(0, max_tokens=3))
@@ -237,6 +238,7 @@ def test_pauses_nest_and_an_unmatched_resume_is_an_error(micro_model_dir: Path) 
         engine.resume()
         assert len(future.result(timeout=60).token_ids) == 3
         assert engine.stats.paused_seconds >= 0.25 and engine.stats.busy_seconds > 0
+        assert engine.stats.idle_waits >= 1 and 0.15 <= engine.stats.longest_idle_seconds <= engine.stats.idle_seconds
         with pytest.raises(RuntimeError, match="resume\\(\\) without a pause"):
             engine.resume()
     finally:
