@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_kernels import L2_BYTES, copy_bandwidth, graph_time, warm_up
+from bench_timing import L2_BYTES, copy_bandwidth, graph_time, warm_up
 
 from skyrl_clora.kernels import DecodeWorkspace, decode_attention
 from skyrl_clora.kernels.attention import AttentionConfig, decode_attention_triton, default_attention_config

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_kernels import copy_bandwidth
+from bench_timing import copy_bandwidth
 from make_random_model import QWEN3_VOCAB, SHAPES, build_random_model, qwen3_config
 from transformers import Qwen3ForCausalLM
 

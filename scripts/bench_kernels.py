@@ -29,8 +29,6 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,14 +36,13 @@ import torch
 
 import torch.nn.functional as F
 
+from bench_packed import PACKED_SWEEP, packed_sweep, packed_training
+from bench_timing import DT, L2_BYTES, copy_bandwidth, graph_time, warm_up
 from skyrl_clora.kernels import LoRAMeta, add_lora, fold_lora_weights
 from skyrl_clora.kernels.folded import folded_lora_linear_triton
 from skyrl_clora.kernels.meta import rank_pad
-from skyrl_clora.kernels.packed import PackedConfig, packed_lora_triton
 from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton, default_config, expand_folded, sgmv_expand, sgmv_shrink
 
-DT = torch.bfloat16
-L2_BYTES = 60 * 2**20
 SHAPES = {  # name: (h_in, output slices, one A per slice)
     "h4096": (4096, (4096,), False),
     "4B.qkv": (2560, (4096, 1024, 1024), True),
@@ -53,64 +50,6 @@ SHAPES = {  # name: (h_in, output slices, one A per slice)
     "4B.gate_up": (2560, (9728, 9728), True),
     "4B.down": (9728, (2560,), False),
 }
-
-
-def graph_time(calls: list[Callable[[], None]], min_calls: int = 20) -> float:
-    """Seconds per call: the calls (one per input set, cycled to at least ``min_calls``, fewer for slow
-    calls) captured in one CUDA graph; median over replays."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    calls[0]()
-    torch.cuda.synchronize()
-    est = max(time.perf_counter() - t0, 1e-6)
-    n = max(len(calls), min(min_calls, math.ceil(2e-3 / est)))
-    seq = [calls[i % len(calls)] for i in range(n)]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in seq[: len(calls)]:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in seq:
-            c()
-    reps = max(5, min(30, int(0.15 / (est * n))))
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / n)
-    del graph
-    return statistics.median(times)
-
-
-def warm_up(seconds: float = 2.0) -> None:
-    """Keeps the GPU busy with bf16 matrix products so its clocks are up before anything is timed."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=DT)
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(10):
-            a @ a
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 4 GiB device-to-device copy by a kernel (``torch.add(src, 0, out=dst)``),
-    counting bytes read plus bytes written. Not ``dst.copy_(src)``: captured in a CUDA graph that becomes a
-    memcpy node, which the copy engines run at ~2.7 TB/s on the H200 against ~4.3 TB/s for a kernel
-    (BENCHMARKS.md, tenth session), and kernels are what the rooflines compare."""
-    src = torch.randn(2**30, device="cuda")
-    dst = torch.empty_like(src)
-    t = graph_time([lambda: torch.add(src, 0.0, out=dst)], min_calls=5)
-    return 2 * src.numel() * 4 / t
 
 
 class Case:
@@ -392,137 +331,6 @@ def main_table(
         us = case.meta_build() * 1e6
         results["meta_build"].append({"T": t, "N": 32, "s": us * 1e-6})
         lines.append(f"| {t} | 32 | {us:.1f} |")
-    return lines
-
-
-class PackedCase:
-    """Packed training's inputs: N=8 adapters, rank 16, 4096 tokens in all (512 each, contiguous), hidden 4096
-    in and out; forward + backward of the LoRA part, packed in one pass (``packed_lora_triton`` under a
-    launch config) or the adapters one after another (plain torch autograd)."""
-
-    N, R, T, H = 8, 16, 4096, 4096
-
-    def __init__(self) -> None:
-        n, r, t, h = self.N, self.R, self.T, self.H
-        self.per = t // n
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        self.x = torch.randn(t, h, device="cuda", dtype=DT, generator=gen, requires_grad=True)
-        self.a = (torch.randn(n, r, h, device="cuda", dtype=DT, generator=gen) / h**0.5).requires_grad_()
-        self.b = torch.randn(n, h, r, device="cuda", dtype=DT, generator=gen).requires_grad_()
-        self.dy = torch.randn(t, h, device="cuda", dtype=DT, generator=gen)
-        self.scales = torch.full((n,), 2.0, device="cuda")
-        self.slots = torch.arange(n, device="cuda").repeat_interleave(self.per)
-        self.meta = LoRAMeta(max_tokens=t, num_slots=n, device="cuda", max_rank=r)
-        self.meta.build(self.slots)
-        self.xs = [self.x.detach()[i * self.per : (i + 1) * self.per].clone().requires_grad_() for i in range(n)]
-        self.as_ = [self.a.detach()[i].clone().requires_grad_() for i in range(n)]
-        self.bs = [self.b.detach()[i].clone().requires_grad_() for i in range(n)]
-
-    def packed(self, config: PackedConfig | None = None) -> Callable[[], None]:
-        def run() -> None:
-            y = packed_lora_triton(self.x, self.a, self.b, self.scales, self.slots, meta=self.meta, config=config)
-            torch.autograd.grad(y, (self.x, self.a, self.b), self.dy)
-
-        return run
-
-    def packed_forward(self, config: PackedConfig | None = None) -> Callable[[], None]:
-        def run() -> None:
-            with torch.no_grad():
-                packed_lora_triton(self.x, self.a, self.b, self.scales, self.slots, meta=self.meta, config=config)
-
-        return run
-
-    def sequential(self) -> None:
-        for i in range(self.N):
-            y = (self.xs[i] @ self.as_[i].T) @ self.bs[i].T * 2.0
-            torch.autograd.grad(y, (self.xs[i], self.as_[i], self.bs[i]), self.dy[i * self.per : (i + 1) * self.per])
-
-    def sequential_forward(self) -> None:
-        with torch.no_grad():
-            for i in range(self.N):
-                (self.xs[i] @ self.as_[i].T) @ self.bs[i].T * 2.0
-
-
-def packed_training(results: dict) -> list[str]:
-    """``PackedCase``: packed vs the adapters one after another, in CUDA graphs and eagerly."""
-    case = PackedCase()
-
-    def eager(fn: Callable[[], None]) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    res = {
-        "packed_graph_s": graph_time([case.packed()], min_calls=10),
-        "sequential_graph_s": graph_time([case.sequential], min_calls=10),
-        "packed_eager_s": eager(case.packed()),
-        "sequential_eager_s": eager(case.sequential),
-        "packed_forward_graph_s": graph_time([case.packed_forward()], min_calls=10),
-        "sequential_forward_graph_s": graph_time([case.sequential_forward], min_calls=10),
-    }
-    results["packed"] = res
-    return [
-        "| packed training, N=8 r=16 T=4096 hidden 4096 | packed us | 8 adapters one after another us | speed-up |",
-        "| --- | --- | --- | --- |",
-        f"| CUDA graph replay | {res['packed_graph_s'] * 1e6:.1f} | {res['sequential_graph_s'] * 1e6:.1f} | "
-        f"{res['sequential_graph_s'] / res['packed_graph_s']:.1f}x |",
-        f"| eager (host launch overhead included) | {res['packed_eager_s'] * 1e6:.1f} | "
-        f"{res['sequential_eager_s'] * 1e6:.1f} | {res['sequential_eager_s'] / res['packed_eager_s']:.1f}x |",
-        f"| forward only, CUDA graph replay | {res['packed_forward_graph_s'] * 1e6:.1f} | "
-        f"{res['sequential_forward_graph_s'] * 1e6:.1f} | "
-        f"{res['sequential_forward_graph_s'] / res['packed_forward_graph_s']:.1f}x |",
-    ]
-
-
-# ``--packed-sweep``'s configs, as changes to ``PackedConfig()``'s defaults (the defaults first): one kernel's
-# shape at a time, so that each config compiles one or two new kernels.
-PACKED_SWEEP: list[dict[str, int | None]] = [
-    {},
-    {"fwd_rows": 16}, {"fwd_warps": 8}, {"fwd_rows": 16, "fwd_warps": 8}, {"fwd_block_n": 128}, {"fwd_block_k": 256},
-    {"fwd_stages": 3},
-    {"dy_rows": 64}, {"dy_rows": 64, "dy_stages": 4}, {"dy_stages": 2}, {"dy_block_n": 256}, {"dy_block_n": 64},
-    {"dy_warps": 8}, {"dy_warps": 8, "dy_maxnreg": 128},
-    {"x_rows": 64}, {"x_rows": 16}, {"x_block_k": 128}, {"x_block_k": 512}, {"x_warps": 8}, {"x_stages": 3},
-    {"x_maxnreg": 96},
-    {"x_target_programs": 128}, {"dy_target_programs": 512, "x_target_programs": 512}, {"dy_maxnreg": 64, "x_maxnreg": 64},
-]
-
-
-def packed_sweep(results: dict, changes: list[dict[str, int | None]]) -> list[str]:
-    """``PackedCase`` under each of ``changes`` to the default ``PackedConfig``: forward + backward and forward
-    alone by CUDA-graph replay, against the adapters one after another (timed once)."""
-    case = PackedCase()
-    sequential = graph_time([case.sequential], min_calls=10)
-    results["packed_sweep"] = {"sequential_graph_s": sequential, "configs": []}
-    lines = [
-        f"packed training sweep, N={case.N} r={case.R} T={case.T} hidden {case.H}; {case.N} adapters one after another: "
-        f"{sequential * 1e6:.1f} us",
-        "",
-        "| config (changes to the defaults) | fwd+bwd us | forward us | difference us | speed-up vs sequential |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for change in changes:
-        label = ", ".join(f"{k}={v}" for k, v in change.items()) or "default"
-        row: dict = {"changes": change}
-        try:
-            config = PackedConfig(**change)
-            row["config"] = dataclasses.asdict(config)
-            row["graph_s"] = graph_time([case.packed(config)], min_calls=10)
-            row["forward_graph_s"] = graph_time([case.packed_forward(config)], min_calls=10)
-            lines.append(f"| {label} | {row['graph_s'] * 1e6:.1f} | {row['forward_graph_s'] * 1e6:.1f} | "
-                         f"{(row['graph_s'] - row['forward_graph_s']) * 1e6:.1f} | {sequential / row['graph_s']:.2f}x |")
-        except Exception as e:  # a failed config (e.g. out of shared memory) is reported, the others still run
-            row["error"] = repr(e)
-            lines.append(f"| {label} | error: {e!r} | | | |")
-        results["packed_sweep"]["configs"].append(row)
-        print(lines[-1], flush=True)
     return lines
 
 

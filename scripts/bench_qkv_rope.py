@@ -2,7 +2,7 @@
 
 For Qwen3-4B's attention block (hidden 2560, 32 query and 8 key/value heads of 128, one A per slice),
 rank 16, N adapters in {8, 32} and tokens in {16, 64, 256, 4096} (bf16, uniform random adapter per row),
-it times from CUDA-graph replays (``bench_kernels.graph_time``: median, inputs and weights rotated past
+it times from CUDA-graph replays (``bench_timing.graph_time``: median, inputs and weights rotated past
 the L2), side by side in one process:
 
 - the base GEMM ``x @ W.T`` alone (issue 3's denominator);
@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_kernels import DT, Case, copy_bandwidth, graph_time, warm_up
+from bench_kernels import Case
+from bench_timing import DT, copy_bandwidth, graph_time, warm_up
 from skyrl_clora.kernels import fold_lora_weights, folded_lora_linear, folded_qkv_rope, qk_norm_rope
 
 HEAD_DIM = 128

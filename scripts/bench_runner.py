@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 from bench_engine import random_adapter
-from bench_kernels import copy_bandwidth
+from bench_timing import copy_bandwidth
 from make_random_model import QWEN3_VOCAB, SHAPES, build_random_model, qwen3_config
 
 from skyrl_clora.lora.layers import attach_multi_lora, write_slot

@@ -12,7 +12,8 @@ over a :class:`~skyrl_clora.kernels.FoldedWeights` (``kernels.folded``) and one 
   them.
 - :func:`fused_layer_projections` makes each inference :class:`MultiLoRALinear` layer's ``lora_a`` a view of
   its folded matrix's A rows (keeping the values; in-place publishes land in the GEMM's weight) and shares
-  one ``scales`` buffer per group, so each group is one ``kernels.folded_lora_linear`` call.
+  one ``scales`` buffer per group, so each group is one ``kernels.folded_lora_linear`` call (q/k/v: one
+  ``kernels.folded_qkv_rope`` call, its expand inside the q/k norm + rotary kernel; the model runner makes it).
 """
 
 from __future__ import annotations
