@@ -320,7 +320,9 @@ def packed_finish_kernel(
     BLOCK: tl.constexpr,
 ):
     """Up to three jobs in one launch, each on its own range of programs, in this order: HAS_G,
-    ``g = gpart.sum(0)`` (flat, ``numel_g`` elements, ``BLOCK_G`` per program; ``programs_g`` programs);
+    ``g = gpart.sum(0)`` (flat, ``numel_g`` elements, ``BLOCK_G`` per program; ``programs_g`` programs; the
+    rows with no slot sum partials nobody wrote, so their ``g`` is garbage, possibly NaN, and no kernel reads
+    it: the x kernel skips the null segment or writes its dx as zeros);
     HAS_B and HAS_A, ``_reduce_weight_grad`` of dB (``programs_b`` programs) and of dA, ``BLOCK`` elements
     per program."""
     pid = tl.program_id(0)
