@@ -140,6 +140,11 @@ def folded_qkv_rope_triton(
     if lora_b[1].stride()[1:] != lora_b[0].stride()[1:] or lora_b[2].stride()[1:] != lora_b[0].stride()[1:]:
         raise ValueError("folded_qkv_rope needs the q, k and v LoRA B tables laid out alike along H_out and rank")
     heads_q, heads_kv = widths[0] // head_dim, widths[1] // head_dim
+    q = x.new_empty(T, heads_q, head_dim)
+    k = x.new_empty(T, heads_kv, head_dim)
+    v = x.new_empty(T, heads_kv, head_dim)
+    if T == 0:
+        return q, k, v
     S, R = folded.num_slots, folded.rank
     config = default_config(T, K, S, folded.slices, R)
     if fold_pays(T, folded.out_features, folded.extra_features):
@@ -153,11 +158,6 @@ def folded_qkv_rope_triton(
         sgmv_shrink(ws, x, lora_a, meta, R, config)
         ws_strides, split_k = (ws.stride(0), ws.stride(1), ws.stride(2), 0), ws.shape[0]
     check_add_lora(y[:, : folded.out_features], x, folded.lora_a, lora_b, scales, token_slots)
-    q = x.new_empty(T, heads_q, head_dim)
-    k = x.new_empty(T, heads_kv, head_dim)
-    v = x.new_empty(T, heads_kv, head_dim)
-    if T == 0:
-        return q, k, v
     has_norm = q_weight is not None
     cos, sin = cos.contiguous(), sin.contiguous()
     grid = (cdiv(T, config.block_m) + min(S, T) + 1, heads_q + 2 * heads_kv)

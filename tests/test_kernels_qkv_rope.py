@@ -81,6 +81,15 @@ def test_other_slot_counts_ranks_and_no_norm(tokens: int, heads_q: int, heads_kv
     check(p, run(p, "triton"))
 
 
+@interpreted
+def test_an_empty_batch_gives_empty_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = make_qkv_rope_problem(0, 48, 2, 1, 32, num_slots=2, rank=8, dtype=torch.float32, layout="uniform",
+                              with_norm=True)
+    for fold in (True, False):
+        monkeypatch.setattr(qkv_rope, "fold_pays", lambda *shape, fold=fold: fold)
+        assert [t.shape for t in run(p, "triton")] == [(0, 2, 32), (0, 1, 32), (0, 1, 32)]
+
+
 def test_torch_path_is_the_folded_layer_then_qk_norm_rope() -> None:
     p = make_qkv_rope_problem(10, 48, 2, 1, 32, num_slots=3, rank=8, dtype=torch.float32, layout="no_adapter",
                               with_norm=True)
