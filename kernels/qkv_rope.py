@@ -139,6 +139,11 @@ def folded_qkv_rope_triton(
                          "use backend='torch'")
     if lora_b[1].stride()[1:] != lora_b[0].stride()[1:] or lora_b[2].stride()[1:] != lora_b[0].stride()[1:]:
         raise ValueError("folded_qkv_rope needs the q, k and v LoRA B tables laid out alike along H_out and rank")
+    if cos.shape != (T, head_dim) or sin.shape != (T, head_dim):
+        raise ValueError(f"folded_qkv_rope needs cos/sin [{T}, {head_dim}] (one row per token), got "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("folded_qkv_rope needs both q_weight and k_weight, or neither")
     heads_q, heads_kv = widths[0] // head_dim, widths[1] // head_dim
     q = x.new_empty(T, heads_q, head_dim)
     k = x.new_empty(T, heads_kv, head_dim)

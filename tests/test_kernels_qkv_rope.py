@@ -107,3 +107,9 @@ def test_fused_qkv_rope_rejects_what_its_kernel_cannot_run() -> None:
     with pytest.raises(ValueError, match="whole 48-wide heads"):
         folded_qkv_rope(lora.x, p.folded, lora.lora_b, lora.scales, lora.token_slots, 48, p.cos, p.sin, None, None,
                         p.eps, backend="triton")
+    with pytest.raises(ValueError, match=r"cos/sin \[8, 32\] \(one row per token\), got \(7, 32\)"):
+        folded_qkv_rope(lora.x, p.folded, lora.lora_b, lora.scales, lora.token_slots, 32, p.cos[:7], p.sin, None,
+                        None, p.eps, backend="triton")
+    with pytest.raises(ValueError, match="both q_weight and k_weight, or neither"):
+        folded_qkv_rope(lora.x, p.folded, lora.lora_b, lora.scales, lora.token_slots, 32, p.cos, p.sin,
+                        torch.ones(32), None, p.eps, backend="triton")
