@@ -29,7 +29,16 @@ from skyrl_clora.kernels.checks import check_add_lora
 from skyrl_clora.kernels.folded import FoldedWeights, fold_pays
 from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
 from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
-from skyrl_clora.kernels.sgmv import check_meta, default_config, dot_flags, pdl_flags, sgmv_shrink, shrink_workspace
+from skyrl_clora.kernels.sgmv import (
+    check_meta,
+    default_config,
+    dot_flags,
+    folded_h_layout,
+    partials_layout,
+    pdl_flags,
+    sgmv_shrink,
+    shrink_workspace,
+)
 from skyrl_clora.kernels.sgmv_kernels import tile_of
 
 
@@ -154,14 +163,14 @@ def folded_qkv_rope_triton(
     config = default_config(T, K, S, folded.slices, R)
     if fold_pays(T, folded.out_features, folded.extra_features):
         y = F.linear(x, folded.weight, folded.bias)
-        h = y[:, folded.out_features :].view(T, folded.slices, S, R)
-        ws, ws_strides, split_k = h, (0, h.stride(1), h.stride(0), h.stride(2)), 1
+        ws = y[:, folded.out_features :].view(T, folded.slices, S, R)
+        ws_strides, split_k = folded_h_layout(ws)
     else:
         y = F.linear(x, folded.base_weight, folded.base_bias)
         lora_a = folded.lora_a if folded.slices > 1 else folded.lora_a.unsqueeze(0)
         ws = shrink_workspace(meta, T, K, folded.slices, R, config)
         sgmv_shrink(ws, x, lora_a, meta, R, config)
-        ws_strides, split_k = (ws.stride(0), ws.stride(1), ws.stride(2), 0), ws.shape[0]
+        ws_strides, split_k = partials_layout(ws)
     check_add_lora(y[:, : folded.out_features], x, folded.lora_a, lora_b, scales, token_slots)
     has_norm = q_weight is not None
     cos, sin = cos.contiguous(), sin.contiguous()

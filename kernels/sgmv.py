@@ -154,8 +154,20 @@ def sgmv_expand(
     its partials) has finished, and reads everything but ``ws`` early: that kernel must not write ``out``,
     the weights, ``scales`` or the meta.
     """
-    _expand(out, ws, (ws.stride(0), ws.stride(1), ws.stride(2), 0), ws.shape[0], ws.shape[1] > 1, weights, scales,
-            meta, rank, config, store=store, late_out=False)
+    _expand(out, ws, *partials_layout(ws), ws.shape[1] > 1, weights, scales, meta, rank, config, store=store,
+            late_out=False)
+
+
+def partials_layout(ws: torch.Tensor) -> tuple[tuple[int, int, int, int], int]:
+    """``sgmv_shrink``'s partials ``ws: [split_k, slices, T, r]`` as the expand kernels address them: (split,
+    slice, row, slot) element strides (slot 0: a row holds only its own slot's partials) and the split count."""
+    return (ws.stride(0), ws.stride(1), ws.stride(2), 0), ws.shape[0]
+
+
+def folded_h_layout(h: torch.Tensor) -> tuple[tuple[int, int, int, int], int]:
+    """A folded GEMM's extra columns ``h: [T, slices, S, R]`` (every slot's shrink of every row) as the expand
+    kernels address them: (split, slice, row, slot) element strides and one split."""
+    return (0, h.stride(1), h.stride(0), h.stride(2)), 1
 
 
 def expand_folded(
@@ -176,8 +188,8 @@ def expand_folded(
     which may have written ``out`` and ``h`` (both are read after the wait), but not the weights, ``scales``
     or the meta.
     """
-    _expand(out, h, (0, h.stride(1), h.stride(0), h.stride(2)), 1, h.shape[1] > 1, weights, scales, meta, rank,
-            config, store=False, late_out=True)
+    _expand(out, h, *folded_h_layout(h), h.shape[1] > 1, weights, scales, meta, rank, config, store=False,
+            late_out=True)
 
 
 def _expand(
