@@ -58,6 +58,32 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, N, H, eps, strid
 
 
 @triton.jit
+def rope_tables(cos_ptr, sin_ptr, tokens, mask, D: tl.constexpr):
+    """The rotary tables' halves at ``tokens`` (int64 ``[rows]``; ``cos, sin: [N, D]`` contiguous) as fp32
+    ``(cos1, cos2, sin1, sin2)``, each ``[rows, D/2]``, zero where ``mask`` (``[rows, 1]``) is false."""
+    half = tl.arange(0, D // 2)
+    table = tokens[:, None] * D + half[None, :]
+    cos1 = tl.load(cos_ptr + table, mask=mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + table + D // 2, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + table, mask=mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + table + D // 2, mask=mask, other=0.0).to(tl.float32)
+    return cos1, cos2, sin1, sin2
+
+
+@triton.jit
+def norm_rope(x1, x2, w_ptr, cos1, cos2, sin1, sin2, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """One head's halves ``x1, x2`` (fp32 ``[rows, D/2]``) after the per-head RMSNorm (HAS_NORM: Qwen3's
+    ``q_norm``/``k_norm``, weight ``[D]`` at ``w_ptr``) and the rotary embedding ``(x1 * cos1 - x2 * sin1,
+    x2 * cos2 + x1 * sin2)``."""
+    if HAS_NORM:
+        half = tl.arange(0, D // 2)
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+        x1 = x1 * rstd * tl.load(w_ptr + half).to(tl.float32)[None, :]
+        x2 = x2 * rstd * tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :]
+    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+
+
+@triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, N, HQ, HK, eps,
                          q_token_stride, k_token_stride, q_programs, D: tl.constexpr, HAS_NORM: tl.constexpr,
                          ROWS: tl.constexpr):
@@ -84,18 +110,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_p
     first = src[:, None] + half[None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + D // 2, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
-        x1 = x1 * rstd * tl.load(w_ptr + half).to(tl.float32)[None, :]
-        x2 = x2 * rstd * tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :]
-    table = token[:, None] * D + half[None, :]
-    cos1 = tl.load(cos_ptr + table, mask=mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + table + D // 2, mask=mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + table, mask=mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + table + D // 2, mask=mask, other=0.0).to(tl.float32)
+    cos1, cos2, sin1, sin2 = rope_tables(cos_ptr, sin_ptr, token, mask, D)
+    x1, x2 = norm_rope(x1, x2, w_ptr, cos1, cos2, sin1, sin2, eps, D, HAS_NORM)
     out = dst[:, None] + half[None, :]
-    tl.store(out, (x1 * cos1 - x2 * sin1).to(q_out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out + D // 2, (x2 * cos2 + x1 * sin2).to(q_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out, x1.to(q_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + D // 2, x2.to(q_out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

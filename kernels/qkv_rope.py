@@ -28,6 +28,7 @@ from triton.language.extra.cuda import gdc_wait
 from skyrl_clora.kernels.checks import check_add_lora
 from skyrl_clora.kernels.folded import FoldedWeights, fold_pays
 from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
+from skyrl_clora.kernels.layer_ops import norm_rope, rope_tables
 from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
 from skyrl_clora.kernels.sgmv import (
     check_meta,
@@ -55,8 +56,8 @@ def _qkv_rope_kernel(
     """Program (segment tile ``pid_m``, head ``pid_n`` of ``HQ + 2 * HK``: q's, then k's, then v's); see the
     module docstring. The tiles walk the slots' segments and then the null segment (``tile_of`` over the ``S``
     slots only, whose scan costs every program ``S_P2**2`` steps: past them come the rows from ``sum(counts)``
-    to ``T``). With PDL every load but ``y`` and ``ws`` (written by the kernels just before) happens before
-    ``gdc_wait``."""
+    to ``T``). With PDL every load but ``y``, ``ws`` (written by the kernels just before) and the q/k norm
+    weights happens before ``gdc_wait``."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     slot, seg_start, seg_len, m0 = tile_of(pid_m, count_ptr, S, T, S_P2, BLOCK_M, False)
@@ -83,15 +84,7 @@ def _qkv_rope_kernel(
     b1 = tl.load(b_ptrs, mask=r_mask[:, None], other=0.0)  # [BLOCK_R, D/2]
     b2 = tl.load(b_ptrs + (D // 2) * stride_b_n, mask=r_mask[:, None], other=0.0)
     scale = tl.load(scale_ptr + slot, mask=has_lora, other=0.0)
-    table = rows[:, None] * D + half[None, :]
-    rope_mask = mask & (sl < 2)  # v is neither normalised nor rotated
-    cos1 = tl.load(cos_ptr + table, mask=rope_mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + table + D // 2, mask=rope_mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + table, mask=rope_mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + table + D // 2, mask=rope_mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        w1 = tl.load(w_ptr + half).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :]
+    cos1, cos2, sin1, sin2 = rope_tables(cos_ptr, sin_ptr, rows, mask & (sl < 2), D)  # v is not rotated
     ws_ptrs = ws_ptr + rows[:, None] * stride_ws_row + slot * stride_ws_slot + offs_r[None, :]
     if A_PER_SLICE:
         ws_ptrs += sl * stride_ws_slice
@@ -110,10 +103,7 @@ def _qkv_rope_kernel(
     x1 = (x1.to(tl.float32) + tl.dot(h, b1, input_precision=DOT_PRECISION)).to(x1.dtype).to(tl.float32)
     x2 = (x2.to(tl.float32) + tl.dot(h, b2, input_precision=DOT_PRECISION)).to(x2.dtype).to(tl.float32)
     if sl < 2:
-        if HAS_NORM:
-            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
-            x1, x2 = x1 * rstd * w1, x2 * rstd * w2
-        x1, x2 = x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+        x1, x2 = norm_rope(x1, x2, w_ptr, cos1, cos2, sin1, sin2, eps, D, HAS_NORM)
     dst = out_ptr + rows[:, None] * (heads * D) + head_in * D + half[None, :]
     tl.store(dst, x1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + D // 2, x2.to(out_ptr.dtype.element_ty), mask=mask)
