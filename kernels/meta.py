@@ -20,6 +20,8 @@ from skyrl_clora.kernels.host_math import next_power_of_2
 _BUILD_CHUNK = 128
 # Shrink partial sums a workspace holds per (slice, token, rank) at the meta's largest batch.
 _WORKSPACE_SPLITS = 4
+# Arrival counters per slot: column blocks of a weight gradient summed by its last chunk (``packed_kernels``).
+ARRIVAL_BLOCKS = 256
 
 
 def rank_pad(rank: int) -> int:
@@ -98,6 +100,8 @@ class LoRAMeta:
 
     ``workspace`` is a float32 scratch buffer for the shrink kernel's partial sums (``[split, slices, T,
     rank_pad(max_rank)]``), sized for ``max_slices`` slices and ``max_rank`` at ``max_tokens`` rows.
+    ``arrivals`` (``[num_slots * ARRIVAL_BLOCKS]`` int32) are the packed backward kernels' counters, zero
+    between launches; a snapshot shares them.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class LoRAMeta:
         self.seg_count = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
         ws_numel = _WORKSPACE_SPLITS * max_slices * max_tokens * rank_pad(max_rank)
         self.workspace = torch.empty(ws_numel, dtype=torch.float32, device=self.device)
+        self.arrivals = torch.zeros(num_slots * ARRIVAL_BLOCKS, dtype=torch.int32, device=self.device)
         self.num_tokens = 0
         self._snapshot: LoRAMeta | None = None
 

@@ -13,19 +13,19 @@ import torch
 
 from skyrl_clora.kernels.checks import check_frozen_base, check_packed
 from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
-from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
+from skyrl_clora.kernels.meta import ARRIVAL_BLOCKS, LoRAMeta, rank_pad
 from skyrl_clora.kernels.packed_kernels import (
     packed_dy_kernel,
     packed_finish_kernel,
     packed_forward_kernel,
     packed_x_kernel,
 )
-from skyrl_clora.kernels.sgmv import check_meta
+from skyrl_clora.kernels.sgmv import check_meta, has_pdl
 
 # A pipeline stage of the streamed tiles takes at most this much shared memory (tiles are cut down to fit).
 _STAGE_BYTES = 48 * 1024
 # Elements per program of the finishing kernel: g's sum (one load per dy column tile, all issued at once),
-# and the weight gradients' sums.
+# and the zeros of empty slots' weight gradients.
 _G_SUM_BLOCK = 256
 _FINISH_BLOCK = 1024
 
@@ -39,7 +39,8 @@ class PackedConfig:
     ``_STAGE_BYTES`` of shared memory (fp32, rank 64). Per kernel: ``*_stages`` is the software pipeline's
     depth (``num_stages``), ``*_warps`` the warps per program (None: 4 up to rank 16, else 8), ``*_maxnreg``
     the registers per thread at most (ptxas ``.maxnreg``, to fit more programs per multiprocessor; None: the
-    compiler's choice).
+    compiler's choice). ``pdl``: launch every kernel as a programmatic dependent launch where the GPU has it
+    (Hopper and later), so that each launch overlaps the end of the kernel before.
     """
 
     # Forward: K tile (x and A), N tile (B and y; at most 8192 / row tile), and row tile: ``fwd_rows``,
@@ -66,15 +67,20 @@ class PackedConfig:
     x_maxnreg: int | None = None
     # Programs each backward kernel's chunk size aims for when one slot holds every row (about two per
     # multiprocessor; ``_chunk_rows``). At the benchmark's shape, 256 makes the x kernel's chunks 256 rows
-    # (two dA partials per 512-row slot, summed by a second finishing launch); 128 makes them 512.
+    # (two dA partials per 512-row slot); 128 makes them 512.
     dy_target_programs: int = 256
     x_target_programs: int = 256
+    pdl: bool = True
 
 
-def _launch(warps: int | None, stages: int, maxnreg: int | None, r_pad: int) -> dict[str, int | None]:
-    """A kernel's launch options (``warps`` None: 4 up to rank 16, else 8)."""
+def _launch(warps: int | None, stages: int, maxnreg: int | None, r_pad: int, pdl: bool) -> dict[str, object]:
+    """A kernel's launch options (``warps`` None: 4 up to rank 16, else 8) and its PDL flags."""
     num_warps = warps if warps is not None else 4 if r_pad <= 16 else 8
-    return {"num_warps": num_warps, "num_stages": stages, "maxnreg": maxnreg}
+    return {"num_warps": num_warps, "num_stages": stages, "maxnreg": maxnreg, **_pdl_flags(pdl)}
+
+
+def _pdl_flags(pdl: bool) -> dict[str, bool]:
+    return {"PDL": pdl, "launch_pdl": pdl}
 
 
 def _dot_flags(x: torch.Tensor) -> dict[str, object]:
@@ -128,7 +134,7 @@ def _forward(
         x, lora_a, lora_b, scales, y, h, meta.sorted_rows, meta.seg_count, S, T, K, N, R, x.stride(0), y.stride(0),
         S_P2=next_power_of_2(S + int(store)), BLOCK_M=block_m, BLOCK_R=r_pad, BLOCK_K=block_k, BLOCK_N=block_n,
         K_ITERS=k_iters, N_ITERS=cdiv(N, block_n), EVEN_K=k_iters * block_k == K, STORE=store, **_dot_flags(x),
-        **_launch(cfg.fwd_warps, cfg.fwd_stages, cfg.fwd_maxnreg, r_pad),
+        **_launch(cfg.fwd_warps, cfg.fwd_stages, cfg.fwd_maxnreg, r_pad, cfg.pdl and has_pdl(x.device)),
     )  # fmt: skip
 
 
@@ -139,13 +145,14 @@ def _backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """dA and dB (or None where not needed), and dx written (``store_dx``) or added into, for ``T > 0``.
 
-    Launches: ``packed_dy_kernel`` (gpart, dB), ``packed_finish_kernel`` (g, dB's partial sums, zeros for
-    empty slots), ``packed_x_kernel`` (dx, dA) when dx or dA is needed, and a second finishing launch for
-    dA's partial sums when a slot may span several chunks (``T`` above the x kernel's chunk size).
+    Launches: ``packed_dy_kernel`` (gpart, dB), ``packed_finish_kernel`` (g, zeros for empty slots' dA and
+    dB) and ``packed_x_kernel`` (dx, dA) when dx or dA is needed. A slot of several chunks has its weight
+    gradient blocks summed by the last of its chunks (``LoRAMeta.arrivals``).
     """
     T, K = x.shape
     S, N, R = lora_b.shape
     r_pad, size = h.shape[1], x.element_size()
+    pdl = cfg.pdl and has_pdl(x.device)
     need_g = dx is not None or need_a
     n_blocks, k_blocks = cdiv(N, cfg.dy_block_n), cdiv(K, cfg.x_block_k)
     rows_b = _fit(cfg.dy_rows, cfg.dy_block_n * size + r_pad * 4)
@@ -157,53 +164,49 @@ def _backward(
     db = torch.empty_like(lora_b) if need_b else None
     dbpart = x.new_empty(chunks_b, N * R, dtype=torch.float32) if need_b and T > chunk_b else h
     packed_dy_kernel[(chunks_b, n_blocks)](
-        dy, lora_b, h, gpart, db if need_b else lora_b, dbpart, scales, meta.sorted_rows, meta.seg_count,
+        dy, lora_b, h, gpart, db if need_b else lora_b, dbpart, meta.arrivals, scales, meta.sorted_rows, meta.seg_count,
         S, T, N, R, dy.stride(0), S_P2=next_power_of_2(S), CHUNK=chunk_b, BLOCK_M=rows_b, BLOCK_N=cfg.dy_block_n,
         BLOCK_R=r_pad, HAS_G=need_g, HAS_DB=need_b, **_dot_flags(x),
-        **_launch(cfg.dy_warps, cfg.dy_stages, cfg.dy_maxnreg, r_pad),
+        **_launch(cfg.dy_warps, cfg.dy_stages, cfg.dy_maxnreg, r_pad, pdl),
     )  # fmt: skip
     g = x.new_empty(T, r_pad, dtype=torch.float32) if need_g else h
     da = torch.empty_like(lora_a) if need_a else None
     dapart = x.new_empty(cdiv(T, chunk_a) + min(S, T), R * K, dtype=torch.float32) if need_a and T > chunk_a else h
-    _finish(gpart, g, dbpart, db, dapart, da, scales, meta, chunk_b, chunk_a, need_g, need_a and T <= chunk_a)
+    _finish(gpart, g, db, da, meta, need_g, pdl)
     if need_g:
         store = dx is not None and store_dx
         packed_x_kernel[(cdiv(T, chunk_a) + min(S, T) + int(store), k_blocks, int(need_a) + int(dx is not None))](
-            x, lora_a, g, dx if dx is not None else x, da if need_a else lora_a, dapart, scales, meta.sorted_rows,
-            meta.seg_count, S, T, K, R, x.stride(0), dx.stride(0) if dx is not None else 0,
+            x, lora_a, g, dx if dx is not None else x, da if need_a else lora_a, dapart, meta.arrivals, scales,
+            meta.sorted_rows, meta.seg_count, S, T, K, R, x.stride(0), dx.stride(0) if dx is not None else 0,
             S_P2=next_power_of_2(S + int(store)), CHUNK=chunk_a, BLOCK_M=rows_a, BLOCK_K=cfg.x_block_k, BLOCK_R=r_pad,
             HAS_DX=dx is not None, HAS_DA=need_a, STORE=store, **_dot_flags(x),
-            **_launch(cfg.x_warps, cfg.x_stages, cfg.x_maxnreg, r_pad),
+            **_launch(cfg.x_warps, cfg.x_stages, cfg.x_maxnreg, r_pad, pdl),
         )  # fmt: skip
-    if need_a and T > chunk_a:
-        _finish(gpart, g, dbpart, None, dapart, da, scales, meta, chunk_b, chunk_a, False, True)
     return da, db
 
 
 def _finish(
-    gpart: torch.Tensor, g: torch.Tensor, dbpart: torch.Tensor, db: torch.Tensor | None, dapart: torch.Tensor,
-    da: torch.Tensor | None, scales: torch.Tensor, meta: LoRAMeta, chunk_b: int, chunk_a: int, sum_g: bool,
-    finish_a: bool,
+    gpart: torch.Tensor, g: torch.Tensor, db: torch.Tensor | None, da: torch.Tensor | None, meta: LoRAMeta,
+    sum_g: bool, pdl: bool,
 ) -> None:  # fmt: skip
-    """One ``packed_finish_kernel`` launch: ``g = gpart.sum(0)`` if ``sum_g``; dB's chunk sums and empty
-    slots if ``db`` is given; dA's if ``finish_a``. Nothing to do: no launch."""
-    S = scales.shape[0]
-    numel_g, numel_b, numel_a = g.numel() if sum_g else 0, db[0].numel() if db is not None else 0, 0
-    if finish_a:
-        numel_a = da[0].numel()
+    """One ``packed_finish_kernel`` launch: ``g = gpart.sum(0)`` if ``sum_g``, and zeros for the empty slots'
+    ``db`` and ``da`` where given. Nothing to do: no launch."""
+    S = meta.num_slots
+    numel_g = g.numel() if sum_g else 0
+    numel_b = db[0].numel() if db is not None else 0
+    numel_a = da[0].numel() if da is not None else 0
     programs = [cdiv(numel_g, _G_SUM_BLOCK), S * cdiv(numel_b, _FINISH_BLOCK), S * cdiv(numel_a, _FINISH_BLOCK)]
     if sum(programs) == 0:
         return
     packed_finish_kernel[(sum(programs),)](
-        gpart, g, dbpart, db if db is not None else dbpart, dapart, da if finish_a else dapart, scales, meta.seg_count,
-        S, numel_g, numel_b, numel_a, programs[0], programs[1], S_P2=next_power_of_2(S),
-        G_SPLITS=gpart.shape[0] if sum_g else 0, CHUNK_B=chunk_b, CHUNK_A=chunk_a, HAS_G=sum_g, HAS_B=db is not None,
-        HAS_A=finish_a, BLOCK_G=_G_SUM_BLOCK, BLOCK=_FINISH_BLOCK, num_warps=4,
+        gpart, g, db if db is not None else g, da if da is not None else g, meta.seg_count, numel_g, numel_b, numel_a,
+        programs[0], programs[1], G_SPLITS=gpart.shape[0] if sum_g else 0, HAS_G=sum_g, HAS_B=db is not None,
+        HAS_A=da is not None, BLOCK_G=_G_SUM_BLOCK, BLOCK=_FINISH_BLOCK, num_warps=4, **_pdl_flags(pdl),
     )  # fmt: skip
 
 
 class PackedLoRAFunction(torch.autograd.Function):
-    """``y = packed_lora(x, A, B, scales, meta)``: forward in one launch, backward in two to four (plus
+    """``y = packed_lora(x, A, B, scales, meta)``: forward in one launch, backward in two or three (plus
     ``dx = dy @ weight`` with a base layer); with a frozen base ``weight`` (and ``bias``), the whole LoRA
     linear layer ``x @ weight.T + bias + packed_lora(x, ...)`` in one node: the LoRA terms are added into
     the base GEMMs' outputs (forward and dx), instead of two more element-wise passes.
@@ -224,14 +227,13 @@ class PackedLoRAFunction(torch.autograd.Function):
 
     Launches and paths: the forward kernel (``_forward``) handles tiles of 16 or 32 rows of one slot,
     each over all of K and then all of N. Backward (``_backward``): the dy kernel reads ``dy`` once, writing
-    ``g``'s per-column-tile partials and dB; the finishing kernel sums ``g`` (and dB's per-chunk partials,
-    and zeroes empty slots' gradients); the x kernel reads ``x`` once for dA and writes dx (on separate
-    programs). Both backward kernels cut each slot's rows into chunks of ``_chunk_rows`` rows, chosen from
-    ``T`` and the column tiles alone so that even one slot holding every row keeps about 256 programs
-    busy (``PackedConfig``'s target programs): a slot within one chunk gets its gradient block written
-    directly, a longer one through float32 per-chunk partials summed in chunk order (no atomics:
-    deterministic). For dA that sum is a second finishing launch, made whenever ``T`` exceeds the x
-    kernel's chunk. At the benchmark's shape (8 slots of 512 rows, 4096 features in and out, rank 16) the
+    ``g``'s per-column-tile partials and dB; the finishing kernel sums ``g`` (and zeroes empty slots'
+    gradients); the x kernel reads ``x`` once for dA and writes dx (on separate programs). Both backward
+    kernels cut each slot's rows into chunks of ``_chunk_rows`` rows, chosen from ``T`` and the column
+    tiles alone so that even one slot holding every row keeps about 256 programs busy (``PackedConfig``'s
+    target programs): a slot within one chunk gets its gradient block written directly, a longer one
+    through float32 per-chunk partials that the slot's last chunk to finish sums in chunk order
+    (deterministic). At the benchmark's shape (8 slots of 512 rows, 4096 features in and out, rank 16) the
     dy kernel's chunks are 512 rows (dB written directly) and the x kernel's 256 (two dA partials per
     slot); at 12,288 rows of one slot and 2048 features, 24 and 48 chunks.
 
@@ -313,7 +315,12 @@ def packed_lora_triton(
             raise ValueError(f"the base weight must be [{lora_b.shape[1]}, {x.shape[1]}] {x.dtype} on {x.device}, "
                              f"got {tuple(weight.shape)} {weight.dtype} {weight.device}")
         check_frozen_base(weight, bias)
+    config = config or PackedConfig()
+    tiles = max(cdiv(lora_b.shape[1], config.dy_block_n), cdiv(x.shape[1], config.x_block_k))
+    if tiles > ARRIVAL_BLOCKS:
+        raise ValueError(f"the packed backward takes at most {ARRIVAL_BLOCKS} column tiles per slot, this layer "
+                         f"needs {tiles}: raise PackedConfig.dy_block_n / x_block_k")
     if meta is None:
         meta = LoRAMeta.for_batch(token_slots, lora_a.shape[0], lora_a.shape[1], 1)
     check_meta(meta, x, lora_a.shape[0])
-    return PackedLoRAFunction.apply(x, lora_a, lora_b, scales, meta, weight, bias, config or PackedConfig())
+    return PackedLoRAFunction.apply(x, lora_a, lora_b, scales, meta, weight, bias, config)

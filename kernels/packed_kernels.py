@@ -5,8 +5,12 @@ forward in tiles of ``BLOCK_M`` rows, the two backward kernels in chunks of ``CH
 ``BLOCK_M``, looped over in ``CHUNK // BLOCK_M`` tiles: a compile-time trip count, which the GPU pipelines
 and the CPU interpreter can run; tiles past the segment's end are masked out and load nothing). A chunk's
 program owns its block of a weight gradient: a slot that fits in one chunk gets its gradient block
-written (scaled) by that program; a slot of several chunks gets one float32 partial per chunk, summed in
-chunk order by ``packed_finish_kernel``. Nothing is accumulated with atomics: results are deterministic.
+written (scaled) by that program; a slot of several chunks gets one float32 partial per chunk, and the
+last of its chunks to finish (an atomic count per gradient block, ``LoRAMeta.arrivals``) sums them in
+chunk order. No value is accumulated with atomics: results are deterministic.
+
+``PDL`` (Hopper and later): each kernel is launched as a programmatic dependent launch, so that its launch
+overlaps the end of the kernel before (``_pdl_start``).
 
 Layouts (all contiguous unless a stride is passed): ``x, dx: [T, K]``, ``dy, y: [T, N]`` (row strides
 given), ``A: [S, R, K]``, ``B: [S, N, R]``, ``h, g: [T, BLOCK_R]`` float32 (columns past ``R`` zero),
@@ -17,6 +21,7 @@ in fp32, because the Triton 3.6 interpreter mis-multiplies bf16 operands.
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from skyrl_clora.kernels.sgmv_kernels import shrink_tile, tile_of
 
@@ -30,6 +35,17 @@ def _dot(a, b, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    """PDL (programmatic dependent launch): let the next kernel launch now, then wait until the kernel before
+    has finished and its writes are visible. Every program calls this first, before any load or store: the
+    kernel before may be any kernel (e.g. the base layer's GEMM writing ``y``), and a program that returned
+    without waiting could let the next kernel run ahead of the one before."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
 def _segment_rows(sorted_ptr, seg_start, seg_len, m0, BLOCK_M: tl.constexpr):
     """Rows ``m0 .. m0 + BLOCK_M`` of a segment: (int64 row indices, mask of those inside the segment)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -39,15 +55,30 @@ def _segment_rows(sorted_ptr, seg_start, seg_len, m0, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _store_weight_grad(acc, out_ptr, part_ptr, scale_ptr, slot, chunk, seg_len, offs, mask, numel, CHUNK: tl.constexpr):
-    """A chunk's block of a weight gradient (``offs``: flat offsets within one slot's ``numel`` elements):
-    the whole slot's rows are in this chunk, so ``out[slot] = scale[slot] * acc``; else the float32 partial
-    ``part[chunk] = acc``."""
+def _store_weight_grad(acc, out_ptr, part_ptr, arrivals_ptr, scale_ptr, slot, chunk, m0, seg_len, offs, mask, numel,
+                       CHUNK: tl.constexpr):
+    """A chunk's block of a weight gradient (``offs``: flat offsets within one slot's ``numel`` elements).
+    If the whole slot's rows are in this chunk: ``out[slot] = scale[slot] * acc``. Else the chunk stores its
+    float32 partial ``part[chunk] = acc`` and counts itself in at ``arrivals_ptr`` (this block's counter);
+    the slot's last chunk to arrive sums every chunk's partial in chunk order (deterministic), writes
+    ``out[slot]`` and sets the counter back to zero for the next launch."""
     if seg_len <= CHUNK:
         acc *= tl.load(scale_ptr + slot)
         tl.store(out_ptr + slot.to(tl.int64) * numel + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptr + chunk.to(tl.int64) * numel + offs, acc, mask=mask)
+        chunks = (seg_len + CHUNK - 1) // CHUNK
+        tl.debug_barrier()  # every thread's part of the partial is stored before the count (acq_rel: visible)
+        if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == chunks - 1:
+            c = chunk - m0 // CHUNK  # the slot's first chunk
+            c_end = c + chunks
+            total = tl.zeros_like(acc)
+            while c < c_end:  # a while loop: the CPU interpreter cannot run a for loop to a runtime bound
+                total += tl.load(part_ptr + c.to(tl.int64) * numel + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                c += 1
+            total *= tl.load(scale_ptr + slot)
+            tl.store(out_ptr + slot.to(tl.int64) * numel + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(arrivals_ptr, 0)
 
 
 @triton.jit
@@ -78,10 +109,12 @@ def packed_forward_kernel(
     STORE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One tile of a slot's rows: ``h = x[rows] @ A[s].T`` over all of K (stored to ``h``), then
     ``y[rows] (+)= (scale[s] * h) @ B[s].T`` for every column block. STORE: ``=`` instead of ``+=``, and the
     null segment's rows (no adapter) get zeros."""
+    _pdl_start(PDL)
     slot, seg_start, seg_len, m0 = tile_of(tl.program_id(0), count_ptr, S, T, S_P2, BLOCK_M, STORE)
     num_segments = S
     if STORE:
@@ -125,6 +158,7 @@ def packed_dy_kernel(
     gpart_ptr,
     db_ptr,
     dbpart_ptr,
+    arrivals_ptr,
     scale_ptr,
     sorted_ptr,
     count_ptr,
@@ -142,10 +176,12 @@ def packed_dy_kernel(
     HAS_DB: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (chunk c of slot s, column block n) reads ``dy[rows, n]`` once for both products:
     HAS_G: ``gpart[n, rows] = dy[rows, n] @ B[s, n]`` (unscaled; ``g = gpart.sum(0)``);
     HAS_DB: ``dB[s, n] = scale[s] * dy[rows, n].T @ h[rows]`` over the chunk (``_store_weight_grad``)."""
+    _pdl_start(PDL)
     pid_c = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot, seg_start, seg_len, m0 = tile_of(pid_c, count_ptr, S, T, S_P2, CHUNK, False)
@@ -170,7 +206,9 @@ def packed_dy_kernel(
             ht = tl.load(h_ptr + rows[:, None] * BLOCK_R + offs_r[None, :], mask=m_mask[:, None], other=0.0)
             acc += _dot(tl.trans(d), ht.to(d.dtype), UPCAST, DOT_PRECISION)
     if HAS_DB:
-        _store_weight_grad(acc, db_ptr, dbpart_ptr, scale_ptr, slot, pid_c, seg_len, w_offs, w_mask, N * R, CHUNK)
+        arrivals_ptr += slot * tl.num_programs(1) + pid_n
+        _store_weight_grad(acc, db_ptr, dbpart_ptr, arrivals_ptr, scale_ptr, slot, pid_c, m0, seg_len, w_offs, w_mask,
+                           N * R, CHUNK)
 
 
 @triton.jit
@@ -209,6 +247,7 @@ def packed_x_kernel(
     dx_ptr,
     da_ptr,
     dapart_ptr,
+    arrivals_ptr,
     scale_ptr,
     sorted_ptr,
     count_ptr,
@@ -228,12 +267,14 @@ def packed_x_kernel(
     STORE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (chunk c of slot s, column block k, job j), the jobs being dA (if HAS_DA) then dx (if HAS_DX),
     each on its own programs (lighter programs, twice as many; neither reads what the other does):
     dA: reads ``x[rows, k]`` once: ``dA[s, :, k] = scale[s] * g[rows].T @ x[rows, k]`` over the chunk;
     dx: ``dx[rows, k] (+)= (scale[s] * g[rows]) @ A[s, :, k]``. STORE (HAS_DX only): ``=`` instead of
     ``+=``, and the null segment's rows get zeros."""
+    _pdl_start(PDL)
     pid_c = tl.program_id(0)
     pid_k = tl.program_id(1)
     slot, seg_start, seg_len, m0 = tile_of(pid_c, count_ptr, S, T, S_P2, CHUNK, STORE)
@@ -263,68 +304,50 @@ def packed_x_kernel(
             acc += _dot(tl.trans(gt.to(xt.dtype)), xt, UPCAST, DOT_PRECISION)
         a_mask = (offs_r < R)[:, None] & k_mask[None, :]
         a_offs = offs_r[:, None] * K + offs_k[None, :]  # [BLOCK_R, BLOCK_K] in A[s]'s flat layout
-        _store_weight_grad(acc, da_ptr, dapart_ptr, scale_ptr, slot, pid_c, seg_len, a_offs, a_mask, R * K, CHUNK)
+        arrivals_ptr += slot * tl.num_programs(1) + pid_k
+        _store_weight_grad(acc, da_ptr, dapart_ptr, arrivals_ptr, scale_ptr, slot, pid_c, m0, seg_len, a_offs, a_mask,
+                           R * K, CHUNK)
 
 
 @triton.jit
-def _reduce_weight_grad(part_ptr, out_ptr, scale_ptr, count_ptr, pid, S, numel, CHUNK: tl.constexpr,
-                        S_P2: tl.constexpr, BLOCK: tl.constexpr):
-    """Block ``pid % cdiv(numel, BLOCK)`` of slot ``pid // cdiv(numel, BLOCK)``'s weight gradient: zeros for
-    an empty slot; for a slot of several chunks, ``scale[s] *`` the sum of its chunks' partials in chunk
-    order (the chunk numbering of ``tile_of``); a slot of one chunk was written by its chunk's program."""
+def _zero_if_empty(out_ptr, count_ptr, pid, numel, BLOCK: tl.constexpr):
+    """Block ``pid % cdiv(numel, BLOCK)`` of slot ``pid // cdiv(numel, BLOCK)``'s weight gradient: zeros if the
+    slot has no rows (no program of the backward kernels maps to it); other slots' are the kernels' own."""
     blocks = tl.cdiv(numel, BLOCK)
     slot = pid // blocks
     offs = (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    out_ptr += slot.to(tl.int64) * numel
-    count = tl.load(count_ptr + slot)
-    if count == 0:
-        tl.store(out_ptr + offs, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty), mask=mask)
-    elif count > CHUNK:
-        sid = tl.arange(0, S_P2)
-        counts = tl.load(count_ptr + sid, mask=sid < S, other=0)
-        c = tl.sum(tl.where(sid < slot, (counts + CHUNK - 1) // CHUNK, 0), axis=0)
-        c_end = c + (count + CHUNK - 1) // CHUNK
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        while c < c_end:  # a while loop: the CPU interpreter cannot run a for loop to a runtime bound
-            acc += tl.load(part_ptr + c.to(tl.int64) * numel + offs, mask=mask, other=0.0)
-            c += 1
-        acc *= tl.load(scale_ptr + slot)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if tl.load(count_ptr + slot) == 0:
+        tl.store(out_ptr + slot.to(tl.int64) * numel + offs, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty),
+                 mask=offs < numel)
 
 
 @triton.jit
 def packed_finish_kernel(
     gpart_ptr,
     g_ptr,
-    dbpart_ptr,
     db_ptr,
-    dapart_ptr,
     da_ptr,
-    scale_ptr,
     count_ptr,
-    S,
     numel_g,
     numel_b,
     numel_a,
     programs_g,
     programs_b,
-    S_P2: tl.constexpr,
     G_SPLITS: tl.constexpr,
-    CHUNK_B: tl.constexpr,
-    CHUNK_A: tl.constexpr,
     HAS_G: tl.constexpr,
     HAS_B: tl.constexpr,
     HAS_A: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Up to three jobs in one launch, each on its own range of programs, in this order: HAS_G,
-    ``g = gpart.sum(0)`` (flat, ``numel_g`` elements, ``BLOCK_G`` per program; ``programs_g`` programs; the
-    rows with no slot sum partials nobody wrote, so their ``g`` is garbage, possibly NaN, and no kernel reads
-    it: the x kernel skips the null segment or writes its dx as zeros);
-    HAS_B and HAS_A, ``_reduce_weight_grad`` of dB (``programs_b`` programs) and of dA, ``BLOCK`` elements
-    per program."""
+    """Up to three jobs in one launch, between the dy and the x kernel, each on its own range of programs, in
+    this order: HAS_G, ``g = gpart.sum(0)`` (flat, ``numel_g`` elements, ``BLOCK_G`` per program;
+    ``programs_g`` programs; the rows with no slot sum partials nobody wrote, so their ``g`` is garbage,
+    possibly NaN, and no kernel reads it: the x kernel skips the null segment or writes its dx as zeros);
+    HAS_B and HAS_A, ``_zero_if_empty`` of dB (``programs_b`` programs) and of dA, ``BLOCK`` elements per
+    program."""
+    _pdl_start(PDL)
     pid = tl.program_id(0)
     if HAS_G:
         if pid < programs_g:
@@ -340,8 +363,8 @@ def packed_finish_kernel(
         pid -= programs_g
     if HAS_B:
         if pid < programs_b:
-            _reduce_weight_grad(dbpart_ptr, db_ptr, scale_ptr, count_ptr, pid, S, numel_b, CHUNK_B, S_P2, BLOCK)
+            _zero_if_empty(db_ptr, count_ptr, pid, numel_b, BLOCK)
             return
         pid -= programs_b
     if HAS_A:
-        _reduce_weight_grad(dapart_ptr, da_ptr, scale_ptr, count_ptr, pid, S, numel_a, CHUNK_A, S_P2, BLOCK)
+        _zero_if_empty(da_ptr, count_ptr, pid, numel_a, BLOCK)

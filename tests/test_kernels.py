@@ -12,6 +12,7 @@ import torch
 
 from skyrl_clora.kernels import LoRAMeta, add_lora, lora_linear, packed_lora
 from skyrl_clora.kernels import packed
+from skyrl_clora.kernels.meta import ARRIVAL_BLOCKS
 from skyrl_clora.kernels.reference import add_lora_ref, packed_lora_ref
 from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton
 from skyrl_clora.kernels.testing import (
@@ -237,6 +238,34 @@ def test_packed_multi_chunk_path(dtype: torch.dtype, base: bool) -> None:
     assert got[2][1].abs().max() == 0 and got[3][1].abs().max() == 0  # slot 1 has no rows
     if not base:
         assert torch.equal(got[1][slots < 0], torch.zeros_like(got[1][slots < 0]))
+
+
+@interpreted
+def test_packed_last_chunk_sums_repeat_exactly() -> None:
+    """Slots of several chunks have their dA / dB blocks summed by the last chunk to finish: two backward
+    passes through one meta give bitwise equal gradients (the sum runs in chunk order, whichever chunk is
+    last), and leave every arrival counter at zero for the next launch."""
+    config = packed.PackedConfig(dy_rows=16, x_rows=16, dy_target_programs=4, x_target_programs=4)
+    x, a, b, scales, slots, dy = _packed_case("skewed", 16, torch.float32, num_tokens=96, seed=11)
+    assert torch.bincount(slots[slots >= 0]).max() > packed._chunk_rows(96, 1, 16, 4)  # some slot has partials
+    meta = LoRAMeta(max_tokens=96, num_slots=4, device="cpu")
+    meta.build(slots)
+    first = _packed_grads(packed.packed_lora_triton, x, a, b, scales, slots, dy, meta=meta, config=config)
+    assert not meta.arrivals.any()
+    second = _packed_grads(packed.packed_lora_triton, x, a, b, scales, slots, dy, meta=meta, config=config)
+    for name, g1, g2 in zip(("y", "dx", "dA", "dB"), first, second):
+        assert torch.equal(g1, g2), name
+    want = _packed_grads(packed_lora_ref, x, a, b, scales, slots, dy)
+    for name, g, w in zip(("y", "dx", "dA", "dB"), first, want):
+        assert rel_error(g, w, torch.zeros_like(w)) < TOLERANCE[torch.float32], name
+
+
+def test_packed_rejects_more_column_tiles_than_counters() -> None:
+    x, a, _, scales, slots, _ = _packed_case("uniform", 16, torch.float32, num_tokens=4)
+    n_out = 16 * (ARRIVAL_BLOCKS + 1)
+    b = torch.randn(4, n_out, 16)
+    with pytest.raises(ValueError, match="needs 257: raise PackedConfig.dy_block_n"):
+        packed.packed_lora_triton(x, a, b, scales, slots, config=packed.PackedConfig(dy_block_n=16))
 
 
 PACKED_CONFIGS = {
