@@ -101,7 +101,8 @@ class LoRAMeta:
     ``workspace`` is a float32 scratch buffer for the shrink kernel's partial sums (``[split, slices, T,
     rank_pad(max_rank)]``), sized for ``max_slices`` slices and ``max_rank`` at ``max_tokens`` rows.
     ``arrivals`` (``[num_slots * ARRIVAL_BLOCKS]`` int32) are the packed backward kernels' counters, zero
-    between launches; a snapshot shares them.
+    between launches; a snapshot shares them, so the packed backward passes of one meta must run one at a
+    time (on one stream, as autograd runs them).
     """
 
     def __init__(

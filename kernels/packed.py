@@ -239,8 +239,10 @@ class PackedLoRAFunction(torch.autograd.Function):
 
     Bytes at the benchmark's shape (bf16): forward 64 MB (x read, y written) plus h (256 KB); backward 96 MB
     (dy and x read, dx written) plus 8 MB of ``g`` partials written and read back and 4 MB of dA partials.
-    Measured on an H200 (CUDA graph replay): forward 23 us, dy kernel 18, x kernel 22, finishing kernels 3
-    each; forward + backward 69 us (was 114 with the split-K shrink/expand path).
+    Measured on an H200 (CUDA graph replay; BENCHMARKS.md, fourteenth session): forward 26 us, forward +
+    backward 70 us (75 with a second finishing launch for dA and no PDL; 114 with the split-K shrink/expand
+    path). A 32 MB fill alone takes 12 us there and a 32 MB copy 18 us, which puts the floor of these bytes
+    near 48 us.
 
     ``scales``, ``weight`` and ``bias`` get no gradient. Forward keeps a snapshot of the meta's index
     buffers, so a later ``meta.build`` (the next micro-batch) cannot change what backward reads.

@@ -368,7 +368,7 @@ def main() -> None:
     results["copy_bandwidth_Bps"] = bandwidth
     lines += [f"device: {results['device']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", ""]
     if not args.no_packed:
-        lines += packed_training(results) + [""]
+        lines += packed_training(results, bandwidth) + [""]
         save()
     if args.packed_sweep:
         lines += packed_sweep(results, args.packed_configs or PACKED_SWEEP) + [""]

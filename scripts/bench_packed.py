@@ -64,8 +64,10 @@ class PackedCase:
                 (self.xs[i] @ self.as_[i].T) @ self.bs[i].T * 2.0
 
 
-def packed_training(results: dict) -> list[str]:
-    """``PackedCase``: packed vs the adapters one after another, in CUDA graphs and eagerly."""
+def packed_training(results: dict, bandwidth: float) -> list[str]:
+    """``PackedCase``: packed vs the adapters one after another, in CUDA graphs and eagerly, and the memory
+    floor: the bytes of forward + backward (``x`` read twice, ``y`` written, ``dy`` read, ``dx`` written:
+    five ``[T, H]`` tensors) over ``bandwidth`` (the copy bandwidth, read + write)."""
     case = PackedCase()
 
     def eager(fn: Callable[[], None]) -> float:
@@ -87,6 +89,7 @@ def packed_training(results: dict) -> list[str]:
         "sequential_eager_s": eager(case.sequential),
         "packed_forward_graph_s": graph_time([case.packed_forward()], min_calls=10),
         "sequential_forward_graph_s": graph_time([case.sequential_forward], min_calls=10),
+        "floor_s": 5 * case.x.numel() * case.x.element_size() / bandwidth,
     }
     results["packed"] = res
     return [
@@ -99,6 +102,8 @@ def packed_training(results: dict) -> list[str]:
         f"| forward only, CUDA graph replay | {res['packed_forward_graph_s'] * 1e6:.1f} | "
         f"{res['sequential_forward_graph_s'] * 1e6:.1f} | "
         f"{res['sequential_forward_graph_s'] / res['packed_forward_graph_s']:.1f}x |",
+        f"| memory floor (5 x {case.T}x{case.H} {DT} at the copy bandwidth) | {res['floor_s'] * 1e6:.1f} | | "
+        f"packed at {res['packed_graph_s'] / res['floor_s']:.2f}x the floor |",
     ]
 
 
