@@ -240,9 +240,8 @@ class PackedLoRAFunction(torch.autograd.Function):
     Bytes at the benchmark's shape (bf16): forward 64 MB (x read, y written) plus h (256 KB); backward 96 MB
     (dy and x read, dx written) plus 8 MB of ``g`` partials written and read back and 4 MB of dA partials.
     Measured on an H200 (CUDA graph replay; BENCHMARKS.md, fourteenth session): forward 26 us, forward +
-    backward 70 us (75 with a second finishing launch for dA and no PDL; 114 with the split-K shrink/expand
-    path). A 32 MB fill alone takes 12 us there and a 32 MB copy 18 us, which puts the floor of these bytes
-    near 48 us.
+    backward 70-73 us (75 with a second finishing launch for dA and no PDL; 114 with the split-K shrink/expand
+    path), 1.8x the memory floor of ``bench_packed`` (the five ``[T, H]`` tensors at the copy bandwidth, 40 us).
 
     ``scales``, ``weight`` and ``bias`` get no gradient. Forward keeps a snapshot of the meta's index
     buffers, so a later ``meta.build`` (the next micro-batch) cannot change what backward reads.
