@@ -38,6 +38,7 @@ from skyrl_clora.config import build_run_config
 from skyrl_clora.main import compose_config
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.sampler.engine import SamplingParams, derive_seed
+from skyrl_clora.sampler.engine_stats import EngineStats
 from skyrl_clora.services import Services, build_services
 from skyrl_clora.trainer.adapter_store import LRSchedule
 from skyrl_clora.trainer.scheduler import TrainScheduler
@@ -81,21 +82,8 @@ class ModeResult:
     wall_s: float
     cold_start_s: list[float]
     steps: list[StepRecord] = field(default_factory=list)
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    decode_sampling_s: float = 0.0
+    engine: EngineStats = field(default_factory=EngineStats)  # the engine's counters over the run
     peak_memory_gib: float = 0.0
-    prefill_s: float = 0.0
-    prefill_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    prefill_rounds: int = 0
-    decode_steps: int = 0
-    shared_prefix_positions: int = 0
-    engine_busy_s: float = 0.0  # the engine thread's split of the run (EngineStats)
-    engine_paused_s: float = 0.0
-    engine_idle_s: float = 0.0
-    engine_idle_waits: int = 0
-    engine_longest_idle_s: float = 0.0
     train_passes_s: float = 0.0  # the trainer's passes (TrainScheduler.pass_seconds)
 
 
@@ -184,21 +172,7 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     finally:
         services.shutdown()
     result.wall_s = time.perf_counter() - started
-    stats = services.engine.stats
-    result.decode_tokens = stats.generated_tokens
-    result.decode_s = stats.decode_seconds
-    result.decode_sampling_s = stats.decode_sampling_seconds
-    result.prefill_s = stats.prefill_seconds
-    result.prefill_tokens = stats.prefill_tokens
-    result.cached_prompt_tokens = stats.cached_prompt_tokens
-    result.prefill_rounds = stats.prefill_rounds
-    result.decode_steps = stats.decode_steps
-    result.shared_prefix_positions = stats.shared_prefix_positions
-    result.engine_busy_s = stats.busy_seconds
-    result.engine_paused_s = stats.paused_seconds
-    result.engine_idle_s = stats.idle_seconds
-    result.engine_idle_waits = stats.idle_waits
-    result.engine_longest_idle_s = stats.longest_idle_seconds
+    result.engine = replace(services.engine.stats)
     result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     return result
 
@@ -210,18 +184,22 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
     result = run_group(model_dir, workload, train_mode, names, seeds, device)
     result.mode = label or train_mode
     row = summarize(result)
+    stats, steps = result.engine, max(result.engine.decode_steps, 1)
+    per_step = {name: 1e3 * getattr(stats, name) / steps for name in (
+        "decode_seconds", "decode_sampling_seconds", "decode_input_seconds", "decode_launch_seconds")}
     print(f"{result.mode} x{len(names)}: wall {result.wall_s:.1f} s, cold start {result.cold_start_s[0]:.1f} s, per step "
           f"{row['step_s']:.2f} s (rollout {row['rollout_s']:.2f}, train {row['train_s']:.2f}, sync {row['sync_s']:.2f}), "
-          f"engine decode {result.decode_s:.1f} s ({result.decode_steps} steps of "
-          f"{1e3 * result.decode_s / max(result.decode_steps, 1):.1f} ms, of which "
-          f"{1e3 * result.decode_sampling_s / max(result.decode_steps, 1):.1f} ms in sampling, waiting for the GPU, "
-          f"{result.decode_tokens / max(result.decode_steps, 1):.0f} tokens sampled per step) / prefill {result.prefill_s:.1f} s "
-          f"({result.prefill_rounds} rounds of {1e3 * result.prefill_s / max(result.prefill_rounds, 1):.0f} ms, "
-          f"{result.prefill_tokens} prompt tokens computed, {result.cached_prompt_tokens} from the prefix cache; "
-          f"{result.shared_prefix_positions / max(result.decode_steps, 1):.0f} key positions per decode step read from "
-          f"a shared copy); engine thread busy {result.engine_busy_s:.1f} s, paused {result.engine_paused_s:.1f} s, idle "
-          f"{result.engine_idle_s:.1f} s ({result.engine_idle_waits} waits of 1 ms or more, the longest "
-          f"{result.engine_longest_idle_s:.2f} s); training passes {result.train_passes_s:.1f} s", flush=True)
+          f"engine decode {stats.decode_seconds:.1f} s ({stats.decode_steps} steps of {per_step['decode_seconds']:.1f} ms: "
+          f"{per_step['decode_sampling_seconds']:.1f} ms in sampling, waiting for the GPU, "
+          f"{per_step['decode_input_seconds']:.2f} ms staging inputs, {per_step['decode_launch_seconds']:.2f} ms launching; "
+          f"{stats.generated_tokens / steps:.0f} tokens sampled per step; retiring requests {stats.retire_seconds:.2f} s) / "
+          f"prefill {stats.prefill_seconds:.1f} s ({stats.prefill_rounds} rounds of "
+          f"{1e3 * stats.prefill_seconds / max(stats.prefill_rounds, 1):.0f} ms, "
+          f"{stats.prefill_tokens} prompt tokens computed, {stats.cached_prompt_tokens} from the prefix cache; "
+          f"{stats.shared_prefix_positions / steps:.0f} key positions per decode step read from "
+          f"a shared copy); engine thread busy {stats.busy_seconds:.1f} s, paused {stats.paused_seconds:.1f} s, idle "
+          f"{stats.idle_seconds:.1f} s ({stats.idle_waits} waits of 1 ms or more, the longest "
+          f"{stats.longest_idle_seconds:.2f} s); training passes {result.train_passes_s:.1f} s", flush=True)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -234,7 +212,7 @@ def summarize(result: ModeResult) -> dict:
         "mode": result.mode, "tenants": result.tenants, "wall_s": result.wall_s, "cold_start_s": result.cold_start_s,
         "step_s": statistics.mean(s.step_s for s in steps), "rollout_s": statistics.mean(s.rollout_s for s in steps),
         "train_s": statistics.mean(s.train_s for s in steps), "sync_s": statistics.mean(s.sync_s for s in steps),
-        "decode_tokens_per_s": result.decode_tokens / max(result.decode_s, 1e-9),
+        "decode_tokens_per_s": result.engine.generated_tokens / max(result.engine.decode_seconds, 1e-9),
         "peak_memory_gib": result.peak_memory_gib,
     }
 
@@ -326,9 +304,10 @@ def main() -> None:
     for n in args.tenants:
         serial_wall = sum(r.wall_s for r in serial[:n])
         serial_steps = [s for r in serial[:n] for s in r.steps]
+        decode = EngineStats(generated_tokens=sum(r.engine.generated_tokens for r in serial[:n]),
+                             decode_seconds=sum(r.engine.decode_seconds for r in serial[:n]))
         rows.append({**summarize(ModeResult("serial", n, serial_wall, [c for r in serial[:n] for c in r.cold_start_s],
-                                            serial_steps, sum(r.decode_tokens for r in serial[:n]),
-                                            sum(r.decode_s for r in serial[:n]), max(r.peak_memory_gib for r in serial[:n]))),
+                                            serial_steps, decode, max(r.peak_memory_gib for r in serial[:n]))),
                      "throughput_vs_serial": 1.0})
         for label in labels:
             result = concurrent[(label, n)]

@@ -50,6 +50,9 @@ def test_mixed_batch_equals_each_request_alone(micro_model_dir: Path) -> None:
         mixed = [f.result(timeout=60).token_ids for f in futures]
     finally:
         engine.shutdown()
+    stats = engine.stats  # a decode step's host split: its parts are timed and lie within it
+    assert min(stats.decode_input_seconds, stats.decode_launch_seconds, stats.retire_seconds) > 0
+    assert stats.decode_input_seconds + stats.decode_launch_seconds + stats.decode_sampling_seconds < stats.decode_seconds
     by_adapter = {name: mixed[i] for i, (name, seed) in enumerate(jobs) if seed == 10}
     assert len({tuple(tokens) for tokens in by_adapter.values()}) == 4, "tenants' samples must differ"
     alone_engine, _ = _engine(micro_model_dir, num_rows=8, adapters=tenants)

@@ -425,7 +425,11 @@ class Engine:
             prefix_rows, prefix_lens = self._shared_rows.sources(span)  # rows past the span hold no identity
             self.stats.shared_prefix_positions += self._shared_rows.borrowed_positions
         self.runner.set_decode_inputs(*running.decode_inputs(span), prefix_rows, prefix_lens)
+        staged = time.perf_counter()
         logits = self.runner.decode(span)
+        launched = time.perf_counter()
+        self.stats.decode_input_seconds += staged - started
+        self.stats.decode_launch_seconds += launched - staged
         self.stats.decode_steps += 1
         rows = running.active_below(span)
         rows_device = lists_to_device([rows], logits.device)[0]
@@ -444,10 +448,12 @@ class Engine:
         seconds = time.perf_counter() - started
         self.stats.generated_tokens += len(tokens)
         finished, stopped = running.accept(rows, np.asarray(tokens, dtype=np.int64), np.asarray(logprobs, dtype=np.float64))
+        retiring = time.perf_counter()
         for row, stop in zip(finished.tolist(), stopped.tolist()):
             req = self._rows[row]
             req.output, req.logprobs = running.output(row)
             self._retire(req, "stop" if stop else "length")
+        self.stats.retire_seconds += time.perf_counter() - retiring
         return seconds
 
     def _retire(self, req: _Request, reason: str) -> None:

@@ -15,8 +15,12 @@ class EngineStats:
     loop's own bookkeeping; a wait counts by the state it began in, so a pause that starts while the loop
     has nothing to do adds to idle; idle waits of 1 ms or more are counted and the longest kept, a wait ending
     at the first request or publish, or after 0.5 s), the seconds decode steps spent in their sampling call
-    (which waits for the step's GPU work: the rest of a decode step is host work), the seconds the decode CUDA
-    graphs' capture took, and the key positions decode steps read from another row's copy of a shared prefix."""
+    (which waits for the step's GPU work: the rest of a decode step is host work), of the rest the seconds
+    decode steps spent staging their inputs (choosing rows, shared-prefix sources, copies to the device) and
+    launching the step (a CUDA-graph replay, or the eager forward on the CPU), the seconds spent retiring
+    finished requests (storing their K/V history, completing their futures; in decode steps and prefill), the
+    seconds the decode CUDA graphs' capture took, and the key positions decode steps read from another row's
+    copy of a shared prefix."""
 
     decode_steps: int = 0
     prefill_rounds: int = 0
@@ -26,6 +30,9 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_sampling_seconds: float = 0.0
+    decode_input_seconds: float = 0.0
+    decode_launch_seconds: float = 0.0
+    retire_seconds: float = 0.0
     busy_seconds: float = 0.0
     paused_seconds: float = 0.0
     idle_seconds: float = 0.0
