@@ -199,7 +199,7 @@ def packed_lora(
 
     Differentiable in ``x``, ``lora_a`` and ``lora_b`` (not in ``scales``): one backward gives every
     adapter's gradients. The Triton path (``kernels.packed.PackedLoRAFunction``) runs the forward in one
-    launch and the backward in two to four. ``meta`` as for :func:`add_lora` (a snapshot of its index buffers
+    launch and the backward in two or three. ``meta`` as for :func:`add_lora` (a snapshot of its index buffers
     is kept for backward, so rebuilding it for the next micro-batch is safe).
     """
     if _use_triton(x, backend):
