@@ -20,7 +20,7 @@ from skyrl_clora.kernels.packed_kernels import (
     packed_forward_kernel,
     packed_x_kernel,
 )
-from skyrl_clora.kernels.sgmv import check_meta, has_pdl
+from skyrl_clora.kernels.sgmv import check_meta, dot_flags, pdl_flags
 
 # A pipeline stage of the streamed tiles takes at most this much shared memory (tiles are cut down to fit).
 _STAGE_BYTES = 48 * 1024
@@ -73,18 +73,10 @@ class PackedConfig:
     pdl: bool = True
 
 
-def _launch(warps: int | None, stages: int, maxnreg: int | None, r_pad: int, pdl: bool) -> dict[str, object]:
-    """A kernel's launch options (``warps`` None: 4 up to rank 16, else 8) and its PDL flags."""
+def _launch(warps: int | None, stages: int, maxnreg: int | None, r_pad: int) -> dict[str, int | None]:
+    """A kernel's launch options (``warps`` None: 4 up to rank 16, else 8)."""
     num_warps = warps if warps is not None else 4 if r_pad <= 16 else 8
-    return {"num_warps": num_warps, "num_stages": stages, "maxnreg": maxnreg, **_pdl_flags(pdl)}
-
-
-def _pdl_flags(pdl: bool) -> dict[str, bool]:
-    return {"PDL": pdl, "launch_pdl": pdl}
-
-
-def _dot_flags(x: torch.Tensor) -> dict[str, object]:
-    return {"UPCAST": x.device.type != "cuda", "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+    return {"num_warps": num_warps, "num_stages": stages, "maxnreg": maxnreg}
 
 
 def _fit(largest: int, unit_bytes: int, budget: int = _STAGE_BYTES) -> int:
@@ -133,8 +125,8 @@ def _forward(
     packed_forward_kernel[(cdiv(T, block_m) + min(S, T) + int(store),)](
         x, lora_a, lora_b, scales, y, h, meta.sorted_rows, meta.seg_count, S, T, K, N, R, x.stride(0), y.stride(0),
         S_P2=next_power_of_2(S + int(store)), BLOCK_M=block_m, BLOCK_R=r_pad, BLOCK_K=block_k, BLOCK_N=block_n,
-        K_ITERS=k_iters, N_ITERS=cdiv(N, block_n), EVEN_K=k_iters * block_k == K, STORE=store, **_dot_flags(x),
-        **_launch(cfg.fwd_warps, cfg.fwd_stages, cfg.fwd_maxnreg, r_pad, cfg.pdl and has_pdl(x.device)),
+        K_ITERS=k_iters, N_ITERS=cdiv(N, block_n), EVEN_K=k_iters * block_k == K, STORE=store, **dot_flags(x),
+        **_launch(cfg.fwd_warps, cfg.fwd_stages, cfg.fwd_maxnreg, r_pad), **pdl_flags(x, cfg.pdl),
     )  # fmt: skip
 
 
@@ -152,7 +144,6 @@ def _backward(
     T, K = x.shape
     S, N, R = lora_b.shape
     r_pad, size = h.shape[1], x.element_size()
-    pdl = cfg.pdl and has_pdl(x.device)
     need_g = dx is not None or need_a
     n_blocks, k_blocks = cdiv(N, cfg.dy_block_n), cdiv(K, cfg.x_block_k)
     rows_b = _fit(cfg.dy_rows, cfg.dy_block_n * size + r_pad * 4)
@@ -166,21 +157,21 @@ def _backward(
     packed_dy_kernel[(chunks_b, n_blocks)](
         dy, lora_b, h, gpart, db if need_b else lora_b, dbpart, meta.arrivals, scales, meta.sorted_rows, meta.seg_count,
         S, T, N, R, dy.stride(0), S_P2=next_power_of_2(S), CHUNK=chunk_b, BLOCK_M=rows_b, BLOCK_N=cfg.dy_block_n,
-        BLOCK_R=r_pad, HAS_G=need_g, HAS_DB=need_b, **_dot_flags(x),
-        **_launch(cfg.dy_warps, cfg.dy_stages, cfg.dy_maxnreg, r_pad, pdl),
+        BLOCK_R=r_pad, HAS_G=need_g, HAS_DB=need_b, **dot_flags(x),
+        **_launch(cfg.dy_warps, cfg.dy_stages, cfg.dy_maxnreg, r_pad), **pdl_flags(x, cfg.pdl),
     )  # fmt: skip
     g = x.new_empty(T, r_pad, dtype=torch.float32) if need_g else h
     da = torch.empty_like(lora_a) if need_a else None
     dapart = x.new_empty(cdiv(T, chunk_a) + min(S, T), R * K, dtype=torch.float32) if need_a and T > chunk_a else h
-    _finish(gpart, g, db, da, meta, need_g, pdl)
+    _finish(gpart, g, db, da, meta, need_g, cfg.pdl)
     if need_g:
         store = dx is not None and store_dx
         packed_x_kernel[(cdiv(T, chunk_a) + min(S, T) + int(store), k_blocks, int(need_a) + int(dx is not None))](
             x, lora_a, g, dx if dx is not None else x, da if need_a else lora_a, dapart, meta.arrivals, scales,
             meta.sorted_rows, meta.seg_count, S, T, K, R, x.stride(0), dx.stride(0) if dx is not None else 0,
             S_P2=next_power_of_2(S + int(store)), CHUNK=chunk_a, BLOCK_M=rows_a, BLOCK_K=cfg.x_block_k, BLOCK_R=r_pad,
-            HAS_DX=dx is not None, HAS_DA=need_a, STORE=store, **_dot_flags(x),
-            **_launch(cfg.x_warps, cfg.x_stages, cfg.x_maxnreg, r_pad, pdl),
+            HAS_DX=dx is not None, HAS_DA=need_a, STORE=store, **dot_flags(x),
+            **_launch(cfg.x_warps, cfg.x_stages, cfg.x_maxnreg, r_pad), **pdl_flags(x, cfg.pdl),
         )  # fmt: skip
     return da, db
 
@@ -201,7 +192,7 @@ def _finish(
     packed_finish_kernel[(sum(programs),)](
         gpart, g, db if db is not None else g, da if da is not None else g, meta.seg_count, numel_g, numel_b, numel_a,
         programs[0], programs[1], G_SPLITS=gpart.shape[0] if sum_g else 0, HAS_G=sum_g, HAS_B=db is not None,
-        HAS_A=da is not None, BLOCK_G=_G_SUM_BLOCK, BLOCK=_FINISH_BLOCK, num_warps=4, **_pdl_flags(pdl),
+        HAS_A=da is not None, BLOCK_G=_G_SUM_BLOCK, BLOCK=_FINISH_BLOCK, num_warps=4, **pdl_flags(g, pdl),
     )  # fmt: skip
 
 

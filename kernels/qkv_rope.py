@@ -171,6 +171,6 @@ def folded_qkv_rope_triton(
         S, T, R, heads_q, heads_kv, eps, y.stride(0), lora_b[0].stride(1), lora_b[0].stride(2),
         lora_b[0].stride(0), lora_b[1].stride(0), lora_b[2].stride(0), *ws_strides,
         S_P2=next_power_of_2(S), BLOCK_M=config.block_m, BLOCK_R=rank_pad(R), D=head_dim, SPLIT_K=split_k,
-        A_PER_SLICE=folded.slices > 1, HAS_NORM=has_norm, **dot_flags(x), **pdl_flags(x, config), num_warps=4,
+        A_PER_SLICE=folded.slices > 1, HAS_NORM=has_norm, **dot_flags(x), **pdl_flags(x, config.pdl), num_warps=4,
     )  # fmt: skip
     return q, k, v

@@ -71,9 +71,10 @@ def dot_flags(x: torch.Tensor) -> dict[str, object]:
     }
 
 
-def pdl_flags(x: torch.Tensor, config: SgmvConfig) -> dict[str, bool]:
-    pdl = config.pdl and has_pdl(x.device)
-    return {"PDL": pdl, "launch_pdl": pdl}
+def pdl_flags(x: torch.Tensor, pdl: bool) -> dict[str, bool]:
+    """A kernel's ``PDL`` flag and launch option: on when ``pdl`` is asked for and ``x``'s GPU has it."""
+    on = pdl and has_pdl(x.device)
+    return {"PDL": on, "launch_pdl": on}
 
 
 def _slice_args(weights: tuple[torch.Tensor, ...], block_n: int) -> dict[str, int]:
@@ -222,7 +223,7 @@ def _expand(
         S_P2=next_power_of_2(S + int(store)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_R=rank_pad(rank), SPLIT_K=split_k, NUM_SLICES=len(weights),
         A_PER_SLICE=a_per_slice, HAS_SCALE=scales is not None, STORE=store, **dot_flags(out),
-        **pdl_flags(out, config), LATE_OUT=late_out,
+        **pdl_flags(out, config.pdl), LATE_OUT=late_out,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
