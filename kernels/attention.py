@@ -40,8 +40,11 @@ from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
 from skyrl_clora.kernels.sgmv import has_pdl
 
 MAX_HEAD_DIM = 256
-# A row's splits at most (bounds the reduce kernel's tile): longer caches get longer splits.
-_MAX_SPLITS = 64
+# A row's splits at most under the default config: longer caches get longer splits (a program visits only
+# the key blocks of its split that hold keys, so a long split costs a short row nothing).
+_MAX_SPLITS = 8
+# Keys per split at least under the default config.
+_MIN_SPLIT_LEN = 512
 # Rows of a shared-prefix group whose prefix one program reads together (a GRPO group's samples).
 PREFIX_GROUP_ROWS = 8
 # Query rows of one program at most (members x query heads per kv head) when prefixes are shared.
@@ -57,7 +60,7 @@ PREFIX_MAXNREG = 96
 class AttentionConfig:
     """Launch parameters of one ``decode_attention`` call (``default_attention_config`` picks them)."""
 
-    split_len: int = 256
+    split_len: int = 512
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
@@ -71,11 +74,15 @@ class AttentionConfig:
 
 
 def default_attention_config(max_len: int) -> AttentionConfig:
-    """Launch parameters by the cache length alone: 256 keys per program (at most ``_MAX_SPLITS`` splits
-    per row; longer caches get longer splits). Never by the number of rows or the lengths' values, so a
-    row's result is bit-identical whatever the batch around it (the engine's runs stay reproducible when
-    the number of decoded rows changes); on the H200 shorter splits gained nothing (BENCHMARKS.md)."""
-    return AttentionConfig(split_len=max(256, next_power_of_2(cdiv(max_len, _MAX_SPLITS))))
+    """Launch parameters by the cache length alone: at least ``_MIN_SPLIT_LEN`` keys per program and at most
+    ``_MAX_SPLITS`` splits per row. Never by the number of rows or the lengths' values, so a row's result is
+    bit-identical whatever the batch around it (the engine's runs stay reproducible when the number of
+    decoded rows changes). Every program launched costs, even one whose split holds no key of its row: at
+    the engine's shared-prompt shape (512 rows of up to 620 positions) the earlier 256-key splits took
+    233-235 us at ``L`` = 2048 and 416-422 us at 5120, these 205 and 205-211 us (BENCHMARKS.md, fifteenth
+    session). The price is paid by a batch of one long row: 46 us at 9,000-12,800 keys and ``L`` = 12,800
+    against 15 us with 256-key splits; 8 such rows or more take the same with either."""
+    return AttentionConfig(split_len=max(_MIN_SPLIT_LEN, next_power_of_2(cdiv(max_len, _MAX_SPLITS))))
 
 
 def _workspace_floats(num_rows: int, num_heads: int, head_dim: int, max_len: int, split_len: int) -> int:
@@ -254,7 +261,13 @@ def _partial_kernel(
     m = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    for i in range(SPLIT_LEN // BLOCK_N):  # keys outside [first, last) are masked (their loads move no data)
+    # The key blocks holding keys of [first, last) (masked blocks still cost their iteration); the CPU
+    # interpreter cannot run a for loop to a runtime bound, so it runs every block of the split, masked.
+    if UPCAST:
+        first_block, end_block = 0, SPLIT_LEN // BLOCK_N
+    else:
+        first_block, end_block = (first - start) // BLOCK_N, tl.cdiv(last - start, BLOCK_N)
+    for i in range(first_block, end_block):
         pos = start + i * BLOCK_N + offs_n
         n_mask = (pos >= first) & (pos < last)
         row = tl.where(pos < split_at, low_row, b).to(tl.int64)  # [BLOCK_N]
