@@ -56,9 +56,9 @@ def test_reference_writes_out_and_zeros_empty_rows() -> None:
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
 @pytest.mark.parametrize("head_dim", [16, 32, 24])
 def test_triton_matches_reference(head_dim: int, kv_heads: int, dtype: torch.dtype) -> None:
-    """Default config (three 256-key splits at L=600); cache positions past each length and cache rows
+    """Default config (three 512-key splits at L=1100); cache positions past each length and cache rows
     past B hold NaN, so reading any of them would show."""
-    p = make_attention_problem(5, 4, kv_heads, 600, head_dim, dtype, cache_rows=7, seed=head_dim + kv_heads, poison=True)
+    p = make_attention_problem(5, 4, kv_heads, 1100, head_dim, dtype, cache_rows=7, seed=head_dim + kv_heads, poison=True)
     want = attention_loop_ref(p)
     got = decode_attention(p.q, p.k_cache, p.v_cache, p.lengths, backend="triton")
     assert got.dtype == dtype and got.shape == p.q.shape
