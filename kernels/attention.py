@@ -3,8 +3,9 @@
 One decode step attends each row's single query token to the first ``lengths[b]`` positions of its own
 cache row. The keys of a row are cut into fixed splits of ``split_len`` positions; one program per
 (split, kv head, row) runs an online softmax over its split for all the query heads that share the kv
-head (GQA) and writes a normalised partial output and its log-sum-exp; programs whose split starts at or
-past the row's length return at once, so a row costs in proportion to its length, not to ``L``. A second
+head (GQA) and writes a normalised partial output and its log-sum-exp, visiting only the key blocks of
+its split that hold keys; programs whose split starts at or past the row's length return at once (their
+launch still costs: hence few, long splits, see ``default_attention_config``). A second
 small kernel combines the partials of each (row, head); on Hopper it is launched with programmatic
 dependent launch (it starts while the first finishes, and waits with ``gdc_wait`` before reading the
 partials). The grids depend only on ``B``, ``H``, ``KV`` and ``L``, the lengths are read on the device,
