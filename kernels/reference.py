@@ -138,8 +138,10 @@ def decode_attention_ref(
     else:
         positions = torch.arange(L, device=q.device)
         source = torch.where(positions[None] < prefix_lens.view(B, 1), prefix_rows.view(B, 1), torch.arange(B, device=q.device)[:, None])
-        k = k_cache[source, :, positions].float().permute(0, 2, 1, 3)  # [B, L, KV, d] -> [B, KV, L, d]
-        v = v_cache[source, :, positions].float().permute(0, 2, 1, 3)
+        # [B, L, KV, d] -> [B, KV, L, d], contiguous as the slice above is: the matmuls then take the same
+        # kernels, so a row's result does not depend on which row its prefix is read from.
+        k = k_cache[source, :, positions].float().permute(0, 2, 1, 3).contiguous()
+        v = v_cache[source, :, positions].float().permute(0, 2, 1, 3).contiguous()
     scores = (q.float().view(B, KV, H // KV, D) @ k.transpose(-1, -2)) / D**0.5  # [B, KV, G, L]
     valid = torch.arange(L, device=q.device).view(1, L) < lengths.view(B, 1)  # [B, L]
     scores = scores.masked_fill(~valid.view(B, 1, 1, L), float("-inf"))
