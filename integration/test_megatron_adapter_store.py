@@ -27,7 +27,7 @@ from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 from gpu_node import requires
 from skyrl_clora.config import build_run_config
 from skyrl_clora.main import compose_config
-from skyrl_clora.sampler.engine import SamplingParams
+from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.skyrl.config_translation import translate
 from skyrl_clora.skyrl.driver import training_input
 from skyrl_clora.skyrl.stack import build_stack

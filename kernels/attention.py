@@ -1,16 +1,18 @@
 """Decode attention over a slot-based KV cache (flash-decoding): Triton kernels and host wrapper.
 
-One decode step attends each row's single query token to the first ``lengths[b]`` positions of its own
-cache row. The keys of a row are cut into fixed splits of ``split_len`` positions; one program per
-(split, kv head, row) runs an online softmax over its split for all the query heads that share the kv
-head (GQA) and writes a normalised partial output and its log-sum-exp, visiting only the key blocks of
-its split that hold keys; programs whose split starts at or past the row's length return at once (their
-launch still costs: hence few, long splits, see ``default_attention_config``). A second
-small kernel combines the partials of each (row, head); on Hopper it is launched with programmatic
+One decode step attends each row's single query token to the first ``lengths[b]`` positions of its own cache
+row. The keys of a row are cut into fixed splits of ``split_len`` positions; one program per (split, kv head,
+row) runs an online softmax over its split for all the query heads that share the kv head (GQA) and writes a
+normalised partial output and its log-sum-exp, visiting only the key blocks of its split that hold keys;
+programs whose split starts at or past the row's length return at once (their launch still costs: hence few,
+long splits, see ``default_attention_config``). Row programs (a row's own keys) and prefix programs (below)
+run code of their own, each loading and computing only what its kind needs: one body for both, choosing per
+query row, had taken 25-38% longer at the engine's shared-prompt shape (BENCHMARKS.md, sixteenth session). A
+second small kernel combines the partials of each (row, head); on Hopper it is launched with programmatic
 dependent launch (it starts while the first finishes, and waits with ``gdc_wait`` before reading the
-partials). The grids depend only on ``B``, ``H``, ``KV`` and ``L``, the lengths are read on the device,
-and with ``out`` and a :class:`DecodeWorkspace` given nothing is allocated: a decode step is capturable
-in a CUDA graph and replayable with new lengths.
+partials). The grids depend only on ``B``, ``H``, ``KV`` and ``L``, the lengths are read on the device, and
+with ``out`` and a :class:`DecodeWorkspace` given nothing is allocated: a decode step is capturable in a CUDA
+graph and replayable with new lengths.
 
 Shared prefixes (``prefix_rows`` / ``prefix_lens``: row ``b`` reads its first ``prefix_lens[b]`` positions
 from cache row ``prefix_rows[b]``, e.g. the samples of a GRPO group that copied one cached prompt): the
@@ -53,7 +55,8 @@ _MAX_QUERY_TILE = 64
 _LOG2E = 1.4426950408889634
 # The partials kernel's register cap with shared prefixes (head dim <= 128): the compiler's 156 registers
 # allow 3 programs per SM (18.75% occupancy, DRAM at 45% under ncu); 96 ran the engine's shared-prompt shape
-# 6% faster on the H200 (BENCHMARKS.md, tenth session).
+# 6% faster on the H200 (BENCHMARKS.md, tenth session); since row and prefix programs have code of their own
+# the compiler's choice and 96 run within a few percent of each other (sixteenth session).
 PREFIX_MAXNREG = 96
 
 
@@ -81,8 +84,9 @@ def default_attention_config(max_len: int) -> AttentionConfig:
     decoded rows changes). Every program launched costs, even one whose split holds no key of its row: at
     the engine's shared-prompt shape (512 rows of up to 620 positions) the earlier 256-key splits took
     233-235 us at ``L`` = 2048 and 416-422 us at 5120, these 205 and 205-211 us (BENCHMARKS.md, fifteenth
-    session). The price is paid by a batch of one long row: 46 us at 9,000-12,800 keys and ``L`` = 12,800
-    against 15 us with 256-key splits; 8 such rows or more take the same with either."""
+    session; 150 and 158 us since the sixteenth). The price is paid by a batch of one long row: 46 us at
+    9,000-12,800 keys and ``L`` = 12,800 against 15 us with 256-key splits; 8 such rows or more take the same
+    with either."""
     return AttentionConfig(split_len=max(_MIN_SPLIT_LEN, next_power_of_2(cdiv(max_len, _MAX_SPLITS))))
 
 
@@ -164,6 +168,127 @@ def _prefix_groups_kernel(
 
 
 @triton.jit
+def _softmax_block(q, kt, vt, valid, m, denom, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One key block of an online softmax: ``q: [Q, D]``, ``kt: [D, N]``, ``vt: [N, D]``, ``valid: [Q, N]``;
+    returns the updated running max (base 2), denominator and unnormalised output."""
+    scores = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # base-2 logits
+    scores = tl.where(valid, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query with no key yet
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    denom = denom * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+    return m_new, denom, acc
+
+
+@triton.jit
+def _store_partial(o_ptr, lse_ptr, row_head, q_ok, acc, denom, m, offs_d, d_mask, D):
+    """``o[row_head] = acc / denom`` and ``lse[row_head] = m + log2(denom)`` (``-inf`` without keys)."""
+    tl.store(o_ptr + row_head[:, None] * D + offs_d[None, :], acc / tl.maximum(denom, 1e-30)[:, None],
+             mask=q_ok[:, None] & d_mask[None, :])
+    tl.store(lse_ptr + row_head, tl.where(denom > 0, m + tl.log2(tl.maximum(denom, 1e-30)), float("-inf")), mask=q_ok)
+
+
+@triton.jit
+def _row_partial(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, b, slot, kvh, start, lo, hi, low_row, split_at, H, D, NUM_SLOTS, qk_scale,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The ``GROUP`` query heads of kv head ``kvh`` of row ``b`` over keys ``[lo, hi)`` of the split starting
+    at ``start`` (positions below ``split_at`` from cache row ``low_row``)."""
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < D
+    q_ok = offs_q < GROUP
+    head = kvh * GROUP + offs_q
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=q_ok[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:  # the CPU interpreter mis-multiplies bf16 operands
+        q = q.to(tl.float32)
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    m = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    # The key blocks holding keys of [lo, hi); the CPU interpreter cannot run a for loop to a runtime bound,
+    # so it runs every block of the split, masked. (Bounds are set in tuple assignments: the interpreter turns
+    # the value of a single-name assignment into a tensor, and with NumPy >= 2.4 range() cannot take it.)
+    if UPCAST:
+        first_block, end_block = 0, SPLIT_LEN // BLOCK_N
+    else:
+        first_block, end_block = (lo - start) // BLOCK_N, tl.cdiv(hi - start, BLOCK_N)
+    for i in range(first_block, end_block):
+        pos = start + i * BLOCK_N + offs_n
+        n_mask = (pos >= lo) & (pos < hi)
+        row = tl.where(pos < split_at, low_row, b).to(tl.int64)
+        kt = tl.load(k_base + row[None, :] * stride_kb + pos[None, :].to(tl.int64) * stride_kl + offs_d[:, None],
+                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        vt = tl.load(v_base + row[:, None] * stride_vb + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :],
+                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if UPCAST:
+            kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+        m, denom, acc = _softmax_block(q, kt, vt, n_mask[None, :], m, denom, acc, qk_scale, DOT_PRECISION)
+    row_head = (b.to(tl.int64) * H + head) * NUM_SLOTS + slot
+    _store_partial(o_ptr, lse_ptr, row_head, q_ok, acc, denom, m, offs_d, d_mask, D)
+
+
+@triton.jit
+def _prefix_partial(
+    q_ptr, k_ptr, v_ptr, served_ptr, count_ptr, members_ptr, o_ptr, lse_ptr, b, slot, kvh, start, H, D, NUM_SLOTS,
+    qk_scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
+    GROUP: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Row ``b``'s group (its first ``MEMBERS`` members, ``_prefix_groups_kernel``) over the split starting at
+    ``start`` of row ``b``'s keys of kv head ``kvh``, each member up to its own prefix length; the query rows
+    are the ``(member, query head)`` pairs. Writes nothing when no member has a key in the split (the reduce
+    reads a prefix slot only below the member's prefix length)."""
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < D
+    member = offs_q // GROUP
+    q_ok = (member < tl.load(count_ptr + b)) & (offs_q < MEMBERS * GROUP)
+    m_row = tl.load(members_ptr + b * MEMBERS + member, mask=q_ok, other=0)
+    hi = tl.where(q_ok, tl.minimum(start + SPLIT_LEN, tl.load(served_ptr + m_row, mask=q_ok, other=0)), start)
+    last = tl.max(hi, axis=0)
+    # The key blocks up to the last member's prefix end (the CPU interpreter runs every block, masked; bounds
+    # in tuple assignments as in _row_partial).
+    if UPCAST:
+        first_block, end_block = 0, SPLIT_LEN // BLOCK_N
+    else:
+        first_block, end_block = 0, tl.cdiv(last - start, BLOCK_N)
+    if last > start:
+        head = kvh * GROUP + offs_q % GROUP
+        q = tl.load(q_ptr + m_row[:, None].to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=q_ok[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+        m = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+        denom = tl.zeros([BLOCK_Q], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+        for i in range(first_block, end_block):
+            pos = start + i * BLOCK_N + offs_n
+            n_mask = pos < last
+            kt = tl.load(k_base + pos[None, :].to(tl.int64) * stride_kl + offs_d[:, None],
+                         mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+            vt = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :],
+                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            if UPCAST:
+                kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+            m, denom, acc = _softmax_block(q, kt, vt, pos[None, :] < hi[:, None], m, denom, acc, qk_scale,
+                                           DOT_PRECISION)
+        row_head = (m_row.to(tl.int64) * H + head) * NUM_SLOTS + slot
+        _store_partial(o_ptr, lse_ptr, row_head, q_ok, acc, denom, m, offs_d, d_mask, D)
+
+
+@triton.jit
 def _partial_kernel(
     q_ptr,
     k_ptr,
@@ -201,105 +326,49 @@ def _partial_kernel(
     PDL: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
 ):
-    """Program ``(slot, kv head j, row b)``; the tile's query rows are ``(row, head)`` pairs of kv head ``j``.
-
-    ``slot = s < NUM_SPLITS`` (row program): the ``GROUP`` query heads of row ``b`` over keys
-    ``[s * SPLIT_LEN, min((s + 1) * SPLIT_LEN, length))``, less the positions below ``served[b]`` (read by
-    its group's program); with HAS_PREFIX, keys below ``prefix_len[b]`` of a row not served come from cache
-    row ``prefix_row[b]``. ``slot = NUM_SPLITS + s`` (prefix program, HAS_PREFIX only): the query heads of
-    the members of row ``b``'s group over the same split of row ``b``'s keys, each member up to its own
-    prefix length. Writes ``o[row, h, slot] = softmax(q @ K.T * scale) @ V`` over the program's keys and
-    ``lse[row, h, slot]`` (base 2; ``-inf`` where a query has no key in the range)."""
+    """Program ``(slot, kv head j, row b)``, one of two kinds, each with its own code (a program computes and
+    loads only what its kind needs). ``slot = s < NUM_SPLITS``, a row program (``_row_partial``): the
+    ``GROUP`` query heads of kv head ``j`` of row ``b`` over keys ``[s * SPLIT_LEN, min((s + 1) * SPLIT_LEN,
+    length))``, less the positions below ``served[b]`` (read by its group's program); with HAS_PREFIX, keys
+    below ``prefix_len[b]`` of a row not served come from cache row ``prefix_row[b]``. ``slot = NUM_SPLITS +
+    s``, a prefix program (HAS_PREFIX only, ``_prefix_partial``): the members of row ``b``'s group over the
+    same split of row ``b``'s keys, each up to its own prefix length. Writes ``o[row, h, slot] = softmax(q @
+    K.T * scale) @ V`` over the program's keys and ``lse[row, h, slot]`` (base 2; ``-inf`` where a query has no
+    key in the range)."""
     if PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
-    is_prefix = pid >= NUM_SPLITS
-    start = tl.where(is_prefix, pid - NUM_SPLITS, pid) * SPLIT_LEN
-    length = tl.minimum(tl.load(len_ptr + b).to(tl.int32), L)
-    offs_q = tl.arange(0, BLOCK_Q)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    d_mask = offs_d < D
-    # Row program: query rows = the row's heads; keys of row b, below `split_at` from row `low_row`.
-    q_row = tl.zeros([BLOCK_Q], dtype=tl.int32) + b
-    head = kvh * GROUP + offs_q
-    q_ok = offs_q < GROUP
-    lo = tl.zeros([BLOCK_Q], dtype=tl.int32) + start
-    hi = tl.zeros([BLOCK_Q], dtype=tl.int32) + tl.minimum(start + SPLIT_LEN, length)
-    low_row = b
-    split_at = 0
-    if HAS_PREFIX:
-        served = tl.load(served_ptr + b)
-        lo = tl.where(served > 0, tl.maximum(lo, served), lo)
-        low_row = tl.where(served > 0, b, tl.load(prefix_row_ptr + b).to(tl.int32))
-        split_at = tl.where(served > 0, 0, tl.minimum(tl.load(prefix_len_ptr + b).to(tl.int32), length))
-        # Prefix program: query rows = (member, head) pairs of row b's group; keys of row b.
-        member = offs_q // GROUP
-        m_ok = is_prefix & (member < tl.load(count_ptr + b)) & (offs_q < MEMBERS * GROUP)
-        m_row = tl.load(members_ptr + b * MEMBERS + member, mask=m_ok, other=0)
-        m_len = tl.load(served_ptr + m_row, mask=m_ok, other=0)
-        q_row = tl.where(is_prefix, m_row, q_row)
-        head = tl.where(is_prefix, kvh * GROUP + offs_q % GROUP, head)
-        q_ok = tl.where(is_prefix, m_ok, q_ok)
-        lo = tl.where(is_prefix, start, lo)
-        hi = tl.where(is_prefix, tl.minimum(start + SPLIT_LEN, m_len), hi)
-        split_at = tl.where(is_prefix, 0, split_at)
-    hi = tl.where(q_ok, hi, lo)  # query rows of no program: an empty range
-    row_head = (q_row.to(tl.int64) * H + head) * NUM_SLOTS + pid  # [BLOCK_Q]
-    if tl.max(hi - lo, axis=0) <= 0:
-        tl.store(lse_ptr + row_head, tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32), mask=q_ok)
-        return
-    q_ptrs = q_ptr + q_row[:, None].to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=q_ok[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:  # the CPU interpreter mis-multiplies bf16 operands
-        q = q.to(tl.float32)
-    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
-    first = tl.min(tl.where(q_ok, lo, L), axis=0)
-    last = tl.max(hi, axis=0)
-    m = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    denom = tl.zeros([BLOCK_Q], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    # The key blocks holding keys of [first, last) (masked blocks still cost their iteration); the CPU
-    # interpreter cannot run a for loop to a runtime bound, so it runs every block of the split, masked.
-    if UPCAST:
-        first_block, end_block = 0, SPLIT_LEN // BLOCK_N
-    else:
-        first_block, end_block = (first - start) // BLOCK_N, tl.cdiv(last - start, BLOCK_N)
-    for i in range(first_block, end_block):
-        pos = start + i * BLOCK_N + offs_n
-        n_mask = (pos >= first) & (pos < last)
-        row = tl.where(pos < split_at, low_row, b).to(tl.int64)  # [BLOCK_N]
-        kt = tl.load(
-            k_base + row[None, :] * stride_kb + pos[None, :].to(tl.int64) * stride_kl + offs_d[:, None],
-            mask=n_mask[None, :] & d_mask[:, None],
-            other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
-        vt = tl.load(
-            v_base + row[:, None] * stride_vb + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :],
-            mask=n_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        if UPCAST:
-            kt, vt = kt.to(tl.float32), vt.to(tl.float32)
-        scores = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # base-2 logits
-        valid = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
-        scores = tl.where(valid, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query with no key yet
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
-        m = m_new
-    tl.store(
-        o_ptr + row_head[:, None] * D + offs_d[None, :],
-        acc / tl.maximum(denom, 1e-30)[:, None],
-        mask=q_ok[:, None] & d_mask[None, :],
-    )
-    tl.store(lse_ptr + row_head, tl.where(denom > 0, m + tl.log2(tl.maximum(denom, 1e-30)), float("-inf")), mask=q_ok)
+    if pid < NUM_SPLITS:
+        start = pid * SPLIT_LEN
+        length = tl.minimum(tl.load(len_ptr + b).to(tl.int32), L)
+        lo = start
+        hi = tl.minimum(start + SPLIT_LEN, length)
+        low_row = b
+        split_at = 0
+        if HAS_PREFIX:
+            served = tl.load(served_ptr + b)
+            lo = tl.where(served > 0, tl.maximum(lo, served), lo)
+            low_row = tl.where(served > 0, b, tl.load(prefix_row_ptr + b).to(tl.int32))
+            split_at = tl.where(served > 0, 0, tl.minimum(tl.load(prefix_len_ptr + b).to(tl.int32), length))
+        if hi > lo:
+            _row_partial(
+                q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, b, pid, kvh, start, lo, hi, low_row, split_at, H, D, NUM_SLOTS,
+                qk_scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
+                GROUP, BLOCK_Q, BLOCK_D, BLOCK_N, SPLIT_LEN, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+        else:
+            offs_q = tl.arange(0, BLOCK_Q)
+            tl.store(lse_ptr + (b.to(tl.int64) * H + kvh * GROUP + offs_q) * NUM_SLOTS + pid,
+                     tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32), mask=offs_q < GROUP)
+    elif HAS_PREFIX:
+        _prefix_partial(
+            q_ptr, k_ptr, v_ptr, served_ptr, count_ptr, members_ptr, o_ptr, lse_ptr, b, pid, kvh,
+            (pid - NUM_SPLITS) * SPLIT_LEN, H, D, NUM_SLOTS, qk_scale,
+            stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
+            GROUP, MEMBERS, BLOCK_Q, BLOCK_D, BLOCK_N, SPLIT_LEN, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -375,8 +444,8 @@ def decode_attention_triton(
 ) -> torch.Tensor:
     """Triton ``decode_attention`` (semantics: ``reference.decode_attention_ref``); returns ``out``.
 
-    Launches: with a shared prefix the group tables (grid ``(B,)``), then the partials (grid ``(slots, KV,
-    B)``, two slots per split with a prefix, else one) and the reduce (grid ``(H, B)``). With ``out`` and
+    Launches: with a shared prefix the group tables (grid ``(B,)``), then the partials (grid ``(slots, KV, B)``,
+    two slots per split with a prefix, else one) and the reduce (grid ``(H, B)``). With ``out`` and
     ``workspace`` given nothing is allocated and nothing waits for the host; otherwise they are allocated
     here. ``config`` overrides ``default_attention_config`` (benchmarks sweep it). Raises ValueError on bad
     shapes, dtypes or strides.

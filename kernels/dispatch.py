@@ -2,10 +2,10 @@
 sampling): Triton for CUDA tensors, the torch reference elsewhere.
 
 Layers call only ``add_lora``, ``lora_linear`` (``packed_lora`` plus the base layer) and ``dense_lora_linear``;
-the sampling engine's model runner calls ``folded_qkv_rope``, ``folded_lora_linear``, ``decode_attention``,
-``prefill_attention``, ``rms_norm`` and ``silu_mul``; the trainer's model calls ``rms_norm_with_grad``, ``silu_mul_with_grad`` and
-``rope_with_grad``, its shared-prompt attention ``gather_rows``, its LM-head loss ``chosen_logprobs_``; the
-engine's sampler calls ``sample_tokens``.
+the sampling engine's model runner calls ``folded_qkv_rope_into_cache`` (``qkv_dispatch``), ``folded_lora_linear``,
+``decode_attention``, ``prefill_attention``, ``rms_norm`` and ``silu_mul``; the trainer's model calls
+``rms_norm_with_grad``, ``silu_mul_with_grad`` and ``rope_with_grad``, its shared-prompt attention
+``gather_rows``, its LM-head loss ``chosen_logprobs_``; the engine's sampler calls ``sample_tokens``.
 ``backend="triton"`` forces the Triton kernels, which on CPU tensors run only under the Triton interpreter
 (``TRITON_INTERPRET=1``, as the CPU tests do); ``backend="torch"`` forces the reference.
 """
@@ -27,7 +27,6 @@ from skyrl_clora.kernels.logprob_ops import chosen_logprobs_triton
 from skyrl_clora.kernels.meta import LoRAMeta
 from skyrl_clora.kernels.packed import packed_lora_triton
 from skyrl_clora.kernels.prefill_attention import check_prefill_attention, prefill_attention_triton
-from skyrl_clora.kernels.qkv_rope import folded_qkv_rope_triton
 from skyrl_clora.kernels.layer_ops import qk_norm_rope_triton, rms_norm_triton, silu_mul_triton
 from skyrl_clora.kernels.reference import (
     add_lora_ref,
@@ -47,7 +46,7 @@ from skyrl_clora.kernels.train_ops import RMSNormFrozenWeight, RotaryEmbedding, 
 Backend = Literal["triton", "torch"]
 
 
-def _use_triton(x: torch.Tensor, backend: Backend | None) -> bool:
+def use_triton(x: torch.Tensor, backend: Backend | None) -> bool:
     if backend is None:
         return x.is_cuda
     if backend == "torch":
@@ -95,7 +94,7 @@ def add_lora(
     the Triton path allocates nothing and never waits for the host (capturable in a CUDA graph); without
     it a meta is built per call. The torch path ignores it.
     """
-    if _use_triton(x, backend):
+    if use_triton(x, backend):
         add_lora_triton(out, x, lora_a, tuple(lora_b), scales, token_slots, meta=meta)
     else:
         add_lora_ref(out, x, lora_a, tuple(lora_b), scales, token_slots)
@@ -125,54 +124,13 @@ def folded_lora_linear(
     lora_b = tuple(lora_b)
     if token_slots is None:
         return torch.nn.functional.linear(x, folded.base_weight, folded.base_bias)
-    if _use_triton(x, backend) and fold_pays(x.shape[0], folded.out_features, folded.extra_features):
+    if use_triton(x, backend) and fold_pays(x.shape[0], folded.out_features, folded.extra_features):
         if meta is None:
             meta = LoRAMeta.for_batch(token_slots, folded.num_slots, folded.rank, folded.slices)
         return folded_lora_linear_triton(x, folded, lora_b, scales, token_slots, meta)
     y = torch.nn.functional.linear(x, folded.base_weight, folded.base_bias)
     add_lora(y, x, folded.lora_a, lora_b, scales, token_slots, meta=meta, backend=backend)
     return y
-
-
-def folded_qkv_rope(
-    x: torch.Tensor,
-    folded: FoldedWeights,
-    lora_b: Sequence[torch.Tensor],
-    scales: torch.Tensor,
-    token_slots: torch.Tensor | None,
-    head_dim: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    eps: float,
-    *,
-    meta: LoRAMeta | None = None,
-    backend: Backend | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An attention block's q/k/v projection, its multi-LoRA terms, q/k RMSNorm and rotary embedding in one
-    call. ``folded`` and ``lora_b = (B_q, B_k, B_v)`` as for :func:`folded_lora_linear`, whose slices are q
-    (``Hq * head_dim`` wide), k and v (``Hk * head_dim`` each); the rest as for :func:`qk_norm_rope`. Returns
-    new ``q: [T, Hq, d]``, ``k, v: [T, Hk, d]``. Torch pseudo-code::
-
-        q, k, v = folded_lora_linear(x, folded, lora_b, scales, token_slots).split(widths, -1)  # -> heads
-        q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
-
-    The Triton path (for ``token_slots`` not None and a power-of-two ``head_dim >= 32``, or when forced) runs
-    the LoRA expand inside the norm + rotary kernel (``kernels.qkv_rope``): one GEMM and one kernel at decode
-    sizes, plus the shrink where the fold does not pay. ``meta`` as for :func:`add_lora`.
-    """
-    lora_b = tuple(lora_b)
-    fusable = head_dim >= 32 and not head_dim & (head_dim - 1)
-    if token_slots is not None and _use_triton(x, backend) and (fusable or backend == "triton"):
-        if meta is None:
-            meta = LoRAMeta.for_batch(token_slots, folded.num_slots, folded.rank, folded.slices)
-        return folded_qkv_rope_triton(x, folded, lora_b, scales, token_slots, meta, head_dim, cos, sin,
-                                      q_weight, k_weight, eps)
-    y = folded_lora_linear(x, folded, lora_b, scales, token_slots, meta=meta, backend=backend)
-    q, k, v = (t.reshape(x.shape[0], -1, head_dim) for t in y.split([b.shape[1] for b in lora_b], dim=-1))
-    q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, backend=backend)
-    return q, k, v.contiguous()
 
 
 def packed_lora(
@@ -202,7 +160,7 @@ def packed_lora(
     launch and the backward in two or three. ``meta`` as for :func:`add_lora` (a snapshot of its index buffers
     is kept for backward, so rebuilding it for the next micro-batch is safe).
     """
-    if _use_triton(x, backend):
+    if use_triton(x, backend):
         return packed_lora_triton(x, lora_a, lora_b, scales, token_slots, meta=meta)
     return packed_lora_ref(x, lora_a, lora_b, scales, token_slots)
 
@@ -226,7 +184,7 @@ def lora_linear(
     path is one autograd node whose expand kernels add the LoRA terms into the base GEMMs' outputs (``y``
     forward, ``dx`` backward); the torch path is the base layer plus :func:`packed_lora`, in that order.
     """
-    if _use_triton(x, backend):
+    if use_triton(x, backend):
         return packed_lora_triton(x, lora_a, lora_b, scales, token_slots, meta=meta, weight=weight, bias=bias)
     return torch.nn.functional.linear(x, weight, bias) + packed_lora_ref(x, lora_a, lora_b, scales, token_slots)
 
@@ -289,7 +247,7 @@ def decode_attention(
     captured in a CUDA graph and replayed with new ``lengths`` copied into the captured tensor. The torch
     path (``reference.decode_attention_ref``) masks over all ``L`` positions and ignores ``workspace``.
     """
-    if _use_triton(q, backend):
+    if use_triton(q, backend):
         return decode_attention_triton(q, k_cache, v_cache, lengths, out=out, workspace=workspace,
                                        prefix_rows=prefix_rows, prefix_lens=prefix_lens)
     return decode_attention_ref(q, k_cache, v_cache, lengths, out=out, prefix_rows=prefix_rows, prefix_lens=prefix_lens)
@@ -332,7 +290,7 @@ def prefill_attention(
     the same tensors. The torch path (``reference.prefill_attention_ref``, the CPU engine's) loops over the
     jobs on the host. Raises ValueError on bad shapes or dtypes.
     """
-    if _use_triton(q, backend):
+    if use_triton(q, backend):
         return prefill_attention_triton(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens, scale)
     check_prefill_attention(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens)
     return prefill_attention_ref(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens, scale)
@@ -349,7 +307,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     Nothing is written in place. The Triton path (``kernels.layer_ops``) needs inputs of one float dtype with
     unit column stride (any row stride) and rounds once to it; the torch path is Hugging Face's RMSNorm op for op.
     """
-    if _use_triton(x, backend):
+    if use_triton(x, backend):
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
 
@@ -368,14 +326,14 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
     The Triton path runs every head of q and k in one launch (power-of-two ``d``).
     """
-    if _use_triton(q, backend):
+    if use_triton(q, backend):
         return qk_norm_rope_triton(q, k, cos, sin, q_weight, k_weight, eps)
     return qk_norm_rope_ref(q, k, cos, sin, q_weight, k_weight, eps)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for two tensors of one shape and dtype (a new tensor)."""
-    if _use_triton(gate, backend):
+    if use_triton(gate, backend):
         return silu_mul_triton(gate, up)
     return silu_mul_ref(gate, up)
 
@@ -392,7 +350,7 @@ def rms_norm_with_grad(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     """
     if weight.requires_grad:
         raise ValueError("rms_norm_with_grad needs a frozen weight (requires_grad=False)")
-    if _use_triton(x, backend):
+    if use_triton(x, backend):
         return RMSNormFrozenWeight.apply(x, weight, eps)
     return rms_norm_ref(x, weight, eps)[0]
 
@@ -401,7 +359,7 @@ def silu_mul_with_grad(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend
     """Differentiable ``silu(gate) * up`` for two tensors of one shape and dtype. The Triton path
     (``kernels.train_ops``) is one launch forward and one backward and saves only ``gate`` and ``up``."""
     check_silu_mul(gate, up)
-    if _use_triton(gate, backend):
+    if use_triton(gate, backend):
         return SiluMul.apply(gate, up)
     return silu_mul_ref(gate, up)
 
@@ -417,7 +375,7 @@ def rope_with_grad(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     The Triton path (``train_ops.RotaryEmbedding``, one launch each way, power-of-two ``d``) computes in
     fp32 and rounds once, and its backward assumes both halves of ``sin``'s last dim are equal (as rotary
     tables are built); the torch path is Hugging Face's op sequence under autograd."""
-    if _use_triton(q, backend):
+    if use_triton(q, backend):
         return RotaryEmbedding.apply(q, k, cos, sin)
     return qk_norm_rope_ref(q, k, cos, sin, None, None, 0.0)
 
@@ -441,7 +399,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, uniform: torc
     different tokens only where the target lies within rounding of a cumulative sum. Neither waits for the
     host. Top-p is not here (the sampler keeps its sort-based path for those rows).
     """
-    if _use_triton(logits, backend):
+    if use_triton(logits, backend):
         return sample_tokens_triton(logits, temperature, uniform)
     return sample_tokens_ref(logits, temperature, uniform)
 
@@ -459,7 +417,7 @@ def chosen_logprobs_(logits: torch.Tensor, targets: torch.Tensor, *, write_grad:
     The Triton path (``kernels.logprob_ops``) is one launch that reads each row twice and writes it once;
     the torch path is ``reference.chosen_logprobs_ref``. No host synchronisation."""
     check_chosen_logprobs(logits, targets)
-    if _use_triton(logits, backend):
+    if use_triton(logits, backend):
         return chosen_logprobs_triton(logits, targets, write_grad)
     return chosen_logprobs_ref(logits, targets, write_grad)
 
@@ -474,6 +432,6 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, starts: torch.Tensor, sour
 
     The Triton path (``kernels.gather_ops``) sums each row's gradients in fp32 in one launch, without
     atomics; the torch path is ``index_select`` under autograd (``index_add_`` backward)."""
-    if _use_triton(x, backend):
+    if use_triton(x, backend):
         return GatherRows.apply(x, index, starts, sources)
     return x.index_select(0, index)

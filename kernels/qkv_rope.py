@@ -6,7 +6,9 @@ twelfth session, Run 2), and the kernel after it (``qk_norm_rope``) reads the sa
 kernel does both: each program takes ``BLOCK_M`` rows of one slot's segment (``LoRAMeta``) and one head of
 q, k or v, adds the rows' LoRA term to the GEMM's output in registers, rounds it to the model dtype (as the
 unfused expand's ``y += delta`` does), then applies the per-head RMSNorm and rotary embedding to q and k and
-writes q, k and v out. Rows with no adapter (the null segment) get the norm and rotary alone.
+writes q, k and v out: k and v either as new tensors or, for the sampling engine, straight into its slot
+K/V cache at each token's (cache row, position) (:class:`KVCacheWrite`; the two scatter kernels that wrote
+them there are gone). Rows with no adapter (the null segment) get the norm and rotary alone.
 
 The LoRA partial sums ``h`` come from the folded GEMM's extra columns (one split), or at prefill sizes, where
 the fold does not pay, from ``sgmv_shrink``'s split-K partials over the base GEMM; either way they are
@@ -18,6 +20,8 @@ Measured on the H200 (Qwen3-4B's attention, rank 16; BENCHMARKS.md, thirteenth s
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,21 +47,34 @@ from skyrl_clora.kernels.sgmv import (
 from skyrl_clora.kernels.sgmv_kernels import tile_of
 
 
+@dataclass(frozen=True)
+class KVCacheWrite:
+    """Where an attention block's new keys and values go: token ``t``'s to ``k_cache[rows[t], :, positions[t]]``
+    (and ``v_cache``'s). ``k_cache, v_cache: [R, KV, L, d]`` (one layer of a slot K/V cache, unit stride along
+    ``d``); ``rows, positions: [T]`` int64."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    rows: torch.Tensor
+    positions: torch.Tensor
+
+
 @triton.jit
 def _qkv_rope_kernel(
     y_ptr, ws_ptr, bq_ptr, bk_ptr, bv_ptr, scale_ptr, sorted_ptr, count_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-    q_out_ptr, k_out_ptr, v_out_ptr,
+    q_out_ptr, k_out_ptr, v_out_ptr, cache_row_ptr, cache_pos_ptr,
     S, T, R, HQ, HK, eps, stride_yt, stride_b_n, stride_b_r, ss_q, ss_k, ss_v,
-    stride_ws_split, stride_ws_slice, stride_ws_row, stride_ws_slot,
+    stride_ws_split, stride_ws_slice, stride_ws_row, stride_ws_slot, stride_c_row, stride_c_head, stride_c_pos,
     S_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, SPLIT_K: tl.constexpr,
     A_PER_SLICE: tl.constexpr, HAS_NORM: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    TO_CACHE: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (segment tile ``pid_m``, head ``pid_n`` of ``HQ + 2 * HK``: q's, then k's, then v's); see the
     module docstring. The tiles walk the slots' segments and then the null segment (``tile_of`` over the ``S``
     slots only, whose scan costs every program ``S_P2**2`` steps: past them come the rows from ``sum(counts)``
     to ``T``). With PDL every load but ``y``, ``ws`` (written by the kernels just before) and the q/k norm
-    weights happens before ``gdc_wait``."""
+    weights happens before ``gdc_wait``. With ``TO_CACHE``, ``k_out_ptr`` / ``v_out_ptr`` are the K/V cache
+    layer's and each row's k and v go to its (``cache_row_ptr``, ``cache_pos_ptr``) entry there."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     slot, seg_start, seg_len, m0 = tile_of(pid_m, count_ptr, S, T, S_P2, BLOCK_M, False)
@@ -89,6 +106,13 @@ def _qkv_rope_kernel(
     if A_PER_SLICE:
         ws_ptrs += sl * stride_ws_slice
     y_ptrs = y_ptr + rows[:, None] * stride_yt + head * D + half[None, :]
+    dst = out_ptr + rows[:, None] * (heads * D) + head_in * D + half[None, :]
+    if TO_CACHE:
+        if sl > 0:  # k or v: to the row's cache entry
+            cache_row = tl.load(cache_row_ptr + rows, mask=m_mask, other=0)
+            cache_pos = tl.load(cache_pos_ptr + rows, mask=m_mask, other=0)
+            entry = cache_row * stride_c_row + cache_pos * stride_c_pos
+            dst = out_ptr + entry[:, None] + head_in * stride_c_head + half[None, :]
     if PDL:
         gdc_wait()  # the GEMM's output and the partial sums are complete and visible from here on
     x1 = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -104,7 +128,6 @@ def _qkv_rope_kernel(
     x2 = (x2.to(tl.float32) + tl.dot(h, b2, input_precision=DOT_PRECISION)).to(x2.dtype).to(tl.float32)
     if sl < 2:
         x1, x2 = norm_rope(x1, x2, w_ptr, cos1, cos2, sin1, sin2, eps, D, HAS_NORM)
-    dst = out_ptr + rows[:, None] * (heads * D) + head_in * D + half[None, :]
     tl.store(dst, x1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + D // 2, x2.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -122,10 +145,12 @@ def folded_qkv_rope_triton(
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
+    cache: KVCacheWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton path of ``dispatch.folded_qkv_rope``: one GEMM (over the folded weight where
-    ``fold_pays``, else over the base weight followed by ``sgmv_shrink``) and one ``_qkv_rope_kernel``.
-    Returns new contiguous ``q: [T, Hq, d]``, ``k, v: [T, Hk, d]``; ``meta`` must be built from
+    """The Triton path of ``qkv_dispatch.folded_qkv_rope`` (and, with ``cache``, of ``folded_qkv_rope_into_cache``):
+    one GEMM (over the folded weight where ``fold_pays``, else over the base weight followed by
+    ``sgmv_shrink``) and one ``_qkv_rope_kernel``. Returns new contiguous ``q: [T, Hq, d]`` and ``k, v: [T, Hk,
+    d]``, or with ``cache`` the cache tensors k and v were written into; ``meta`` must be built from
     ``token_slots``; nothing waits for the host."""
     T, K = x.shape
     check_meta(meta, x, folded.num_slots)
@@ -145,8 +170,14 @@ def folded_qkv_rope_triton(
         raise ValueError("folded_qkv_rope needs both q_weight and k_weight, or neither")
     heads_q, heads_kv = widths[0] // head_dim, widths[1] // head_dim
     q = x.new_empty(T, heads_q, head_dim)
-    k = x.new_empty(T, heads_kv, head_dim)
-    v = x.new_empty(T, heads_kv, head_dim)
+    if cache is None:
+        k, v = x.new_empty(T, heads_kv, head_dim), x.new_empty(T, heads_kv, head_dim)
+        cache_rows = cache_positions = q  # not read
+        cache_strides = (0, 0, 0)
+    else:
+        check_cache_write(cache, T, heads_kv, head_dim, x)
+        k, v, cache_rows, cache_positions = cache.k_cache, cache.v_cache, cache.rows, cache.positions
+        cache_strides = (k.stride(0), k.stride(1), k.stride(2))
     if T == 0:
         return q, k, v
     S, R = folded.num_slots, folded.rank
@@ -167,10 +198,25 @@ def folded_qkv_rope_triton(
     grid = (cdiv(T, config.block_m) + min(S, T) + 1, heads_q + 2 * heads_kv)
     _qkv_rope_kernel[grid](
         y, ws, lora_b[0], lora_b[1], lora_b[2], scales, meta.sorted_rows, meta.seg_count, cos, sin,
-        q_weight if has_norm else y, k_weight if has_norm else y, q, k, v,
+        q_weight if has_norm else y, k_weight if has_norm else y, q, k, v, cache_rows, cache_positions,
         S, T, R, heads_q, heads_kv, eps, y.stride(0), lora_b[0].stride(1), lora_b[0].stride(2),
-        lora_b[0].stride(0), lora_b[1].stride(0), lora_b[2].stride(0), *ws_strides,
+        lora_b[0].stride(0), lora_b[1].stride(0), lora_b[2].stride(0), *ws_strides, *cache_strides,
         S_P2=next_power_of_2(S), BLOCK_M=config.block_m, BLOCK_R=rank_pad(R), D=head_dim, SPLIT_K=split_k,
-        A_PER_SLICE=folded.slices > 1, HAS_NORM=has_norm, **dot_flags(x), **pdl_flags(x, config.pdl), num_warps=4,
+        A_PER_SLICE=folded.slices > 1, HAS_NORM=has_norm, **dot_flags(x), TO_CACHE=cache is not None,
+        **pdl_flags(x, config.pdl), num_warps=4,
     )  # fmt: skip
     return q, k, v
+
+
+def check_cache_write(cache: KVCacheWrite, tokens: int, heads_kv: int, head_dim: int, x: torch.Tensor) -> None:
+    """``cache`` fits ``tokens`` tokens' k and v of ``heads_kv`` heads of ``head_dim`` in ``x``'s dtype and device."""
+    k, v = cache.k_cache, cache.v_cache
+    if k.shape != v.shape or k.stride() != v.stride() or k.dim() != 4 or k.shape[1:2] + k.shape[3:] != (heads_kv, head_dim):
+        raise ValueError(f"the K/V cache must be two alike [rows, {heads_kv}, positions, {head_dim}] tensors, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.stride(3) != 1 or k.dtype != x.dtype or k.device != x.device:
+        raise ValueError(f"the K/V cache must be {x.dtype} on {x.device} with unit stride along the head dim")
+    if cache.rows.shape != (tokens,) or cache.positions.shape != (tokens,) or cache.rows.dtype != torch.long \
+            or cache.positions.dtype != torch.long:
+        raise ValueError(f"the K/V cache's rows and positions must be int64 [{tokens}], got {tuple(cache.rows.shape)} "
+                         f"{cache.rows.dtype} and {tuple(cache.positions.shape)} {cache.positions.dtype}")

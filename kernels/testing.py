@@ -210,6 +210,31 @@ def qkv_rope_ref_fp32(p: QKVRopeProblem) -> tuple[torch.Tensor, torch.Tensor, to
     return q, k, v
 
 
+def check_kv_cache_write(p: QKVRopeProblem, cache_rows: int, cache_len: int, backend: str | None = None) -> None:
+    """``folded_qkv_rope_into_cache`` on ``p`` into a random ``[cache_rows, KV, cache_len, d]`` cache, each token at a
+    distinct random (row, position): its q is ``folded_qkv_rope``'s, each token's cache entry holds that call's k
+    and v bit for bit, and every other entry is as it was."""
+    from skyrl_clora.kernels import KVCacheWrite, folded_qkv_rope, folded_qkv_rope_into_cache
+
+    lora = p.lora
+    args = (lora.x, p.folded, lora.lora_b, lora.scales, lora.token_slots, p.head_dim, p.cos, p.sin, p.q_weight,
+            p.k_weight, p.eps)
+    q, k, v = folded_qkv_rope(*args, backend=backend)
+    gen = torch.Generator().manual_seed(cache_rows)
+    shape = (cache_rows, k.shape[1], cache_len, p.head_dim)
+    before_k, before_v = (torch.randn(shape, generator=gen).to(k.device, k.dtype) for _ in range(2))
+    entries = torch.randperm(cache_rows * cache_len, generator=gen)[: q.shape[0]].to(k.device)
+    rows, positions = entries // cache_len, entries % cache_len
+    cache = KVCacheWrite(before_k.clone(), before_v.clone(), rows, positions)
+    got_q = folded_qkv_rope_into_cache(*args, cache, backend=backend)
+    want_k, want_v = before_k.clone(), before_v.clone()
+    want_k[rows, :, positions] = k
+    want_v[rows, :, positions] = v
+    assert not torch.equal(want_k, before_k) and not torch.equal(want_k[rows], want_v[rows]), "vacuous cache check"
+    assert torch.equal(got_q, q)
+    assert torch.equal(cache.k_cache, want_k) and torch.equal(cache.v_cache, want_v)
+
+
 @dataclass
 class AttentionProblem:
     """Inputs of one ``decode_attention`` call (see ``reference.decode_attention_ref`` for the shapes)."""

@@ -135,11 +135,14 @@ def main() -> None:
     lines = [
         f"device: {results['device']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
         f"H={H} KV={KV} d={D} L={L} bf16",
-        "",
-        "| B | mean ctx | split_len | ours us | SDPA (mask over L) us | SDPA/ours | roofline us | ours/roofline "
-        "| rel err vs fp32 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    if not args.shared_only:
+        lines += [
+            "",
+            "| B | mean ctx | split_len | ours us | SDPA (mask over L) us | SDPA/ours | roofline us | ours/roofline "
+            "| rel err vs fp32 |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
     for rows in () if args.shared_only else (64, 256, 512):
         for mean in (256, 1024):
             case = Case(rows, mean)

@@ -37,8 +37,8 @@ from make_random_model import QWEN3_VOCAB, write_random_model
 from skyrl_clora.config import build_run_config
 from skyrl_clora.main import compose_config
 from skyrl_clora.lora.peft_export import init_adapter
-from skyrl_clora.sampler.engine import SamplingParams, derive_seed
 from skyrl_clora.sampler.engine_stats import EngineStats
+from skyrl_clora.sampler.requests import SamplingParams, derive_seed
 from skyrl_clora.services import Services, build_services
 from skyrl_clora.trainer.adapter_store import LRSchedule
 from skyrl_clora.trainer.scheduler import TrainScheduler
@@ -57,6 +57,9 @@ class Workload:
     # Prompt-prefix K/V kept by the engine: a 1.7B model's 128-token block is ~15 MB, and every episode's
     # history is reused by its next turn (the CPU default of 1 GiB would evict them at N=1 already).
     prefix_cache_mb: int = 32768
+    # A tenant step (8 prompts once + 64 responses of 364 tokens, ~25k positions with shared prompts) in one
+    # micro-batch: half the trainer's launches of 32-row micro-batches (eighteenth session, Run 2).
+    max_tokens_per_microbatch: int = 32768
     overrides: tuple[str, ...] = ()  # further config overrides (--override), e.g. trainer.shared_prompts=true
 
     @property
@@ -84,6 +87,8 @@ class ModeResult:
     steps: list[StepRecord] = field(default_factory=list)
     engine: EngineStats = field(default_factory=EngineStats)  # the engine's counters over the run
     peak_memory_gib: float = 0.0
+    peak_reserved_gib: float = 0.0  # the caching allocator's peak reservation
+    alloc_retries: int = 0  # allocations that had to free cached blocks and retry (each synchronises the device)
     train_passes_s: float = 0.0  # the trainer's passes (TrainScheduler.pass_seconds)
 
 
@@ -94,7 +99,8 @@ def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: in
         f"recipe.max_input_length={workload.max_input}", f"recipe.max_generate_length={workload.response}",
         f"recipe.samples_per_prompt={workload.samples}", f"recipe.prompts_per_step={workload.prompts}",
         "sampler.prefill_block=128", "sampler.max_prefills_per_step=64", f"sampler.prefix_cache_mb={workload.prefix_cache_mb}",
-        "lora.rank=16", "lora.max_rank=16", *workload.overrides,
+        f"trainer.max_tokens_per_microbatch={workload.max_tokens_per_microbatch}", "lora.rank=16", "lora.max_rank=16",
+        *workload.overrides,
     ]
     return build_run_config(compose_config(overrides))
 
@@ -153,6 +159,7 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     cuda = device == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     started = time.perf_counter()
     run = run_config(model_dir, workload, train_mode, len(names), device)
     rows_per_tenant = workload.prompts * workload.samples
@@ -173,7 +180,10 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
         services.shutdown()
     result.wall_s = time.perf_counter() - started
     result.engine = replace(services.engine.stats)
-    result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    if cuda:
+        result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30
+        result.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
+        result.alloc_retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before
     return result
 
 
@@ -186,20 +196,25 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
     row = summarize(result)
     stats, steps = result.engine, max(result.engine.decode_steps, 1)
     per_step = {name: 1e3 * getattr(stats, name) / steps for name in (
-        "decode_seconds", "decode_sampling_seconds", "decode_input_seconds", "decode_launch_seconds")}
+        "decode_seconds", "decode_wait_seconds", "decode_input_seconds", "decode_launch_seconds", "decode_gpu_seconds")}
     print(f"{result.mode} x{len(names)}: wall {result.wall_s:.1f} s, cold start {result.cold_start_s[0]:.1f} s, per step "
           f"{row['step_s']:.2f} s (rollout {row['rollout_s']:.2f}, train {row['train_s']:.2f}, sync {row['sync_s']:.2f}), "
           f"engine decode {stats.decode_seconds:.1f} s ({stats.decode_steps} steps of {per_step['decode_seconds']:.1f} ms: "
-          f"{per_step['decode_sampling_seconds']:.1f} ms in sampling, waiting for the GPU, "
+          f"{per_step['decode_wait_seconds']:.1f} ms waiting for the GPU's tokens, "
+          f"{per_step['decode_gpu_seconds']:.1f} ms of GPU time in the forward pass, "
           f"{per_step['decode_input_seconds']:.2f} ms staging inputs, {per_step['decode_launch_seconds']:.2f} ms launching; "
           f"{stats.generated_tokens / steps:.0f} tokens sampled per step; retiring requests {stats.retire_seconds:.2f} s) / "
           f"prefill {stats.prefill_seconds:.1f} s ({stats.prefill_rounds} rounds of "
           f"{1e3 * stats.prefill_seconds / max(stats.prefill_rounds, 1):.0f} ms, "
+          f"{1e3 * stats.prefill_copy_gpu_seconds / max(stats.prefill_rounds, 1):.1f} ms of GPU time copying cached K/V "
+          f"into rows and {1e3 * stats.prefill_gpu_seconds / max(stats.prefill_rounds, 1):.1f} ms in the forward pass, "
           f"{stats.prefill_tokens} prompt tokens computed, {stats.cached_prompt_tokens} from the prefix cache; "
           f"{stats.shared_prefix_positions / steps:.0f} key positions per decode step read from "
           f"a shared copy); engine thread busy {stats.busy_seconds:.1f} s, paused {stats.paused_seconds:.1f} s, idle "
           f"{stats.idle_seconds:.1f} s ({stats.idle_waits} waits of 1 ms or more, the longest "
-          f"{stats.longest_idle_seconds:.2f} s); training passes {result.train_passes_s:.1f} s", flush=True)
+          f"{stats.longest_idle_seconds:.2f} s); training passes {result.train_passes_s:.1f} s; allocator: peak "
+          f"{result.peak_memory_gib:.1f} GiB allocated, {result.peak_reserved_gib:.1f} GiB reserved, "
+          f"{result.alloc_retries} retries", flush=True)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -26,7 +26,8 @@ from make_random_model import QWEN3_VOCAB, SHAPES, build_random_model, qwen3_con
 from transformers import Qwen3ForCausalLM
 
 from skyrl_clora.lora.layers import AdapterWeights, attach_multi_lora
-from skyrl_clora.sampler.engine import Engine, SamplingParams
+from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.requests import SamplingParams
 
 def build_model(shape: str) -> Qwen3ForCausalLM:
     return build_random_model(qwen3_config(shape), "cuda").eval()

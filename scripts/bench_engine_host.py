@@ -4,7 +4,7 @@ On the GPU a decode step is a graph replay plus the sampler's kernel, both queue
 is the engine thread's own Python (choosing the rows, staging the inputs, RNG draws, accepting tokens,
 stop and length checks), paid after every step's synchronisation and, in concurrent runs, while holding the
 GIL the trainer's thread also needs. This times that part alone: an Engine over a one-layer model whose
-``runner.decode`` returns fixed logits and whose ``sample_rows`` returns fixed tokens, every row running
+``runner.decode`` returns fixed logits and whose ``draw_rows`` returns fixed tokens, every row running
 (GRPO groups of 8 rows sharing a prefix, as the engine's shared-prefix reads see them), median of
 ``--repeats`` batches of ``--steps`` steps.
 
@@ -23,14 +23,17 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import skyrl_clora.sampler.engine as engine_module
 from skyrl_clora.lora.layers import attach_multi_lora
-from skyrl_clora.sampler.engine import Engine, SamplingParams, _Request
+from skyrl_clora.sampler.engine import Engine, _Request
+from skyrl_clora.sampler.requests import SamplingParams
+from skyrl_clora.sampler.sampling import DrawnTokens
 
 PROMPT = 300
 VOCAB = 512
 
 
 def step_ms(rows: int, steps: int, repeats: int) -> float:
-    """Median milliseconds of one ``Engine._decode_step`` with ``rows`` running rows."""
+    """Median milliseconds of one ``Engine._decode`` (launching a step, accepting the one before) with ``rows``
+    running rows."""
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     model = Qwen3ForCausalLM(config)
@@ -41,10 +44,10 @@ def step_ms(rows: int, steps: int, repeats: int) -> float:
     engine.shutdown()  # the benchmark drives the engine's step from this thread
     logits = torch.randn(rows, VOCAB)
     engine.runner.decode = lambda span: logits[:span]
-    tokens, logprobs = [7] * rows, [-1.5] * rows
-    original = engine_module.sample_rows
-    engine_module.sample_rows = lambda logits, temperature, top_p, uniform: (tokens[: len(temperature)],
-                                                                             logprobs[: len(temperature)])
+    tokens, logprobs = torch.full((rows,), 7), torch.full((rows,), -1.5)
+    original = engine_module.draw_rows
+    engine_module.draw_rows = lambda logits, temperature, top_p, uniform: DrawnTokens(tokens[: len(temperature)],
+                                                                                       logprobs[: len(temperature)])
     try:
         for row in range(rows):
             params = SamplingParams(max_tokens=10**6, seed=row, stop_token_ids=(0,))
@@ -52,16 +55,16 @@ def step_ms(rows: int, steps: int, repeats: int) -> float:
             engine._rows[row] = request
             engine._shared_rows.assign(row, ((row // 8,), PROMPT - PROMPT % 16))
             engine._running.start(row, PROMPT, -1, params.seed, 1.0, 1.0, params.max_tokens, params.stop_token_ids)
-        engine._decode_step()
+        engine._decode()
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
             for _ in range(steps):
-                engine._decode_step()
+                engine._decode()
             times.append(1e3 * (time.perf_counter() - started) / steps)
         return statistics.median(times)
     finally:
-        engine_module.sample_rows = original
+        engine_module.draw_rows = original
 
 
 def main() -> None:

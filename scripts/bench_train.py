@@ -157,6 +157,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--micro-batch-size", type=int, default=32)
+    parser.add_argument("--max-tokens-per-microbatch", type=int, default=-1,
+                        help="> 0: micro-batches of rows computing at most this many tokens (--micro-batch-size ignored)")
     parser.add_argument("--hf-baseline", action="store_true",
                         help="first measure swap on Hugging Face's own RMSNorm / SwiGLU modules")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
@@ -178,7 +180,8 @@ def main() -> None:
         store.register(name, weights, LRSchedule(base_lr=1e-5 * (index + 1)), seed=index)
     # With the hf baseline, Hugging Face's own RMSNorm / SwiGLU modules for it (run first), then fused.
     trainer = Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(),
-                      micro_batch_size=args.micro_batch_size, fused_elementwise=not args.hf_baseline)
+                      micro_batch_size=args.micro_batch_size, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+                      fused_elementwise=not args.hf_baseline)
     print(f"model built in {time.perf_counter() - started:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
           f"parameters, {len(layers)} LoRA layers, rank {RANK}, {torch.cuda.get_device_name()}", flush=True)
 
@@ -237,7 +240,8 @@ def main() -> None:
             print(f"{workload}: swap with the fused element-wise ops runs {row['speedup_vs_swap'] ** -1:.2f}x the "
                   "throughput of swap on Hugging Face's modules")
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tenants": TENANTS, "rank": RANK,
-              "micro_batch_size": args.micro_batch_size, "repeats": args.repeats, "warmup": args.warmup, "rows": results}
+              "micro_batch_size": args.micro_batch_size, "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
+              "repeats": args.repeats, "warmup": args.warmup, "rows": results}
     (args.out / "bench_train.json").write_text(json.dumps(report, indent=2) + "\n")
 
 

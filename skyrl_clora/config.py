@@ -10,15 +10,24 @@ import os
 import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 
 from skyrl_clora.tenants import TenantSpec, expand_tenants
+from skyrl_clora.value_types import typed_value
 
 
 class ConfigError(ValueError):
     """Bad user input; the message is one line that says what to change."""
+
+
+def checked(value: Any, hint: Any, key: str) -> Any:
+    """``value_types.typed_value``, its error raised as a :class:`ConfigError`."""
+    try:
+        return typed_value(value, hint, key)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -75,8 +84,12 @@ class TrainerConfig:
     shared_prompts: bool = True
     sm_carveout: int = 0
     overlap_sampling: bool | None = None
+    max_tokens_per_microbatch: int = -1
 
     def __post_init__(self) -> None:
+        if self.max_tokens_per_microbatch == 0 or self.max_tokens_per_microbatch < -1:
+            raise ConfigError(f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} must be -1 (micro-batches "
+                              "of trainer.micro_batch_size rows) or a positive token count")
         if not 0 <= self.sm_carveout < 128:
             raise ConfigError(f"trainer.sm_carveout={self.sm_carveout} must be in [0, 128) (SMs left free; 0: none)")
         if self.pack_size < 0:
@@ -85,11 +98,6 @@ class TrainerConfig:
             raise ConfigError(f"trainer.lr_schedule={self.lr_schedule} is unknown; use constant or cosine")
         if self.micro_batch_size < 1:
             raise ConfigError(f"trainer.micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.shared_prompts not in (True, False):
-            raise ConfigError(f"trainer.shared_prompts={self.shared_prompts} must be true or false")
-        if self.overlap_sampling not in (None, True, False):
-            raise ConfigError(f"trainer.overlap_sampling={self.overlap_sampling} must be true, false or null "
-                              "(null: true on the CPU, false on a GPU)")
 
 
 @dataclass(frozen=True)
@@ -114,8 +122,12 @@ class SamplerConfig:
             raise ConfigError("sampler.temperature must be >= 0 and sampler.top_p in (0, 1]")
         if self.prefill_block < 16 or self.prefill_block % 16:
             raise ConfigError(f"sampler.prefill_block={self.prefill_block} must be a positive multiple of 16")
-        if self.reuse_decode_kv not in (None, True, False):
-            raise ConfigError(f"sampler.reuse_decode_kv={self.reuse_decode_kv} must be true, false or null (on a GPU only)")
+        if self.max_rows < 0:
+            raise ConfigError(f"sampler.max_rows={self.max_rows} must be >= 0 (0: rows for every tenant's whole step batch)")
+        if self.max_prefills_per_step < 1:
+            raise ConfigError(f"sampler.max_prefills_per_step={self.max_prefills_per_step} must be >= 1")
+        if self.prefix_cache_mb < 0:
+            raise ConfigError(f"sampler.prefix_cache_mb={self.prefix_cache_mb} must be >= 0 (0 turns the prefix cache off)")
 
 
 @dataclass(frozen=True)
@@ -177,27 +189,30 @@ def _check_writable(path: Path) -> None:
 
 
 def config_section(cls: type, node: DictConfig, prefix: str) -> Any:
-    """Builds dataclass ``cls`` from ``node``; unknown keys are an error naming the valid ones."""
+    """Builds dataclass ``cls`` from ``node``, each value checked against its field's type (``checked``);
+    unknown keys are an error naming the valid ones, and so are missing ones."""
     values = OmegaConf.to_container(node, resolve=True)
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - names)
     if unknown:
         raise ConfigError(f"unknown key {prefix}.{unknown[0]}; valid keys: {', '.join(sorted(names))}")
+    hints = get_type_hints(cls)
+    typed = {name: checked(value, hints[name], f"{prefix}.{name}") for name, value in values.items()}
     try:
-        return cls(**values)
+        return cls(**typed)
     except TypeError as error:
         raise ConfigError(f"{prefix}: {error}") from None
 
 
-def tenant_specs(cfg: DictConfig, lora: LoraConfig, trainer: TrainerConfig) -> list[TenantSpec]:
+def tenant_specs(cfg: DictConfig, lora: LoraConfig, trainer: TrainerConfig, recipe: RecipeConfig) -> list[TenantSpec]:
     """The run's tenants from ``tenants`` (absent: 1), with the config's seed, lr, LoRA and recipe defaults."""
     value = cfg.get("tenants", 1)
     if OmegaConf.is_config(value):
         value = OmegaConf.to_container(value, resolve=True)
     try:
         return expand_tenants(
-            value, seed=int(cfg.clora.seed), lr=trainer.lr, rank=lora.rank, alpha=lora.alpha,
-            task_variant=str(cfg.recipe.task_variant), samples_per_prompt=int(cfg.recipe.samples_per_prompt),
+            value, seed=checked(cfg.clora.seed, int, "clora.seed"), lr=trainer.lr, rank=lora.rank,
+            alpha=lora.alpha, task_variant=recipe.task_variant, samples_per_prompt=recipe.samples_per_prompt,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -208,12 +223,14 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
     clora = cfg.clora
     lora = config_section(LoraConfig, cfg.lora, "lora")
     trainer = config_section(TrainerConfig, cfg.trainer, "trainer")
-    tenants = tenant_specs(cfg, lora, trainer)
+    recipe = config_section(RecipeConfig, cfg.recipe, "recipe")
+    tenants = tenant_specs(cfg, lora, trainer, recipe)
     output_dir = Path(os.path.expanduser(str(clora.output_dir)))
     return RunConfig(
-        mode=str(clora.mode), train_mode=str(clora.train_mode), steps=int(clora.steps), seed=int(clora.seed),
-        output_dir=output_dir, progress=bool(clora.progress), device=str(clora.device),
+        mode=str(clora.mode), train_mode=str(clora.train_mode), steps=checked(clora.steps, int, "clora.steps"),
+        seed=checked(clora.seed, int, "clora.seed"), output_dir=output_dir,
+        progress=checked(clora.progress, bool, "clora.progress"), device=str(clora.device),
         backend=str(cfg.backend.name), model_path=None if cfg.model.path is None else os.path.expanduser(str(cfg.model.path)),
-        model_dtype=str(cfg.model.dtype), recipe=config_section(RecipeConfig, cfg.recipe, "recipe"), lora=lora,
-        trainer=trainer, sampler=config_section(SamplerConfig, cfg.sampler, "sampler"), tenants=tuple(tenants),
+        model_dtype=str(cfg.model.dtype), recipe=recipe, lora=lora, trainer=trainer,
+        sampler=config_section(SamplerConfig, cfg.sampler, "sampler"), tenants=tuple(tenants),
     )

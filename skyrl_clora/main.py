@@ -10,7 +10,7 @@ import logging
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
@@ -40,6 +40,8 @@ Settable keys and their defaults:
 {keys}
 
 Outputs in clora.output_dir: metrics.jsonl, summary.json, reward_curves.png, adapters/<tenant>/ (PEFT).
+Exit status: 0 when every tenant finished; 1 when one failed (the others run on, and its error is in
+summary.json); 2 on bad input.
 Examples:
   python -m skyrl_clora.main +tenants=8
   python -m skyrl_clora.main +tenants=8 clora.mode=serial clora.output_dir=outputs/serial
@@ -120,29 +122,44 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_clora.orchestrator import run_experiments
 
     try:
-        run_experiments(run)
+        summary = run_experiments(run)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    return 0
+    return _exit_status(summary, run.output_dir)
+
+
+def _exit_status(summary: dict[str, Any], output_dir: Path) -> int:
+    """0 if every tenant of the finished run ``summary`` finished; else 1, after a line on stderr naming the
+    failed tenants."""
+    rows = summary["per_tenant"]
+    failed = [row["tenant"] for row in rows if row["status"] != "ok"]
+    if not failed:
+        return 0
+    print(f"error: {len(failed)} of {len(rows)} tenants failed ({', '.join(failed)}); their errors are in "
+          f"{output_dir / 'summary.json'}", file=sys.stderr)
+    return 1
 
 
 def _run_skyrl(run: "RunConfig", plan: "SkyRLPlan") -> int:
-    """backend=skyrl: builds the base model if needed (the path the plan names), runs SkyRL's stack."""
+    """backend=skyrl: builds the tenants' task data, then the base model if needed (the path the plan names),
+    and runs SkyRL's stack."""
     import time
 
     from skyrl_clora.config import ConfigError
+    from skyrl_clora.recipes.tasks import build_task_sources
     from skyrl_clora.services import resolve_model_path
     from skyrl_clora.skyrl.driver import run_skyrl
 
-    started = time.perf_counter()
-    model_path = resolve_model_path(run)
     try:
-        run_skyrl(run, plan, model_path, base_model_s=time.perf_counter() - started)
+        sources = build_task_sources(run.recipe, list(plan.tenants), run.steps, run.seed)  # before the model
+        started = time.perf_counter()
+        model_path = resolve_model_path(run)
+        summary = run_skyrl(run, plan, sources, model_path, base_model_s=time.perf_counter() - started)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    return 0
+    return _exit_status(summary, run.output_dir)
 
 
 if __name__ == "__main__":

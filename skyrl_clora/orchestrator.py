@@ -25,7 +25,7 @@ from skyrl_clora.config import RunConfig
 from skyrl_clora.episodes import episode_batch, eval_record, log_orphaned_task_error, scalar_reward, step_record
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
 from skyrl_clora.metrics import MetricsLog, write_run_summary
-from skyrl_clora.recipes.tasks import TaskSource, build_task_source
+from skyrl_clora.recipes.tasks import TaskSource, build_task_sources
 from skyrl_clora.services import Services, build_services, resolve_model_path
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
@@ -38,10 +38,11 @@ logger = logging.getLogger("skyrl_clora")
 class TenantLoop:
     """One tenant's experiment: evaluation, ``steps`` RL steps, final evaluation, PEFT export."""
 
-    def __init__(self, run: RunConfig, spec: TenantSpec, services: Services, metrics: MetricsLog,
+    def __init__(self, run: RunConfig, spec: TenantSpec, source: TaskSource, services: Services, metrics: MetricsLog,
                  train_scheduler: TrainScheduler) -> None:
         self.run = run
         self.spec = spec
+        self.source = source
         self.services = services
         self.metrics = metrics
         self.train_scheduler = train_scheduler
@@ -92,11 +93,10 @@ class TenantLoop:
     async def run_experiment(self) -> None:
         name = self.spec.name
         try:
-            source = build_task_source(self.run.recipe, self.spec, self.run.steps, self.run.seed)
-            await self._evaluate(source, step=0)
+            await self._evaluate(step=0)
             for step in range(1, self.run.steps + 1):
-                await self._rl_step(source, step)
-            await self._evaluate(source, step=self.run.steps)
+                await self._rl_step(step)
+            await self._evaluate(step=self.run.steps)
             save_peft_adapter(self.services.store.tenants[name].weights, self.run.output_dir / "adapters" / name,
                               self.services.model_path)
         except Exception as error:  # noqa: BLE001 - a failing tenant must not take the others down
@@ -114,17 +114,17 @@ class TenantLoop:
             self.services.sync.check_sampled_with(self.spec.name, versions)
         return output, groups
 
-    async def _evaluate(self, source: TaskSource, step: int) -> None:
-        rows = source.evaluation_rows()
+    async def _evaluate(self, step: int) -> None:
+        rows = self.source.evaluation_rows()
         if rows:
             output, _ = await self._generate(rows, samples=1, tag=f"eval{step}")
             self.metrics.write(eval_record(self.spec.name, step, output))
 
-    async def _rl_step(self, source: TaskSource, step: int) -> None:
+    async def _rl_step(self, step: int) -> None:
         name = self.spec.name
         started = time.perf_counter()
         output, groups = await self._generate(
-            source.step_rows(step - 1, self.run.recipe.prompts_per_step), self.spec.samples_per_prompt, f"s{step}"
+            self.source.step_rows(step - 1, self.run.recipe.prompts_per_step), self.spec.samples_per_prompt, f"s{step}"
         )
         rollout_s = time.perf_counter() - started
         batch = TrainBatch(
@@ -140,10 +140,11 @@ class TenantLoop:
         self.metrics.write(step_record(name, step, version, output, timings, train_metrics))
 
 
-async def _run_group(run: RunConfig, specs: list[TenantSpec], services: Services, metrics: MetricsLog) -> None:
+async def _run_group(run: RunConfig, specs: list[TenantSpec], sources: dict[str, TaskSource], services: Services,
+                     metrics: MetricsLog) -> None:
     asyncio.get_running_loop().set_exception_handler(log_orphaned_task_error)
     scheduler = services.train_scheduler(run)
-    loops = [TenantLoop(run, spec, services, metrics, scheduler) for spec in specs]
+    loops = [TenantLoop(run, spec, sources[spec.name], services, metrics, scheduler) for spec in specs]
     for loop in loops:
         loop.register()
     await asyncio.gather(*(loop.run_experiment() for loop in loops))
@@ -153,6 +154,7 @@ def run_experiments(run: RunConfig) -> dict[str, Any]:
     """Runs every tenant in ``run.mode``; writes metrics.jsonl, summary.json, reward_curves.png, adapters/."""
     run.output_dir.mkdir(parents=True, exist_ok=True)
     specs = list(run.tenants)
+    sources = build_task_sources(run.recipe, specs, run.steps, run.seed)
     base_started = time.perf_counter()
     model_path = resolve_model_path(run)
     base_model_s = time.perf_counter() - base_started
@@ -166,7 +168,7 @@ def run_experiments(run: RunConfig) -> dict[str, Any]:
             services = build_services(run, model_path, len(specs), rows_per_tenant)
             cold_starts.append(services.cold_start_seconds)
             try:
-                asyncio.run(_run_group(run, specs, services, metrics))
+                asyncio.run(_run_group(run, specs, sources, services, metrics))
             finally:
                 services.shutdown()
                 engine_stats.append(asdict(services.engine.stats))
@@ -175,7 +177,7 @@ def run_experiments(run: RunConfig) -> dict[str, Any]:
                 services = build_services(run, model_path, 1, rows_per_tenant)
                 cold_starts.append(services.cold_start_seconds)
                 try:
-                    asyncio.run(_run_group(run, [spec], services, metrics))
+                    asyncio.run(_run_group(run, [spec], sources, services, metrics))
                 finally:
                     services.shutdown()
                     engine_stats.append(asdict(services.engine.stats))

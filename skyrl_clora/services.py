@@ -118,6 +118,7 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         trainer_model, trainer_routing, trainer_layers, store, algorithm,
         OptimizerConfig(weight_decay=run.trainer.weight_decay, max_grad_norm=run.trainer.max_grad_norm),
         micro_batch_size=run.trainer.micro_batch_size,
+        max_tokens_per_microbatch=run.trainer.max_tokens_per_microbatch,
         shared_prefix=run.trainer.shared_prompts,
     )
     if device.type == "cuda":

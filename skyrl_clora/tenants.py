@@ -6,10 +6,14 @@ gives one tenant per entry, each entry overriding the defaults for that tenant.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_type_hints
+
+from skyrl_clora.value_types import typed_value
 
 OVERRIDABLE = ("name", "seed", "lr", "rank", "alpha", "task_variant", "samples_per_prompt", "env_class")
+_NAME = re.compile(r"[A-Za-z0-9._-]+")  # a tenant name: one folder name, no path
 
 
 @dataclass(frozen=True)
@@ -38,27 +42,25 @@ def expand_tenants(
     if not overrides:
         raise ValueError(f"tenants={value!r}: need at least 1 tenant; use +tenants=N with N >= 1")
     specs = []
+    hints = get_type_hints(TenantSpec)
     for index, override in enumerate(overrides):
         if not isinstance(override, dict):
             raise ValueError(f"tenant {index} override {override!r} is not a mapping; write e.g. {{lr:1e-3,rank:8}}")
         unknown = sorted(set(override) - set(OVERRIDABLE))
         if unknown:
             raise ValueError(f"tenant {index}: unknown override {unknown[0]!r}; allowed: {', '.join(OVERRIDABLE)}")
-        try:
-            spec = TenantSpec(
-                name=str(override.get("name", f"tenant-{index}")),
-                seed=int(override.get("seed", seed + index)),
-                lr=float(override.get("lr", lr)),
-                rank=int(override.get("rank", rank)),
-                alpha=float(override.get("alpha", alpha)),
-                task_variant=str(override.get("task_variant", task_variant)),
-                samples_per_prompt=int(override.get("samples_per_prompt", samples_per_prompt)),
-                env_class=None if override.get("env_class") is None else str(override["env_class"]),
-            )
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"tenant {index}: bad override value ({error})") from None
-        if spec.rank < 1 or spec.lr <= 0 or spec.samples_per_prompt < 1:
-            raise ValueError(f"tenant {spec.name}: rank, lr and samples_per_prompt must be positive")
+        defaults = {"name": f"tenant-{index}", "seed": seed + index, "lr": lr, "rank": rank, "alpha": alpha,
+                    "task_variant": task_variant, "samples_per_prompt": samples_per_prompt, "env_class": None}
+        spec = TenantSpec(**{field: typed_value(override.get(field, default), hints[field], f"tenant {index}: {field}")
+                             for field, default in defaults.items()})
+        if not _NAME.fullmatch(spec.name) or spec.name in (".", ".."):
+            raise ValueError(f"tenant {index}: name={spec.name!r} must be letters, digits, '.', '_' or '-' (it names the "
+                             "tenant's adapter folder and its adapter in the sampler)")
+        for field, key in (("rank", "lora.rank"), ("lr", "trainer.lr"), ("alpha", "lora.alpha"),
+                           ("samples_per_prompt", "recipe.samples_per_prompt")):
+            if not getattr(spec, field) > 0:
+                raise ValueError(f"tenant {spec.name}: {field}={getattr(spec, field)} must be positive; set {key} or "
+                                 f"the tenant's {field} override")
         specs.append(spec)
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import skyrl_clora.kernels.qkv_rope as qkv_rope
-from skyrl_clora.kernels import LoRAMeta, folded_qkv_rope
+from skyrl_clora.kernels import KVCacheWrite, LoRAMeta, folded_qkv_rope, folded_qkv_rope_into_cache
 from skyrl_clora.kernels.testing import (
     LAYOUTS,
     TOLERANCE,
     QKVRopeProblem,
     adapters_differ,
+    check_kv_cache_write,
     make_qkv_rope_problem,
     qkv_rope_ref_fp32,
     rel_error,
@@ -88,6 +89,39 @@ def test_an_empty_batch_gives_empty_heads(monkeypatch: pytest.MonkeyPatch) -> No
     for fold in (True, False):
         monkeypatch.setattr(qkv_rope, "fold_pays", lambda *shape, fold=fold: fold)
         assert [t.shape for t in run(p, "triton")] == [(0, 2, 32), (0, 1, 32), (0, 1, 32)]
+
+
+@interpreted
+@pytest.mark.parametrize("fold", [True, False], ids=["folded-gemm", "base-gemm-and-shrink"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_k_and_v_go_into_the_cache_as_the_fused_block_returns_them(dtype: torch.dtype, fold: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    p = make_qkv_rope_problem(24, 80, 4, 2, 32, num_slots=4, rank=16, dtype=dtype, layout="zipf", with_norm=True, seed=3)
+    monkeypatch.setattr(qkv_rope, "fold_pays", lambda *shape: fold)
+    check_kv_cache_write(p, cache_rows=5, cache_len=12, backend="triton")
+
+
+def test_the_torch_path_scatters_k_and_v_into_the_cache() -> None:
+    p = make_qkv_rope_problem(10, 48, 2, 1, 32, num_slots=3, rank=8, dtype=torch.float32, layout="uniform",
+                              with_norm=True)
+    check_kv_cache_write(p, cache_rows=4, cache_len=8, backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
+def test_a_cache_that_does_not_fit_the_block_is_refused(backend: str) -> None:
+    p = make_qkv_rope_problem(8, 48, 2, 1, 32, num_slots=2, rank=8, dtype=torch.float32, layout="uniform",
+                              with_norm=False)
+    lora = p.lora
+    args = (lora.x, p.folded, lora.lora_b, lora.scales, lora.token_slots, 32, p.cos, p.sin, None, None, p.eps)
+    rows = positions = torch.arange(8)
+    cache = torch.zeros(8, 1, 16, 32)
+    for bad, match in [
+        (KVCacheWrite(cache, torch.zeros(8, 2, 16, 32), rows, positions), "two alike"),
+        (KVCacheWrite(cache.half(), cache.half(), rows, positions), "must be torch.float32"),
+        (KVCacheWrite(cache, cache, rows[:7], positions), "int64 \\[8\\]"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            folded_qkv_rope_into_cache(*args, bad, backend=backend)
 
 
 def test_torch_path_is_the_folded_layer_then_qk_norm_rope() -> None:

@@ -76,11 +76,14 @@ class RaisingRewardEnv(BaseTextEnv):
         raise RuntimeError("reward function exploded")
 
 
-def test_a_failing_tenant_does_not_take_the_others_down(micro_model_dir: Path, tmp_path: Path) -> None:
+def test_a_failing_tenant_does_not_take_the_others_down(micro_model_dir: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
     if "raising_reward" not in skyrl_gym.registry:
         skyrl_gym.register(id="raising_reward", entry_point=RaisingRewardEnv)
     out = tmp_path / "failing"
-    assert main(_args(micro_model_dir, out, "+tenants=[{},{env_class:raising_reward},{}]")) == 0
+    assert main(_args(micro_model_dir, out, "+tenants=[{},{env_class:raising_reward},{}]")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: 1 of 3 tenants failed (tenant-1); their errors are in {out / 'summary.json'}"
     summary = json.loads((out / "summary.json").read_text())
     status = {row["tenant"]: (row["status"], row["steps"]) for row in summary["per_tenant"]}
     assert status == {"tenant-0": ("ok", 2), "tenant-1": ("failed", 0), "tenant-2": ("ok", 2)}

@@ -53,7 +53,7 @@ def test_triton_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch, fol
     want_prefill, want_decode = _logits(model, triton_path=False)
     assert not torch.allclose(want_prefill[0], want_prefill[1], atol=1e-3), "the adapter must change the row's logits"
     assert not torch.allclose(want_decode[0], want_decode[1], atol=1e-3), "the adapter must change the row's logits"
-    monkeypatch.setattr(dispatch, "_use_triton", lambda x, backend: True)
+    monkeypatch.setattr(dispatch, "use_triton", lambda x, backend: True)
     monkeypatch.setattr(dispatch, "fold_pays", lambda *shape: fold)  # both Triton paths of folded_lora_linear
     got_prefill, got_decode = _logits(model, triton_path=True)
     assert torch.allclose(got_prefill, want_prefill, atol=1e-5), float((got_prefill - want_prefill).abs().max())

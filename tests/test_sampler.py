@@ -18,7 +18,8 @@ from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.problems import make_dataset_rows
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
-from skyrl_clora.sampler.engine import Engine, SamplingParams
+from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.requests import SamplingParams
 
 from helpers import random_adapter
 
@@ -52,13 +53,58 @@ def test_mixed_batch_equals_each_request_alone(micro_model_dir: Path) -> None:
         engine.shutdown()
     stats = engine.stats  # a decode step's host split: its parts are timed and lie within it
     assert min(stats.decode_input_seconds, stats.decode_launch_seconds, stats.retire_seconds) > 0
-    assert stats.decode_input_seconds + stats.decode_launch_seconds + stats.decode_sampling_seconds < stats.decode_seconds
+    assert stats.decode_input_seconds + stats.decode_launch_seconds + stats.decode_wait_seconds < stats.decode_seconds
     by_adapter = {name: mixed[i] for i, (name, seed) in enumerate(jobs) if seed == 10}
     assert len({tuple(tokens) for tokens in by_adapter.values()}) == 4, "tenants' samples must differ"
     alone_engine, _ = _engine(micro_model_dir, num_rows=8, adapters=tenants)
     try:
         for (name, seed), tokens in zip(jobs, mixed):
             assert alone_engine.submit(PROMPT, name, _params(seed)).result(timeout=60).token_ids == tokens
+    finally:
+        alone_engine.shutdown()
+
+
+def test_requests_that_stop_early_and_those_taking_their_rows_match_the_hf_forward(micro_model_dir: Path) -> None:
+    """A decode step is launched before the tokens of the step before it are read back: its rows take their input
+    tokens from the device, and a row that drew a stop token runs once more (that token is dropped) while the
+    request admitted into its row next is prefilled. 40 requests through 16 rows, finishing at varied steps by
+    stop token or by length: every log-prob is the HF forward's over the prompt and the tokens sampled before
+    it, and each completion equals the request run alone."""
+    stops = tuple(range(3, 400, 5))  # one token in five stops a completion
+    jobs = [(name, seed) for seed in range(10) for name in ("a", "b", "c", None)]
+    prompts = {seed: PROMPT[: 12 + seed % 3 * 4] for seed in range(10)}  # some rows share a cached prompt block
+
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(max_tokens=10, temperature=1.0, seed=seed, stop_token_ids=stops)
+
+    model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
+    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
+    engine = Engine(model, layers, num_rows=16, max_len=96, share_prefix_reads=True)
+    try:
+        for name, seed in {"a": 1, "b": 2, "c": 3}.items():
+            engine.register_adapter(name, random_adapter(layers, seed))
+        engine.pause()  # the requests reach the engine together
+        futures = [engine.submit(prompts[seed], name, params(seed)) for name, seed in jobs]
+        engine.resume()
+        mixed = [future.result(timeout=60) for future in futures]
+        slots = {name: engine._slots[name] for name in "abc"} | {None: -1}
+    finally:
+        engine.shutdown()
+    assert len({tuple(c.token_ids) for c, (_, seed) in zip(mixed, jobs) if seed == 0}) == 4, "tenants' samples must differ"
+    assert {c.finish_reason for c in mixed} == {"stop", "length"} and len({len(c.token_ids) for c in mixed}) >= 5
+    assert all((c.token_ids[-1] in stops) == (c.finish_reason == "stop") for c in mixed)
+    for (name, seed), completion in zip(jobs, mixed):
+        ids = torch.tensor(prompts[seed] + completion.token_ids)
+        with torch.no_grad(), routing.route(torch.full((len(ids),), slots[name])):
+            logits = model(input_ids=ids[None]).logits[0, len(prompts[seed]) - 1 : -1].float()
+        want = torch.log_softmax(logits, dim=-1).gather(1, ids[len(prompts[seed]):, None])[:, 0]
+        assert torch.allclose(torch.tensor(completion.logprobs), want, atol=1e-4), (name, seed)
+    alone_engine, _ = _engine(micro_model_dir, num_rows=16, adapters={"a": 1, "b": 2, "c": 3}, share_prefix_reads=True)
+    try:
+        for (name, seed), completion in zip(jobs, mixed):
+            alone = alone_engine.submit(prompts[seed], name, params(seed)).result(timeout=60)
+            assert (alone.token_ids, alone.logprobs, alone.finish_reason) == (
+                completion.token_ids, completion.logprobs, completion.finish_reason)
     finally:
         alone_engine.shutdown()
 
@@ -228,6 +274,21 @@ def test_the_next_turn_computes_only_its_new_tokens_with_reuse_decode_kv(micro_m
         plain.shutdown()
 
 
+def test_a_pause_of_an_idle_engine_counts_as_paused_not_idle(micro_model_dir: Path) -> None:
+    """The engine thread waits for work in waits of up to 0.5 s; a pause that begins during an idle wait ends
+    it, so the 0.4 s paused here count as paused (the train scheduler pauses an idle engine at every N=1 pass)."""
+    engine, _ = _engine(micro_model_dir, num_rows=4, adapters={"a": 1})
+    try:
+        time.sleep(0.2)
+        engine.pause()
+        time.sleep(0.4)
+        engine.resume()
+        time.sleep(0.1)
+        assert engine.stats.paused_seconds >= 0.35 and engine.stats.longest_idle_seconds < 0.35
+    finally:
+        engine.shutdown()
+
+
 def test_pauses_nest_and_an_unmatched_resume_is_an_error(micro_model_dir: Path) -> None:
     engine, _ = _engine(micro_model_dir, num_rows=4, adapters={"a": 1})
     try:
@@ -246,6 +307,37 @@ def test_pauses_nest_and_an_unmatched_resume_is_an_error(micro_model_dir: Path) 
             engine.resume()
     finally:
         engine.shutdown()
+
+
+def test_a_pause_mid_decode_accepts_the_step_in_flight_and_launches_nothing(micro_model_dir: Path) -> None:
+    """Pausing while rows decode: the step in flight (launched before the last one's tokens were read) finishes
+    and is accepted, no step is launched or accepted while paused, and after the resume every completion equals
+    the same request run without a pause."""
+    jobs = [(name, seed) for name in "ab" for seed in range(3)]
+    engine, _ = _engine(micro_model_dir, num_rows=16, adapters={"a": 1, "b": 2}, max_len=400)
+    try:
+        futures = [engine.submit(PROMPT, name, _params(seed, max_tokens=300)) for name, seed in jobs]
+        deadline = time.monotonic() + 60
+        while engine.stats.decode_steps < 5 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        engine.pause()
+        time.sleep(0.2)  # the loop sees the pause after the iteration it is in
+        steps, tokens = engine.stats.decode_steps, engine.stats.generated_tokens
+        time.sleep(0.3)
+        assert (engine.stats.decode_steps, engine.stats.generated_tokens) == (steps, tokens), "it stepped while paused"
+        assert engine._in_flight is None, "the step in flight was not accepted before the pause"
+        assert 5 <= steps < 300 and not any(future.done() for future in futures)
+        engine.resume()
+        paused = [future.result(timeout=60).token_ids for future in futures]
+    finally:
+        engine.shutdown()
+    assert len({tuple(tokens) for tokens in paused}) == len(jobs), "samples must differ"
+    alone_engine, _ = _engine(micro_model_dir, num_rows=16, adapters={"a": 1, "b": 2}, max_len=400)
+    try:
+        for (name, seed), tokens in zip(jobs, paused):
+            assert alone_engine.submit(PROMPT, name, _params(seed, max_tokens=300)).result(timeout=60).token_ids == tokens
+    finally:
+        alone_engine.shutdown()
 
 
 def test_requests_sharing_only_cached_blocks_are_admitted_together(micro_model_dir: Path) -> None:

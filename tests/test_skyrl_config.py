@@ -99,3 +99,10 @@ def test_a_base_model_is_required(tmp_path: Path) -> None:
         translate(compose_config(["backend=skyrl"]))
     plan = translate(compose_config(["backend=skyrl"]), model_path=str(tmp_path))
     assert plan.base.trainer.policy.model.path == str(tmp_path)
+
+
+def test_the_token_budget_of_micro_batches_reaches_skyrls_config(tmp_path: Path) -> None:
+    plan = _translate(tmp_path, "+tenants=2", "trainer.max_tokens_per_microbatch=4096")
+    assert plan.base.trainer.max_tokens_per_microbatch == 4096
+    assert {c.trainer.max_tokens_per_microbatch for c in plan.tenant_configs.values()} == {4096}
+    assert _translate(tmp_path).base.trainer.max_tokens_per_microbatch == -1

@@ -20,7 +20,7 @@ from skyrl_clora.config import build_run_config
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter, load_peft_adapter
 from skyrl_clora.main import compose_config, main
-from skyrl_clora.sampler.engine import SamplingParams
+from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.skyrl.config_translation import translate
 from skyrl_clora.skyrl.driver import training_input
 from skyrl_clora.skyrl.stack import build_stack
@@ -146,11 +146,11 @@ class RaisingRewardEnv(BaseTextEnv):
 
 
 def test_backend_skyrl_runs_through_main(micro_model_dir: Path, tmp_path: Path) -> None:
-    """Two tenants run 2 steps end to end; a third (tenant-1) whose reward raises fails alone."""
+    """Two tenants run 2 steps end to end; a third (tenant-1) whose reward raises fails alone (exit status 1)."""
     if "raising_reward_skyrl" not in skyrl_gym.registry:
         skyrl_gym.register(id="raising_reward_skyrl", entry_point=RaisingRewardEnv)
     out = tmp_path / "run"
-    assert main(_overrides(micro_model_dir, out, "+tenants=[{},{env_class:raising_reward_skyrl},{}]", "clora.steps=2")) == 0
+    assert main(_overrides(micro_model_dir, out, "+tenants=[{},{env_class:raising_reward_skyrl},{}]", "clora.steps=2")) == 1
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = sorted((r["tenant"], r["step"], r["adapter_version"]) for r in records if r["event"] == "step")
     assert steps == [("tenant-0", 1, 1), ("tenant-0", 2, 2), ("tenant-2", 1, 1), ("tenant-2", 2, 2)]

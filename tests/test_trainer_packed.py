@@ -224,3 +224,77 @@ def test_packed_micro_batches_interleave_tenants_by_whole_prompt_groups() -> Non
         prompts = [groups[row] for row in order[micro.start : micro.end]]
         assert all(prompts.count(g) == 4 for g in set(prompts)), prompts  # whole groups only
     assert [m.segments for m in micro_batches] == [((0, 0, 4), (1, 4, 8)), ((0, 0, 4), (2, 4, 8)), ((1, 0, 4),)]
+
+
+def _computed(rows: SimpleNamespace, members: list[int], shared: bool) -> int:
+    """Positions a pass over ``members`` computes, counted from scratch (the planner counts incrementally)."""
+    if not shared:
+        return len(members) * max(rows.host_seq_lens[r] for r in members)
+    prompts = {rows.prompt_groups[r]: rows.host_seq_lens[r] - rows.host_response_lens[r] for r in members}
+    return sum(prompts.values()) + sum(rows.host_response_lens[r] for r in members)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("budget", [1, 97, 260, 10_000])
+def test_token_budget_micro_batches_are_the_longest_runs_within_the_budget(shared: bool, budget: int) -> None:
+    """Two tenants' groups of varied prompt and response lengths: every micro-batch computes at most ``budget``
+    positions (or is one row over it), and taking the sequence's next row as well would pass the budget;
+    ``micro_batch_size`` plays no part. Every row lands in exactly one micro-batch."""
+    generator = torch.Generator().manual_seed(budget)
+    groups = [g for g in range(6) for _ in range(4)]  # tenant 0: groups 0-2, tenant 1: groups 3-5
+    prompt_lens = torch.randint(5, 40, (6,), generator=generator).tolist()
+    responses = torch.randint(1, 30, (24,), generator=generator).tolist()
+    rows = SimpleNamespace(offsets=[0, 12], prompt_groups=groups, host_response_lens=responses,
+                           host_seq_lens=[prompt_lens[g] + r for g, r in zip(groups, responses)])
+    orders = [torch.randperm(12, generator=generator).tolist() for _ in range(2)]
+    sequence, _ = plan_micro_batches(rows, orders, micro_batch_size=1)  # the interleaved order, uncut
+    order, micro_batches = plan_micro_batches(rows, orders, micro_batch_size=5, max_tokens=budget, shared_prompts=shared)
+    assert (order, micro_batches) == plan_micro_batches(rows, orders, micro_batch_size=2, max_tokens=budget,
+                                                         shared_prompts=shared)
+    assert sorted(order) == list(range(24))
+    position = 0
+    for micro in micro_batches:
+        members = sequence[position : position + micro.end - micro.start]
+        assert sorted(members) == sorted(order[micro.start : micro.end])  # consecutive rows of the sequence
+        assert len(members) == 1 or _computed(rows, members, shared) <= budget
+        position += len(members)
+        if position < len(sequence):  # the sequence's next row did not fit
+            assert _computed(rows, members + [sequence[position]], shared) > budget
+    assert len(micro_batches) == {1: 24, 10_000: 1}.get(budget, len(micro_batches))
+    assert 1 < len(micro_batches) < 24 or budget in (1, 10_000)
+
+
+def test_a_micro_batch_may_fill_its_token_budget_exactly() -> None:
+    """Groups of two rows, prompts of 10 and responses of 5: with shared prompts a group computes 20 positions,
+    so a budget of 40 takes two whole groups; whole sequences cost 15 per row, padded: 2 rows for 30."""
+    rows = SimpleNamespace(offsets=[0], prompt_groups=[0, 0, 1, 1, 2, 2, 3, 3], host_seq_lens=[15] * 8,
+                           host_response_lens=[5] * 8)
+    _, shared = plan_micro_batches(rows, [list(range(8))], micro_batch_size=1, max_tokens=40, shared_prompts=True)
+    _, whole = plan_micro_batches(rows, [list(range(8))], micro_batch_size=1, max_tokens=30, shared_prompts=False)
+    assert [m.end - m.start for m in shared] == [4, 4] and [m.end - m.start for m in whole] == [2, 2, 2, 2]
+
+
+def test_token_budget_micro_batches_train_as_row_micro_batches(micro_model_dir: Path) -> None:
+    """Packed A and B with shared prompts, micro-batches of 2 rows against micro-batches of up to 60 computed
+    positions (several groups each): fewer decoder passes, the same metrics and tenant states."""
+    rows_trainer, tokens_trainer = _trainer(micro_model_dir, slots=2, micro_batch_size=2), _trainer(micro_model_dir, slots=2)
+    tokens_trainer.max_tokens_per_microbatch = 60
+    calls: dict[str, int] = {"rows": 0, "tokens": 0}
+    for label, trainer in (("rows", rows_trainer), ("tokens", tokens_trainer)):
+        trainer.shared_prefix = True
+        forward = trainer.decoder.forward
+        trainer.decoder.forward = lambda *args, _f=forward, _l=label, **kwargs: calls.__setitem__(_l, calls[_l] + 1) or _f(
+            *args, **kwargs)
+    for step in range(2):
+        items = [("A", _grouped_batch(step)), ("B", _grouped_batch(step + 7))]
+        want = dict(zip(("A", "B"), (m for _, m in rows_trainer.train_packed(items))))
+        got = dict(zip(("A", "B"), (m for _, m in tokens_trainer.train_packed(items))))
+        for name in ("A", "B"):
+            for key, value in want[name].items():
+                assert got[name][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
+    assert 0 < 2 * calls["tokens"] < calls["rows"]
+    for name in ("A", "B"):
+        a, b = rows_trainer.store.tenants[name], tokens_trainer.store.tenants[name]
+        for table in ("master", "exp_avg", "exp_avg_sq", "grads"):
+            for key in a.master:
+                torch.testing.assert_close(getattr(b, table)[key], getattr(a, table)[key], rtol=1e-4, atol=1e-6)

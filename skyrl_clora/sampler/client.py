@@ -20,7 +20,8 @@ from skyrl.backends.skyrl_train.inference_servers.base import (
 )
 
 from skyrl_clora.lora.peft_export import load_peft_adapter
-from skyrl_clora.sampler.engine import Engine, SamplingParams, derive_seed
+from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.requests import SamplingParams, derive_seed
 
 
 class EmbeddedInferenceClient(InferenceEngineInterface):

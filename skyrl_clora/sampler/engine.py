@@ -9,9 +9,13 @@ One background thread owns the model. Each iteration of its loop:
      (ragged passes, replayed from CUDA graphs on the GPU), taking the prompt blocks it already has from
      the per-adapter-version prefix cache (and, with ``reuse_decode_kv``, a finished turn's whole history
      when the prompt extends it: the next turn of a multi-turn episode then computes only its new tokens);
-  4. runs one decode step for the rows up to the last running one (a CUDA-graph replay on the GPU),
-     samples every running row at once (each with its own counter-based RNG, see ``sampling``) and
-     retires the finished ones, resolving their futures.
+  4. launches one decode step for the rows up to the last running one (a CUDA-graph replay on the GPU)
+     and its sampling of every running row at once (each with its own counter-based RNG, see
+     ``sampling``), then accepts the tokens of the step launched before it and retires the finished
+     requests, resolving their futures. The host thus works on step t's tokens while the GPU runs step
+     t+1, whose rows of step t take their input tokens from the device; a row whose step-t token ends it
+     (a stop token, or its length limit while other rows go on) runs once more at t+1, and that token is
+     dropped.
 Other tenants' requests keep decoding while one tenant's adapter is published: a publish is a ``copy_``
 into that tenant's slot between two decode steps (dropping only that tenant's cached prefixes), never a
 pause or a global cache reset.
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import hashlib
 import queue
 import sys
 import threading
@@ -37,39 +40,17 @@ import torch
 from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear, write_slot
 from skyrl_clora.profiling import profiled
-from skyrl_clora.sampler.engine_stats import EngineStats
+from skyrl_clora.sampler.engine_stats import EngineStats, GPUSpan
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
 from skyrl_clora.sampler.prefix_cache import BlockKV, PrefixCache, PrefixIdentity
+from skyrl_clora.sampler.requests import Completion, SamplingParams
 from skyrl_clora.sampler.running_rows import RunningRows
-from skyrl_clora.sampler.sampling import sample_rows
+from skyrl_clora.sampler.sampling import DrawnTokens, draw_rows
 from skyrl_clora.sampler.shared_rows import SharedPrefixRows
 
 GIL_SWITCH_SECONDS = 0.0005  # the GIL switch interval while the engine runs on a GPU (Python's default: 5 ms)
 # The engine stream's CUDA priority by name (lower is higher; the trainer's default streams are at 0).
 STREAM_PRIORITIES = {"high": -1, "normal": 0}
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings. ``temperature == 0`` is greedy."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int = 0
-
-
-@dataclass
-class Completion:
-    """What one request produced: ``token_ids`` (including a final stop token), the log-probability of
-    each under the model's (untempered) distribution, ``finish_reason`` ("stop" or "length") and the
-    version of the adapter the whole completion was sampled with (``-1`` for the base model)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    adapter_version: int
 
 
 @dataclass
@@ -84,6 +65,17 @@ class _Request:
     history: tuple[int, BlockKV, PrefixIdentity | None] | None = None  # a finished turn this prompt extends
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _StepInFlight:
+    """A decode step launched with its sampling, its tokens not accepted yet: its cache rows (ascending), the
+    request each row held at launch, the drawn tokens (one per row) and its forward pass's GPU span."""
+
+    rows: np.ndarray
+    requests: list[_Request]
+    drawn: DrawnTokens
+    forward: GPUSpan
 
 
 @dataclass
@@ -157,6 +149,7 @@ class Engine:
         self._pending_publishes: list[_Publish | _Unregister] = []
         self._rows: list[_Request | None] = [None] * num_rows
         self._running = RunningRows(num_rows, max_len)  # per cache row: decode inputs, settings, outputs so far
+        self._in_flight: _StepInFlight | None = None
         self._paused = threading.Event()  # set while _pauses > 0
         self._pauses = 0
         self._pause_lock = threading.Lock()
@@ -215,10 +208,13 @@ class Engine:
 
     def pause(self) -> None:
         """Stops stepping after the step in flight (requests keep their state) until :meth:`resume`. Pauses
-        nest: the engine steps again once every :meth:`pause` has had its :meth:`resume`."""
+        nest: the engine steps again once every :meth:`pause` has had its :meth:`resume`. The first pause
+        wakes an idle engine thread, so that its stats count the time from then on as paused, not idle."""
         with self._pause_lock:
             self._pauses += 1
             self._paused.set()
+            if self._pauses == 1:
+                self._inbox.put(None)
 
     def resume(self) -> None:
         with self._pause_lock:
@@ -260,10 +256,10 @@ class Engine:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            idle = not self._waiting and not self._pending_publishes and not any(self._rows)
+            idle = self._in_flight is None and not self._waiting and not self._pending_publishes and not any(self._rows)
             paused = self._paused.is_set()
             began = time.perf_counter()
-            self._drain_inbox(block=idle or paused)
+            self._drain_inbox(block=(idle or paused) and self._in_flight is None)
             waited = time.perf_counter() - began
             if paused:
                 self.stats.paused_seconds += waited
@@ -271,15 +267,19 @@ class Engine:
                 self.stats.idle_seconds += waited
                 self.stats.idle_waits += waited >= 1e-3
                 self.stats.longest_idle_seconds = max(self.stats.longest_idle_seconds, waited)
-            if self._paused.is_set() or self._stop.is_set():
+            stepping = not (self._paused.is_set() or self._stop.is_set())
+            if not stepping and self._in_flight is None:
                 continue
             started = time.perf_counter()
             try:
-                self._apply_publishes()
-                self._admit()
-                if any(self._rows):
-                    self._decode_step()
+                if stepping:
+                    self._apply_publishes()
+                    self._admit()
+                    self._decode()
+                else:  # the step in flight ends before the pause
+                    self._accept_in_flight(self._held(self._in_flight))
             except Exception as error:  # a broken step fails its requests, not the engine thread
+                self._in_flight = None
                 self._fail_running(error)
             self.stats.busy_seconds += time.perf_counter() - started
 
@@ -378,22 +378,24 @@ class Engine:
         block = self.runner.block_size
         prompts = lists_to_device([req.prompt_ids for req in requests], self.runner.device)
         copied: list[PrefixIdentity | None] = []  # per request: the cached chain its first positions copy
-        for req, tokens in zip(requests, prompts):
-            req.lora_slot = -1 if req.adapter is None else self._slots[req.adapter]
-            if req.history is not None:  # the last prompt token is always computed (its logits are needed)
-                length, (k, v), identity = req.history
-                start = min(length, len(req.prompt_ids) - 1)
-                self.runner.write_kv(req.row, 0, (k[:, :, :start], v[:, :, :start]))
-            else:
-                cached, key = self.prefix_cache.lookup(req.adapter, req.version, req.prompt_ids)
-                start = min(len(cached) * block, len(req.prompt_ids) - 1)
-                identity = None if key is None else (key, len(cached) * block)
-                if cached:
-                    self.runner.write_kv(req.row, 0, (torch.cat([k for k, _ in cached], dim=2),
-                                                      torch.cat([v for _, v in cached], dim=2)))
-            copied.append(None if identity is None else (identity[0], min(identity[1], start)))
-            jobs.append(PrefillJob(req.row, tokens, req.lora_slot, start=start))
-        logits = torch.stack(self.runner.prefill(jobs))
+        with GPUSpan(self.runner.device) as copies:  # the K/V copies into the requests' rows
+            for req, tokens in zip(requests, prompts):
+                req.lora_slot = -1 if req.adapter is None else self._slots[req.adapter]
+                if req.history is not None:  # the last prompt token is always computed (its logits are needed)
+                    length, (k, v), identity = req.history
+                    start = min(length, len(req.prompt_ids) - 1)
+                    self.runner.write_kv(req.row, 0, (k[:, :, :start], v[:, :, :start]))
+                else:
+                    cached, key = self.prefix_cache.lookup(req.adapter, req.version, req.prompt_ids)
+                    start = min(len(cached) * block, len(req.prompt_ids) - 1)
+                    identity = None if key is None else (key, len(cached) * block)
+                    if cached:
+                        self.runner.write_kv(req.row, 0, (torch.cat([k for k, _ in cached], dim=2),
+                                                          torch.cat([v for _, v in cached], dim=2)))
+                copied.append(None if identity is None else (identity[0], min(identity[1], start)))
+                jobs.append(PrefillJob(req.row, tokens, req.lora_slot, start=start))
+        with GPUSpan(self.runner.device) as forward:
+            logits = torch.stack(self.runner.prefill(jobs))
         self.stats.prefill_rounds += 1
         for req, job, identity in zip(requests, jobs, copied):
             if req.history is None:  # a history's positions were partly computed by decode steps: not blocks
@@ -410,51 +412,92 @@ class Engine:
             params = req.params
             self._running.start(req.row, len(req.prompt_ids), req.lora_slot, params.seed, params.temperature, params.top_p,
                                 params.max_tokens, params.stop_token_ids)
-        self._sample(np.array([req.row for req in requests], dtype=np.int64), logits)
+        rows = np.array([req.row for req in requests], dtype=np.int64)
+        self._accept(rows, *self._draw(rows, logits).result())
+        self.stats.prefill_copy_gpu_seconds += copies.seconds()
+        self.stats.prefill_gpu_seconds += forward.seconds()
         self.stats.prefill_seconds += time.perf_counter() - started
 
+    def _decode(self) -> None:
+        """Launches the next decode step (if a row runs), then accepts the step in flight before it. Which rows
+        of the step in flight still hold its requests is found once: nothing admits or retires in between."""
+        step = self._in_flight
+        pending = np.zeros(self.runner.num_rows, dtype=bool)  # rows whose token from the step in flight is to come
+        held = None if step is None else self._held(step)
+        if step is not None:
+            pending[step.rows[held]] = True
+        launched = self._launch_decode(pending) if any(self._rows) else None
+        if step is not None:
+            self._accept_in_flight(held)
+        self._in_flight = launched
+
     @profiled("engine.decode_step")
-    def _decode_step(self) -> None:
-        """Decodes the rows up to the last running one, rounded up to whole row quanta (requests take the
-        lowest free rows, so the running ones stay packed at the front)."""
+    def _launch_decode(self, pending: np.ndarray) -> _StepInFlight | None:
+        """Launches a decode step and its sampling for the rows up to the last running one, rounded up to whole
+        row quanta (requests take the lowest free rows, so the running ones stay packed at the front), without
+        waiting for the GPU. The ``pending`` rows (``[num_rows]`` bool: those of the step in flight that still
+        hold its requests) take their input tokens from its draw on the device. Returns None, launching
+        nothing, when every running row's token in flight is certain to be its last."""
         started = time.perf_counter()
         running = self._running
-        span = min(self.runner.num_rows, -(-(running.last_active() + 1) // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM)
+        if not (running.active & ~running.ending(pending)).any():
+            return None
+        rows = running.active_below(self.runner.num_rows)
+        span = min(self.runner.num_rows, -(-(int(rows[-1]) + 1) // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM)
         prefix_rows = prefix_lens = None
         if self._shared_rows is not None:
             prefix_rows, prefix_lens = self._shared_rows.sources(span)  # rows past the span hold no identity
             self.stats.shared_prefix_positions += self._shared_rows.borrowed_positions
-        self.runner.set_decode_inputs(*running.decode_inputs(span), prefix_rows, prefix_lens)
+        self.runner.set_decode_inputs(*running.decode_inputs(span, pending), prefix_rows, prefix_lens,
+                                      from_sampled=pending[:span])
         staged = time.perf_counter()
-        logits = self.runner.decode(span)
+        with GPUSpan(self.runner.device) as forward:
+            logits = self.runner.decode(span)
+        rows_device = lists_to_device([rows], logits.device)[0]
+        drawn = self._draw(rows, logits.index_select(0, rows_device), pending)
+        self.runner.record_sampled(rows_device, drawn.tokens)
         launched = time.perf_counter()
         self.stats.decode_input_seconds += staged - started
         self.stats.decode_launch_seconds += launched - staged
         self.stats.decode_steps += 1
-        rows = running.active_below(span)
-        rows_device = lists_to_device([rows], logits.device)[0]
-        self.stats.decode_sampling_seconds += self._sample(rows, logits.index_select(0, rows_device))
+        self.stats.decode_seconds += launched - started
+        return _StepInFlight(rows, [self._rows[row] for row in rows.tolist()], drawn, forward)
+
+    def _held(self, step: _StepInFlight) -> np.ndarray:
+        """Per row of ``step`` (bool): whether it still holds the request it held at the step's launch (the others
+        finished at the step before it: their token from ``step`` is not theirs to keep)."""
+        return np.array([self._rows[row] is req for row, req in zip(step.rows.tolist(), step.requests)], dtype=bool)
+
+    @profiled("engine.accept")
+    def _accept_in_flight(self, held: np.ndarray) -> None:
+        """Waits for the step in flight's tokens and accepts those of its rows that still hold its requests
+        (``held``, from :meth:`_held`)."""
+        step, self._in_flight = self._in_flight, None
+        started = time.perf_counter()
+        tokens, logprobs = step.drawn.result()
+        received = time.perf_counter()
+        self._accept(step.rows[held], tokens[held], logprobs[held])
+        self.stats.decode_wait_seconds += received - started
+        self.stats.decode_gpu_seconds += step.forward.seconds()
         self.stats.decode_seconds += time.perf_counter() - started
 
-    @profiled("engine.sample")
-    def _sample(self, rows: np.ndarray, logits: torch.Tensor) -> float:
-        """Samples the next token of the requests in cache rows ``rows`` from ``logits: [len(rows), V]`` in one
-        batch and retires the requests that finished; returns the seconds the sampling call took (it waits
-        for the GPU work queued before it)."""
+    def _draw(self, rows: np.ndarray, logits: torch.Tensor, pending: np.ndarray | None = None) -> DrawnTokens:
+        """Launches the sampling of the next token of the requests in cache rows ``rows`` from ``logits: [len(rows),
+        V]`` in one batch (``pending`` as in :meth:`RunningRows.uniforms`)."""
         running = self._running
-        uniform = running.uniforms(rows)
-        started = time.perf_counter()
-        tokens, logprobs = sample_rows(logits, running.temperature[rows], running.top_p[rows], uniform)
-        seconds = time.perf_counter() - started
+        return draw_rows(logits, running.temperature[rows], running.top_p[rows], running.uniforms(rows, pending))
+
+    def _accept(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+        """Appends ``tokens`` (log-probs ``logprobs``) to the requests in cache rows ``rows`` and retires those that
+        finished."""
         self.stats.generated_tokens += len(tokens)
-        finished, stopped = running.accept(rows, np.asarray(tokens, dtype=np.int64), np.asarray(logprobs, dtype=np.float64))
+        finished, stopped = self._running.accept(rows, tokens, logprobs)
         retiring = time.perf_counter()
         for row, stop in zip(finished.tolist(), stopped.tolist()):
             req = self._rows[row]
-            req.output, req.logprobs = running.output(row)
+            req.output, req.logprobs = self._running.output(row)
             self._retire(req, "stop" if stop else "length")
         self.stats.retire_seconds += time.perf_counter() - retiring
-        return seconds
 
     def _retire(self, req: _Request, reason: str) -> None:
         if self.reuse_decode_kv:  # the row holds the K/V of the prompt and of every sampled token but the last
@@ -477,10 +520,3 @@ class Engine:
             self._retire_row(req.row)
             if not req.future.done():
                 req.future.set_exception(error)
-
-
-def derive_seed(seed: int, adapter: str | None, session: str, prompt_len: int) -> int:
-    """A request's 63-bit RNG seed from (run seed, adapter, session id, prompt length): the same request
-    of the same episode turn gets the same seed whatever else runs beside it."""
-    key = f"{seed}|{adapter}|{session}|{prompt_len}".encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)

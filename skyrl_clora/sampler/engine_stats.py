@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class EngineStats:
@@ -12,12 +14,16 @@ class EngineStats:
     cache, seconds spent in prefill (with its sampling and first-use graph captures), in decode steps (with
     their sampling) and busy in all, the seconds the loop waited while paused and while it had nothing to do
     (no running row, request or publish; busy + paused + idle is the engine thread's lifetime, up to the
-    loop's own bookkeeping; a wait counts by the state it began in, so a pause that starts while the loop
-    has nothing to do adds to idle; idle waits of 1 ms or more are counted and the longest kept, a wait ending
-    at the first request or publish, or after 0.5 s), the seconds decode steps spent in their sampling call
-    (which waits for the step's GPU work: the rest of a decode step is host work), of the rest the seconds
-    decode steps spent staging their inputs (choosing rows, shared-prefix sources, copies to the device) and
-    launching the step (a CUDA-graph replay, or the eager forward on the CPU), the seconds spent retiring
+    loop's own bookkeeping; a wait counts by the state it began in, and the first pause ends a wait, so the
+    time after it counts as paused; idle waits of 1 ms or more are counted and the longest kept, a wait ending
+    at the first request, publish or pause, or after 0.5 s), the seconds decode steps waited for their sampled
+    tokens (for the step's GPU work: the rest of a decode step is host work, done while the GPU runs the next
+    step), of the rest the seconds decode steps spent staging their inputs (choosing rows, shared-prefix
+    sources, copies to the device) and launching the step and its sampling (a CUDA-graph replay, or the eager
+    forward on the CPU), the GPU time of the decode steps' forward passes (:class:`GPUSpan` around each; 0
+    off CUDA: set against decode_seconds per step it tells a GPU-bound step from one whose GPU idles or is
+    shared), likewise the GPU time of the prefill rounds' forward passes and, apart, of their copies of cached K/V
+    into the requests' rows (with any host time between those copies), the seconds spent retiring
     finished requests (storing their K/V history, completing their futures; in decode steps and prefill), the
     seconds the decode CUDA graphs' capture took, and the key positions decode steps read from another row's
     copy of a shared prefix."""
@@ -29,9 +35,12 @@ class EngineStats:
     cached_prompt_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    decode_sampling_seconds: float = 0.0
+    decode_wait_seconds: float = 0.0
     decode_input_seconds: float = 0.0
     decode_launch_seconds: float = 0.0
+    decode_gpu_seconds: float = 0.0
+    prefill_gpu_seconds: float = 0.0
+    prefill_copy_gpu_seconds: float = 0.0
     retire_seconds: float = 0.0
     busy_seconds: float = 0.0
     paused_seconds: float = 0.0
@@ -40,3 +49,28 @@ class EngineStats:
     longest_idle_seconds: float = 0.0
     graph_capture_seconds: float = 0.0
     shared_prefix_positions: int = 0  # decode-step key positions read from another row's copy
+
+
+class GPUSpan:
+    """CUDA events around the work a ``with`` block queues on the current stream (nothing off CUDA);
+    :meth:`seconds` is that work's GPU time, once it has run."""
+
+    def __init__(self, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+
+    def __enter__(self) -> GPUSpan:
+        if self._events is not None:
+            self._events[0].record()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._events is not None:
+            self._events[1].record()
+
+    def seconds(self) -> float:
+        """The span's GPU seconds (waits for its end event; 0.0 off CUDA)."""
+        if self._events is None:
+            return 0.0
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3

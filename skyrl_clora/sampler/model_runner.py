@@ -4,9 +4,10 @@ The HF modules supply the weights (embeddings, norms, projections with multi-LoR
 tables; this runner replaces the attention bookkeeping, so that many sequences of different lengths decode
 together, runs each layer's projections as four groups (q/k/v, o, gate/up, down) of one GEMM, whose weight
 holds the slots' LoRA A, and one LoRA expand each (``fused_projections``; q/k/v's expand runs inside the q/k
-norm + rotary kernel, ``kernels.folded_qkv_rope``), and runs the element-wise parts of each layer through the
-kernels' fused ops (RMSNorm with the residual add, SiLU-mul: one Triton launch each on the GPU; on the CPU
-their references, which are Hugging Face's own ops in order):
+norm + rotary kernel, which also stores k and v into the cache: ``kernels.folded_qkv_rope_into_cache``), and
+runs the element-wise parts of each layer through the kernels' fused ops (RMSNorm with the residual add,
+SiLU-mul: one Triton launch each on the GPU; on the CPU their references, which are Hugging Face's own ops in
+order):
 
 - ``prefill(jobs)``: several prompts written into their cache rows by ragged forward passes of at most
   ``prefill_tokens`` positions (the prompts' positions laid end to end, no per-prompt padding), from any
@@ -37,9 +38,10 @@ from torch import nn
 from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.kernels import (
     DecodeWorkspace,
+    KVCacheWrite,
     LoRAMeta,
     decode_attention,
-    folded_qkv_rope,
+    folded_qkv_rope_into_cache,
     prefill_attention,
     rms_norm,
     silu_mul,
@@ -110,6 +112,9 @@ class ModelRunner:
         self.decode_tokens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
         self.decode_positions = torch.zeros(num_rows, dtype=torch.long, device=self.device)
         self.decode_slots = torch.full((num_rows,), -1, dtype=torch.long, device=self.device)
+        # Per row: the token the engine's last decode step that ran it drew on the device (``record_sampled``),
+        # the next input of a row whose token the host has not read yet.
+        self.sampled_tokens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
         # Per row: the cache row holding its first ``decode_prefix_lens`` positions (decode_attention's
         # prefix_rows / prefix_lens), when share_prefix_reads.
         self.share_prefix_reads = share_prefix_reads
@@ -234,14 +239,12 @@ class ModelRunner:
         job_rows, job_starts, q_offsets, q_lens = self._pass_jobs
         scale = 1 / math.sqrt(self.head_dim)  # exactly SDPA's default
 
-        def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # q: [T, H, d]; k, v: [T, KV, d]; each job attends to its own cache row.
-            k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
-            k_cache[token_rows, :, positions] = k
-            v_cache[token_rows, :, positions] = v
-            return prefill_attention(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens, scale)
+        def attend(layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+            # q: [T, H, d]; each job attends to its own cache row.
+            return prefill_attention(q, self.k_cache[layer_idx], self.v_cache[layer_idx], job_rows, job_starts, q_offsets,
+                                     q_lens, scale)
 
-        hidden = self._forward(ids, positions, token_slots, attend)
+        hidden = self._forward(ids, positions, token_slots, token_rows, attend)
         last = hidden.index_select(0, (q_offsets + q_lens - 1).clamp(min=0))  # [J, hidden]
         rows = -(-last.shape[0] // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
         last = torch.cat([last, last.new_zeros(rows - last.shape[0], last.shape[1])])
@@ -279,16 +282,25 @@ class ModelRunner:
         self.v_cache[:, row, :, start:end].copy_(kv[1])
 
     def set_decode_inputs(self, tokens: Sequence[int], positions: Sequence[int], lora_slots: Sequence[int],
-                          prefix_rows: Sequence[int] | None = None, prefix_lens: Sequence[int] | None = None) -> None:
+                          prefix_rows: Sequence[int] | None = None, prefix_lens: Sequence[int] | None = None,
+                          from_sampled: Sequence[int] | None = None) -> None:
         """Writes the decode input buffers' first ``len(tokens)`` rows (one host-to-device copy; lists or int
         numpy arrays); the prefix sequences (both or neither) name each row's shared-prefix source row and
-        length."""
+        length; a row whose ``from_sampled`` is 1 takes its token from :attr:`sampled_tokens` instead."""
         num = len(tokens)
-        values = [tokens, positions, lora_slots] + ([prefix_rows, prefix_lens] if prefix_rows is not None else [])
-        staged = lists_to_device(values, self.device)
-        targets = [self.decode_tokens, self.decode_positions, self.decode_slots, self.decode_prefix_rows, self.decode_prefix_lens]
+        shared = prefix_rows is not None
+        values = [tokens, positions, lora_slots] + ([prefix_rows, prefix_lens] if shared else [])
+        staged = lists_to_device(values + ([from_sampled] if from_sampled is not None else []), self.device)
+        targets = [self.decode_tokens, self.decode_positions, self.decode_slots]
+        targets += [self.decode_prefix_rows, self.decode_prefix_lens] if shared else []
         for target, values_t in zip(targets, staged):
             target[:num].copy_(values_t)
+        if from_sampled is not None:
+            torch.where(staged[-1].bool(), self.sampled_tokens[:num], staged[0], out=self.decode_tokens[:num])
+
+    def record_sampled(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Keeps ``tokens: [N]`` (int64, drawn on the device) as cache rows ``rows: [N]``'s :attr:`sampled_tokens`."""
+        self.sampled_tokens.index_copy_(0, rows, tokens)
 
     @torch.no_grad()
     def decode(self, span: int) -> torch.Tensor:
@@ -338,21 +350,19 @@ class ModelRunner:
         prefix_rows = self.decode_prefix_rows[:span] if self.share_prefix_reads else None
         prefix_lens = self.decode_prefix_lens[:span] if self.share_prefix_reads else None
 
-        def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # q: [span, H, d]; k, v: [span, KV, d]
-            k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
-            k_cache[rows, :, positions] = k
-            v_cache[rows, :, positions] = v
-            return decode_attention(q, k_cache, v_cache, lengths, workspace=self._attention_workspace,
-                                    prefix_rows=prefix_rows, prefix_lens=prefix_lens)
+        def attend(layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+            # q: [span, H, d]
+            return decode_attention(q, self.k_cache[layer_idx], self.v_cache[layer_idx], lengths,
+                                    workspace=self._attention_workspace, prefix_rows=prefix_rows, prefix_lens=prefix_lens)
 
-        hidden = self._forward(tokens, positions, self.decode_slots[:span], attend)
+        hidden = self._forward(tokens, positions, self.decode_slots[:span], rows, attend)
         return self.model.lm_head(hidden)
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_slots: torch.Tensor, attend) -> torch.Tensor:
-        """The decoder stack over a flat batch ``input_ids: [T]`` at ``position_ids: [T]``; ``attend(layer, q, k, v)``
-        (``q: [T, H, d]``, ``k, v: [T, KV, d]`` -> ``[T, H, d]``) does cache I/O and attention. Returns the
-        final hidden states ``[T, hidden]``."""
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_slots: torch.Tensor,
+                 cache_rows: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder stack over a flat batch ``input_ids: [T]`` at ``position_ids: [T]``, each token's k and v
+        written to cache row ``cache_rows[t]`` at its position; ``attend(layer, q)`` (``q: [T, H, d]`` -> ``[T, H,
+        d]``) attends over the cache. Returns the final hidden states ``[T, hidden]``."""
         rows = input_ids.shape[0]
         x = self.decoder.embed_tokens(input_ids)
         cos, sin = self.decoder.rotary_emb(x[None], position_ids[None])  # [1, T, d] each
@@ -365,10 +375,12 @@ class ModelRunner:
             hidden, residual = rms_norm(x, norm.weight, norm.variance_epsilon, residual)
             attn, qkv = layer.self_attn, projections.qkv
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            q, k, v = folded_qkv_rope(hidden, qkv.folded, qkv.lora_b, qkv.scales, token_slots, self.head_dim, cos, sin,
-                                      None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                                      0.0 if q_norm is None else q_norm.variance_epsilon, meta=self.lora_meta)
-            out = attend(layer_idx, q, k, v)  # [T, H, d]
+            cache = KVCacheWrite(self.k_cache[layer_idx], self.v_cache[layer_idx], cache_rows, position_ids)
+            q = folded_qkv_rope_into_cache(
+                hidden, qkv.folded, qkv.lora_b, qkv.scales, token_slots, self.head_dim, cos, sin,
+                None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                0.0 if q_norm is None else q_norm.variance_epsilon, cache, meta=self.lora_meta)
+            out = attend(layer_idx, q)  # [T, H, d]
             (x,) = projections.o(out.reshape(rows, -1), token_slots, self.lora_meta)
             norm = layer.post_attention_layernorm
             hidden, residual = rms_norm(x, norm.weight, norm.variance_epsilon, residual)

@@ -25,7 +25,7 @@ class RunningRows:
     - the outputs so far: ``out_tokens[r, :drawn[r]]`` and ``out_logprobs[r, :drawn[r]]``.
 
     A running row's decode input (:meth:`decode_inputs`) follows from these: its last sampled token, at
-    position ``prompt_len + drawn - 1``.
+    position ``prompt_len + drawn - 1`` (one further while the engine's step in flight draws its next one).
     """
 
     def __init__(self, num_rows: int, max_len: int) -> None:
@@ -63,27 +63,34 @@ class RunningRows:
     def release(self, row: int) -> None:
         self.active[row] = False
 
-    def decode_inputs(self, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rows ``0..span-1``'s decode inputs ``(tokens, positions, lora slots)``: a running row's last sampled
-        token at ``prompt_len + drawn - 1`` with its slot; a free row token 0 at position 0 with slot -1."""
-        active = self.active[:span]
-        drawn = self.drawn[:span]
-        last = self.out_tokens[np.arange(span), np.maximum(drawn - 1, 0)]
-        return (np.where(active, last, 0), np.where(active, self.prompt_len[:span] + drawn - 1, 0),
-                np.where(active, self.lora[:span], -1))
+    def ending(self, pending: np.ndarray) -> np.ndarray:
+        """Which rows' token in flight is certain to be their last (``[num_rows]`` bool): ``pending[r]`` marks a
+        row whose token from the engine's step in flight (launched, not yet accepted) is still to come; with it
+        the row reaches its length limit. (Whether a token in flight is a stop token is not known yet.)"""
+        return pending & (self.drawn + 1 >= self.limit)
 
-    def last_active(self) -> int:
-        """The highest running row (-1 if none)."""
-        rows = np.flatnonzero(self.active)
-        return int(rows[-1]) if rows.size else -1
+    def decode_inputs(self, span: int, pending: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows ``0..span-1``'s decode inputs ``(tokens, positions, lora slots)``. A running row gets its last
+        sampled token at position ``prompt_len + drawn - 1`` and its slot; if ``pending``, its token in flight,
+        one position further (the token is the caller's to supply on the device: here 0). That position is
+        at most ``max_len - 1`` and past what the row keeps, so a row whose token in flight turns out to be
+        its last may run once more (its new token is dropped). A free row gets token 0 at position 0 with
+        slot -1."""
+        active, pending = self.active[:span], pending[:span]
+        drawn = self.drawn[:span] + pending
+        last = self.out_tokens[np.arange(span), np.maximum(drawn - 1, 0)]
+        return (np.where(active & ~pending, last, 0), np.where(active, self.prompt_len[:span] + drawn - 1, 0),
+                np.where(active, self.lora[:span], -1))
 
     def active_below(self, span: int) -> np.ndarray:
         """The running rows among ``0..span-1``, ascending (int64)."""
         return np.flatnonzero(self.active[:span])
 
-    def uniforms(self, rows: np.ndarray) -> np.ndarray:
-        """Each row's RNG draw for its next token (:func:`request_uniforms` of its seed and ``drawn``)."""
-        return request_uniforms(self.seed[rows], self.drawn[rows])
+    def uniforms(self, rows: np.ndarray, pending: np.ndarray | None = None) -> np.ndarray:
+        """Each row's RNG draw for its next token (:func:`request_uniforms` of its seed and ``drawn``, plus one
+        for a row whose token in flight is ``pending``, over all rows)."""
+        drawn = self.drawn[rows] if pending is None else self.drawn[rows] + pending[rows]
+        return request_uniforms(self.seed[rows], drawn)
 
     def accept(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Appends ``tokens[i]`` (log-prob ``logprobs[i]``) to row ``rows[i]``'s output. Returns the rows that

@@ -51,12 +51,34 @@ def request_uniforms(seeds: Sequence[int] | np.ndarray, indices: Sequence[int] |
     return (bits.astype(np.float64) + 0.5) / float(1 << 53)
 
 
-def sample_rows(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float],
-                uniform: Sequence[float]) -> tuple[list[int], list[float]]:
+class DrawnTokens:
+    """One step's sampled tokens: on the device (``tokens: [N]`` int64, ``logprobs: [N]`` float32), and being
+    copied to the host. On a GPU the copy is asynchronous (to pinned memory) and an event marks its end, so
+    :meth:`result` waits for this step's sampling only, not for work queued after it (the next decode step)."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        self.tokens, self.logprobs = tokens, logprobs
+        self._ready: torch.cuda.Event | None = None
+        if tokens.device.type == "cuda":
+            self._host = [tokens.to("cpu", non_blocking=True), logprobs.to("cpu", non_blocking=True)]
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = [tokens, logprobs]
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(tokens [N] int64, logprobs [N] float64)`` on the host, once the copy is done."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host[0].numpy().astype(np.int64), self._host[1].numpy().astype(np.float64)
+
+
+def draw_rows(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float],
+              uniform: Sequence[float]) -> DrawnTokens:
     """Samples one token for each row of ``logits: [N, V]`` (any float dtype; computed in fp32), row ``i``
     with ``temperature[i]`` (0 = greedy), ``top_p[i]`` and RNG draw ``uniform[i]`` (from
-    :func:`request_uniforms`; all three of length ``N``). Returns the tokens and their untempered
-    log-probabilities.
+    :func:`request_uniforms`; all three of length ``N``): the tokens and their untempered log-probabilities,
+    without waiting for the device.
 
     Greedy and plain rows go through ``kernels.sample_tokens`` (one Triton launch for CUDA logits, the torch
     reference elsewhere); top-p rows are then drawn again by the sort-based nucleus path."""
@@ -79,18 +101,14 @@ def sample_rows(logits: torch.Tensor, temperature: Sequence[float], top_p: Seque
         chosen = _inverse_cdf_top_p(probs, uniform_d[index], top_p_d)
         tokens[index] = chosen
         logprobs[index] = picked.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)
-    host_tokens, host_logprobs = _to_host(tokens, logprobs)  # the step's one host synchronisation
-    return host_tokens.tolist(), host_logprobs.tolist()
+    return DrawnTokens(tokens, logprobs)
 
 
-def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors on the CPU after one wait: asynchronous copies (to pinned memory) then one stream
-    synchronisation for CUDA tensors; CPU tensors as they are."""
-    if tensors[0].device.type != "cuda":
-        return [t.cpu() for t in tensors]
-    host = [t.to("cpu", non_blocking=True) for t in tensors]
-    torch.cuda.current_stream(tensors[0].device).synchronize()
-    return host
+def sample_rows(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float],
+                uniform: Sequence[float]) -> tuple[list[int], list[float]]:
+    """:func:`draw_rows`, waiting for its result: the tokens and their untempered log-probabilities as lists."""
+    tokens, logprobs = draw_rows(logits, temperature, top_p, uniform).result()
+    return tokens.tolist(), logprobs.tolist()
 
 
 def _inverse_cdf_top_p(probs: torch.Tensor, uniform: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

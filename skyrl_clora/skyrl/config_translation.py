@@ -158,6 +158,7 @@ def _base_config(
     tr.policy_mini_batch_size = recipe.prompts_per_step
     tr.micro_train_batch_size_per_gpu = math.gcd(trainer.micro_batch_size, per_gpu)
     tr.micro_forward_batch_size_per_gpu = math.gcd(trainer.micro_batch_size, per_gpu)
+    tr.max_tokens_per_microbatch = trainer.max_tokens_per_microbatch
     tr.max_prompt_length = recipe.max_input_length
     tr.eval_batch_size = max(1, recipe.eval_prompts)
     tr.eval_before_train = recipe.eval_prompts > 0
@@ -238,7 +239,7 @@ def translate(cfg: DictConfig, model_path: str | None = None) -> SkyRLPlan:
         raise ConfigError("recipe.user=llm (the base model as the customer) runs on backend=embedded only; "
                           "use recipe.user=scripted with backend=skyrl")
     sampler = config_section(SamplerConfig, cfg.sampler, "sampler")
-    tenants = tenant_specs(cfg, lora, trainer)
+    tenants = tenant_specs(cfg, lora, trainer, recipe)
     path = cfg.model.path if cfg.model.path is not None else model_path
     if path is None:
         raise ConfigError("backend=skyrl needs a base model folder: set model.path=/path/to/hf-checkpoint")

@@ -46,7 +46,7 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.episodes import episode_batch, eval_record, log_orphaned_task_error, step_record
-from skyrl_clora.recipes.tasks import TaskSource, build_task_source
+from skyrl_clora.recipes.tasks import TaskSource
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
 from skyrl_clora.tenants import TenantSpec
@@ -68,9 +68,10 @@ class Tenant:
 class SkyRLTenantLoop:
     """One tenant's experiment on SkyRL's stack: evaluation, ``steps`` RL steps, evaluation, export."""
 
-    def __init__(self, run: RunConfig, tenant: Tenant, stack: SkyRLStack, metrics: MetricsLog,
+    def __init__(self, run: RunConfig, tenant: Tenant, source: TaskSource, stack: SkyRLStack, metrics: MetricsLog,
                  train_lock: asyncio.Lock) -> None:
         self.run, self.tenant, self.stack, self.metrics, self.train_lock = run, tenant, stack, metrics, train_lock
+        self.source = source
         self.name = tenant.spec.name
         self.schedule = LRSchedule(tenant.spec.lr, run.trainer.warmup_steps, run.steps, run.trainer.lr_schedule)
         self.algorithm = tenant.dispatch.cfg.trainer.algorithm
@@ -93,11 +94,10 @@ class SkyRLTenantLoop:
 
     async def run_experiment(self) -> None:
         try:
-            source = build_task_source(self.run.recipe, self.tenant.spec, self.run.steps, self.run.seed)
-            await self._evaluate(source, step=0)
+            await self._evaluate(step=0)
             for step in range(1, self.run.steps + 1):
-                await self._rl_step(source, step)
-            await self._evaluate(source, step=self.run.steps)
+                await self._rl_step(step)
+            await self._evaluate(step=self.run.steps)
             exported = Path(self.stack.sync_path) / self.name  # the last sync wrote the final adapter there
             shutil.copytree(exported, self.run.output_dir / "adapters" / self.name, dirs_exist_ok=True)
         except Exception as error:  # noqa: BLE001 - a failing tenant must not take the others down
@@ -123,17 +123,17 @@ class SkyRLTenantLoop:
                                    f"versions {versions}, expected {version}")
         return output, groups
 
-    async def _evaluate(self, source: TaskSource, step: int) -> None:
-        rows = source.evaluation_rows()
+    async def _evaluate(self, step: int) -> None:
+        rows = self.source.evaluation_rows()
         if not rows:
             return
         output, _ = await self._generate(rows, samples=1, tag=f"eval{step}")
         self.metrics.write(eval_record(self.name, step, output))
 
-    async def _rl_step(self, source: TaskSource, step: int) -> None:
+    async def _rl_step(self, step: int) -> None:
         started = time.perf_counter()
         output, groups = await self._generate(
-            source.step_rows(step - 1, self.run.recipe.prompts_per_step), self.tenant.spec.samples_per_prompt, f"s{step}"
+            self.source.step_rows(step - 1, self.run.recipe.prompts_per_step), self.tenant.spec.samples_per_prompt, f"s{step}"
         )
         rollout_s = time.perf_counter() - started
         data = training_input(output, groups, self.stack.tokenizer.pad_token_id, self.algorithm)
@@ -190,7 +190,8 @@ def training_input(output: dict[str, Any], groups: list[str], pad_token_id: int,
     return data
 
 
-async def _run_tenants(run: RunConfig, plan: SkyRLPlan, stack: SkyRLStack, metrics: MetricsLog) -> None:
+async def _run_tenants(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource], stack: SkyRLStack,
+                       metrics: MetricsLog) -> None:
     asyncio.get_running_loop().set_exception_handler(log_orphaned_task_error)
     lock = asyncio.Lock()
     loops = []
@@ -200,7 +201,7 @@ async def _run_tenants(run: RunConfig, plan: SkyRLPlan, stack: SkyRLStack, metri
         dispatch = WorkerDispatch(config, policy_actor_group=stack.policy_group, inference_engine_client=view)
         generator = SkyRLGymGenerator(config.generator, config.environment.skyrl_gym, view, stack.tokenizer,
                                       policy_model_name=spec.name)
-        loops.append(SkyRLTenantLoop(run, Tenant(spec, dispatch, generator, view), stack, metrics, lock))
+        loops.append(SkyRLTenantLoop(run, Tenant(spec, dispatch, generator, view), sources[spec.name], stack, metrics, lock))
     # One weight-sync setup for the worker group (it keeps the shared client's server URLs).
     await asyncio.to_thread(loops[0].tenant.dispatch.init_weight_sync_state, stack.client)
     for loop in loops:
@@ -212,8 +213,10 @@ async def _run_tenants(run: RunConfig, plan: SkyRLPlan, stack: SkyRLStack, metri
             await client.teardown()
 
 
-def run_skyrl(run: RunConfig, plan: SkyRLPlan, model_path: str, base_model_s: float) -> dict[str, Any]:
-    """Runs every tenant concurrently through SkyRL's stack; writes the embedded backend's outputs."""
+def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource], model_path: str,
+              base_model_s: float) -> dict[str, Any]:
+    """Runs every tenant concurrently through SkyRL's stack on its task data ``sources`` (by tenant name,
+    ``recipes.tasks.build_task_sources``); writes the embedded backend's outputs."""
     if run.mode != "concurrent":
         raise ConfigError("backend=skyrl runs tenants concurrently on one stack; set clora.mode=concurrent "
                           "(serial mode is the embedded backend's baseline)")
@@ -224,7 +227,7 @@ def run_skyrl(run: RunConfig, plan: SkyRLPlan, model_path: str, base_model_s: fl
     stack = build_stack(run, plan, model_path)
     try:
         cold_start_s = time.perf_counter() - started
-        asyncio.run(_run_tenants(run, plan, stack, metrics))
+        asyncio.run(_run_tenants(run, plan, sources, stack, metrics))
     finally:
         metrics.close()
         stack.shutdown()

@@ -51,7 +51,8 @@ from typing import Any
 from aiohttp import web
 
 from skyrl_clora.lora.peft_export import load_peft_adapter
-from skyrl_clora.sampler.engine import Engine, SamplingParams, derive_seed
+from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.requests import SamplingParams, derive_seed
 
 # Sampling keys SkyRL's vLLM params carry that the engine honours, or that are no-ops at these values.
 _NEUTRAL_SAMPLING = {

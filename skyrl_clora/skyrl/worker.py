@@ -134,6 +134,7 @@ class EmbeddedPolicyWorker:
             OptimizerConfig(betas=tuple(optimizer.adam_betas), weight_decay=optimizer.weight_decay,
                             max_grad_norm=optimizer.max_grad_norm),
             micro_batch_size=self.cfg.micro_train_batch_size_per_gpu,
+            max_tokens_per_microbatch=self.cfg.max_tokens_per_microbatch,
         )
         self.tenants = dict(tenants or {})
         self.total_steps = max(1, num_training_steps or 1)

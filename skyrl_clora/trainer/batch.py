@@ -181,13 +181,18 @@ def group_order(groups: list[int], generator: torch.Generator) -> list[int]:
     return sorted(range(len(groups)), key=lambda row: (rank[groups[row]], row))
 
 
-def plan_micro_batches(rows: PassRows, orders: list[list[int]], micro_batch_size: int) -> tuple[list[int], list[MicroBatch]]:
+def plan_micro_batches(
+    rows: PassRows, orders: list[list[int]], micro_batch_size: int, max_tokens: int = -1, shared_prompts: bool = False
+) -> tuple[list[int], list[MicroBatch]]:
     """Interleaves the tenants' shuffled row orders (``orders[p]``: tenant ``p``'s local row order) round-robin
     by runs of one prompt group (every tenant's first run, then every tenant's second, ...: a group's rows stay
     together, so a micro-batch computes a shared prompt once, as in swap mode), cuts the sequence into
-    micro-batches of ``micro_batch_size`` rows and groups each by tenant (keeping each tenant's order). With
-    one tenant this is its shuffled order cut into consecutive micro-batches. Returns the global row order and
-    the micro-batches over it."""
+    micro-batches and groups each by tenant (keeping each tenant's order). With one tenant this is its shuffled
+    order cut into consecutive micro-batches. Returns the global row order and the micro-batches over it.
+
+    The cut: ``micro_batch_size`` rows each when ``max_tokens <= 0``; otherwise (SkyRL's
+    ``max_tokens_per_microbatch``, and ``micro_batch_size`` is ignored) as many rows as keep the tokens the pass
+    computes within ``max_tokens`` (:func:`_token_chunks`)."""
     runs = []  # per tenant, its order cut into runs of consecutive rows of one prompt group
     for p, order in enumerate(orders):
         groups = [rows.prompt_groups[rows.offsets[p] + row] for row in order]
@@ -195,15 +200,20 @@ def plan_micro_batches(rows: PassRows, orders: list[list[int]], micro_batch_size
                      for _, run in itertools.groupby(zip(groups, order), key=lambda item: item[0])])
     sequence = [item for k in range(max(map(len, runs))) for tenant_runs in runs if k < len(tenant_runs)
                 for item in tenant_runs[k]]
+    if max_tokens <= 0:
+        chunks = [sequence[start : start + micro_batch_size] for start in range(0, len(sequence), micro_batch_size)]
+    else:
+        chunks = _token_chunks(rows, sequence, max_tokens, shared_prompts)
     order: list[int] = []
     micro_batches = []
-    for start in range(0, len(sequence), micro_batch_size):
-        chunk = sorted(sequence[start : start + micro_batch_size], key=lambda item: item[0])
+    for chunk in chunks:
+        chunk = sorted(chunk, key=lambda item: item[0])
         segments, first = [], 0
         for tenant, group in itertools.groupby(chunk, key=lambda item: item[0]):
             size = len(list(group))
             segments.append((tenant, first, first + size))
             first += size
+        start = len(order)
         order.extend(row for _, row in chunk)
         micro_batches.append(MicroBatch(
             start=start, end=start + len(chunk), segments=tuple(segments),
@@ -211,3 +221,33 @@ def plan_micro_batches(rows: PassRows, orders: list[list[int]], micro_batch_size
             response_width=max(1, max(rows.host_response_lens[row] for _, row in chunk)),
         ))
     return order, micro_batches
+
+
+def _token_chunks(
+    rows: PassRows, sequence: list[tuple[int, int]], max_tokens: int, shared_prompts: bool
+) -> list[list[tuple[int, int]]]:
+    """Cuts ``sequence`` (``(tenant, global row)`` items) into consecutive chunks whose passes compute at most
+    ``max_tokens`` token positions each (a row over it alone forms its own chunk). A pass computes, with
+    ``shared_prompts``, each distinct prompt once plus every row's response (the trainer's shared-prompt pass;
+    a chunk whose rows share no prompt runs whole sequences, padded, and may pass the budget by that padding);
+    otherwise every row padded to the chunk's longest (its whole-sequence pass ``[rows, width]``)."""
+    chunks: list[list[tuple[int, int]]] = []
+    chunk: list[tuple[int, int]] = []
+    prompts: set[int] = set()
+    tokens = width = 0
+    for item in sequence:
+        row = item[1]
+        seq_len, response_len, group = rows.host_seq_lens[row], rows.host_response_lens[row], rows.prompt_groups[row]
+        if shared_prompts:
+            grown = tokens + response_len + (0 if group in prompts else seq_len - response_len)
+        else:
+            grown = (len(chunk) + 1) * max(width, seq_len)
+        if chunk and grown > max_tokens:
+            chunks.append(chunk)
+            chunk, prompts, width = [], set(), 0
+            grown = seq_len  # one row: its prompt and response, shared or not
+        chunk.append(item)
+        prompts.add(group)
+        tokens, width = grown, max(width, seq_len)
+    chunks.append(chunk)
+    return chunks

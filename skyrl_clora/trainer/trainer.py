@@ -43,9 +43,12 @@ class Trainer:
 
     ``store.slots`` bounds the tenants of one packed pass; in swap mode a second slot, when there is one,
     receives the next tenant's state (``train_step(..., prefetch=name)``) while the current one trains.
-    ``max_logits`` bounds the fp32 logits alive at once (see :func:`token_logprobs`). With ``fused_elementwise``
-    the model's RMSNorm and SwiGLU MLP modules are replaced in place by fused ones
-    (:func:`fuse_elementwise_modules`); without, the model's own modules run (bench_train's baseline).
+    A pass's micro-batches hold ``micro_batch_size`` rows, or, with ``max_tokens_per_microbatch > 0`` (SkyRL's
+    field of that name), as many rows as compute at most that many token positions (:func:`plan_micro_batches`):
+    fewer, larger micro-batches cost fewer of the host's launches per pass. ``max_logits`` bounds the fp32
+    logits alive at once (see :func:`token_logprobs`). With ``fused_elementwise`` the model's RMSNorm and
+    SwiGLU MLP modules are replaced in place by fused ones (:func:`fuse_elementwise_modules`); without, the
+    model's own modules run (bench_train's baseline).
     With ``shared_prefix`` (and a decoder of full-attention layers) the rows of a micro-batch that share a
     prompt compute it once: in one pass of prompt and response segments on a GPU in half precision
     (:func:`segment_prefix_hidden`), in a prompt pass and a response pass elsewhere (:func:`shared_prefix_hidden`);
@@ -61,6 +64,7 @@ class Trainer:
         algorithm: AlgorithmConfig,
         optimizer: OptimizerConfig,
         micro_batch_size: int,
+        max_tokens_per_microbatch: int = -1,
         max_logits: int = 1 << 27,
         fused_elementwise: bool = True,
         shared_prefix: bool = False,
@@ -75,6 +79,7 @@ class Trainer:
         self.algorithm = algorithm
         self.optimizer = optimizer
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.max_logits = max_logits
         self.policy_loss = PolicyLossRegistry.get(algorithm.policy_loss_type)
         self.device = store.device
@@ -163,7 +168,7 @@ class Trainer:
             generator.set_state(state.rng_state)
             orders.append(group_order(rows.prompt_groups[offset : offset + count], generator))
             state.rng_state = generator.get_state()
-        order, micro_batches = plan_micro_batches(rows, orders, self.micro_batch_size)
+        order, micro_batches = self._plan(rows, orders)
         order_device = lists_to_device([order], self.device)[0]
         torch._foreach_zero_([view for slot in slots for view in self.store.param_views(slot, grads=True)])
 
@@ -207,6 +212,10 @@ class Trainer:
                 metrics["logprob_abs_diff_vs_sampler"] = host[2][p] / tokens
             results.append(metrics)
         return results
+
+    def _plan(self, rows: PassRows, orders: list[list[int]]) -> tuple[list[int], list[MicroBatch]]:
+        """The pass's row order and micro-batches (:func:`plan_micro_batches` under this trainer's bounds)."""
+        return plan_micro_batches(rows, orders, self.micro_batch_size, self.max_tokens_per_microbatch, self.shared_prefix)
 
     @profiled("trainer.forward")
     def _logprobs(self, rows: PassRows, row_index: torch.Tensor, micro: MicroBatch, host_rows: list[int]) -> torch.Tensor:
@@ -264,7 +273,7 @@ class Trainer:
         self.store.swap_in(tenant, slot)
         try:
             rows = build_pass_rows([batch], [slot], self.algorithm, self.device)
-            order, micro_batches = plan_micro_batches(rows, [list(range(rows.counts[0]))], self.micro_batch_size)
+            order, micro_batches = self._plan(rows, [list(range(rows.counts[0]))])
             order_device = lists_to_device([order], self.device)[0]
             out = torch.zeros_like(rows.response_mask)
             for micro in micro_batches:

@@ -93,7 +93,7 @@ def test_decode_step_captured_in_cuda_graph_replays_new_lengths() -> None:
 def test_prefix_rows_read_the_shared_copy_at_real_sizes(heads: int, dtype: torch.dtype) -> None:
     """64 rows in 8 groups of 8 whose first 255 positions (a GRPO prompt less its last token) are read once
     per group (Qwen3-1.7B's and 4B's query heads per kv head: 16- and 32-row tiles); every member's own
-    copy is NaN, so reading it would show."""
+    copy is NaN, and so is every partial the call does not write, so reading either would show."""
     p = make_attention_problem(64, heads, 8, 640, 128, dtype, device="cuda", seed=7,
                                lengths=[300 + 4 * row for row in range(64)])
     prefix_rows = (torch.arange(64, device="cuda") // 8) * 8
@@ -105,5 +105,8 @@ def test_prefix_rows_read_the_shared_copy_at_real_sizes(heads: int, dtype: torch
     p.k_cache[members, :, :255] = float("nan")
     p.v_cache[members, :, :255] = float("nan")
     want = decode_attention(p.q.float(), clean_k.float(), clean_v.float(), p.lengths, backend="torch")
-    got = decode_attention(p.q, p.k_cache, p.v_cache, p.lengths, prefix_rows=prefix_rows, prefix_lens=prefix_lens)
+    workspace = DecodeWorkspace(max_rows=64, num_heads=heads, max_len=640, head_dim=128, device="cuda")
+    workspace.buffer.fill_(float("nan"))
+    got = decode_attention(p.q, p.k_cache, p.v_cache, p.lengths, workspace=workspace, prefix_rows=prefix_rows,
+                           prefix_lens=prefix_lens)
     assert _err(got, want) < TOLERANCE[dtype], f"relative error {_err(got, want):.2e}"

@@ -9,8 +9,9 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from skyrl_clora.lora.layers import attach_multi_lora, write_slot
-from skyrl_clora.sampler.engine import Engine, SamplingParams
+from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.model_runner import PrefillJob
+from skyrl_clora.sampler.requests import SamplingParams
 
 from helpers import random_adapter
 
@@ -52,6 +53,12 @@ def test_graph_replay_matches_eager_decode_for_mixed_tenants() -> None:
         replayed = [future.result(timeout=120).token_ids for future in replayed]
         assert len({tuple(tokens) for tokens in replayed}) == len(jobs), "tenants' outputs must differ"
         assert replayed == [_greedy(eager, name) for name in jobs]
+        # the forward passes' GPU time is counted, and lies within the engine thread's time in decode steps
+        # and prefill rounds
+        for engine in (graphed, eager):
+            assert 0 < engine.stats.decode_gpu_seconds < engine.stats.decode_seconds
+            assert 0 < engine.stats.prefill_gpu_seconds < engine.stats.prefill_seconds
+            assert 0 <= engine.stats.prefill_copy_gpu_seconds < engine.stats.prefill_seconds
     finally:
         graphed.shutdown()
         eager.shutdown()
@@ -94,6 +101,53 @@ def test_publish_in_place_is_seen_by_graph_replays() -> None:
     finally:
         engine.shutdown()
         reference.shutdown()
+
+
+def test_requests_that_stop_early_match_the_hf_forward() -> None:
+    """Decode steps are launched before the tokens of the step before them reach the host (their rows' input
+    tokens stay on the GPU; a row that drew a stop token runs once more). fp32 graphs, shared prefix reads and
+    reused histories, 80 first turns and their second turns through 32 rows, finishing at varied steps: every
+    log-prob is the HF forward's over the prompt and the tokens sampled before it."""
+    model = _model(torch.float32)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():  # weights large enough that a wrong input token moves the log-probs visibly
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.05, generator=generator)
+    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=16, trainable=False)
+    engine = Engine(model, layers, num_rows=32, max_len=128, block_size=32, share_prefix_reads=True, reuse_decode_kv=True)
+    stops = tuple(range(3, 512, 5))  # one token in five stops a completion
+    jobs = [(name, seed) for seed in range(20) for name in ("a", "b", "c", None)]
+
+    def run(prompts: list[list[int]]) -> list:
+        engine.pause()  # the requests reach the engine together
+        futures = [engine.submit(prompt, name, SamplingParams(max_tokens=16, temperature=1.0, seed=seed,
+                                                               stop_token_ids=stops))
+                   for prompt, (name, seed) in zip(prompts, jobs)]
+        engine.resume()
+        return [future.result(timeout=120) for future in futures]
+
+    try:
+        for name, seed in {"a": 1, "b": 2, "c": 3}.items():
+            engine.register_adapter(name, random_adapter(layers, seed, b_std=0.05))
+        slots = {name: engine._slots[name] for name in "abc"} | {None: -1}
+        firsts_prompts = [PROMPT[: 34 + seed % 3 * 3] for _, seed in jobs]  # one cached block shared by all
+        firsts = run(firsts_prompts)
+        seconds_prompts = [prompt + first.token_ids + [300, 301] for prompt, first in zip(firsts_prompts, firsts)]
+        seconds = run(seconds_prompts)
+    finally:
+        engine.shutdown()
+    assert len({tuple(c.token_ids) for c, (_, seed) in zip(firsts, jobs) if seed == 0}) == 4, "tenants' samples must differ"
+    assert {c.finish_reason for c in firsts + seconds} == {"stop", "length"}
+    assert engine.stats.cached_prompt_tokens > 0 and engine.stats.shared_prefix_positions > 0
+    worst = 0.0
+    for prompt, completion, (name, _) in zip(firsts_prompts + seconds_prompts, firsts + seconds, jobs + jobs):
+        ids = torch.tensor(prompt + completion.token_ids, device="cuda")
+        with torch.no_grad(), routing.route(torch.full((len(ids),), slots[name], device="cuda")):
+            logits = model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1].float()
+        want = torch.log_softmax(logits, dim=-1).gather(1, ids[len(prompt):, None])[:, 0]
+        worst = max(worst, float((torch.tensor(completion.logprobs, device="cuda") - want).abs().max()))
+    assert worst < 2e-2, worst
 
 
 def test_decode_logits_match_the_hf_forward() -> None:

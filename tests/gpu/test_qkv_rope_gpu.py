@@ -15,6 +15,7 @@ from skyrl_clora.kernels.testing import (
     QKVRopeProblem,
     adapters_differ,
     capture_graph,
+    check_kv_cache_write,
     make_qkv_rope_problem,
     qkv_rope_ref_fp32,
     rel_error,
@@ -50,6 +51,14 @@ def test_fused_qkv_rope_matches_reference_at_qwen3_4b_sizes(num_tokens: int, num
     assert adapters_differ(p.lora), "adapters give equal outputs: the parity test would be vacuous"
     monkeypatch.setattr(qkv_rope, "fold_pays", lambda *shape: fold)
     check(p, fused(p))
+
+
+@pytest.mark.parametrize("num_tokens", [64, 512])
+def test_k_and_v_go_into_the_cache_as_the_fused_block_returns_them(num_tokens: int) -> None:
+    """The sampling engine's path at Qwen3-1.7B's attention shape: k and v stored into a slot K/V cache."""
+    p = make_qkv_rope_problem(num_tokens, 2048, 16, 8, 128, 8, 16, torch.bfloat16, "uniform", with_norm=True,
+                              device="cuda", seed=num_tokens)
+    check_kv_cache_write(p, cache_rows=num_tokens + 1, cache_len=640)
 
 
 def test_fused_qkv_rope_captured_in_cuda_graph_replays_new_batches_and_publishes() -> None:

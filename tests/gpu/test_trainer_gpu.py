@@ -98,9 +98,11 @@ def test_bf16_response_logprobs_match_full_logits(micro_model_dir: Path) -> None
         trainer.store.swap_out(0)
 
 
-def test_shared_prompts_on_the_gpu_match_whole_sequences(micro_model_dir: Path) -> None:
+@pytest.mark.parametrize("max_tokens", [-1, 150])
+def test_shared_prompts_on_the_gpu_match_whole_sequences(micro_model_dir: Path, max_tokens: int) -> None:
     """GRPO groups (4 samples of each of 3 prompts of different lengths), packed A and B, Triton LoRA:
-    computing each prompt once gives the same metrics and master weights as whole sequences (fp32)."""
+    computing each prompt once gives the same metrics and master weights as whole sequences (fp32), in
+    micro-batches of 5 rows or of up to ``max_tokens`` computed positions (several groups, both tenants)."""
     def grouped(seed: int) -> TrainBatch:
         generator = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(0, 300, (9 + 11 * g,), generator=generator).tolist() for g in range(3)]
@@ -111,7 +113,7 @@ def test_shared_prompts_on_the_gpu_match_whole_sequences(micro_model_dir: Path) 
                           group_ids=[f"g{i // 4}" for i in range(12)], rollout_logprobs=None)
 
     shared, full = _trainer(micro_model_dir, 2), _trainer(micro_model_dir, 2)
-    shared.shared_prefix = True
+    shared.shared_prefix, shared.max_tokens_per_microbatch = True, max_tokens
     for step in range(2):
         items = [("A", grouped(step)), ("B", grouped(step + 10))]
         got = [m for _, m in shared.train_packed(items)]
