@@ -1,0 +1,106 @@
+"""A micro task on which a micro model (conftest's ``learning_model_dir``) learns in a few CPU steps.
+
+The environment ``micro_letters`` scores one assistant turn by the share of its non-space characters
+that are letters a-m. The micro model samples such characters about a third of the time, so rewards vary
+within every GRPO group from the first step, advantages and gradients are non-zero, and the policy
+gradient moves each tenant's adapter (and so its samples) away from the base model and from the other
+tenants; :func:`make_learnable_model` gives the rewarded tokens a shared embedding direction so that the
+mean reward climbs within a few steps. The prompts are the GSM8K recipe's; a tenant takes the
+environment with ``env_class: micro_letters``.
+
+``run_args`` / ``read_records`` make and read a run of ``skyrl_clora.main`` on it; ``assert_learning``
+is the precondition every end-to-end test on it asserts first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import skyrl_gym
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+
+ENV_CLASS = "micro_letters"
+_END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+
+
+class LetterRewardEnv(BaseTextEnv):
+    """One turn; reward = letters a-m / non-space characters of the turn's text (0 for an empty turn)."""
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        super().__init__()
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        text = action
+        for marker in _END_MARKERS:
+            text = text.replace(marker, "")
+        characters = [c for c in text if not c.isspace()]
+        reward = sum("a" <= c <= "m" for c in characters) / len(characters) if characters else 0.0
+        return BaseTextEnvStepOutput(observations=[], reward=reward, done=True, metadata={})
+
+
+def register_micro_env() -> str:
+    """Registers :class:`LetterRewardEnv` as ``micro_letters`` (idempotent); returns the env id."""
+    if ENV_CLASS not in skyrl_gym.registry:
+        skyrl_gym.register(id=ENV_CLASS, entry_point=f"{__name__}:{LetterRewardEnv.__name__}")
+    return ENV_CLASS
+
+
+def micro_tenants(*tenants: dict[str, Any]) -> str:
+    """The ``+tenants=[...]`` override of ``tenants`` (dicts of per-tenant keys), each on the micro task."""
+    entries = []
+    for tenant in tenants:
+        keys = {**tenant, "env_class": ENV_CLASS}
+        entries.append("{" + ",".join(f"{key}:{value}" for key, value in keys.items()) + "}")
+    return f"+tenants=[{','.join(entries)}]"
+
+
+def run_args(model_dir: Path, out: Path, *extra: str, steps: int = 3) -> list[str]:
+    """``main`` arguments for a short run on the micro task (tenants come in ``extra``, see :func:`micro_tenants`)."""
+    register_micro_env()
+    return [
+        f"model.path={model_dir}", f"clora.output_dir={out}", f"clora.steps={steps}", "clora.progress=false",
+        "recipe.prompts_per_step=4", "recipe.samples_per_prompt=8", "recipe.eval_prompts=8",
+        "recipe.max_generate_length=8", "recipe.max_turns=1", "recipe.max_input_length=200", "lora.rank=8",
+        "lora.alpha=16", "lora.max_rank=8", *extra,
+    ]
+
+
+def read_records(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_learning(records: list[dict[str, Any]]) -> None:
+    """Every tenant step saw rewards that vary and took a non-zero gradient (the run trained something)."""
+    steps = [r for r in records if r["event"] == "step"]
+    assert steps, "no tenant finished a step"
+    for record in steps:
+        where = (record["tenant"], record["step"])
+        assert record["train/grad_norm"] > 0, f"zero gradient at {where}"
+        assert 0 < record["reward_mean"] < 1, f"rewards do not vary at {where}: mean {record['reward_mean']}"
+
+
+def make_learnable_model(model_dir: Path, out: Path, lift: float = 0.5) -> Path:
+    """Saves to ``out`` the model of ``model_dir`` with one direction ``u`` (seeded, unit norm) added, times
+    ``lift``, to the embeddings of the tokens whose text is mostly letters a-m (the tied LM head then
+    scores them together): a LoRA that moves the last hidden state along ``u`` raises the whole rewarded
+    class at once, so the micro task is learnt in a few steps rather than dozens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    embeddings = model.get_input_embeddings().weight
+    rewarded = [token for token in range(embeddings.shape[0]) if _mostly_rewarded(tokenizer.decode([token]))]
+    direction = torch.randn(embeddings.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        embeddings[rewarded] += lift * direction / direction.norm()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _mostly_rewarded(text: str) -> bool:
+    characters = [c for c in text if not c.isspace()]
+    return bool(characters) and sum("a" <= c <= "m" for c in characters) > len(characters) / 2
