@@ -76,6 +76,30 @@ def test_swap_scheduler_trains_in_arrival_order_with_prefetch(micro_model_dir: P
         TrainScheduler(trainer, "fused")
 
 
+def assert_returned_weights_are_the_stores(trainer: Trainer, names: list[str], results: list) -> None:
+    """Each tenant's returned weights are its AdapterStore weights (its masters in the model dtype), and the
+    tenants' returned weights differ from each other."""
+    trainer.store.wait()
+    for name, (weights, _) in zip(names, results, strict=True):
+        state = trainer.store.tenants[name]
+        for key, master in state.master.items():
+            path, part = key.rsplit(".", 1)
+            returned = (weights.a if part == "a" else weights.b)[path]
+            stored = (state.weights.a if part == "a" else state.weights.b)[path]
+            assert torch.equal(returned, stored) and torch.equal(returned, master.to(returned.dtype)), (name, key)
+    b_tables = [torch.cat([b.flatten() for b in weights.b.values()]) for weights, _ in results]
+    assert all(b.abs().sum() > 0 for b in b_tables)
+    assert all(not torch.equal(x, y) for i, x in enumerate(b_tables) for y in b_tables[i + 1:])
+
+
+@pytest.mark.parametrize("mode", ["swap", "packed"])
+def test_the_scheduler_returns_each_tenants_stored_weights(micro_model_dir: Path, mode: str) -> None:
+    trainer = _trainer(micro_model_dir, slots=3)
+    scheduler = TrainScheduler(trainer, mode)
+    results = asyncio.run(_submit(scheduler, [("A", _batch(0)), ("B", _batch(1)), ("C", _batch(2))]))
+    assert_returned_weights_are_the_stores(trainer, ["A", "B", "C"], results)
+
+
 class _RecordingSampler:
     def __init__(self, events: list[str]) -> None:
         self.events = events

@@ -17,8 +17,8 @@ from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.trainer import Trainer
 
 
-@pytest.fixture
-def trainer(micro_model_dir: Path) -> Trainer:
+def make_trainer(micro_model_dir: Path) -> Trainer:
+    """One trainer slot; tenants A (rank 8) and B (rank 16) registered."""
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir)
     routing, layers = attach_multi_lora(model, num_slots=1, max_rank=16, trainable=True)
     store = AdapterStore(layers, num_slots=1)
@@ -26,6 +26,11 @@ def trainer(micro_model_dir: Path) -> Trainer:
         weights = init_adapter(layers, rank, 2.0 * rank, torch.Generator().manual_seed(index))
         store.register(name, weights, LRSchedule(base_lr=5e-3), seed=index)
     return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(), micro_batch_size=3)
+
+
+@pytest.fixture
+def trainer(micro_model_dir: Path) -> Trainer:
+    return make_trainer(micro_model_dir)
 
 
 def _batch(seed: int) -> TrainBatch:
@@ -51,17 +56,53 @@ def _assert_same(before: dict, after: dict) -> None:
             assert torch.equal(before[table][key], after[table][key]), f"{table}[{key}] changed"
 
 
-def test_swap_a_b_a_leaves_a_bit_identical(trainer: Trainer) -> None:
+def _device_state(store, slot: int, rank: int) -> dict[str, list[torch.Tensor]]:
+    """The slot's tables at the tenant's rank (copies), plus the LoRA parameters and their gradients."""
+    state = {table: [t.clone() for t in store.table_views(slot, table, rank)] for table in ("master", "exp_avg", "exp_avg_sq")}
+    state["grads"] = [t.clone() for t in store.param_views(slot, grads=True, rank=rank)]
+    state["params"] = [t.clone() for t in store.param_views(slot, rank=rank)]
+    return state
+
+
+def _host_state(state: TenantState) -> dict[str, list[torch.Tensor]]:
+    host = {table: [t.clone() for t in getattr(state, table).values()] for table in ("master", "exp_avg", "exp_avg_sq", "grads")}
+    host["params"] = [t.clone() for path in state.weights.a for t in (state.weights.a[path], state.weights.b[path])]
+    return host
+
+
+def _assert_tables_equal(got: dict, want: dict, where: str) -> None:
+    assert got.keys() == want.keys()
+    for table in want:
+        for x, y in zip(got[table], want[table], strict=True):
+            assert torch.equal(x, y), f"{where}: {table} differs"
+
+
+def test_swap_a_b_a_moves_every_table_of_both_tenants(trainer: Trainer) -> None:
+    """Swapping A, B, A through one slot: each swap-in puts exactly the tenant's host state on the device
+    (weights, masters, both Adam moments, gradients), and each swap-out writes back exactly what the slot
+    held after a step (simulated by shifting every table), leaving the other tenant's state untouched."""
     store = trainer.store
-    trainer.train_step("A", _batch(0))  # give A non-trivial moments and gradients
-    before = _snapshot(store.tenants["A"])
-    store.swap_in("A", 0)
-    store.swap_out(0)
-    store.swap_in("B", 0)
-    store.swap_out(0)
-    store.swap_in("A", 0)
-    store.swap_out(0)
-    _assert_same(before, _snapshot(store.tenants["A"]))
+    trainer.train_step("A", _batch(0))
+    trainer.train_step("B", _batch(1))  # both tenants have non-zero moments and gradients, at ranks 8 and 16
+    host = {name: _host_state(store.tenants[name]) for name in "AB"}
+    assert all(t.abs().sum() > 0 for name in "AB" for table in ("exp_avg", "exp_avg_sq", "grads") for t in host[name][table][1::2])
+    assert not torch.equal(host["A"]["exp_avg_sq"][1], host["B"]["exp_avg_sq"][1][:, :8])
+    for turn, name in enumerate("ABA"):
+        state = store.tenants[name]
+        other = "B" if name == "A" else "A"
+        store.swap_in(name, 0)
+        _assert_tables_equal(_device_state(store, 0, state.rank), host[name], f"swap-in {turn} of {name}")
+        with torch.no_grad():  # an optimizer step's worth of change in every table
+            for index, table in enumerate(("master", "exp_avg", "exp_avg_sq")):
+                torch._foreach_add_(store.table_views(0, table, state.rank), 0.25 * (index + 1) + turn)
+            torch._foreach_add_(store.param_views(0, grads=True, rank=state.rank), 1.5 + turn)
+            torch._foreach_copy_(store.param_views(0), store.table_views(0, "master"))
+        expected = _device_state(store, 0, state.rank)
+        store.swap_out(0)
+        store.wait(name)
+        host[name] = _host_state(store.tenants[name])
+        _assert_tables_equal(host[name], expected, f"swap-out {turn} of {name}")
+        _assert_tables_equal(_host_state(store.tenants[other]), host[other], f"{other} while {name} was swapped")
 
 
 def test_training_b_never_changes_a(trainer: Trainer) -> None:
