@@ -44,3 +44,17 @@ def learning_model_dir(micro_model_dir: Path, tmp_path_factory: pytest.TempPathF
     from micro_task import make_learnable_model
 
     return make_learnable_model(micro_model_dir, tmp_path_factory.mktemp("learning-model"))
+
+
+@pytest.fixture
+def without_production_extras(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm and megatron-core look absent whether or not they are installed, so backend=skyrl tests pick (and
+    refuse) what they would on a machine without them: the embedded stand-ins."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+
+    def find_spec_without_extras(name: str, *args, **kwargs):
+        return None if name.split(".")[0] in ("vllm", "megatron") else find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec_without_extras)

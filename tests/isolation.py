@@ -60,15 +60,13 @@ def run_recorded(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> dict[str, 
     assert main(args) == 0
     monkeypatch.setattr(orchestrator, "build_services", original)
     out = Path(next(arg.split("=", 1)[1] for arg in args if arg.startswith("clora.output_dir=")))
-    records = read_records(out)
     results = {}
     for services in built:
         for name, state in services.store.tenants.items():
             services.store.wait(name)
             served_slot = services.engine._slots[name]
             results[name] = TenantResult(
-                records=[{k: v for k, v in r.items() if k not in _RUN_DEPENDENT and "trajectory_time" not in k}
-                         for r in records if r.get("tenant") == name],
+                records=tenant_records(out, name),
                 tables={table: state.flat[table].clone() for table in TABLES},
                 step=state.step, rng_state=state.rng_state.clone(), weights=_cloned(state.weights),
                 served=read_slot(services.engine.lora_layers, served_slot, state.rank, state.alpha),
@@ -118,6 +116,23 @@ def assert_weights_travel_intact(results: dict[str, TenantResult]) -> None:
         assert torch.equal(published, master.to(result.weights.a[next(iter(result.weights.a))].dtype).float()), name
 
 
+def assert_same_records(got: list[dict[str, Any]], want: list[dict[str, Any]], name: str, exact: bool = True) -> None:
+    """A tenant's metrics records equal, key by key (floats to rounding unless ``exact``; the sampler gap always)."""
+    assert len(got) == len(want), f"{name}'s metrics differ"
+    for first, second in zip(got, want):
+        assert first.keys() == second.keys(), f"{name}'s metrics differ"
+        for key, value in second.items():
+            approximate = key == _SAMPLER_GAP or (not exact and isinstance(value, float))
+            expected = pytest.approx(value, rel=1e-5, abs=1e-6) if approximate else value
+            assert first[key] == expected, f"{name}'s {key} differs at {second['event']} {second['step']}"
+
+
+def tenant_records(out: Path, name: str) -> list[dict[str, Any]]:
+    """``name``'s records of the run in ``out``, without the run-dependent keys."""
+    return [{k: v for k, v in r.items() if k not in _RUN_DEPENDENT and "trajectory_time" not in k}
+            for r in read_records(out) if r.get("tenant") == name]
+
+
 def assert_same_tenants(got: dict[str, TenantResult], want: dict[str, TenantResult], exact: bool = True) -> None:
     """Per tenant: metrics, optimizer state (masters, both moments, gradients, step, RNG), published, served
     and exported A and B; bit for bit when ``exact``, else to float rounding (a packed pass computes its
@@ -132,13 +147,7 @@ def assert_same_tenants(got: dict[str, TenantResult], want: dict[str, TenantResu
 
     for name in want:
         x, y = got[name], want[name]
-        assert len(x.records) == len(y.records), f"{name}'s metrics differ"
-        for first, second in zip(x.records, y.records):
-            assert first.keys() == second.keys(), f"{name}'s metrics differ"
-            for key, value in second.items():
-                approximate = key == _SAMPLER_GAP or (not exact and isinstance(value, float))
-                expected = pytest.approx(value, rel=1e-5, abs=1e-6) if approximate else value
-                assert first[key] == expected, f"{name}'s {key} differs at {second['event']} {second['step']}"
+        assert_same_records(x.records, y.records, name, exact)
         assert x.step == y.step and torch.equal(x.rng_state, y.rng_state), name
         for table in TABLES:
             assert same(x.tables[table], y.tables[table]), f"{name}'s {table} differs"

@@ -48,7 +48,9 @@ def register_micro_env() -> str:
 
 
 def micro_tenants(*tenants: dict[str, Any]) -> str:
-    """The ``+tenants=[...]`` override of ``tenants`` (dicts of per-tenant keys), each on the micro task."""
+    """The ``+tenants=[...]`` override of ``tenants`` (dicts of per-tenant keys), each on the micro task
+    (registered here)."""
+    register_micro_env()
     entries = []
     for tenant in tenants:
         keys = {**tenant, "env_class": ENV_CLASS}
@@ -58,7 +60,6 @@ def micro_tenants(*tenants: dict[str, Any]) -> str:
 
 def run_args(model_dir: Path, out: Path, *extra: str, steps: int = 3) -> list[str]:
     """``main`` arguments for a short run on the micro task (tenants come in ``extra``, see :func:`micro_tenants`)."""
-    register_micro_env()
     return [
         f"model.path={model_dir}", f"clora.output_dir={out}", f"clora.steps={steps}", "clora.progress=false",
         "recipe.prompts_per_step=4", "recipe.samples_per_prompt=8", "recipe.eval_prompts=8",

@@ -9,14 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from isolation import (
+    assert_same_records,
     assert_same_tenants,
     assert_tenants_trained_apart,
     assert_weights_travel_intact,
     run_recorded,
+    tenant_records,
 )
-from micro_task import micro_tenants, read_records, run_args
+from micro_task import assert_learning, micro_tenants, read_records, run_args
+from skyrl_clora.lora.peft_export import load_peft_adapter
+from skyrl_clora.main import main
 
 TENANTS = micro_tenants(
     {"name": "a", "seed": 1, "lr": "1e-2"},
@@ -33,8 +38,6 @@ def test_tenants_learn_the_micro_task(learning_model_dir: Path, tmp_path: Path) 
     """Five steps raise every tenant's mean reward well above its first step's (the task is learnable, so
     the end-to-end tests on it train something)."""
     out = tmp_path / "learn"
-    from skyrl_clora.main import main
-
     assert main(run_args(learning_model_dir, out, TENANTS, steps=5)) == 0
     records = read_records(out)
     for name in "abc":
@@ -52,3 +55,23 @@ def test_a_tenant_ends_the_same_alone_or_beside_others(train_mode: str, learning
     alone = run_recorded(monkeypatch, isolation_args(learning_model_dir, tmp_path / "alone", mode, "clora.mode=serial"))
     assert_weights_travel_intact(alone)
     assert_same_tenants(together, alone, exact=train_mode == "swap")
+
+
+@pytest.mark.usefixtures("without_production_extras")
+def test_a_tenant_ends_the_same_alone_or_beside_others_on_skyrls_stack(learning_model_dir: Path, tmp_path: Path) -> None:
+    """backend=skyrl (SkyRL's generator, WorkerDispatch and a Ray policy worker): two tenants run together end
+    with the metrics and exported adapters each has when it runs alone."""
+    specs = ({"name": "a", "seed": 1, "lr": "1e-2"}, {"name": "b", "seed": 2, "lr": "3e-3"})  # one rank: SkyRL's store
+    assert main(run_args(learning_model_dir, tmp_path / "together", micro_tenants(*specs), "backend=skyrl")) == 0
+    assert_learning(read_records(tmp_path / "together"))
+    exported = {name: load_peft_adapter(tmp_path / "together" / "adapters" / name) for name in "ab"}
+    path = next(iter(exported["a"].b))
+    assert exported["a"].b[path].abs().sum() > 0 and not torch.equal(exported["a"].b[path], exported["b"].b[path])
+    for spec in specs:
+        name, out = spec["name"], tmp_path / f"alone-{spec['name']}"
+        assert main(run_args(learning_model_dir, out, micro_tenants(spec), "backend=skyrl")) == 0
+        assert_same_records(tenant_records(tmp_path / "together", name), tenant_records(out, name), name)
+        alone = load_peft_adapter(out / "adapters" / name)
+        for part in ("a", "b"):
+            for key, tensor in getattr(alone, part).items():
+                assert torch.equal(getattr(exported[name], part)[key], tensor), (name, part, key)

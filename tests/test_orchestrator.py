@@ -8,9 +8,12 @@ from pathlib import Path
 import peft
 import pytest
 import skyrl_gym
+import torch
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 from transformers import AutoModelForCausalLM
 
+from micro_task import assert_learning, micro_tenants, read_records
+from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import main
 
 
@@ -31,9 +34,10 @@ def _step_metrics(out: Path) -> list[dict]:
                   key=lambda r: (r["tenant"], r["event"], r["step"]))
 
 
-def test_concurrent_run_writes_every_output(micro_model_dir: Path, tmp_path: Path) -> None:
+def test_concurrent_run_writes_every_output(learning_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    assert main(_args(micro_model_dir, out, "+tenants=2")) == 0
+    assert main(_args(learning_model_dir, out, micro_tenants({}, {}))) == 0
+    assert_learning(read_records(out))
     steps = [r for r in _step_metrics(out) if r["event"] == "step"]
     assert sorted((r["tenant"], r["step"], r["adapter_version"]) for r in steps) == [
         ("tenant-0", 1, 1), ("tenant-0", 2, 2), ("tenant-1", 1, 1), ("tenant-1", 2, 2)]
@@ -42,25 +46,29 @@ def test_concurrent_run_writes_every_output(micro_model_dir: Path, tmp_path: Pat
     assert summary["mode"] == "concurrent" and len(summary["cold_start_seconds"]) == 1
     assert [row["status"] for row in summary["per_tenant"]] == ["ok", "ok"]
     assert (out / "reward_curves.png").stat().st_size > 1000
-    base = AutoModelForCausalLM.from_pretrained(micro_model_dir)
+    base = AutoModelForCausalLM.from_pretrained(learning_model_dir)
     loaded = peft.PeftModel.from_pretrained(base, str(out / "adapters" / "tenant-1"))
+    exported = load_peft_adapter(out / "adapters" / "tenant-1")
     assert loaded.peft_config["default"].r == 16
+    path = next(iter(exported.b))
+    peft_b = loaded.get_submodule(f"base_model.model.{path}").lora_B["default"].weight
+    assert exported.b[path].abs().sum() > 0 and torch.equal(peft_b.detach(), exported.b[path])
 
 
-def test_same_command_gives_the_same_metrics(micro_model_dir: Path, tmp_path: Path) -> None:
-    args = ("+tenants=[{seed:1},{seed:2,lr:5e-3}]",)
-    assert main(_args(micro_model_dir, tmp_path / "a", *args)) == 0
-    assert main(_args(micro_model_dir, tmp_path / "b", *args)) == 0
-    first, second = _step_metrics(tmp_path / "a"), _step_metrics(tmp_path / "b")
-    tenant0 = [r for r in first if r["tenant"] == "tenant-0" and r["event"] == "step"]
-    tenant1 = [r for r in first if r["tenant"] == "tenant-1" and r["event"] == "step"]
-    assert [r["train/mean_token_logprob"] for r in tenant0] != [r["train/mean_token_logprob"] for r in tenant1]
-    assert first == second
+def test_same_command_gives_the_same_metrics(learning_model_dir: Path, tmp_path: Path) -> None:
+    args = (micro_tenants({"seed": 1}, {"seed": 2, "lr": "5e-3"}),)
+    assert main(_args(learning_model_dir, tmp_path / "a", *args)) == 0
+    assert main(_args(learning_model_dir, tmp_path / "b", *args)) == 0
+    assert_learning(read_records(tmp_path / "a"))
+    adapters = [load_peft_adapter(tmp_path / "a" / "adapters" / name).b for name in ("tenant-0", "tenant-1")]
+    assert any(not torch.equal(adapters[0][path], adapters[1][path]) for path in adapters[0]), "tenants must differ"
+    assert _step_metrics(tmp_path / "a") == _step_metrics(tmp_path / "b")
 
 
-def test_serial_mode_pays_a_cold_start_per_tenant(micro_model_dir: Path, tmp_path: Path) -> None:
+def test_serial_mode_pays_a_cold_start_per_tenant(learning_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "serial"
-    assert main(_args(micro_model_dir, out, "+tenants=2", "clora.mode=serial")) == 0
+    assert main(_args(learning_model_dir, out, micro_tenants({}, {}), "clora.mode=serial")) == 0
+    assert_learning(read_records(out))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == "serial" and len(summary["cold_start_seconds"]) == 2
     assert [row["steps"] for row in summary["per_tenant"]] == [2, 2]

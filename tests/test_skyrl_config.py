@@ -12,6 +12,8 @@ from skyrl_clora.config import ConfigError
 from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate
 
+pytestmark = pytest.mark.usefixtures("without_production_extras")
+
 
 def _translate(tmp_path: Path, *overrides: str):
     return translate(compose_config(["backend=skyrl", f"model.path={tmp_path}", *overrides]))

@@ -16,6 +16,7 @@ from skyrl.train.config import AlgorithmConfig
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 from transformers import AutoModelForCausalLM
 
+from micro_task import assert_learning, register_micro_env
 from skyrl_clora.config import build_run_config
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter, load_peft_adapter
@@ -27,6 +28,8 @@ from skyrl_clora.skyrl.stack import build_stack
 from skyrl_clora.skyrl.worker import training_batch_to_train_batch
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
 from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
+
+pytestmark = pytest.mark.usefixtures("without_production_extras")
 
 PROMPT = list(range(5, 25))
 LRS = {"tenant-0": 1e-2, "tenant-1": 3e-3}
@@ -145,16 +148,18 @@ class RaisingRewardEnv(BaseTextEnv):
         raise RuntimeError("reward function exploded")
 
 
-def test_backend_skyrl_runs_through_main(micro_model_dir: Path, tmp_path: Path) -> None:
-    """Two tenants run 2 steps end to end; a third (tenant-1) whose reward raises fails alone (exit status 1)."""
+def test_backend_skyrl_runs_through_main(learning_model_dir: Path, tmp_path: Path) -> None:
+    """Two tenants learn the micro task for 2 steps end to end; a third (tenant-1) whose reward raises fails
+    alone (exit status 1)."""
     if "raising_reward_skyrl" not in skyrl_gym.registry:
         skyrl_gym.register(id="raising_reward_skyrl", entry_point=RaisingRewardEnv)
     out = tmp_path / "run"
-    assert main(_overrides(micro_model_dir, out, "+tenants=[{},{env_class:raising_reward_skyrl},{}]", "clora.steps=2")) == 1
+    tenants = f"+tenants=[{{env_class:{register_micro_env()}}},{{env_class:raising_reward_skyrl}},{{env_class:micro_letters}}]"
+    assert main(_overrides(learning_model_dir, out, tenants, "clora.steps=2")) == 1
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert_learning(records)  # rewards vary and every step took a gradient, computed by the Ray worker
     steps = sorted((r["tenant"], r["step"], r["adapter_version"]) for r in records if r["event"] == "step")
     assert steps == [("tenant-0", 1, 1), ("tenant-0", 2, 2), ("tenant-2", 1, 1), ("tenant-2", 2, 2)]
-    # The worker's step metrics came back through Ray (the micro model's rewards may all be 0: no gradient).
     assert all(r["episodes"] == 4 and r["train/lr"] == 2e-3 and r["train/response_tokens"] > 0
                for r in records if r["event"] == "step")
     # SkyRL's sampling params reach the server: no turn runs past recipe.max_generate_length (8, 2 turns).
@@ -170,6 +175,7 @@ def test_backend_skyrl_runs_through_main(micro_model_dir: Path, tmp_path: Path) 
     adapters = [load_peft_adapter(out / "adapters" / name) for name in ("tenant-0", "tenant-2")]
     path = next(iter(adapters[0].a))
     assert not torch.equal(adapters[0].a[path], adapters[1].a[path]), "tenants' seeded adapters must differ"
+    assert adapters[0].b[path].abs().sum() > 0 and not torch.equal(adapters[0].b[path], adapters[1].b[path])
     assert (out / "reward_curves.png").is_file()
 
 

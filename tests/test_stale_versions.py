@@ -59,6 +59,7 @@ def test_embedded_stale_trajectory_fails_its_tenant(micro_model_dir: Path, tmp_p
     _assert_only_stale_failed(out, "tenant stale: trajectory sampled with adapter versions [0], expected 1")
 
 
+@pytest.mark.usefixtures("without_production_extras")
 def test_skyrl_stale_trajectory_fails_its_tenant(micro_model_dir: Path, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """backend=skyrl: the tenant's adapter is loaded again on the server (a sync from elsewhere) after its

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -300,7 +299,6 @@ def test_llm_user_resolves_async_generators() -> None:
 @needs_real_data
 @pytest.mark.parametrize("split", ["train", "test"])
 def test_real_ground_truth_replay_scores_one(split: str) -> None:
-    start = time.perf_counter()
     data = load_retail_data(REAL_DATA)
     before = json.dumps(data.tables, sort_keys=True)
     tasks = load_tasks(REAL_DATA, split)
@@ -314,7 +312,6 @@ def test_real_ground_truth_replay_scores_one(split: str) -> None:
             failures.append((index, env.get_metrics()["failed_check"]))
     assert failures == []
     assert json.dumps(data.tables, sort_keys=True) == before, "an episode wrote into the shared base database"
-    assert time.perf_counter() - start < 30
 
 
 def _perturbations(task: Task, tables: dict) -> list[tuple[str, Task]]:

@@ -11,6 +11,7 @@ import torch
 from skyrl.train.config import AlgorithmConfig
 from transformers import AutoModelForCausalLM
 
+from micro_task import assert_learning, micro_tenants
 from skyrl_clora.config import ConfigError
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
@@ -122,7 +123,7 @@ def test_the_scheduler_pauses_sampling_around_every_pass_also_a_failing_one(micr
     results = asyncio.run(_submit(scheduler, [("A", _batch(0)), ("B", _batch(1))]))
     assert all(not isinstance(r, Exception) for r in results)
     passes = 2 if mode == "swap" else 1
-    assert events == ["pause", "train", "resume"] * passes and scheduler.pass_seconds > 0
+    assert events == ["pause", "train", "resume"] * passes
     events.clear()
     results = asyncio.run(_submit(scheduler, [("ghost", _batch(2))]))  # the pass raises: sampling resumes anyway
     assert isinstance(results[0], KeyError) and events == ["pause", "train", "resume"]
@@ -135,13 +136,15 @@ def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize("train_mode, overlap", [("swap", "true"), ("packed", "true"), ("swap", "false")])
-def test_train_modes_end_to_end(train_mode: str, overlap: str, micro_model_dir: Path, tmp_path: Path) -> None:
+def test_train_modes_end_to_end(train_mode: str, overlap: str, learning_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / train_mode
-    assert main(_args(micro_model_dir, out, "+tenants=[{lr:1e-3},{lr:4e-3,rank:8}]", f"clora.train_mode={train_mode}",
+    tenants = micro_tenants({"lr": "1e-3"}, {"lr": "4e-3", "rank": 8})
+    assert main(_args(learning_model_dir, out, tenants, f"clora.train_mode={train_mode}",
                       f"trainer.overlap_sampling={overlap}")) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert [row["status"] for row in summary["per_tenant"]] == ["ok", "ok"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert_learning(records)
     steps = [r for r in records if r["event"] == "step"]
     assert sorted((r["tenant"], r["adapter_version"]) for r in steps) == [
         ("tenant-0", 1), ("tenant-0", 2), ("tenant-1", 1), ("tenant-1", 2)]

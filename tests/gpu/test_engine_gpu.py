@@ -47,18 +47,12 @@ def test_graph_replay_matches_eager_decode_for_mixed_tenants() -> None:
     tenants = {"a": 1, "b": 2, "c": 3}
     graphed, eager = _engine(True, tenants), _engine(False, tenants)
     try:
-        assert graphed.stats.graph_capture_seconds > 0
+        assert graphed.runner._graphs and not eager.runner._graphs  # decode steps replay captured graphs
         jobs = [*tenants, None]
         replayed = [graphed.submit(PROMPT, name, SamplingParams(max_tokens=24, temperature=0.0)) for name in jobs]
         replayed = [future.result(timeout=120).token_ids for future in replayed]
         assert len({tuple(tokens) for tokens in replayed}) == len(jobs), "tenants' outputs must differ"
         assert replayed == [_greedy(eager, name) for name in jobs]
-        # the forward passes' GPU time is counted, and lies within the engine thread's time in decode steps
-        # and prefill rounds
-        for engine in (graphed, eager):
-            assert 0 < engine.stats.decode_gpu_seconds < engine.stats.decode_seconds
-            assert 0 < engine.stats.prefill_gpu_seconds < engine.stats.prefill_seconds
-            assert 0 <= engine.stats.prefill_copy_gpu_seconds < engine.stats.prefill_seconds
     finally:
         graphed.shutdown()
         eager.shutdown()
