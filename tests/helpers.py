@@ -27,3 +27,17 @@ def assert_fused_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype
     """``got`` matches ``want`` within :data:`FUSED_OP_TOLERANCE` of ``dtype``, relative to ``want``'s largest entry."""
     err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6))
     assert err < FUSED_OP_TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
+def record_built(monkeypatch, module, name: str) -> list:
+    """Patches factory ``module.name`` to append everything it builds to the returned list (e.g. the services
+    or stack a run of ``main`` builds, for a test to inspect or act on)."""
+    built: list = []
+    factory = getattr(module, name)
+
+    def recording(*args, **kwargs):
+        built.append(factory(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(module, name, recording)
+    return built

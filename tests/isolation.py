@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from helpers import record_built
 from micro_task import assert_learning, read_records
 from skyrl_clora import orchestrator
 from skyrl_clora.lora.layers import AdapterWeights, read_slot
@@ -48,15 +49,8 @@ class TenantResult:
 def run_recorded(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> dict[str, TenantResult]:
     """Runs ``main(args)`` (exit status 0 asserted), keeping the services every group of tenants ran on, and
     returns each finished tenant's :class:`TenantResult`."""
-    built = []
-
-    def recording_build_services(*a, **k):
-        services = original(*a, **k)
-        built.append(services)
-        return services
-
     original = orchestrator.build_services
-    monkeypatch.setattr(orchestrator, "build_services", recording_build_services)
+    built = record_built(monkeypatch, orchestrator, "build_services")
     assert main(args) == 0
     monkeypatch.setattr(orchestrator, "build_services", original)
     out = Path(next(arg.split("=", 1)[1] for arg in args if arg.startswith("clora.output_dir=")))

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
+from helpers import record_built
 from micro_task import micro_tenants, read_records, run_args
 from skyrl_clora import orchestrator
 from skyrl_clora.main import main
@@ -31,13 +32,9 @@ def _assert_only_stale_failed(out: Path, expected: str) -> None:
 def run_with_stale_rollout(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> int:
     """Runs ``main(args)`` on the embedded backend with one extra publish of tenant ``stale``'s adapter landing
     after its first training rollout is sampled and before that rollout is checked; returns the exit status."""
-    built = []
-    original_build, original_generate = orchestrator.build_services, SkyRLGymGenerator.generate
+    built = record_built(monkeypatch, orchestrator, "build_services")
+    original_generate = SkyRLGymGenerator.generate
     calls: dict[str, int] = {}
-
-    def recording_build_services(*a, **k):
-        built.append(original_build(*a, **k))
-        return built[-1]
 
     async def generate_then_publish(self, batch, **kwargs):
         output = await original_generate(self, batch, **kwargs)
@@ -47,7 +44,6 @@ def run_with_stale_rollout(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> 
             await services.sync.publish("stale", services.store.tenants["stale"].weights)
         return output
 
-    monkeypatch.setattr(orchestrator, "build_services", recording_build_services)
     monkeypatch.setattr(SkyRLGymGenerator, "generate", generate_then_publish)
     return main(args)
 
@@ -64,13 +60,9 @@ def test_skyrl_stale_trajectory_fails_its_tenant(micro_model_dir: Path, tmp_path
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """backend=skyrl: the tenant's adapter is loaded again on the server (a sync from elsewhere) after its
     step fixed the version its rollout must be sampled with, so the rollout reports a newer version."""
-    stacks = []
-    original_build, original_generate = driver.build_stack, SkyRLGymGenerator.generate
+    stacks = record_built(monkeypatch, driver, "build_stack")
+    original_generate = SkyRLGymGenerator.generate
     calls: dict[str, int] = {}
-
-    def recording_build_stack(*a, **k):
-        stacks.append(original_build(*a, **k))
-        return stacks[-1]
 
     async def reload_then_generate(self, batch, **kwargs):
         calls[self.policy_model_name] = calls.get(self.policy_model_name, 0) + 1
@@ -78,7 +70,6 @@ def test_skyrl_stale_trajectory_fails_its_tenant(micro_model_dir: Path, tmp_path
             await self.inference_engine_client.load_lora_adapter("stale", str(Path(stacks[0].sync_path) / "stale"))
         return await original_generate(self, batch, **kwargs)
 
-    monkeypatch.setattr(driver, "build_stack", recording_build_stack)
     monkeypatch.setattr(SkyRLGymGenerator, "generate", reload_then_generate)
     out = tmp_path / "skyrl"
     assert main(run_args(micro_model_dir, out, TENANTS, "backend=skyrl", steps=2)) == 1
