@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if run.backend == "skyrl":
         return _run_skyrl(run, plan)
-    from skyrl_clora.orchestrator import run_experiments
+    from skyrl_clora.backends.embedded import run_experiments
 
     try:
         summary = run_experiments(run)

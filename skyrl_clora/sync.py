@@ -39,9 +39,3 @@ class AdapterSync:
         await asyncio.wrap_future(self.engine.publish(tenant, weights, version))
         self.versions[tenant] = version
         return version, time.perf_counter() - started
-
-    def check_sampled_with(self, tenant: str, versions: list[int]) -> None:
-        """Raises if a trajectory's requests were not all sampled with the tenant's current version."""
-        current = self.versions[tenant]
-        if not versions or any(v != current for v in versions):
-            raise RuntimeError(f"tenant {tenant}: trajectory sampled with adapter versions {versions}, expected {current}")

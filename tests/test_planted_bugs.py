@@ -14,8 +14,8 @@ import test_isolation
 import test_stale_versions
 import test_train_scheduler
 import test_trainer
-from skyrl_clora import orchestrator
-from skyrl_clora.sync import AdapterSync
+from skyrl_clora import tenant_loop
+from skyrl_clora.backends import embedded
 from skyrl_clora.trainer.adapter_store import AdapterStore
 from skyrl_clora.trainer.scheduler import TrainScheduler
 from skyrl_clora.trainer.trainer import Trainer
@@ -63,14 +63,14 @@ def test_packed_tenants_handed_the_first_tenants_weights(micro_model_dir: Path, 
 
 def test_every_tenant_exporting_the_first_exported_adapter(learning_model_dir: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    save = orchestrator.save_peft_adapter
+    save = embedded.save_peft_adapter
     first = []
 
     def save_first(adapter, out_dir, base_model_path):
         first.append(adapter)
         save(first[0], out_dir, base_model_path)
 
-    monkeypatch.setattr(orchestrator, "save_peft_adapter", save_first)
+    monkeypatch.setattr(embedded, "save_peft_adapter", save_first)
     _isolation_fails("swap", learning_model_dir, tmp_path, monkeypatch)
 
 
@@ -111,7 +111,7 @@ def test_swap_out_not_writing_the_moments_back(micro_model_dir: Path, learning_m
 
 
 def test_sampled_versions_not_checked(micro_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(AdapterSync, "check_sampled_with", lambda self, tenant, versions: None)
+    monkeypatch.setattr(tenant_loop, "check_sampled_versions", lambda tenant, rollout, began_at, now: None)
     with pytest.raises(AssertionError):
         test_stale_versions.test_embedded_stale_trajectory_fails_its_tenant(micro_model_dir, tmp_path, monkeypatch)
 

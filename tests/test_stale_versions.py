@@ -11,7 +11,7 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from helpers import record_built
 from micro_task import micro_tenants, read_records, run_args
-from skyrl_clora import orchestrator
+from skyrl_clora.backends import embedded
 from skyrl_clora.main import main
 from skyrl_clora.skyrl import driver
 
@@ -32,7 +32,7 @@ def _assert_only_stale_failed(out: Path, expected: str) -> None:
 def run_with_stale_rollout(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> int:
     """Runs ``main(args)`` on the embedded backend with one extra publish of tenant ``stale``'s adapter landing
     after its first training rollout is sampled and before that rollout is checked; returns the exit status."""
-    built = record_built(monkeypatch, orchestrator, "build_services")
+    built = record_built(monkeypatch, embedded, "build_services")
     original_generate = SkyRLGymGenerator.generate
     calls: dict[str, int] = {}
 
@@ -52,7 +52,7 @@ def test_embedded_stale_trajectory_fails_its_tenant(micro_model_dir: Path, tmp_p
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "embedded"
     assert run_with_stale_rollout(monkeypatch, run_args(micro_model_dir, out, TENANTS, steps=2)) == 1
-    _assert_only_stale_failed(out, "tenant stale: trajectory sampled with adapter versions [0], expected 1")
+    _assert_only_stale_failed(out, "tenant stale: trajectory stale-s1-p0_0 sampled with adapter versions [0]; its step began at version 0 and the tenant is at 1")
 
 
 @pytest.mark.usefixtures("without_production_extras")
@@ -73,4 +73,4 @@ def test_skyrl_stale_trajectory_fails_its_tenant(micro_model_dir: Path, tmp_path
     monkeypatch.setattr(SkyRLGymGenerator, "generate", reload_then_generate)
     out = tmp_path / "skyrl"
     assert main(run_args(micro_model_dir, out, TENANTS, "backend=skyrl", steps=2)) == 1
-    _assert_only_stale_failed(out, "trajectory stale-s1-p0_0 sampled with adapter versions [1], expected 0")
+    _assert_only_stale_failed(out, "tenant stale: trajectory stale-s1-p0_0 sampled with adapter versions [1]; its step began at version 0 and the tenant is at 1")

@@ -1,4 +1,5 @@
-"""``backend=skyrl``: N tenants driven through SkyRL's own stack.
+"""``backend=skyrl``: N tenants driven through SkyRL's own stack, by the tenant loop (``tenant_loop``) over
+:class:`SkyRLBackend`.
 
 Per tenant: a ``SkyRLGymGenerator`` (``policy_model_name=<tenant>``, the tenant's translated generator
 config) over its :class:`~skyrl_clora.skyrl.tenant_client.TenantInferenceClient` view of the shared
@@ -6,9 +7,9 @@ config) over its :class:`~skyrl_clora.skyrl.tenant_client.TenantInferenceClient`
 inference client) over one shared ``PPORayActorGroup`` of policy workers. A tenant's RL step is SkyRL's:
 
   1. generate: the generator runs the step's episodes through the view (``model=<tenant>``);
-  2. version check: every request of every trajectory was sampled with the tenant's current adapter
-     version (the embedded server reports it per request), else the step fails; vLLM reports none, and
-     there the order of a tenant's own phases is the guarantee (its sync lands between its generations);
+  2. version check (the tenant loop's): every request of every trajectory was sampled with the tenant's
+     current adapter version (the embedded server reports it per request), else the step fails; vLLM
+     reports none, and there the order of a tenant's own phases is the guarantee;
   3. train: the episodes become SkyRL's ``TrainingInputBatch`` (:func:`training_input`) and go through
      ``dispatch.forward_backward`` and ``dispatch.optim_step`` with ``model_id=<tenant>`` (the embedded
      worker swaps the tenant's adapter, LR schedule and RNG in; for Megatron the tenant's scheduled LR is
@@ -28,9 +29,9 @@ Outputs are the embedded backend's: metrics.jsonl, summary.json, reward_curves.p
 from __future__ import annotations
 
 import asyncio
-import logging
 import shutil
 import time
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,122 +46,107 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.metrics import MetricsLog, write_run_summary
-from skyrl_clora.episodes import episode_batch, eval_record, log_orphaned_task_error, step_record
+from skyrl_clora.episodes import episode_batch
 from skyrl_clora.recipes.tasks import TaskSource
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
+from skyrl_clora.tenant_loop import Rollout, run_tenant_loops
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
 
-logger = logging.getLogger("skyrl_clora")
-
-
 @dataclass
 class Tenant:
-    """One tenant's handles on the shared stack."""
+    """One tenant's handles on the shared stack, and its LR schedule and step count (the driver sends
+    Megatron the scheduled LR, and reads the worker's step metrics, per step)."""
 
     spec: TenantSpec
     dispatch: WorkerDispatch
     generator: SkyRLGymGenerator
     view: Any
+    schedule: LRSchedule
+    steps_done: int = 0
 
 
-class SkyRLTenantLoop:
-    """One tenant's experiment on SkyRL's stack: evaluation, ``steps`` RL steps, evaluation, export."""
+class SkyRLBackend:
+    """:class:`~skyrl_clora.tenant_loop.TenantBackend` over SkyRL's stack (see module docstring)."""
 
-    def __init__(self, run: RunConfig, tenant: Tenant, source: TaskSource, stack: SkyRLStack, metrics: MetricsLog,
-                 train_lock: asyncio.Lock) -> None:
-        self.run, self.tenant, self.stack, self.metrics, self.train_lock = run, tenant, stack, metrics, train_lock
-        self.source = source
-        self.name = tenant.spec.name
-        self.schedule = LRSchedule(tenant.spec.lr, run.trainer.warmup_steps, run.steps, run.trainer.lr_schedule)
-        self.algorithm = tenant.dispatch.cfg.trainer.algorithm
-        self.steps_done = 0
+    def __init__(self, run: RunConfig, plan: SkyRLPlan, stack: SkyRLStack) -> None:
+        self.run, self.plan, self.stack = run, plan, stack
+        self.tenants: dict[str, Tenant] = {}
+        self._update_lock = asyncio.Lock()
 
-    async def register(self) -> None:
+    async def register(self, spec: TenantSpec) -> None:
         """``register_adapter`` on the workers, then the first sync publishes version 0."""
-        async with self.train_lock:
-            await asyncio.to_thread(self.tenant.dispatch.register_adapter, "policy", self.name)
-            await asyncio.to_thread(self._sync)
+        config, view = self.plan.tenant_configs[spec.name], self.stack.views[spec.name]
+        dispatch = WorkerDispatch(config, policy_actor_group=self.stack.policy_group, inference_engine_client=view)
+        if not self.tenants:  # one weight-sync setup for the worker group (it keeps the shared client's server URLs)
+            await asyncio.to_thread(dispatch.init_weight_sync_state, self.stack.client)
+        generator = SkyRLGymGenerator(config.generator, config.environment.skyrl_gym, view, self.stack.tokenizer,
+                                      policy_model_name=spec.name)
+        schedule = LRSchedule(spec.lr, self.run.trainer.warmup_steps, self.run.steps, self.run.trainer.lr_schedule)
+        self.tenants[spec.name] = Tenant(spec, dispatch, generator, view, schedule)
+        async with self._update_lock:
+            await asyncio.to_thread(dispatch.register_adapter, "policy", spec.name)
+            await self.publish(spec.name)
 
-    def _sync(self) -> None:
-        """``save_weights_for_sampler`` (runs in a worker thread: the dispatch blocks on Ray) plus the
-        version check between what the dispatch counted and what the servers hold."""
-        asyncio.run(self.tenant.dispatch.save_weights_for_sampler(model_id=self.name))
-        held = self.stack.server_version(self.name)
-        if held is not None and held != self.tenant.view.weight_version:
-            raise RuntimeError(f"tenant {self.name}: the servers hold adapter version {held} but the dispatch "
-                               f"counted {self.tenant.view.weight_version}")
-
-    async def run_experiment(self) -> None:
-        try:
-            await self._evaluate(step=0)
-            for step in range(1, self.run.steps + 1):
-                await self._rl_step(step)
-            await self._evaluate(step=self.run.steps)
-            exported = Path(self.stack.sync_path) / self.name  # the last sync wrote the final adapter there
-            shutil.copytree(exported, self.run.output_dir / "adapters" / self.name, dirs_exist_ok=True)
-        except Exception as error:  # noqa: BLE001 - a failing tenant must not take the others down
-            logger.exception("tenant %s failed", self.name)
-            self.metrics.write({"event": "failed", "tenant": self.name, "error": f"{type(error).__name__}: {error}"})
-            async with self.train_lock:
-                await asyncio.to_thread(self.tenant.dispatch.delete_adapter, "policy", self.name)
-            await self.stack.unload(self.name)
-
-    async def _generate(self, rows: list[dict[str, Any]], samples: int, tag: str) -> tuple[dict, list[str]]:
-        """Runs ``samples`` episodes per row through SkyRL's generator with the run's sampling params (as
-        SkyRL's trainer sends them: a vLLM server would otherwise apply vLLM's own defaults, e.g. 16 tokens);
-        returns its output and group ids."""
-        generator_cfg = self.tenant.dispatch.cfg.generator
+    async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
+        """The episodes with the run's sampling params, as SkyRL's trainer sends them (a vLLM server would
+        otherwise apply vLLM's own defaults, e.g. 16 tokens)."""
+        tenant = self.tenants[spec.name]
+        generator_cfg = tenant.dispatch.cfg.generator
         sampling = get_sampling_params_for_backend(generator_cfg.inference_engine.backend, generator_cfg.sampling_params)
-        batch, trajectory_ids, groups = episode_batch(self.name, rows, samples, tag, sampling_params=sampling)
-        version = self.tenant.view.weight_version
-        output = await self.tenant.generator.generate(batch, disable_tqdm=True)
-        for trajectory in trajectory_ids if self.stack.reports_versions else ():
-            versions = self.tenant.view.versions_for(trajectory.to_string())
-            if not versions or any(v != version for v in versions):
-                raise RuntimeError(f"tenant {self.name}: trajectory {trajectory.to_string()} sampled with adapter "
-                                   f"versions {versions}, expected {version}")
-        return output, groups
+        batch, trajectory_ids, groups = episode_batch(spec.name, rows, samples, tag, sampling_params=sampling)
+        output = await tenant.generator.generate(batch, disable_tqdm=True)
+        versions = ([tenant.view.versions_for(t.to_string()) for t in trajectory_ids]
+                    if self.stack.reports_versions else None)
+        return Rollout(output, groups, trajectory_ids, versions)
 
-    async def _evaluate(self, step: int) -> None:
-        rows = self.source.evaluation_rows()
-        if not rows:
-            return
-        output, _ = await self._generate(rows, samples=1, tag=f"eval{step}")
-        self.metrics.write(eval_record(self.name, step, output))
+    def version(self, tenant: str) -> int:
+        return self.tenants[tenant].view.weight_version
 
-    async def _rl_step(self, step: int) -> None:
-        started = time.perf_counter()
-        output, groups = await self._generate(
-            self.source.step_rows(step - 1, self.run.recipe.prompts_per_step), self.tenant.spec.samples_per_prompt, f"s{step}"
-        )
-        rollout_s = time.perf_counter() - started
-        data = training_input(output, groups, self.stack.tokenizer.pad_token_id, self.algorithm)
-        async with self.train_lock:
-            started = time.perf_counter()
-            train_metrics = await asyncio.to_thread(self._train, data)
-            train_s = time.perf_counter() - started
-            started = time.perf_counter()
-            await asyncio.to_thread(self._sync)
-            sync_s = time.perf_counter() - started
-        timings = {"rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s}
-        self.metrics.write(step_record(self.name, step, self.tenant.view.weight_version, output, timings, train_metrics))
+    def exclusive_update(self, tenant: str) -> AbstractAsyncContextManager:
+        """The worker group trains one tenant at a time: a tenant's train + sync hold it."""
+        return self._update_lock
 
-    def _train(self, data: TrainingInputBatch) -> dict[str, float]:
+    async def train(self, tenant: str, rollout: Rollout) -> dict[str, float]:
+        data = training_input(rollout.output, rollout.groups, self.stack.tokenizer.pad_token_id,
+                              self.tenants[tenant].dispatch.cfg.trainer.algorithm)
+        return await asyncio.to_thread(self._train, self.tenants[tenant], data)
+
+    def _train(self, tenant: Tenant, data: TrainingInputBatch) -> dict[str, float]:
         """``forward_backward`` + ``optim_step`` with the tenant's ``model_id``; the step's metrics."""
-        dispatch = self.tenant.dispatch
-        lr = self.schedule.lr(self.steps_done)
+        name, dispatch = tenant.spec.name, tenant.dispatch
+        lr = tenant.schedule.lr(tenant.steps_done)
         if self.stack.strategy == "megatron":
-            dispatch.set_lr("policy", lr, model_id=self.name)
-        output = dispatch.forward_backward("policy", data, model_id=self.name)
-        grad_norm = dispatch.optim_step("policy", model_id=self.name)
-        self.steps_done += 1
-        metrics = self.stack.step_metrics(self.name, output.metrics, grad_norm, lr)
+            dispatch.set_lr("policy", lr, model_id=name)
+        output = dispatch.forward_backward("policy", data, model_id=name)
+        grad_norm = dispatch.optim_step("policy", model_id=name)
+        tenant.steps_done += 1
+        metrics = self.stack.step_metrics(name, output.metrics, grad_norm, lr)
         if metrics.get("grad_norm") != grad_norm or metrics.get("lr") != lr:
-            raise RuntimeError(f"tenant {self.name}: the worker's last step ({metrics.get('lr')=}, "
+            raise RuntimeError(f"tenant {name}: the worker's last step ({metrics.get('lr')=}, "
                                f"{metrics.get('grad_norm')=}) is not this one ({lr=}, {grad_norm=})")
         return metrics
+
+    async def publish(self, tenant: str) -> int:
+        """``save_weights_for_sampler`` (in a worker thread: the dispatch blocks on Ray), then the check that the
+        servers hold the version the dispatch counted."""
+        handles = self.tenants[tenant]
+        await asyncio.to_thread(asyncio.run, handles.dispatch.save_weights_for_sampler(model_id=tenant))
+        held = self.stack.server_version(tenant)
+        if held is not None and held != handles.view.weight_version:
+            raise RuntimeError(f"tenant {tenant}: the servers hold adapter version {held} but the dispatch "
+                               f"counted {handles.view.weight_version}")
+        return handles.view.weight_version
+
+    async def export(self, tenant: str, out_dir: Path) -> None:
+        """A copy of the folder the tenant's last sync wrote."""
+        shutil.copytree(Path(self.stack.sync_path) / tenant, out_dir, dirs_exist_ok=True)
+
+    async def remove(self, tenant: str) -> None:
+        async with self._update_lock:
+            await asyncio.to_thread(self.tenants[tenant].dispatch.delete_adapter, "policy", tenant)
+        await self.stack.unload(tenant)
 
 
 def training_input(output: dict[str, Any], groups: list[str], pad_token_id: int,
@@ -192,22 +178,8 @@ def training_input(output: dict[str, Any], groups: list[str], pad_token_id: int,
 
 async def _run_tenants(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource], stack: SkyRLStack,
                        metrics: MetricsLog) -> None:
-    asyncio.get_running_loop().set_exception_handler(log_orphaned_task_error)
-    lock = asyncio.Lock()
-    loops = []
-    for spec in plan.tenants:
-        config = plan.tenant_configs[spec.name]
-        view = stack.views[spec.name]
-        dispatch = WorkerDispatch(config, policy_actor_group=stack.policy_group, inference_engine_client=view)
-        generator = SkyRLGymGenerator(config.generator, config.environment.skyrl_gym, view, stack.tokenizer,
-                                      policy_model_name=spec.name)
-        loops.append(SkyRLTenantLoop(run, Tenant(spec, dispatch, generator, view), sources[spec.name], stack, metrics, lock))
-    # One weight-sync setup for the worker group (it keeps the shared client's server URLs).
-    await asyncio.to_thread(loops[0].tenant.dispatch.init_weight_sync_state, stack.client)
-    for loop in loops:
-        await loop.register()
     try:
-        await asyncio.gather(*(loop.run_experiment() for loop in loops))
+        await run_tenant_loops(run, SkyRLBackend(run, plan, stack), list(plan.tenants), sources, metrics)
     finally:
         for client in [stack.client, *stack.views.values()]:
             await client.teardown()

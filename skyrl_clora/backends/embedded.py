@@ -1,0 +1,164 @@
+"""The embedded backend: the tenant loop over the project's own services, in concurrent mode (all tenants on
+one set of services) or serial mode (one tenant after another, each with its own cold start: the baseline).
+
+A tenant's episodes run through SkyRL's ``SkyRLGymGenerator`` (``model=`` its adapter) against the shared
+sampler; its updates go through the :class:`~skyrl_clora.trainer.scheduler.TrainScheduler` (swap or packed
+passes over the AdapterStore, with SkyRL's GRPO advantage and policy loss); the sync publishes each new
+version in place (:class:`~skyrl_clora.sync.AdapterSync`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+from contextlib import AbstractAsyncContextManager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
+from skyrl.train.config import SamplingParams as SkyRLSamplingParams
+from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
+
+from skyrl_clora.config import RunConfig
+from skyrl_clora.episodes import episode_batch, scalar_reward
+from skyrl_clora.lora.layers import AdapterWeights
+from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
+from skyrl_clora.metrics import MetricsLog, write_run_summary
+from skyrl_clora.recipes.tasks import TaskSource, build_task_sources
+from skyrl_clora.services import Services, build_services, resolve_model_path
+from skyrl_clora.tenant_loop import Rollout, run_tenant_loops
+from skyrl_clora.tenants import TenantSpec
+from skyrl_clora.trainer.adapter_store import LRSchedule
+from skyrl_clora.trainer.batch import TrainBatch
+
+
+class EmbeddedBackend:
+    """:class:`~skyrl_clora.tenant_loop.TenantBackend` over one set of :class:`Services` (see module docstring)."""
+
+    def __init__(self, run: RunConfig, services: Services) -> None:
+        self.run = run
+        self.services = services
+        self.scheduler = services.train_scheduler(run)
+        self._generators: dict[str, SkyRLGymGenerator] = {}
+        self._env_args: dict[str, dict[str, Any]] = {}
+        self._trained: dict[str, AdapterWeights] = {}
+
+    async def register(self, spec: TenantSpec) -> None:
+        """Seeded PEFT init into the trainer's store and the sampler (version 0); the tenant's generator."""
+        services, run = self.services, self.run
+        weights = init_adapter(services.trainer.layers, spec.rank, spec.alpha, torch.Generator().manual_seed(spec.seed))
+        schedule = LRSchedule(spec.lr, run.trainer.warmup_steps, run.steps, run.trainer.lr_schedule)
+        services.store.register(spec.name, weights, schedule, seed=spec.seed)
+        services.sync.register(spec.name, services.store.tenants[spec.name].weights)
+        recipe = run.recipe
+        generator_cfg = GeneratorConfig(
+            max_turns=recipe.max_turns, batched=False, max_input_length=recipe.max_input_length,
+            n_samples_per_prompt=spec.samples_per_prompt, use_conversation_multi_turn=True,
+            sampling_params=SkyRLSamplingParams(
+                max_generate_length=recipe.max_generate_length, temperature=run.sampler.temperature,
+                top_p=run.sampler.top_p, logprobs=1,
+            ),
+        )
+        # Extra environment arguments of every episode; an LLM customer needs env steps off the event loop.
+        env_args: dict[str, Any] = {}
+        env_workers = 0
+        if recipe.name == "taubench" and recipe.user == "llm":
+            env_args["user_factory"] = lambda: self._llm_user(spec.name)
+            env_workers = 8
+        self._env_args[spec.name] = env_args
+        self._generators[spec.name] = SkyRLGymGenerator(
+            generator_cfg, SkyRLGymConfig(max_env_workers=env_workers), services.client, services.tokenizer,
+            policy_model_name=spec.name,
+        )
+
+    def _llm_user(self, tenant: str) -> Any:
+        """A tau-bench customer played by the base model (no adapter) through the shared sampler."""
+        from skyrl_clora.recipes.taubench.users import LLMUser
+
+        async def generate(messages: list[dict[str, str]]) -> str:
+            conversation = json.dumps(messages, sort_keys=True).encode()
+            body = {"messages": messages, "max_tokens": self.run.recipe.max_generate_length,
+                    "user": f"customer-{tenant}-{hashlib.sha256(conversation).hexdigest()[:16]}"}
+            response = await self.services.client.chat_completion({"json": body})
+            return response["choices"][0]["message"]["content"]
+
+        return LLMUser(generate, loop=asyncio.get_running_loop())
+
+    async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
+        batch, trajectory_ids, groups = episode_batch(spec.name, rows, samples, tag, self._env_args[spec.name])
+        output = await self._generators[spec.name].generate(batch, disable_tqdm=True)
+        versions = [self.services.client.versions_for(spec.name, t.to_string()) for t in trajectory_ids]
+        return Rollout(output, groups, trajectory_ids, versions)
+
+    def version(self, tenant: str) -> int:
+        return self.services.sync.versions[tenant]
+
+    def exclusive_update(self, tenant: str) -> AbstractAsyncContextManager:
+        """Nothing to hold: the train scheduler orders (or packs) the tenants' passes itself."""
+        return contextlib.nullcontext()
+
+    async def train(self, tenant: str, rollout: Rollout) -> dict[str, float]:
+        output = rollout.output
+        batch = TrainBatch(
+            prompt_ids=output["prompt_token_ids"], response_ids=output["response_ids"], loss_masks=output["loss_masks"],
+            rewards=[scalar_reward(r) for r in output["rewards"]], group_ids=rollout.groups,
+            rollout_logprobs=output.get("rollout_logprobs"),
+        )
+        self._trained[tenant], metrics = await self.scheduler.train(tenant, batch)
+        return metrics
+
+    async def publish(self, tenant: str) -> int:
+        version, _ = await self.services.sync.publish(tenant, self._trained.pop(tenant))
+        return version
+
+    async def export(self, tenant: str, out_dir: Path) -> None:
+        save_peft_adapter(self.services.store.tenants[tenant].weights, out_dir, self.services.model_path)
+
+    async def remove(self, tenant: str) -> None:
+        self._trained.pop(tenant, None)
+        await self.services.sync.unregister(tenant)
+        self.services.store.remove(tenant)
+
+
+def run_experiments(run: RunConfig) -> dict[str, Any]:
+    """Runs every tenant in ``run.mode``; writes metrics.jsonl, summary.json, reward_curves.png, adapters/."""
+    run.output_dir.mkdir(parents=True, exist_ok=True)
+    specs = list(run.tenants)
+    sources = build_task_sources(run.recipe, specs, run.steps, run.seed)
+    base_started = time.perf_counter()
+    model_path = resolve_model_path(run)
+    base_model_s = time.perf_counter() - base_started
+    started = time.perf_counter()
+    metrics = MetricsLog(run.output_dir / "metrics.jsonl", progress=run.progress)
+    rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in specs)
+    groups = [specs] if run.mode == "concurrent" else [[spec] for spec in specs]
+    cold_starts: list[float] = []
+    engine_stats: list[dict[str, float]] = []
+    try:
+        for group in groups:
+            cold_starts.append(_run_group(run, group, sources, model_path, rows_per_tenant, metrics, engine_stats))
+    finally:
+        metrics.close()
+    wall_s = time.perf_counter() - started
+    fields = {
+        "mode": run.mode, "steps": run.steps, "model_path": model_path, "cold_start_seconds": cold_starts,
+        "engine": {key: sum(stats[key] for stats in engine_stats) for key in engine_stats[0]} if engine_stats else {},
+    }
+    return write_run_summary(run.output_dir, metrics.records, specs, fields, wall_s, base_model_s, f"mode={run.mode}")
+
+
+def _run_group(run: RunConfig, specs: list[TenantSpec], sources: dict[str, TaskSource], model_path: str,
+               rows_per_tenant: int, metrics: MetricsLog, engine_stats: list[dict[str, float]]) -> float:
+    """Runs ``specs`` on a set of services of their own; appends the engine's stats; returns its cold start."""
+    services = build_services(run, model_path, len(specs), rows_per_tenant)
+    try:
+        asyncio.run(run_tenant_loops(run, EmbeddedBackend(run, services), specs, sources, metrics))
+    finally:
+        services.shutdown()
+        engine_stats.append(asdict(services.engine.stats))
+    return services.cold_start_seconds

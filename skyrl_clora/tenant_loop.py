@@ -1,0 +1,143 @@
+"""The tenant loop, written once for both backends: SkyRL's RL step parameterised by a tenant.
+
+A tenant's experiment is: register its adapter; evaluate; ``steps`` times sample the step's episodes,
+check they were sampled with the tenant's current adapter version, train on them and publish the new
+version; evaluate again; export the adapter (PEFT format). A tenant that raises (e.g. its reward
+function, a stale trajectory) is recorded as failed and removed; the other tenants run on.
+
+The loop talks to the shared services through a :class:`TenantBackend`: ``backends.embedded`` (the
+project's engine, AdapterStore trainer and in-place sync) and ``skyrl.driver`` (SkyRL's generator,
+``WorkerDispatch`` and policy workers) implement it. Everything a tenant's life needs (checkpoints, joining
+and leaving, trackers) is written here once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from skyrl.train.generators.base import TrajectoryID
+
+from skyrl_clora.config import RunConfig
+from skyrl_clora.episodes import eval_record, log_orphaned_task_error, step_record
+from skyrl_clora.metrics import MetricsLog
+from skyrl_clora.recipes.tasks import TaskSource
+from skyrl_clora.tenants import TenantSpec
+
+logger = logging.getLogger("skyrl_clora")
+
+
+@dataclass
+class Rollout:
+    """A batch of a tenant's episodes: SkyRL's generator output (``prompt_token_ids``, ``response_ids``,
+    ``loss_masks``, ``rewards``, ...), each episode's GRPO group id and trajectory id, and per trajectory the
+    adapter version each of its requests was sampled with (None: the inference backend reports none)."""
+
+    output: dict[str, Any]
+    groups: list[str]
+    trajectory_ids: list[TrajectoryID]
+    versions: list[list[int]] | None
+
+
+class TenantBackend(Protocol):
+    """The shared sampler, trainer and sync as one tenant loop sees them (every call names its tenant)."""
+
+    async def register(self, spec: TenantSpec) -> None:
+        """Creates the tenant's adapter (seeded init, its LR schedule and RNG) and publishes it as version 0."""
+
+    async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
+        """Runs ``samples`` episodes of each dataset row with the tenant's adapter (GRPO groups ``<tenant>-<tag>-p<i>``)."""
+
+    def version(self, tenant: str) -> int:
+        """The tenant's published adapter version (0 after registration, one more per publish)."""
+
+    def exclusive_update(self, tenant: str) -> AbstractAsyncContextManager:
+        """Held around a tenant's train + publish when the backend cannot interleave other tenants' updates."""
+
+    async def train(self, tenant: str, rollout: Rollout) -> dict[str, float]:
+        """One policy update of the tenant on ``rollout``; returns the trainer's metrics."""
+
+    async def publish(self, tenant: str) -> int:
+        """Publishes the tenant's trained adapter into the sampler in place; returns the new version."""
+
+    async def export(self, tenant: str, out_dir: Path) -> None:
+        """Writes the tenant's adapter to ``out_dir`` in PEFT format."""
+
+    async def remove(self, tenant: str) -> None:
+        """Frees everything the tenant holds in the services (after a failure)."""
+
+
+def check_sampled_versions(tenant: str, rollout: Rollout, began_at: int, now: int) -> None:
+    """Raises unless every request of every trajectory was sampled with the version the tenant had when its
+    sampling began (``began_at``), and the tenant is still at that version (``now``): a publish landing during
+    a tenant's rollout would otherwise train the new adapter on the old one's samples."""
+    if rollout.versions is None:  # vLLM reports no versions: the order of a tenant's own phases is the guarantee
+        return
+    for trajectory, versions in zip(rollout.trajectory_ids, rollout.versions, strict=True):
+        if not versions or now != began_at or any(v != began_at for v in versions):
+            raise RuntimeError(f"tenant {tenant}: trajectory {trajectory.to_string()} sampled with adapter versions "
+                               f"{versions}; its step began at version {began_at} and the tenant is at {now}")
+
+
+class TenantLoop:
+    """One tenant's experiment over ``backend``: evaluation, ``run.steps`` RL steps, evaluation, export."""
+
+    def __init__(self, run: RunConfig, spec: TenantSpec, source: TaskSource, backend: TenantBackend,
+                 metrics: MetricsLog) -> None:
+        self.run, self.spec, self.source, self.backend, self.metrics = run, spec, source, backend, metrics
+
+    async def run_experiment(self) -> None:
+        name = self.spec.name
+        try:
+            await self._evaluate(step=0)
+            for step in range(1, self.run.steps + 1):
+                await self._rl_step(step)
+            await self._evaluate(step=self.run.steps)
+            await self.backend.export(name, self.run.output_dir / "adapters" / name)
+        except Exception as error:  # noqa: BLE001 - a failing tenant must not take the others down
+            logger.exception("tenant %s failed", name)
+            self.metrics.write({"event": "failed", "tenant": name, "error": f"{type(error).__name__}: {error}"})
+            await self.backend.remove(name)
+
+    async def _sample(self, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
+        began_at = self.backend.version(self.spec.name)
+        rollout = await self.backend.sample(self.spec, rows, samples, tag)
+        check_sampled_versions(self.spec.name, rollout, began_at, self.backend.version(self.spec.name))
+        return rollout
+
+    async def _evaluate(self, step: int) -> None:
+        rows = self.source.evaluation_rows()
+        if rows:
+            rollout = await self._sample(rows, samples=1, tag=f"eval{step}")
+            self.metrics.write(eval_record(self.spec.name, step, rollout.output))
+
+    async def _rl_step(self, step: int) -> None:
+        name = self.spec.name
+        started = time.perf_counter()
+        rows = self.source.step_rows(step - 1, self.run.recipe.prompts_per_step)
+        rollout = await self._sample(rows, self.spec.samples_per_prompt, f"s{step}")
+        rollout_s = time.perf_counter() - started
+        async with self.backend.exclusive_update(name):
+            started = time.perf_counter()
+            train_metrics = await self.backend.train(name, rollout)
+            train_s = time.perf_counter() - started
+            started = time.perf_counter()
+            version = await self.backend.publish(name)
+            sync_s = time.perf_counter() - started
+        timings = {"rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s}
+        self.metrics.write(step_record(name, step, version, rollout.output, timings, train_metrics))
+
+
+async def run_tenant_loops(run: RunConfig, backend: TenantBackend, specs: list[TenantSpec],
+                           sources: dict[str, TaskSource], metrics: MetricsLog) -> None:
+    """Registers every tenant of ``specs`` (in order), then runs their experiments concurrently over ``backend``."""
+    asyncio.get_running_loop().set_exception_handler(log_orphaned_task_error)
+    loops = [TenantLoop(run, spec, sources[spec.name], backend, metrics) for spec in specs]
+    for loop in loops:
+        await backend.register(loop.spec)
+    await asyncio.gather(*(loop.run_experiment() for loop in loops))
