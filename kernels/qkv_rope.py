@@ -33,14 +33,13 @@ from skyrl_clora.kernels.checks import check_add_lora
 from skyrl_clora.kernels.folded import FoldedWeights, fold_pays
 from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
 from skyrl_clora.kernels.layer_ops import norm_rope, rope_tables
+from skyrl_clora.kernels.launch import dot_flags, pdl_flags
 from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
 from skyrl_clora.kernels.sgmv import (
     check_meta,
     default_config,
-    dot_flags,
     folded_h_layout,
     partials_layout,
-    pdl_flags,
     sgmv_shrink,
     shrink_workspace,
 )

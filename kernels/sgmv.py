@@ -5,13 +5,13 @@ batch whose rows belong to many adapters, one launch per op for all adapters and
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from skyrl_clora.kernels.checks import check_add_lora
 from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
+from skyrl_clora.kernels.launch import dot_flags, has_pdl, pdl_flags
 from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
 from skyrl_clora.kernels.sgmv_kernels import expand_kernel, shrink_kernel
 
@@ -32,12 +32,6 @@ class SgmvConfig:
     num_warps: int = 4
     num_stages: int = 2
     pdl: bool = False
-
-
-@functools.cache
-def has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch needs a Hopper or later GPU."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def default_config(num_tokens: int, h_in: int, num_slots: int, num_a_slices: int, rank: int) -> SgmvConfig:
@@ -62,19 +56,6 @@ sizes the expand is launched with PDL (``sgmv_kernels``), where the GPU has it.
     return SgmvConfig(
         block_m=block_m, block_k=block_k, block_n=128, split_k=split_k, num_warps=num_warps, pdl=decode
     )
-
-
-def dot_flags(x: torch.Tensor) -> dict[str, object]:
-    return {
-        "UPCAST": x.device.type != "cuda",
-        "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
-    }
-
-
-def pdl_flags(x: torch.Tensor, pdl: bool) -> dict[str, bool]:
-    """A kernel's ``PDL`` flag and launch option: on when ``pdl`` is asked for and ``x``'s GPU has it."""
-    on = pdl and has_pdl(x.device)
-    return {"PDL": on, "launch_pdl": on}
 
 
 def _slice_args(weights: tuple[torch.Tensor, ...], block_n: int) -> dict[str, int]:

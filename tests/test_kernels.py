@@ -1,6 +1,6 @@
 """Parity of the Triton multi-LoRA kernels with the fp32 torch reference, on the CPU through the Triton
 interpreter (``TRITON_INTERPRET=1``, set by scripts/test.sh), at small sizes; tests/gpu/ repeats them at
-real sizes. Tolerances per dtype: ``kernels.testing.TOLERANCE``.
+real sizes. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from skyrl_clora.kernels import packed
 from skyrl_clora.kernels.meta import ARRIVAL_BLOCKS
 from skyrl_clora.kernels.reference import add_lora_ref, packed_lora_ref
 from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton
-from skyrl_clora.kernels.testing import (
+from kernel_cases import (
     LAYOUTS,
     TOLERANCE,
     adapters_differ,

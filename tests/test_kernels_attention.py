@@ -1,7 +1,7 @@
 """Decode attention: the torch reference against a plain float64 loop, and the Triton kernels (through the
 Triton interpreter, ``TRITON_INTERPRET=1``, set by scripts/test.sh) against both, at small sizes;
 tests/gpu/test_attention_gpu.py repeats them at real sizes. Relative-error tolerances per dtype:
-``kernels.testing.TOLERANCE``.
+``kernel_cases.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from skyrl_clora.kernels.attention import (
     reduce_warps,
 )
 from skyrl_clora.kernels.reference import decode_attention_ref
-from skyrl_clora.kernels.testing import TOLERANCE, attention_loop_ref, make_attention_problem, rel_error
+from kernel_cases import TOLERANCE, attention_loop_ref, make_attention_problem, rel_error
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"

@@ -2,7 +2,7 @@
 independence of the pass's shapes, and the Triton kernel (through the Triton interpreter,
 ``TRITON_INTERPRET=1``, set by scripts/test.sh) against the loop at small sizes;
 tests/gpu/test_prefill_attention_gpu.py repeats them at real sizes. Relative-error tolerances per dtype:
-``kernels.testing.TOLERANCE``.
+``kernel_cases.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from skyrl_clora.kernels import prefill_attention
 from skyrl_clora.kernels.prefill_attention import PrefillConfig, default_prefill_config, prefill_attention_triton
-from skyrl_clora.kernels.testing import TOLERANCE, make_prefill_problem, prefill_loop_ref, rel_error
+from kernel_cases import TOLERANCE, make_prefill_problem, prefill_loop_ref, rel_error
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"

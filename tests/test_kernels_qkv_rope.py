@@ -1,7 +1,7 @@
 """The q/k/v projection with its LoRA expand fused into q/k norm + rotary (``kernels.qkv_rope``): the Triton
 kernel (interpreter on the CPU) against the fp32 reference over adapter layouts, on both of its paths (the
 folded GEMM's partial sums, and the base GEMM with the split-K shrink); tests/gpu/ repeats it at Qwen3-4B
-sizes and in a CUDA graph. Tolerances per dtype: ``kernels.testing.TOLERANCE``.
+sizes and in a CUDA graph. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 import skyrl_clora.kernels.qkv_rope as qkv_rope
 from skyrl_clora.kernels import KVCacheWrite, LoRAMeta, folded_qkv_rope, folded_qkv_rope_into_cache
-from skyrl_clora.kernels.testing import (
+from kernel_cases import (
     LAYOUTS,
     TOLERANCE,
     QKVRopeProblem,

@@ -12,7 +12,7 @@ import torch
 from skyrl_clora.kernels import sample_tokens
 from skyrl_clora.kernels.reference import CDF_BLOCK, sample_tokens_ref
 from skyrl_clora.kernels.sampling import sample_tokens_triton
-from skyrl_clora.kernels.testing import check_samples, make_sampling_problem
+from kernel_cases import check_samples, make_sampling_problem
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"

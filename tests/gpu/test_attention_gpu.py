@@ -1,7 +1,7 @@
 """GPU parity of the Triton decode-attention kernels at real sizes against the fp32 torch reference, and
 CUDA-graph capture of a decode step replayed with new lengths. Skipped without CUDA. Cache positions past
 each row's length and cache rows past the batch hold NaN, so a kernel reading them fails. Tolerances per
-dtype: ``kernels.testing.TOLERANCE``.
+dtype: ``kernel_cases.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import DecodeWorkspace, decode_attention
-from skyrl_clora.kernels.testing import TOLERANCE, attention_ref_fp32, capture_graph, make_attention_problem, rel_error
+from kernel_cases import TOLERANCE, attention_ref_fp32, capture_graph, make_attention_problem, rel_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -1,6 +1,6 @@
 """GPU parity of multi-LoRA layers with their slots' A folded into the base weight (``kernels.folded``) at real
 sizes, on both Triton paths, and a decode step of folded layers captured in a CUDA graph, replayed with new
-rows, slots and a published adapter. Skipped without CUDA. Tolerances per dtype: ``kernels.testing.TOLERANCE``.
+rows, slots and a published adapter. Skipped without CUDA. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 import skyrl_clora.kernels.dispatch as dispatch
 from skyrl_clora.kernels import LoRAMeta, folded_lora_linear
-from skyrl_clora.kernels.testing import (
+from kernel_cases import (
     TOLERANCE,
     adapters_differ,
     capture_graph,

@@ -1,6 +1,6 @@
 """GPU parity of the Triton multi-LoRA kernels at real sizes, and CUDA-graph capture and replay of a decode
 step; the dense one-slot layer and the trainer's atomics-free key gather at training sizes. Skipped without
-CUDA. Tolerances per dtype: ``kernels.testing.TOLERANCE``.
+CUDA. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from skyrl_clora.kernels import LoRAMeta, add_lora, dense_lora_linear, gather_ro
 from skyrl_clora.kernels.gather_ops import inverse_index
 from skyrl_clora.kernels.reference import packed_lora_ref
 from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton
-from skyrl_clora.kernels.testing import (
+from kernel_cases import (
     LAYOUTS,
     TOLERANCE,
     adapters_differ,

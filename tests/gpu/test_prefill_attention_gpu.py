@@ -1,7 +1,7 @@
 """GPU parity of the Triton prefill-attention kernel at real sizes against the fp32 torch reference, and
 CUDA-graph capture of a prefill pass replayed with new metadata. Skipped without CUDA. Each cache row's
 positions past its job's last one, the rows of no job and q's tokens of no job hold NaN, so a kernel
-reading them fails. Tolerances per dtype: ``kernels.testing.TOLERANCE``.
+reading them fails. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import prefill_attention
-from skyrl_clora.kernels.testing import TOLERANCE, capture_graph, make_prefill_problem, prefill_ref_fp32, rel_error
+from kernel_cases import TOLERANCE, capture_graph, make_prefill_problem, prefill_ref_fp32, rel_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

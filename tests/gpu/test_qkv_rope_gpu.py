@@ -1,6 +1,6 @@
 """GPU parity of the q/k/v projection with its LoRA expand fused into q/k norm + rotary (``kernels.qkv_rope``)
 at Qwen3-4B's attention sizes on both of its paths, and the fused block captured in a CUDA graph, replayed
-with new rows, slots and a published adapter. Skipped without CUDA. Tolerances: ``kernels.testing.TOLERANCE``.
+with new rows, slots and a published adapter. Skipped without CUDA. Tolerances: ``kernel_cases.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 import skyrl_clora.kernels.qkv_rope as qkv_rope
 from skyrl_clora.kernels import LoRAMeta, folded_qkv_rope
-from skyrl_clora.kernels.testing import (
+from kernel_cases import (
     TOLERANCE,
     QKVRopeProblem,
     adapters_differ,

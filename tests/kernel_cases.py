@@ -1,5 +1,5 @@
-"""Random multi-LoRA problems over adapter layouts, for the parity tests (CPU and GPU) and the benchmarks;
-random decode-attention, prefill-attention and token-sampling problems with their float64 checks.
+"""Random multi-LoRA problems over adapter layouts for the parity tests (CPU and GPU); random decode-attention,
+prefill-attention and token-sampling problems with their float64 checks.
 
 Layouts follow punica's sweep of adapter popularity: every row its own adapter in turn (``distinct``),
 ``uniform``, ``zipf``, all rows one adapter (``identical``), 90% on one adapter (``skewed``), and a third
