@@ -21,7 +21,7 @@ def model_path() -> str:
         if not (Path(configured) / "config.json").is_file():
             pytest.fail(f"SKYRL_CLORA_MODEL={configured} is not a Hugging Face model folder")
         return configured
-    from skyrl_clora.recipes.tiny_base.pretrain import tiny_base_path
+    from skyrl_clora.tiny_base.pretrain import tiny_base_path
 
     if not tiny_base_path().is_dir():
         pytest.skip("set SKYRL_CLORA_MODEL=/path/to/hf-checkpoint (or build the tiny base: bash scripts/run.sh)")

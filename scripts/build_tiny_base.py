@@ -4,7 +4,7 @@
 
 Prints the pre-training time, then plays `--episodes` calculator-task episodes per task variant with
 the base model sampled at temperature 1.0 and reports accuracy, calculator-usage rate, accuracy with
-and without the calculator, and tokens per episode (see skyrl_clora.recipes.tiny_base.evaluate).
+and without the calculator, and tokens per episode (see skyrl_clora.tiny_base.evaluate).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from skyrl_clora.recipes.gsm8k import VARIANTS, make_dataset_rows
-from skyrl_clora.recipes.tiny_base.evaluate import evaluate_policy
-from skyrl_clora.recipes.tiny_base.pretrain import TinyBaseRecipe, ensure_tiny_base
+from skyrl_clora.tiny_base.evaluate import evaluate_policy
+from skyrl_clora.tiny_base.pretrain import TinyBaseRecipe, ensure_tiny_base
 
 
 def main() -> None:

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_config(argv)
         run = build_run_config(cfg)
         if run.backend == "skyrl":
-            from skyrl_clora.recipes.tiny_base.pretrain import tiny_base_path
+            from skyrl_clora.tiny_base.pretrain import tiny_base_path
             from skyrl_clora.skyrl.config_translation import translate
             from skyrl_clora.skyrl.stack import check_buildable
 
@@ -147,7 +147,7 @@ def _run_skyrl(run: "RunConfig", plan: "SkyRLPlan") -> int:
     import time
 
     from skyrl_clora.config import ConfigError
-    from skyrl_clora.recipes.tasks import build_task_sources
+    from skyrl_clora.recipes.plugin import build_task_sources
     from skyrl_clora.services import resolve_model_path
     from skyrl_clora.skyrl.driver import run_skyrl
 

@@ -72,7 +72,7 @@ def resolve_model_path(run: RunConfig) -> str:
     """The base model folder: ``model.path`` or the tiny pre-trained base (built and cached on first use)."""
     if run.model_path is not None:
         return run.model_path
-    from skyrl_clora.recipes.tiny_base.pretrain import ensure_tiny_base, tiny_base_path
+    from skyrl_clora.tiny_base.pretrain import ensure_tiny_base, tiny_base_path
 
     if not tiny_base_path().is_dir():
         print(f"[setup] pre-training the tiny base model into {tiny_base_path()} (first use only; about 5 minutes "

@@ -26,7 +26,7 @@ from skyrl.train.generators.base import TrajectoryID
 from skyrl_clora.config import RunConfig
 from skyrl_clora.episodes import eval_record, log_orphaned_task_error, step_record
 from skyrl_clora.metrics import MetricsLog
-from skyrl_clora.recipes.tasks import TaskSource
+from skyrl_clora.recipes.plugin import TaskSource
 from skyrl_clora.tenants import TenantSpec
 
 logger = logging.getLogger("skyrl_clora")

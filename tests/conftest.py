@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from skyrl_clora.recipes.gsm8k.problems import make_dataset_rows
-from skyrl_clora.recipes.tiny_base.tokenizer import train_tokenizer
+from skyrl_clora.tiny_base.tokenizer import train_tokenizer
 
 
 @pytest.fixture(scope="session")

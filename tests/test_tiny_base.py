@@ -14,15 +14,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from skyrl_clora.recipes.gsm8k import make_dataset_rows, register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.tools import format_tool_call
-from skyrl_clora.recipes.tiny_base.evaluate import evaluate_policy
-from skyrl_clora.recipes.tiny_base.pretrain import (
+from skyrl_clora.tiny_base.evaluate import evaluate_policy
+from skyrl_clora.tiny_base.pretrain import (
     TinyBaseRecipe,
     build_tokenizer,
     ensure_tiny_base,
     synthetic_episodes,
     tiny_base_path,
 )
-from skyrl_clora.recipes.tiny_base.tokenizer import TOOL_TOKENS, episode_token_ids, observation_ids, template_ids
+from skyrl_clora.tiny_base.tokenizer import TOOL_TOKENS, episode_token_ids, observation_ids, template_ids
 
 MICRO = TinyBaseRecipe(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
                        num_traces=64, steps=12, prior_steps=4, batch_size=8, lr=1e-2, warmup_steps=2)

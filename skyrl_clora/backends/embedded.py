@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import time
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict
@@ -29,7 +27,7 @@ from skyrl_clora.episodes import episode_batch, scalar_reward
 from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
 from skyrl_clora.metrics import MetricsLog, write_run_summary
-from skyrl_clora.recipes.tasks import TaskSource, build_task_sources
+from skyrl_clora.recipes.plugin import TaskSource, build_task_sources, load_recipe
 from skyrl_clora.services import Services, build_services, resolve_model_path
 from skyrl_clora.tenant_loop import Rollout, run_tenant_loops
 from skyrl_clora.tenants import TenantSpec
@@ -64,30 +62,19 @@ class EmbeddedBackend:
                 top_p=run.sampler.top_p, logprobs=1,
             ),
         )
-        # Extra environment arguments of every episode; an LLM customer needs env steps off the event loop.
-        env_args: dict[str, Any] = {}
-        env_workers = 0
-        if recipe.name == "taubench" and recipe.user == "llm":
-            env_args["user_factory"] = lambda: self._llm_user(spec.name)
-            env_workers = 8
-        self._env_args[spec.name] = env_args
+        episode_env = load_recipe(recipe.name).episode_env(recipe, spec.name, self._base_model_chat)
+        self._env_args[spec.name] = episode_env.args
         self._generators[spec.name] = SkyRLGymGenerator(
-            generator_cfg, SkyRLGymConfig(max_env_workers=env_workers), services.client, services.tokenizer,
+            generator_cfg, SkyRLGymConfig(max_env_workers=episode_env.workers), services.client, services.tokenizer,
             policy_model_name=spec.name,
         )
 
-    def _llm_user(self, tenant: str) -> Any:
-        """A tau-bench customer played by the base model (no adapter) through the shared sampler."""
-        from skyrl_clora.recipes.taubench.users import LLMUser
-
-        async def generate(messages: list[dict[str, str]]) -> str:
-            conversation = json.dumps(messages, sort_keys=True).encode()
-            body = {"messages": messages, "max_tokens": self.run.recipe.max_generate_length,
-                    "user": f"customer-{tenant}-{hashlib.sha256(conversation).hexdigest()[:16]}"}
-            response = await self.services.client.chat_completion({"json": body})
-            return response["choices"][0]["message"]["content"]
-
-        return LLMUser(generate, loop=asyncio.get_running_loop())
+    async def _base_model_chat(self, messages: list[dict[str, str]], max_tokens: int, user: str) -> str:
+        """A chat completion by the base model (no adapter) through the shared sampler (a recipe's simulated
+        user); ``user`` seeds its sampling."""
+        body = {"messages": messages, "max_tokens": max_tokens, "user": user}
+        response = await self.services.client.chat_completion({"json": body})
+        return response["choices"][0]["message"]["content"]
 
     async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
         batch, trajectory_ids, groups = episode_batch(spec.name, rows, samples, tag, self._env_args[spec.name])

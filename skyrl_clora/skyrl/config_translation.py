@@ -40,6 +40,7 @@ from skyrl.train.config import (
 from skyrl.train.utils.utils import validate_cfg
 
 from skyrl_clora.config import ConfigError, LoraConfig, RecipeConfig, SamplerConfig, TrainerConfig, config_section, tenant_specs
+from skyrl_clora.recipes.plugin import load_recipe
 from skyrl_clora.tenants import TenantSpec
 
 _BACKEND_KEYS = {
@@ -235,9 +236,9 @@ def translate(cfg: DictConfig, model_path: str | None = None) -> SkyRLPlan:
         raise ConfigError("lora.rank=0 turns LoRA off; backend=skyrl runs each tenant as a LoRA adapter: set lora.rank >= 1")
     trainer = config_section(TrainerConfig, cfg.trainer, "trainer")
     recipe = config_section(RecipeConfig, cfg.recipe, "recipe")
-    if recipe.name == "taubench" and recipe.user == "llm":
-        raise ConfigError("recipe.user=llm (the base model as the customer) runs on backend=embedded only; "
-                          "use recipe.user=scripted with backend=skyrl")
+    refusal = load_recipe(recipe.name).refuses(recipe, "skyrl")
+    if refusal is not None:
+        raise ConfigError(refusal)
     sampler = config_section(SamplerConfig, cfg.sampler, "sampler")
     tenants = tenant_specs(cfg, lora, trainer, recipe)
     path = cfg.model.path if cfg.model.path is not None else model_path

@@ -47,7 +47,7 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.episodes import episode_batch
-from skyrl_clora.recipes.tasks import TaskSource
+from skyrl_clora.recipes.plugin import TaskSource
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
 from skyrl_clora.tenant_loop import Rollout, run_tenant_loops
@@ -188,7 +188,7 @@ async def _run_tenants(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskS
 def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource], model_path: str,
               base_model_s: float) -> dict[str, Any]:
     """Runs every tenant concurrently through SkyRL's stack on its task data ``sources`` (by tenant name,
-    ``recipes.tasks.build_task_sources``); writes the embedded backend's outputs."""
+    ``recipes.plugin.build_task_sources``); writes the embedded backend's outputs."""
     if run.mode != "concurrent":
         raise ConfigError("backend=skyrl runs tenants concurrently on one stack; set clora.mode=concurrent "
                           "(serial mode is the embedded backend's baseline)")

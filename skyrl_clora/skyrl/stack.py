@@ -35,7 +35,6 @@ from transformers.utils import logging as hf_logging
 
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.lora.layers import attach_multi_lora
-from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.services import resolve_device
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
@@ -210,7 +209,6 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
     """Starts Ray, the inference servers, the client and views, and the policy worker group."""
     check_buildable(plan)
     hf_logging.disable_progress_bar()
-    register_gsm8k_env()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
         raise ConfigError(f"model.path={model_path}: tokenizer needs an eos token and a chat template")

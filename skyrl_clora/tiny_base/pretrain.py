@@ -50,7 +50,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 
 from skyrl_clora.recipes.gsm8k.problems import SYSTEM_PROMPT, Problem, generate_problems
 from skyrl_clora.recipes.gsm8k.tools import CALCULATOR, FINAL_ANSWER, calculate, format_tool_call
-from skyrl_clora.recipes.tiny_base.tokenizer import BASE_CONVERSATION, episode_token_ids, train_tokenizer
+from skyrl_clora.tiny_base.tokenizer import BASE_CONVERSATION, episode_token_ids, train_tokenizer
 
 logger = logging.getLogger(__name__)
 

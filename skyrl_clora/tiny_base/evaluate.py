@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from skyrl_clora.recipes.gsm8k.env import GSM8KCalcEnv
-from skyrl_clora.recipes.tiny_base.tokenizer import observation_ids, template_ids
+from skyrl_clora.tiny_base.tokenizer import observation_ids, template_ids
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,109 @@
+"""Recipes are plugins. A recipe is one folder ``skyrl_clora/recipes/<name>/`` whose package exposes
+``RECIPE`` (a :class:`Recipe`: the tenant's task data, its environment's registration, the extra arguments of
+its episodes, the backends it refuses) plus one config file ``conf/recipe/<name>.yaml``; ``recipe=<name>``
+selects it. Nothing outside a recipe's folder names it.
+
+Task data is per tenant: SkyRL dataset rows for each RL step and for evaluation. A row is what SkyRL's prompt
+dataset yields: ``{"prompt": [messages], "env_class": str, ...extras}``; every key other than ``prompt`` and
+``env_class`` is passed to the environment as its ``extras``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from skyrl_clora.config import ConfigError, RecipeConfig
+from skyrl_clora.tenants import TenantSpec
+
+EVAL_SEED_OFFSET = 1_000_003
+
+
+@dataclass
+class TaskSource:
+    """Training rows drawn per step with the tenant's seed (without replacement, reshuffled per epoch) and a
+    fixed evaluation set shared by all tenants of a run."""
+
+    env_class: str
+    train_rows: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]]
+    seed: int
+
+    def step_rows(self, step: int, n: int) -> list[dict[str, Any]]:
+        """The ``n`` training rows of RL step ``step`` (0-based)."""
+        rows = []
+        for k in range(step * n, (step + 1) * n):
+            epoch, offset = divmod(k, len(self.train_rows))
+            order = list(range(len(self.train_rows)))
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+            rows.append(self.train_rows[order[offset]])
+        return [self._with_env(row) for row in rows]
+
+    def evaluation_rows(self) -> list[dict[str, Any]]:
+        return [self._with_env(row) for row in self.eval_rows]
+
+    def _with_env(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "env_class": self.env_class}
+
+
+# The sampler's base model (no adapter) answering a chat: (messages, max_tokens, user id) -> reply text.
+ChatFunction = Callable[[list[dict[str, str]], int, str], Awaitable[str]]
+
+
+@dataclass(frozen=True)
+class EpisodeEnv:
+    """What a tenant's episodes get besides their row: ``args`` added to every episode's env extras, and
+    ``workers`` for SkyRL's generator (environment steps run off the event loop when > 0)."""
+
+    args: dict[str, Any] = field(default_factory=dict)
+    workers: int = 0
+
+
+class Recipe(Protocol):
+    """A recipe plugin (see the module docstring)."""
+
+    def task_source(self, config: RecipeConfig, spec: TenantSpec, steps: int, run_seed: int) -> TaskSource:
+        """The tenant's task data; registers the recipe's skyrl-gym environment."""
+
+    def episode_env(self, config: RecipeConfig, tenant: str, chat: ChatFunction | None) -> EpisodeEnv:
+        """The extras of the tenant's episodes; ``chat`` is None where the backend offers none."""
+
+    def refuses(self, config: RecipeConfig, backend: str) -> str | None:
+        """Why ``backend`` (embedded or skyrl) cannot run ``config``, as the fix to make; None when it can."""
+
+
+def recipe_folders() -> list[str]:
+    """The recipes of this install: the package folders beside this module that expose ``RECIPE``."""
+    root = Path(__file__).parent
+    return sorted(p.name for p in root.iterdir() if (p / "recipe.py").is_file())
+
+
+def load_recipe(name: str) -> Recipe:
+    """The ``RECIPE`` of folder ``name``; an unknown name is a :class:`ConfigError` listing the recipes."""
+    if name not in recipe_folders():
+        raise ConfigError(f"recipe={name} is unknown; use one of {', '.join(recipe_folders())}")
+    return importlib.import_module(f"skyrl_clora.recipes.{name}.recipe").RECIPE
+
+
+def build_task_sources(recipe: RecipeConfig, specs: list[TenantSpec], steps: int, run_seed: int) -> dict[str, TaskSource]:
+    """Every tenant's data, by tenant name, built before anything else starts: data that cannot be read, an
+    unknown task variant or an environment that skyrl-gym does not know is a one-line :class:`ConfigError`
+    (exit status 2), not a tenant failing once the run is under way."""
+    import skyrl_gym
+
+    plugin = load_recipe(recipe.name)
+    sources = {}
+    for spec in specs:
+        try:
+            source = plugin.task_source(recipe, spec, steps, run_seed)
+        except ValueError as error:  # a ConfigError, or e.g. an unknown task variant
+            raise ConfigError(f"tenant {spec.name}: {error}") from None
+        if source.env_class not in skyrl_gym.registry:
+            raise ConfigError(f"tenant {spec.name}: env_class={source.env_class} is not a registered skyrl-gym "
+                              f"environment; register it before the run, or leave env_class to the recipe")
+        sources[spec.name] = source
+    return sources
