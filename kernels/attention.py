@@ -7,9 +7,9 @@ normalised partial output and its log-sum-exp, visiting only the key blocks of i
 programs whose split starts at or past the row's length return at once (their launch still costs: hence few,
 long splits, see ``default_attention_config``). Row programs (a row's own keys) and prefix programs (below)
 run code of their own, each loading and computing only what its kind needs: one body for both, choosing per
-query row, had taken 25-38% longer at the engine's shared-prompt shape (BENCHMARKS.md, sixteenth session). A
-second small kernel combines the partials of each (row, head); on Hopper it is launched with programmatic
-dependent launch (it starts while the first finishes, and waits with ``gdc_wait`` before reading the
+query row, had taken 25-38% longer at the engine's shared-prompt shape (RESULTS.md, Engine decode: tenants mixed
+vs the base model). A second small kernel combines the partials of each (row, head); on Hopper it is launched
+with programmatic dependent launch (it starts while the first finishes, and waits with ``gdc_wait`` before reading the
 partials). The grids depend only on ``B``, ``H``, ``KV`` and ``L``, the lengths are read on the device, and
 with ``out`` and a :class:`DecodeWorkspace` given nothing is allocated: a decode step is capturable in a CUDA
 graph and replayable with new lengths.
@@ -55,8 +55,8 @@ _MAX_QUERY_TILE = 64
 _LOG2E = 1.4426950408889634
 # The partials kernel's register cap with shared prefixes (head dim <= 128): the compiler's 156 registers
 # allow 3 programs per SM (18.75% occupancy, DRAM at 45% under ncu); 96 ran the engine's shared-prompt shape
-# 6% faster on the H200 (BENCHMARKS.md, tenth session); since row and prefix programs have code of their own
-# the compiler's choice and 96 run within a few percent of each other (sixteenth session).
+# 6% faster on the H200; with row and prefix programs compiled apart, the compiler's choice and 96 run within a
+# few percent of each other (RESULTS.md, Engine decode: tenants mixed vs the base model).
 PREFIX_MAXNREG = 96
 
 
@@ -73,7 +73,8 @@ class AttentionConfig:
     # prefixes at head dims up to 128, the compiler's choice otherwise; 0: the compiler's choice.
     maxnreg: int | None = None
     # Warps of a reduce program (one per row and query head); 0: one per 1,024 floats of its [slots, d] tile
-    # (``reduce_warps``): 4 per program ran the shared-prompt shape 10% slower than 1 (BENCHMARKS.md).
+    # (``reduce_warps``): 4 per program ran the shared-prompt shape 10% slower than 1 (RESULTS.md, Engine decode:
+    # tenants mixed vs the base model).
     reduce_warps: int = 0
 
 
@@ -83,8 +84,8 @@ def default_attention_config(max_len: int) -> AttentionConfig:
     bit-identical whatever the batch around it (the engine's runs stay reproducible when the number of
     decoded rows changes). Every program launched costs, even one whose split holds no key of its row: at
     the engine's shared-prompt shape (512 rows of up to 620 positions) the earlier 256-key splits took
-    233-235 us at ``L`` = 2048 and 416-422 us at 5120, these 205 and 205-211 us (BENCHMARKS.md, fifteenth
-    session; 150 and 158 us since the sixteenth). The price is paid by a batch of one long row: 46 us at
+    233-235 us at ``L`` = 2048 and 416-422 us at 5120, these 150 and 158 us (RESULTS.md, Engine decode: tenants
+    mixed vs the base model). The price is paid by a batch of one long row: 46 us at
     9,000-12,800 keys and ``L`` = 12,800 against 15 us with 256-key splits; 8 such rows or more take the same
     with either."""
     return AttentionConfig(split_len=max(_MIN_SPLIT_LEN, next_power_of_2(cdiv(max_len, _MAX_SPLITS))))

@@ -3,7 +3,7 @@
 The trainer's pass of one tenant (swap mode) routes every row to one slot, so the segmented kernels'
 grouping buys nothing there, and their host side did cost: a bench_train round in which the GPU worked
 3.4 s took 5.5-5.8 s, most of the host's time going to the Triton launches of the LoRA layers
-(BENCHMARKS.md, eighth session). Here the layer is plain torch GEMMs, each launched through torch's
+(RESULTS.md, Training: packed vs swap). Here the layer is plain torch GEMMs, each launched through torch's
 dispatcher. For ``x: [T, H_in]``, ``A = lora_a[slot]: [R, H_in]``, ``B = lora_b[slot]: [H_out, R]``,
 ``s = scales[slot]``::
 

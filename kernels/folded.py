@@ -30,7 +30,7 @@ from skyrl_clora.kernels.sgmv import check_meta, default_config, expand_folded
 # quarter of the base columns (Qwen3-4B q/k/v at 32 slots of rank 16). Beyond, the GEMM is compute-bound: an
 # extra column costs 2 * T * H_in flops where the shrink reads x's 2 * T * H_in bytes once, which break even
 # near 175 columns on an H200 (~700 TFLOP/s, ~4 TB/s); measured at 4096 rows, 128 and 256 extra columns
-# folded faster, 384 and more slower (BENCHMARKS.md, twelfth session, Runs 1-2).
+# folded faster, 384 and more slower (RESULTS.md, Multi-LoRA kernels vs the base GEMM).
 _DECODE_TOKENS = 256
 _DECODE_EXTRA_FRACTION = 1 / 4
 _PREFILL_EXTRA_COLUMNS = 256

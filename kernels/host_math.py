@@ -2,7 +2,7 @@
 
 Triton 3.5+ makes ``triton.cdiv`` and ``triton.next_power_of_2`` constexpr functions whose calls from Python
 unwrap every argument (~3 us each); the host wrappers of one training micro-batch called them ~9,000 times
-(cProfile of a bench_train round, BENCHMARKS.md). Kernels keep using ``tl.cdiv``.
+(cProfile of a bench_train round, RESULTS.md, Training: packed vs swap). Kernels keep using ``tl.cdiv``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The attention block's q/k/v projection with its multi-LoRA expand fused into q/k RMSNorm + rotary.
 
 A folded q/k/v layer (``kernels.folded``) is one GEMM and one segmented expand; at decode sizes the expand is
-a launch of its own whose fixed latency alone is about what a 0.35x-of-the-GEMM budget allows (BENCHMARKS.md,
-twelfth session, Run 2), and the kernel after it (``qk_norm_rope``) reads the same q and k again. Here one
+a launch of its own whose fixed latency alone is about what a 0.35x-of-the-GEMM budget allows (RESULTS.md,
+Multi-LoRA kernels vs the base GEMM), and the kernel after it (``qk_norm_rope``) reads the same q and k again. Here one
 kernel does both: each program takes ``BLOCK_M`` rows of one slot's segment (``LoRAMeta``) and one head of
 q, k or v, adds the rows' LoRA term to the GEMM's output in registers, rounds it to the model dtype (as the
 unfused expand's ``y += delta`` does), then applies the per-head RMSNorm and rotary embedding to q and k and
@@ -14,7 +14,7 @@ The LoRA partial sums ``h`` come from the folded GEMM's extra columns (one split
 the fold does not pay, from ``sgmv_shrink``'s split-K partials over the base GEMM; either way they are
 addressed ``split * s_split + a * s_slice + row * s_row + slot * s_slot + r`` as in ``sgmv_kernels``.
 
-Measured on the H200 (Qwen3-4B's attention, rank 16; BENCHMARKS.md, thirteenth session, Run 3): the LoRA adds
+Measured on the H200 (Qwen3-4B's attention, rank 16; RESULTS.md, Multi-LoRA kernels vs the base GEMM): the LoRA adds
 0.26-0.34x the base GEMM to the q/k/v block at 16-256 rows and 8 slots (0.43-0.48x unfused), but at 32 slots and
 64-256 rows 0.68-0.79x, no better than unfused: each program's chain of dependent loads then sets the pace.
 """

@@ -40,7 +40,7 @@ sizes the expand is launched with PDL (``sgmv_kernels``), where the GPU has it.
 
     Split-K doubles until the shrink has about two waves of programs, and is at least what keeps each
     split to 512 (decode) or 2048 (prefill) input features. Prefill tiles at rank 32+ take 8 warps (4 spill
-    registers). Picked from a sweep on the H200 (BENCHMARKS.md, kernels section): 128-wide K tiles beat
+    registers). Picked from a sweep on the H200 (RESULTS.md, Multi-LoRA kernels vs the base GEMM): 128-wide K tiles beat
     64; 16-32 splits beat 8 at K=9728.
     """
     decode = num_tokens <= 256

@@ -58,7 +58,7 @@ class Workload:
     # history is reused by its next turn (the CPU default of 1 GiB would evict them at N=1 already).
     prefix_cache_mb: int = 32768
     # A tenant step (8 prompts once + 64 responses of 364 tokens, ~25k positions with shared prompts) in one
-    # micro-batch: half the trainer's launches of 32-row micro-batches (eighteenth session, Run 2).
+    # micro-batch: half the trainer's launches of 32-row micro-batches (RESULTS.md, Training: packed vs swap).
     max_tokens_per_microbatch: int = 32768
     overrides: tuple[str, ...] = ()  # further config overrides (--override), e.g. trainer.shared_prompts=true
 
@@ -291,9 +291,9 @@ def main() -> None:
         most = max(args.tenants)
         names, seeds = [f"tenant-{i}" for i in range(most)], list(range(1, most + 1))
         # Untimed: compiles the Triton kernels once per process (cached for every later cold start), at every
-        # N in every mode, so that no timed group pays for the shapes only it reaches (seventh session: a group
-        # first at its N paid compiles; eighth: N=2 and the first serial experiment paid prefill shapes only
-        # their N reaches; the eleventh: without N=1 among --tenants, the serial experiments' shapes).
+        # N in every mode, so that no timed group pays for the shapes only it reaches (without it a group first
+        # at its N paid compiles, N=2 and the first serial experiment paid prefill shapes only their N reaches,
+        # and without N=1 among --tenants the serial experiments paid theirs).
         warm_names = [f"warm-up-{i}" for i in range(most)]
         for n in sorted(set(args.tenants) | {1}, reverse=True):
             for mode in args.modes:

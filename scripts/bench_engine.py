@@ -99,8 +99,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
     # Medians over repeats: a timed repeat can still pay a one-time cost after the warm-up (with 2 repeats, a cold
-    # one put the base case's median prefill at 1.85 s and doubled its median decode step; BENCHMARKS.md,
-    # fourteenth session).
+    # one put the base case's median prefill at 1.85 s and doubled its median decode step; RESULTS.md, Method).
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--profile", action="store_true",

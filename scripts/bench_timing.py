@@ -65,7 +65,7 @@ def copy_bandwidth() -> float:
     """Bytes per second of a 4 GiB device-to-device copy by a kernel (``torch.add(src, 0, out=dst)``),
     counting bytes read plus bytes written. Not ``dst.copy_(src)``: captured in a CUDA graph that becomes a
     memcpy node, which the copy engines run at ~2.7 TB/s on the H200 against ~4.3 TB/s for a kernel
-    (BENCHMARKS.md, tenth session), and kernels are what the rooflines compare."""
+    (RESULTS.md, Method), and kernels are what the rooflines compare."""
     src = torch.randn(2**30, device="cuda")
     dst = torch.empty_like(src)
     t = graph_time([lambda: torch.add(src, 0.0, out=dst)], min_calls=5)

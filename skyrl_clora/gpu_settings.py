@@ -4,7 +4,7 @@ PyTorch's scaled_dot_product_attention prefers cuDNN's attention on Hopper, and 
 graph for every new combination of shapes (tens to hundreds of milliseconds, then cached per shape). The
 trainer's micro-batches change their batch and sequence lengths all the time (so did the engine's prefill
 passes when they called SDPA: a prefill round cost ~120-150 ms on the H200 whatever it computed,
-BENCHMARKS.md, fourth session). Flash and memory-efficient attention have no per-shape set-up.
+RESULTS.md, Engine and trainer settings and why). Flash and memory-efficient attention have no per-shape set-up.
 """
 
 from __future__ import annotations

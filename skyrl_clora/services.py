@@ -50,7 +50,7 @@ class Services:
         """The scheduler the tenants of one run share: ``clora.train_mode`` passes, with the engine paused for
         each of them unless ``trainer.overlap_sampling`` (null: overlap on the CPU, where the trainer and the
         engine each keep a core busy; pause on a GPU, where either saturates the device and the two side by
-        side take longer than one after the other: BENCHMARKS.md, eleventh session, Runs 2-3)."""
+        side take longer than one after the other: RESULTS.md, Engine and trainer settings and why)."""
         overlap = run.trainer.overlap_sampling
         if overlap is None:
             overlap = self.trainer.device.type != "cuda"
