@@ -4,7 +4,6 @@ it must then fail. A bug that stops failing every test here means the isolation 
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -12,12 +11,10 @@ import torch
 
 import test_isolation
 import test_stale_versions
-import test_train_scheduler
-import test_trainer
+import transport
 from skyrl_clora import tenant_loop
 from skyrl_clora.backends import embedded
 from skyrl_clora.trainer.adapter_store import AdapterStore
-from skyrl_clora.trainer.scheduler import TrainScheduler
 from skyrl_clora.trainer.trainer import Trainer
 
 
@@ -28,7 +25,7 @@ def _isolation_fails(train_mode: str, model_dir: Path, tmp_path: Path, monkeypat
 
 def _swap_test_fails(model_dir: Path) -> None:
     with pytest.raises(AssertionError):
-        test_trainer.test_swap_a_b_a_moves_every_table_of_both_tenants(test_trainer.make_trainer(model_dir))
+        transport.check_swap_a_b_a(transport.swap_trainer(model_dir))
 
 
 def test_packed_tenants_trained_from_the_first_tenants_weights(learning_model_dir: Path, tmp_path: Path,
@@ -57,7 +54,7 @@ def test_packed_tenants_handed_the_first_tenants_weights(micro_model_dir: Path, 
 
     monkeypatch.setattr(Trainer, "train_packed", first_weights_for_all)
     with pytest.raises(AssertionError):
-        test_train_scheduler.test_the_scheduler_returns_each_tenants_stored_weights(micro_model_dir, "packed")
+        transport.check_scheduler_returns_stored_weights(micro_model_dir, "packed")
     _isolation_fails("packed", learning_model_dir, tmp_path, monkeypatch)
 
 
@@ -119,8 +116,5 @@ def test_sampled_versions_not_checked(micro_model_dir: Path, tmp_path: Path, mon
 def test_the_unplanted_code_passes_the_same_checks(micro_model_dir: Path) -> None:
     """The checks above fail because of the planted bugs, not on their own: without a bug they pass (the
     same tests also run unpatched in their own modules; these two are the cheap ones, run here side by side)."""
-    test_trainer.test_swap_a_b_a_moves_every_table_of_both_tenants(test_trainer.make_trainer(micro_model_dir))
-    trainer = test_train_scheduler._trainer(micro_model_dir, slots=3)
-    requests = [("A", test_train_scheduler._batch(0)), ("B", test_train_scheduler._batch(1))]
-    results = asyncio.run(test_train_scheduler._submit(TrainScheduler(trainer, "packed"), requests))
-    test_train_scheduler.assert_returned_weights_are_the_stores(trainer, ["A", "B"], results)
+    transport.check_swap_a_b_a(transport.swap_trainer(micro_model_dir))
+    transport.check_scheduler_returns_stored_weights(micro_model_dir, "packed")

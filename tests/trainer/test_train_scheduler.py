@@ -7,56 +7,25 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from skyrl.train.config import AlgorithmConfig
-from transformers import AutoModelForCausalLM
 
 from micro_task import assert_learning, micro_tenants
 from skyrl_clora.config import ConfigError
-from skyrl_clora.lora.layers import attach_multi_lora
-from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.main import main
-from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
-from skyrl_clora.trainer.batch import TrainBatch
-from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.scheduler import TrainScheduler
-from skyrl_clora.trainer.trainer import Trainer
-
-
-def _trainer(model_dir: Path, slots: int) -> Trainer:
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    routing, layers = attach_multi_lora(model, num_slots=slots, max_rank=8, trainable=True)
-    store = AdapterStore(layers, num_slots=slots)
-    for index, name in enumerate("ABC"):
-        store.register(name, init_adapter(layers, 8, 16.0, torch.Generator().manual_seed(index)),
-                       LRSchedule(base_lr=1e-3 * (index + 1)), seed=index)
-    return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(), micro_batch_size=4)
-
-
-def _batch(seed: int, bad: bool = False) -> TrainBatch:
-    generator = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 300, (5,), generator=generator).tolist() for _ in range(4)]
-    responses = [torch.randint(0, 300, (4,), generator=generator).tolist() for _ in range(4)]
-    masks = [[1] * (3 if bad and i == 0 else 4) for i in range(4)]
-    return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=masks, rewards=[1.0, 0.0, 0.0, 1.0],
-                      group_ids=["g0", "g0", "g1", "g1"], rollout_logprobs=None)
-
-
-async def _submit(scheduler: TrainScheduler, requests: list[tuple[str, TrainBatch]]) -> list:
-    return await asyncio.gather(*(scheduler.train(name, batch) for name, batch in requests), return_exceptions=True)
+from transport import check_scheduler_returns_stored_weights, scheduler_batch, scheduler_trainer, submit_all
 
 
 def test_packed_scheduler_packs_waiting_tenants_and_fails_only_the_bad_one(micro_model_dir: Path) -> None:
-    trainer = _trainer(micro_model_dir, slots=3)
+    trainer = scheduler_trainer(micro_model_dir, slots=3)
     scheduler = TrainScheduler(trainer, "packed")
-    results = asyncio.run(_submit(scheduler, [("A", _batch(0)), ("B", _batch(1, bad=True)), ("C", _batch(2))]))
+    results = asyncio.run(submit_all(scheduler, [("A", scheduler_batch(0)), ("B", scheduler_batch(1, bad=True)), ("C", scheduler_batch(2))]))
     assert isinstance(results[1], ValueError) and "loss mask" in str(results[1])
     assert [results[i][1]["pass_tenants"] for i in (0, 2)] == [2.0, 2.0]
     assert results[0][1]["lr"] == 1e-3 and results[2][1]["lr"] == 3e-3
     assert [trainer.store.tenants[n].step for n in "ABC"] == [1, 0, 1]
     # a pass that raises (an unknown tenant) fails the tenants in it; the next pass runs
     trainer.store.slots.pop()  # two slots: [A, ghost] in one pass, C in the next
-    results = asyncio.run(_submit(scheduler, [("A", _batch(3)), ("ghost", _batch(4)), ("C", _batch(5))]))
+    results = asyncio.run(submit_all(scheduler, [("A", scheduler_batch(3)), ("ghost", scheduler_batch(4)), ("C", scheduler_batch(5))]))
     assert isinstance(results[0], KeyError) and isinstance(results[1], KeyError)
     assert results[2][1]["pass_tenants"] == 1.0
     assert [trainer.store.tenants[n].step for n in "ABC"] == [1, 0, 2]
@@ -64,10 +33,10 @@ def test_packed_scheduler_packs_waiting_tenants_and_fails_only_the_bad_one(micro
 
 
 def test_swap_scheduler_trains_in_arrival_order_with_prefetch(micro_model_dir: Path) -> None:
-    trainer, plain = _trainer(micro_model_dir, slots=2), _trainer(micro_model_dir, slots=1)
+    trainer, plain = scheduler_trainer(micro_model_dir, slots=2), scheduler_trainer(micro_model_dir, slots=1)
     scheduler = TrainScheduler(trainer, "swap")
-    requests = [("B", _batch(0)), ("A", _batch(1)), ("C", _batch(2, bad=True)), ("A", _batch(3))]
-    results = asyncio.run(_submit(scheduler, requests))
+    requests = [("B", scheduler_batch(0)), ("A", scheduler_batch(1)), ("C", scheduler_batch(2, bad=True)), ("A", scheduler_batch(3))]
+    results = asyncio.run(submit_all(scheduler, requests))
     assert isinstance(results[2], ValueError)
     assert trainer.store.slot_of("C") is None  # prefetched while A trained, given back when its batch failed
     for (name, batch), result in zip(requests, results):
@@ -77,28 +46,9 @@ def test_swap_scheduler_trains_in_arrival_order_with_prefetch(micro_model_dir: P
         TrainScheduler(trainer, "fused")
 
 
-def assert_returned_weights_are_the_stores(trainer: Trainer, names: list[str], results: list) -> None:
-    """Each tenant's returned weights are its AdapterStore weights (its masters in the model dtype), and the
-    tenants' returned weights differ from each other."""
-    trainer.store.wait()
-    for name, (weights, _) in zip(names, results, strict=True):
-        state = trainer.store.tenants[name]
-        for key, master in state.master.items():
-            path, part = key.rsplit(".", 1)
-            returned = (weights.a if part == "a" else weights.b)[path]
-            stored = (state.weights.a if part == "a" else state.weights.b)[path]
-            assert torch.equal(returned, stored) and torch.equal(returned, master.to(returned.dtype)), (name, key)
-    b_tables = [torch.cat([b.flatten() for b in weights.b.values()]) for weights, _ in results]
-    assert all(b.abs().sum() > 0 for b in b_tables)
-    assert all(not torch.equal(x, y) for i, x in enumerate(b_tables) for y in b_tables[i + 1:])
-
-
 @pytest.mark.parametrize("mode", ["swap", "packed"])
 def test_the_scheduler_returns_each_tenants_stored_weights(micro_model_dir: Path, mode: str) -> None:
-    trainer = _trainer(micro_model_dir, slots=3)
-    scheduler = TrainScheduler(trainer, mode)
-    results = asyncio.run(_submit(scheduler, [("A", _batch(0)), ("B", _batch(1)), ("C", _batch(2))]))
-    assert_returned_weights_are_the_stores(trainer, ["A", "B", "C"], results)
+    check_scheduler_returns_stored_weights(micro_model_dir, mode)
 
 
 class _RecordingSampler:
@@ -114,18 +64,18 @@ class _RecordingSampler:
 
 @pytest.mark.parametrize("mode", ["swap", "packed"])
 def test_the_scheduler_pauses_sampling_around_every_pass_also_a_failing_one(micro_model_dir: Path, mode: str) -> None:
-    trainer = _trainer(micro_model_dir, slots=2)
+    trainer = scheduler_trainer(micro_model_dir, slots=2)
     events: list[str] = []
     for name in ("train_step", "train_packed"):
         method = getattr(trainer, name)
         setattr(trainer, name, lambda *args, method=method: (events.append("train"), method(*args))[1])
     scheduler = TrainScheduler(trainer, mode, sampler=_RecordingSampler(events))
-    results = asyncio.run(_submit(scheduler, [("A", _batch(0)), ("B", _batch(1))]))
+    results = asyncio.run(submit_all(scheduler, [("A", scheduler_batch(0)), ("B", scheduler_batch(1))]))
     assert all(not isinstance(r, Exception) for r in results)
     passes = 2 if mode == "swap" else 1
     assert events == ["pause", "train", "resume"] * passes
     events.clear()
-    results = asyncio.run(_submit(scheduler, [("ghost", _batch(2))]))  # the pass raises: sampling resumes anyway
+    results = asyncio.run(submit_all(scheduler, [("ghost", scheduler_batch(2))]))  # the pass raises: sampling resumes anyway
     assert isinstance(results[0], KeyError) and events == ["pause", "train", "resume"]
 
 

@@ -22,7 +22,7 @@ from skyrl_clora.recipes.taubench.synthetic import make_synthetic_retail
 from skyrl_clora.recipes.taubench.tools import TERMINATE_TOOLS, invoke
 from skyrl_clora.recipes.taubench.users import STOP_TOKEN, LLMUser, ScriptedUser
 
-REAL_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "taubench_retail"
+REAL_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "taubench_retail"
 needs_real_data = pytest.mark.skipif(
     not (REAL_DATA / "tasks_train.json").is_file(), reason=f"real tau-bench retail data not found at {REAL_DATA}"
 )

@@ -1,10 +1,13 @@
-"""AdapterStore swaps and the GRPO trainer (SkyRL's advantage estimator and policy loss)."""
+"""Where a tenant's weights travel inside the trainer, as reusable checks: the AdapterStore's swaps (every table
+of both tenants through one slot) and the train scheduler (each tenant gets back its own stored weights).
+Used by ``trainer/test_trainer.py``, ``trainer/test_train_scheduler.py`` and, with bugs planted,
+``test_planted_bugs.py``; every check raises ``AssertionError`` on a violation."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
-import pytest
 import torch
 from skyrl.train.config import AlgorithmConfig
 from transformers import AutoModelForCausalLM
@@ -14,10 +17,11 @@ from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule, TenantState
 from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.optim import OptimizerConfig
+from skyrl_clora.trainer.scheduler import TrainScheduler
 from skyrl_clora.trainer.trainer import Trainer
 
 
-def make_trainer(micro_model_dir: Path) -> Trainer:
+def swap_trainer(micro_model_dir: Path) -> Trainer:
     """One trainer slot; tenants A (rank 8) and B (rank 16) registered."""
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir)
     routing, layers = attach_multi_lora(model, num_slots=1, max_rank=16, trainable=True)
@@ -28,32 +32,13 @@ def make_trainer(micro_model_dir: Path) -> Trainer:
     return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(), micro_batch_size=3)
 
 
-@pytest.fixture
-def trainer(micro_model_dir: Path) -> Trainer:
-    return make_trainer(micro_model_dir)
-
-
-def _batch(seed: int) -> TrainBatch:
+def swap_batch(seed: int) -> TrainBatch:
+    """Four rows in two GRPO groups with random prompts and responses of 3-6 tokens."""
     generator = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 300, (5,), generator=generator).tolist() for _ in range(4)]
     responses = [torch.randint(0, 300, (n,), generator=generator).tolist() for n in (3, 6, 4, 5)]
     return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=[[1] * len(r) for r in responses],
                       rewards=[1.0, 0.0, 1.0, 0.0], group_ids=["g0", "g0", "g1", "g1"], rollout_logprobs=None)
-
-
-def _snapshot(state: TenantState) -> dict:
-    tables = {name: {k: v.clone() for k, v in getattr(state, name).items()}
-              for name in ("master", "exp_avg", "exp_avg_sq", "grads")}
-    tables["weights_a"] = {k: v.clone() for k, v in state.weights.a.items()}
-    return {**tables, "rng": state.rng_state.clone(), "step": state.step}
-
-
-def _assert_same(before: dict, after: dict) -> None:
-    assert before["step"] == after["step"]
-    assert torch.equal(before["rng"], after["rng"])
-    for table in ("master", "exp_avg", "exp_avg_sq", "grads", "weights_a"):
-        for key in before[table]:
-            assert torch.equal(before[table][key], after[table][key]), f"{table}[{key}] changed"
 
 
 def _device_state(store, slot: int, rank: int) -> dict[str, list[torch.Tensor]]:
@@ -77,13 +62,13 @@ def _assert_tables_equal(got: dict, want: dict, where: str) -> None:
             assert torch.equal(x, y), f"{where}: {table} differs"
 
 
-def test_swap_a_b_a_moves_every_table_of_both_tenants(trainer: Trainer) -> None:
+def check_swap_a_b_a(trainer: Trainer) -> None:
     """Swapping A, B, A through one slot: each swap-in puts exactly the tenant's host state on the device
     (weights, masters, both Adam moments, gradients), and each swap-out writes back exactly what the slot
     held after a step (simulated by shifting every table), leaving the other tenant's state untouched."""
     store = trainer.store
-    trainer.train_step("A", _batch(0))
-    trainer.train_step("B", _batch(1))  # both tenants have non-zero moments and gradients, at ranks 8 and 16
+    trainer.train_step("A", swap_batch(0))
+    trainer.train_step("B", swap_batch(1))  # both tenants have non-zero moments and gradients, at ranks 8 and 16
     host = {name: _host_state(store.tenants[name]) for name in "AB"}
     assert all(t.abs().sum() > 0 for name in "AB" for table in ("exp_avg", "exp_avg_sq", "grads") for t in host[name][table][1::2])
     assert not torch.equal(host["A"]["exp_avg_sq"][1], host["B"]["exp_avg_sq"][1][:, :8])
@@ -105,55 +90,50 @@ def test_swap_a_b_a_moves_every_table_of_both_tenants(trainer: Trainer) -> None:
         _assert_tables_equal(_host_state(store.tenants[other]), host[other], f"{other} while {name} was swapped")
 
 
-def test_training_b_never_changes_a(trainer: Trainer) -> None:
-    store = trainer.store
-    trainer.train_step("A", _batch(0))
-    before = _snapshot(store.tenants["A"])
-    b_before = _snapshot(store.tenants["B"])
-    for seed in range(3):
-        trainer.train_step("B", _batch(seed + 1))
-    _assert_same(before, _snapshot(store.tenants["A"]))
-    b_after = _snapshot(store.tenants["B"])
-    assert b_after["step"] == 3
-    assert any(not torch.equal(b_before["master"][k], b_after["master"][k]) for k in b_before["master"])
-    # rank-16 slot, rank-8 tenant: the padding beyond A's rank stays zero on the device after its step
-    trainer.train_step("A", _batch(5))
-    first = next(iter(trainer.layers.values()))
-    assert torch.count_nonzero(first.lora_a[0, :8]) > 0
-    assert torch.count_nonzero(first.lora_a[0, 8:]) == 0 and torch.count_nonzero(first.lora_b[0, :, 8:]) == 0
+def scheduler_trainer(model_dir: Path, slots: int) -> Trainer:
+    """``slots`` trainer slots; tenants A, B, C (rank 8, lr 1e-3, 2e-3, 3e-3) registered."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    routing, layers = attach_multi_lora(model, num_slots=slots, max_rank=8, trainable=True)
+    store = AdapterStore(layers, num_slots=slots)
+    for index, name in enumerate("ABC"):
+        store.register(name, init_adapter(layers, 8, 16.0, torch.Generator().manual_seed(index)),
+                       LRSchedule(base_lr=1e-3 * (index + 1)), seed=index)
+    return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(), micro_batch_size=4)
 
 
-def test_grpo_step_raises_the_likelihood_of_rewarded_responses(trainer: Trainer) -> None:
-    batch = _batch(7)
-
-    def logprob_sums() -> torch.Tensor:
-        lp = trainer.response_logprobs("B", batch)
-        mask = torch.tensor([[1.0] * len(r) + [0.0] * (6 - len(r)) for r in batch.response_ids])
-        return (lp * mask).sum(dim=1)
-
-    before = logprob_sums()
-    for _ in range(5):
-        _, metrics = trainer.train_step("B", batch)
-    after = logprob_sums()
-    assert metrics["grad_norm"] > 0 and metrics["lr"] == 5e-3
-    assert after[0] > before[0] and after[2] > before[2], "rewarded responses must become likelier"
-    assert after[1] < before[1] and after[3] < before[3], "unrewarded responses must become less likely"
+def scheduler_batch(seed: int, bad: bool = False) -> TrainBatch:
+    """Four rows in two groups; ``bad``: the first row's loss mask is one short."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 300, (5,), generator=generator).tolist() for _ in range(4)]
+    responses = [torch.randint(0, 300, (4,), generator=generator).tolist() for _ in range(4)]
+    masks = [[1] * (3 if bad and i == 0 else 4) for i in range(4)]
+    return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=masks, rewards=[1.0, 0.0, 0.0, 1.0],
+                      group_ids=["g0", "g0", "g1", "g1"], rollout_logprobs=None)
 
 
-def test_store_rejects_bad_registrations(trainer: Trainer) -> None:
-    weights = init_adapter(trainer.layers, 32, 64.0, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="exceeds lora.max_rank"):
-        trainer.store.register("C", weights, LRSchedule(base_lr=1e-3), seed=0)
-    with pytest.raises(ValueError, match="already registered"):
-        trainer.store.register("A", init_adapter(trainer.layers, 8, 16.0, torch.Generator()), LRSchedule(1e-3), seed=0)
-    trainer.store.swap_in("A", 0)
-    with pytest.raises(RuntimeError, match="still holds"):
-        trainer.store.swap_in("B", 0)
+async def submit_all(scheduler: TrainScheduler, requests: list[tuple[str, TrainBatch]]) -> list:
+    return await asyncio.gather(*(scheduler.train(name, batch) for name, batch in requests), return_exceptions=True)
 
 
-def test_lr_schedule() -> None:
-    schedule = LRSchedule(base_lr=1.0, warmup_steps=2, total_steps=10, kind="cosine")
-    assert schedule.lr(0) == 0.5 and schedule.lr(1) == 1.0
-    assert schedule.lr(2) == pytest.approx(1.0) and schedule.lr(10) == pytest.approx(0.0)
-    with pytest.raises(ValueError):
-        LRSchedule(base_lr=1.0, kind="exotic")
+def assert_returned_weights_are_the_stores(trainer: Trainer, names: list[str], results: list) -> None:
+    """Each tenant's returned weights are its AdapterStore weights (its masters in the model dtype), and the
+    tenants' returned weights differ from each other."""
+    trainer.store.wait()
+    for name, (weights, _) in zip(names, results, strict=True):
+        state = trainer.store.tenants[name]
+        for key, master in state.master.items():
+            path, part = key.rsplit(".", 1)
+            returned = (weights.a if part == "a" else weights.b)[path]
+            stored = (state.weights.a if part == "a" else state.weights.b)[path]
+            assert torch.equal(returned, stored) and torch.equal(returned, master.to(returned.dtype)), (name, key)
+    b_tables = [torch.cat([b.flatten() for b in weights.b.values()]) for weights, _ in results]
+    assert all(b.abs().sum() > 0 for b in b_tables)
+    assert all(not torch.equal(x, y) for i, x in enumerate(b_tables) for y in b_tables[i + 1:])
+
+
+def check_scheduler_returns_stored_weights(model_dir: Path, mode: str) -> None:
+    """Tenants A, B and C trained through a ``mode`` scheduler get back exactly their stored weights."""
+    trainer = scheduler_trainer(model_dir, slots=3)
+    scheduler = TrainScheduler(trainer, mode)
+    results = asyncio.run(submit_all(scheduler, [("A", scheduler_batch(0)), ("B", scheduler_batch(1)), ("C", scheduler_batch(2))]))
+    assert_returned_weights_are_the_stores(trainer, ["A", "B", "C"], results)

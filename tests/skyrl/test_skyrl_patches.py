@@ -19,7 +19,7 @@ from skyrl.train.generators.utils import build_vllm_cache_salt
 from skyrl_clora.skyrl.tenant_client import tenant_views
 from skyrl_clora.skyrl.worker_patches import with_per_tenant_lora_sync
 
-PATCHES = sorted((Path(__file__).resolve().parent.parent / "integration" / "patches").glob("*.patch"))
+PATCHES = sorted((Path(__file__).resolve().parents[2] / "integration" / "patches").glob("*.patch"))
 
 
 def test_patches_apply_to_the_installed_skyrl() -> None:
