@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from skyrl_clora.config import ConfigError, RunConfig
-from skyrl_clora.lora.layers import attach_multi_lora
+from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear, attach_multi_lora
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.fused_projections import fuse_base_projections
@@ -92,12 +92,9 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
         raise ConfigError(f"model.path={model_path}: tokenizer needs an eos token and a chat template")
     sampler_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
-    # before the twin, so that it shares the fused weights (the engine's LoRA A rows are folded below them)
-    fuse_base_projections(sampler_model.model.layers, num_tenants, run.lora.max_rank)
-    trainer_model = _twin_sharing_weights(sampler_model)
-    _, sampler_layers = attach_multi_lora(sampler_model, num_tenants, run.lora.max_rank, trainable=False)
     trainer_slots = trainer_slot_count(run, num_tenants)
-    trainer_routing, trainer_layers = attach_multi_lora(trainer_model, trainer_slots, run.lora.max_rank, trainable=True)
+    sampler_layers, trainer_model, trainer_routing, trainer_layers = share_base_weights(
+        sampler_model, num_tenants, trainer_slots, run.lora.max_rank)
 
     max_len = run.recipe.max_input_length + run.recipe.max_generate_length
     rows = fit_kv_rows(sampler_model, run.sampler.max_rows or num_tenants * rows_per_tenant, max_len,
@@ -167,6 +164,26 @@ def trainer_slot_count(run: RunConfig, num_tenants: int) -> int:
     if run.train_mode == "packed":
         return min(num_tenants, run.trainer.pack_size or 8)
     return min(num_tenants, 2)
+
+
+def share_base_weights(
+    sampler_model: torch.nn.Module, sampler_slots: int, trainer_slots: int, max_rank: int
+) -> tuple[dict[str, MultiLoRALinear], torch.nn.Module, LoRARouting, dict[str, MultiLoRALinear]]:
+    """Makes ``sampler_model`` the sampler's and builds the trainer's model on the same base weights, in place.
+
+    1. The sampler's projections are fused (``fuse_base_projections``: q/k/v and gate/up each one weight, with
+       room for every slot's LoRA A folded below it).
+    2. The trainer's model is a second module tree whose parameters and buffers *are* the sampler's tensors
+       (aliases, no copy), taken after step 1 so that it reads the fused weights.
+    3. Each tree gets its multi-LoRA layers: ``sampler_slots`` inference slots (read-only, the engine's) and
+       ``trainer_slots`` trainable slots (the AdapterStore's).
+    Returns (sampler LoRA layers, trainer model, trainer routing, trainer LoRA layers). The base weights stay
+    frozen in both trees: only LoRA slots are written."""
+    fuse_base_projections(sampler_model.model.layers, sampler_slots, max_rank)
+    trainer_model = _twin_sharing_weights(sampler_model)
+    _, sampler_layers = attach_multi_lora(sampler_model, sampler_slots, max_rank, trainable=False)
+    trainer_routing, trainer_layers = attach_multi_lora(trainer_model, trainer_slots, max_rank, trainable=True)
+    return sampler_layers, trainer_model, trainer_routing, trainer_layers
 
 
 def _twin_sharing_weights(model: torch.nn.Module) -> torch.nn.Module:

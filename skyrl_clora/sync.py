@@ -16,26 +16,26 @@ from skyrl_clora.sampler.engine import Engine
 
 
 class AdapterSync:
-    """Tracks each tenant's published version and publishes new ones in place."""
+    """Publishes tenants' adapters into the engine in place; the engine's ``AdapterSlots`` own the versions."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.versions: dict[str, int] = {}
 
     def register(self, tenant: str, weights: AdapterWeights) -> None:
         """Publishes the tenant's initial adapter as version 0."""
         self.engine.register_adapter(tenant, weights, version=0)
-        self.versions[tenant] = 0
+
+    def version(self, tenant: str) -> int:
+        """The tenant's published version."""
+        return self.engine.adapter_version(tenant)
 
     async def unregister(self, tenant: str) -> None:
         """Frees the tenant's sampler slot once its running requests are done."""
         await asyncio.wrap_future(self.engine.unregister_adapter(tenant))
-        self.versions.pop(tenant, None)
 
     async def publish(self, tenant: str, weights: AdapterWeights) -> tuple[int, float]:
         """Publishes ``weights`` as the tenant's next version; returns (version, seconds until applied)."""
-        version = self.versions[tenant] + 1
+        version = self.engine.adapter_version(tenant) + 1
         started = time.perf_counter()
         await asyncio.wrap_future(self.engine.publish(tenant, weights, version))
-        self.versions[tenant] = version
         return version, time.perf_counter() - started

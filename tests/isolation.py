@@ -18,7 +18,7 @@ import torch
 from helpers import record_built
 from micro_task import assert_learning, read_records
 from skyrl_clora.backends import embedded
-from skyrl_clora.lora.layers import AdapterWeights, read_slot
+from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import main
 from skyrl_clora.trainer.adapter_store import TABLES
@@ -58,12 +58,11 @@ def run_recorded(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> dict[str, 
     for services in built:
         for name, state in services.store.tenants.items():
             services.store.wait(name)
-            served_slot = services.engine._slots[name]
             results[name] = TenantResult(
                 records=tenant_records(out, name),
                 tables={table: state.flat[table].clone() for table in TABLES},
                 step=state.step, rng_state=state.rng_state.clone(), weights=_cloned(state.weights),
-                served=read_slot(services.engine.lora_layers, served_slot, state.rank, state.alpha),
+                served=services.engine.adapters.read(name, state.rank, state.alpha),
                 served_version=services.engine.adapter_version(name),
                 exported=load_peft_adapter(out / "adapters" / name),
             )

@@ -83,7 +83,7 @@ class EmbeddedBackend:
         return Rollout(output, groups, trajectory_ids, versions)
 
     def version(self, tenant: str) -> int:
-        return self.services.sync.versions[tenant]
+        return self.services.sync.version(tenant)
 
     def exclusive_update(self, tenant: str) -> AbstractAsyncContextManager:
         """Nothing to hold: the train scheduler orders (or packs) the tenants' passes itself."""

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from skyrl_clora.device_copy import lists_to_device
-from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear, write_slot
+from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear
+from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.profiling import profiled
 from skyrl_clora.sampler.engine_stats import EngineStats, GPUSpan
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
@@ -136,14 +137,12 @@ class Engine:
         self.prefix_cache = PrefixCache(block_size, prefix_cache_bytes)
         self.reuse_decode_kv = reuse_decode_kv and prefix_cache_bytes > 0
         self.lora_layers = lora_layers
-        self.num_lora_slots = next(iter(lora_layers.values())).lora_a.shape[0]
+        self.adapters = AdapterSlots(lora_layers)
         self.max_len = max_len
         self.max_prefills_per_step = max_prefills_per_step
         self.stats = EngineStats()
         if cuda_graphs and self.runner.device.type == "cuda":
             self.stats.graph_capture_seconds = self.runner.capture_graphs()
-        self._slots: dict[str, int] = {}
-        self._versions: dict[str, int] = {}
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[_Request] = []
         self._pending_publishes: list[_Publish | _Unregister] = []
@@ -161,33 +160,28 @@ class Engine:
 
     def register_adapter(self, name: str, weights: AdapterWeights, version: int = 0) -> None:
         """Gives ``name`` a LoRA slot holding ``weights`` (before any request of it is submitted)."""
-        if name in self._slots:
-            raise ValueError(f"adapter {name!r} is already registered")
-        used = set(self._slots.values())
-        free = [slot for slot in range(self.num_lora_slots) if slot not in used]
-        if not free:
-            raise ValueError(f"all {self.num_lora_slots} adapter slots are in use; raise sampler.max_adapters")
-        self._slots[name] = free[0]
+        self.adapters.reserve(name)
         self.publish(name, weights, version).result()
 
     def unregister_adapter(self, name: str) -> concurrent.futures.Future:
         """Frees ``name``'s slot once none of its requests is running; its waiting requests fail.
         Resolves when the slot is free."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if name not in self._slots:
+        if name not in self.adapters:
             future.set_exception(ValueError(f"unknown adapter {name!r}"))
             return future
         self._inbox.put(_Unregister(name, future))
         return future
 
     def adapter_version(self, name: str) -> int:
-        return self._versions[name]
+        """The published version of ``name`` (``AdapterSlots.version``)."""
+        return self.adapters.version(name)
 
     def submit(self, prompt_ids: list[int], adapter: str | None, params: SamplingParams) -> concurrent.futures.Future:
         """Queues one generation request; the future resolves to a :class:`Completion`."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if adapter is not None and adapter not in self._slots:
-            future.set_exception(ValueError(f"unknown adapter {adapter!r}; registered: {sorted(self._slots)}"))
+        if adapter is not None and adapter not in self.adapters:
+            future.set_exception(ValueError(f"unknown adapter {adapter!r}; registered: {self.adapters.names()}"))
             return future
         if not prompt_ids or len(prompt_ids) >= self.max_len:
             future.set_exception(
@@ -200,7 +194,7 @@ class Engine:
     def publish(self, adapter: str, weights: AdapterWeights, version: int) -> concurrent.futures.Future:
         """Queues an in-place update of ``adapter``'s slot to ``weights`` at ``version``; resolves once applied."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if adapter not in self._slots:
+        if adapter not in self.adapters:
             future.set_exception(ValueError(f"unknown adapter {adapter!r}"))
             return future
         self._inbox.put(_Publish(adapter, weights, version, future))
@@ -310,16 +304,14 @@ class Engine:
                 if isinstance(publish, _Unregister):
                     self._remove_adapter(publish.adapter)
                 else:
-                    write_slot(self.lora_layers, self._slots[publish.adapter], publish.weights)
-                    self._versions[publish.adapter] = publish.version
+                    self.adapters.write(publish.adapter, publish.weights, publish.version)
                 publish.future.set_result(None)
             except Exception as error:
                 publish.future.set_exception(error)
         self._pending_publishes = still_pending
 
     def _remove_adapter(self, name: str) -> None:
-        write_slot(self.lora_layers, self._slots.pop(name), None)
-        self._versions.pop(name, None)
+        self.adapters.clear(name)
         for req in [r for r in self._waiting if r.adapter == name]:
             self._waiting.remove(req)
             req.future.set_exception(ValueError(f"adapter {name!r} was unregistered"))
@@ -340,13 +332,13 @@ class Engine:
         for req in self._waiting:
             if req.future.cancelled():
                 continue
-            if req.adapter is not None and req.adapter not in self._slots:  # unregistered after it was submitted
+            if req.adapter is not None and req.adapter not in self.adapters:  # unregistered after it was submitted
                 req.future.set_exception(ValueError(f"adapter {req.adapter!r} was unregistered"))
                 continue
             if req.adapter in fenced or not free_rows or len(admitted) >= self.max_prefills_per_step:
                 remaining.append(req)
                 continue
-            req.version = -1 if req.adapter is None else self._versions[req.adapter]
+            req.version = -1 if req.adapter is None else self.adapters.version(req.adapter)
             if self.reuse_decode_kv:
                 req.history = self.prefix_cache.take_history(req.adapter, req.version, req.prompt_ids)
             missing = None if req.history else self.prefix_cache.first_missing(req.adapter, req.version, req.prompt_ids)
@@ -380,7 +372,7 @@ class Engine:
         copied: list[PrefixIdentity | None] = []  # per request: the cached chain its first positions copy
         with GPUSpan(self.runner.device) as copies:  # the K/V copies into the requests' rows
             for req, tokens in zip(requests, prompts):
-                req.lora_slot = -1 if req.adapter is None else self._slots[req.adapter]
+                req.lora_slot = -1 if req.adapter is None else self.adapters.slot(req.adapter)
                 if req.history is not None:  # the last prompt token is always computed (its logits are needed)
                     length, (k, v), identity = req.history
                     start = min(length, len(req.prompt_ids) - 1)
