@@ -35,7 +35,7 @@ _FINISH_BLOCK = 1024
 class PackedConfig:
     """Launch shape of the packed kernels. The defaults were picked on an H200 at the benchmark's shape (bf16,
     rank 16, 4096 rows, 4096 features in and out; kernel times in the docstring of ``PackedLoRAFunction``);
-    ``scripts/bench_kernels.py --packed-sweep`` times variants. Tiles are powers of two (row tiles at least
+    ``python -m benchmarks.kernels --packed-sweep`` times variants. Tiles are powers of two (row tiles at least
     16: ``tl.dot``'s minimum), cut down where a pipeline stage of the streamed tiles would take more than
     ``_STAGE_BYTES`` of shared memory (fp32, rank 64). Per kernel: ``*_stages`` is the software pipeline's
     depth (``num_stages``), ``*_warps`` the warps per program (None: 4 up to rank 16, else 8), ``*_maxnreg``

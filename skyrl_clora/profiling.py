@@ -1,5 +1,5 @@
 """Named ranges for ``torch.profiler``: each call of a decorated function is one range (the trainer's
-forward and backward in ``scripts/bench_train.py --profile``; the profiler records ranges on the thread that
+forward and backward in ``python -m benchmarks.train --profile``; the profiler records ranges on the thread that
 started it only, so the engine's and the services' trainer threads show kernels but no ranges)."""
 
 from __future__ import annotations

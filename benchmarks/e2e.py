@@ -16,7 +16,7 @@ sum of the first N experiments. Concurrent mode runs N experiments at once on on
 One table: experiment throughput ratio vs serial, mean per-tenant step time, rollout / train / sync split,
 decode tokens/s, peak GPU memory. Full numbers go to ``--out`` as JSON.
 
-Usage (GPU): python scripts/bench_e2e.py --shape qwen3-1.7b --tokenizer <model dir with a chat template> --out $OUT/e2e.json
+Usage (GPU): python -m benchmarks.e2e --shape qwen3-1.7b --tokenizer <model dir with a chat template> --out $OUT/e2e.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from make_random_model import QWEN3_VOCAB, write_random_model
+from benchmarks.common import QWEN3_VOCAB, write_random_model
 
 from skyrl_clora.config import build_run_config
 from skyrl_clora.main import compose_config

@@ -7,7 +7,7 @@ mean final accuracy and its standard deviation over tenants; then the throughput
 (concurrent vs serial, i.e. N tenants vs one at a time) and whether concurrent mode's mean accuracy is within
 one std of serial's.
 
-Usage: python scripts/bench_concurrency.py --out outputs/bench [extra Hydra overrides, e.g. +tenants=8 clora.device=cuda]
+Usage: python -m benchmarks.concurrency --out outputs/bench [extra Hydra overrides, e.g. +tenants=8 clora.device=cuda]
 """
 
 from __future__ import annotations

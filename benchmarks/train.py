@@ -11,7 +11,7 @@ A round trains every tenant once; each mode runs ``--warmup`` rounds, then ``--r
 (medians reported). One more round per mode, with a device synchronisation around each phase, splits
 the time into phases (that round is not in the medians). Prints one table and writes bench_train.json.
 
-Usage: python scripts/bench_train.py --out $OUT [--workloads gsm8k,small] [--hf-baseline] [--repeats 3]
+Usage: python -m benchmarks.train --out $OUT [--workloads gsm8k,small] [--hf-baseline] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 
 import torch
 from skyrl.train.config import AlgorithmConfig
-from make_random_model import build_random_model, qwen3_config
+from benchmarks.common import build_random_model, qwen3_config
 
 import skyrl_clora.trainer.trainer as trainer_module
 from skyrl_clora.lora.layers import attach_multi_lora

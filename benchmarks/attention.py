@@ -9,7 +9,7 @@ a boolean mask over all L positions (what the embedded engine did before), and t
 bytes the rows' lengths need, plus q and out, / measured device copy bandwidth). ``--sweep`` also times
 alternative launch configs on three cases.
 
-    python scripts/bench_attention.py --out DIR [--sweep] [--shared-only]
+    python -m benchmarks.attention --out DIR [--sweep] [--shared-only]
 
 Writes DIR/bench_attention.json and DIR/bench_attention.md, and prints the table.
 """
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_timing import L2_BYTES, copy_bandwidth, graph_time, warm_up
+from benchmarks.common import L2_BYTES, copy_bandwidth, graph_time, warm_up
 
 from skyrl_clora.kernels import DecodeWorkspace, decode_attention
 from skyrl_clora.kernels.attention import AttentionConfig, decode_attention_triton, default_attention_config

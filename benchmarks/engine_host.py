@@ -8,15 +8,17 @@ GIL the trainer's thread also needs. This times that part alone: an Engine over 
 (GRPO groups of 8 rows sharing a prefix, as the engine's shared-prefix reads see them), median of
 ``--repeats`` batches of ``--steps`` steps.
 
-Usage: python scripts/bench_engine_host.py --rows 64 512
+Usage: python -m benchmarks.engine_host --rows 64 512 --out outputs/bench_engine_host.json
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -72,10 +74,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("outputs/bench_engine_host.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
+    results = {}
     for rows in args.rows:
-        print(f"rows {rows:4d}: {step_ms(rows, args.steps, args.repeats):.3f} ms of host time per decode step", flush=True)
+        results[rows] = step_ms(rows, args.steps, args.repeats)
+        print(f"rows {rows:4d}: {results[rows]:.3f} ms of host time per decode step", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"host_ms_per_decode_step": results, "steps": args.steps, "repeats": args.repeats},
+                                   indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ over adapters and slices, gather + bmm, the base layer's GEMM alone, and the mem
 op must move / measured device copy bandwidth). Then packed LoRA training (forward + backward of the
 LoRA part) against the adapters one after another. ``--sweep`` also times alternative launch configs.
 
-    python scripts/bench_kernels.py --out DIR [--sweep decode|prefill|all] [--quick] [--lean] [--tokens T ...]
+    python -m benchmarks.kernels --out DIR [--sweep decode|prefill|all] [--quick] [--lean] [--tokens T ...]
         [--ranks R ...] [--adapters N ...]
-    python scripts/bench_kernels.py --out DIR --packed-sweep [--packed-configs JSON]
+    python -m benchmarks.kernels --out DIR --packed-sweep [--packed-configs JSON]
 
 ``--lean`` leaves out the PEFT loop, gather + bmm and the no-PDL variant (the issue's targets need only ours,
 the folded layer and the base GEMM). ``--packed-sweep`` times packed training under launch configs of its
@@ -36,8 +36,8 @@ import torch
 
 import torch.nn.functional as F
 
-from bench_packed import PACKED_SWEEP, packed_sweep, packed_training
-from bench_timing import DT, L2_BYTES, copy_bandwidth, graph_time, warm_up
+from benchmarks.common import DT, L2_BYTES, copy_bandwidth, graph_time, warm_up
+from benchmarks.packed import PACKED_SWEEP, packed_sweep, packed_training
 from skyrl_clora.kernels import LoRAMeta, add_lora, fold_lora_weights
 from skyrl_clora.kernels.folded import folded_lora_linear_triton
 from skyrl_clora.kernels.meta import rank_pad

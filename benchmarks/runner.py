@@ -21,7 +21,7 @@ rows are mixed over the adapters. Cases:
 
 Each case is also profiled (``--profile``): operator and kernel tables by GPU and by CPU time beside ``--out``.
 
-Usage (GPU): python scripts/bench_runner.py --out $OUT/runner.json --profile
+Usage (GPU): python -m benchmarks.runner --out $OUT/runner.json --profile
 """
 
 from __future__ import annotations
@@ -34,9 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from bench_engine import random_adapter
-from bench_timing import copy_bandwidth
-from make_random_model import QWEN3_VOCAB, SHAPES, build_random_model, qwen3_config
+from benchmarks.common import QWEN3_VOCAB, SHAPES, build_random_model, copy_bandwidth, qwen3_config, random_adapter
 
 from skyrl_clora.lora.layers import attach_multi_lora, write_slot
 from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob

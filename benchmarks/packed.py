@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench_timing import DT, graph_time
+from benchmarks.common import DT, graph_time
 from skyrl_clora.kernels import LoRAMeta
 from skyrl_clora.kernels.packed import PackedConfig, packed_lora_triton
 

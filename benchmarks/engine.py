@@ -9,7 +9,7 @@ against the memory roofline: per step, all weights once plus every row's K/V rea
 copy bandwidth measured in the same run. HF ``generate`` runs the same shapes on a second copy of the model
 (base, PEFT with 1 adapter, PEFT with 8 adapters mixed via ``adapter_names``).
 
-Usage (GPU): python scripts/bench_engine.py --shape qwen3-1.7b --out $OUT/bench_engine.json
+Usage (GPU): python -m benchmarks.engine --shape qwen3-1.7b --out $OUT/bench_engine.json
 """
 
 from __future__ import annotations
@@ -21,25 +21,15 @@ import time
 from pathlib import Path
 
 import torch
-from bench_timing import copy_bandwidth
-from make_random_model import QWEN3_VOCAB, SHAPES, build_random_model, qwen3_config
+from benchmarks.common import QWEN3_VOCAB, SHAPES, build_random_model, copy_bandwidth, qwen3_config, random_adapter
 from transformers import Qwen3ForCausalLM
 
-from skyrl_clora.lora.layers import AdapterWeights, attach_multi_lora
+from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.requests import SamplingParams
 
 def build_model(shape: str) -> Qwen3ForCausalLM:
     return build_random_model(qwen3_config(shape), "cuda").eval()
-
-
-def random_adapter(layers: dict, rank: int, seed: int) -> AdapterWeights:
-    generator = torch.Generator().manual_seed(seed)
-    adapter = AdapterWeights(rank=rank, alpha=2.0 * rank)
-    for path, layer in layers.items():
-        adapter.a[path] = torch.randn(rank, layer.in_features, generator=generator) * 0.01
-        adapter.b[path] = torch.randn(layer.out_features, rank, generator=generator) * 0.01
-    return adapter
 
 
 def run_engine_case(engine: Engine, batch: int, prompt: int, new: int, adapters: list[str | None], seed: int) -> dict:

@@ -2,7 +2,7 @@
 
 For Qwen3-4B's attention block (hidden 2560, 32 query and 8 key/value heads of 128, one A per slice),
 rank 16, N adapters in {8, 32} and tokens in {16, 64, 256, 4096} (bf16, uniform random adapter per row),
-it times from CUDA-graph replays (``bench_timing.graph_time``: median, inputs and weights rotated past
+it times from CUDA-graph replays (``common.graph_time``: median, inputs and weights rotated past
 the L2), side by side in one process:
 
 - the base GEMM ``x @ W.T`` alone (issue 3's denominator);
@@ -15,7 +15,7 @@ the L2), side by side in one process:
 A block's LoRA add-on is its time minus the block without LoRA; the table gives each add-on over the base
 GEMM, the ratio issue 3's targets bound (decode <= 0.35x at N=8, <= 0.6x at N=32; prefill <= 0.25x / 0.45x).
 
-    python scripts/bench_qkv_rope.py --out DIR [--adapters N ...] [--tokens T ...]
+    python -m benchmarks.qkv_rope --out DIR [--adapters N ...] [--tokens T ...]
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_kernels import Case
-from bench_timing import DT, copy_bandwidth, graph_time, warm_up
+from benchmarks.common import DT, copy_bandwidth, graph_time, warm_up
+from benchmarks.kernels import Case
 from skyrl_clora.kernels import fold_lora_weights, folded_lora_linear, folded_qkv_rope, qk_norm_rope
 
 HEAD_DIM = 128

@@ -1,0 +1,148 @@
+"""What the benchmarks share: CUDA-graph replay timing with inputs rotated past the L2, a clock warm-up and the
+device's copy bandwidth (the rooflines' denominator); Qwen3-architecture models with random weights in real
+models' shapes (no model can be downloaded on the GPU machine), in memory or written to disk with a tokenizer
+copied from an existing model folder.
+
+``python -m benchmarks.common --shape qwen3-0.6b --tokenizer-from <model dir> --out <dir>`` writes such a
+checkpoint (the vocabulary is the tokenizer's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from skyrl_clora.lora.layers import AdapterWeights
+
+DT = torch.bfloat16  # the benchmarks' dtype
+L2_BYTES = 60 * 2**20  # an H200's L2 is 50 MiB: inputs rotated over 3x this miss it
+
+
+def graph_time(calls: list[Callable[[], None]], min_calls: int = 20) -> float:
+    """Seconds per call: the calls (one per input set, cycled to at least ``min_calls``, fewer for slow
+    calls) captured in one CUDA graph; median over replays."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    calls[0]()
+    torch.cuda.synchronize()
+    est = max(time.perf_counter() - t0, 1e-6)
+    n = max(len(calls), min(min_calls, math.ceil(2e-3 / est)))
+    seq = [calls[i % len(calls)] for i in range(n)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in seq[: len(calls)]:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in seq:
+            c()
+    reps = max(5, min(30, int(0.15 / (est * n))))
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / n)
+    del graph
+    return statistics.median(times)
+
+
+def warm_up(seconds: float = 2.0) -> None:
+    """Keeps the GPU busy with bf16 matrix products so its clocks are up before anything is timed."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=DT)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 4 GiB device-to-device copy by a kernel (``torch.add(src, 0, out=dst)``),
+    counting bytes read plus bytes written. Not ``dst.copy_(src)``: captured in a CUDA graph that becomes a
+    memcpy node, which the copy engines run at ~2.7 TB/s on the H200 against ~4.3 TB/s for a kernel
+    (RESULTS.md, Method), and kernels are what the rooflines compare."""
+    src = torch.randn(2**30, device="cuda")
+    dst = torch.empty_like(src)
+    t = graph_time([lambda: torch.add(src, 0.0, out=dst)], min_calls=5)
+    return 2 * src.numel() * 4 / t
+
+
+SHAPES = {  # hidden, layers, heads, kv heads, head dim, intermediate (from the published Qwen3 configs)
+    "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072),
+    "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144),
+    "qwen3-4b": (2560, 36, 32, 8, 128, 9728),
+}
+QWEN3_VOCAB = 151936
+
+
+def qwen3_config(shape: str, vocab_size: int = QWEN3_VOCAB, **extra: Any) -> Qwen3Config:
+    """The config of ``shape`` (a key of :data:`SHAPES`) with tied embeddings; ``extra`` adds config fields."""
+    hidden, layers, heads, kv_heads, head_dim, intermediate = SHAPES[shape]
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+        max_position_embeddings=40960, tie_word_embeddings=True, **extra,
+    )
+
+
+def build_random_model(config: Qwen3Config, device: str, seed: int = 0) -> Qwen3ForCausalLM:
+    """A bf16 model of ``config`` with random weights (seeded), built directly on ``device``."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return Qwen3ForCausalLM(config).to(torch.bfloat16)
+
+
+def write_random_model(shape: str, tokenizer_dir: Path, out: Path, device: str, vocab_size: int | None = None,
+                       seed: int = 0) -> Qwen3ForCausalLM:
+    """Writes a random ``shape`` checkpoint and the tokenizer of ``tokenizer_dir`` to ``out``; the vocabulary is
+    ``vocab_size`` or the tokenizer's. Returns the model."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = qwen3_config(shape, vocab_size or len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)
+    model = build_random_model(config, device, seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return model
+
+
+def random_adapter(layers: dict, rank: int, seed: int) -> AdapterWeights:
+    """A seeded adapter of ``rank`` for ``layers`` (path -> multi-LoRA layer): A and B ~ N(0, 0.01^2), alpha 2r."""
+    generator = torch.Generator().manual_seed(seed)
+    adapter = AdapterWeights(rank=rank, alpha=2.0 * rank)
+    for path, layer in layers.items():
+        adapter.a[path] = torch.randn(rank, layer.in_features, generator=generator) * 0.01
+        adapter.b[path] = torch.randn(layer.out_features, rank, generator=generator) * 0.01
+    return adapter
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--tokenizer-from", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = write_random_model(args.shape, args.tokenizer_from, args.out, device, seed=args.seed)
+    print(f"{args.shape}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
