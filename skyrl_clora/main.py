@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 if TYPE_CHECKING:
@@ -92,6 +92,33 @@ def compose_config(overrides: list[str]):
         raise UserError(message) from None
 
 
+def check_known_keys(cfg: DictConfig, overrides: list[str]) -> None:
+    """Raises :class:`UserError` for a key that ``+key=value`` added and nothing reads: every key of ``cfg`` must be
+    in the config composed with the same group choices alone (``recipe=``, ``backend=``, ...), except
+    ``tenants`` and the fields of SkyRL's ``AlgorithmConfig`` under ``trainer.algorithm``."""
+    from dataclasses import fields
+
+    from skyrl.train.config import AlgorithmConfig
+
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    defaults = compose_config([o for o in overrides if o.split("=", 1)[0] in groups])
+    algorithm_fields = {f.name for f in fields(AlgorithmConfig)}
+
+    def walk(node: DictConfig, known: DictConfig | None, prefix: str) -> None:
+        for key in node:
+            path = f"{prefix}{key}"
+            if path == "tenants" or (prefix == "trainer.algorithm." and key in algorithm_fields):
+                continue
+            if known is None or key not in known:
+                valid = ", ".join(sorted(str(k) for k in known)) if known is not None else ""
+                more = " or any field of SkyRL's AlgorithmConfig" if prefix == "trainer.algorithm." else ""
+                raise UserError(f"unknown key {path}; valid keys{' here' if prefix else ''}: {valid}{more}")
+            if OmegaConf.is_dict(node[key]) and OmegaConf.is_dict(known[key]):
+                walk(node[key], known[key], f"{path}.")
+
+    walk(cfg, defaults, "")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(arg in ("-h", "--help") for arg in argv):
@@ -105,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = compose_config(argv)
+        check_known_keys(cfg, argv)
         run = build_run_config(cfg)
         if run.backend == "skyrl":
             from skyrl_clora.tiny_base.pretrain import tiny_base_path

@@ -108,11 +108,25 @@ def test_help_lists_settable_keys(capsys: pytest.CaptureFixture) -> None:
     (["sampler.stream_priority=urgent"], "sampler.stream_priority"),
     (["trainer.overlap_sampling=sometimes"], "trainer.overlap_sampling=sometimes must be true, false or null"),
     (["backend=skyrl", "trainer.overlap_sampling=false"], "trainer.overlap_sampling=false needs backend=embedded"),
+    (["+clora.foo=1"], "unknown key clora.foo; valid keys here: device, mode, output_dir, progress, seed, steps"),
+    (["+model.foo=1"], "unknown key model.foo; valid keys here: dtype, path"),
+    (["+backend.foo=1"], "unknown key backend.foo; valid keys here: name"),
+    (["backend=skyrl", "+backend.foo=1"], "unknown key backend.foo; valid keys here: colocate_all,"),
+    (["+trainer.algorithm.foo=1"], "unknown key trainer.algorithm.foo; valid keys here: advantage_estimator"),
+    (["+foo=1"], "unknown key foo; valid keys: backend, clora, lora, model, recipe, sampler, trainer"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_an_added_skyrl_algorithm_field_is_a_known_key() -> None:
+    """``+trainer.algorithm.<field>`` of SkyRL's AlgorithmConfig is accepted (it reaches SkyRL's config)."""
+    from skyrl_clora.main import check_known_keys, compose_config
+
+    overrides = ["+trainer.algorithm.kl_loss_coef=0.1", "recipe=taubench", "+tenants=2"]
+    check_known_keys(compose_config(overrides), overrides)
 
 
 def test_bad_input_from_the_command_line_has_no_traceback() -> None:
