@@ -59,15 +59,16 @@ def test_a_tenant_ends_the_same_alone_or_beside_others(train_mode: str, learning
 
 @pytest.mark.usefixtures("without_production_extras")
 def test_a_tenant_ends_the_same_alone_or_beside_others_on_skyrls_stack(learning_model_dir: Path, tmp_path: Path) -> None:
-    """backend=skyrl (SkyRL's generator, WorkerDispatch and a Ray policy worker): two tenants run together end
-    with the metrics and exported adapters each has when it runs alone."""
+    """backend=skyrl (SkyRL's generator, WorkerDispatch and a Ray policy worker): a tenant run beside another
+    ends with the metrics and exported adapter it has when it runs alone (one alone run: each costs a Ray
+    stack; the embedded test above covers every tenant)."""
     specs = ({"name": "a", "seed": 1, "lr": "1e-2"}, {"name": "b", "seed": 2, "lr": "3e-3"})  # one rank: SkyRL's store
     assert main(run_args(learning_model_dir, tmp_path / "together", micro_tenants(*specs), "backend=skyrl")) == 0
     assert_learning(read_records(tmp_path / "together"))
     exported = {name: load_peft_adapter(tmp_path / "together" / "adapters" / name) for name in "ab"}
     path = next(iter(exported["a"].b))
     assert exported["a"].b[path].abs().sum() > 0 and not torch.equal(exported["a"].b[path], exported["b"].b[path])
-    for spec in specs:
+    for spec in specs[1:]:
         name, out = spec["name"], tmp_path / f"alone-{spec['name']}"
         assert main(run_args(learning_model_dir, out, micro_tenants(spec), "backend=skyrl")) == 0
         assert_same_records(tenant_records(tmp_path / "together", name), tenant_records(out, name), name)
