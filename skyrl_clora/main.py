@@ -104,13 +104,13 @@ def check_known_keys(cfg: DictConfig, overrides: list[str]) -> None:
     defaults = compose_config([o for o in overrides if o.split("=", 1)[0] in groups])
     algorithm_fields = {f.name for f in fields(AlgorithmConfig)}
 
-    def walk(node: DictConfig, known: DictConfig | None, prefix: str) -> None:
+    def walk(node: DictConfig, known: DictConfig, prefix: str) -> None:
         for key in node:
             path = f"{prefix}{key}"
             if path == "tenants" or (prefix == "trainer.algorithm." and key in algorithm_fields):
                 continue
-            if known is None or key not in known:
-                valid = ", ".join(sorted(str(k) for k in known)) if known is not None else ""
+            if key not in known:
+                valid = ", ".join(sorted(str(k) for k in known))
                 more = " or any field of SkyRL's AlgorithmConfig" if prefix == "trainer.algorithm." else ""
                 raise UserError(f"unknown key {path}; valid keys{' here' if prefix else ''}: {valid}{more}")
             if OmegaConf.is_dict(node[key]) and OmegaConf.is_dict(known[key]):

@@ -54,6 +54,7 @@ from skyrl_clora.tenant_loop import Rollout, run_tenant_loops
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
 
+
 @dataclass
 class Tenant:
     """One tenant's handles on the shared stack, and its LR schedule and step count (the driver sends
