@@ -26,7 +26,7 @@ import torch
 from benchmarks.common import L2_BYTES, copy_bandwidth, graph_time, warm_up
 
 from skyrl_clora.kernels import DecodeWorkspace, decode_attention
-from skyrl_clora.kernels.attention import AttentionConfig, decode_attention_triton, default_attention_config
+from skyrl_clora.kernels.attention.decode import AttentionConfig, decode_attention_triton, default_attention_config
 
 DT = torch.bfloat16
 H, KV, D, L = 16, 8, 128, 2048

@@ -4,7 +4,7 @@ For hidden 4096 and the Qwen3-4B projections, N adapters in {1, 8, 32}, tokens i
 rank in {16, 64} (bf16, uniform random adapter per row) it times, each from CUDA-graph replays (median
 over repeats, inputs rotated over enough sets to leave the L2 cache): our ``add_lora`` (shrink + expand,
 all slices; the per-step ``LoRAMeta.build`` is not included and is timed on its own), the folded layer
-(``kernels.folded``: one GEMM over the base weight with every slot's A appended, one expand; its LoRA add-on
+(``kernels.lora.folded``: one GEMM over the base weight with every slot's A appended, one expand; its LoRA add-on
 is the layer's time minus the base GEMM's over the same weights, timed side by side), a PEFT-style loop
 over adapters and slices, gather + bmm, the base layer's GEMM alone, and the memory roofline (bytes the
 op must move / measured device copy bandwidth). Then packed LoRA training (forward + backward of the
@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from benchmarks.common import DT, L2_BYTES, copy_bandwidth, graph_time, warm_up
 from benchmarks.packed import PACKED_SWEEP, packed_sweep, packed_training
 from skyrl_clora.kernels import LoRAMeta, add_lora, fold_lora_weights
-from skyrl_clora.kernels.folded import folded_lora_linear_triton
-from skyrl_clora.kernels.meta import rank_pad
-from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton, default_config, expand_folded, sgmv_expand, sgmv_shrink
+from skyrl_clora.kernels.lora.folded import folded_lora_linear_triton
+from skyrl_clora.kernels.lora.meta import rank_pad
+from skyrl_clora.kernels.lora.sgmv import SgmvConfig, add_lora_triton, default_config, expand_folded, sgmv_expand, sgmv_shrink
 
 SHAPES = {  # name: (h_in, output slices, one A per slice)
     "h4096": (4096, (4096,), False),

@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.common import DT, graph_time
 from skyrl_clora.kernels import LoRAMeta
-from skyrl_clora.kernels.packed import PackedConfig, packed_lora_triton
+from skyrl_clora.kernels.lora.packed import PackedConfig, packed_lora_triton
 
 
 class PackedCase:

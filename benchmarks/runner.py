@@ -145,7 +145,7 @@ def run_prefill(runner: ModelRunner, args: argparse.Namespace, name: str, jobs: 
 def run_prefill_attention(runner: ModelRunner, args: argparse.Namespace, jobs: list[PrefillJob]) -> dict:
     """One layer's ``prefill_attention`` for ``jobs`` (a turn's new positions over their histories in the
     cache) at each of ``--attention-configs``, GPU time by CUDA events."""
-    from skyrl_clora.kernels.prefill_attention import PrefillConfig, prefill_attention_triton
+    from skyrl_clora.kernels.attention.prefill import PrefillConfig, prefill_attention_triton
 
     counts = [job.tokens.shape[0] - job.start for job in jobs]
     offsets = [sum(counts[:i]) for i in range(len(jobs))]

@@ -10,7 +10,7 @@ grouping) and ``DecodeWorkspace`` (attention partials) are preallocated buffers,
 imports nothing from the rest of the plugin.
 """
 
-from skyrl_clora.kernels.attention import DecodeWorkspace
+from skyrl_clora.kernels.attention.decode import DecodeWorkspace
 from skyrl_clora.kernels.dispatch import (
     add_lora,
     chosen_logprobs_,
@@ -29,10 +29,10 @@ from skyrl_clora.kernels.dispatch import (
     silu_mul,
     silu_mul_with_grad,
 )
-from skyrl_clora.kernels.folded import FoldedWeights, fold_lora_weights
-from skyrl_clora.kernels.meta import LoRAMeta
+from skyrl_clora.kernels.lora.folded import FoldedWeights, fold_lora_weights
+from skyrl_clora.kernels.lora.meta import LoRAMeta
 from skyrl_clora.kernels.qkv_dispatch import folded_qkv_rope, folded_qkv_rope_into_cache
-from skyrl_clora.kernels.qkv_rope import KVCacheWrite
+from skyrl_clora.kernels.lora.qkv_rope import KVCacheWrite
 
 __all__ = [
     "DecodeWorkspace", "FoldedWeights", "KVCacheWrite", "LoRAMeta", "add_lora", "chosen_logprobs_", "decode_attention",

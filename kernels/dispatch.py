@@ -18,16 +18,16 @@ from typing import Literal
 
 import torch
 
-from skyrl_clora.kernels.attention import DecodeWorkspace, decode_attention_triton
+from skyrl_clora.kernels.attention.decode import DecodeWorkspace, decode_attention_triton
 from skyrl_clora.kernels.checks import check_chosen_logprobs, check_frozen_base, check_silu_mul
-from skyrl_clora.kernels.dense_lora import DenseLoRALinear
-from skyrl_clora.kernels.folded import FoldedWeights, fold_pays, folded_lora_linear_triton
-from skyrl_clora.kernels.gather_ops import GatherRows
-from skyrl_clora.kernels.logprob_ops import chosen_logprobs_triton
-from skyrl_clora.kernels.meta import LoRAMeta
-from skyrl_clora.kernels.packed import packed_lora_triton
-from skyrl_clora.kernels.prefill_attention import check_prefill_attention, prefill_attention_triton
-from skyrl_clora.kernels.layer_ops import qk_norm_rope_triton, rms_norm_triton, silu_mul_triton
+from skyrl_clora.kernels.lora.dense_lora import DenseLoRALinear
+from skyrl_clora.kernels.lora.folded import FoldedWeights, fold_pays, folded_lora_linear_triton
+from skyrl_clora.kernels.layers.gather_ops import GatherRows
+from skyrl_clora.kernels.layers.logprob_ops import chosen_logprobs_triton
+from skyrl_clora.kernels.lora.meta import LoRAMeta
+from skyrl_clora.kernels.lora.packed import packed_lora_triton
+from skyrl_clora.kernels.attention.prefill import check_prefill_attention, prefill_attention_triton
+from skyrl_clora.kernels.layers.layer_ops import qk_norm_rope_triton, rms_norm_triton, silu_mul_triton
 from skyrl_clora.kernels.reference import (
     add_lora_ref,
     chosen_logprobs_ref,
@@ -39,9 +39,9 @@ from skyrl_clora.kernels.reference import (
     sample_tokens_ref,
     silu_mul_ref,
 )
-from skyrl_clora.kernels.sampling import sample_tokens_triton
-from skyrl_clora.kernels.sgmv import add_lora_triton
-from skyrl_clora.kernels.train_ops import RMSNormFrozenWeight, RotaryEmbedding, SiluMul
+from skyrl_clora.kernels.layers.sampling import sample_tokens_triton
+from skyrl_clora.kernels.lora.sgmv import add_lora_triton
+from skyrl_clora.kernels.layers.train_ops import RMSNormFrozenWeight, RotaryEmbedding, SiluMul
 
 Backend = Literal["triton", "torch"]
 
@@ -110,14 +110,14 @@ def folded_lora_linear(
     meta: LoRAMeta | None = None,
     backend: Backend | None = None,
 ) -> torch.Tensor:
-    """An inference linear layer with multi-LoRA, its slots' A folded into its weight (``kernels.folded``).
+    """An inference linear layer with multi-LoRA, its slots' A folded into its weight (``kernels.lora.folded``).
 
     Returns ``y = x @ folded.base_weight.T + folded.base_bias`` plus, for ``token_slots`` not None, the
     :func:`add_lora` terms with ``lora_a = folded.lora_a``: ``y[t, slice_i] += scales[s] * (x[t] @ A_i[s].T) @
     B_i[s].T`` for ``s = token_slots[t] >= 0``. Shapes: ``x: [T, H_in]``, ``lora_b[i]: [S, H_out_i, R]`` with
     ``sum(H_out_i) = folded.out_features``; returns ``[T, H_out]`` with unit column stride (on the folded path
     a column view of a ``[T, H_out + extra]`` GEMM output). The Triton path runs one GEMM over the whole folded
-    weight and one segmented expand when ``kernels.folded.fold_pays`` says the extra columns cost less than a
+    weight and one segmented expand when ``kernels.lora.folded.fold_pays`` says the extra columns cost less than a
     shrink, and otherwise the base GEMM over ``folded.base_weight`` plus :func:`add_lora`, as the torch path
     always does. ``meta`` as for :func:`add_lora`.
     """
@@ -156,7 +156,7 @@ def packed_lora(
                 y[t] = scales[p] * (x[t] @ lora_a[p].T) @ lora_b[p].T
 
     Differentiable in ``x``, ``lora_a`` and ``lora_b`` (not in ``scales``): one backward gives every
-    adapter's gradients. The Triton path (``kernels.packed.PackedLoRAFunction``) runs the forward in one
+    adapter's gradients. The Triton path (``kernels.lora.packed.PackedLoRAFunction``) runs the forward in one
     launch and the backward in two or three. ``meta`` as for :func:`add_lora` (a snapshot of its index buffers
     is kept for backward, so rebuilding it for the next micro-batch is safe).
     """
@@ -200,7 +200,7 @@ def dense_lora_linear(
 ) -> torch.Tensor:
     """:func:`lora_linear` for a batch whose rows all use adapter ``slot`` (the trainer's one-tenant pass): the
     same values (up to rounding: ``scales[slot] * x @ A.T`` is rounded to the model dtype) from plain torch
-    GEMMs on every device (``kernels.dense_lora``), differentiable in ``x``, ``lora_a`` and ``lora_b``."""
+    GEMMs on every device (``kernels.lora.dense_lora``), differentiable in ``x``, ``lora_a`` and ``lora_b``."""
     if not 0 <= slot < lora_a.shape[0]:
         raise ValueError(f"slot {slot} is outside the adapters' {lora_a.shape[0]} slots")
     check_frozen_base(weight, bias)
@@ -241,7 +241,7 @@ def decode_attention(
         ws = DecodeWorkspace(max_rows, H, L, d, device="cuda")       # once
         decode_attention(q, k_cache, v_cache, lengths, out=out, workspace=ws)   # every layer, every step
 
-    The Triton path (``kernels.attention``, flash-decoding) reads only the first ``lengths[b]`` positions
+    The Triton path (``kernels.attention.decode``, flash-decoding) reads only the first ``lengths[b]`` positions
     of each row, needs unit stride along ``d`` and ``d <= 256``, and raises ValueError otherwise. With
     ``out`` and ``workspace`` given it allocates nothing and never waits for the host, so the step can be
     captured in a CUDA graph and replayed with new ``lengths`` copied into the captured tensor. The torch
@@ -284,7 +284,7 @@ def prefill_attention(
                     k = k_cache[job_rows[j], h // (H // KV), :p + 1]       # [p + 1, d]; v likewise
                     out[t, h] = softmax(scale * q[t, h] @ k.T) @ v
 
-    The Triton path (``kernels.prefill_attention``) reads only each job's positions up to its last query
+    The Triton path (``kernels.attention.prefill``) reads only each job's positions up to its last query
     (causal tiles), needs unit stride along ``d`` and ``d <= 256``, never waits for the host and allocates
     only ``out``: a prefill pass is capturable in a CUDA graph and replayable with new metadata copied into
     the same tensors. The torch path (``reference.prefill_attention_ref``, the CPU engine's) loops over the
@@ -304,7 +304,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         h = x if residual is None else residual + x
         y = weight * (h / sqrt(mean(h ** 2, dim=-1, keepdim=True) + eps))      # statistics in fp32
 
-    Nothing is written in place. The Triton path (``kernels.layer_ops``) needs inputs of one float dtype with
+    Nothing is written in place. The Triton path (``kernels.layers.layer_ops``) needs inputs of one float dtype with
     unit column stride (any row stride) and rounds once to it; the torch path is Hugging Face's RMSNorm op for op.
     """
     if use_triton(x, backend):
@@ -345,7 +345,7 @@ def rms_norm_with_grad(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
 
         y = weight * (x / sqrt(mean(x ** 2, dim=-1, keepdim=True) + eps))      # statistics in fp32
 
-    The Triton path (``kernels.train_ops``) is one launch forward and one backward; the torch path is Hugging
+    The Triton path (``kernels.layers.train_ops``) is one launch forward and one backward; the torch path is Hugging
     Face's RMSNorm op for op, differentiated by autograd.
     """
     if weight.requires_grad:
@@ -357,7 +357,7 @@ def rms_norm_with_grad(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
 
 def silu_mul_with_grad(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
     """Differentiable ``silu(gate) * up`` for two tensors of one shape and dtype. The Triton path
-    (``kernels.train_ops``) is one launch forward and one backward and saves only ``gate`` and ``up``."""
+    (``kernels.layers.train_ops``) is one launch forward and one backward and saves only ``gate`` and ``up``."""
     check_silu_mul(gate, up)
     if use_triton(gate, backend):
         return SiluMul.apply(gate, up)
@@ -395,7 +395,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, uniform: torc
         logprob = logits[token] - logsumexp(logits)
 
     The torch path (``reference.sample_tokens_ref``) sums the CDF in blocks of 1024 tokens; the Triton path
-    (``kernels.sampling``, one launch) sums unnormalised probabilities in its own order, so the two draw
+    (``kernels.layers.sampling``, one launch) sums unnormalised probabilities in its own order, so the two draw
     different tokens only where the target lies within rounding of a cumulative sum. Neither waits for the
     host. Top-p is not here (the sampler keeps its sort-based path for those rows).
     """
@@ -414,7 +414,7 @@ def chosen_logprobs_(logits: torch.Tensor, targets: torch.Tensor, *, write_grad:
         if write_grad:
             logits[:] = one_hot(targets, V) - softmax(logits.float(), -1)
 
-    The Triton path (``kernels.logprob_ops``) is one launch that reads each row twice and writes it once;
+    The Triton path (``kernels.layers.logprob_ops``) is one launch that reads each row twice and writes it once;
     the torch path is ``reference.chosen_logprobs_ref``. No host synchronisation."""
     check_chosen_logprobs(logits, targets)
     if use_triton(logits, backend):
@@ -430,7 +430,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, starts: torch.Tensor, sour
 
         dx = zeros_like(x).index_add_(0, index, dy)      # = sum of dy[sources[starts[t]:starts[t + 1]]]
 
-    The Triton path (``kernels.gather_ops``) sums each row's gradients in fp32 in one launch, without
+    The Triton path (``kernels.layers.gather_ops``) sums each row's gradients in fp32 in one launch, without
     atomics; the torch path is ``index_select`` under autograd (``index_add_`` backward)."""
     if use_triton(x, backend):
         return GatherRows.apply(x, index, starts, sources)

@@ -1,5 +1,11 @@
-"""Launch options the Triton kernels share: the GPU's programmatic dependent launch (PDL) and the dot
-precision flags by dtype and device."""
+"""What the Triton kernels' host wrappers share: the GPU's programmatic dependent launch (PDL), the dot
+precision flags by dtype and device, and integer grid helpers.
+
+Triton 3.5+ makes ``triton.cdiv`` and ``triton.next_power_of_2`` constexpr functions whose calls from Python
+unwrap every argument (~3 us each); the host wrappers of one training micro-batch called them ~9,000 times
+(cProfile of a bench_train round, RESULTS.md, Training: packed vs swap), hence ``cdiv`` and ``next_power_of_2``
+here. Kernels keep using ``tl.cdiv``.
+"""
 
 from __future__ import annotations
 
@@ -27,3 +33,13 @@ def pdl_flags(x: torch.Tensor, pdl: bool) -> dict[str, bool]:
     """A kernel's ``PDL`` flag and launch option: on when ``pdl`` is asked for and ``x``'s GPU has it."""
     on = pdl and has_pdl(x.device)
     return {"PDL": on, "launch_pdl": on}
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ``b > 0``."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 << max(n - 1, 0).bit_length()

@@ -1,6 +1,6 @@
 """The dispatch of the attention block's q/k/v projection with q/k norm and rotary (``folded_qkv_rope``), and of
 its variant that writes k and v into the sampling engine's slot K/V cache (``folded_qkv_rope_into_cache``): the
-fused Triton kernel (``kernels.qkv_rope``) for CUDA tensors, the torch reference elsewhere, as in ``dispatch``."""
+fused Triton kernel (``kernels.lora.qkv_rope``) for CUDA tensors, the torch reference elsewhere, as in ``dispatch``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from skyrl_clora.kernels import dispatch
 from skyrl_clora.kernels.dispatch import Backend, folded_lora_linear, qk_norm_rope
-from skyrl_clora.kernels.folded import FoldedWeights
-from skyrl_clora.kernels.meta import LoRAMeta
-from skyrl_clora.kernels.qkv_rope import KVCacheWrite, check_cache_write, folded_qkv_rope_triton
+from skyrl_clora.kernels.lora.folded import FoldedWeights
+from skyrl_clora.kernels.lora.meta import LoRAMeta
+from skyrl_clora.kernels.lora.qkv_rope import KVCacheWrite, check_cache_write, folded_qkv_rope_triton
 
 
 def folded_qkv_rope(
@@ -40,7 +40,7 @@ def folded_qkv_rope(
         q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
 
     The Triton path (for ``token_slots`` not None and a power-of-two ``head_dim >= 32``, or when forced) runs
-    the LoRA expand inside the norm + rotary kernel (``kernels.qkv_rope``): one GEMM and one kernel at decode
+    the LoRA expand inside the norm + rotary kernel (``kernels.lora.qkv_rope``): one GEMM and one kernel at decode
     sizes, plus the shrink where the fold does not pay. ``meta`` as for :func:`add_lora`.
     """
     lora_b = tuple(lora_b)

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from skyrl_clora.kernels.folded import FoldedWeights, fold_lora_weights
+from skyrl_clora.kernels.lora.folded import FoldedWeights, fold_lora_weights
 from skyrl_clora.kernels.reference import add_lora_ref, decode_attention_ref, prefill_attention_ref, qk_norm_rope_ref
 
 LAYOUTS = ("distinct", "uniform", "zipf", "identical", "skewed", "no_adapter")
@@ -138,7 +138,7 @@ def rel_error(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor) -> fl
 
 
 def fold_problem(p: LoRAProblem, with_bias: bool, seed: int = 0) -> FoldedWeights:
-    """A random base layer for ``p`` with its slots' A folded below the weight (``kernels.folded``); ``p.out``
+    """A random base layer for ``p`` with its slots' A folded below the weight (``kernels.lora.folded``); ``p.out``
     becomes the base layer's output ``x @ W.T + bias`` (of the order of the deltas, like ``make_problem``'s)."""
     gen = torch.Generator().manual_seed(seed)
     h_in, width = p.x.shape[1], p.out.shape[1]

@@ -15,7 +15,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_every_package_folder_is_in_the_build() -> None:
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     folders = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "skyrl_clora").rglob("__init__.py")}
-    assert set(setuptools["packages"]) == folders | {"skyrl_clora.kernels"}
+    kernels = {
+        ".".join(("skyrl_clora", *init.parent.relative_to(ROOT).parts)) for init in (ROOT / "kernels").rglob("__init__.py")
+    }
+    assert set(setuptools["packages"]) == folders | kernels
     assert setuptools["package-dir"]["skyrl_clora.kernels"] == "kernels"
     assert Path(skyrl_clora.kernels.__file__).parent == ROOT / "kernels"
 

@@ -3,7 +3,7 @@
 A decode step runs each layer's seven projections at M = the step's rows (tens to hundreds): short GEMMs and
 multi-LoRA shrink/expand pairs, bound by launch latency and by the CUDA graph's node count rather than by the
 bytes they move. The engine runs a layer as four projections, q/k/v, o, gate/up and down, each one GEMM
-over a :class:`~skyrl_clora.kernels.FoldedWeights` (``kernels.folded``) and one segmented LoRA expand:
+over a :class:`~skyrl_clora.kernels.FoldedWeights` (``kernels.lora.folded``) and one segmented LoRA expand:
 
 - :func:`fuse_base_projections` concatenates the base weights (and biases) of the projections that read
   the same input (q/k/v, gate/up; o and down alone) and appends rows for every adapter slot's LoRA A below

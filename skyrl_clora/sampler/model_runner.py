@@ -161,7 +161,7 @@ class ModelRunner:
         positions of up to ``prefill_tokens // block_size`` unfinished jobs, in job order, each job all its
         remaining positions while they fit and the pass's last job as many as fit (the rest waits for the
         next pass). No job is padded; the flat batch is padded at its end to whole :data:`PREFILL_TOKEN_QUANTUM`
-        positions, whose K/V go to a scratch cache row. Attention (``kernels.prefill_attention``) reads each
+        positions, whose K/V go to a scratch cache row. Attention (``kernels.attention.prefill``) reads each
         job's keys straight from its cache row. A token's K/V depend only on the tokens up to it: on the CPU
         (one thread) bit for bit whatever the pass looks like, so a cached block equals a recomputed one;
         on the GPU up to the last bits of kernels that pick their reduction order by shape. ``start`` may be

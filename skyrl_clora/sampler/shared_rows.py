@@ -13,7 +13,7 @@ positions are inside it. The answer equals reading each row's own copy up to rou
 
 from __future__ import annotations
 
-from skyrl_clora.kernels.attention import PREFIX_GROUP_ROWS
+from skyrl_clora.kernels.attention.decode import PREFIX_GROUP_ROWS
 from skyrl_clora.sampler.prefix_cache import PrefixIdentity
 
 

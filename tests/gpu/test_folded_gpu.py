@@ -1,4 +1,4 @@
-"""GPU parity of multi-LoRA layers with their slots' A folded into the base weight (``kernels.folded``) at real
+"""GPU parity of multi-LoRA layers with their slots' A folded into the base weight (``kernels.lora.folded``) at real
 sizes, on both Triton paths, and a decode step of folded layers captured in a CUDA graph, replayed with new
 rows, slots and a published adapter. Skipped without CUDA. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
 """

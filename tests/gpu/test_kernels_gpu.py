@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import LoRAMeta, add_lora, dense_lora_linear, gather_rows, lora_linear, packed_lora
-from skyrl_clora.kernels.gather_ops import inverse_index
+from skyrl_clora.kernels.layers.gather_ops import inverse_index
 from skyrl_clora.kernels.reference import packed_lora_ref
-from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton
+from skyrl_clora.kernels.lora.sgmv import SgmvConfig, add_lora_triton
 from kernel_cases import (
     LAYOUTS,
     TOLERANCE,

@@ -1,4 +1,4 @@
-"""GPU parity of the q/k/v projection with its LoRA expand fused into q/k norm + rotary (``kernels.qkv_rope``)
+"""GPU parity of the q/k/v projection with its LoRA expand fused into q/k norm + rotary (``kernels.lora.qkv_rope``)
 at Qwen3-4B's attention sizes on both of its paths, and the fused block captured in a CUDA graph, replayed
 with new rows, slots and a published adapter. Skipped without CUDA. Tolerances: ``kernel_cases.TOLERANCE``.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import skyrl_clora.kernels.qkv_rope as qkv_rope
+import skyrl_clora.kernels.lora.qkv_rope as qkv_rope
 from skyrl_clora.kernels import LoRAMeta, folded_qkv_rope
 from kernel_cases import (
     TOLERANCE,

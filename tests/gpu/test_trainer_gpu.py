@@ -150,7 +150,7 @@ def test_training_attention_runs_on_flash_or_memory_efficient_kernels(micro_mode
 def test_segment_attention_on_flash_matches_its_reference_in_values_and_gradients() -> None:
     """bf16 flash-attention varlen call of ``SegmentLayout`` (GQA, bottom-right causal segments, prompt keys
     gathered in front of several responses) against the masked-SDPA reference computed in fp32."""
-    from skyrl_clora.kernels.gather_ops import inverse_index
+    from skyrl_clora.kernels.layers.gather_ops import inverse_index
     from skyrl_clora.trainer.prompt_segments import SegmentLayout
 
     generator = torch.Generator().manual_seed(0)

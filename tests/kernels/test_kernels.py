@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import LoRAMeta, add_lora, lora_linear, packed_lora
-from skyrl_clora.kernels import packed
-from skyrl_clora.kernels.meta import ARRIVAL_BLOCKS
+from skyrl_clora.kernels.lora import packed
+from skyrl_clora.kernels.lora.meta import ARRIVAL_BLOCKS
 from skyrl_clora.kernels.reference import add_lora_ref, packed_lora_ref
-from skyrl_clora.kernels.sgmv import SgmvConfig, add_lora_triton
+from skyrl_clora.kernels.lora.sgmv import SgmvConfig, add_lora_triton
 from kernel_cases import (
     LAYOUTS,
     TOLERANCE,

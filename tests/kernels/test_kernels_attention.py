@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import DecodeWorkspace, decode_attention
-from skyrl_clora.kernels.attention import (
+from skyrl_clora.kernels.attention.decode import (
     PREFIX_GROUP_ROWS,
     PREFIX_MAXNREG,
     AttentionConfig,

@@ -1,4 +1,4 @@
-"""Multi-LoRA layers with their slots' A folded into the base weight (``kernels.folded``): the layer's output
+"""Multi-LoRA layers with their slots' A folded into the base weight (``kernels.lora.folded``): the layer's output
 against the base layer plus the fp32 ``add_lora`` reference, on the CPU through the Triton interpreter, on
 both Triton paths (the folded GEMM with one expand, and the base GEMM with shrink and expand); tests/gpu/
 repeats it at real sizes and in a CUDA graph. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
@@ -13,7 +13,7 @@ import torch
 
 import skyrl_clora.kernels.dispatch as dispatch
 from skyrl_clora.kernels import LoRAMeta, fold_lora_weights, folded_lora_linear
-from skyrl_clora.kernels.folded import fold_pays
+from skyrl_clora.kernels.lora.folded import fold_pays
 from kernel_cases import LAYOUTS, TOLERANCE, adapters_differ, fold_problem, make_problem, reference_out, rel_error
 
 interpreted = pytest.mark.skipif(

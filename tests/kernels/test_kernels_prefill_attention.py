@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import prefill_attention
-from skyrl_clora.kernels.prefill_attention import PrefillConfig, default_prefill_config, prefill_attention_triton
+from skyrl_clora.kernels.attention.prefill import PrefillConfig, default_prefill_config, prefill_attention_triton
 from kernel_cases import TOLERANCE, make_prefill_problem, prefill_loop_ref, rel_error
 
 interpreted = pytest.mark.skipif(

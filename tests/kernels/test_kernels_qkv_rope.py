@@ -1,4 +1,4 @@
-"""The q/k/v projection with its LoRA expand fused into q/k norm + rotary (``kernels.qkv_rope``): the Triton
+"""The q/k/v projection with its LoRA expand fused into q/k norm + rotary (``kernels.lora.qkv_rope``): the Triton
 kernel (interpreter on the CPU) against the fp32 reference over adapter layouts, on both of its paths (the
 folded GEMM's partial sums, and the base GEMM with the split-K shrink); tests/gpu/ repeats it at Qwen3-4B
 sizes and in a CUDA graph. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-import skyrl_clora.kernels.qkv_rope as qkv_rope
+import skyrl_clora.kernels.lora.qkv_rope as qkv_rope
 from skyrl_clora.kernels import KVCacheWrite, LoRAMeta, folded_qkv_rope, folded_qkv_rope_into_cache
 from kernel_cases import (
     LAYOUTS,

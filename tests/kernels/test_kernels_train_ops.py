@@ -17,7 +17,7 @@ from skyrl_clora.kernels import (
     chosen_logprobs_, dense_lora_linear, dispatch, gather_rows, lora_linear, rms_norm_with_grad, rope_with_grad,
     silu_mul_with_grad,
 )
-from skyrl_clora.kernels.gather_ops import inverse_index
+from skyrl_clora.kernels.layers.gather_ops import inverse_index
 from skyrl_clora.lora.layers import LoRARouting, attach_multi_lora, write_slot
 from skyrl_clora.trainer.fused_modules import FusedRMSNorm, FusedSwiGLUMLP, fuse_elementwise_modules, fused_apply_rotary_pos_emb
 

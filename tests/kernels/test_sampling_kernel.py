@@ -11,7 +11,7 @@ import torch
 
 from skyrl_clora.kernels import sample_tokens
 from skyrl_clora.kernels.reference import CDF_BLOCK, sample_tokens_ref
-from skyrl_clora.kernels.sampling import sample_tokens_triton
+from skyrl_clora.kernels.layers.sampling import sample_tokens_triton
 from kernel_cases import check_samples, make_sampling_problem
 
 interpreted = pytest.mark.skipif(

@@ -76,7 +76,7 @@ def test_shared_rows_cut_a_chain_into_groups_read_from_their_widest_member() -> 
     """Ten rows copy chain A (more than one attention tile of PREFIX_GROUP_ROWS rows), two copy chain B and
     one copies nothing: A's rows form a group of the first eight and one of the last two, each read from
     its member covering the most positions."""
-    from skyrl_clora.kernels.attention import PREFIX_GROUP_ROWS
+    from skyrl_clora.kernels.attention.decode import PREFIX_GROUP_ROWS
     from skyrl_clora.sampler.shared_rows import SharedPrefixRows
 
     assert PREFIX_GROUP_ROWS == 8

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from skyrl_clora.kernels.gather_ops import inverse_index
+from skyrl_clora.kernels.layers.gather_ops import inverse_index
 from skyrl_clora.lora.layers import attach_multi_lora, write_slot
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.prompt_segments import SegmentLayout, flat_layout, segment_prefix_hidden

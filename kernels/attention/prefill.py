@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from skyrl_clora.kernels.attention import MAX_HEAD_DIM
+from skyrl_clora.kernels.attention.decode import MAX_HEAD_DIM
 from skyrl_clora.kernels.checks import FLOAT_DTYPES
-from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
+from skyrl_clora.kernels.launch import cdiv, next_power_of_2
 
 _LOG2E = 1.4426950408889634
 _METADATA = ("job_rows", "job_starts", "q_offsets", "q_lens")

@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from skyrl_clora.kernels.host_math import cdiv
-from skyrl_clora.kernels.layer_ops import SILU_BLOCK, qk_norm_rope_triton, rms_norm_triton, row_tile, silu_mul_triton
+from skyrl_clora.kernels.launch import cdiv
+from skyrl_clora.kernels.layers.layer_ops import SILU_BLOCK, qk_norm_rope_triton, rms_norm_triton, row_tile, silu_mul_triton
 
 
 @triton.jit

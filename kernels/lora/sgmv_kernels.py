@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from skyrl_clora.kernels.meta import inclusive_cumsum
+from skyrl_clora.kernels.lora.meta import inclusive_cumsum
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """The attention block's q/k/v projection with its multi-LoRA expand fused into q/k RMSNorm + rotary.
 
-A folded q/k/v layer (``kernels.folded``) is one GEMM and one segmented expand; at decode sizes the expand is
+A folded q/k/v layer (``kernels.lora.folded``) is one GEMM and one segmented expand; at decode sizes the expand is
 a launch of its own whose fixed latency alone is about what a 0.35x-of-the-GEMM budget allows (RESULTS.md,
 Multi-LoRA kernels vs the base GEMM), and the kernel after it (``qk_norm_rope``) reads the same q and k again. Here one
 kernel does both: each program takes ``BLOCK_M`` rows of one slot's segment (``LoRAMeta``) and one head of
@@ -30,12 +30,11 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from skyrl_clora.kernels.checks import check_add_lora
-from skyrl_clora.kernels.folded import FoldedWeights, fold_pays
-from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
-from skyrl_clora.kernels.layer_ops import norm_rope, rope_tables
-from skyrl_clora.kernels.launch import dot_flags, pdl_flags
-from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
-from skyrl_clora.kernels.sgmv import (
+from skyrl_clora.kernels.lora.folded import FoldedWeights, fold_pays
+from skyrl_clora.kernels.launch import cdiv, dot_flags, next_power_of_2, pdl_flags
+from skyrl_clora.kernels.layers.layer_ops import norm_rope, rope_tables
+from skyrl_clora.kernels.lora.meta import LoRAMeta, rank_pad
+from skyrl_clora.kernels.lora.sgmv import (
     check_meta,
     default_config,
     folded_h_layout,
@@ -43,7 +42,7 @@ from skyrl_clora.kernels.sgmv import (
     sgmv_shrink,
     shrink_workspace,
 )
-from skyrl_clora.kernels.sgmv_kernels import tile_of
+from skyrl_clora.kernels.lora.sgmv_kernels import tile_of
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from skyrl_clora.kernels.host_math import next_power_of_2
+from skyrl_clora.kernels.launch import next_power_of_2
 
 # Tokens handled per loop iteration of the build kernel (it compares a chunk with itself: CHUNK**2 work).
 _BUILD_CHUNK = 128

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from skyrl_clora.kernels.checks import check_rows_op, check_silu_mul
-from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
+from skyrl_clora.kernels.launch import cdiv, next_power_of_2
 
 SILU_BLOCK = 1024  # elements per program of the SiLU-mul kernels (forward here, backward in train_ops)
 ROW_TILE_ELEMENTS = 4096  # elements per program of the row-wise kernels (see row_tile)

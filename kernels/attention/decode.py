@@ -39,8 +39,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from skyrl_clora.kernels.checks import check_decode_attention
-from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
-from skyrl_clora.kernels.launch import has_pdl
+from skyrl_clora.kernels.launch import cdiv, has_pdl, next_power_of_2
 
 MAX_HEAD_DIM = 256
 # A row's splits at most under the default config: longer caches get longer splits (a program visits only

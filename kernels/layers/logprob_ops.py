@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
+from skyrl_clora.kernels.launch import cdiv, next_power_of_2
 
 # Vocabulary columns per step of a row's program.
 _BLOCK_V = 4096

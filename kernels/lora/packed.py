@@ -12,16 +12,15 @@ from dataclasses import dataclass
 import torch
 
 from skyrl_clora.kernels.checks import check_frozen_base, check_packed
-from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
-from skyrl_clora.kernels.launch import dot_flags, pdl_flags
-from skyrl_clora.kernels.meta import ARRIVAL_BLOCKS, LoRAMeta, rank_pad
-from skyrl_clora.kernels.packed_kernels import (
+from skyrl_clora.kernels.launch import cdiv, dot_flags, next_power_of_2, pdl_flags
+from skyrl_clora.kernels.lora.meta import ARRIVAL_BLOCKS, LoRAMeta, rank_pad
+from skyrl_clora.kernels.lora.packed_kernels import (
     packed_dy_kernel,
     packed_finish_kernel,
     packed_forward_kernel,
     packed_x_kernel,
 )
-from skyrl_clora.kernels.sgmv import check_meta
+from skyrl_clora.kernels.lora.sgmv import check_meta
 
 # A pipeline stage of the streamed tiles takes at most this much shared memory (tiles are cut down to fit).
 _STAGE_BYTES = 48 * 1024

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
+from skyrl_clora.kernels.launch import cdiv, next_power_of_2
 from skyrl_clora.kernels.reference import MIN_TEMPERATURE
 
 _LOG2E = tl.constexpr(1.4426950408889634)

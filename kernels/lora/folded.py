@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from skyrl_clora.kernels.checks import check_add_lora
-from skyrl_clora.kernels.meta import LoRAMeta
-from skyrl_clora.kernels.sgmv import check_meta, default_config, expand_folded
+from skyrl_clora.kernels.lora.meta import LoRAMeta
+from skyrl_clora.kernels.lora.sgmv import check_meta, default_config, expand_folded
 
 # When the fold pays (``fold_pays``). At decode sizes the GEMM streams its weight, so the extra columns cost
 # their bytes: the A bytes the shrink would read anyway; the fold saved a launch in every measured row up to a

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from skyrl_clora.kernels.sgmv_kernels import shrink_tile, tile_of
+from skyrl_clora.kernels.lora.sgmv_kernels import shrink_tile, tile_of
 
 
 @triton.jit

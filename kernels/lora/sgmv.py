@@ -10,10 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from skyrl_clora.kernels.checks import check_add_lora
-from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
-from skyrl_clora.kernels.launch import dot_flags, has_pdl, pdl_flags
-from skyrl_clora.kernels.meta import LoRAMeta, rank_pad
-from skyrl_clora.kernels.sgmv_kernels import expand_kernel, shrink_kernel
+from skyrl_clora.kernels.launch import cdiv, dot_flags, has_pdl, next_power_of_2, pdl_flags
+from skyrl_clora.kernels.lora.meta import LoRAMeta, rank_pad
+from skyrl_clora.kernels.lora.sgmv_kernels import expand_kernel, shrink_kernel
 
 # Programs a shrink launch aims for (about two waves on an H200's 132 multiprocessors).
 _TARGET_PROGRAMS = 264
@@ -165,7 +164,7 @@ def expand_folded(
 
     ``h: [T, slices_a, S, rank]`` with unit rank stride holds every slot's shrink of every row, e.g. the
     extra output columns of a GEMM whose weight has each slot's A appended below the base weight
-    (``kernels.folded``); ``a_i = i`` when ``h`` has one slice per weight, else 0. Shapes otherwise as
+    (``kernels.lora.folded``); ``a_i = i`` when ``h`` has one slice per weight, else 0. Shapes otherwise as
     ``sgmv_expand``. With ``config.pdl`` the launch may start before the kernel just before it has finished,
     which may have written ``out`` and ``h`` (both are read after the wait), but not the weights, ``scales``
     or the meta.

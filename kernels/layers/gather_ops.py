@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from skyrl_clora.kernels.host_math import cdiv, next_power_of_2
+from skyrl_clora.kernels.launch import cdiv, next_power_of_2
 
 # Columns of a row one program sums (rows are the gathered tensor's trailing dims, flattened).
 _BLOCK = 1024
