@@ -5,8 +5,8 @@ is the engine thread's own Python (choosing the rows, staging the inputs, RNG dr
 stop and length checks), paid after every step's synchronisation and, in concurrent runs, while holding the
 GIL the trainer's thread also needs. This times that part alone: an Engine over a one-layer model whose
 ``runner.decode`` returns fixed logits and whose ``draw_rows`` returns fixed tokens, every row running
-(GRPO groups of 8 rows sharing a prefix, as the engine's shared-prefix reads see them), median of
-``--repeats`` batches of ``--steps`` steps.
+(GRPO groups of 8 rows sharing a prefix, as the engine's shared-prefix reads see them), nothing waiting,
+median of ``--repeats`` batches of ``--steps`` steps.
 
 Usage: python -m benchmarks.engine_host --rows 64 512 --out outputs/bench_engine_host.json
 """
@@ -25,17 +25,18 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import skyrl_clora.sampler.engine as engine_module
 from skyrl_clora.lora.layers import attach_multi_lora
-from skyrl_clora.sampler.engine import Engine, _Request
+from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.sampler.sampling import DrawnTokens
+from skyrl_clora.sampler.scheduler import QueuedRequest
 
 PROMPT = 300
 VOCAB = 512
 
 
 def step_ms(rows: int, steps: int, repeats: int) -> float:
-    """Median milliseconds of one ``Engine._decode`` (launching a step, accepting the one before) with ``rows``
-    running rows."""
+    """Median milliseconds of one ``Engine.step`` (no publish or request waiting: launching a decode step,
+    accepting the one before) with ``rows`` running rows."""
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     model = Qwen3ForCausalLM(config)
@@ -53,16 +54,14 @@ def step_ms(rows: int, steps: int, repeats: int) -> float:
     try:
         for row in range(rows):
             params = SamplingParams(max_tokens=10**6, seed=row, stop_token_ids=(0,))
-            request = _Request(list(range(PROMPT)), None, params, concurrent.futures.Future(), row=row)
-            engine._rows[row] = request
-            engine._shared_rows.assign(row, ((row // 8,), PROMPT - PROMPT % 16))
-            engine._running.start(row, PROMPT, -1, params.seed, 1.0, 1.0, params.max_tokens, params.stop_token_ids)
-        engine._decode()
+            request = QueuedRequest(list(range(PROMPT)), None, params, concurrent.futures.Future(), row=row)
+            engine.start_row(request, ((row // 8,), PROMPT - PROMPT % 16))
+        engine.step()
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
             for _ in range(steps):
-                engine._decode()
+                engine.step()
             times.append(1e3 * (time.perf_counter() - started) / steps)
         return statistics.median(times)
     finally:

@@ -16,6 +16,8 @@ One background thread owns the model. Each iteration of its loop:
      t+1, whose rows of step t take their input tokens from the device; a row whose step-t token ends it
      (a stop token, or its length limit while other rows go on) runs once more at t+1, and that token is
      dropped.
+Which publishes land and which waiting requests take which rows in steps 2 and 3 is the :class:`Scheduler`'s
+decision (``scheduler``, which holds the row table); the engine applies and prefills what it decides.
 Other tenants' requests keep decoding while one tenant's adapter is published: a publish is a ``copy_``
 into that tenant's slot between two decode steps (dropping only that tenant's cached prefixes), never a
 pause or a global cache reset.
@@ -32,7 +34,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,10 +45,11 @@ from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.profiling import profiled
 from skyrl_clora.sampler.engine_stats import EngineStats, GPUSpan
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
-from skyrl_clora.sampler.prefix_cache import BlockKV, PrefixCache, PrefixIdentity
+from skyrl_clora.sampler.prefix_cache import PrefixCache, PrefixIdentity
 from skyrl_clora.sampler.requests import Completion, SamplingParams
 from skyrl_clora.sampler.running_rows import RunningRows
 from skyrl_clora.sampler.sampling import DrawnTokens, draw_rows
+from skyrl_clora.sampler.scheduler import Publish, QueuedRequest, Scheduler, Unregister
 from skyrl_clora.sampler.shared_rows import SharedPrefixRows
 
 GIL_SWITCH_SECONDS = 0.0005  # the GIL switch interval while the engine runs on a GPU (Python's default: 5 ms)
@@ -55,42 +58,14 @@ STREAM_PRIORITIES = {"high": -1, "normal": 0}
 
 
 @dataclass
-class _Request:
-    prompt_ids: list[int]
-    adapter: str | None
-    params: SamplingParams
-    future: concurrent.futures.Future
-    row: int = -1
-    lora_slot: int = -1
-    version: int = -1
-    history: tuple[int, BlockKV, PrefixIdentity | None] | None = None  # a finished turn this prompt extends
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass
 class _StepInFlight:
     """A decode step launched with its sampling, its tokens not accepted yet: its cache rows (ascending), the
     request each row held at launch, the drawn tokens (one per row) and its forward pass's GPU span."""
 
     rows: np.ndarray
-    requests: list[_Request]
+    requests: list[QueuedRequest]
     drawn: DrawnTokens
     forward: GPUSpan
-
-
-@dataclass
-class _Publish:
-    adapter: str
-    weights: AdapterWeights
-    version: int
-    future: concurrent.futures.Future
-
-
-@dataclass
-class _Unregister:
-    adapter: str
-    future: concurrent.futures.Future
 
 
 class Engine:
@@ -143,10 +118,9 @@ class Engine:
         self.stats = EngineStats()
         if cuda_graphs and self.runner.device.type == "cuda":
             self.stats.graph_capture_seconds = self.runner.capture_graphs()
+        self.scheduler = Scheduler(num_rows, self.adapters, self.prefix_cache, max_prefills_per_step,
+                                   self.reuse_decode_kv)
         self._inbox: queue.Queue = queue.Queue()
-        self._waiting: list[_Request] = []
-        self._pending_publishes: list[_Publish | _Unregister] = []
-        self._rows: list[_Request | None] = [None] * num_rows
         self._running = RunningRows(num_rows, max_len)  # per cache row: decode inputs, settings, outputs so far
         self._in_flight: _StepInFlight | None = None
         self._paused = threading.Event()  # set while _pauses > 0
@@ -170,7 +144,7 @@ class Engine:
         if name not in self.adapters:
             future.set_exception(ValueError(f"unknown adapter {name!r}"))
             return future
-        self._inbox.put(_Unregister(name, future))
+        self._inbox.put(Unregister(name, future))
         return future
 
     def adapter_version(self, name: str) -> int:
@@ -188,7 +162,7 @@ class Engine:
                 ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the engine's max_len {self.max_len}")
             )
             return future
-        self._inbox.put(_Request(list(prompt_ids), adapter, params, future))
+        self._inbox.put(QueuedRequest(list(prompt_ids), adapter, params, future))
         return future
 
     def publish(self, adapter: str, weights: AdapterWeights, version: int) -> concurrent.futures.Future:
@@ -197,7 +171,7 @@ class Engine:
         if adapter not in self.adapters:
             future.set_exception(ValueError(f"unknown adapter {adapter!r}"))
             return future
-        self._inbox.put(_Publish(adapter, weights, version, future))
+        self._inbox.put(Publish(adapter, weights, version, future))
         return future
 
     def pause(self) -> None:
@@ -250,7 +224,7 @@ class Engine:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            idle = self._in_flight is None and not self._waiting and not self._pending_publishes and not any(self._rows)
+            idle = self._in_flight is None and self.scheduler.idle()
             paused = self._paused.is_set()
             began = time.perf_counter()
             self._drain_inbox(block=(idle or paused) and self._in_flight is None)
@@ -267,9 +241,7 @@ class Engine:
             started = time.perf_counter()
             try:
                 if stepping:
-                    self._apply_publishes()
-                    self._admit()
-                    self._decode()
+                    self.step()
                 else:  # the step in flight ends before the pause
                     self._accept_in_flight(self._held(self._in_flight))
             except Exception as error:  # a broken step fails its requests, not the engine thread
@@ -283,88 +255,67 @@ class Engine:
         except queue.Empty:
             return
         while True:
-            if isinstance(item, _Request):
-                self._waiting.append(item)
-            elif isinstance(item, (_Publish, _Unregister)):
-                self._pending_publishes.append(item)
+            if item is not None:  # None only wakes the thread
+                self.scheduler.enqueue(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
+    def step(self) -> None:
+        """One round of the engine thread's work: applies the publishes that may land, admits and prefills waiting
+        requests, launches the next decode step and accepts the one before. Runs on the engine thread, or on the
+        caller's once :meth:`shutdown` has stopped it (a benchmark driving the steps itself)."""
+        self._apply_publishes()
+        self._admit()
+        self._decode()
+
+    def start_row(self, request: QueuedRequest, prefix: PrefixIdentity | None) -> None:
+        """Makes ``request`` run in its cache row ``request.row`` (free, holding the K/V of its prompt, whose
+        first positions copy the cached block chain ``prefix`` if not None), its first token not drawn yet.
+        Same threads as :meth:`step`."""
+        if self._shared_rows is not None:
+            self._shared_rows.assign(request.row, prefix)
+        self.scheduler.place(request)
+        params = request.params
+        self._running.start(request.row, len(request.prompt_ids), request.lora_slot, params.seed, params.temperature,
+                            params.top_p, params.max_tokens, params.stop_token_ids)
+
     def _apply_publishes(self) -> None:
-        busy = {req.adapter for req in self._rows if req is not None}
-        still_pending = []
-        for publish in self._pending_publishes:
-            if publish.adapter in busy:
-                still_pending.append(publish)
-                continue
+        """Applies the publishes and unregisters the scheduler lets land now (:meth:`Scheduler.ready_publishes`),
+        each dropping its adapter's cached prefixes; a failed one fails its own future."""
+        for publish in self.scheduler.ready_publishes():
             try:
                 self.prefix_cache.drop_adapter(publish.adapter)
-                if isinstance(publish, _Unregister):
-                    self._remove_adapter(publish.adapter)
+                if isinstance(publish, Unregister):
+                    self.adapters.clear(publish.adapter)
+                    self.scheduler.fail_waiting(publish.adapter)
                 else:
                     self.adapters.write(publish.adapter, publish.weights, publish.version)
                 publish.future.set_result(None)
             except Exception as error:
                 publish.future.set_exception(error)
-        self._pending_publishes = still_pending
-
-    def _remove_adapter(self, name: str) -> None:
-        self.adapters.clear(name)
-        for req in [r for r in self._waiting if r.adapter == name]:
-            self._waiting.remove(req)
-            req.future.set_exception(ValueError(f"adapter {name!r} was unregistered"))
 
     @profiled("engine.admit")
     def _admit(self) -> None:
-        """Admits waiting requests (FIFO) into free rows and prefills them in one batched call.
-
-        A request whose first uncached prompt block is also the first uncached block of another request
-        admitted in this round waits one round, so that it finds that prefix (a GRPO group's prompt, a
-        tenant's system prompt) in the prefix cache instead of computing it again; requests that share
-        only cached blocks (the turns of a GRPO group's episodes) are admitted together."""
-        fenced = {publish.adapter for publish in self._pending_publishes}
-        free_rows = [row for row, req in enumerate(self._rows) if req is None]
-        admitted: list[_Request] = []
-        first_missing: set[tuple] = set()
-        remaining = []
-        for req in self._waiting:
-            if req.future.cancelled():
-                continue
-            if req.adapter is not None and req.adapter not in self.adapters:  # unregistered after it was submitted
-                req.future.set_exception(ValueError(f"adapter {req.adapter!r} was unregistered"))
-                continue
-            if req.adapter in fenced or not free_rows or len(admitted) >= self.max_prefills_per_step:
-                remaining.append(req)
-                continue
-            req.version = -1 if req.adapter is None else self.adapters.version(req.adapter)
-            if self.reuse_decode_kv:
-                req.history = self.prefix_cache.take_history(req.adapter, req.version, req.prompt_ids)
-            missing = None if req.history else self.prefix_cache.first_missing(req.adapter, req.version, req.prompt_ids)
-            shared_key = None if missing is None else (req.adapter, missing)
-            if shared_key in first_missing:
-                remaining.append(req)
-                continue
-            if shared_key is not None:
-                first_missing.add(shared_key)
-            req.row = free_rows.pop(0)
-            admitted.append(req)
-        self._waiting = remaining
+        """Prefills the requests :meth:`Scheduler.admit` admits in this round in one batched call; a failed
+        prefill fails its own requests, not the running ones."""
+        admitted = self.scheduler.admit()
         if not admitted:
             return
         try:
             self._prefill(admitted)
         except Exception as error:  # a failed prefill fails its own requests, not the running ones
             for req in admitted:
-                if self._rows[req.row] is req:
+                if self.scheduler.rows[req.row] is req:
                     self._retire_row(req.row)
                 if not req.future.done():
                     req.future.set_exception(error)
 
     @profiled("engine.prefill")
-    def _prefill(self, requests: list[_Request]) -> None:
-        """Prefills ``requests`` (rows and adapter versions set by :meth:`_admit`) and samples their first tokens."""
+    def _prefill(self, requests: list[QueuedRequest]) -> None:
+        """Prefills ``requests`` (rows and adapter versions set by :meth:`Scheduler.admit`), starts their rows
+        (:meth:`start_row`) and samples their first tokens."""
         started = time.perf_counter()
         jobs = []
         block = self.runner.block_size
@@ -395,15 +346,10 @@ class Engine:
                                                   lambda index, row=req.row: self.runner.read_kv(row, index * block, (index + 1) * block))
                 if stored is not None and job.start % block == 0:  # its copied positions continue the chain it stored
                     identity = stored
-            if self._shared_rows is not None:
-                self._shared_rows.assign(req.row, identity)
             req.history = None
             self.stats.prefill_tokens += len(req.prompt_ids) - job.start
             self.stats.cached_prompt_tokens += job.start
-            self._rows[req.row] = req
-            params = req.params
-            self._running.start(req.row, len(req.prompt_ids), req.lora_slot, params.seed, params.temperature, params.top_p,
-                                params.max_tokens, params.stop_token_ids)
+            self.start_row(req, identity)
         rows = np.array([req.row for req in requests], dtype=np.int64)
         self._accept(rows, *self._draw(rows, logits).result())
         self.stats.prefill_copy_gpu_seconds += copies.seconds()
@@ -418,7 +364,7 @@ class Engine:
         held = None if step is None else self._held(step)
         if step is not None:
             pending[step.rows[held]] = True
-        launched = self._launch_decode(pending) if any(self._rows) else None
+        launched = self._launch_decode(pending) if any(self.scheduler.rows) else None
         if step is not None:
             self._accept_in_flight(held)
         self._in_flight = launched
@@ -453,12 +399,14 @@ class Engine:
         self.stats.decode_launch_seconds += launched - staged
         self.stats.decode_steps += 1
         self.stats.decode_seconds += launched - started
-        return _StepInFlight(rows, [self._rows[row] for row in rows.tolist()], drawn, forward)
+        table = self.scheduler.rows
+        return _StepInFlight(rows, [table[row] for row in rows.tolist()], drawn, forward)
 
     def _held(self, step: _StepInFlight) -> np.ndarray:
         """Per row of ``step`` (bool): whether it still holds the request it held at the step's launch (the others
         finished at the step before it: their token from ``step`` is not theirs to keep)."""
-        return np.array([self._rows[row] is req for row, req in zip(step.rows.tolist(), step.requests)], dtype=bool)
+        table = self.scheduler.rows
+        return np.array([table[row] is req for row, req in zip(step.rows.tolist(), step.requests)], dtype=bool)
 
     @profiled("engine.accept")
     def _accept_in_flight(self, held: np.ndarray) -> None:
@@ -486,12 +434,12 @@ class Engine:
         finished, stopped = self._running.accept(rows, tokens, logprobs)
         retiring = time.perf_counter()
         for row, stop in zip(finished.tolist(), stopped.tolist()):
-            req = self._rows[row]
+            req = self.scheduler.rows[row]
             req.output, req.logprobs = self._running.output(row)
             self._retire(req, "stop" if stop else "length")
         self.stats.retire_seconds += time.perf_counter() - retiring
 
-    def _retire(self, req: _Request, reason: str) -> None:
+    def _retire(self, req: QueuedRequest, reason: str) -> None:
         if self.reuse_decode_kv:  # the row holds the K/V of the prompt and of every sampled token but the last
             computed = len(req.prompt_ids) + len(req.output) - 1
             identity = None if self._shared_rows is None else self._shared_rows.identity(req.row)
@@ -504,11 +452,11 @@ class Engine:
     def _retire_row(self, row: int) -> None:
         if self._shared_rows is not None:
             self._shared_rows.clear(row)
-        self._rows[row] = None
+        self.scheduler.release(row)
         self._running.release(row)
 
     def _fail_running(self, error: Exception) -> None:
-        for req in [r for r in self._rows if r is not None]:
+        for req in self.scheduler.running():
             self._retire_row(req.row)
             if not req.future.done():
                 req.future.set_exception(error)

@@ -1,0 +1,165 @@
+"""The sampling engine's scheduling: which waiting request takes which free cache row and when, and when a
+queued adapter publish or unregister may land.
+
+Plain host bookkeeping over the engine's row table, driven by the engine thread alone (the engine keeps the
+thread, its inbox and every tensor). It reads the adapters' published versions (:class:`AdapterSlots`) and
+which prompt blocks the prefix cache holds (:class:`PrefixCache`), and takes the finished-turn histories it
+admits a request with from that cache.
+
+The version fence: a request is sampled entirely with the adapter version it was admitted under, so a
+publish (or unregister) of an adapter lands only once none of its requests holds a row; new requests of an
+adapter with a pending publish wait until it has landed, so a publish cannot starve.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+
+from skyrl_clora.lora.layers import AdapterWeights
+from skyrl_clora.sampler.adapter_slots import AdapterSlots
+from skyrl_clora.sampler.prefix_cache import BlockKV, PrefixCache, PrefixIdentity
+from skyrl_clora.sampler.requests import SamplingParams
+
+
+@dataclass
+class QueuedRequest:
+    """One generation request, from submission until its future resolves. :meth:`Scheduler.admit` sets its cache
+    ``row``, the adapter ``version`` it is sampled with and the finished turn its prompt extends (``history``:
+    ``(length, kv, prefix)`` from :meth:`PrefixCache.take_history`); the engine sets ``lora_slot`` at its
+    prefill and ``output`` / ``logprobs`` when it finishes."""
+
+    prompt_ids: list[int]
+    adapter: str | None
+    params: SamplingParams
+    future: concurrent.futures.Future
+    row: int = -1
+    lora_slot: int = -1
+    version: int = -1
+    history: tuple[int, BlockKV, PrefixIdentity | None] | None = None
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Publish:
+    """An in-place update of ``adapter``'s slot to ``weights`` at ``version``; ``future`` resolves once applied."""
+
+    adapter: str
+    weights: AdapterWeights
+    version: int
+    future: concurrent.futures.Future
+
+
+@dataclass
+class Unregister:
+    """The removal of ``adapter`` (its slot freed, its waiting requests failed); ``future`` resolves then."""
+
+    adapter: str
+    future: concurrent.futures.Future
+
+
+def _unregistered(adapter: str) -> ValueError:
+    """The error a request of ``adapter`` fails with when the adapter was unregistered before it ran."""
+    return ValueError(f"adapter {adapter!r} was unregistered")
+
+
+class Scheduler:
+    """The waiting requests (in arrival order), the pending publishes and unregisters (in arrival order) and the
+    row table: ``rows[r]`` is the request running in cache row ``r`` (between :meth:`place` and :meth:`release`)
+    or None.
+
+    ``reuse_decode_kv``: admission takes a stored history the prompt extends from the prefix cache (the engine
+    then copies it instead of computing those positions)."""
+
+    def __init__(self, num_rows: int, adapters: AdapterSlots, prefix_cache: PrefixCache, max_prefills_per_step: int,
+                 reuse_decode_kv: bool) -> None:
+        self.adapters = adapters
+        self.prefix_cache = prefix_cache
+        self.max_prefills_per_step = max_prefills_per_step
+        self.reuse_decode_kv = reuse_decode_kv
+        self.rows: list[QueuedRequest | None] = [None] * num_rows
+        self._waiting: list[QueuedRequest] = []
+        self._pending: list[Publish | Unregister] = []
+
+    def enqueue(self, item: QueuedRequest | Publish | Unregister) -> None:
+        """Queues a request to be admitted, or a publish or unregister to be applied."""
+        if isinstance(item, QueuedRequest):
+            self._waiting.append(item)
+        else:
+            self._pending.append(item)
+
+    def idle(self) -> bool:
+        """Whether nothing waits, nothing is pending and no row runs."""
+        return not self._waiting and not self._pending and not any(self.rows)
+
+    def running(self) -> list[QueuedRequest]:
+        """The requests holding a row, in row order."""
+        return [req for req in self.rows if req is not None]
+
+    def place(self, request: QueuedRequest) -> None:
+        """``request`` now runs in its row ``request.row`` (set by :meth:`admit`), which must be free."""
+        self.rows[request.row] = request
+
+    def release(self, row: int) -> None:
+        """Frees cache row ``row``."""
+        self.rows[row] = None
+
+    def ready_publishes(self) -> list[Publish | Unregister]:
+        """Removes and returns (in arrival order) the pending publishes and unregisters whose adapter has no
+        running row: the caller applies them now, before admitting; the others stay pending and keep their
+        adapter's waiting requests fenced."""
+        if not self._pending:
+            return []
+        busy = {req.adapter for req in self.rows if req is not None}
+        ready = [item for item in self._pending if item.adapter not in busy]
+        self._pending = [item for item in self._pending if item.adapter in busy]
+        return ready
+
+    def fail_waiting(self, adapter: str) -> None:
+        """Fails every waiting request of ``adapter`` (just unregistered) and drops it from the queue."""
+        for req in [r for r in self._waiting if r.adapter == adapter]:
+            self._waiting.remove(req)
+            req.future.set_exception(_unregistered(adapter))
+
+    def admit(self) -> list[QueuedRequest]:
+        """Admits waiting requests (FIFO over all tenants) into the free rows, lowest first, at most
+        ``max_prefills_per_step`` of them: sets each one's ``row``, ``version`` and ``history`` and returns them
+        in admission order, for the caller to prefill together and :meth:`place`. Cancelled requests are dropped;
+        requests whose adapter is no longer registered fail; requests of an adapter with a pending publish or
+        unregister wait (the version fence).
+
+        A request whose first uncached prompt block is also the first uncached block of another request
+        admitted in this round waits one round, so that it finds that prefix (a GRPO group's prompt, a
+        tenant's system prompt) in the prefix cache instead of computing it again; requests that share
+        only cached blocks (the turns of a GRPO group's episodes) are admitted together."""
+        if not self._waiting:
+            return []
+        fenced = {item.adapter for item in self._pending}
+        free_rows = [row for row, req in enumerate(self.rows) if req is None]
+        admitted: list[QueuedRequest] = []
+        first_missing: set[tuple] = set()
+        remaining = []
+        for req in self._waiting:
+            if req.future.cancelled():
+                continue
+            if req.adapter is not None and req.adapter not in self.adapters:  # unregistered after it was submitted
+                req.future.set_exception(_unregistered(req.adapter))
+                continue
+            if req.adapter in fenced or not free_rows or len(admitted) >= self.max_prefills_per_step:
+                remaining.append(req)
+                continue
+            req.version = -1 if req.adapter is None else self.adapters.version(req.adapter)
+            if self.reuse_decode_kv:
+                req.history = self.prefix_cache.take_history(req.adapter, req.version, req.prompt_ids)
+            missing = None if req.history else self.prefix_cache.first_missing(req.adapter, req.version, req.prompt_ids)
+            shared_key = None if missing is None else (req.adapter, missing)
+            if shared_key in first_missing:
+                remaining.append(req)
+                continue
+            if shared_key is not None:
+                first_missing.add(shared_key)
+            req.row = free_rows.pop(0)
+            admitted.append(req)
+        self._waiting = remaining
+        return admitted

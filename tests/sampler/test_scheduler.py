@@ -1,0 +1,187 @@
+"""The engine's scheduler on its own (no model): FIFO admission into free rows, the per-round prefill cap, the
+version fence, the one-round wait of requests sharing a first uncached prefix block, cancelled and unregistered
+requests."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+from torch import nn
+
+from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear
+from skyrl_clora.lora.peft_export import init_adapter
+from skyrl_clora.sampler.adapter_slots import AdapterSlots
+from skyrl_clora.sampler.prefix_cache import PrefixCache
+from skyrl_clora.sampler.requests import SamplingParams
+from skyrl_clora.sampler.scheduler import Publish, QueuedRequest, Scheduler, Unregister
+
+BLOCK = 4
+
+
+def _scheduler(num_rows: int, versions: dict[str, int], max_prefills: int = 8, cache_bytes: int = 0,
+               reuse_decode_kv: bool = False) -> Scheduler:
+    """A scheduler over ``num_rows`` rows whose adapters hold ``versions``, with a prefix cache of ``BLOCK``-token
+    blocks (off at ``cache_bytes=0``)."""
+    layers = {"proj": MultiLoRALinear(nn.Linear(4, 4), num_slots=4, max_rank=2, routing=LoRARouting(), trainable=False)}
+    adapters = AdapterSlots(layers)
+    for name, version in versions.items():
+        adapters.reserve(name)
+        adapters.write(name, init_adapter(layers, 2, 4.0, torch.Generator().manual_seed(0)), version)
+    return Scheduler(num_rows, adapters, PrefixCache(BLOCK, cache_bytes), max_prefills, reuse_decode_kv)
+
+
+def _request(prompt: list[int], adapter: str | None = "a") -> QueuedRequest:
+    return QueuedRequest(prompt, adapter, SamplingParams(max_tokens=4), concurrent.futures.Future())
+
+
+def _admit_and_place(scheduler: Scheduler) -> list[QueuedRequest]:
+    """One admission round, the admitted requests then running in their rows (as the engine's prefill does)."""
+    admitted = scheduler.admit()
+    for req in admitted:
+        scheduler.place(req)
+    return admitted
+
+
+def _block_kv(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.full((1, 1, BLOCK, 2), float(index)), torch.full((1, 1, BLOCK, 2), -float(index))
+
+
+def test_requests_take_the_lowest_free_rows_in_arrival_order() -> None:
+    scheduler = _scheduler(num_rows=4, versions={"a": 3})
+    running = _request([1, 2], "a")
+    running.row = 1
+    scheduler.place(running)
+    waiting = [_request([10 + i], adapter) for i, adapter in enumerate(["a", None, "a", "a"])]
+    for req in waiting:
+        scheduler.enqueue(req)
+    assert not scheduler.idle()
+    admitted = _admit_and_place(scheduler)
+    assert admitted == waiting[:3] and [req.row for req in admitted] == [0, 2, 3]
+    assert [req.version for req in admitted] == [3, -1, 3], "the adapter's published version, -1 for the base model"
+    assert scheduler.running() == [admitted[0], running, admitted[1], admitted[2]]
+    assert _admit_and_place(scheduler) == [], "no free row: the last request waits"
+    scheduler.release(2)
+    assert _admit_and_place(scheduler) == [waiting[3]] and waiting[3].row == 2
+
+
+def test_at_most_max_prefills_per_step_are_admitted_per_round() -> None:
+    scheduler = _scheduler(num_rows=8, versions={"a": 0}, max_prefills=2)
+    waiting = [_request([i]) for i in range(5)]
+    for req in waiting:
+        scheduler.enqueue(req)
+    rounds = [_admit_and_place(scheduler) for _ in range(4)]
+    assert rounds == [waiting[0:2], waiting[2:4], waiting[4:5], []]
+    assert [req.row for req in waiting] == [0, 1, 2, 3, 4]
+
+
+def test_a_publish_waits_for_its_adapters_rows_and_fences_its_new_requests() -> None:
+    """A publish (or unregister) lands only once its adapter holds no row, and until then the adapter's new
+    requests wait while other tenants' requests and publishes go ahead."""
+    scheduler = _scheduler(num_rows=4, versions={"a": 0, "b": 0, "c": 0})
+    first_a, first_c = _request([1], "a"), _request([1], "c")
+    scheduler.enqueue(first_a)
+    scheduler.enqueue(first_c)
+    assert _admit_and_place(scheduler) == [first_a, first_c]
+    publish_a = Publish("a", None, 1, concurrent.futures.Future())
+    publish_b = Publish("b", None, 5, concurrent.futures.Future())
+    unregister_c = Unregister("c", concurrent.futures.Future())
+    second_a, first_b, second_c = _request([2], "a"), _request([2], "b"), _request([2], "c")
+    for item in (publish_a, second_a, publish_b, unregister_c, first_b, second_c):
+        scheduler.enqueue(item)
+    assert scheduler.ready_publishes() == [publish_b], "a and c still run"
+    scheduler.adapters.write("b", init_adapter(scheduler.adapters.layers, 2, 4.0, torch.Generator()), 5)
+    assert _admit_and_place(scheduler) == [first_b] and first_b.version == 5 and first_b.row == 2
+    assert scheduler.ready_publishes() == []
+    scheduler.release(first_a.row)
+    assert scheduler.ready_publishes() == [publish_a]
+    assert scheduler.ready_publishes() == [], "a ready publish is handed out once"
+    scheduler.adapters.write("a", init_adapter(scheduler.adapters.layers, 2, 4.0, torch.Generator()), 1)
+    scheduler.release(first_c.row)
+    assert scheduler.ready_publishes() == [unregister_c]
+    admitted = _admit_and_place(scheduler)
+    assert admitted == [second_a, second_c] and second_a.version == 1 and [second_a.row, second_c.row] == [0, 1]
+
+
+def test_a_publish_holds_back_requests_that_arrive_after_it_only_while_pending() -> None:
+    scheduler = _scheduler(num_rows=2, versions={"a": 0})
+    running = _request([1])
+    scheduler.enqueue(running)
+    _admit_and_place(scheduler)
+    scheduler.enqueue(Publish("a", None, 1, concurrent.futures.Future()))
+    late = _request([2])
+    scheduler.enqueue(late)
+    assert _admit_and_place(scheduler) == [], "a free row, but the version fence holds"
+    scheduler.release(running.row)
+    assert len(scheduler.ready_publishes()) == 1
+    scheduler.adapters.write("a", init_adapter(scheduler.adapters.layers, 2, 4.0, torch.Generator()), 1)
+    assert _admit_and_place(scheduler) == [late] and late.version == 1
+
+
+def test_requests_sharing_a_first_missing_block_wait_a_round_and_cached_sharers_go_together() -> None:
+    scheduler = _scheduler(num_rows=16, versions={"a": 0, "b": 0}, cache_bytes=1 << 20)
+    prompt = list(range(100, 110))  # two whole blocks and a part
+    group = [_request(prompt, "a") for _ in range(3)]
+    other_prompt, other_adapter = _request(list(range(200, 210)), "a"), _request(prompt, "b")
+    for req in (group[0], group[1], other_prompt, group[2], other_adapter):
+        scheduler.enqueue(req)
+    assert _admit_and_place(scheduler) == [group[0], other_prompt, other_adapter], \
+        "the group's later samples wait for its first; another prompt or adapter does not"
+    assert [group[0].row, other_prompt.row, other_adapter.row] == [0, 1, 2]
+    scheduler.prefix_cache.insert("a", 0, prompt, 0, _block_kv)  # the first sample's prefill stores the blocks
+    assert _admit_and_place(scheduler) == group[1:] and [req.row for req in group[1:]] == [3, 4]
+    turns = [_request(prompt[:8] + [i] * 6, "a") for i in (1, 2)]  # the cached blocks, then a block each of their own
+    same = [_request(prompt[:8] + [9] * 6, "a") for _ in range(2)]  # the cached blocks, then one block both compute
+    for req in (*turns, *same):
+        scheduler.enqueue(req)
+    assert _admit_and_place(scheduler) == [*turns, same[0]], "same[1] waits a round though rows are free"
+    scheduler.prefix_cache.insert("a", 0, same[0].prompt_ids, 2, _block_kv)
+    assert _admit_and_place(scheduler) == [same[1]] and same[1].row == 8
+
+
+def test_a_request_extending_a_stored_history_takes_it_and_is_not_held_back() -> None:
+    scheduler = _scheduler(num_rows=4, versions={"a": 2}, cache_bytes=1 << 20, reuse_decode_kv=True)
+    history = list(range(100, 110))
+    kv = (torch.zeros(1, 1, len(history), 2), torch.zeros(1, 1, len(history), 2))
+    scheduler.prefix_cache.insert_history("a", 2, history, kv)
+    fresh, extending = _request(history + [1, 2, 3]), _request(history + [1, 2, 3])
+    scheduler.enqueue(fresh)
+    scheduler.enqueue(extending)
+    assert _admit_and_place(scheduler) == [fresh, extending], "the first takes the history, the second computes"
+    assert fresh.history is not None and fresh.history[0] == len(history) and extending.history is None
+
+
+def test_cancelled_requests_are_dropped() -> None:
+    scheduler = _scheduler(num_rows=4, versions={"a": 0})
+    cancelled, kept = _request([1]), _request([2])
+    scheduler.enqueue(cancelled)
+    scheduler.enqueue(kept)
+    assert cancelled.future.cancel()
+    assert _admit_and_place(scheduler) == [kept] and kept.row == 0 and cancelled.row == -1
+    scheduler.release(kept.row)
+    assert scheduler.idle(), "the cancelled request no longer waits"
+
+
+def test_waiting_requests_of_an_unregistered_adapter_fail() -> None:
+    scheduler = _scheduler(num_rows=4, versions={"a": 0, "b": 0})
+    first_a, first_b, second_a = _request([1], "a"), _request([1], "b"), _request([2], "a")
+    for req in (first_a, first_b, second_a):
+        scheduler.enqueue(req)
+    scheduler.fail_waiting("a")
+    for req in (first_a, second_a):
+        with pytest.raises(ValueError, match="adapter 'a' was unregistered"):
+            req.future.result(timeout=0)
+    assert not first_b.future.done()
+    assert _admit_and_place(scheduler) == [first_b] and first_b.row == 0
+
+
+def test_a_request_whose_adapter_left_before_admission_fails_alone() -> None:
+    scheduler = _scheduler(num_rows=4, versions={"a": 0, "b": 0})
+    orphan, kept = _request([1], "b"), _request([1], "a")
+    scheduler.enqueue(orphan)
+    scheduler.enqueue(kept)
+    scheduler.adapters.clear("b")  # as if its unregister landed between the submit and the admission
+    assert _admit_and_place(scheduler) == [kept] and kept.row == 0
+    with pytest.raises(ValueError, match="adapter 'b' was unregistered"):
+        orphan.future.result(timeout=0)
