@@ -21,8 +21,9 @@ def model_path() -> str:
         if not (Path(configured) / "config.json").is_file():
             pytest.fail(f"SKYRL_CLORA_MODEL={configured} is not a Hugging Face model folder")
         return configured
-    from skyrl_clora.tiny_base.pretrain import tiny_base_path
+    from skyrl_clora.tiny_base.pretrain import TinyBaseRecipe, tiny_base_path
 
-    if not tiny_base_path().is_dir():
+    tiny_base = tiny_base_path(None, TinyBaseRecipe(corpus="gsm8k"))
+    if not tiny_base.is_dir():
         pytest.skip("set SKYRL_CLORA_MODEL=/path/to/hf-checkpoint (or build the tiny base: bash scripts/run.sh)")
-    return str(tiny_base_path())
+    return str(tiny_base)

@@ -2,9 +2,10 @@
 
     python scripts/build_tiny_base.py [--force] [--cache-root DIR] [--episodes 200] [--steps N]
 
-Prints the pre-training time, then plays `--episodes` calculator-task episodes per task variant with
+Builds the default tiny base (pre-trained on the gsm8k recipe's corpus, as conf/model/tiny.yaml says) and
+prints the pre-training time, then plays `--episodes` calculator-task episodes per task variant with
 the base model sampled at temperature 1.0 and reports accuracy, calculator-usage rate, accuracy with
-and without the calculator, and tokens per episode (see skyrl_clora.tiny_base.evaluate).
+and without the calculator, and tokens per episode (see skyrl_clora.recipes.gsm8k.evaluate).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from skyrl_clora.recipes.gsm8k import VARIANTS, make_dataset_rows
-from skyrl_clora.tiny_base.evaluate import evaluate_policy
+from skyrl_clora.recipes.gsm8k.evaluate import evaluate_policy
 from skyrl_clora.tiny_base.pretrain import TinyBaseRecipe, ensure_tiny_base
 
 
@@ -33,9 +34,9 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
-    recipe = TinyBaseRecipe()
+    recipe = TinyBaseRecipe(corpus="gsm8k")
     if args.steps is not None:
-        recipe = TinyBaseRecipe(steps=args.steps, prior_steps=min(recipe.prior_steps, args.steps))
+        recipe = TinyBaseRecipe(corpus="gsm8k", steps=args.steps, prior_steps=min(recipe.prior_steps, args.steps))
     start = time.monotonic()
     path = ensure_tiny_base(args.cache_root, recipe, force=args.force)
     record = json.loads((path / "recipe.json").read_text())

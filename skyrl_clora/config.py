@@ -32,6 +32,9 @@ def checked(value: Any, hint: Any, key: str) -> Any:
 
 @dataclass(frozen=True)
 class RecipeConfig:
+    """The keys every recipe has; ``options`` is the recipe's own keys, an instance of its plugin's
+    ``options_type`` (see ``recipes.plugin.Recipe``)."""
+
     name: str
     env_class: str
     train_data: str | None
@@ -43,18 +46,15 @@ class RecipeConfig:
     max_turns: int
     max_generate_length: int
     max_input_length: int
-    data_path: str | None = None
-    user: str = "scripted"
+    options: Any
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "samples_per_prompt", "max_turns", "max_generate_length", "max_input_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"recipe.{name} must be >= 1, got {getattr(self, name)}")
-        if self.user not in ("scripted", "llm"):
-            raise ConfigError(f"recipe.user={self.user} is unknown; use scripted or llm")
         if self.eval_prompts < 0:
             raise ConfigError(f"recipe.eval_prompts must be >= 0, got {self.eval_prompts}")
-        for name in ("train_data", "val_data", "data_path"):
+        for name in ("train_data", "val_data"):
             value = getattr(self, name)
             if value is not None and not Path(value).exists():
                 raise ConfigError(f"recipe.{name}={value} does not exist; point it at an existing file or folder")
@@ -144,6 +144,7 @@ class RunConfig:
     backend: str
     model_path: str | None
     model_dtype: str
+    model_corpus: str
     recipe: RecipeConfig
     lora: LoraConfig
     trainer: TrainerConfig
@@ -170,6 +171,10 @@ class RunConfig:
             raise ConfigError(f"model.dtype={self.model_dtype} is unknown; use auto, float32, bfloat16 or float16")
         if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
             raise ConfigError(f"model.path={self.model_path} is not a Hugging Face model folder (no config.json); fix the path")
+        if self.model_path is None:
+            from skyrl_clora.recipes.plugin import load_corpus
+
+            load_corpus(self.model_corpus)
         for spec in self.tenants:
             if spec.rank > self.lora.max_rank:
                 raise ConfigError(
@@ -191,17 +196,39 @@ def _check_writable(path: Path) -> None:
 def config_section(cls: type, node: DictConfig, prefix: str) -> Any:
     """Builds dataclass ``cls`` from ``node``, each value checked against its field's type (``checked``);
     unknown keys are an error naming the valid ones, and so are missing ones."""
-    values = OmegaConf.to_container(node, resolve=True)
-    names = {f.name for f in fields(cls)}
+    return typed_dataclass(cls, OmegaConf.to_container(node, resolve=True), prefix)
+
+
+def typed_dataclass(cls: type, values: dict[str, Any], prefix: str, valid: set[str] | None = None,
+                    **built: Any) -> Any:
+    """``cls(**values, **built)``, each of ``values`` checked against its field's type; a key of ``values``
+    that is no field (or, when given, not in ``valid``: the keys the error lists) is a :class:`ConfigError`
+    naming the valid keys, and so is a missing one."""
+    names = {f.name for f in fields(cls)} - set(built)
     unknown = sorted(set(values) - names)
     if unknown:
-        raise ConfigError(f"unknown key {prefix}.{unknown[0]}; valid keys: {', '.join(sorted(names))}")
+        raise ConfigError(f"unknown key {prefix}.{unknown[0]}; valid keys: {', '.join(sorted(valid or names))}")
     hints = get_type_hints(cls)
     typed = {name: checked(value, hints[name], f"{prefix}.{name}") for name, value in values.items()}
     try:
-        return cls(**typed)
+        return cls(**typed, **built)
     except TypeError as error:
         raise ConfigError(f"{prefix}: {error}") from None
+
+
+def recipe_config(node: DictConfig) -> RecipeConfig:
+    """The ``recipe`` group as a :class:`RecipeConfig`: the keys every recipe has, and the rest as the options
+    of the recipe that ``recipe.name`` selects (an unknown name is a :class:`ConfigError` listing the recipes)."""
+    from skyrl_clora.recipes.plugin import load_recipe
+
+    values = OmegaConf.to_container(node, resolve=True)
+    options_type = load_recipe(str(values.get("name"))).options_type
+    common = {f.name for f in fields(RecipeConfig)} - {"options"}
+    own = {f.name for f in fields(options_type)}
+    valid = common | own
+    options = typed_dataclass(options_type, {k: v for k, v in values.items() if k not in common}, "recipe", valid)
+    return typed_dataclass(RecipeConfig, {k: v for k, v in values.items() if k in common}, "recipe", valid,
+                           options=options)
 
 
 def tenant_specs(cfg: DictConfig, lora: LoraConfig, trainer: TrainerConfig, recipe: RecipeConfig) -> list[TenantSpec]:
@@ -223,7 +250,7 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
     clora = cfg.clora
     lora = config_section(LoraConfig, cfg.lora, "lora")
     trainer = config_section(TrainerConfig, cfg.trainer, "trainer")
-    recipe = config_section(RecipeConfig, cfg.recipe, "recipe")
+    recipe = recipe_config(cfg.recipe)
     tenants = tenant_specs(cfg, lora, trainer, recipe)
     output_dir = Path(os.path.expanduser(str(clora.output_dir)))
     return RunConfig(
@@ -231,6 +258,6 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         seed=checked(clora.seed, int, "clora.seed"), output_dir=output_dir,
         progress=checked(clora.progress, bool, "clora.progress"), device=str(clora.device),
         backend=str(cfg.backend.name), model_path=None if cfg.model.path is None else os.path.expanduser(str(cfg.model.path)),
-        model_dtype=str(cfg.model.dtype), recipe=recipe, lora=lora, trainer=trainer,
+        model_dtype=str(cfg.model.dtype), model_corpus=str(cfg.model.corpus), recipe=recipe, lora=lora, trainer=trainer,
         sampler=config_section(SamplerConfig, cfg.sampler, "sampler"), tenants=tuple(tenants),
     )

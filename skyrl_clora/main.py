@@ -135,12 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         check_known_keys(cfg, argv)
         run = build_run_config(cfg)
         if run.backend == "skyrl":
-            from skyrl_clora.tiny_base.pretrain import tiny_base_path
+            from skyrl_clora.tiny_base.pretrain import TinyBaseRecipe, tiny_base_path
             from skyrl_clora.skyrl.config_translation import translate
             from skyrl_clora.skyrl.stack import check_buildable
 
             # SkyRL's constraints and what this machine can build, checked before anything starts.
-            plan = translate(cfg, model_path=run.model_path or str(tiny_base_path()))
+            tiny_base = tiny_base_path(None, TinyBaseRecipe(corpus=run.model_corpus))
+            plan = translate(cfg, model_path=run.model_path or str(tiny_base))
             check_buildable(plan)
     except (UserError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -72,12 +72,13 @@ def resolve_model_path(run: RunConfig) -> str:
     """The base model folder: ``model.path`` or the tiny pre-trained base (built and cached on first use)."""
     if run.model_path is not None:
         return run.model_path
-    from skyrl_clora.tiny_base.pretrain import ensure_tiny_base, tiny_base_path
+    from skyrl_clora.tiny_base.pretrain import TinyBaseRecipe, ensure_tiny_base, tiny_base_path
 
-    if not tiny_base_path().is_dir():
-        print(f"[setup] pre-training the tiny base model into {tiny_base_path()} (first use only; about 5 minutes "
-              "on 2 CPU cores)", file=sys.stderr, flush=True)
-    return str(ensure_tiny_base())
+    recipe = TinyBaseRecipe(corpus=run.model_corpus)
+    if not tiny_base_path(None, recipe).is_dir():
+        print(f"[setup] pre-training the tiny base model into {tiny_base_path(None, recipe)} (first use only; about "
+              "5 minutes on 2 CPU cores)", file=sys.stderr, flush=True)
+    return str(ensure_tiny_base(None, recipe))
 
 
 def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_tenant: int) -> Services:

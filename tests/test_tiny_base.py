@@ -14,23 +14,24 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from skyrl_clora.recipes.gsm8k import make_dataset_rows, register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.tools import format_tool_call
-from skyrl_clora.tiny_base.evaluate import evaluate_policy
+from skyrl_clora.config import ConfigError
+from skyrl_clora.recipes.gsm8k.evaluate import evaluate_policy
 from skyrl_clora.tiny_base.pretrain import (
     TinyBaseRecipe,
     build_tokenizer,
     ensure_tiny_base,
-    synthetic_episodes,
+    pretraining_episodes,
     tiny_base_path,
 )
 from skyrl_clora.tiny_base.tokenizer import TOOL_TOKENS, episode_token_ids, observation_ids, template_ids
 
-MICRO = TinyBaseRecipe(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
-                       num_traces=64, steps=12, prior_steps=4, batch_size=8, lr=1e-2, warmup_steps=2)
+MICRO = TinyBaseRecipe(corpus="gsm8k", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                       intermediate_size=64, num_traces=64, steps=12, prior_steps=4, batch_size=8, lr=1e-2, warmup_steps=2)
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    return build_tokenizer(synthetic_episodes(TinyBaseRecipe(num_traces=400), 0.5), vocab_size=1024)
+    return build_tokenizer(pretraining_episodes(TinyBaseRecipe(corpus="gsm8k", num_traces=400), 0.5), vocab_size=1024)
 
 
 # ---- tokenizer --------------------------------------------------------------------------------------------
@@ -122,11 +123,11 @@ def test_skyrl_generator_episode_equals_whole_conversation_render(tokenizer: Pre
     assert masked_text == turns[0] + "<|im_end|>" + turns[1] + "<|im_end|>"
 
 
-def test_episodes_follow_the_calculator_rate() -> None:
-    episodes = synthetic_episodes(TinyBaseRecipe(num_traces=1000), 0.35)
+def test_episodes_follow_the_solve_rate() -> None:
+    episodes = pretraining_episodes(TinyBaseRecipe(corpus="gsm8k", num_traces=1000), 0.35)
     rate = sum(len(turns) == 2 for _, turns in episodes) / len(episodes)
     assert 0.30 < rate < 0.40
-    skill = synthetic_episodes(TinyBaseRecipe(num_traces=1000), 0.9)
+    skill = pretraining_episodes(TinyBaseRecipe(corpus="gsm8k", num_traces=1000), 0.9)
     assert [p for p, _ in skill] == [p for p, _ in episodes]  # same problems, different decisions
     assert 0.85 < sum(len(turns) == 2 for _, turns in skill) / len(skill) < 0.95
     for prompt, turns in episodes[:50]:
@@ -177,12 +178,19 @@ def test_crashed_build_leaves_no_model(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_recipe_key_covers_settings_and_validates() -> None:
-    assert TinyBaseRecipe().cache_key() == TinyBaseRecipe().cache_key()
-    assert TinyBaseRecipe(steps=599).cache_key() != TinyBaseRecipe().cache_key()
-    assert TinyBaseRecipe(calculator_rate=0.5).cache_key() != TinyBaseRecipe().cache_key()
+    assert TinyBaseRecipe(corpus="gsm8k").cache_key() == TinyBaseRecipe(corpus="gsm8k").cache_key()
+    assert TinyBaseRecipe(corpus="gsm8k", steps=599).cache_key() != TinyBaseRecipe(corpus="gsm8k").cache_key()
+    assert TinyBaseRecipe(corpus="gsm8k", solve_rate=0.5).cache_key() != TinyBaseRecipe(corpus="gsm8k").cache_key()
     with pytest.raises(ValueError):
-        TinyBaseRecipe(calculator_rate=1.5)
+        TinyBaseRecipe(corpus="gsm8k", solve_rate=1.5)
     with pytest.raises(ValueError):
-        TinyBaseRecipe(steps=0)
+        TinyBaseRecipe(corpus="gsm8k", steps=0)
     with pytest.raises(ValueError):
-        TinyBaseRecipe(steps=50, prior_steps=60)
+        TinyBaseRecipe(corpus="gsm8k", steps=50, prior_steps=60)
+
+
+def test_the_corpus_is_a_recipe_that_offers_one() -> None:
+    assert TinyBaseRecipe(corpus="gsm8k").cache_key() != TinyBaseRecipe(corpus="taubench").cache_key()
+    for name in ("taubench", "nope"):
+        with pytest.raises(ConfigError, match=f"model.corpus={name} is no recipe with a pre-training corpus; use one of gsm8k"):
+            pretraining_episodes(TinyBaseRecipe(corpus=name), 0.5)

@@ -1,7 +1,8 @@
 """Recipes are plugins. A recipe is one folder ``skyrl_clora/recipes/<name>/`` whose package exposes
-``RECIPE`` (a :class:`Recipe`: the tenant's task data, its environment's registration, the extra arguments of
-its episodes, the backends it refuses) plus one config file ``conf/recipe/<name>.yaml``; ``recipe=<name>``
-selects it. Nothing outside a recipe's folder names it.
+``RECIPE`` (a :class:`Recipe`: its own config keys, the tenant's task data, its environment's registration, the
+extra arguments of its episodes, the backends it refuses) plus one config file ``conf/recipe/<name>.yaml``;
+``recipe=<name>`` selects it. Nothing outside a recipe's folder names it. A recipe may also be a
+:class:`PretrainingCorpus`: the synthetic episodes a base model is pre-trained on (``model.corpus`` names it).
 
 Task data is per tenant: SkyRL dataset rows for each RL step and for evaluation. A row is what SkyRL's prompt
 dataset yields: ``{"prompt": [messages], "env_class": str, ...extras}``; every key other than ``prompt`` and
@@ -64,7 +65,11 @@ class EpisodeEnv:
 
 
 class Recipe(Protocol):
-    """A recipe plugin (see the module docstring)."""
+    """A recipe plugin (see the module docstring). ``options_type`` is a frozen dataclass of the recipe's own
+    keys under ``recipe.`` (beside :class:`RecipeConfig`'s), with their defaults; its ``__post_init__`` raises
+    :class:`ConfigError` on bad values. The built options are ``RecipeConfig.options``."""
+
+    options_type: type
 
     def task_source(self, config: RecipeConfig, spec: TenantSpec, steps: int, run_seed: int) -> TaskSource:
         """The tenant's task data; registers the recipe's skyrl-gym environment."""
@@ -74,6 +79,30 @@ class Recipe(Protocol):
 
     def refuses(self, config: RecipeConfig, backend: str) -> str | None:
         """Why ``backend`` (embedded or skyrl) cannot run ``config``, as the fix to make; None when it can."""
+
+
+# An assistant turn of a pre-training episode: (assistant text, the observations that follow it).
+Turn = tuple[str, list[dict[str, str]]]
+# A pre-training episode: (prompt messages, turns).
+Episode = tuple[list[dict[str, str]], list[Turn]]
+
+
+@dataclass(frozen=True)
+class CorpusSettings:
+    """What a pre-training corpus is drawn with: ``count`` episodes, a fraction ``hard_fraction`` of them from
+    the recipe's "hard" task variant, seeded by ``seed``."""
+
+    count: int
+    hard_fraction: float
+    seed: int
+
+
+class PretrainingCorpus(Protocol):
+    """A recipe that can make a base model's pre-training episodes."""
+
+    def pretraining_episodes(self, settings: CorpusSettings, solve_rate: float) -> list[Episode]:
+        """``settings.count`` episodes, each solving its task the way RL should learn to with probability
+        ``solve_rate`` (and failing plausibly otherwise), deterministic in ``settings`` and ``solve_rate``."""
 
 
 def recipe_folders() -> list[str]:
@@ -87,6 +116,15 @@ def load_recipe(name: str) -> Recipe:
     if name not in recipe_folders():
         raise ConfigError(f"recipe={name} is unknown; use one of {', '.join(recipe_folders())}")
     return importlib.import_module(f"skyrl_clora.recipes.{name}.recipe").RECIPE
+
+
+def load_corpus(name: str) -> PretrainingCorpus:
+    """The recipe ``name`` as a :class:`PretrainingCorpus`; a :class:`ConfigError` naming ``model.corpus`` and the
+    recipes that offer one when it is no such recipe."""
+    offering = [folder for folder in recipe_folders() if hasattr(load_recipe(folder), "pretraining_episodes")]
+    if name not in offering:
+        raise ConfigError(f"model.corpus={name} is no recipe with a pre-training corpus; use one of {', '.join(offering)}")
+    return load_recipe(name)
 
 
 def build_task_sources(recipe: RecipeConfig, specs: list[TenantSpec], steps: int, run_seed: int) -> dict[str, TaskSource]:

@@ -39,7 +39,9 @@ from skyrl.train.config import (
 )
 from skyrl.train.utils.utils import validate_cfg
 
-from skyrl_clora.config import ConfigError, LoraConfig, RecipeConfig, SamplerConfig, TrainerConfig, config_section, tenant_specs
+from skyrl_clora.config import (
+    ConfigError, LoraConfig, RecipeConfig, SamplerConfig, TrainerConfig, config_section, recipe_config, tenant_specs,
+)
 from skyrl_clora.recipes.plugin import load_recipe
 from skyrl_clora.tenants import TenantSpec
 
@@ -235,7 +237,7 @@ def translate(cfg: DictConfig, model_path: str | None = None) -> SkyRLPlan:
     if lora_rank_off(cfg):
         raise ConfigError("lora.rank=0 turns LoRA off; backend=skyrl runs each tenant as a LoRA adapter: set lora.rank >= 1")
     trainer = config_section(TrainerConfig, cfg.trainer, "trainer")
-    recipe = config_section(RecipeConfig, cfg.recipe, "recipe")
+    recipe = recipe_config(cfg.recipe)
     refusal = load_recipe(recipe.name).refuses(recipe, "skyrl")
     if refusal is not None:
         raise ConfigError(refusal)

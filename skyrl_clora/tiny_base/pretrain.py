@@ -1,34 +1,30 @@
-"""The embedded default base model: a tiny Qwen3 pre-trained here, at first use, on synthetic agentic traces.
+"""The embedded default base model: a tiny Qwen3 pre-trained here, at first use, on a recipe's synthetic episodes.
 
-Each trace is one calculator-task episode (system prompt, question, assistant turns, tool response),
-tokenized exactly as SkyRL's generator assembles episodes (`tokenizer.episode_token_ids`). The loss is
-on assistant tokens only. The traces are deliberately imperfect, so that RL has something to fix:
+The episodes come from the recipe named by ``model.corpus`` (a
+:class:`~skyrl_clora.recipes.plugin.PretrainingCorpus`), tokenized exactly as SkyRL's generator assembles
+episodes (`tokenizer.episode_token_ids`); the loss is on assistant tokens only. The episodes are deliberately
+imperfect, so that RL has something to fix: each solves its task the way RL should learn to with probability
+``solve_rate`` (default 0.35) and fails plausibly otherwise.
 
-* with probability ``calculator_rate`` (default 0.35) the assistant calls the calculator with the
-  correct expression, then copies the result into ``final_answer``;
-* otherwise it calls ``final_answer`` at once with a guess (a number from the question, or one near
-  the answer, never the answer itself).
+Training runs in two phases over the same tasks: a skill phase whose episodes solve their task with
+probability ``skill_solve_rate`` (so most of the data teaches the skill), then ``prior_steps`` steps at
+``solve_rate``, which set the decision prior the RL run starts from.
 
-Training runs in two phases over the same problems: a skill phase whose traces use the calculator
-with probability ``skill_calculator_rate`` (so most of the data teaches copying numbers from the
-question into the expression and the result into the answer), then ``prior_steps`` steps at
-``calculator_rate``, which set the decision prior the RL run starts from.
+With the default corpus (``gsm8k``: use the calculator, copy its result into ``final_answer``; otherwise guess)
+the pre-trained model answers right about as often as it calls the calculator, and nearly always when it does
+(measured with scripts/build_tiny_base.py, 200 episodes at temperature 1.0: standard variant 30% accurate,
+calculator used 30% of the time, 97% accurate when used; hard variant 27% / 32% / 81%). GRPO only has to raise
+the probability of one token (the tool name at the start of the first assistant turn) to lift accuracy towards
+90%.
 
-The pre-trained model therefore answers right about as often as it calls the calculator, and nearly
-always when it does (measured with scripts/build_tiny_base.py, 200 episodes at temperature 1.0:
-standard variant 30% accurate, calculator used 30% of the time, 97% accurate when used; hard variant
-27% / 32% / 81%). GRPO only has to raise the probability of one token (the tool name at the start of
-the first assistant turn) to lift accuracy towards 90%.
-
-Cost: the default recipe's 600 steps take ~0.26 s each on 2 idle cores (~3 minutes with data
-preparation); much longer when other processes compete for the cores.
+Cost: the default settings' 600 steps take ~0.26 s each on 2 idle cores (~3 minutes with data preparation);
+much longer when other processes compete for the cores.
 
 The model is cached on disk in HF format (config.json, model.safetensors, generation_config.json,
 tokenizer files, recipe.json) under ``${SKYRL_CLORA_CACHE:-~/.cache/skyrl-clora}/models/tiny-qwen3-<hash>``
 where the hash covers every setting of `TinyBaseRecipe`. A build writes into a temporary directory and
 renames it into place, under a file lock, so a crashed build never leaves a partial model behind.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +34,6 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import time
 from dataclasses import dataclass
@@ -48,8 +43,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from skyrl_clora.recipes.gsm8k.problems import SYSTEM_PROMPT, Problem, generate_problems
-from skyrl_clora.recipes.gsm8k.tools import CALCULATOR, FINAL_ANSWER, calculate, format_tool_call
+from skyrl_clora.recipes.plugin import CorpusSettings, Episode, load_corpus
 from skyrl_clora.tiny_base.tokenizer import BASE_CONVERSATION, episode_token_ids, train_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,22 +51,22 @@ logger = logging.getLogger(__name__)
 RECIPE_VERSION = 1
 """Bump when trace rendering or training code changes what a given recipe produces (new cache key)."""
 
-Turn = tuple[str, list[dict[str, str]]]
-
 
 @dataclass(frozen=True)
 class TinyBaseRecipe:
     """Every setting that determines the tiny base model (all of it goes into the cache key).
 
+    Corpus: the pre-training episodes of recipe `corpus` (a :class:`~skyrl_clora.recipes.plugin.PretrainingCorpus`).
     Model: a Qwen3 with `num_layers` layers of width `hidden_size`, `num_heads` query heads and
     `num_kv_heads` key/value heads of size `head_dim`, tied embeddings, fp32.
-    Data: `num_traces` problems, a fraction `hard_fraction` of them from the "hard" variant, rendered
-    as episodes twice: calculator used with probability `skill_calculator_rate` (skill phase) and with
-    probability `calculator_rate` (prior phase, the last `prior_steps` steps).
+    Data: `num_traces` tasks, a fraction `hard_fraction` of them from the "hard" variant, rendered
+    as episodes twice: solved with probability `skill_solve_rate` (skill phase) and with
+    probability `solve_rate` (prior phase, the last `prior_steps` steps).
     Training: `steps` AdamW steps of `batch_size` episodes, peak `lr` with linear warm-up over
     `warmup_steps` and cosine decay to 10%.
     """
 
+    corpus: str
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
@@ -83,8 +77,8 @@ class TinyBaseRecipe:
     vocab_size: int = 1024
     num_traces: int = 4000
     hard_fraction: float = 0.3
-    calculator_rate: float = 0.35
-    skill_calculator_rate: float = 0.9
+    solve_rate: float = 0.35
+    skill_solve_rate: float = 0.9
     prior_steps: int = 100
     steps: int = 600
     batch_size: int = 32
@@ -94,8 +88,8 @@ class TinyBaseRecipe:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not all(0.0 <= r <= 1.0 for r in (self.calculator_rate, self.skill_calculator_rate, self.hard_fraction)):
-            raise ValueError("calculator_rate, skill_calculator_rate and hard_fraction must be in [0, 1]")
+        if not all(0.0 <= r <= 1.0 for r in (self.solve_rate, self.skill_solve_rate, self.hard_fraction)):
+            raise ValueError("solve_rate, skill_solve_rate and hard_fraction must be in [0, 1]")
         if not 0 <= self.prior_steps <= self.steps:
             raise ValueError(f"prior_steps must be in [0, steps={self.steps}], got {self.prior_steps}")
         if min(self.num_traces, self.steps, self.batch_size, self.num_layers) < 1:
@@ -112,52 +106,14 @@ def default_cache_root() -> Path:
     return Path(os.environ.get("SKYRL_CLORA_CACHE") or Path.home() / ".cache" / "skyrl-clora")
 
 
-def _wrong_guess(problem: Problem, rng: random.Random) -> int:
-    """A plausible but wrong answer: a number from the question, or one within ±50% of the answer."""
-    numbers = [int(tok) for tok in problem.expression.replace("(", " ").replace(")", " ").translate(
-        str.maketrans("+-*/", "    ")).split()]
-    for _ in range(100):
-        if rng.random() < 0.5:
-            guess = rng.choice(numbers)
-        else:
-            spread = max(3, problem.answer // 2)
-            guess = max(0, problem.answer + rng.randint(-spread, spread))
-        if guess != problem.answer:
-            return guess
-    return problem.answer + 1
+def pretraining_episodes(recipe: TinyBaseRecipe, solve_rate: float) -> list[Episode]:
+    """`recipe.num_traces` episodes of `recipe.corpus`'s pre-training corpus, each solving its task with
+    probability `solve_rate` (see :class:`~skyrl_clora.recipes.plugin.PretrainingCorpus`)."""
+    settings = CorpusSettings(count=recipe.num_traces, hard_fraction=recipe.hard_fraction, seed=recipe.seed)
+    return load_corpus(recipe.corpus).pretraining_episodes(settings, solve_rate)
 
 
-def trace_turns(problem: Problem, use_calculator: bool, rng: random.Random) -> list[Turn]:
-    """The assistant turns of one synthetic episode: ``[(assistant text, observations), ...]``."""
-    if not use_calculator:
-        return [(format_tool_call(FINAL_ANSWER, {"answer": str(_wrong_guess(problem, rng))}), [])]
-    result = calculate(problem.expression)
-    return [
-        (format_tool_call(CALCULATOR, {"expression": problem.expression}), [{"role": "tool", "content": result}]),
-        (format_tool_call(FINAL_ANSWER, {"answer": result}), []),
-    ]
-
-
-def prompt_messages(question: str) -> list[dict[str, str]]:
-    """The task's prompt: the short system prompt and the question."""
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-
-
-def synthetic_episodes(recipe: TinyBaseRecipe, calculator_rate: float) -> list[tuple[list[dict[str, str]], list[Turn]]]:
-    """`recipe.num_traces` episodes ``(prompt messages, turns)`` from the "pretrain" split (not RL's splits).
-
-    Each episode uses the calculator with probability `calculator_rate` (seeded by recipe seed and rate).
-    """
-    num_hard = round(recipe.num_traces * recipe.hard_fraction)
-    problems = generate_problems(recipe.num_traces - num_hard, recipe.seed, "standard", "pretrain")
-    problems += generate_problems(num_hard, recipe.seed, "hard", "pretrain")
-    random.Random(f"skyrl-clora-traces:{recipe.seed}").shuffle(problems)
-    rng = random.Random(f"skyrl-clora-traces:{recipe.seed}:{calculator_rate}")
-    return [(prompt_messages(p.question), trace_turns(p, rng.random() < calculator_rate, rng))
-            for p in problems]
-
-
-def build_tokenizer(episodes: list[tuple[list[dict[str, str]], list[Turn]]], vocab_size: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(episodes: list[Episode], vocab_size: int) -> PreTrainedTokenizerFast:
     """Trains the tokenizer on the episodes' text (roles and contents) plus SkyRL's base conversation."""
     corpus = [f"{m['role']}\n{m['content']}" for m in BASE_CONVERSATION] * 2
     for prompt, turns in episodes:
@@ -246,8 +202,8 @@ def build_tiny_base(out_dir: Path, recipe: TinyBaseRecipe) -> dict[str, Any]:
     ``train_seconds``, ``num_params``, ``first_loss``/``final_loss`` (means over the first/last 10% of steps).
     """
     start = time.monotonic()
-    skill_episodes = synthetic_episodes(recipe, recipe.skill_calculator_rate)
-    prior_episodes = synthetic_episodes(recipe, recipe.calculator_rate)
+    skill_episodes = pretraining_episodes(recipe, recipe.skill_solve_rate)
+    prior_episodes = pretraining_episodes(recipe, recipe.solve_rate)
     tokenizer = build_tokenizer(skill_episodes + prior_episodes, recipe.vocab_size)
     skill = [episode_token_ids(tokenizer, prompt, turns) for prompt, turns in skill_episodes]
     prior = [episode_token_ids(tokenizer, prompt, turns) for prompt, turns in prior_episodes]
@@ -276,21 +232,18 @@ def build_tiny_base(out_dir: Path, recipe: TinyBaseRecipe) -> dict[str, Any]:
     return record
 
 
-def tiny_base_path(cache_root: Path | None = None, recipe: TinyBaseRecipe | None = None) -> Path:
-    """Where the model of `recipe` is (or will be) cached: ``<cache_root>/models/tiny-qwen3-<key>``."""
-    recipe = recipe or TinyBaseRecipe()
+def tiny_base_path(cache_root: Path | None, recipe: TinyBaseRecipe) -> Path:
+    """Where the model of `recipe` is (or will be) cached: ``<cache_root or default_cache_root()>/models/tiny-qwen3-<key>``."""
     return (cache_root or default_cache_root()) / "models" / f"tiny-qwen3-{recipe.cache_key()}"
 
 
-def ensure_tiny_base(cache_root: Path | None = None, recipe: TinyBaseRecipe | None = None,
-                     force: bool = False) -> Path:
+def ensure_tiny_base(cache_root: Path | None, recipe: TinyBaseRecipe, force: bool = False) -> Path:
     """Returns the cached tiny base model's directory, pre-training it first if it is missing (or `force`).
 
     Builds run under an exclusive lock file next to the model directory, so concurrent callers wait
     for one build instead of racing; the model is written into ``.tmp-<name>-<pid>`` and renamed into
     place only when complete, and leftover temporary directories of crashed builds are removed.
     """
-    recipe = recipe or TinyBaseRecipe()
     final = tiny_base_path(cache_root, recipe)
     if final.is_dir() and not force:
         return final

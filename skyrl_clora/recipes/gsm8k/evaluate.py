@@ -1,4 +1,4 @@
-"""Evaluation harness for a base (or fine-tuned) model on the calculator task, without any RL machinery.
+"""The GSM8K recipe's evaluation of a base (or fine-tuned) model on the calculator task, without any RL machinery.
 
 It plays full episodes with HF `generate` (sampling, KV cache) and the real `GSM8KCalcEnv`, and assembles
 the token sequence of each episode the way SkyRL's generator does (generated ids including

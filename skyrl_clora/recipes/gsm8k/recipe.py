@@ -3,18 +3,28 @@ agentic calculator environment ``gsm8k_calc``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from skyrl_clora.config import ConfigError, RecipeConfig
+from skyrl_clora.recipes.gsm8k import corpus
 from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.problems import load_gsm8k_parquet, make_dataset_rows
-from skyrl_clora.recipes.plugin import EVAL_SEED_OFFSET, ChatFunction, EpisodeEnv, TaskSource
+from skyrl_clora.recipes.plugin import EVAL_SEED_OFFSET, ChatFunction, CorpusSettings, Episode, EpisodeEnv, TaskSource
 from skyrl_clora.tenants import TenantSpec
+
+
+@dataclass(frozen=True)
+class GSM8KOptions:
+    """The GSM8K recipe has no keys beyond :class:`RecipeConfig`'s."""
 
 
 class GSM8KRecipe:
     """:class:`~skyrl_clora.recipes.plugin.Recipe`: per-tenant problems seeded by the tenant (``task_variant``
-    standard or hard) unless ``recipe.train_data`` / ``recipe.val_data`` name parquet files."""
+    standard or hard) unless ``recipe.train_data`` / ``recipe.val_data`` name parquet files; also a
+    :class:`~skyrl_clora.recipes.plugin.PretrainingCorpus` (``corpus``), the tiny base model's default."""
+
+    options_type = GSM8KOptions
 
     def task_source(self, config: RecipeConfig, spec: TenantSpec, steps: int, run_seed: int) -> TaskSource:
         register_gsm8k_env()
@@ -38,6 +48,9 @@ class GSM8KRecipe:
 
     def refuses(self, config: RecipeConfig, backend: str) -> str | None:
         return None
+
+    def pretraining_episodes(self, settings: CorpusSettings, solve_rate: float) -> list[Episode]:
+        return corpus.pretraining_episodes(settings, solve_rate)
 
 
 def _parquet(path: str, key: str) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from skyrl_clora.config import ConfigError, RecipeConfig
@@ -21,13 +22,30 @@ from skyrl_clora.tenants import TenantSpec
 LLM_USER_ENV_WORKERS = 8
 
 
+@dataclass(frozen=True)
+class TauBenchOptions:
+    """The recipe's own keys: ``recipe.data_path`` (a tau-bench retail data folder; None: the project's
+    synthetic one) and ``recipe.user`` (``scripted``: a deterministic customer; ``llm``: the base model)."""
+
+    data_path: str | None = None
+    user: str = "scripted"
+
+    def __post_init__(self) -> None:
+        if self.user not in ("scripted", "llm"):
+            raise ConfigError(f"recipe.user={self.user} is unknown; use scripted or llm")
+        if self.data_path is not None and not Path(self.data_path).exists():
+            raise ConfigError(f"recipe.data_path={self.data_path} does not exist; point it at an existing folder")
+
+
 class TauBenchRecipe:
     """:class:`~skyrl_clora.recipes.plugin.Recipe` for tau-bench retail (every tenant takes the folder's
     train tasks in its own seeded order and is evaluated on its first ``eval_prompts`` test tasks)."""
 
+    options_type = TauBenchOptions
+
     def task_source(self, config: RecipeConfig, spec: TenantSpec, steps: int, run_seed: int) -> TaskSource:
         register_taubench_env()
-        data_path = config.data_path or str(synthetic_retail_path())
+        data_path = config.options.data_path or str(synthetic_retail_path())
         try:
             train = dataset_rows(data_path, "train")
             evaluation = dataset_rows(data_path, "test")[: config.eval_prompts]
@@ -38,7 +56,7 @@ class TauBenchRecipe:
     def episode_env(self, config: RecipeConfig, tenant: str, chat: ChatFunction | None) -> EpisodeEnv:
         """With ``recipe.user=llm``, each episode's customer is an :class:`LLMUser` over ``chat`` (user ids
         ``customer-<tenant>-<conversation hash>``, so that its sampling is reproducible)."""
-        if config.user != "llm":
+        if config.options.user != "llm":
             return EpisodeEnv()
         if chat is None:
             raise ConfigError("recipe.user=llm needs the backend's chat completions; use recipe.user=scripted")
@@ -53,7 +71,7 @@ class TauBenchRecipe:
         return EpisodeEnv(args={"user_factory": user_factory}, workers=LLM_USER_ENV_WORKERS)
 
     def refuses(self, config: RecipeConfig, backend: str) -> str | None:
-        if backend == "skyrl" and config.user == "llm":
+        if backend == "skyrl" and config.options.user == "llm":
             return ("recipe.user=llm (the base model as the customer) runs on backend=embedded only; "
                     "use recipe.user=scripted with backend=skyrl")
         return None
