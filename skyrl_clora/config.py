@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -85,8 +85,24 @@ class TrainerConfig:
     sm_carveout: int = 0
     overlap_sampling: bool | None = None
     max_tokens_per_microbatch: int = -1
+    ckpt_interval: int = 10
+    ckpt_path: str | None = None
+    max_ckpts_to_keep: int = 2
+    resume_mode: str = "latest"
+    resume_path: str | None = None
 
     def __post_init__(self) -> None:
+        if self.ckpt_interval < 0:
+            raise ConfigError(f"trainer.ckpt_interval={self.ckpt_interval} must be >= 0 (0: only when a tenant finishes)")
+        if self.max_ckpts_to_keep == 0 or self.max_ckpts_to_keep < -1:
+            raise ConfigError(f"trainer.max_ckpts_to_keep={self.max_ckpts_to_keep} must be -1 (all) or >= 1")
+        if self.resume_mode not in ("latest", "none", "from_path"):
+            raise ConfigError(f"trainer.resume_mode={self.resume_mode} is unknown; use latest, none or from_path")
+        if (self.resume_mode == "from_path") != (self.resume_path is not None):
+            raise ConfigError("trainer.resume_path goes with trainer.resume_mode=from_path (set both, or neither)")
+        if self.resume_path is not None and not Path(self.resume_path).is_dir():
+            raise ConfigError(f"trainer.resume_path={self.resume_path} is not a folder; point it at an earlier run's "
+                              "trainer.ckpt_path")
         if self.max_tokens_per_microbatch == 0 or self.max_tokens_per_microbatch < -1:
             raise ConfigError(f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} must be -1 (micro-batches "
                               "of trainer.micro_batch_size rows) or a positive token count")
@@ -150,12 +166,16 @@ class RunConfig:
     trainer: TrainerConfig
     sampler: SamplerConfig
     tenants: tuple[TenantSpec, ...]
+    identity: dict[str, Any]
 
     def __post_init__(self) -> None:
         if self.mode not in ("concurrent", "serial"):
             raise ConfigError(f"clora.mode={self.mode} is unknown; use concurrent or serial")
         if self.train_mode not in ("swap", "packed"):
             raise ConfigError(f"clora.train_mode={self.train_mode} is unknown; use swap or packed")
+        if self.mode == "serial" and self.backend != "embedded":
+            raise ConfigError("backend=skyrl runs tenants concurrently on one stack; set clora.mode=concurrent "
+                              "(serial mode is the embedded backend's baseline)")
         if self.train_mode == "packed" and self.backend != "embedded":
             raise ConfigError("clora.train_mode=packed needs backend=embedded; use clora.train_mode=swap")
         if self.trainer.overlap_sampling is False and self.backend != "embedded":
@@ -245,6 +265,31 @@ def tenant_specs(cfg: DictConfig, lora: LoraConfig, trainer: TrainerConfig, reci
         raise ConfigError(str(error)) from None
 
 
+# Keys that do not change a run's results: where it writes, what it prints, how it checkpoints and resumes.
+NOT_IDENTITY = frozenset({
+    "clora.output_dir", "clora.progress", "trainer.ckpt_interval", "trainer.ckpt_path", "trainer.max_ckpts_to_keep",
+    "trainer.resume_mode", "trainer.resume_path",
+})
+
+
+def run_identity(cfg: DictConfig, tenants: list[TenantSpec]) -> dict[str, Any]:
+    """Every key of the composed config that changes results, flattened (``group.key``: value), with the tenants
+    as expanded specs (``+tenants=2`` and the list it stands for are the same run)."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        elif prefix not in NOT_IDENTITY:
+            flat[prefix] = node
+
+    walk({k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "tenants"}, "")
+    for spec in tenants:
+        flat[f"tenants.{spec.name}"] = asdict(spec)
+    return flat
+
+
 def build_run_config(cfg: DictConfig) -> RunConfig:
     """Validates the composed Hydra config and returns the run's :class:`RunConfig`."""
     clora = cfg.clora
@@ -260,4 +305,5 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         backend=str(cfg.backend.name), model_path=None if cfg.model.path is None else os.path.expanduser(str(cfg.model.path)),
         model_dtype=str(cfg.model.dtype), model_corpus=str(cfg.model.corpus), recipe=recipe, lora=lora, trainer=trainer,
         sampler=config_section(SamplerConfig, cfg.sampler, "sampler"), tenants=tuple(tenants),
+        identity=run_identity(cfg, tenants),
     )

@@ -18,7 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 if TYPE_CHECKING:
+    from skyrl_clora.checkpoints import TenantCheckpoint
     from skyrl_clora.config import RunConfig
+    from skyrl_clora.recipes.plugin import TaskSource
     from skyrl_clora.skyrl.config_translation import SkyRLPlan
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -128,12 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE.format(groups=_groups(), keys=_keys(cfg), overridable=", ".join(OVERRIDABLE)))
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from skyrl_clora.checkpoints import claim_output_dir
     from skyrl_clora.config import ConfigError, build_run_config
+    from skyrl_clora.interrupts import STOP
+    from skyrl_clora.recipes.plugin import build_task_sources
 
     try:
         cfg = compose_config(argv)
         check_known_keys(cfg, argv)
         run = build_run_config(cfg)
+        plan = None
         if run.backend == "skyrl":
             from skyrl_clora.tiny_base.pretrain import TinyBaseRecipe, tiny_base_path
             from skyrl_clora.skyrl.config_translation import translate
@@ -143,52 +149,58 @@ def main(argv: list[str] | None = None) -> int:
             tiny_base = tiny_base_path(None, TinyBaseRecipe(corpus=run.model_corpus))
             plan = translate(cfg, model_path=run.model_path or str(tiny_base))
             check_buildable(plan)
+        sources = build_task_sources(run.recipe, list(run.tenants), run.steps, run.seed)  # before the model
+        resume = claim_output_dir(run)
     except (UserError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if run.backend == "skyrl":
-        return _run_skyrl(run, plan)
-    from skyrl_clora.backends.embedded import run_experiments
+    with STOP.installed():
+        return _run(run, plan, sources, resume)
 
+
+def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
+         resume: dict[str, TenantCheckpoint]) -> int:
+    """Runs the validated ``run`` on its backend (the base model built first if needed); the exit status (see
+    :func:`_exit_status`)."""
+    from skyrl_clora.checkpoints import checkpoint_root, export_finished
+    from skyrl_clora.config import ConfigError
+    from skyrl_clora.interrupts import STOP
+
+    export_finished(run, resume)
     try:
-        summary = run_experiments(run)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return _exit_status(summary, run.output_dir)
+        try:
+            if run.backend == "skyrl":
+                from skyrl_clora.skyrl.driver import run_skyrl
+
+                summary = run_skyrl(run, plan, sources, resume)
+            else:
+                from skyrl_clora.backends.embedded import run_experiments
+
+                summary = run_experiments(run, sources, resume)
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        return _exit_status(summary, run.output_dir)
+    except KeyboardInterrupt:  # a second signal: abandoned at once
+        print(f"[stop] aborted; the tenants' last checkpoints are under {checkpoint_root(run)}", file=sys.stderr)
+        return STOP.exit_status() or 130
 
 
 def _exit_status(summary: dict[str, Any], output_dir: Path) -> int:
-    """0 if every tenant of the finished run ``summary`` finished; else 1, after a line on stderr naming the
-    failed tenants."""
+    """128 + the signal's number if a signal stopped the run (``interrupts``); else 0 if every tenant of the
+    run ``summary`` finished; else 1, after a line on stderr naming the failed tenants."""
+    from skyrl_clora.interrupts import STOP
+
     rows = summary["per_tenant"]
+    if STOP.requested():
+        print(f"[stop] stopped; the same command resumes the run in {output_dir}", file=sys.stderr)
+        return STOP.exit_status()
     failed = [row["tenant"] for row in rows if row["status"] != "ok"]
     if not failed:
         return 0
     print(f"error: {len(failed)} of {len(rows)} tenants failed ({', '.join(failed)}); their errors are in "
           f"{output_dir / 'summary.json'}", file=sys.stderr)
     return 1
-
-
-def _run_skyrl(run: "RunConfig", plan: "SkyRLPlan") -> int:
-    """backend=skyrl: builds the tenants' task data, then the base model if needed (the path the plan names),
-    and runs SkyRL's stack."""
-    import time
-
-    from skyrl_clora.config import ConfigError
-    from skyrl_clora.recipes.plugin import build_task_sources
-    from skyrl_clora.services import resolve_model_path
-    from skyrl_clora.skyrl.driver import run_skyrl
-
-    try:
-        sources = build_task_sources(run.recipe, list(plan.tenants), run.steps, run.seed)  # before the model
-        started = time.perf_counter()
-        model_path = resolve_model_path(run)
-        summary = run_skyrl(run, plan, sources, model_path, base_model_s=time.perf_counter() - started)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return _exit_status(summary, run.output_dir)
 
 
 if __name__ == "__main__":

@@ -13,23 +13,28 @@ from typing import Any, TextIO
 
 
 class MetricsLog:
-    """Appends one JSON object per event to ``metrics.jsonl`` (thread-safe) and keeps them in memory."""
+    """Writes one JSON object per event to ``metrics.jsonl`` (thread-safe) and keeps them in memory. The file
+    starts with ``resumed`` (the records a resumed run's checkpoints carry), the new events follow."""
 
-    def __init__(self, path: Path, progress: bool, stream: TextIO = sys.stderr) -> None:
+    def __init__(self, path: Path, progress: bool, resumed: list[dict[str, Any]] | None = None,
+                 stream: TextIO = sys.stderr) -> None:
         self.path = path
-        self.records: list[dict[str, Any]] = []
+        self.records: list[dict[str, Any]] = list(resumed or [])
         self.progress = progress
         self.stream = stream
         self.started = time.perf_counter()
         self._lock = threading.Lock()
         self._file = path.open("w")
+        for record in self.records:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
 
     def write(self, record: dict[str, Any]) -> None:
         with self._lock:
             self.records.append(record)
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()
-            if self.progress and record.get("event") in ("step", "eval", "failed"):
+            if self.progress and record.get("event") in ("step", "eval", "failed", "stopped"):
                 self.stream.write(self._status_line(record) + "\n")
                 self.stream.flush()
 
@@ -38,6 +43,8 @@ class MetricsLog:
         tenant = record["tenant"]
         if record["event"] == "failed":
             return f"[{elapsed:7.1f}s] {tenant} FAILED: {record['error']}"
+        if record["event"] == "stopped":
+            return f"[{elapsed:7.1f}s] {tenant} stopped after step {record['step']} (checkpointed; the same command resumes)"
         if record["event"] == "eval":
             return f"[{elapsed:7.1f}s] {tenant} eval@{record['step']}: accuracy {record['accuracy']:.2f}"
         return (
@@ -57,9 +64,10 @@ def summarize(records: list[dict[str, Any]], tenants: list[str]) -> list[dict[st
         steps = [r for r in mine if r["event"] == "step"]
         evals = [r for r in mine if r["event"] == "eval"]
         failed = [r for r in mine if r["event"] == "failed"]
+        stopped = [r for r in mine if r["event"] == "stopped"]
         rows.append({
             "tenant": tenant,
-            "status": "failed" if failed else "ok",
+            "status": "failed" if failed else "stopped" if stopped else "ok",
             "error": failed[0]["error"] if failed else None,
             "steps": len(steps),
             "accuracy_start": evals[0]["accuracy"] if evals else None,

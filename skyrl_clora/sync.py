@@ -33,6 +33,10 @@ class AdapterSync:
         """Frees the tenant's sampler slot once its running requests are done."""
         await asyncio.wrap_future(self.engine.unregister_adapter(tenant))
 
+    async def publish_as(self, tenant: str, weights: AdapterWeights, version: int) -> None:
+        """Publishes ``weights`` as the tenant's ``version`` (a resumed tenant's checkpointed adapter)."""
+        await asyncio.wrap_future(self.engine.publish(tenant, weights, version))
+
     async def publish(self, tenant: str, weights: AdapterWeights) -> tuple[int, float]:
         """Publishes ``weights`` as the tenant's next version; returns (version, seconds until applied)."""
         version = self.engine.adapter_version(tenant) + 1

@@ -2,7 +2,11 @@
 
 A tenant's experiment is: register its adapter; evaluate; ``steps`` times sample the step's episodes,
 check they were sampled with the tenant's current adapter version, train on them and publish the new
-version; evaluate again; export the adapter (PEFT format). A tenant that raises (e.g. its reward
+version (checkpointing every ``trainer.ckpt_interval`` steps); evaluate again; export the adapter (PEFT
+format) and checkpoint it as finished. A tenant resumed from a checkpoint (``checkpoints``) continues after
+its last checkpointed step; a finished one is not run again. When the run is asked to stop
+(``interrupts.STOP``), each tenant stops after its current step: it checkpoints, exports and records a
+``stopped`` event. A tenant that raises (e.g. its reward
 function, a stale trajectory) is recorded as failed and removed; the other tenants run on.
 
 The loop talks to the shared services through a :class:`TenantBackend`: ``backends.embedded`` (the
@@ -23,7 +27,9 @@ from typing import Any, Protocol
 
 from skyrl.train.generators.base import TrajectoryID
 
+from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints, checkpoint_root
 from skyrl_clora.config import RunConfig
+from skyrl_clora.interrupts import STOP
 from skyrl_clora.episodes import eval_record, log_orphaned_task_error, step_record
 from skyrl_clora.metrics import MetricsLog
 from skyrl_clora.recipes.plugin import TaskSource
@@ -68,6 +74,14 @@ class TenantBackend(Protocol):
     async def export(self, tenant: str, out_dir: Path) -> None:
         """Writes the tenant's adapter to ``out_dir`` in PEFT format."""
 
+    async def save(self, tenant: str, folder: Path) -> None:
+        """Writes everything the tenant's training continues from (adapter, fp32 masters, Adam moments,
+        gradients, optimizer step, RNG state) into the existing ``folder``."""
+
+    async def restore(self, tenant: str, folder: Path, version: int) -> None:
+        """Replaces the registered tenant's training state with what :meth:`save` wrote into ``folder`` and
+        publishes its adapter as ``version``."""
+
     async def remove(self, tenant: str) -> None:
         """Frees everything the tenant holds in the services (after a failure)."""
 
@@ -85,25 +99,50 @@ def check_sampled_versions(tenant: str, rollout: Rollout, began_at: int, now: in
 
 
 class TenantLoop:
-    """One tenant's experiment over ``backend``: evaluation, ``run.steps`` RL steps, evaluation, export."""
+    """One tenant's experiment over ``backend``: evaluation, ``run.steps`` RL steps, evaluation, export; from
+    ``resume`` on when given (see the module docstring)."""
 
     def __init__(self, run: RunConfig, spec: TenantSpec, source: TaskSource, backend: TenantBackend,
-                 metrics: MetricsLog) -> None:
+                 metrics: MetricsLog, resume: TenantCheckpoint | None = None) -> None:
         self.run, self.spec, self.source, self.backend, self.metrics = run, spec, source, backend, metrics
+        self.resume = resume
+        self.checkpoints = TenantCheckpoints(checkpoint_root(run), spec.name, run.trainer.max_ckpts_to_keep)
 
     async def run_experiment(self) -> None:
-        name = self.spec.name
+        name, steps, interval = self.spec.name, self.run.steps, self.run.trainer.ckpt_interval
         try:
-            await self._evaluate(step=0)
-            for step in range(1, self.run.steps + 1):
+            if self.resume is None:
+                await self._evaluate(step=0)
+            for step in range(1 if self.resume is None else self.resume.step + 1, steps + 1):
+                if STOP.requested():
+                    await self._stop(done=step - 1)
+                    return
                 await self._rl_step(step)
-            await self._evaluate(step=self.run.steps)
+                if interval and step % interval == 0 and step < steps:
+                    await self._checkpoint(step, finished=False)
+            await self._evaluate(step=steps)
             await self.backend.export(name, self.run.output_dir / "adapters" / name)
+            await self._checkpoint(steps, finished=True)
         except Exception as error:  # noqa: BLE001 - a failing tenant must not take the others down
             logger.exception("tenant %s failed", name)
             self.metrics.write({"event": "failed", "tenant": name, "error": f"{type(error).__name__}: {error}"})
             await self.backend.remove(name)
 
+    async def _stop(self, done: int) -> None:
+        """Checkpoints the tenant after ``done`` RL steps (unless its last checkpoint holds them), exports its
+        adapter and records that it stopped."""
+        name = self.spec.name
+        if done > (0 if self.resume is None else self.resume.step) and not (
+                self.run.trainer.ckpt_interval and done % self.run.trainer.ckpt_interval == 0):
+            await self._checkpoint(done, finished=False)
+        await self.backend.export(name, self.run.output_dir / "adapters" / name)
+        self.metrics.write({"event": "stopped", "tenant": name, "step": done})
+
+    async def _checkpoint(self, step: int, finished: bool) -> None:
+        name = self.spec.name
+        records = [record for record in self.metrics.records if record.get("tenant") == name]
+        await self.checkpoints.write(step, self.backend.version(name), finished, records, self.run.identity,
+                                     lambda folder: self.backend.save(name, folder))
     async def _sample(self, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
         began_at = self.backend.version(self.spec.name)
         rollout = await self.backend.sample(self.spec, rows, samples, tag)
@@ -134,10 +173,15 @@ class TenantLoop:
 
 
 async def run_tenant_loops(run: RunConfig, backend: TenantBackend, specs: list[TenantSpec],
-                           sources: dict[str, TaskSource], metrics: MetricsLog) -> None:
-    """Registers every tenant of ``specs`` (in order), then runs their experiments concurrently over ``backend``."""
+                           sources: dict[str, TaskSource], metrics: MetricsLog,
+                           resume: dict[str, TenantCheckpoint]) -> None:
+    """Registers every unfinished tenant of ``specs`` (in order; restored from its checkpoint in ``resume`` when
+    it has one), then runs their experiments concurrently over ``backend``."""
     asyncio.get_running_loop().set_exception_handler(log_orphaned_task_error)
-    loops = [TenantLoop(run, spec, sources[spec.name], backend, metrics) for spec in specs]
+    loops = [TenantLoop(run, spec, sources[spec.name], backend, metrics, resume.get(spec.name)) for spec in specs
+             if not (spec.name in resume and resume[spec.name].finished)]
     for loop in loops:
         await backend.register(loop.spec)
+        if loop.resume is not None:
+            await backend.restore(loop.spec.name, loop.resume.folder, loop.resume.version)
     await asyncio.gather(*(loop.run_experiment() for loop in loops))

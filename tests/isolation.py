@@ -120,6 +120,14 @@ def assert_same_records(got: list[dict[str, Any]], want: list[dict[str, Any]], n
             assert first[key] == expected, f"{name}'s {key} differs at {second['event']} {second['step']}"
 
 
+def same_tensor(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
+    """Bit for bit when ``exact``; else within 1e-3 of ``b``'s largest entry (Adam's normalised steps turn
+    rounding-level gradient differences into ~1e-4 of it)."""
+    if exact:
+        return torch.equal(a, b)
+    return a.shape == b.shape and float((a - b).abs().max()) <= 1e-3 * float(b.abs().max()) + 1e-12
+
+
 def tenant_records(out: Path, name: str) -> list[dict[str, Any]]:
     """``name``'s records of the run in ``out``, without the run-dependent keys."""
     return [{k: v for k, v in r.items() if k not in _RUN_DEPENDENT and "trajectory_time" not in k}
@@ -133,10 +141,7 @@ def assert_same_tenants(got: dict[str, TenantResult], want: dict[str, TenantResu
     assert sorted(got) == sorted(want)
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        if exact:
-            return torch.equal(a, b)
-        # Adam's normalised steps turn rounding-level gradient differences into ~1e-4 of the largest entry.
-        return a.shape == b.shape and float((a - b).abs().max()) <= 1e-3 * float(b.abs().max()) + 1e-12
+        return same_tensor(a, b, exact)
 
     for name in want:
         x, y = got[name], want[name]

@@ -119,10 +119,15 @@ def test_help_lists_settable_keys(capsys: pytest.CaptureFixture) -> None:
     (["+trainer.algorithm.foo=1"], "unknown key trainer.algorithm.foo; valid keys here: advantage_estimator"),
     (["+foo=1"], "unknown key foo; valid keys: backend, clora, lora, model, recipe, sampler, trainer"),
 ])
-def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
+def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture,
+                                          tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    if not any(arg.startswith("clora.output_dir=") for arg in args):
+        args = [*args, f"clora.output_dir={out}"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())  # refused before any work: nothing written
 
 
 def test_an_added_skyrl_algorithm_field_is_a_known_key() -> None:

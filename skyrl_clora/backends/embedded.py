@@ -22,17 +22,20 @@ from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
 from skyrl.train.config import SamplingParams as SkyRLSamplingParams
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
+from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records
 from skyrl_clora.config import RunConfig
 from skyrl_clora.episodes import episode_batch, scalar_reward
+from skyrl_clora.interrupts import STOP
 from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
 from skyrl_clora.metrics import MetricsLog, write_run_summary
-from skyrl_clora.recipes.plugin import TaskSource, build_task_sources, load_recipe
+from skyrl_clora.recipes.plugin import TaskSource, load_recipe
 from skyrl_clora.services import Services, build_services, resolve_model_path
 from skyrl_clora.tenant_loop import Rollout, run_tenant_loops
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
 
 
 class EmbeddedBackend:
@@ -106,29 +109,44 @@ class EmbeddedBackend:
     async def export(self, tenant: str, out_dir: Path) -> None:
         save_peft_adapter(self.services.store.tenants[tenant].weights, out_dir, self.services.model_path)
 
+    async def save(self, tenant: str, folder: Path) -> None:
+        write_tenant_state(self.services.store, tenant, folder)
+        await self.export(tenant, folder / "adapter")
+
+    async def restore(self, tenant: str, folder: Path, version: int) -> None:
+        read_tenant_state(self.services.store, tenant, folder)
+        await self.services.sync.publish_as(tenant, self.services.store.tenants[tenant].weights, version)
+
     async def remove(self, tenant: str) -> None:
         self._trained.pop(tenant, None)
         await self.services.sync.unregister(tenant)
         self.services.store.remove(tenant)
 
 
-def run_experiments(run: RunConfig) -> dict[str, Any]:
-    """Runs every tenant in ``run.mode``; writes metrics.jsonl, summary.json, reward_curves.png, adapters/."""
+def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict[str, TenantCheckpoint]) -> dict[str, Any]:
+    """Runs every tenant in ``run.mode`` on its task data ``sources`` (by tenant name,
+    ``recipes.plugin.build_task_sources``), those in ``resume`` from their checkpoints; writes metrics.jsonl,
+    summary.json, reward_curves.png, adapters/ and checkpoints."""
     run.output_dir.mkdir(parents=True, exist_ok=True)
     specs = list(run.tenants)
-    sources = build_task_sources(run.recipe, specs, run.steps, run.seed)
     base_started = time.perf_counter()
     model_path = resolve_model_path(run)
     base_model_s = time.perf_counter() - base_started
     started = time.perf_counter()
-    metrics = MetricsLog(run.output_dir / "metrics.jsonl", progress=run.progress)
+    metrics = MetricsLog(run.output_dir / "metrics.jsonl", run.progress, resumed_records(resume, specs))
     rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in specs)
-    groups = [specs] if run.mode == "concurrent" else [[spec] for spec in specs]
+    unfinished = [spec for spec in specs if not (spec.name in resume and resume[spec.name].finished)]
+    groups = ([unfinished] if unfinished else []) if run.mode == "concurrent" else [[spec] for spec in unfinished]
     cold_starts: list[float] = []
     engine_stats: list[dict[str, float]] = []
     try:
         for group in groups:
-            cold_starts.append(_run_group(run, group, sources, model_path, rows_per_tenant, metrics, engine_stats))
+            if STOP.requested():  # serial mode: the tenants not started yet start on resume
+                for spec in group:
+                    metrics.write({"event": "stopped", "tenant": spec.name, "step": 0})
+                continue
+            cold_starts.append(_run_group(run, group, sources, model_path, rows_per_tenant, metrics, engine_stats,
+                                          resume))
     finally:
         metrics.close()
     wall_s = time.perf_counter() - started
@@ -140,11 +158,12 @@ def run_experiments(run: RunConfig) -> dict[str, Any]:
 
 
 def _run_group(run: RunConfig, specs: list[TenantSpec], sources: dict[str, TaskSource], model_path: str,
-               rows_per_tenant: int, metrics: MetricsLog, engine_stats: list[dict[str, float]]) -> float:
+               rows_per_tenant: int, metrics: MetricsLog, engine_stats: list[dict[str, float]],
+               resume: dict[str, TenantCheckpoint]) -> float:
     """Runs ``specs`` on a set of services of their own; appends the engine's stats; returns its cold start."""
     services = build_services(run, model_path, len(specs), rows_per_tenant)
     try:
-        asyncio.run(run_tenant_loops(run, EmbeddedBackend(run, services), specs, sources, metrics))
+        asyncio.run(run_tenant_loops(run, EmbeddedBackend(run, services), specs, sources, metrics, resume))
     finally:
         services.shutdown()
         engine_stats.append(asdict(services.engine.stats))

@@ -44,10 +44,12 @@ from skyrl.train.config import AlgorithmConfig
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
-from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records
+from skyrl_clora.config import RunConfig
 from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.episodes import episode_batch
 from skyrl_clora.recipes.plugin import TaskSource
+from skyrl_clora.services import resolve_model_path
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
 from skyrl_clora.tenant_loop import Rollout, run_tenant_loops
@@ -144,6 +146,18 @@ class SkyRLBackend:
         """A copy of the folder the tenant's last sync wrote."""
         shutil.copytree(Path(self.stack.sync_path) / tenant, out_dir, dirs_exist_ok=True)
 
+    async def save(self, tenant: str, folder: Path) -> None:
+        """The worker writes the tenant's training state (the tenant is between steps: no update runs for it)."""
+        await asyncio.to_thread(self.stack.worker_call, "save_tenant_state", tenant, str(folder))
+        await self.export(tenant, folder / "adapter")
+
+    async def restore(self, tenant: str, folder: Path, version: int) -> None:
+        """The worker reads the tenant's training state; its adapter goes to the servers as ``version``."""
+        async with self._update_lock:
+            self.tenants[tenant].steps_done = await asyncio.to_thread(
+                self.stack.worker_call, "load_tenant_state", tenant, str(folder))
+            await self.stack.publish_as(tenant, folder / "adapter", version)
+
     async def remove(self, tenant: str) -> None:
         async with self._update_lock:
             await asyncio.to_thread(self.tenants[tenant].dispatch.delete_adapter, "policy", tenant)
@@ -178,29 +192,30 @@ def training_input(output: dict[str, Any], groups: list[str], pad_token_id: int,
 
 
 async def _run_tenants(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource], stack: SkyRLStack,
-                       metrics: MetricsLog) -> None:
+                       metrics: MetricsLog, resume: dict[str, TenantCheckpoint]) -> None:
     try:
-        await run_tenant_loops(run, SkyRLBackend(run, plan, stack), list(plan.tenants), sources, metrics)
+        await run_tenant_loops(run, SkyRLBackend(run, plan, stack), list(plan.tenants), sources, metrics, resume)
     finally:
         for client in [stack.client, *stack.views.values()]:
             await client.teardown()
 
 
-def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource], model_path: str,
-              base_model_s: float) -> dict[str, Any]:
-    """Runs every tenant concurrently through SkyRL's stack on its task data ``sources`` (by tenant name,
-    ``recipes.plugin.build_task_sources``); writes the embedded backend's outputs."""
-    if run.mode != "concurrent":
-        raise ConfigError("backend=skyrl runs tenants concurrently on one stack; set clora.mode=concurrent "
-                          "(serial mode is the embedded backend's baseline)")
+def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource],
+              resume: dict[str, TenantCheckpoint]) -> dict[str, Any]:
+    """Builds the base model if needed (the path the plan names), then runs every tenant concurrently through
+    SkyRL's stack on its task data ``sources`` (by tenant name, ``recipes.plugin.build_task_sources``), those in
+    ``resume`` from their checkpoints; writes the embedded backend's outputs."""
+    base_started = time.perf_counter()
+    model_path = resolve_model_path(run)
+    base_model_s = time.perf_counter() - base_started
     for line in plan.substitutions:
         print(f"[skyrl] stand-in: {line}", flush=True)
     started = time.perf_counter()
-    metrics = MetricsLog(run.output_dir / "metrics.jsonl", progress=run.progress)
+    metrics = MetricsLog(run.output_dir / "metrics.jsonl", run.progress, resumed_records(resume, list(plan.tenants)))
     stack = build_stack(run, plan, model_path)
     try:
         cold_start_s = time.perf_counter() - started
-        asyncio.run(_run_tenants(run, plan, sources, stack, metrics))
+        asyncio.run(_run_tenants(run, plan, sources, stack, metrics, resume))
     finally:
         metrics.close()
         stack.shutdown()

@@ -23,6 +23,7 @@ import asyncio
 import importlib.util
 import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -35,6 +36,7 @@ from transformers.utils import logging as hf_logging
 
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.lora.layers import attach_multi_lora
+from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.services import resolve_device
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
@@ -76,8 +78,22 @@ class SkyRLStack:
         """The metrics of ``tenant``'s last step: the embedded worker's own (the Trainer's), or
         Megatron's ``forward_backward`` metrics with the gradient norm and the LR set for the step."""
         if self.strategy == "embedded":
-            return ray.get(self.policy_group.async_run_ray_method("pass_through", "step_metrics", tenant))[0]
+            return self.worker_call("step_metrics", tenant)
         return {**forward_backward, "grad_norm": float(grad_norm or 0.0), "lr": lr}
+
+    def worker_call(self, method: str, *args: Any) -> Any:
+        """``method(*args)`` on the policy worker (world size 1); its result. Blocks on Ray."""
+        return ray.get(self.policy_group.async_run_ray_method("pass_through", method, *args))[0]
+
+    async def publish_as(self, tenant: str, adapter_folder: Path, version: int) -> None:
+        """Loads the PEFT adapter in ``adapter_folder`` as ``tenant``'s ``version`` (a resumed tenant's): into the
+        embedded engine directly, or on vLLM's servers by name (which count their own versions)."""
+        if self.engine is not None:
+            weights = await asyncio.to_thread(load_peft_adapter, adapter_folder)
+            await asyncio.wrap_future(self.engine.publish(tenant, weights, version))
+        else:
+            await self.client.load_lora_adapter(tenant, str(adapter_folder))
+        self.views[tenant].resume_weight_version(version)
 
     async def unload(self, tenant: str) -> None:
         """Unloads a failed tenant's adapter from the servers once its requests are done."""
@@ -129,6 +145,9 @@ def check_buildable(plan: SkyRLPlan) -> None:
     if plan.strategy == "megatron" and importlib.util.find_spec("megatron") is None:
         raise ConfigError("backend.strategy=megatron but megatron-core is not installed; install megatron-core or set "
                           "backend.strategy=embedded (or auto)")
+    if plan.strategy == "megatron":
+        raise ConfigError("backend.strategy=megatron: per-tenant checkpoints (trainer.ckpt_interval) are written by "
+                          "the embedded policy worker only so far; use backend.strategy=embedded (or auto)")
     if plan.strategy == "fsdp":
         raise ConfigError("backend.strategy=fsdp: SkyRL 0.4's FSDP workers have no AdapterStore for tenants; "
                           "use backend.strategy=megatron (or embedded)")

@@ -138,6 +138,10 @@ class TenantInferenceClient(RemoteInferenceClient):
                 self.increment_weight_version()
         return results
 
+    def resume_weight_version(self, version: int) -> None:
+        """Sets ``weight_version`` to a resumed tenant's checkpointed version (its adapter was just loaded)."""
+        self._weight_version = version
+
     async def publish(self, weights: AdapterWeights, sync_dir: Path, base_model_path: str) -> int:
         """The sync hook: writes ``weights`` as a PEFT folder under ``sync_dir/<tenant>`` and loads it in
         place under the tenant's name; returns the tenant's new version. Nothing is paused and no prefix

@@ -13,6 +13,8 @@ by SkyRL's own ``PPORayActorGroup`` with ``num_gpus_per_actor=0``) that answers 
 ``register_adapter("policy", t)``    registers tenant ``t`` in the AdapterStore: a PEFT-style init
                                      seeded with the tenant's seed, its own LR schedule and RNG
 ``delete_adapter("policy", t)``      removes the tenant's state
+``save_tenant_state(t, folder)``,    (called by the skyrl driver through the actor group) a tenant's
+``load_tenant_state(t, folder)``     checkpoint: its training state to or from ``folder``
 ``ensure_active_adapter`` ->         makes ``t`` the tenant the next ``forward_backward`` /
 ``swap_to_adapter(t)``               ``optim_step`` / sync act on
 ``forward_backward(data)``           stages the ``TrainingInputBatch`` (see below) for the tenant
@@ -53,6 +55,7 @@ from transformers import AutoModelForCausalLM
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
 from skyrl_clora.trainer.trainer import OptimizerConfig, TrainBatch, Trainer
 
 # SkyRL scheduler names -> the embedded LRSchedule kinds (the translation writes these two).
@@ -170,6 +173,16 @@ class EmbeddedPolicyWorker:
         if model_id not in self._store().tenants:
             raise ValueError(f"adapter {model_id!r} is not registered; call register_adapter first")
         self.active = model_id
+
+    def save_tenant_state(self, model_id: str, folder: str) -> None:
+        """Writes the tenant's training state into ``folder`` (``trainer.state_io``; a checkpoint)."""
+        write_tenant_state(self._store(), model_id, Path(folder))
+
+    def load_tenant_state(self, model_id: str, folder: str) -> int:
+        """Replaces the tenant's training state with the one ``folder`` holds; returns its optimizer step."""
+        read_tenant_state(self._store(), model_id, Path(folder))
+        self.staged.pop(model_id, None)
+        return self._store().tenants[model_id].step
 
     def adapter_store_state(self) -> dict:
         store = self._store()

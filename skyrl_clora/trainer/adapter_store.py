@@ -246,6 +246,24 @@ class AdapterStore:
         self._set_weights(state, host_weights)
         self.tenants[name] = state
 
+    def restore(self, name: str, tables: dict[str, torch.Tensor], rng_state: torch.Tensor, step: int) -> None:
+        """Replaces registered tenant ``name``'s host state: ``tables`` (per table of ``TABLES``, the flat fp32
+        buffer at the tenant's rank), RNG state and step; its model-dtype weights become the masters' cast,
+        as after a swap-out. The tenant must not be on the device."""
+        if self.slot_of(name) is not None:
+            raise RuntimeError(f"tenant {name!r} is on the device; swap it out first")
+        self.wait(name)
+        state = self.tenants[name]
+        for table in TABLES:
+            if tables[table].shape != state.flat[table].shape:
+                raise ValueError(f"tenant {name!r}: {table} has {tables[table].numel()} values, the store {state.flat[table].numel()}")
+            state.flat[table].copy_(tables[table])
+        host_weights = self._host_empty(state.flat["master"].numel(), self.dtype)
+        host_weights.copy_(state.flat["master"])
+        self._set_weights(state, host_weights)
+        state.rng_state = rng_state.clone()
+        state.step = step
+
     def remove(self, name: str) -> None:
         if any(slot.owner == name for slot in self.slots):
             raise ValueError(f"tenant {name!r} is on the device; swap it out first")

@@ -1,0 +1,174 @@
+"""Per-tenant checkpoints and resume, in SkyRL's vocabulary (``trainer.ckpt_interval``, ``ckpt_path``,
+``max_ckpts_to_keep``, ``resume_mode`` = latest | none | from_path, ``resume_path``).
+
+Layout: ``<ckpt_path>/<tenant>/global_step_<k>/`` holds what the backend saves of the tenant (its adapter in
+PEFT format, fp32 masters, Adam moments, gradients, optimizer step, RNG state) and ``tenant.json`` (the RL steps
+done, the published adapter version, whether the tenant finished, its metrics records so far, and the run's
+identity); ``<ckpt_path>/<tenant>/latest_ckpt_global_step.txt`` names the newest one. A checkpoint is written
+into a temporary folder and renamed into place, and the pointer file is replaced after it, so a kill at any
+moment leaves the previous checkpoint complete and named. The data cursor is the step count (a tenant's rows of
+step k are a function of its seed and k), and the sampling seeds are functions of the tenant, step and episode,
+so a resumed tenant continues exactly as it would have.
+
+The output folder belongs to one run: ``<output_dir>/run_config.json`` records the run's identity (every key
+that changes results). A second run into the folder with the same identity resumes it (``resume_mode=latest``),
+with another identity it is refused with the differing keys; ``resume_mode=none`` into a folder that holds a run
+is refused too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from skyrl_clora.config import ConfigError, RunConfig
+
+LATEST = "latest_ckpt_global_step.txt"
+TENANT_META = "tenant.json"
+RUN_IDENTITY = "run_config.json"
+
+
+@dataclass(frozen=True)
+class TenantCheckpoint:
+    """A tenant's newest complete checkpoint: ``folder`` (what the backend saved), the RL ``step``s done, the
+    published adapter ``version``, whether the tenant ``finished`` (final evaluation and export done) and its
+    metrics ``records`` so far."""
+
+    folder: Path
+    step: int
+    version: int
+    finished: bool
+    records: list[dict[str, Any]]
+
+
+def checkpoint_root(run: RunConfig) -> Path:
+    """``trainer.ckpt_path``, or ``<output_dir>/checkpoints``."""
+    path = run.trainer.ckpt_path
+    return Path(os.path.expanduser(path)) if path is not None else run.output_dir / "checkpoints"
+
+
+class TenantCheckpoints:
+    """One tenant's checkpoint folder under ``root``: atomic writes, the newest, pruning to ``keep`` (-1: all)."""
+
+    def __init__(self, root: Path, tenant: str, keep: int) -> None:
+        self.folder = root / tenant
+        self.keep = keep
+
+    async def write(self, step: int, version: int, finished: bool, records: list[dict[str, Any]],
+                    identity: dict[str, Any], save: Callable[[Path], Awaitable[None]]) -> Path:
+        """Writes ``global_step_<step>``: ``save(folder)`` fills it with the backend's state, then the tenant's
+        metadata; renames it into place, points ``latest`` at it and prunes old ones."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        final = self.folder / f"global_step_{step}"
+        temporary = self.folder / f".tmp-global_step_{step}-{os.getpid()}"
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+        await save(temporary)
+        meta = {"step": step, "version": version, "finished": finished, "records": records, "identity": identity}
+        _write_synced(temporary / TENANT_META, json.dumps(meta, sort_keys=True))
+        _sync_folder(temporary)
+        if final.exists():  # a checkpoint of this step from before a resume: the new one replaces it
+            shutil.rmtree(final)
+        temporary.rename(final)
+        _write_synced(self.folder / f".{LATEST}.tmp", str(step))
+        os.replace(self.folder / f".{LATEST}.tmp", self.folder / LATEST)
+        _sync_folder(self.folder)
+        self._prune(step)
+        return final
+
+    def latest(self) -> TenantCheckpoint | None:
+        """The newest complete checkpoint, or None when there is none."""
+        pointer = self.folder / LATEST
+        if not pointer.is_file():
+            return None
+        folder = self.folder / f"global_step_{int(pointer.read_text())}"
+        meta = json.loads((folder / TENANT_META).read_text())
+        return TenantCheckpoint(folder, meta["step"], meta["version"], meta["finished"], meta["records"])
+
+    def identity(self) -> dict[str, Any] | None:
+        """The run identity the newest checkpoint was written under, or None when there is none."""
+        pointer = self.folder / LATEST
+        if not pointer.is_file():
+            return None
+        folder = self.folder / f"global_step_{int(pointer.read_text())}"
+        return json.loads((folder / TENANT_META).read_text())["identity"]
+
+    def _prune(self, newest: int) -> None:
+        for stale in self.folder.glob(".tmp-global_step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if self.keep < 0:
+            return
+        steps = sorted((int(p.name.removeprefix("global_step_")) for p in self.folder.glob("global_step_*")), reverse=True)
+        for step in [s for s in steps if s != newest][self.keep - 1:]:
+            shutil.rmtree(self.folder / f"global_step_{step}", ignore_errors=True)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _sync_folder(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def export_finished(run: RunConfig, resume: dict[str, TenantCheckpoint]) -> None:
+    """Copies the adapter of every finished tenant in ``resume`` from its checkpoint to
+    ``<output_dir>/adapters/<tenant>`` where it is not there (a run continued in another folder)."""
+    for name, checkpoint in resume.items():
+        target = run.output_dir / "adapters" / name
+        if checkpoint.finished and not target.exists():
+            shutil.copytree(checkpoint.folder / "adapter", target)
+
+
+def resumed_records(resume: dict[str, TenantCheckpoint], specs: list[Any]) -> list[dict[str, Any]]:
+    """The metrics records the checkpoints in ``resume`` carry, tenant by tenant in the order of ``specs``."""
+    return [record for spec in specs if spec.name in resume for record in resume[spec.name].records]
+
+
+def differing_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The keys whose values differ between two run identities (a key only one has counts)."""
+    return sorted(key for key in set(saved) | set(current) if saved.get(key) != current.get(key))
+
+
+def claim_output_dir(run: RunConfig) -> dict[str, TenantCheckpoint]:
+    """Makes ``run.output_dir`` this run's and returns the checkpoints to resume from, by tenant (a tenant without
+    one starts afresh). Refuses (:class:`ConfigError`, nothing changed) a folder holding a run of another identity,
+    ``resume_mode=none`` into a folder holding a run, and ``from_path`` checkpoints of another identity."""
+    record = run.output_dir / RUN_IDENTITY
+    held = json.loads(record.read_text()) if record.is_file() else None
+    if held is not None and run.trainer.resume_mode == "none":
+        raise ConfigError(f"clora.output_dir={run.output_dir} holds a run; resume it (trainer.resume_mode=latest) or "
+                          "choose a new clora.output_dir")
+    if held is not None and held != run.identity:
+        raise ConfigError(f"clora.output_dir={run.output_dir} holds a run whose config differs in "
+                          f"{', '.join(differing_keys(held, run.identity))}; choose a new clora.output_dir, or "
+                          "repeat that run's config to resume it")
+    if run.trainer.resume_mode == "from_path":
+        root = Path(os.path.expanduser(run.trainer.resume_path))
+        for spec in run.tenants:
+            saved = TenantCheckpoints(root, spec.name, -1).identity()
+            if saved is not None and saved != run.identity:
+                raise ConfigError(f"trainer.resume_path={root}: tenant {spec.name}'s checkpoints were written by a run "
+                                  f"whose config differs in {', '.join(differing_keys(saved, run.identity))}")
+    else:
+        root = checkpoint_root(run) if held is not None else None
+    checkpoints = {}
+    if root is not None:
+        for spec in run.tenants:
+            latest = TenantCheckpoints(root, spec.name, -1).latest()
+            if latest is not None:
+                checkpoints[spec.name] = latest
+    run.output_dir.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(run.identity, indent=1, sort_keys=True) + "\n")
+    return checkpoints

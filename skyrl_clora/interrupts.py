@@ -1,0 +1,53 @@
+"""Stopping a run cleanly on SIGINT (Ctrl-C) or SIGTERM.
+
+The first signal asks every tenant to stop after its current RL step: it then checkpoints, exports its adapter
+and records a ``stopped`` event, the run writes its summary and plot, and the process exits with 128 + the
+signal's number (130 for SIGINT, 143 for SIGTERM). A second signal aborts at once (``KeyboardInterrupt``,
+same exit status): what the last checkpoints hold is what a resume continues from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from collections.abc import Iterator
+from types import FrameType
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequest:
+    """The signal that asked the run to stop (None: none did)."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Within: SIGINT and SIGTERM handled as the module docstring says (call from the main thread), no
+        signal received yet. After: the previous handlers again."""
+        self.signal = None
+        previous = {number: signal.signal(number, self._handle) for number in SIGNALS}
+        try:
+            yield
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def exit_status(self) -> int | None:
+        """128 + the signal's number once one came, else None."""
+        return None if self.signal is None else 128 + self.signal
+
+    def _handle(self, number: int, frame: FrameType | None) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = number
+        print(f"\n[stop] {signal.Signals(number).name}: every tenant stops after its current step, checkpoints and "
+              "exports; send it again to abort at once", file=sys.stderr, flush=True)
+
+
+STOP = StopRequest()

@@ -1,0 +1,253 @@
+"""Runs that last: per-tenant checkpoints written atomically, a run killed with SIGKILL and resumed ending as
+an uninterrupted one does, and an output folder that never mixes two runs.
+
+Swap mode is compared bit for bit. Packed mode to float rounding: a packed pass holds whichever tenants are
+waiting when it starts, and CPU GEMMs round differently at other batch sizes, so two uninterrupted packed runs
+of the same config already differ in the last bits of their training metrics (about 1e-7 of a policy loss).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from isolation import assert_same_records, same_tensor, tenant_records
+from micro_task import assert_learning, micro_tenants, read_records, register_micro_env, run_args
+from skyrl_clora.checkpoints import LATEST, TenantCheckpoints
+from skyrl_clora.lora.peft_export import load_peft_adapter
+from skyrl_clora.main import main
+
+TENANTS = [{"name": "a", "seed": 1}, {"name": "b", "seed": 2, "lr": 0.004}, {"name": "c", "seed": 3, "rank": 4},
+           {"name": "d", "seed": 4}]
+STEPS = 8
+# SIGKILL once some tenant has recorded this step, after this many seconds (seeded: the same in every run).
+# Five kill points, three in swap mode and two in packed mode.
+KILL_POINTS = [(mode, step, round(random.Random(step * 7 + i).uniform(0.0, 0.4), 2))
+               for i, (mode, step) in enumerate([("swap", 3), ("swap", 5), ("swap", 6), ("packed", 4), ("packed", 6)])]
+
+
+def _args(model: Path, out: Path, train_mode: str, *extra: str) -> list[str]:
+    return run_args(model, out, micro_tenants(*TENANTS), f"clora.train_mode={train_mode}", "trainer.ckpt_interval=1",
+                    *extra, steps=STEPS)
+
+
+def _main_in_child(args: list[str]) -> None:
+    register_micro_env()
+    os._exit(main(args))
+
+
+# Children fork from a single-threaded server that has imported the plugin once (forking this multi-threaded
+# test process could deadlock a child on a lock some other thread held).
+_CHILDREN = multiprocessing.get_context("forkserver")
+_CHILDREN.set_forkserver_preload(["skyrl_clora.main", "micro_task"])
+
+
+def _run_in_child(args: list[str]) -> multiprocessing.Process:
+    """``main(args)`` in a child process, its exit status its own."""
+    child = _CHILDREN.Process(target=_main_in_child, args=(args,))
+    child.start()
+    return child
+
+
+def _wait_for_step(child: multiprocessing.Process, metrics: Path, step: int) -> None:
+    """Returns once some tenant's record of RL step ``step`` is in ``metrics``; fails if ``child`` ends first."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and child.is_alive():
+        if metrics.is_file() and any(json.loads(line).get("step") == step and json.loads(line)["event"] == "step"
+                                     for line in metrics.read_text().splitlines() if line.endswith("}")):
+            return
+        time.sleep(0.02)
+    pytest.fail(f"the run ended (exit {child.exitcode}) before any tenant reached step {step}")
+
+
+def _kill_after(child: multiprocessing.Process, metrics: Path, step: int, delay: float) -> None:
+    """SIGKILLs ``child`` ``delay`` seconds after some tenant's record of RL step ``step`` reaches ``metrics``."""
+    _wait_for_step(child, metrics, step)
+    time.sleep(delay)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+
+
+def _assert_resumed(out: Path, earlier: list[dict], checkpointed: dict[str, int]) -> None:
+    """Each tenant's records up to its checkpointed step are the ``earlier`` run's own, wall-clock times
+    included: the resumed run carried them over rather than running those steps again."""
+    for name, step in checkpointed.items():
+        carried = [r for r in earlier if r["tenant"] == name and r["step"] <= step and r["event"] in ("step", "eval")]
+        assert carried and [r for r in read_records(out) if r["tenant"] == name][: len(carried)] == carried, name
+
+
+def _final_state(out: Path, tenant: str) -> dict[str, torch.Tensor]:
+    """The trainer state and adapter of the tenant's final (finished) checkpoint."""
+    ckpts = out / "checkpoints" / tenant
+    folder = ckpts / f"global_step_{int((ckpts / LATEST).read_text())}"
+    assert json.loads((folder / "tenant.json").read_text())["finished"]
+    return load_file(str(folder / "trainer_state.safetensors"))
+
+
+def _assert_same_run(got: Path, want: Path, exact: bool) -> None:
+    """Per tenant: metrics, final trainer state (masters, moments, gradients, RNG) and exported adapter."""
+    assert_learning(read_records(want))
+    names = [tenant["name"] for tenant in TENANTS]
+    finals = {name: tenant_records(want, name)[-2] for name in names}  # the last step's records
+    assert len({final["reward_mean"] for final in finals.values()}) == len(names)  # the tenants differ
+    for name in names:
+        assert_same_records(tenant_records(got, name), tenant_records(want, name), name, exact)
+        got_state, want_state = _final_state(got, name), _final_state(want, name)
+        assert got_state.keys() == want_state.keys()
+        assert torch.equal(got_state["rng_state"], want_state["rng_state"]), name
+        for key in want_state:
+            assert same_tensor(got_state[key], want_state[key], exact), (name, key)
+        got_adapter, want_adapter = load_peft_adapter(got / "adapters" / name), load_peft_adapter(want / "adapters" / name)
+        for path in want_adapter.a:
+            assert same_tensor(got_adapter.a[path], want_adapter.a[path], exact), (name, path)
+            assert same_tensor(got_adapter.b[path], want_adapter.b[path], exact), (name, path)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(learning_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The uninterrupted run of each train mode (made on first use)."""
+    runs: dict[str, Path] = {}
+
+    class Runs(dict):
+        def __missing__(self, train_mode: str) -> Path:
+            out = tmp_path_factory.mktemp(f"uninterrupted-{train_mode}")
+            assert main(_args(learning_model_dir, out, train_mode)) == 0
+            self[train_mode] = out
+            return out
+
+    return Runs(runs)
+
+
+@pytest.mark.parametrize("kill_point", KILL_POINTS, ids=[f"{m}-step{s}+{d}s" for m, s, d in KILL_POINTS])
+def test_a_run_killed_and_resumed_ends_as_if_never_killed(uninterrupted: dict[str, Path], kill_point: tuple,
+                                                         learning_model_dir: Path, tmp_path: Path) -> None:
+    train_mode, step, delay = kill_point
+    reference = uninterrupted[train_mode]
+    args = _args(learning_model_dir, tmp_path, train_mode)
+    child = _run_in_child(args)
+    _kill_after(child, tmp_path / "metrics.jsonl", step, delay)
+    assert child.exitcode == -signal.SIGKILL
+    partial = read_records(tmp_path)
+    assert len([r for r in partial if r["event"] == "step"]) < len(TENANTS) * STEPS  # the kill came before the end
+    checkpointed = {t["name"]: TenantCheckpoints(tmp_path / "checkpoints", t["name"], -1).latest().step for t in TENANTS}
+    assert min(checkpointed.values()) >= 2
+    assert main(args) == 0  # the same command resumes (trainer.resume_mode=latest)
+    _assert_resumed(tmp_path, partial, checkpointed)
+    _assert_same_run(tmp_path, reference, exact=train_mode == "swap")
+
+
+def test_ctrl_c_stops_with_outputs_and_the_same_command_finishes_the_run(uninterrupted: dict[str, Path],
+                                                                        learning_model_dir: Path, tmp_path: Path) -> None:
+    args = _args(learning_model_dir, tmp_path, "swap", "trainer.ckpt_interval=3")
+    child = _run_in_child(args)
+    _wait_for_step(child, tmp_path / "metrics.jsonl", 4)
+    os.kill(child.pid, signal.SIGINT)
+    child.join(timeout=120)
+    assert child.exitcode == 130
+    records = read_records(tmp_path)
+    stopped = {r["tenant"]: r["step"] for r in records if r["event"] == "stopped"}
+    assert sorted(stopped) == [t["name"] for t in TENANTS] and all(4 <= step < STEPS for step in stopped.values())
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {row["status"] for row in summary["per_tenant"]} == {"stopped"}
+    assert (tmp_path / "reward_curves.png").is_file()
+    for name, step in stopped.items():
+        assert (tmp_path / "adapters" / name / "adapter_model.safetensors").is_file()
+        assert TenantCheckpoints(tmp_path / "checkpoints", name, -1).latest().step == step
+    assert main(args) == 0
+    _assert_resumed(tmp_path, records, stopped)
+    _assert_same_run(tmp_path, uninterrupted["swap"], exact=True)
+
+
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path: Path) -> None:
+    checkpoints = TenantCheckpoints(tmp_path, "t", keep=2)
+
+    async def save(folder: Path) -> None:
+        (folder / "state.bin").write_bytes(b"x" * 10)
+
+    async def dies_midway(folder: Path) -> None:
+        (folder / "state.bin").write_bytes(b"partial")
+        raise KeyboardInterrupt  # the process dies here
+
+    asyncio.run(checkpoints.write(3, 3, False, [{"step": 3}], {"k": 1}, save))
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(checkpoints.write(4, 4, False, [{"step": 4}], {"k": 1}, dies_midway))
+    latest = checkpoints.latest()
+    assert latest.step == 3 and latest.records == [{"step": 3}] and (latest.folder / "state.bin").read_bytes() == b"x" * 10
+    assert not (tmp_path / "t" / "global_step_4").exists()
+    for step in (4, 5, 6):  # the leftover temporary folder goes; the two newest stay
+        asyncio.run(checkpoints.write(step, step, False, [], {"k": 1}, save))
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["global_step_5", "global_step_6", LATEST]
+    assert checkpoints.latest().step == 6
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def test_a_used_output_folder_takes_only_its_own_run(learning_model_dir: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    args = run_args(learning_model_dir, tmp_path, micro_tenants(*TENANTS[:2]), steps=2)
+    assert main(args) == 0
+    before = _listing(tmp_path)
+    capsys.readouterr()
+    assert main([*args, "recipe.max_generate_length=9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: clora.output_dir={tmp_path} holds a run whose config differs in recipe.max_generate_length; ")
+    assert len(err.splitlines()) == 1
+    assert main([*args, "trainer.resume_mode=none"]) == 2
+    assert "holds a run; resume it (trainer.resume_mode=latest) or choose a new clora.output_dir" in capsys.readouterr().err
+    assert _listing(tmp_path) == before
+    records = {name: [r for r in read_records(tmp_path) if r["tenant"] == name] for name in ("a", "b")}
+    assert main(args) == 0  # the same config: every tenant had finished, nothing runs again
+    assert {name: [r for r in read_records(tmp_path) if r["tenant"] == name] for name in ("a", "b")} == records
+    elsewhere = tmp_path / "elsewhere"
+    from_path = ["trainer.resume_mode=from_path", f"trainer.resume_path={tmp_path / 'checkpoints'}"]
+    moved = run_args(learning_model_dir, elsewhere, micro_tenants(*TENANTS[:2]), *from_path, steps=2)
+    assert main([*moved, "trainer.lr=0.01"]) == 2
+    assert "tenant a's checkpoints were written by a run whose config differs in tenants.a, trainer.lr" in capsys.readouterr().err
+    assert main(moved) == 0  # the checkpoints continue in another folder: finished there too
+    assert {name: [r for r in read_records(elsewhere) if r["tenant"] == name] for name in ("a", "b")} == records
+    for name in ("a", "b"):
+        adapter, there = load_peft_adapter(tmp_path / "adapters" / name), load_peft_adapter(elsewhere / "adapters" / name)
+        assert all(torch.equal(adapter.b[path], there.b[path]) for path in adapter.b)
+
+
+def _roll_back(out: Path, tenant: str, step: int) -> None:
+    """Leaves ``tenant`` as a crash right after its step-``step`` checkpoint would: newer checkpoints gone."""
+    folder = out / "checkpoints" / tenant
+    for newer in [p for p in folder.glob("global_step_*") if int(p.name.removeprefix("global_step_")) > step]:
+        shutil.rmtree(newer)
+    (folder / LATEST).write_text(str(step))
+
+
+@pytest.mark.usefixtures("without_production_extras")
+def test_backend_skyrl_resumes_a_tenant_from_its_checkpoint(learning_model_dir: Path, tmp_path: Path) -> None:
+    """backend=skyrl: the Ray policy worker writes and reads the tenants' training state; rolled back to their
+    step-2 checkpoints, the same command ends the run as it ended before."""
+    specs = ({"name": "a", "seed": 1, "lr": "1e-2"}, {"name": "b", "seed": 2, "lr": "3e-3"})
+    args = run_args(learning_model_dir, tmp_path, micro_tenants(*specs), "backend=skyrl", "trainer.ckpt_interval=1")
+    assert main(args) == 0
+    assert_learning(read_records(tmp_path))
+    before = {name: (tenant_records(tmp_path, name), load_peft_adapter(tmp_path / "adapters" / name)) for name in "ab"}
+    assert before["a"][0] != before["b"][0]
+    earlier = read_records(tmp_path)
+    for name in "ab":
+        _roll_back(tmp_path, name, 2)
+    assert main(args) == 0
+    _assert_resumed(tmp_path, earlier, {"a": 2, "b": 2})
+    for name, (records, adapter) in before.items():
+        assert_same_records(tenant_records(tmp_path, name), records, name)
+        resumed = load_peft_adapter(tmp_path / "adapters" / name)
+        for path in adapter.a:
+            assert torch.equal(resumed.a[path], adapter.a[path]) and torch.equal(resumed.b[path], adapter.b[path])
