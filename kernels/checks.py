@@ -11,6 +11,7 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SLICES = 3
+PREFILL_METADATA = ("job_rows", "job_starts", "q_offsets", "q_lens")  # prefill_attention's per-job tensors
 
 
 def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -20,6 +21,12 @@ def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
         raise ValueError(f"{name} has dtype {t.dtype}, expected {dtype}")
     if t.shape[1] > 1 and t.stride(1) != 1:
         raise ValueError(f"{name} must have unit stride along features, got strides {t.stride()}")
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x must be one of {FLOAT_DTYPES}, got {x.dtype}")
+    _check_rows("x", x, x.dtype)
 
 
 def _check_slots(token_slots: torch.Tensor, num_tokens: int) -> None:
@@ -53,9 +60,7 @@ def check_add_lora(
     token_slots: torch.Tensor,
 ) -> None:
     """Checks the arguments of ``add_lora`` for the Triton path (see ``reference.add_lora_ref``)."""
-    if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"x must be one of {FLOAT_DTYPES}, got {x.dtype}")
-    _check_rows("x", x, x.dtype)
+    _check_input(x)
     _check_rows("out", out, x.dtype)
     if out.shape[0] != x.shape[0]:
         raise ValueError(f"out has {out.shape[0]} rows, x has {x.shape[0]}")
@@ -95,9 +100,7 @@ def check_packed(
     token_slots: torch.Tensor,
 ) -> None:
     """Checks the arguments of ``packed_lora`` for the Triton path (see ``reference.packed_lora_ref``)."""
-    if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"x must be one of {FLOAT_DTYPES}, got {x.dtype}")
-    _check_rows("x", x, x.dtype)
+    _check_input(x)
     if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1]:
         raise ValueError(f"lora_a must be [P, R, {x.shape[1]}], got {tuple(lora_a.shape)}")
     num_slots, rank, _ = lora_a.shape
@@ -109,6 +112,36 @@ def check_packed(
     _check_scales(scales, num_slots)
     _check_slots(token_slots, x.shape[0])
     _check_same_device([x, lora_a, lora_b, scales, token_slots])
+
+
+def _check_attention_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_dims: str) -> None:
+    """``q: [rows, H, d]`` (``q_dims`` names its dims) and ``k_cache, v_cache: [S, KV, L, d]`` alike, one float
+    dtype, ``H`` a multiple of ``KV``."""
+    if q.dim() != 3 or q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q must be {q_dims} in one of {FLOAT_DTYPES}, got {tuple(q.shape)} {q.dtype}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [S, KV, L, d], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[1]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"the cache's head dim is {k_cache.shape[3]}, q's is {head_dim}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache/v_cache are {k_cache.dtype}/{v_cache.dtype}, q is {q.dtype}: use one dtype")
+
+
+def check_attention_head_dim(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, max_head_dim: int) -> None:
+    """What the Triton attention kernels need of checked operands: a head dim of at most ``max_head_dim``, unit
+    stride along it."""
+    head_dim = q.shape[2]
+    if head_dim > max_head_dim:
+        raise ValueError(f"head dim {head_dim} exceeds the Triton kernel's {max_head_dim}: use backend='torch'")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1 and head_dim > 1:
+            raise ValueError(f"{name} must have unit stride along the head dim, got strides {t.stride()}")
 
 
 def check_decode_attention(
@@ -127,27 +160,12 @@ def check_decode_attention(
     for name, t in (("prefix_rows", prefix_rows), ("prefix_lens", prefix_lens)):
         if t is not None and (t.shape != (q.shape[0],) or t.dtype not in (torch.int32, torch.int64) or t.device != q.device):
             raise ValueError(f"{name} must be [B] int32/int64 on q's device, got {tuple(t.shape)} {t.dtype} {t.device}")
-    if q.dim() != 3 or q.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"q must be [B, H, d] in one of {FLOAT_DTYPES}, got {tuple(q.shape)} {q.dtype}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be [S, KV, L, d], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    B, H, D = q.shape
-    S, KV, _, d_cache = k_cache.shape
-    if d_cache != D:
-        raise ValueError(f"the cache's head dim is {d_cache}, q's is {D}")
-    if D > max_head_dim:
-        raise ValueError(f"head dim {D} exceeds the Triton kernel's {max_head_dim}: use backend='torch'")
-    if H % KV:
-        raise ValueError(f"{H} query heads are not a multiple of {KV} kv heads")
+    _check_attention_operands(q, k_cache, v_cache, "[B, H, d]")
+    check_attention_head_dim(q, k_cache, v_cache, max_head_dim)
+    B, D = q.shape[0], q.shape[2]
+    S = k_cache.shape[0]
     if S < B:
         raise ValueError(f"the cache has {S} rows, q has {B}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"k_cache/v_cache are {k_cache.dtype}/{v_cache.dtype}, q is {q.dtype}: use one dtype")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1 and D > 1:
-            raise ValueError(f"{name} must have unit stride along the head dim, got strides {t.stride()}")
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype or (out.stride(-1) != 1 and D > 1):
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with unit last stride, got {tuple(out.shape)} {out.dtype}")
@@ -156,6 +174,26 @@ def check_decode_attention(
     if not lengths.is_contiguous():
         raise ValueError("lengths must be contiguous")
     _check_same_device([q, k_cache, v_cache, lengths] + ([out] if out is not None else []))
+
+
+def check_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    job_rows: torch.Tensor,
+    job_starts: torch.Tensor,
+    q_offsets: torch.Tensor,
+    q_lens: torch.Tensor,
+) -> None:
+    """Checks the arguments of ``prefill_attention`` (both paths; see ``reference.prefill_attention_ref``):
+    shapes, dtypes and devices."""
+    _check_attention_operands(q, k_cache, v_cache, "[T, H, d]")
+    metadata = (job_rows, job_starts, q_offsets, q_lens)
+    for name, t in zip(PREFILL_METADATA, metadata):
+        if t.dim() != 1 or t.dtype != torch.int64 or t.shape != job_rows.shape:
+            raise ValueError(f"{', '.join(PREFILL_METADATA)} must be 1-D int64 of one length, got {name} "
+                             f"{tuple(t.shape)} {t.dtype}")
+    _check_same_device([q, k_cache, v_cache, *metadata])
 
 
 def check_rows_op(name: str, x: torch.Tensor, width: int, residual: torch.Tensor | None) -> None:

@@ -19,14 +19,19 @@ from typing import Literal
 import torch
 
 from skyrl_clora.kernels.attention.decode import DecodeWorkspace, decode_attention_triton
-from skyrl_clora.kernels.checks import check_chosen_logprobs, check_frozen_base, check_silu_mul
+from skyrl_clora.kernels.checks import (
+    check_chosen_logprobs,
+    check_frozen_base,
+    check_prefill_attention,
+    check_silu_mul,
+)
 from skyrl_clora.kernels.lora.dense_lora import DenseLoRALinear
 from skyrl_clora.kernels.lora.folded import FoldedWeights, fold_pays, folded_lora_linear_triton
 from skyrl_clora.kernels.layers.gather_ops import GatherRows
 from skyrl_clora.kernels.layers.logprob_ops import chosen_logprobs_triton
 from skyrl_clora.kernels.lora.meta import LoRAMeta
 from skyrl_clora.kernels.lora.packed import packed_lora_triton
-from skyrl_clora.kernels.attention.prefill import check_prefill_attention, prefill_attention_triton
+from skyrl_clora.kernels.attention.prefill import prefill_attention_triton
 from skyrl_clora.kernels.layers.layer_ops import qk_norm_rope_triton, rms_norm_triton, silu_mul_triton
 from skyrl_clora.kernels.reference import (
     add_lora_ref,
@@ -125,8 +130,6 @@ def folded_lora_linear(
     if token_slots is None:
         return torch.nn.functional.linear(x, folded.base_weight, folded.base_bias)
     if use_triton(x, backend) and fold_pays(x.shape[0], folded.out_features, folded.extra_features):
-        if meta is None:
-            meta = LoRAMeta.for_batch(token_slots, folded.num_slots, folded.rank, folded.slices)
         return folded_lora_linear_triton(x, folded, lora_b, scales, token_slots, meta)
     y = torch.nn.functional.linear(x, folded.base_weight, folded.base_bias)
     add_lora(y, x, folded.lora_a, lora_b, scales, token_slots, meta=meta, backend=backend)

@@ -45,10 +45,8 @@ def folded_qkv_rope(
     """
     lora_b = tuple(lora_b)
     if _fused_qkv_rope(x, token_slots, head_dim, backend):
-        if meta is None:
-            meta = LoRAMeta.for_batch(token_slots, folded.num_slots, folded.rank, folded.slices)
-        return folded_qkv_rope_triton(x, folded, lora_b, scales, token_slots, meta, head_dim, cos, sin,
-                                      q_weight, k_weight, eps)
+        return folded_qkv_rope_triton(x, folded, lora_b, scales, token_slots, head_dim, cos, sin, q_weight, k_weight,
+                                      eps, meta=meta)
     y = folded_lora_linear(x, folded, lora_b, scales, token_slots, meta=meta, backend=backend)
     q, k, v = (t.reshape(x.shape[0], -1, head_dim) for t in y.split([b.shape[1] for b in lora_b], dim=-1))
     q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, backend=backend)
@@ -82,10 +80,8 @@ def folded_qkv_rope_into_cache(
     On the Triton path the fused kernel stores k and v there itself (no scatter kernels after it)."""
     lora_b = tuple(lora_b)
     if _fused_qkv_rope(x, token_slots, head_dim, backend):
-        if meta is None:
-            meta = LoRAMeta.for_batch(token_slots, folded.num_slots, folded.rank, folded.slices)
-        return folded_qkv_rope_triton(x, folded, lora_b, scales, token_slots, meta, head_dim, cos, sin,
-                                      q_weight, k_weight, eps, cache)[0]
+        return folded_qkv_rope_triton(x, folded, lora_b, scales, token_slots, head_dim, cos, sin, q_weight, k_weight,
+                                      eps, cache, meta=meta)[0]
     q, k, v = folded_qkv_rope(x, folded, lora_b, scales, token_slots, head_dim, cos, sin, q_weight, k_weight, eps,
                               meta=meta, backend=backend)
     check_cache_write(cache, x.shape[0], k.shape[1], head_dim, x)

@@ -39,7 +39,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from skyrl_clora.kernels.checks import check_decode_attention
-from skyrl_clora.kernels.launch import cdiv, has_pdl, next_power_of_2
+from skyrl_clora.kernels.launch import cdiv, dot_flags, has_pdl, next_power_of_2
 
 MAX_HEAD_DIM = 256
 # A row's splits at most under the default config: longer caches get longer splits (a program visits only
@@ -493,8 +493,7 @@ def decode_attention_triton(
         _LOG2E / math.sqrt(D), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, MEMBERS=members_per_tile, BLOCK_Q=max(16, next_power_of_2(group * members_per_tile)),
-        BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_LEN=cfg.split_len, UPCAST=on_cpu,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, HAS_PREFIX=has_prefix,
+        BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_LEN=cfg.split_len, **dot_flags(q), PDL=pdl, HAS_PREFIX=has_prefix,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg, has_prefix, block_d, on_cpu),
     )  # fmt: skip
     slots_p2 = next_power_of_2(num_slots)

@@ -26,11 +26,10 @@ import triton
 import triton.language as tl
 
 from skyrl_clora.kernels.attention.decode import MAX_HEAD_DIM
-from skyrl_clora.kernels.checks import FLOAT_DTYPES
+from skyrl_clora.kernels.checks import PREFILL_METADATA, check_attention_head_dim, check_prefill_attention
 from skyrl_clora.kernels.launch import cdiv, next_power_of_2
 
 _LOG2E = 1.4426950408889634
-_METADATA = ("job_rows", "job_starts", "q_offsets", "q_lens")
 
 
 @dataclass(frozen=True)
@@ -49,38 +48,6 @@ def default_prefill_config(groups: int) -> PrefillConfig:
     the metadata's values, so a job's result does not depend on the other jobs of its pass."""
     block_q = max(16, 64 // next_power_of_2(groups))
     return PrefillConfig(block_q=block_q, num_warps=8 if block_q * groups > 64 else 4)
-
-
-def check_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    job_rows: torch.Tensor,
-    job_starts: torch.Tensor,
-    q_offsets: torch.Tensor,
-    q_lens: torch.Tensor,
-) -> None:
-    """Checks the arguments of ``prefill_attention`` (both paths): shapes, dtypes and devices; raises
-    ValueError."""
-    if q.dim() != 3 or q.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"q must be [T, H, d] in one of {FLOAT_DTYPES}, got {tuple(q.shape)} {q.dtype}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [S, KV, L, d], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[1]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"the cache's head dim is {k_cache.shape[3]}, q's is {head_dim}")
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"k_cache/v_cache are {k_cache.dtype}/{v_cache.dtype}, q is {q.dtype}: use one dtype")
-    metadata = (job_rows, job_starts, q_offsets, q_lens)
-    for name, t in zip(_METADATA, metadata):
-        if t.dim() != 1 or t.dtype != torch.int64 or t.shape != job_rows.shape:
-            raise ValueError(f"{', '.join(_METADATA)} must be 1-D int64 of one length, got {name} {tuple(t.shape)} {t.dtype}")
-    devices = {t.device for t in (q, k_cache, v_cache, *metadata)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
 
 
 @triton.jit
@@ -226,14 +193,10 @@ def prefill_attention_triton(
     ``default_prefill_config`` (benchmarks sweep it). Raises ValueError on bad shapes, dtypes or strides.
     """
     check_prefill_attention(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens)
+    check_attention_head_dim(q, k_cache, v_cache, MAX_HEAD_DIM)
     T, H, D = q.shape
     KV, L = k_cache.shape[1], k_cache.shape[2]
-    if D > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {D} exceeds the Triton kernel's {MAX_HEAD_DIM}: use backend='torch'")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1 and D > 1:
-            raise ValueError(f"{name} must have unit stride along the head dim, got strides {t.stride()}")
-    for name, t in zip(_METADATA, (job_rows, job_starts, q_offsets, q_lens)):
+    for name, t in zip(PREFILL_METADATA, (job_rows, job_starts, q_offsets, q_lens)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     cfg = config or default_prefill_config(H // KV)

@@ -91,18 +91,28 @@ def fold_pays(num_tokens: int, out_features: int, extra_features: int) -> bool:
     return extra_features <= _PREFILL_EXTRA_COLUMNS
 
 
+def folded_meta(folded: FoldedWeights, x: torch.Tensor, token_slots: torch.Tensor, meta: LoRAMeta | None) -> LoRAMeta:
+    """The meta of a folded layer's batch: ``meta`` (built from ``token_slots``), or when None a new one sized
+    for this batch and ``folded`` (allocates); either way checked against ``x`` and ``folded``'s slots."""
+    if meta is None:
+        meta = LoRAMeta.for_batch(token_slots, folded.num_slots, folded.rank, folded.slices)
+    check_meta(meta, x, folded.num_slots)
+    return meta
+
+
 def folded_lora_linear_triton(
     x: torch.Tensor,
     folded: FoldedWeights,
     lora_b: tuple[torch.Tensor, ...],
     scales: torch.Tensor,
     token_slots: torch.Tensor,
-    meta: LoRAMeta,
+    meta: LoRAMeta | None = None,
 ) -> torch.Tensor:
     """The folded path of ``dispatch.folded_lora_linear``: one GEMM over ``folded.weight`` and one
     ``expand_folded``. Returns ``[T, H_out]``, a column view of the GEMM's ``[T, H_out + extra]`` output
-    (row stride ``H_out + extra``). ``meta`` must be built from ``token_slots``; nothing waits for the host."""
-    check_meta(meta, x, folded.num_slots)
+    (row stride ``H_out + extra``). With ``meta`` (built from ``token_slots``) nothing waits for the host;
+    without it a meta is built here (``folded_meta``)."""
+    meta = folded_meta(folded, x, token_slots, meta)
     y = F.linear(x, folded.weight, folded.bias)
     out = y[:, : folded.out_features]
     check_add_lora(out, x, folded.lora_a, lora_b, scales, token_slots)

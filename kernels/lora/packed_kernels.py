@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from skyrl_clora.kernels.lora.sgmv_kernels import shrink_tile, tile_of
+from skyrl_clora.kernels.lora.sgmv_kernels import segment_count, segment_rows, shrink_tile, tile_of
 
 
 @triton.jit
@@ -43,15 +43,6 @@ def _pdl_start(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-
-
-@triton.jit
-def _segment_rows(sorted_ptr, seg_start, seg_len, m0, BLOCK_M: tl.constexpr):
-    """Rows ``m0 .. m0 + BLOCK_M`` of a segment: (int64 row indices, mask of those inside the segment)."""
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_len
-    rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
-    return rows, m_mask
 
 
 @triton.jit
@@ -116,12 +107,9 @@ def packed_forward_kernel(
     null segment's rows (no adapter) get zeros."""
     _pdl_start(PDL)
     slot, seg_start, seg_len, m0 = tile_of(tl.program_id(0), count_ptr, S, T, S_P2, BLOCK_M, STORE)
-    num_segments = S
-    if STORE:
-        num_segments = S + 1
-    if slot >= num_segments:
+    if slot >= segment_count(S, STORE):
         return
-    rows, m_mask = _segment_rows(sorted_ptr, seg_start, seg_len, m0, BLOCK_M)
+    rows, m_mask = segment_rows(sorted_ptr, seg_start, seg_len, m0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
     if STORE:
@@ -197,7 +185,7 @@ def packed_dy_kernel(
     gpart_ptr += pid_n.to(tl.int64) * T * BLOCK_R
     acc = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.float32)
     for i in range(0, CHUNK // BLOCK_M):
-        rows, m_mask = _segment_rows(sorted_ptr, seg_start, seg_len, m0 + i * BLOCK_M, BLOCK_M)
+        rows, m_mask = segment_rows(sorted_ptr, seg_start, seg_len, m0 + i * BLOCK_M, BLOCK_M)
         d = tl.load(dy_ptr + rows[:, None] * stride_dyt + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         if HAS_G:
             gp = _dot(d, wt, UPCAST, DOT_PRECISION)
@@ -220,14 +208,14 @@ def _dx_chunk(g_ptr, a_ptr, dx_ptr, scale_ptr, sorted_ptr, slot, seg_start, seg_
     if slot == S:
         zeros = tl.zeros([BLOCK_M, BLOCK_K], dtype=dx_ptr.dtype.element_ty)
         for i in range(0, CHUNK // BLOCK_M):
-            rows, m_mask = _segment_rows(sorted_ptr, seg_start, seg_len, m0 + i * BLOCK_M, BLOCK_M)
+            rows, m_mask = segment_rows(sorted_ptr, seg_start, seg_len, m0 + i * BLOCK_M, BLOCK_M)
             tl.store(dx_ptr + rows[:, None] * stride_dxt + offs_k[None, :], zeros, mask=m_mask[:, None] & k_mask[None, :])
     else:
         a_ptrs = a_ptr + slot.to(tl.int64) * R * K + offs_r[:, None] * K + offs_k[None, :]
         at = tl.load(a_ptrs, mask=(offs_r < R)[:, None] & k_mask[None, :], other=0.0)
         scale = tl.load(scale_ptr + slot)
         for i in range(0, CHUNK // BLOCK_M):
-            rows, m_mask = _segment_rows(sorted_ptr, seg_start, seg_len, m0 + i * BLOCK_M, BLOCK_M)
+            rows, m_mask = segment_rows(sorted_ptr, seg_start, seg_len, m0 + i * BLOCK_M, BLOCK_M)
             gt = tl.load(g_ptr + rows[:, None] * BLOCK_R + offs_r[None, :], mask=m_mask[:, None], other=0.0)
             delta = _dot((gt * scale).to(at.dtype), at, UPCAST, DOT_PRECISION)
             o_ptrs = dx_ptr + rows[:, None] * stride_dxt + offs_k[None, :]
@@ -278,10 +266,7 @@ def packed_x_kernel(
     pid_c = tl.program_id(0)
     pid_k = tl.program_id(1)
     slot, seg_start, seg_len, m0 = tile_of(pid_c, count_ptr, S, T, S_P2, CHUNK, STORE)
-    num_segments = S
-    if STORE:
-        num_segments = S + 1
-    if slot >= num_segments:
+    if slot >= segment_count(S, STORE):
         return
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
@@ -297,7 +282,7 @@ def packed_x_kernel(
     if slot < S:  # dA (the null segment has none)
         acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
         for i in range(0, CHUNK // BLOCK_M):
-            rows, m_mask = _segment_rows(sorted_ptr, seg_start, seg_len, m0 + i * BLOCK_M, BLOCK_M)
+            rows, m_mask = segment_rows(sorted_ptr, seg_start, seg_len, m0 + i * BLOCK_M, BLOCK_M)
             gt = tl.load(g_ptr + rows[:, None] * BLOCK_R + offs_r[None, :], mask=m_mask[:, None], other=0.0)
             xt = tl.load(x_ptr + rows[:, None] * stride_xt + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                          other=0.0)

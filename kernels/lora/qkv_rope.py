@@ -30,19 +30,18 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from skyrl_clora.kernels.checks import check_add_lora
-from skyrl_clora.kernels.lora.folded import FoldedWeights, fold_pays
+from skyrl_clora.kernels.lora.folded import FoldedWeights, fold_pays, folded_meta
 from skyrl_clora.kernels.launch import cdiv, dot_flags, next_power_of_2, pdl_flags
 from skyrl_clora.kernels.layers.layer_ops import norm_rope, rope_tables
 from skyrl_clora.kernels.lora.meta import LoRAMeta, rank_pad
 from skyrl_clora.kernels.lora.sgmv import (
-    check_meta,
     default_config,
     folded_h_layout,
     partials_layout,
     sgmv_shrink,
     shrink_workspace,
 )
-from skyrl_clora.kernels.lora.sgmv_kernels import tile_of
+from skyrl_clora.kernels.lora.sgmv_kernels import segment_rows, tile_of
 
 
 @dataclass(frozen=True)
@@ -87,9 +86,7 @@ def _qkv_rope_kernel(
         b_ptr, slot_stride, w_ptr, out_ptr, heads = bk_ptr, ss_k, kw_ptr, k_out_ptr, HK
     if sl == 2:
         b_ptr, slot_stride, out_ptr, heads = bv_ptr, ss_v, v_out_ptr, HK
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_len
-    rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    rows, m_mask = segment_rows(sorted_ptr, seg_start, seg_len, m0, BLOCK_M)
     mask = m_mask[:, None]
     half = tl.arange(0, D // 2)
     offs_r = tl.arange(0, BLOCK_R)
@@ -136,7 +133,6 @@ def folded_qkv_rope_triton(
     lora_b: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     scales: torch.Tensor,
     token_slots: torch.Tensor,
-    meta: LoRAMeta,
     head_dim: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -144,14 +140,15 @@ def folded_qkv_rope_triton(
     k_weight: torch.Tensor | None,
     eps: float,
     cache: KVCacheWrite | None = None,
+    meta: LoRAMeta | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton path of ``qkv_dispatch.folded_qkv_rope`` (and, with ``cache``, of ``folded_qkv_rope_into_cache``):
     one GEMM (over the folded weight where ``fold_pays``, else over the base weight followed by
     ``sgmv_shrink``) and one ``_qkv_rope_kernel``. Returns new contiguous ``q: [T, Hq, d]`` and ``k, v: [T, Hk,
-    d]``, or with ``cache`` the cache tensors k and v were written into; ``meta`` must be built from
-    ``token_slots``; nothing waits for the host."""
+    d]``, or with ``cache`` the cache tensors k and v were written into. With ``meta`` (built from
+    ``token_slots``) nothing waits for the host; without it a meta is built here (``folded_meta``)."""
+    meta = folded_meta(folded, x, token_slots, meta)
     T, K = x.shape
-    check_meta(meta, x, folded.num_slots)
     widths = [b.shape[1] for b in lora_b]
     if len(lora_b) != 3 or widths[1] != widths[2] or any(w % head_dim for w in widths):
         raise ValueError(f"folded_qkv_rope needs q, k, v slices of whole {head_dim}-wide heads with k and v alike, "

@@ -45,6 +45,25 @@ def tile_of(pid_m, count_ptr, S, T, S_P2: tl.constexpr, BLOCK_M: tl.constexpr, W
 
 
 @triton.jit
+def segment_count(S, WITH_NULL: tl.constexpr):
+    """The segments ``tile_of`` walks: the ``S`` slots' and, WITH_NULL, the null segment (a tile whose slot
+    is at or past this count is past the last tile)."""
+    num_segments = S
+    if WITH_NULL:
+        num_segments = S + 1
+    return num_segments
+
+
+@triton.jit
+def segment_rows(sorted_ptr, seg_start, seg_len, m0, BLOCK_M: tl.constexpr):
+    """Rows ``m0 .. m0 + BLOCK_M`` of a segment: (int64 row indices, mask of those inside the segment)."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    return rows, m_mask
+
+
+@triton.jit
 def shrink_tile(
     x_ptr,
     w_ptr,
@@ -138,9 +157,7 @@ def shrink_kernel(
     slot, seg_start, seg_len, m0 = tile_of(pid_m, count_ptr, S, 0, S_P2, BLOCK_M, False)
     if slot >= S:
         return
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_len
-    rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0)
+    rows, m_mask = segment_rows(sorted_ptr, seg_start, seg_len, m0, BLOCK_M)
     w_slot = w_ptr + pid_a * stride_w_slice + slot * stride_w_slot
     acc = shrink_tile(
         x_ptr, w_slot, rows, m_mask, pid_k * K_ITERS * BLOCK_K, K, R, stride_xt, stride_w_r, stride_w_k,
@@ -206,20 +223,15 @@ def expand_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot, seg_start, seg_len, m0 = tile_of(pid_m, count_ptr, S, T, S_P2, BLOCK_M, STORE)
-    num_segments = S
-    if STORE:
-        num_segments = S + 1
-    if slot >= num_segments:
+    if slot >= segment_count(S, STORE):
         return
     sl, nb, width, col, slot_stride = slice_of(
         pid_n, nb1, nb2, n0, n1, n2, col1, col2, ss0, ss1, ss2, NUM_SLICES
     )
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_len
-    rows = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0)
+    rows, m_mask = segment_rows(sorted_ptr, seg_start, seg_len, m0, BLOCK_M)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < width
-    o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_ot + col + offs_n[None, :]
+    o_ptrs = out_ptr + rows[:, None] * stride_ot + col + offs_n[None, :]
     o_mask = m_mask[:, None] & n_mask[None, :]
     if slot == S:
         tl.store(o_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=o_mask)
@@ -237,7 +249,7 @@ def expand_kernel(
         o = tl.load(o_ptrs, mask=o_mask, other=0.0)
     if HAS_SCALE:
         scale = tl.load(scale_ptr + slot)
-    ws_ptrs = ws_ptr + rows[:, None].to(tl.int64) * stride_ws_row + slot * stride_ws_slot + offs_r[None, :]
+    ws_ptrs = ws_ptr + rows[:, None] * stride_ws_row + slot * stride_ws_slot + offs_r[None, :]
     if A_PER_SLICE:
         ws_ptrs += sl * stride_ws_slice
     ws_mask = m_mask[:, None] & (offs_r < R)[None, :]
