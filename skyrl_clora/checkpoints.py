@@ -21,11 +21,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.tenants import TenantSpec
 
 LATEST = "latest_ckpt_global_step.txt"
 TENANT_META = "tenant.json"
@@ -141,10 +142,37 @@ def differing_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return sorted(key for key in set(saved) | set(current) if saved.get(key) != current.get(key))
 
 
-def claim_output_dir(run: RunConfig) -> dict[str, TenantCheckpoint]:
-    """Makes ``run.output_dir`` this run's and returns the checkpoints to resume from, by tenant (a tenant without
-    one starts afresh). Refuses (:class:`ConfigError`, nothing changed) a folder holding a run of another identity,
-    ``resume_mode=none`` into a folder holding a run, and ``from_path`` checkpoints of another identity."""
+LIVE_FILE = "live_tenants.json"
+
+
+def read_live_tenants(output_dir: Path) -> tuple[list[TenantSpec], list[str]]:
+    """The tenants added to the run in ``output_dir`` while it went, and the names of those stopped."""
+    path = output_dir / LIVE_FILE
+    if not path.is_file():
+        return [], []
+    state = json.loads(path.read_text())
+    return [TenantSpec(**spec) for spec in state["added"]], list(state["stopped"])
+
+
+def write_live_tenants(output_dir: Path, added: list[TenantSpec], stopped: list[str]) -> None:
+    """Records (atomically) the tenants added to the run in ``output_dir`` and the names of those stopped."""
+    temporary = output_dir / f".{LIVE_FILE}.tmp"
+    temporary.write_text(json.dumps({"added": [asdict(spec) for spec in added], "stopped": stopped}, indent=1) + "\n")
+    temporary.replace(output_dir / LIVE_FILE)
+
+
+def run_tenants(run: RunConfig) -> list[TenantSpec]:
+    """The run's tenants: those it started with, then those added while it went (``live_tenants.json``)."""
+    names = {spec.name for spec in run.tenants}
+    return [*run.tenants, *(spec for spec in read_live_tenants(run.output_dir)[0] if spec.name not in names)]
+
+
+def claim_output_dir(run: RunConfig) -> tuple[RunConfig, dict[str, TenantCheckpoint], list[str]]:
+    """Makes ``run.output_dir`` this run's and returns the run with the tenants added to it while it went (when
+    it resumes one), the checkpoints to resume from by tenant (a tenant without one starts afresh) and the tenants
+    stopped through the control endpoint (they stay stopped). Refuses (:class:`ConfigError`, nothing changed) a
+    folder holding a run of another identity, ``resume_mode=none`` into a folder holding a run, and
+    ``from_path`` checkpoints of another identity."""
     record = run.output_dir / RUN_IDENTITY
     held = json.loads(record.read_text()) if record.is_file() else None
     if held is not None and run.trainer.resume_mode == "none":
@@ -163,6 +191,8 @@ def claim_output_dir(run: RunConfig) -> dict[str, TenantCheckpoint]:
                                   f"whose config differs in {', '.join(differing_keys(saved, run.identity))}")
     else:
         root = checkpoint_root(run) if held is not None else None
+    added, stopped = read_live_tenants(run.output_dir) if held is not None else ([], [])
+    run = replace(run, tenants=(*run.tenants, *added))
     checkpoints = {}
     if root is not None:
         for spec in run.tenants:
@@ -171,4 +201,4 @@ def claim_output_dir(run: RunConfig) -> dict[str, TenantCheckpoint]:
                 checkpoints[spec.name] = latest
     run.output_dir.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(run.identity, indent=1, sort_keys=True) + "\n")
-    return checkpoints
+    return run, checkpoints, stopped

@@ -6,6 +6,7 @@ point prints it and exits with status 2.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from dataclasses import asdict, dataclass, fields
@@ -167,6 +168,8 @@ class RunConfig:
     sampler: SamplerConfig
     tenants: tuple[TenantSpec, ...]
     identity: dict[str, Any]
+    max_tenants: int = 0
+    control: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("concurrent", "serial"):
@@ -183,6 +186,8 @@ class RunConfig:
                               "remove the override")
         if self.steps < 1:
             raise ConfigError(f"clora.steps must be >= 1, got {self.steps}")
+        if self.max_tenants < 0:
+            raise ConfigError(f"clora.max_tenants={self.max_tenants} must be >= 0 (0: the tenants the run starts with)")
         if self.backend not in ("embedded", "skyrl"):
             raise ConfigError(f"backend={self.backend} is unknown; use backend=embedded or backend=skyrl")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -202,6 +207,12 @@ class RunConfig:
                     "lower its rank or raise lora.max_rank"
                 )
         _check_writable(self.output_dir)
+
+    @property
+    def tenant_capacity(self) -> int:
+        """How many tenants the services are built for: ``clora.max_tenants`` or, when it is less (0), the
+        tenants the run starts with."""
+        return max(self.max_tenants, len(self.tenants))
 
 
 def _check_writable(path: Path) -> None:
@@ -267,7 +278,7 @@ def tenant_specs(cfg: DictConfig, lora: LoraConfig, trainer: TrainerConfig, reci
 
 # Keys that do not change a run's results: where it writes, what it prints, how it checkpoints and resumes.
 NOT_IDENTITY = frozenset({
-    "clora.output_dir", "clora.progress", "trainer.ckpt_interval", "trainer.ckpt_path", "trainer.max_ckpts_to_keep",
+    "clora.output_dir", "clora.progress", "clora.control", "trainer.ckpt_interval", "trainer.ckpt_path", "trainer.max_ckpts_to_keep",
     "trainer.resume_mode", "trainer.resume_path",
 })
 
@@ -287,7 +298,7 @@ def run_identity(cfg: DictConfig, tenants: list[TenantSpec]) -> dict[str, Any]:
     walk({k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "tenants"}, "")
     for spec in tenants:
         flat[f"tenants.{spec.name}"] = asdict(spec)
-    return flat
+    return json.loads(json.dumps(flat))  # as it reads back from run_config.json
 
 
 def build_run_config(cfg: DictConfig) -> RunConfig:
@@ -305,5 +316,6 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         backend=str(cfg.backend.name), model_path=None if cfg.model.path is None else os.path.expanduser(str(cfg.model.path)),
         model_dtype=str(cfg.model.dtype), model_corpus=str(cfg.model.corpus), recipe=recipe, lora=lora, trainer=trainer,
         sampler=config_section(SamplerConfig, cfg.sampler, "sampler"), tenants=tuple(tenants),
-        identity=run_identity(cfg, tenants),
+        identity=run_identity(cfg, tenants), max_tenants=checked(clora.max_tenants, int, "clora.max_tenants"),
+        control=checked(clora.control, bool, "clora.control"),
     )

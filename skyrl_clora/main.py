@@ -150,16 +150,18 @@ def main(argv: list[str] | None = None) -> int:
             plan = translate(cfg, model_path=run.model_path or str(tiny_base))
             check_buildable(plan)
         sources = build_task_sources(run.recipe, list(run.tenants), run.steps, run.seed)  # before the model
-        resume = claim_output_dir(run)
+        run, resume, stopped = claim_output_dir(run)
+        added = [spec for spec in run.tenants if spec.name not in sources]  # joined the resumed run while it went
+        sources |= build_task_sources(run.recipe, added, run.steps, run.seed)
     except (UserError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     with STOP.installed():
-        return _run(run, plan, sources, resume)
+        return _run(run, plan, sources, resume, stopped)
 
 
 def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
-         resume: dict[str, TenantCheckpoint]) -> int:
+         resume: dict[str, TenantCheckpoint], stopped: list[str]) -> int:
     """Runs the validated ``run`` on its backend (the base model built first if needed); the exit status (see
     :func:`_exit_status`)."""
     from skyrl_clora.checkpoints import checkpoint_root, export_finished
@@ -172,11 +174,11 @@ def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
             if run.backend == "skyrl":
                 from skyrl_clora.skyrl.driver import run_skyrl
 
-                summary = run_skyrl(run, plan, sources, resume)
+                summary = run_skyrl(run, plan, sources, resume, stopped)
             else:
                 from skyrl_clora.backends.embedded import run_experiments
 
-                summary = run_experiments(run, sources, resume)
+                summary = run_experiments(run, sources, resume, stopped)
         except ConfigError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
@@ -187,15 +189,16 @@ def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
 
 
 def _exit_status(summary: dict[str, Any], output_dir: Path) -> int:
-    """128 + the signal's number if a signal stopped the run (``interrupts``); else 0 if every tenant of the
-    run ``summary`` finished; else 1, after a line on stderr naming the failed tenants."""
+    """128 + the signal's number if a signal stopped the run (``interrupts``); else 0 if no tenant of the run
+    ``summary`` failed (each finished, or was stopped through the control endpoint); else 1, after a line on
+    stderr naming the failed tenants."""
     from skyrl_clora.interrupts import STOP
 
     rows = summary["per_tenant"]
     if STOP.requested():
         print(f"[stop] stopped; the same command resumes the run in {output_dir}", file=sys.stderr)
         return STOP.exit_status()
-    failed = [row["tenant"] for row in rows if row["status"] != "ok"]
+    failed = [row["tenant"] for row in rows if row["status"] == "failed"]
     if not failed:
         return 0
     print(f"error: {len(failed)} of {len(rows)} tenants failed ({', '.join(failed)}); their errors are in "

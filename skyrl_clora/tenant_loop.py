@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from skyrl.train.generators.base import TrajectoryID
 
 from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints, checkpoint_root
-from skyrl_clora.config import RunConfig
+from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.episodes import eval_record, log_orphaned_task_error, step_record
 from skyrl_clora.metrics import MetricsLog
@@ -107,6 +107,8 @@ class TenantLoop:
         self.run, self.spec, self.source, self.backend, self.metrics = run, spec, source, backend, metrics
         self.resume = resume
         self.checkpoints = TenantCheckpoints(checkpoint_root(run), spec.name, run.trainer.max_ckpts_to_keep)
+        self.stop_requested = False  # set by TenantPool.stop: stop after the current step
+        self.step = 0 if resume is None else resume.step  # RL steps done
 
     async def run_experiment(self) -> None:
         name, steps, interval = self.spec.name, self.run.steps, self.run.trainer.ckpt_interval
@@ -114,7 +116,7 @@ class TenantLoop:
             if self.resume is None:
                 await self._evaluate(step=0)
             for step in range(1 if self.resume is None else self.resume.step + 1, steps + 1):
-                if STOP.requested():
+                if STOP.requested() or self.stop_requested:
                     await self._stop(done=step - 1)
                     return
                 await self._rl_step(step)
@@ -170,18 +172,65 @@ class TenantLoop:
             sync_s = time.perf_counter() - started
         timings = {"rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s}
         self.metrics.write(step_record(name, step, version, rollout.output, timings, train_metrics))
+        self.step = step
 
 
-async def run_tenant_loops(run: RunConfig, backend: TenantBackend, specs: list[TenantSpec],
-                           sources: dict[str, TaskSource], metrics: MetricsLog,
-                           resume: dict[str, TenantCheckpoint]) -> None:
-    """Registers every unfinished tenant of ``specs`` (in order; restored from its checkpoint in ``resume`` when
-    it has one), then runs their experiments concurrently over ``backend``."""
-    asyncio.get_running_loop().set_exception_handler(log_orphaned_task_error)
-    loops = [TenantLoop(run, spec, sources[spec.name], backend, metrics, resume.get(spec.name)) for spec in specs
-             if not (spec.name in resume and resume[spec.name].finished)]
-    for loop in loops:
-        await backend.register(loop.spec)
+class TenantPool:
+    """The tenants of one set of services: started together, joined and stopped while the others run.
+
+    ``add`` validates a new tenant as a start-time one is (a bad spec is a :class:`ConfigError` for the caller;
+    the run goes on), registers it and starts its loop; ``stop`` makes a tenant stop after its current step
+    (checkpointed and exported). ``join`` returns once every tenant's loop has ended, added ones included.
+    ``refuse_adds`` is why this pool takes no new tenant (None: it takes them up to ``run.max_tenants`` at once).
+    """
+
+    def __init__(self, run: RunConfig, backend: TenantBackend, metrics: MetricsLog,
+                 resume: dict[str, TenantCheckpoint], refuse_adds: str | None) -> None:
+        self.run, self.backend, self.metrics, self.resume = run, backend, metrics, resume
+        self.refuse_adds = refuse_adds
+        self.loops: dict[str, TenantLoop] = {}
+        self.tasks: dict[str, asyncio.Task] = {}
+        self._lock = asyncio.Lock()
+
+    async def start(self, specs: list[TenantSpec], sources: dict[str, TaskSource]) -> None:
+        """Registers every unfinished tenant of ``specs`` (in order; restored from its checkpoint in ``resume``
+        when it has one), then starts their loops."""
+        asyncio.get_running_loop().set_exception_handler(log_orphaned_task_error)
+        loops = [TenantLoop(self.run, spec, sources[spec.name], self.backend, self.metrics, self.resume.get(spec.name))
+                 for spec in specs if not (spec.name in self.resume and self.resume[spec.name].finished)]
+        for loop in loops:
+            await self._register(loop)
+        for loop in loops:
+            self.tasks[loop.spec.name] = asyncio.create_task(loop.run_experiment())
+
+    async def add(self, spec: TenantSpec, source: TaskSource) -> None:
+        """Starts tenant ``spec`` (validated by the caller) beside the running ones."""
+        async with self._lock:
+            if self.refuse_adds is not None:
+                raise ConfigError(self.refuse_adds)
+            running = sum(not task.done() for task in self.tasks.values())
+            if running >= self.run.max_tenants:
+                raise ConfigError(f"{running} tenants run, the most clora.max_tenants={self.run.max_tenants} allows; "
+                                  "stop one first, or start the run with a larger clora.max_tenants")
+            loop = TenantLoop(self.run, spec, source, self.backend, self.metrics)
+            await self._register(loop)
+            self.tasks[spec.name] = asyncio.create_task(loop.run_experiment())
+
+    def stop(self, name: str) -> None:
+        """Asks running tenant ``name`` to stop after its current step."""
+        if name not in self.tasks or self.tasks[name].done():
+            raise ConfigError(f"tenant {name} is not running here; running: {', '.join(self.running()) or 'none'}")
+        self.loops[name].stop_requested = True
+
+    def running(self) -> list[str]:
+        return [name for name, task in self.tasks.items() if not task.done()]
+
+    async def join(self) -> None:
+        while any(not task.done() for task in self.tasks.values()):
+            await asyncio.gather(*self.tasks.values())
+
+    async def _register(self, loop: TenantLoop) -> None:
+        await self.backend.register(loop.spec)
         if loop.resume is not None:
-            await backend.restore(loop.spec.name, loop.resume.folder, loop.resume.version)
-    await asyncio.gather(*(loop.run_experiment() for loop in loops))
+            await self.backend.restore(loop.spec.name, loop.resume.folder, loop.resume.version)
+        self.loops[loop.spec.name] = loop

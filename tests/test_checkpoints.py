@@ -251,3 +251,49 @@ def test_backend_skyrl_resumes_a_tenant_from_its_checkpoint(learning_model_dir: 
         resumed = load_peft_adapter(tmp_path / "adapters" / name)
         for path in adapter.a:
             assert torch.equal(resumed.a[path], adapter.a[path]) and torch.equal(resumed.b[path], adapter.b[path])
+
+
+def _ctl(out: Path, *args: str) -> int:
+    from skyrl_clora import ctl
+
+    return ctl.main(["--dir", str(out), *args])
+
+
+def test_tenants_join_and_leave_a_live_run(uninterrupted: dict[str, Path], learning_model_dir: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """Started with a and b; c joins after a's step 2, b is stopped after its step 3. a ends as in a run without
+    the changes and c as in a run it started with, bit for bit; bad requests are refused and the run goes on."""
+    reference = uninterrupted["swap"]
+    a, b, c = TENANTS[0], TENANTS[1], TENANTS[2]
+    args = run_args(learning_model_dir, tmp_path, micro_tenants(a, b), "trainer.ckpt_interval=1", "clora.max_tenants=3",
+                    steps=STEPS)
+    child = _run_in_child(args)
+    _wait_for_step(child, tmp_path / "metrics.jsonl", 2)
+    assert _ctl(tmp_path, "add", "{seed: 9}") == 2
+    assert "an added tenant needs its overrides as a mapping with a name" in capsys.readouterr().err
+    assert _ctl(tmp_path, "add", "{name: a}") == 2
+    assert "tenant name a is taken in this run" in capsys.readouterr().err
+    assert _ctl(tmp_path, "add", "{name: x, task_variant: nope}") == 2
+    assert "unknown gsm8k task variant 'nope'" in capsys.readouterr().err
+    added = "{" + ", ".join(f"{key}: {value}" for key, value in {**c, "env_class": "micro_letters"}.items()) + "}"
+    assert _ctl(tmp_path, "add", added) == 0
+    assert json.loads(capsys.readouterr().out)["added"]["name"] == "c"
+    assert _ctl(tmp_path, "add", "{name: d, env_class: micro_letters}") == 2
+    assert "3 tenants run, the most clora.max_tenants=3 allows" in capsys.readouterr().err
+    _wait_for_step(child, tmp_path / "metrics.jsonl", 3)
+    assert _ctl(tmp_path, "stop", "b") == 0
+    assert _ctl(tmp_path, "stop", "nobody") == 2
+    assert "tenant nobody is not running here" in capsys.readouterr().err
+    child.join(timeout=300)
+    assert child.exitcode == 0 and not (tmp_path / "control.json").exists()
+    assert_same_records(tenant_records(tmp_path, "a"), tenant_records(reference, "a"), "a")
+    assert_same_records(tenant_records(tmp_path, "c"), tenant_records(reference, "c"), "c")
+    b_records = [r for r in read_records(tmp_path) if r["tenant"] == "b"]
+    assert b_records[-1]["event"] == "stopped" and 3 <= b_records[-1]["step"] < STEPS
+    assert (tmp_path / "adapters" / "b").is_dir()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {row["tenant"]: row["status"] for row in summary["per_tenant"]} == {"a": "ok", "b": "stopped", "c": "ok"}
+    records = read_records(tmp_path)
+    assert main(args) == 0  # resuming: c is part of the run, b stays stopped, nothing runs again
+    assert {r["tenant"] for r in read_records(tmp_path)} == {"a", "b", "c"}
+    assert [r for r in read_records(tmp_path) if r["tenant"] == "c"] == [r for r in records if r["tenant"] == "c"]

@@ -22,7 +22,7 @@ from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
 from skyrl.train.config import SamplingParams as SkyRLSamplingParams
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
-from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records
+from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
 from skyrl_clora.config import RunConfig
 from skyrl_clora.episodes import episode_batch, scalar_reward
 from skyrl_clora.interrupts import STOP
@@ -31,7 +31,8 @@ from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
 from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.recipes.plugin import TaskSource, load_recipe
 from skyrl_clora.services import Services, build_services, resolve_model_path
-from skyrl_clora.tenant_loop import Rollout, run_tenant_loops
+from skyrl_clora.control import run_tenant_pool
+from skyrl_clora.tenant_loop import Rollout
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
@@ -123,10 +124,12 @@ class EmbeddedBackend:
         self.services.store.remove(tenant)
 
 
-def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict[str, TenantCheckpoint]) -> dict[str, Any]:
+def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict[str, TenantCheckpoint],
+                    stopped: list[str]) -> dict[str, Any]:
     """Runs every tenant in ``run.mode`` on its task data ``sources`` (by tenant name,
-    ``recipes.plugin.build_task_sources``), those in ``resume`` from their checkpoints; writes metrics.jsonl,
-    summary.json, reward_curves.png, adapters/ and checkpoints."""
+    ``recipes.plugin.build_task_sources``), those in ``resume`` from their checkpoints, those in ``stopped`` not
+    (stopped through the control endpoint); writes metrics.jsonl, summary.json, reward_curves.png, adapters/
+    and checkpoints. In concurrent mode tenants can be added while the run goes (``control``)."""
     run.output_dir.mkdir(parents=True, exist_ok=True)
     specs = list(run.tenants)
     base_started = time.perf_counter()
@@ -146,7 +149,7 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
                     metrics.write({"event": "stopped", "tenant": spec.name, "step": 0})
                 continue
             cold_starts.append(_run_group(run, group, sources, model_path, rows_per_tenant, metrics, engine_stats,
-                                          resume))
+                                          resume, stopped))
     finally:
         metrics.close()
     wall_s = time.perf_counter() - started
@@ -154,16 +157,21 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
         "mode": run.mode, "steps": run.steps, "model_path": model_path, "cold_start_seconds": cold_starts,
         "engine": {key: sum(stats[key] for stats in engine_stats) for key in engine_stats[0]} if engine_stats else {},
     }
-    return write_run_summary(run.output_dir, metrics.records, specs, fields, wall_s, base_model_s, f"mode={run.mode}")
+    return write_run_summary(run.output_dir, metrics.records, run_tenants(run), fields, wall_s, base_model_s,
+                             f"mode={run.mode}")
 
 
 def _run_group(run: RunConfig, specs: list[TenantSpec], sources: dict[str, TaskSource], model_path: str,
                rows_per_tenant: int, metrics: MetricsLog, engine_stats: list[dict[str, float]],
-               resume: dict[str, TenantCheckpoint]) -> float:
-    """Runs ``specs`` on a set of services of their own; appends the engine's stats; returns its cold start."""
-    services = build_services(run, model_path, len(specs), rows_per_tenant)
+               resume: dict[str, TenantCheckpoint], stopped: list[str]) -> float:
+    """Runs ``specs`` on a set of services of their own (sized for ``run.tenant_capacity`` tenants in concurrent
+    mode); appends the engine's stats; returns its cold start."""
+    concurrent = run.mode == "concurrent"
+    services = build_services(run, model_path, run.tenant_capacity if concurrent else len(specs), rows_per_tenant)
+    refuse_adds = None if concurrent else "clora.mode=serial runs one tenant at a time; add tenants to a concurrent run"
     try:
-        asyncio.run(run_tenant_loops(run, EmbeddedBackend(run, services), specs, sources, metrics, resume))
+        asyncio.run(run_tenant_pool(run, EmbeddedBackend(run, services), specs, sources, metrics, resume, stopped,
+                                    refuse_adds))
     finally:
         services.shutdown()
         engine_stats.append(asdict(services.engine.stats))

@@ -44,7 +44,7 @@ from skyrl.train.config import AlgorithmConfig
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
-from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records
+from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
 from skyrl_clora.config import RunConfig
 from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.episodes import episode_batch
@@ -52,7 +52,8 @@ from skyrl_clora.recipes.plugin import TaskSource
 from skyrl_clora.services import resolve_model_path
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
-from skyrl_clora.tenant_loop import Rollout, run_tenant_loops
+from skyrl_clora.control import run_tenant_pool
+from skyrl_clora.tenant_loop import Rollout
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
 
@@ -192,16 +193,19 @@ def training_input(output: dict[str, Any], groups: list[str], pad_token_id: int,
 
 
 async def _run_tenants(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource], stack: SkyRLStack,
-                       metrics: MetricsLog, resume: dict[str, TenantCheckpoint]) -> None:
+                       metrics: MetricsLog, resume: dict[str, TenantCheckpoint], stopped: list[str]) -> None:
+    refuse_adds = ("adding tenants to a live run needs backend=embedded (backend=skyrl translates every tenant's "
+                   "SkyRL config at start)")
     try:
-        await run_tenant_loops(run, SkyRLBackend(run, plan, stack), list(plan.tenants), sources, metrics, resume)
+        await run_tenant_pool(run, SkyRLBackend(run, plan, stack), list(plan.tenants), sources, metrics, resume,
+                              stopped, refuse_adds)
     finally:
         for client in [stack.client, *stack.views.values()]:
             await client.teardown()
 
 
 def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource],
-              resume: dict[str, TenantCheckpoint]) -> dict[str, Any]:
+              resume: dict[str, TenantCheckpoint], stopped: list[str]) -> dict[str, Any]:
     """Builds the base model if needed (the path the plan names), then runs every tenant concurrently through
     SkyRL's stack on its task data ``sources`` (by tenant name, ``recipes.plugin.build_task_sources``), those in
     ``resume`` from their checkpoints; writes the embedded backend's outputs."""
@@ -215,7 +219,7 @@ def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource],
     stack = build_stack(run, plan, model_path)
     try:
         cold_start_s = time.perf_counter() - started
-        asyncio.run(_run_tenants(run, plan, sources, stack, metrics, resume))
+        asyncio.run(_run_tenants(run, plan, sources, stack, metrics, resume, stopped))
     finally:
         metrics.close()
         stack.shutdown()
@@ -225,5 +229,5 @@ def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource],
         "inference_backend": plan.inference_backend, "strategy": plan.strategy, "substitutions": list(plan.substitutions),
         "cold_start_seconds": [cold_start_s], "engine": stack.engine_stats(),
     }
-    return write_run_summary(run.output_dir, metrics.records, list(plan.tenants), fields, wall_s, base_model_s,
+    return write_run_summary(run.output_dir, metrics.records, run_tenants(run), fields, wall_s, base_model_s,
                              "backend=skyrl")

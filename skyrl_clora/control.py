@@ -1,0 +1,122 @@
+"""The live run's control endpoint: tenants added and stopped while the others run.
+
+While a run goes, an HTTP server on loopback (an ephemeral port, written to ``<output_dir>/control.json``)
+answers ``GET /tenants`` (the running tenants), ``POST /tenants`` with a tenant's overrides as JSON (the keys of
+``+tenants=[...]``; ``name`` required) and ``POST /tenants/<name>/stop``. A bad request gets status 400 and a
+one-line ``error``; the run goes on. ``python -m skyrl_clora.ctl`` is its command line.
+
+Added and stopped tenants are recorded in ``<output_dir>/live_tenants.json``, so that a resumed run has them too:
+an added tenant resumes like the others, a stopped one stays stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from skyrl_clora.checkpoints import read_live_tenants, write_live_tenants
+from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.recipes.plugin import build_task_sources
+from skyrl_clora.checkpoints import TenantCheckpoint
+from skyrl_clora.metrics import MetricsLog
+from skyrl_clora.recipes.plugin import TaskSource
+from skyrl_clora.tenant_loop import TenantBackend, TenantPool
+from skyrl_clora.tenants import TenantSpec, expand_tenants
+
+CONTROL_FILE = "control.json"
+
+
+class ControlServer:
+    """Serves the control endpoint for ``pool`` on the running event loop (see the module docstring)."""
+
+    def __init__(self, run: RunConfig, pool: TenantPool, known: list[str]) -> None:
+        self.run, self.pool = run, pool
+        self.known = list(known)  # every tenant name of the run, finished or not: names stay unique
+        self.added, self.stopped = read_live_tenants(run.output_dir)
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.add_routes([web.get("/tenants", self._list), web.post("/tenants", self._add),
+                        web.post("/tenants/{name}/stop", self._stop)])
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        url = f"http://127.0.0.1:{port}"
+        (self.run.output_dir / CONTROL_FILE).write_text(json.dumps({"url": url}) + "\n")
+        return url
+
+    async def close(self) -> None:
+        (self.run.output_dir / CONTROL_FILE).unlink(missing_ok=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _list(self, request: web.Request) -> web.Response:
+        loops = self.pool.loops
+        return web.json_response({"running": [{"name": name, "steps_done": loops[name].step, "steps": self.run.steps}
+                                              for name in self.pool.running()]})
+
+    async def _add(self, request: web.Request) -> web.Response:
+        try:
+            overrides = await request.json()
+            spec = self._spec(overrides)
+            source = (await asyncio.to_thread(build_task_sources, self.run.recipe, [spec], self.run.steps,
+                                              self.run.seed))[spec.name]
+            await self.pool.add(spec, source)
+        except (ConfigError, ValueError) as error:
+            return web.json_response({"error": str(error)}, status=400)
+        self.known.append(spec.name)
+        self.added.append(spec)
+        write_live_tenants(self.run.output_dir, self.added, self.stopped)
+        return web.json_response({"added": asdict(spec)})
+
+    async def _stop(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        try:
+            self.pool.stop(name)
+        except ConfigError as error:
+            return web.json_response({"error": str(error)}, status=400)
+        self.stopped.append(name)
+        write_live_tenants(self.run.output_dir, self.added, self.stopped)
+        return web.json_response({"stopping": name})
+
+    def _spec(self, overrides: Any) -> TenantSpec:
+        """The added tenant's spec, validated as a start-time tenant's: the run's defaults, its own overrides."""
+        if not isinstance(overrides, dict) or "name" not in overrides:
+            raise ConfigError("an added tenant needs its overrides as a mapping with a name, e.g. {name: t9, lr: 1e-3}")
+        run = self.run
+        spec = expand_tenants([overrides], seed=run.seed + len(self.known), lr=run.trainer.lr, rank=run.lora.rank,
+                              alpha=run.lora.alpha, task_variant=run.recipe.task_variant,
+                              samples_per_prompt=run.recipe.samples_per_prompt)[0]
+        if spec.name in self.known:
+            raise ConfigError(f"tenant name {spec.name} is taken in this run; choose another")
+        if spec.rank > run.lora.max_rank:
+            raise ConfigError(f"tenant {spec.name} has lora rank {spec.rank} > lora.max_rank={run.lora.max_rank}; "
+                              "lower its rank")
+        return spec
+
+
+async def run_tenant_pool(run: RunConfig, backend: TenantBackend, specs: list[TenantSpec],
+                          sources: dict[str, TaskSource], metrics: MetricsLog, resume: dict[str, TenantCheckpoint],
+                          stopped: list[str], refuse_adds: str | None) -> None:
+    """Runs ``specs`` over ``backend`` as a :class:`TenantPool` (those in ``stopped`` stay stopped), with the
+    control endpoint while they run (``run.control``); returns when every tenant's loop has ended."""
+    pool = TenantPool(run, backend, metrics, resume, refuse_adds)
+    server = ControlServer(run, pool, [spec.name for spec in run.tenants]) if run.control else None
+    await pool.start([spec for spec in specs if spec.name not in stopped], sources)
+    for name in [spec.name for spec in specs if spec.name in stopped]:
+        metrics.write({"event": "stopped", "tenant": name, "step": resume[name].step if name in resume else 0})
+    if server is not None:
+        await server.start()
+    try:
+        await pool.join()
+    finally:
+        if server is not None:
+            await server.close()
