@@ -111,7 +111,7 @@ async def episode(services: Services, tenant: str, session: str, prompt: list[in
     context, response, mask = list(prompt), [], []
     for turn in range(workload.turns):
         params = SamplingParams(max_tokens=workload.response, temperature=1.0,
-                                seed=derive_seed(0, tenant, session, len(context)))
+                                seed=derive_seed(0, f"{tenant}/{session}", len(context)))
         completion = await asyncio.wrap_future(services.engine.submit(context, tenant, params))
         response += completion.token_ids
         mask += [1] * len(completion.token_ids)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -72,6 +72,10 @@ class LoraConfig:
             raise ConfigError(f"lora.max_rank must be >= 1, got {self.max_rank}")
 
 
+# SkyRL's Tracking backends that trainer.logger takes (mlflow and swanlab need servers or accounts).
+LOGGERS = ("console", "tensorboard", "wandb")
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     lr: float
@@ -91,8 +95,15 @@ class TrainerConfig:
     max_ckpts_to_keep: int = 2
     resume_mode: str = "latest"
     resume_path: str | None = None
+    logger: list[str] = field(default_factory=list)
+    project_name: str = "skyrl-clora"
+    run_name: str | None = None
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.logger) - set(LOGGERS))
+        if unknown:
+            raise ConfigError(f"trainer.logger={unknown[0]} is unknown; use a list of {', '.join(LOGGERS)} "
+                              "(e.g. trainer.logger=[console,tensorboard])")
         if self.ckpt_interval < 0:
             raise ConfigError(f"trainer.ckpt_interval={self.ckpt_interval} must be >= 0 (0: only when a tenant finishes)")
         if self.max_ckpts_to_keep == 0 or self.max_ckpts_to_keep < -1:
@@ -278,7 +289,8 @@ def tenant_specs(cfg: DictConfig, lora: LoraConfig, trainer: TrainerConfig, reci
 
 # Keys that do not change a run's results: where it writes, what it prints, how it checkpoints and resumes.
 NOT_IDENTITY = frozenset({
-    "clora.output_dir", "clora.progress", "clora.control", "trainer.ckpt_interval", "trainer.ckpt_path", "trainer.max_ckpts_to_keep",
+    "clora.output_dir", "clora.progress", "clora.control", "trainer.logger", "trainer.project_name", "trainer.run_name",
+    "trainer.ckpt_interval", "trainer.ckpt_path", "trainer.max_ckpts_to_keep",
     "trainer.resume_mode", "trainer.resume_path",
 })
 

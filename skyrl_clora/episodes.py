@@ -12,17 +12,18 @@ from skyrl.train.generators.base import GeneratorInput, TrajectoryID
 logger = logging.getLogger("skyrl_clora")
 
 
-def episode_batch(tenant: str, rows: list[dict[str, Any]], samples: int, tag: str,
+def episode_batch(seed: int, rows: list[dict[str, Any]], samples: int, tag: str,
                   env_args: dict[str, Any] | None = None,
                   sampling_params: dict[str, Any] | None = None) -> tuple[GeneratorInput, list[TrajectoryID], list[str]]:
     """``samples`` episodes of each dataset row (``prompt``, ``env_class`` and the environment's extras), as
     SkyRL's ``GeneratorInput``; returns it with the trajectory ids and the GRPO group id of each episode
-    (``<tenant>-<tag>-p<row>``). ``env_args`` are added to every episode's extras. ``sampling_params`` (the
+    (``s<seed>-<tag>-p<row>``: named after the tenant's seed, not its name, since the sampler derives each
+    request's RNG seed from it). ``env_args`` are added to every episode's extras. ``sampling_params`` (the
     inference backend's format) go with every request; None leaves them to the inference client's defaults
     (the embedded client applies the run's)."""
     prompts, env_classes, extras, trajectory_ids, groups = [], [], [], [], []
     for index, row in enumerate(rows):
-        instance = f"{tenant}-{tag}-p{index}"
+        instance = f"s{seed}-{tag}-p{index}"
         for repetition in range(samples):
             prompts.append(row["prompt"])
             env_classes.append(row["env_class"])

@@ -38,12 +38,13 @@ Tenants:
 Config groups (choose one of each):
 {groups}
 
-Settable keys and their defaults:
+Settable keys, their defaults and what they do (a group's keys apply when the group option is chosen):
 {keys}
 
-Outputs in clora.output_dir: metrics.jsonl, summary.json, reward_curves.png, adapters/<tenant>/ (PEFT).
-Exit status: 0 when every tenant finished; 1 when one failed (the others run on, and its error is in
-summary.json); 2 on bad input.
+Outputs in clora.output_dir: metrics.jsonl, summary.json, reward_curves.png, adapters/<tenant>/ (PEFT),
+checkpoints/<tenant>/; the same command resumes a run in it. Live tenants: python -m skyrl_clora.ctl --help.
+Exit status: 0 when no tenant failed; 1 when one failed (the others run on, and its error is in
+summary.json); 2 on bad input (before any work); 130 / 143 when SIGINT / SIGTERM stopped the run.
 Examples:
   python -m skyrl_clora.main +tenants=8
   python -m skyrl_clora.main +tenants=8 clora.mode=serial clora.output_dir=outputs/serial
@@ -61,21 +62,6 @@ def _groups() -> str:
         options = sorted(f.stem for f in group.glob("*.yaml"))
         lines.append(f"  {group.name}={'|'.join(options)}")
     return "\n".join(lines)
-
-
-def _keys(cfg) -> str:
-    flat = []
-
-    def walk(node, prefix: str) -> None:
-        for key, value in node.items():
-            path = f"{prefix}{key}"
-            if OmegaConf.is_dict(value):
-                walk(value, path + ".")
-            else:
-                flat.append(f"  {path}={OmegaConf.to_container(value) if OmegaConf.is_list(value) else value}")
-
-    walk(cfg, "")
-    return "\n".join(flat)
 
 
 def compose_config(overrides: list[str]):
@@ -124,10 +110,10 @@ def check_known_keys(cfg: DictConfig, overrides: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(arg in ("-h", "--help") for arg in argv):
+        from skyrl_clora.help import help_text
         from skyrl_clora.tenants import OVERRIDABLE
 
-        cfg = compose_config([])
-        print(USAGE.format(groups=_groups(), keys=_keys(cfg), overridable=", ".join(OVERRIDABLE)))
+        print(USAGE.format(groups=_groups(), keys=help_text(CONF_DIR), overridable=", ".join(OVERRIDABLE)))
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from skyrl_clora.checkpoints import claim_output_dir

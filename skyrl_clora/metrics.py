@@ -11,14 +11,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
+from skyrl_clora.config import RunConfig
+from skyrl_clora.trackers import TenantTrackers
+
 
 class MetricsLog:
     """Writes one JSON object per event to ``metrics.jsonl`` (thread-safe) and keeps them in memory. The file
-    starts with ``resumed`` (the records a resumed run's checkpoints carry), the new events follow."""
+    starts with ``resumed`` (the records a resumed run's checkpoints carry), the new events follow, each also
+    logged to ``trackers`` when given."""
 
     def __init__(self, path: Path, progress: bool, resumed: list[dict[str, Any]] | None = None,
-                 stream: TextIO = sys.stderr) -> None:
+                 trackers: TenantTrackers | None = None, stream: TextIO = sys.stderr) -> None:
         self.path = path
+        self.trackers = trackers
         self.records: list[dict[str, Any]] = list(resumed or [])
         self.progress = progress
         self.stream = stream
@@ -34,6 +39,8 @@ class MetricsLog:
             self.records.append(record)
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()
+            if self.trackers is not None:
+                self.trackers.log(record)
             if self.progress and record.get("event") in ("step", "eval", "failed", "stopped"):
                 self.stream.write(self._status_line(record) + "\n")
                 self.stream.flush()
@@ -52,8 +59,17 @@ class MetricsLog:
             f"rollout {record['rollout_s']:.1f}s train {record['train_s']:.1f}s sync {record['sync_s']:.2f}s"
         )
 
+    @classmethod
+    def for_run(cls, run: RunConfig, resumed: list[dict[str, Any]]) -> MetricsLog:
+        """The log of ``run``: ``<output_dir>/metrics.jsonl`` after the ``resumed`` records, the trackers that
+        ``trainer.logger`` names, the status lines that ``clora.progress`` asks for."""
+        trackers = TenantTrackers(run) if run.trainer.logger else None
+        return cls(run.output_dir / "metrics.jsonl", run.progress, resumed, trackers)
+
     def close(self) -> None:
         self._file.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def summarize(records: list[dict[str, Any]], tenants: list[str]) -> list[dict[str, Any]]:
@@ -100,44 +116,63 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot_rewards(records: list[dict[str, Any]], tenants: list[str], path: Path) -> None:
-    """PNG of every tenant's mean reward per step."""
+def reward_figure(records: list[dict[str, Any]], tenants: list[str]) -> Any:
+    """A matplotlib figure of every tenant's mean reward per RL step: one distinct colour per tenant (evenly
+    spaced hues beyond 10), the legend outside the axes, whole steps on the x axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for tenant in tenants:
+    colours = (plt.get_cmap("tab10").colors[: len(tenants)] if len(tenants) <= 10
+               else [plt.get_cmap("hsv")(i / len(tenants)) for i in range(len(tenants))])
+    columns = 1 + len(tenants) // 25
+    figure, axis = plt.subplots(figsize=(7 + 1.6 * columns, 4))
+    for tenant, colour in zip(tenants, colours):
         steps = [r for r in records if r.get("tenant") == tenant and r["event"] == "step"]
         if steps:
-            axis.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], marker="o", label=tenant)
+            axis.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], marker="o", markersize=3,
+                      color=colour, label=tenant)
     axis.set_xlabel("RL step")
     axis.set_ylabel("mean reward")
     axis.set_ylim(-0.05, 1.05)
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.grid(alpha=0.3)
     if axis.lines:  # a run whose every tenant failed has none
-        axis.legend(fontsize=7, ncol=2)
+        axis.legend(fontsize=7, ncol=columns, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     figure.tight_layout()
+    return figure
+
+
+def plot_rewards(records: list[dict[str, Any]], tenants: list[str], path: Path) -> None:
+    """``reward_figure`` as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    figure = reward_figure(records, tenants)
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
 def write_run_summary(output_dir: Path, records: list[dict[str, Any]], specs: list[Any], fields: dict[str, Any],
                       wall_s: float, base_model_s: float, label: str) -> dict[str, Any]:
-    """Writes ``summary.json`` (``fields`` + timing, experiments/hour, per-tenant rows and specs) and
+    """Writes ``summary.json`` (``fields`` + timing, experiments/hour without and with the base model's one-time
+    build, per-tenant rows and specs) and
     ``reward_curves.png`` for a finished run of the tenants ``specs`` (dataclasses with a ``name``); prints
     the per-tenant table and a last line starting with ``label``. Returns the summary."""
     names = [spec.name for spec in specs]
     rows = summarize(records, names)
+    finished = sum(r["status"] == "ok" for r in rows)
     summary = {
         **fields, "tenants": len(names), "base_model_seconds": base_model_s, "wall_seconds": wall_s,
-        "experiments_per_hour": 3600.0 * sum(r["status"] == "ok" for r in rows) / wall_s,
+        "experiments_per_hour": 3600.0 * finished / wall_s,
+        "experiments_per_hour_with_base_model": 3600.0 * finished / (wall_s + base_model_s),
         "per_tenant": rows, "tenant_specs": [asdict(spec) for spec in specs],
     }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_rewards(records, names, output_dir / "reward_curves.png")
     print(format_table(rows))
     print(f"{label} tenants={len(names)} wall {wall_s:.1f}s (+ base model {base_model_s:.1f}s) "
-          f"-> {summary['experiments_per_hour']:.1f} experiments/hour; outputs in {output_dir}")
+          f"-> {summary['experiments_per_hour']:.1f} experiments/hour "
+          f"({summary['experiments_per_hour_with_base_model']:.1f} with the base model's build); outputs in {output_dir}")
     return summary

@@ -109,14 +109,15 @@ def assert_weights_travel_intact(results: dict[str, TenantResult]) -> None:
         assert torch.equal(published, master.to(result.weights.a[next(iter(result.weights.a))].dtype).float()), name
 
 
-def assert_same_records(got: list[dict[str, Any]], want: list[dict[str, Any]], name: str, exact: bool = True) -> None:
-    """A tenant's metrics records equal, key by key (floats to rounding unless ``exact``; the sampler gap always)."""
+def assert_same_records(got: list[dict[str, Any]], want: list[dict[str, Any]], name: str, exact: bool = True,
+                        rel: float = 1e-5) -> None:
+    """A tenant's metrics records equal, key by key (floats to ``rel`` unless ``exact``; the sampler gap always)."""
     assert len(got) == len(want), f"{name}'s metrics differ"
     for first, second in zip(got, want):
         assert first.keys() == second.keys(), f"{name}'s metrics differ"
         for key, value in second.items():
             approximate = key == _SAMPLER_GAP or (not exact and isinstance(value, float))
-            expected = pytest.approx(value, rel=1e-5, abs=1e-6) if approximate else value
+            expected = pytest.approx(value, rel=rel, abs=1e-6) if approximate else value
             assert first[key] == expected, f"{name}'s {key} differs at {second['event']} {second['step']}"
 
 

@@ -3,7 +3,9 @@ an uninterrupted one does, and an output folder that never mixes two runs.
 
 Swap mode is compared bit for bit. Packed mode to float rounding: a packed pass holds whichever tenants are
 waiting when it starts, and CPU GEMMs round differently at other batch sizes, so two uninterrupted packed runs
-of the same config already differ in the last bits of their training metrics (about 1e-7 of a policy loss).
+of the same config already differ in the last bits of their training metrics, and over eight steps Adam carries
+that into a gradient norm's fifth digit (their metrics are compared to 1e-3, the sampled episodes' rewards
+and token counts exactly).
 """
 
 from __future__ import annotations
@@ -102,7 +104,9 @@ def _assert_same_run(got: Path, want: Path, exact: bool) -> None:
     finals = {name: tenant_records(want, name)[-2] for name in names}  # the last step's records
     assert len({final["reward_mean"] for final in finals.values()}) == len(names)  # the tenants differ
     for name in names:
-        assert_same_records(tenant_records(got, name), tenant_records(want, name), name, exact)
+        assert_same_records(tenant_records(got, name), tenant_records(want, name), name, exact, rel=1e-3)
+        rewards = [(r.get("reward_mean"), r.get("generated_tokens")) for r in tenant_records(got, name)]
+        assert rewards == [(r.get("reward_mean"), r.get("generated_tokens")) for r in tenant_records(want, name)], name
         got_state, want_state = _final_state(got, name), _final_state(want, name)
         assert got_state.keys() == want_state.keys()
         assert torch.equal(got_state["rng_state"], want_state["rng_state"]), name

@@ -61,11 +61,27 @@ def test_expand_tenants_rejects_malformed(value) -> None:
         expand_tenants(value, seed=0, lr=1e-3, rank=8, alpha=16, task_variant="standard", samples_per_prompt=4)
 
 
-def test_help_lists_settable_keys(capsys: pytest.CaptureFixture) -> None:
+def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) -> None:
+    """Every key of every conf file (backend=skyrl's and tau-bench's too) is listed with its default and a
+    description; the descriptions are the conf files' comments."""
+    from skyrl_clora.help import conf_keys
+    from skyrl_clora.main import CONF_DIR
+
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
-    for needle in ("+tenants=N", "recipe=gsm8k", "clora.mode=concurrent", "lora.max_rank=16", "model.path=None"):
+    for needle in ("+tenants=N", "recipe=gsm8k|taubench", "recipe.* with recipe=taubench:", "backend.* with backend=skyrl:"):
         assert needle in text
+    lines = text.splitlines()
+    for path in sorted(CONF_DIR.rglob("*.yaml")):
+        group = path.parent.name
+        prefix = "" if path.parent == CONF_DIR else f"{group}."
+        section = 0 if not prefix else lines.index(f"{group}.* with {group}={path.stem}:")
+        for key in conf_keys(path):
+            assert key.description, f"{path.name}: {key.path} has no comment to describe it"
+            head = f"  {prefix}{key.path}={key.default}"
+            assert head in lines[section:], head
+            at = lines.index(head, section)
+            assert lines[at + 1].strip().startswith(key.description.split()[0]), head
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -76,3 +76,14 @@ def test_a_tenant_ends_the_same_alone_or_beside_others_on_skyrls_stack(learning_
         for part in ("a", "b"):
             for key, tensor in getattr(alone, part).items():
                 assert torch.equal(getattr(exported[name], part)[key], tensor), (name, part, key)
+
+
+def test_renaming_a_tenant_changes_none_of_its_results(learning_model_dir: Path, tmp_path: Path) -> None:
+    """Only what defines an experiment (seed, data, hyper-parameters) sets its results, never its name."""
+    runs = {}
+    for name in ("first", "a-quite-different-name"):
+        out = tmp_path / name
+        assert main(run_args(learning_model_dir, out, micro_tenants({"name": name, "seed": 5, "lr": "1e-2"}))) == 0
+        runs[name] = [{k: v for k, v in r.items() if k != "tenant"} for r in tenant_records(out, name)]
+    assert_learning(read_records(tmp_path / "first"))
+    assert_same_records(runs["a-quite-different-name"], runs["first"], "renamed")

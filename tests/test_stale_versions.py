@@ -52,7 +52,7 @@ def test_embedded_stale_trajectory_fails_its_tenant(micro_model_dir: Path, tmp_p
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "embedded"
     assert run_with_stale_rollout(monkeypatch, run_args(micro_model_dir, out, TENANTS, steps=2)) == 1
-    _assert_only_stale_failed(out, "tenant stale: trajectory stale-s1-p0_0 sampled with adapter versions [0]; its step began at version 0 and the tenant is at 1")
+    _assert_only_stale_failed(out, "tenant stale: trajectory s2-s1-p0_0 sampled with adapter versions [0]; its step began at version 0 and the tenant is at 1")
 
 
 @pytest.mark.usefixtures("without_production_extras")
@@ -73,4 +73,4 @@ def test_skyrl_stale_trajectory_fails_its_tenant(micro_model_dir: Path, tmp_path
     monkeypatch.setattr(SkyRLGymGenerator, "generate", reload_then_generate)
     out = tmp_path / "skyrl"
     assert main(run_args(micro_model_dir, out, TENANTS, "backend=skyrl", steps=2)) == 1
-    _assert_only_stale_failed(out, "tenant stale: trajectory stale-s1-p0_0 sampled with adapter versions [1]; its step began at version 0 and the tenant is at 1")
+    _assert_only_stale_failed(out, "tenant stale: trajectory s2-s1-p0_0 sampled with adapter versions [1]; its step began at version 0 and the tenant is at 1")

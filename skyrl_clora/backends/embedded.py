@@ -66,7 +66,7 @@ class EmbeddedBackend:
                 top_p=run.sampler.top_p, logprobs=1,
             ),
         )
-        episode_env = load_recipe(recipe.name).episode_env(recipe, spec.name, self._base_model_chat)
+        episode_env = load_recipe(recipe.name).episode_env(recipe, spec, self._base_model_chat)
         self._env_args[spec.name] = episode_env.args
         self._generators[spec.name] = SkyRLGymGenerator(
             generator_cfg, SkyRLGymConfig(max_env_workers=episode_env.workers), services.client, services.tokenizer,
@@ -81,7 +81,7 @@ class EmbeddedBackend:
         return response["choices"][0]["message"]["content"]
 
     async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
-        batch, trajectory_ids, groups = episode_batch(spec.name, rows, samples, tag, self._env_args[spec.name])
+        batch, trajectory_ids, groups = episode_batch(spec.seed, rows, samples, tag, self._env_args[spec.name])
         output = await self._generators[spec.name].generate(batch, disable_tqdm=True)
         versions = [self.services.client.versions_for(spec.name, t.to_string()) for t in trajectory_ids]
         return Rollout(output, groups, trajectory_ids, versions)
@@ -136,7 +136,7 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
     model_path = resolve_model_path(run)
     base_model_s = time.perf_counter() - base_started
     started = time.perf_counter()
-    metrics = MetricsLog(run.output_dir / "metrics.jsonl", run.progress, resumed_records(resume, specs))
+    metrics = MetricsLog.for_run(run, resumed_records(resume, specs))
     rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in specs)
     unfinished = [spec for spec in specs if not (spec.name in resume and resume[spec.name].finished)]
     groups = ([unfinished] if unfinished else []) if run.mode == "concurrent" else [[spec] for spec in unfinished]

@@ -74,8 +74,9 @@ class Recipe(Protocol):
     def task_source(self, config: RecipeConfig, spec: TenantSpec, steps: int, run_seed: int) -> TaskSource:
         """The tenant's task data; registers the recipe's skyrl-gym environment."""
 
-    def episode_env(self, config: RecipeConfig, tenant: str, chat: ChatFunction | None) -> EpisodeEnv:
-        """The extras of the tenant's episodes; ``chat`` is None where the backend offers none."""
+    def episode_env(self, config: RecipeConfig, spec: TenantSpec, chat: ChatFunction | None) -> EpisodeEnv:
+        """The extras of the tenant's episodes; ``chat`` is None where the backend offers none. Nothing in them
+        may depend on the tenant's name (only on what defines its experiment, e.g. its seed)."""
 
     def refuses(self, config: RecipeConfig, backend: str) -> str | None:
         """Why ``backend`` (embedded or skyrl) cannot run ``config``, as the fix to make; None when it can."""

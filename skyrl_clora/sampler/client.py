@@ -56,7 +56,7 @@ class EmbeddedInferenceClient(InferenceEngineInterface):
         max_tokens = merged.get("max_tokens", merged.get("max_generate_length"))
         if max_tokens is None:
             raise ValueError("sampling params need max_tokens (or max_generate_length)")
-        seed = derive_seed(self.seed, adapter, session, prompt_len)
+        seed = derive_seed(self.seed, session, prompt_len)
         stop_ids = [self.tokenizer.eos_token_id, *(merged.get("stop_token_ids") or [])]
         return SamplingParams(
             max_tokens=int(max_tokens),

@@ -29,8 +29,9 @@ class Completion:
     adapter_version: int
 
 
-def derive_seed(seed: int, adapter: str | None, session: str, prompt_len: int) -> int:
-    """A request's 63-bit RNG seed from (run seed, adapter, session id, prompt length): the same request
-    of the same episode turn gets the same seed whatever else runs beside it."""
-    key = f"{seed}|{adapter}|{session}|{prompt_len}".encode()
+def derive_seed(seed: int, session: str, prompt_len: int) -> int:
+    """A request's 63-bit RNG seed from (run seed, session id, prompt length): the same request of the same
+    episode turn gets the same seed whatever else runs beside it. No adapter name enters it: a tenant's
+    sessions are named after its seed (``episodes.episode_batch``), so that renaming a tenant changes nothing."""
+    key = f"{seed}|{session}|{prompt_len}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)

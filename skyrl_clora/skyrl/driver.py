@@ -99,7 +99,7 @@ class SkyRLBackend:
         tenant = self.tenants[spec.name]
         generator_cfg = tenant.dispatch.cfg.generator
         sampling = get_sampling_params_for_backend(generator_cfg.inference_engine.backend, generator_cfg.sampling_params)
-        batch, trajectory_ids, groups = episode_batch(spec.name, rows, samples, tag, sampling_params=sampling)
+        batch, trajectory_ids, groups = episode_batch(spec.seed, rows, samples, tag, sampling_params=sampling)
         output = await tenant.generator.generate(batch, disable_tqdm=True)
         versions = ([tenant.view.versions_for(t.to_string()) for t in trajectory_ids]
                     if self.stack.reports_versions else None)
@@ -215,7 +215,7 @@ def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource],
     for line in plan.substitutions:
         print(f"[skyrl] stand-in: {line}", flush=True)
     started = time.perf_counter()
-    metrics = MetricsLog(run.output_dir / "metrics.jsonl", run.progress, resumed_records(resume, list(plan.tenants)))
+    metrics = MetricsLog.for_run(run, resumed_records(resume, list(plan.tenants)))
     stack = build_stack(run, plan, model_path)
     try:
         cold_start_s = time.perf_counter() - started

@@ -198,7 +198,7 @@ class EmbeddedServer:
             temperature=float(raw.get("temperature", 1.0)),
             top_p=float(raw.get("top_p", 1.0)),
             stop_token_ids=tuple(int(t) for t in stop_ids if t is not None),
-            seed=int(seed) if seed is not None else derive_seed(self.seed, model, session, prompt_len),
+            seed=int(seed) if seed is not None else derive_seed(self.seed, session, prompt_len),
         )
         return params, logprobs is not None
 

@@ -43,7 +43,7 @@ class GSM8KRecipe:
             raise ConfigError(f"recipe.train_data={config.train_data} holds no rows; check the file")
         return TaskSource(spec.env_class or config.env_class, train, evaluation, spec.seed)
 
-    def episode_env(self, config: RecipeConfig, tenant: str, chat: ChatFunction | None) -> EpisodeEnv:
+    def episode_env(self, config: RecipeConfig, spec: TenantSpec, chat: ChatFunction | None) -> EpisodeEnv:
         return EpisodeEnv()
 
     def refuses(self, config: RecipeConfig, backend: str) -> str | None:

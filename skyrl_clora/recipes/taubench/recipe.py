@@ -53,9 +53,9 @@ class TauBenchRecipe:
             raise ConfigError(f"recipe.data_path={data_path}: {error}; point it at a tau-bench retail data folder") from None
         return TaskSource(spec.env_class or config.env_class, train, evaluation, spec.seed)
 
-    def episode_env(self, config: RecipeConfig, tenant: str, chat: ChatFunction | None) -> EpisodeEnv:
+    def episode_env(self, config: RecipeConfig, spec: TenantSpec, chat: ChatFunction | None) -> EpisodeEnv:
         """With ``recipe.user=llm``, each episode's customer is an :class:`LLMUser` over ``chat`` (user ids
-        ``customer-<tenant>-<conversation hash>``, so that its sampling is reproducible)."""
+        ``customer-s<tenant seed>-<conversation hash>``, so that its sampling is reproducible)."""
         if config.options.user != "llm":
             return EpisodeEnv()
         if chat is None:
@@ -64,7 +64,7 @@ class TauBenchRecipe:
         def user_factory() -> LLMUser:
             async def generate(messages: list[dict[str, str]]) -> str:
                 conversation = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
-                return await chat(messages, config.max_generate_length, f"customer-{tenant}-{conversation}")
+                return await chat(messages, config.max_generate_length, f"customer-s{spec.seed}-{conversation}")
 
             return LLMUser(generate, loop=asyncio.get_running_loop())
 

@@ -1,0 +1,45 @@
+"""The run's summary and reward plot (skyrl_clora.metrics), at the scale of many tenants."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.colors import to_rgba
+
+from skyrl_clora.metrics import reward_figure, write_run_summary
+
+
+def _records(tenants: list[str], steps: int) -> list[dict]:
+    records = []
+    for index, tenant in enumerate(tenants):
+        for step in range(1, steps + 1):
+            records.append({"event": "step", "tenant": tenant, "step": step, "reward_mean": (index + step) % 10 / 10,
+                            "rollout_s": 1.0, "train_s": 0.5, "sync_s": 0.1, "generated_tokens": 10})
+    return records
+
+
+def test_the_plot_of_32_tenants_gives_each_its_own_colour_a_legend_outside_and_whole_steps() -> None:
+    tenants = [f"tenant-{i}" for i in range(32)]
+    figure = reward_figure(_records(tenants, 3), tenants)
+    axis = figure.axes[0]
+    colours = [to_rgba(line.get_color()) for line in axis.lines]
+    assert len(colours) == 32 and len(set(colours)) == 32
+    figure.canvas.draw()
+    legend = axis.get_legend().get_window_extent()
+    assert legend.x0 >= axis.get_window_extent().x1  # beside the curves, not over them
+    assert all(float(tick).is_integer() for tick in axis.get_xticks())
+
+
+@dataclass(frozen=True)
+class _Spec:
+    name: str
+
+
+def test_the_summary_gives_experiments_per_hour_with_and_without_the_base_models_build(tmp_path: Path) -> None:
+    tenants = ["a", "b"]
+    summary = write_run_summary(tmp_path, _records(tenants, 2), [_Spec(t) for t in tenants], {}, wall_s=3600.0,
+                                base_model_s=3600.0, label="test")
+    assert summary["experiments_per_hour"] == 2.0 and summary["experiments_per_hour_with_base_model"] == 1.0
+    assert json.loads((tmp_path / "summary.json").read_text())["experiments_per_hour_with_base_model"] == 1.0
