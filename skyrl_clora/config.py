@@ -72,6 +72,28 @@ class LoraConfig:
             raise ConfigError(f"lora.max_rank must be >= 1, got {self.max_rank}")
 
 
+def check_algorithm(algorithm: dict[str, Any]) -> None:
+    """``trainer.algorithm`` as SkyRL's ``AlgorithmConfig`` takes it, with an advantage estimator and a policy loss
+    that SkyRL's registries hold (a custom one registered before the run counts); else a :class:`ConfigError`."""
+    from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
+    from skyrl.train.config import AlgorithmConfig
+
+    hints = get_type_hints(AlgorithmConfig)
+    for key, value in algorithm.items():
+        hint = hints.get(key)
+        if hint in (int, float, bool, str) or hint in (int | None, float | None, bool | None, str | None):
+            checked(value, hint, f"trainer.algorithm.{key}")
+    try:
+        AlgorithmConfig(**algorithm, use_kl_loss=False)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"trainer.algorithm: {str(error).splitlines()[0]}") from None
+    for key, registry in (("advantage_estimator", AdvantageEstimatorRegistry), ("policy_loss_type", PolicyLossRegistry)):
+        available = registry.list_available()
+        if key in algorithm and algorithm[key] not in available:
+            raise ConfigError(f"trainer.algorithm.{key}={algorithm[key]} is not in SkyRL's registry; use one of "
+                              f"{', '.join(sorted(available))} (or register yours with SkyRL before the run)")
+
+
 # SkyRL's Tracking backends that trainer.logger takes (mlflow and swanlab need servers or accounts).
 LOGGERS = ("console", "tensorboard", "wandb")
 
@@ -115,6 +137,7 @@ class TrainerConfig:
         if self.resume_path is not None and not Path(self.resume_path).is_dir():
             raise ConfigError(f"trainer.resume_path={self.resume_path} is not a folder; point it at an earlier run's "
                               "trainer.ckpt_path")
+        check_algorithm(self.algorithm)
         if self.max_tokens_per_microbatch == 0 or self.max_tokens_per_microbatch < -1:
             raise ConfigError(f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} must be -1 (micro-batches "
                               "of trainer.micro_batch_size rows) or a positive token count")

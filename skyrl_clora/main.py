@@ -77,7 +77,31 @@ def compose_config(overrides: list[str]):
             message += f"; choose {missing_group.group(1)}= one of {', '.join(options)}"
         if "tenants" in message and "+tenants" not in " ".join(overrides):
             message += " (write +tenants=N: tenants is added with a leading '+')"
+        unknown = re.search(r"Could not override '([\w.]+)'", message)
+        if unknown and unknown.group(1) != "tenants":
+            message = _unknown_key_message(unknown.group(1), overrides)
         raise UserError(message) from None
+
+
+def _unknown_key_message(key: str, overrides: list[str]) -> str:
+    """One line for an override of a key the config does not have: the closest valid keys."""
+    import difflib
+
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    cfg = compose_config([o for o in overrides if o.split("=", 1)[0] in groups])
+    known: list[str] = []
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        for name, value in node.items():
+            if OmegaConf.is_dict(value):
+                walk(value, f"{prefix}{name}.")
+            else:
+                known.append(f"{prefix}{name}")
+
+    walk(cfg, "")
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}?" if close else "see python -m skyrl_clora.main --help for the keys"
+    return f"unknown key {key}; {hint} (a key the config does not have is added with +key=value)"
 
 
 def check_known_keys(cfg: DictConfig, overrides: list[str]) -> None:
@@ -135,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             tiny_base = tiny_base_path(None, TinyBaseRecipe(corpus=run.model_corpus))
             plan = translate(cfg, model_path=run.model_path or str(tiny_base))
             check_buildable(plan)
+        if run.model_path is not None:
+            from skyrl_clora.services import check_model_folder
+
+            check_model_folder(run.model_path)
         sources = build_task_sources(run.recipe, list(run.tenants), run.steps, run.seed)  # before the model
         run, resume, stopped = claim_output_dir(run)
         added = [spec for spec in run.tenants if spec.name not in sources]  # joined the resumed run while it went

@@ -68,6 +68,23 @@ def resolve_device(run: RunConfig) -> torch.device:
     return torch.device(run.device)
 
 
+def check_model_folder(path: str) -> None:
+    """A :class:`ConfigError` unless ``path`` holds a Hugging Face causal-LM config and a tokenizer with an eos
+    token and a chat template (read without loading the weights)."""
+    from transformers import AutoConfig
+
+    hf_logging.set_verbosity_error()
+    try:
+        AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"model.path={path} is not a usable Hugging Face model folder ({first}); point it at a "
+                          "causal-LM checkpoint folder (config.json, weights, tokenizer)") from None
+    if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
+        raise ConfigError(f"model.path={path}: tokenizer needs an eos token and a chat template")
+
+
 def resolve_model_path(run: RunConfig) -> str:
     """The base model folder: ``model.path`` or the tiny pre-trained base (built and cached on first use)."""
     if run.model_path is not None:

@@ -135,6 +135,15 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["backend=skyrl", "+backend.foo=1"], "unknown key backend.foo; valid keys here: colocate_all,"),
     (["+trainer.algorithm.foo=1"], "unknown key trainer.algorithm.foo; valid keys here: advantage_estimator"),
     (["+foo=1"], "unknown key foo; valid keys: backend, clora, lora, model, recipe, sampler, trainer"),
+    (["clora.stepz=3"], "unknown key clora.stepz; did you mean clora.steps"),
+    (["trainer.algorithm.advantage_estimator=nope"], "trainer.algorithm.advantage_estimator=nope is not in SkyRL's registry"),
+    (["trainer.algorithm.policy_loss_type=nope"], "trainer.algorithm.policy_loss_type=nope is not in SkyRL's registry"),
+    (["trainer.algorithm.eps_clip_low=abc"], "trainer.algorithm.eps_clip_low=abc must be a number"),
+    (["+tenants=[{name:''}]"], "tenant 0: name='' must be letters, digits"),
+    (["trainer.logger=[tensorboard,mlflow]"], "trainer.logger=mlflow is unknown"),
+    (["trainer.resume_mode=sometimes"], "trainer.resume_mode=sometimes is unknown"),
+    (["trainer.resume_mode=from_path"], "trainer.resume_path goes with trainer.resume_mode=from_path"),
+    (["clora.max_tenants=-1"], "clora.max_tenants=-1 must be >= 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture,
                                           tmp_path: Path) -> None:
@@ -145,6 +154,38 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: 
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert not out.exists() or not any(out.iterdir())  # refused before any work: nothing written
+
+
+@pytest.fixture
+def bad_files(tmp_path: Path) -> Path:
+    """A 0-byte parquet file, a parquet file of the wrong columns, one with no rows, and a model folder whose
+    config.json is empty."""
+    import pandas as pd
+
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    (folder / "empty.parquet").write_bytes(b"")
+    pd.DataFrame({"question": ["1+1?"]}).to_parquet(folder / "shape.parquet")
+    pd.DataFrame({"question": [], "answer": []}).to_parquet(folder / "norows.parquet")
+    (folder / "model").mkdir()
+    (folder / "model" / "config.json").write_text("{}")
+    return folder
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["recipe.train_data={bad}/empty.parquet"], "recipe.train_data={bad}/empty.parquet: "),
+    (["recipe.train_data={bad}/shape.parquet"], "recipe.train_data={bad}/shape.parquet: "),
+    (["recipe.train_data={bad}/norows.parquet"], "recipe.train_data={bad}/norows.parquet"),
+    (["recipe.val_data={bad}/norows.parquet"], "recipe.val_data={bad}/norows.parquet"),
+    (["model.path={bad}/model"], "model.path={bad}/model is not a usable Hugging Face model folder"),
+])
+def test_bad_files_are_refused_before_any_work(args: list[str], needle: str, bad_files: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    assert main([arg.format(bad=bad_files) for arg in args] + [f"clora.output_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle.format(bad=bad_files) in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())
 
 
 def test_an_added_skyrl_algorithm_field_is_a_known_key() -> None:

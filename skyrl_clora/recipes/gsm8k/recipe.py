@@ -35,6 +35,9 @@ class GSM8KRecipe:
             train = make_dataset_rows(max(needed, 64), seed=spec.seed, variant=spec.task_variant, split="train")
         if config.val_data is not None:
             evaluation = _parquet(config.val_data, "recipe.val_data")[: config.eval_prompts]
+            if not evaluation and config.eval_prompts:
+                raise ConfigError(f"recipe.val_data={config.val_data} holds no rows; check the file, or set "
+                                  "recipe.eval_prompts=0 to run without evaluation")
         else:
             evaluation = make_dataset_rows(
                 config.eval_prompts, seed=run_seed + EVAL_SEED_OFFSET, variant=spec.task_variant, split="test"
