@@ -37,7 +37,12 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel 2>&1 | grep -v "is ignored" >&2 || true
   # Dependencies only (the project itself is installed editable below, from whichever checkout runs).
   printf '%s\n' "$requirements" > "$venv/requirements.txt"
-  "$venv/bin/python" -m pip install -q -r "$venv/requirements.txt" 2>&1 | grep -v "is ignored" >&2 || true
+  # On a terminal pip shows its download progress (a few GB the first time); elsewhere it stays quiet.
+  if [ -t 2 ]; then
+    "$venv/bin/python" -m pip install -r "$venv/requirements.txt" >&2 || true
+  else
+    "$venv/bin/python" -m pip install -q -r "$venv/requirements.txt" 2>&1 | grep -v "is ignored" >&2 || true
+  fi
   (cd / && "$venv/bin/python" -c "import torch, transformers, skyrl, skyrl_gym, ray, hydra, peft, pytest") \
     || { echo "error: dependency install failed; see pip output above" >&2; exit 1; }
   touch "$venv/.complete"

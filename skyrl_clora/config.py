@@ -11,6 +11,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
@@ -337,20 +338,35 @@ def run_identity(cfg: DictConfig, tenants: list[TenantSpec]) -> dict[str, Any]:
 
 
 def build_run_config(cfg: DictConfig) -> RunConfig:
-    """Validates the composed Hydra config and returns the run's :class:`RunConfig`."""
+    """Validates the composed Hydra config and returns the run's :class:`RunConfig`. The groups are checked
+    independently and every group's problem is reported at once: a :class:`ConfigError` of one line per problem."""
+    problems: list[str] = []
+
+    def section(build: Callable[[], Any]) -> Any:
+        try:
+            return build()
+        except ConfigError as error:
+            problems.append(str(error))
+            return None
+
     clora = cfg.clora
-    lora = config_section(LoraConfig, cfg.lora, "lora")
-    trainer = config_section(TrainerConfig, cfg.trainer, "trainer")
-    recipe = recipe_config(cfg.recipe)
+    lora = section(lambda: config_section(LoraConfig, cfg.lora, "lora"))
+    trainer = section(lambda: config_section(TrainerConfig, cfg.trainer, "trainer"))
+    recipe = section(lambda: recipe_config(cfg.recipe))
+    sampler = section(lambda: config_section(SamplerConfig, cfg.sampler, "sampler"))
+    scalars = section(lambda: {
+        "steps": checked(clora.steps, int, "clora.steps"), "seed": checked(clora.seed, int, "clora.seed"),
+        "progress": checked(clora.progress, bool, "clora.progress"),
+        "max_tenants": checked(clora.max_tenants, int, "clora.max_tenants"),
+        "control": checked(clora.control, bool, "clora.control"),
+    })
+    if problems:
+        raise ConfigError("\n".join(problems))
     tenants = tenant_specs(cfg, lora, trainer, recipe)
-    output_dir = Path(os.path.expanduser(str(clora.output_dir)))
     return RunConfig(
-        mode=str(clora.mode), train_mode=str(clora.train_mode), steps=checked(clora.steps, int, "clora.steps"),
-        seed=checked(clora.seed, int, "clora.seed"), output_dir=output_dir,
-        progress=checked(clora.progress, bool, "clora.progress"), device=str(clora.device),
-        backend=str(cfg.backend.name), model_path=None if cfg.model.path is None else os.path.expanduser(str(cfg.model.path)),
+        mode=str(clora.mode), train_mode=str(clora.train_mode), output_dir=Path(os.path.expanduser(str(clora.output_dir))),
+        device=str(clora.device), backend=str(cfg.backend.name),
+        model_path=None if cfg.model.path is None else os.path.expanduser(str(cfg.model.path)),
         model_dtype=str(cfg.model.dtype), model_corpus=str(cfg.model.corpus), recipe=recipe, lora=lora, trainer=trainer,
-        sampler=config_section(SamplerConfig, cfg.sampler, "sampler"), tenants=tuple(tenants),
-        identity=run_identity(cfg, tenants), max_tenants=checked(clora.max_tenants, int, "clora.max_tenants"),
-        control=checked(clora.control, bool, "clora.control"),
+        sampler=sampler, tenants=tuple(tenants), identity=run_identity(cfg, tenants), **scalars,
     )

@@ -43,8 +43,9 @@ Settable keys, their defaults and what they do (a group's keys apply when the gr
 
 Outputs in clora.output_dir: metrics.jsonl, summary.json, reward_curves.png, adapters/<tenant>/ (PEFT),
 checkpoints/<tenant>/; the same command resumes a run in it. Live tenants: python -m skyrl_clora.ctl --help.
-Exit status: 0 when no tenant failed; 1 when one failed (the others run on, and its error is in
-summary.json); 2 on bad input (before any work); 130 / 143 when SIGINT / SIGTERM stopped the run.
+Exit status: 0 when no tenant failed; 1 when some failed (the others run on; their errors are in
+summary.json); 3 when every tenant failed; 2 on bad input (before any work); 130 / 143 when SIGINT / SIGTERM
+stopped the run (the same command resumes it).
 Examples:
   python -m skyrl_clora.main +tenants=8
   python -m skyrl_clora.main +tenants=8 clora.mode=serial clora.output_dir=outputs/serial
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         added = [spec for spec in run.tenants if spec.name not in sources]  # joined the resumed run while it went
         sources |= build_task_sources(run.recipe, added, run.steps, run.seed)
     except (UserError, ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        for problem in str(error).splitlines():  # one line per problem
+            print(f"error: {problem}", file=sys.stderr)
         return 2
     with STOP.installed():
         return _run(run, plan, sources, resume, stopped)
@@ -204,8 +206,8 @@ def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
 
 def _exit_status(summary: dict[str, Any], output_dir: Path) -> int:
     """128 + the signal's number if a signal stopped the run (``interrupts``); else 0 if no tenant of the run
-    ``summary`` failed (each finished, or was stopped through the control endpoint); else 1, after a line on
-    stderr naming the failed tenants."""
+    ``summary`` failed (each finished, or was stopped through the control endpoint); else 1 when some tenants
+    failed and 3 when every one did, after a line on stderr naming the failed tenants."""
     from skyrl_clora.interrupts import STOP
 
     rows = summary["per_tenant"]
@@ -217,7 +219,7 @@ def _exit_status(summary: dict[str, Any], output_dir: Path) -> int:
         return 0
     print(f"error: {len(failed)} of {len(rows)} tenants failed ({', '.join(failed)}); their errors are in "
           f"{output_dir / 'summary.json'}", file=sys.stderr)
-    return 1
+    return 3 if len(failed) == len(rows) else 1
 
 
 if __name__ == "__main__":

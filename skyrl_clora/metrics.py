@@ -18,7 +18,8 @@ from skyrl_clora.trackers import TenantTrackers
 class MetricsLog:
     """Writes one JSON object per event to ``metrics.jsonl`` (thread-safe) and keeps them in memory. The file
     starts with ``resumed`` (the records a resumed run's checkpoints carry), the new events follow, each also
-    logged to ``trackers`` when given."""
+    logged to ``trackers`` when given. With ``progress``, a status line per event goes to ``stream``: on a
+    terminal each tenant's line is updated in place, elsewhere the lines follow one another."""
 
     def __init__(self, path: Path, progress: bool, resumed: list[dict[str, Any]] | None = None,
                  trackers: TenantTrackers | None = None, stream: TextIO = sys.stderr) -> None:
@@ -29,6 +30,7 @@ class MetricsLog:
         self.stream = stream
         self.started = time.perf_counter()
         self._lock = threading.Lock()
+        self._lines: dict[str, str] = {}  # per tenant, its status line on a terminal
         self._file = path.open("w")
         for record in self.records:
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
@@ -42,8 +44,18 @@ class MetricsLog:
             if self.trackers is not None:
                 self.trackers.log(record)
             if self.progress and record.get("event") in ("step", "eval", "failed", "stopped"):
-                self.stream.write(self._status_line(record) + "\n")
-                self.stream.flush()
+                self._show(record["tenant"], self._status_line(record))
+
+    def _show(self, tenant: str, line: str) -> None:
+        """On a terminal, one line per tenant, rewritten in place (the block is redrawn under the cursor); else
+        the line is appended."""
+        if not self.stream.isatty():
+            self.stream.write(line + "\n")
+        else:
+            up = f"\x1b[{len(self._lines)}F" if self._lines else ""
+            self._lines[tenant] = line
+            self.stream.write(up + "".join(f"\x1b[2K{text}\n" for text in self._lines.values()))
+        self.stream.flush()
 
     def _status_line(self, record: dict[str, Any]) -> str:
         elapsed = time.perf_counter() - self.started

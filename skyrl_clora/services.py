@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -94,7 +95,8 @@ def resolve_model_path(run: RunConfig) -> str:
     recipe = TinyBaseRecipe(corpus=run.model_corpus)
     if not tiny_base_path(None, recipe).is_dir():
         print(f"[setup] pre-training the tiny base model into {tiny_base_path(None, recipe)} (first use only; about "
-              "5 minutes on 2 CPU cores)", file=sys.stderr, flush=True)
+              "5 minutes on 2 CPU cores; a progress line every 10% of its steps)", file=sys.stderr, flush=True)
+        logging.getLogger("skyrl_clora.tiny_base").setLevel(logging.INFO)  # its progress lines, under WARNING's root
     return str(ensure_tiny_base(None, recipe))
 
 

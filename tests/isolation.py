@@ -109,24 +109,15 @@ def assert_weights_travel_intact(results: dict[str, TenantResult]) -> None:
         assert torch.equal(published, master.to(result.weights.a[next(iter(result.weights.a))].dtype).float()), name
 
 
-def assert_same_records(got: list[dict[str, Any]], want: list[dict[str, Any]], name: str, exact: bool = True,
-                        rel: float = 1e-5) -> None:
-    """A tenant's metrics records equal, key by key (floats to ``rel`` unless ``exact``; the sampler gap always)."""
+def assert_same_records(got: list[dict[str, Any]], want: list[dict[str, Any]], name: str, exact: bool = True) -> None:
+    """A tenant's metrics records equal, key by key (floats to rounding unless ``exact``; the sampler gap always)."""
     assert len(got) == len(want), f"{name}'s metrics differ"
     for first, second in zip(got, want):
         assert first.keys() == second.keys(), f"{name}'s metrics differ"
         for key, value in second.items():
             approximate = key == _SAMPLER_GAP or (not exact and isinstance(value, float))
-            expected = pytest.approx(value, rel=rel, abs=1e-6) if approximate else value
+            expected = pytest.approx(value, rel=1e-5, abs=1e-6) if approximate else value
             assert first[key] == expected, f"{name}'s {key} differs at {second['event']} {second['step']}"
-
-
-def same_tensor(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
-    """Bit for bit when ``exact``; else within 1e-3 of ``b``'s largest entry (Adam's normalised steps turn
-    rounding-level gradient differences into ~1e-4 of it)."""
-    if exact:
-        return torch.equal(a, b)
-    return a.shape == b.shape and float((a - b).abs().max()) <= 1e-3 * float(b.abs().max()) + 1e-12
 
 
 def tenant_records(out: Path, name: str) -> list[dict[str, Any]]:
@@ -142,7 +133,10 @@ def assert_same_tenants(got: dict[str, TenantResult], want: dict[str, TenantResu
     assert sorted(got) == sorted(want)
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return same_tensor(a, b, exact)
+        if exact:
+            return torch.equal(a, b)
+        # Adam's normalised steps turn rounding-level gradient differences into ~1e-4 of the largest entry.
+        return a.shape == b.shape and float((a - b).abs().max()) <= 1e-3 * float(b.abs().max()) + 1e-12
 
     for name in want:
         x, y = got[name], want[name]

@@ -188,6 +188,19 @@ def test_bad_files_are_refused_before_any_work(args: list[str], needle: str, bad
     assert not out.exists() or not any(out.iterdir())
 
 
+def test_every_groups_problem_is_listed_at_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = ["lora.rank=abc", "sampler.temperature=warm", "trainer.algorithm.advantage_estimator=nope", "clora.steps=x",
+            f"clora.output_dir={tmp_path / 'out'}"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: lora.rank=abc must be an integer",
+        "error: trainer.algorithm.advantage_estimator=nope is not in SkyRL's registry; use one of gae, grpo, maxrl, "
+        "reinforce++, rloo (or register yours with SkyRL before the run)",
+        "error: sampler.temperature=warm must be a number",
+        "error: clora.steps=x must be an integer",
+    ]
+
+
 def test_an_added_skyrl_algorithm_field_is_a_known_key() -> None:
     """``+trainer.algorithm.<field>`` of SkyRL's AlgorithmConfig is accepted (it reaches SkyRL's config)."""
     from skyrl_clora.main import check_known_keys, compose_config

@@ -98,6 +98,9 @@ def test_a_failing_tenant_does_not_take_the_others_down(micro_model_dir: Path, t
     failed = next(row for row in summary["per_tenant"] if row["status"] == "failed")
     assert "reward function exploded" in failed["error"]
     assert (out / "adapters" / "tenant-2" / "adapter_model.safetensors").is_file()
+    every = tmp_path / "every-tenant-fails"
+    assert main(_args(micro_model_dir, every, "+tenants=[{env_class:raising_reward},{env_class:raising_reward}]")) == 3
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: 2 of 2 tenants failed (tenant-0, tenant-1)")
     assert not (out / "adapters" / "tenant-1").exists()
 
 

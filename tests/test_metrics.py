@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.colors import to_rgba
 
-from skyrl_clora.metrics import reward_figure, write_run_summary
+from skyrl_clora.metrics import MetricsLog, reward_figure, write_run_summary
 
 
 def _records(tenants: list[str], steps: int) -> list[dict]:
@@ -43,3 +44,25 @@ def test_the_summary_gives_experiments_per_hour_with_and_without_the_base_models
                                 base_model_s=3600.0, label="test")
     assert summary["experiments_per_hour"] == 2.0 and summary["experiments_per_hour_with_base_model"] == 1.0
     assert json.loads((tmp_path / "summary.json").read_text())["experiments_per_hour_with_base_model"] == 1.0
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_status_lines_update_in_place_on_a_terminal_and_follow_one_another_elsewhere(tmp_path: Path) -> None:
+    records = sorted(_records(["a", "b"], 2), key=lambda record: record["step"])  # a1, b1, a2, b2
+    for stream in (io.StringIO(), _Terminal()):
+        log = MetricsLog(tmp_path / f"{type(stream).__name__}.jsonl", progress=True, stream=stream)
+        for record in records:
+            log.write(record)
+        log.close()
+        text = stream.getvalue()
+        if stream.isatty():
+            frames = text.split("\x1b[2F")  # each redraw moves up over the two tenants' lines
+            assert len(frames) == 3 and "\x1b[2K" in text  # a2 and b2 redraw both lines
+            last = frames[-1].replace("\x1b[2K", "").splitlines()
+            assert [line.split("] ")[1].split()[0] for line in last] == ["a", "b"] and all("step 2" in line for line in last)
+        else:
+            assert "\x1b" not in text and len(text.splitlines()) == len(records)

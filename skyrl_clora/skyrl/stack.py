@@ -224,6 +224,46 @@ def _forget_stale_registry_actors() -> None:
         registry._synced_to_actor = False
 
 
+# Run by a watchdog process: while the driver (argv[1]) lives, it keeps the list of the driver's descendant
+# processes whose command line names Ray; once the driver has ended, however it ended, it kills those still
+# running (the same processes: pid and start time match), so a driver killed with SIGKILL leaves no Ray process.
+_WATCHDOG = """
+import os, sys, time, psutil
+driver = psutil.Process(int(sys.argv[1]))
+seen = {}
+while True:
+    try:
+        if driver.status() == psutil.STATUS_ZOMBIE:
+            break
+        for process in driver.children(recursive=True):
+            try:
+                if process.pid != os.getpid() and "ray" in " ".join(process.cmdline()):
+                    seen[process.pid] = process
+            except psutil.Error:
+                pass
+    except psutil.Error:  # the driver is gone
+        break
+    time.sleep(0.5)
+for process in seen.values():
+    try:
+        if process.is_running():
+            process.kill()
+    except psutil.Error:
+        pass
+"""
+
+
+def reap_children_with_this_process() -> None:
+    """Starts a watchdog that kills the Ray processes this process started (``ray.init``'s head processes, and
+    the agents and workers under them) once this process has ended, however it ended (``ray.shutdown`` covers
+    the normal exits; SIGKILL is what this is for)."""
+    import subprocess
+    import sys
+
+    subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid())], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
     """Starts Ray, the inference servers, the client and views, and the policy worker group."""
     check_buildable(plan)
@@ -242,6 +282,8 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
         from skyrl.train.utils.utils import initialize_ray
 
         initialize_ray(plan.base)
+    if owns_ray:
+        reap_children_with_this_process()
     engine = server = setup = None
     try:
         if plan.inference_backend == "embedded":
