@@ -129,16 +129,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def reward_figure(records: list[dict[str, Any]], tenants: list[str]) -> Any:
-    """A matplotlib figure of every tenant's mean reward per RL step: one distinct colour per tenant (evenly
-    spaced hues beyond 10), the legend outside the axes, whole steps on the x axis."""
+    """A matplotlib figure of every tenant's mean reward per RL step: one distinct colour per tenant (beyond 10,
+    golden-ratio hues), the legend outside the axes, whole steps on the x axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    colours = (plt.get_cmap("tab10").colors[: len(tenants)] if len(tenants) <= 10
-               else [plt.get_cmap("hsv")(i / len(tenants)) for i in range(len(tenants))])
+    colours = plt.get_cmap("tab10").colors[: len(tenants)] if len(tenants) <= 10 else _spread_colours(len(tenants))
     columns = 1 + len(tenants) // 25
     figure, axis = plt.subplots(figsize=(7 + 1.6 * columns, 4))
     for tenant, colour in zip(tenants, colours):
@@ -155,6 +154,14 @@ def reward_figure(records: list[dict[str, Any]], tenants: list[str]) -> Any:
         axis.legend(fontsize=7, ncol=columns, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     figure.tight_layout()
     return figure
+
+
+def _spread_colours(count: int) -> list[tuple[float, float, float]]:
+    """``count`` distinct colours, neighbours in the legend far apart: hues stepped by the golden ratio, every
+    other one darker."""
+    from matplotlib.colors import hsv_to_rgb
+
+    return [tuple(hsv_to_rgb((i * 0.6180339887 % 1.0, 0.85, 0.95 if i % 2 == 0 else 0.6))) for i in range(count)]
 
 
 def plot_rewards(records: list[dict[str, Any]], tenants: list[str], path: Path) -> None:

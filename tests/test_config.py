@@ -189,11 +189,12 @@ def test_bad_files_are_refused_before_any_work(args: list[str], needle: str, bad
 
 
 def test_every_groups_problem_is_listed_at_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    args = ["lora.rank=abc", "sampler.temperature=warm", "trainer.algorithm.advantage_estimator=nope", "clora.steps=x",
-            f"clora.output_dir={tmp_path / 'out'}"]
+    args = ["lora.rank=abc", "lora.alpha=big", "sampler.temperature=warm", "trainer.algorithm.advantage_estimator=nope",
+            "clora.steps=x", f"clora.output_dir={tmp_path / 'out'}"]
     assert main(args) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: lora.rank=abc must be an integer",
+        "error: lora.alpha=big must be a number",
         "error: trainer.algorithm.advantage_estimator=nope is not in SkyRL's registry; use one of gae, grpo, maxrl, "
         "reinforce++, rloo (or register yours with SkyRL before the run)",
         "error: sampler.temperature=warm must be a number",
