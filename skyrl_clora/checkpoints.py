@@ -83,20 +83,30 @@ class TenantCheckpoints:
 
     def latest(self) -> TenantCheckpoint | None:
         """The newest complete checkpoint, or None when there is none."""
-        pointer = self.folder / LATEST
-        if not pointer.is_file():
+        meta = self._newest_meta()
+        if meta is None:
             return None
-        folder = self.folder / f"global_step_{int(pointer.read_text())}"
-        meta = json.loads((folder / TENANT_META).read_text())
-        return TenantCheckpoint(folder, meta["step"], meta["version"], meta["finished"], meta["records"])
+        folder, data = meta
+        return TenantCheckpoint(folder, data["step"], data["version"], data["finished"], data["records"])
 
     def identity(self) -> dict[str, Any] | None:
         """The run identity the newest checkpoint was written under, or None when there is none."""
+        meta = self._newest_meta()
+        return None if meta is None else meta[1]["identity"]
+
+    def _newest_meta(self) -> tuple[Path, dict[str, Any]] | None:
+        """The newest complete checkpoint folder and its metadata: the one the pointer names, else (a kill while
+        a checkpoint of the same step was replaced) the newest folder whose metadata was written."""
         pointer = self.folder / LATEST
-        if not pointer.is_file():
-            return None
-        folder = self.folder / f"global_step_{int(pointer.read_text())}"
-        return json.loads((folder / TENANT_META).read_text())["identity"]
+        steps = sorted((int(p.name.removeprefix("global_step_")) for p in self.folder.glob("global_step_*")),
+                       reverse=True)
+        if pointer.is_file():
+            steps.insert(0, int(pointer.read_text()))
+        for step in steps:
+            meta = self.folder / f"global_step_{step}" / TENANT_META
+            if meta.is_file():
+                return meta.parent, json.loads(meta.read_text())
+        return None
 
     def _prune(self, newest: int) -> None:
         for stale in self.folder.glob(".tmp-global_step_*"):

@@ -202,6 +202,8 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path: Path
         asyncio.run(checkpoints.write(step, step, False, [], {"k": 1}, save))
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["global_step_5", "global_step_6", LATEST]
     assert checkpoints.latest().step == 6
+    shutil.rmtree(tmp_path / "t" / "global_step_6")  # killed while replacing step 6's checkpoint, before the rename
+    assert checkpoints.latest().step == 5
 
 
 def _listing(folder: Path) -> dict[str, tuple[int, int]]:
