@@ -98,8 +98,7 @@ class TenantCheckpoints:
         """The newest complete checkpoint folder and its metadata: the one the pointer names, else (a kill while
         a checkpoint of the same step was replaced) the newest folder whose metadata was written."""
         pointer = self.folder / LATEST
-        steps = sorted((int(p.name.removeprefix("global_step_")) for p in self.folder.glob("global_step_*")),
-                       reverse=True)
+        steps = self._steps()
         if pointer.is_file():
             steps.insert(0, int(pointer.read_text()))
         for step in steps:
@@ -113,9 +112,13 @@ class TenantCheckpoints:
             shutil.rmtree(stale, ignore_errors=True)
         if self.keep < 0:
             return
-        steps = sorted((int(p.name.removeprefix("global_step_")) for p in self.folder.glob("global_step_*")), reverse=True)
-        for step in [s for s in steps if s != newest][self.keep - 1:]:
+        for step in [s for s in self._steps() if s != newest][self.keep - 1:]:
             shutil.rmtree(self.folder / f"global_step_{step}", ignore_errors=True)
+
+    def _steps(self) -> list[int]:
+        """The steps of the ``global_step_<k>`` folders here, newest first."""
+        return sorted((int(p.name.removeprefix("global_step_")) for p in self.folder.glob("global_step_*")),
+                      reverse=True)
 
 
 def _write_synced(path: Path, text: str) -> None:

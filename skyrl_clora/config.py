@@ -310,12 +310,16 @@ def tenant_specs(cfg: DictConfig, lora: LoraConfig, trainer: TrainerConfig, reci
     if OmegaConf.is_config(value):
         value = OmegaConf.to_container(value, resolve=True)
     try:
-        return expand_tenants(
-            value, seed=checked(cfg.clora.seed, int, "clora.seed"), lr=trainer.lr, rank=lora.rank,
-            alpha=lora.alpha, task_variant=recipe.task_variant, samples_per_prompt=recipe.samples_per_prompt,
-        )
+        return expand_tenants(value, **tenant_defaults(checked(cfg.clora.seed, int, "clora.seed"), lora, trainer, recipe))
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def tenant_defaults(seed: int, lora: LoraConfig, trainer: TrainerConfig, recipe: RecipeConfig) -> dict[str, Any]:
+    """What a tenant's spec takes from the config where its overrides are silent (``expand_tenants``' keywords);
+    ``seed`` is the first tenant's."""
+    return {"seed": seed, "lr": trainer.lr, "rank": lora.rank, "alpha": lora.alpha,
+            "task_variant": recipe.task_variant, "samples_per_prompt": recipe.samples_per_prompt}
 
 
 # Keys that do not change a run's results: where it writes, what it prints, how it checkpoints and resumes.
@@ -326,19 +330,25 @@ NOT_IDENTITY = frozenset({
 })
 
 
-def run_identity(cfg: DictConfig, tenants: list[TenantSpec]) -> dict[str, Any]:
-    """Every key of the composed config that changes results, flattened (``group.key``: value), with the tenants
-    as expanded specs (``+tenants=2`` and the list it stands for are the same run)."""
+def flat_config(cfg: DictConfig) -> dict[str, Any]:
+    """Every key of the composed config but ``tenants``, flattened: ``group.key`` (``trainer.algorithm.x``): value."""
     flat: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
                 walk(value, f"{prefix}.{key}" if prefix else str(key))
-        elif prefix not in NOT_IDENTITY:
+        else:
             flat[prefix] = node
 
     walk({k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "tenants"}, "")
+    return flat
+
+
+def run_identity(cfg: DictConfig, tenants: list[TenantSpec]) -> dict[str, Any]:
+    """Every key of the composed config that changes results, flattened (``group.key``: value), with the tenants
+    as expanded specs (``+tenants=2`` and the list it stands for are the same run)."""
+    flat = {key: value for key, value in flat_config(cfg).items() if key not in NOT_IDENTITY}
     for spec in tenants:
         flat[f"tenants.{spec.name}"] = asdict(spec)
     return json.loads(json.dumps(flat))  # as it reads back from run_config.json

@@ -19,12 +19,10 @@ from typing import Any
 
 from aiohttp import web
 
-from skyrl_clora.checkpoints import read_live_tenants, write_live_tenants
-from skyrl_clora.config import ConfigError, RunConfig
-from skyrl_clora.recipes.plugin import build_task_sources
-from skyrl_clora.checkpoints import TenantCheckpoint
+from skyrl_clora.checkpoints import TenantCheckpoint, read_live_tenants, write_live_tenants
+from skyrl_clora.config import ConfigError, RunConfig, tenant_defaults
 from skyrl_clora.metrics import MetricsLog
-from skyrl_clora.recipes.plugin import TaskSource
+from skyrl_clora.recipes.plugin import TaskSource, build_task_sources
 from skyrl_clora.tenant_loop import TenantBackend, TenantPool
 from skyrl_clora.tenants import TenantSpec, expand_tenants
 
@@ -92,9 +90,8 @@ class ControlServer:
         if not isinstance(overrides, dict) or "name" not in overrides:
             raise ConfigError("an added tenant needs its overrides as a mapping with a name, e.g. {name: t9, lr: 1e-3}")
         run = self.run
-        spec = expand_tenants([overrides], seed=run.seed + len(self.known), lr=run.trainer.lr, rank=run.lora.rank,
-                              alpha=run.lora.alpha, task_variant=run.recipe.task_variant,
-                              samples_per_prompt=run.recipe.samples_per_prompt)[0]
+        defaults = tenant_defaults(run.seed + len(self.known), run.lora, run.trainer, run.recipe)
+        spec = expand_tenants([overrides], **defaults)[0]
         if spec.name in self.known:
             raise ConfigError(f"tenant name {spec.name} is taken in this run; choose another")
         if spec.rank > run.lora.max_rank:

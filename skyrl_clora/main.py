@@ -17,6 +17,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from skyrl_clora.interrupts import STOP
+
 if TYPE_CHECKING:
     from skyrl_clora.checkpoints import TenantCheckpoint
     from skyrl_clora.config import RunConfig
@@ -88,18 +90,10 @@ def _unknown_key_message(key: str, overrides: list[str]) -> str:
     """One line for an override of a key the config does not have: the closest valid keys."""
     import difflib
 
+    from skyrl_clora.config import flat_config
+
     groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
-    cfg = compose_config([o for o in overrides if o.split("=", 1)[0] in groups])
-    known: list[str] = []
-
-    def walk(node: DictConfig, prefix: str) -> None:
-        for name, value in node.items():
-            if OmegaConf.is_dict(value):
-                walk(value, f"{prefix}{name}.")
-            else:
-                known.append(f"{prefix}{name}")
-
-    walk(cfg, "")
+    known = list(flat_config(compose_config([o for o in overrides if o.split("=", 1)[0] in groups])))
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(close)}?" if close else "see python -m skyrl_clora.main --help for the keys"
     return f"unknown key {key}; {hint} (a key the config does not have is added with +key=value)"
@@ -143,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from skyrl_clora.checkpoints import claim_output_dir
     from skyrl_clora.config import ConfigError, build_run_config
-    from skyrl_clora.interrupts import STOP
     from skyrl_clora.recipes.plugin import build_task_sources
 
     try:
@@ -169,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         added = [spec for spec in run.tenants if spec.name not in sources]  # joined the resumed run while it went
         sources |= build_task_sources(run.recipe, added, run.steps, run.seed)
     except (UserError, ConfigError) as error:
-        for problem in str(error).splitlines():  # one line per problem
-            print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return _refused(error)
     with STOP.installed():
         return _run(run, plan, sources, resume, stopped)
 
@@ -182,7 +173,6 @@ def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
     :func:`_exit_status`)."""
     from skyrl_clora.checkpoints import checkpoint_root, export_finished
     from skyrl_clora.config import ConfigError
-    from skyrl_clora.interrupts import STOP
 
     export_finished(run, resume)
     try:
@@ -196,20 +186,24 @@ def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
 
                 summary = run_experiments(run, sources, resume, stopped)
         except ConfigError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
+            return _refused(error)
         return _exit_status(summary, run.output_dir)
     except KeyboardInterrupt:  # a second signal: abandoned at once
         print(f"[stop] aborted; the tenants' last checkpoints are under {checkpoint_root(run)}", file=sys.stderr)
         return STOP.exit_status() or 130
 
 
+def _refused(error: Exception) -> int:
+    """Prints bad input, one ``error:`` line per problem; the exit status 2."""
+    for problem in str(error).splitlines():
+        print(f"error: {problem}", file=sys.stderr)
+    return 2
+
+
 def _exit_status(summary: dict[str, Any], output_dir: Path) -> int:
     """128 + the signal's number if a signal stopped the run (``interrupts``); else 0 if no tenant of the run
     ``summary`` failed (each finished, or was stopped through the control endpoint); else 1 when some tenants
     failed and 3 when every one did, after a line on stderr naming the failed tenants."""
-    from skyrl_clora.interrupts import STOP
-
     rows = summary["per_tenant"]
     if STOP.requested():
         print(f"[stop] stopped; the same command resumes the run in {output_dir}", file=sys.stderr)

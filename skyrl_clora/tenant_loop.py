@@ -6,8 +6,8 @@ version (checkpointing every ``trainer.ckpt_interval`` steps); evaluate again; e
 format) and checkpoint it as finished. A tenant resumed from a checkpoint (``checkpoints``) continues after
 its last checkpointed step; a finished one is not run again. When the run is asked to stop
 (``interrupts.STOP``), each tenant stops after its current step: it checkpoints, exports and records a
-``stopped`` event. A tenant that raises (e.g. its reward
-function, a stale trajectory) is recorded as failed and removed; the other tenants run on.
+``stopped`` event. A tenant that raises (e.g. its reward function, a stale trajectory) is recorded as failed
+and removed; the other tenants run on.
 
 The loop talks to the shared services through a :class:`TenantBackend`: ``backends.embedded`` (the
 project's engine, AdapterStore trainer and in-place sync) and ``skyrl.driver`` (SkyRL's generator,
@@ -29,8 +29,8 @@ from skyrl.train.generators.base import TrajectoryID
 
 from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints, checkpoint_root
 from skyrl_clora.config import ConfigError, RunConfig
-from skyrl_clora.interrupts import STOP
 from skyrl_clora.episodes import eval_record, log_orphaned_task_error, step_record
+from skyrl_clora.interrupts import STOP
 from skyrl_clora.metrics import MetricsLog
 from skyrl_clora.recipes.plugin import TaskSource
 from skyrl_clora.tenants import TenantSpec
@@ -109,13 +109,14 @@ class TenantLoop:
         self.checkpoints = TenantCheckpoints(checkpoint_root(run), spec.name, run.trainer.max_ckpts_to_keep)
         self.stop_requested = False  # set by TenantPool.stop: stop after the current step
         self.step = 0 if resume is None else resume.step  # RL steps done
+        self.checkpointed = self.step  # RL steps the newest checkpoint holds (0: none needed yet)
 
     async def run_experiment(self) -> None:
         name, steps, interval = self.spec.name, self.run.steps, self.run.trainer.ckpt_interval
         try:
             if self.resume is None:
                 await self._evaluate(step=0)
-            for step in range(1 if self.resume is None else self.resume.step + 1, steps + 1):
+            for step in range(self.step + 1, steps + 1):
                 if STOP.requested() or self.stop_requested:
                     await self._stop(done=step - 1)
                     return
@@ -134,8 +135,7 @@ class TenantLoop:
         """Checkpoints the tenant after ``done`` RL steps (unless its last checkpoint holds them), exports its
         adapter and records that it stopped."""
         name = self.spec.name
-        if done > (0 if self.resume is None else self.resume.step) and not (
-                self.run.trainer.ckpt_interval and done % self.run.trainer.ckpt_interval == 0):
+        if done > self.checkpointed:
             await self._checkpoint(done, finished=False)
         await self.backend.export(name, self.run.output_dir / "adapters" / name)
         self.metrics.write({"event": "stopped", "tenant": name, "step": done})
@@ -145,6 +145,8 @@ class TenantLoop:
         records = [record for record in self.metrics.records if record.get("tenant") == name]
         await self.checkpoints.write(step, self.backend.version(name), finished, records, self.run.identity,
                                      lambda folder: self.backend.save(name, folder))
+        self.checkpointed = step
+
     async def _sample(self, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
         began_at = self.backend.version(self.spec.name)
         rollout = await self.backend.sample(self.spec, rows, samples, tag)
@@ -181,7 +183,8 @@ class TenantPool:
     ``add`` validates a new tenant as a start-time one is (a bad spec is a :class:`ConfigError` for the caller;
     the run goes on), registers it and starts its loop; ``stop`` makes a tenant stop after its current step
     (checkpointed and exported). ``join`` returns once every tenant's loop has ended, added ones included.
-    ``refuse_adds`` is why this pool takes no new tenant (None: it takes them up to ``run.max_tenants`` at once).
+    ``refuse_adds`` is why this pool takes no new tenant (None: it takes them while fewer than
+    ``run.tenant_capacity`` tenants hold adapter slots; a tenant keeps its slot until the run ends).
     """
 
     def __init__(self, run: RunConfig, backend: TenantBackend, metrics: MetricsLog,
@@ -208,10 +211,10 @@ class TenantPool:
         async with self._lock:
             if self.refuse_adds is not None:
                 raise ConfigError(self.refuse_adds)
-            running = sum(not task.done() for task in self.tasks.values())
-            if running >= self.run.max_tenants:
-                raise ConfigError(f"{running} tenants run, the most clora.max_tenants={self.run.max_tenants} allows; "
-                                  "stop one first, or start the run with a larger clora.max_tenants")
+            if len(self.loops) >= self.run.tenant_capacity:
+                raise ConfigError(f"{len(self.loops)} tenants hold adapter slots, the most this run has "
+                                  f"(clora.max_tenants={self.run.max_tenants}; a tenant keeps its slot until the run "
+                                  "ends); start the run with a larger clora.max_tenants")
             loop = TenantLoop(self.run, spec, source, self.backend, self.metrics)
             await self._register(loop)
             self.tasks[spec.name] = asyncio.create_task(loop.run_experiment())
@@ -226,7 +229,7 @@ class TenantPool:
         return [name for name, task in self.tasks.items() if not task.done()]
 
     async def join(self) -> None:
-        while any(not task.done() for task in self.tasks.values()):
+        while self.running():  # a tenant added while the others ran is awaited too
             await asyncio.gather(*self.tasks.values())
 
     async def _register(self, loop: TenantLoop) -> None:

@@ -294,9 +294,11 @@ def test_tenants_join_and_leave_a_live_run(uninterrupted: dict[str, Path], learn
     assert _ctl(tmp_path, "add", added) == 0
     assert json.loads(capsys.readouterr().out)["added"]["name"] == "c"
     assert _ctl(tmp_path, "add", "{name: d, env_class: micro_letters}") == 2
-    assert "3 tenants run, the most clora.max_tenants=3 allows" in capsys.readouterr().err
+    assert "3 tenants hold adapter slots, the most this run has (clora.max_tenants=3;" in capsys.readouterr().err
     _wait_for_step(child, tmp_path / "metrics.jsonl", 3)
     assert _ctl(tmp_path, "stop", "b") == 0
+    assert _ctl(tmp_path, "add", "{name: d, env_class: micro_letters}") == 2  # b keeps its slot until the run ends
+    assert "3 tenants hold adapter slots" in capsys.readouterr().err
     assert _ctl(tmp_path, "stop", "nobody") == 2
     assert "tenant nobody is not running here" in capsys.readouterr().err
     child.join(timeout=300)

@@ -24,6 +24,7 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
 from skyrl_clora.config import RunConfig
+from skyrl_clora.control import run_tenant_pool
 from skyrl_clora.episodes import episode_batch, scalar_reward
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.lora.layers import AdapterWeights
@@ -31,7 +32,6 @@ from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
 from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.recipes.plugin import TaskSource, load_recipe
 from skyrl_clora.services import Services, build_services, resolve_model_path
-from skyrl_clora.control import run_tenant_pool
 from skyrl_clora.tenant_loop import Rollout
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
@@ -129,8 +129,8 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
     """Runs every tenant in ``run.mode`` on its task data ``sources`` (by tenant name,
     ``recipes.plugin.build_task_sources``), those in ``resume`` from their checkpoints, those in ``stopped`` not
     (stopped through the control endpoint); writes metrics.jsonl, summary.json, reward_curves.png, adapters/
-    and checkpoints. In concurrent mode tenants can be added while the run goes (``control``)."""
-    run.output_dir.mkdir(parents=True, exist_ok=True)
+    and checkpoints (into ``run.output_dir``, which ``checkpoints.claim_output_dir`` made). In concurrent mode
+    tenants can be added while the run goes (``control``)."""
     specs = list(run.tenants)
     base_started = time.perf_counter()
     model_path = resolve_model_path(run)

@@ -32,7 +32,7 @@ class AdapterSlots:
         used = set(self._slots.values())
         free = [slot for slot in range(self.count) if slot not in used]
         if not free:
-            raise ValueError(f"all {self.count} adapter slots are in use; raise sampler.max_adapters")
+            raise ValueError(f"all {self.count} adapter slots are in use; raise clora.max_tenants")
         self._slots[name] = free[0]
         return free[0]
 

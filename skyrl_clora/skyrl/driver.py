@@ -46,13 +46,13 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
 from skyrl_clora.config import RunConfig
-from skyrl_clora.metrics import MetricsLog, write_run_summary
+from skyrl_clora.control import run_tenant_pool
 from skyrl_clora.episodes import episode_batch
+from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.recipes.plugin import TaskSource
 from skyrl_clora.services import resolve_model_path
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
-from skyrl_clora.control import run_tenant_pool
 from skyrl_clora.tenant_loop import Rollout
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
@@ -153,11 +153,14 @@ class SkyRLBackend:
         await self.export(tenant, folder / "adapter")
 
     async def restore(self, tenant: str, folder: Path, version: int) -> None:
-        """The worker reads the tenant's training state; its adapter goes to the servers as ``version``."""
+        """The worker reads the tenant's training state; its adapter becomes the tenant's sync folder (what
+        :meth:`export` copies) and goes to the servers as ``version``."""
+        synced = Path(self.stack.sync_path) / tenant
         async with self._update_lock:
             self.tenants[tenant].steps_done = await asyncio.to_thread(
                 self.stack.worker_call, "load_tenant_state", tenant, str(folder))
-            await self.stack.publish_as(tenant, folder / "adapter", version)
+            shutil.copytree(folder / "adapter", synced, dirs_exist_ok=True)
+            await self.stack.publish_as(tenant, synced, version)
 
     async def remove(self, tenant: str) -> None:
         async with self._update_lock:
