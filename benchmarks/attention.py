@@ -7,9 +7,12 @@ Times, each from CUDA-graph replays (median; cache sets rotated so the K/V read 
 L2): our ``decode_attention`` (Triton flash-decoding, ``out`` and workspace preallocated), torch SDPA with
 a boolean mask over all L positions (what the embedded engine did before), and the memory roofline (K/V
 bytes the rows' lengths need, plus q and out, / measured device copy bandwidth). ``--sweep`` also times
-alternative launch configs on three cases.
+alternative launch configs on three cases. ``--paged BS [BS ...]`` also times each case on a paged copy of its
+cache (blocks of ``BS`` positions in a random order, the table's entries past each row's length -1; with
+shared prompts the members' tables name the group's first row's whole prompt blocks, as the engine's block
+manager shares them), side by side with the slot layout.
 
-    python -m benchmarks.attention --out DIR [--sweep] [--shared-only]
+    python -m benchmarks.attention --out DIR [--sweep] [--shared-only] [--paged 32 ...]
 
 Writes DIR/bench_attention.json and DIR/bench_attention.md, and prints the table.
 """
@@ -30,6 +33,34 @@ from skyrl_clora.kernels.attention.decode import AttentionConfig, decode_attenti
 
 DT = torch.bfloat16
 H, KV, D, L = 16, 8, 128, 2048
+
+
+def paged_sets(sets: list[dict], lengths: torch.Tensor, block_size: int, seed: int = 0,
+               shared: tuple[torch.Tensor, int] | None = None) -> tuple[list[dict], torch.Tensor]:
+    """Paged copies of input sets (``k``, ``v``: ``[rows, KV, max_len, d]``) and their block table ``[rows,
+    max_len // block_size]`` int32: every block of every row in a random place, the entries past a row's length
+    -1; ``shared = (prefix_rows, prompt)``: a row's table names its prefix row's blocks below ``prompt`` (whole
+    blocks only), as the engine shares a GRPO group's prompt."""
+    rows, kv_heads, max_len, head_dim = sets[0]["k"].shape
+    per_row = max_len // block_size
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    place = torch.randperm(rows * per_row, device="cuda", generator=gen)  # logical block -> physical block
+    table = place.view(rows, per_row).int()
+    if shared is not None:
+        prefix_rows, prompt = shared
+        whole = prompt // block_size
+        table[:, :whole] = table[prefix_rows.long(), :whole]
+    table[torch.arange(per_row, device="cuda")[None, :] * block_size >= lengths[:, None]] = -1
+    out = []
+    for s in sets:
+        paged = dict(s)
+        for name in ("k", "v"):
+            blocks = s[name].unflatten(2, (per_row, block_size)).transpose(1, 2).reshape(-1, kv_heads, block_size, head_dim)
+            physical = torch.empty_like(blocks)
+            physical[place] = blocks
+            paged[name] = physical
+        out.append(paged)
+    return out, table.contiguous()
 
 
 class Case:
@@ -69,6 +100,13 @@ class Case:
             )
 
         return graph_time([call(s) for s in self.sets])
+
+    def paged(self, block_size: int) -> tuple[float, float]:
+        """Seconds per call on a paged copy of the sets, and the largest relative difference from the slot call."""
+        sets, table = paged_sets(self.sets, self.lengths, block_size)
+        calls = [lambda s=s: decode_attention(s["q"], s["k"], s["v"], self.lengths, out=s["out"], workspace=self.ws,
+                                              block_tables=table) for s in sets]
+        return _paged_time(calls, sets, self.sets, lambda s: decode_attention(s["q"], s["k"], s["v"], self.lengths))
 
     def sdpa(self) -> float:
         def call(s: dict) -> Callable[[], None]:
@@ -121,12 +159,36 @@ class PrefixCase:
     def ours(self, config: AttentionConfig | None = None) -> float:
         return graph_time([self.call(s, config) for s in self.sets])
 
+    def paged(self, block_size: int) -> tuple[float, float]:
+        """As ``Case.paged``, the members' tables naming their group's prompt blocks."""
+        sets, table = paged_sets(self.sets, self.lengths, block_size, shared=(self.prefix_rows, int(self.prefix_lens[0])))
+        prefix = {"prefix_rows": self.prefix_rows, "prefix_lens": self.prefix_lens}
+        calls = [lambda s=s: decode_attention(s["q"], s["k"], s["v"], self.lengths, out=s["out"], workspace=self.ws,
+                                              block_tables=table, **prefix) for s in sets]
+        return _paged_time(calls, sets, self.sets, lambda s: decode_attention(s["q"], s["k"], s["v"], self.lengths, **prefix))
+
+
+def _paged_time(calls: list[Callable[[], None]], paged: list[dict], slot: list[dict],
+                slot_call: Callable[[dict], torch.Tensor]) -> tuple[float, float]:
+    """Seconds per paged call, and the largest relative difference of a paged output from the slot layout's."""
+    seconds = graph_time(calls)
+    diff = 0.0
+    for call, p, s in zip(calls, paged, slot):
+        call()
+        want = slot_call(s).float()
+        diff = max(diff, ((p["out"].float() - want).norm() / want.norm()).item())
+    del paged
+    torch.cuda.empty_cache()
+    return seconds, diff
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_attention"))
     parser.add_argument("--sweep", action="store_true", help="time alternative launch configs on three cases")
     parser.add_argument("--shared-only", action="store_true", help="only the shared-prompt cases")
+    parser.add_argument("--paged", type=int, nargs="+", default=[], metavar="BS",
+                        help="also time each case on a paged cache of BS-position blocks")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     warm_up()
@@ -136,12 +198,14 @@ def main() -> None:
         f"device: {results['device']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
         f"H={H} KV={KV} d={D} L={L} bf16",
     ]
+    paged_head = "".join(f" paged BS={bs} us | paged/slot |" for bs in args.paged)
+    paged_rule = " --- | --- |" * len(args.paged)
     if not args.shared_only:
         lines += [
             "",
             "| B | mean ctx | split_len | ours us | SDPA (mask over L) us | SDPA/ours | roofline us | ours/roofline "
-            "| rel err vs fp32 |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| rel err vs fp32 |" + paged_head,
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + paged_rule,
         ]
     for rows in () if args.shared_only else (64, 256, 512):
         for mean in (256, 1024):
@@ -153,7 +217,7 @@ def main() -> None:
             lines.append(
                 f"| {rows} | {mean} | {r['split_len']} | {r['ours_s'] * 1e6:.1f} | {r['sdpa_s'] * 1e6:.1f} | "
                 f"{r['sdpa_s'] / r['ours_s']:.1f} | {r['roofline_s'] * 1e6:.1f} | {r['ours_s'] / r['roofline_s']:.2f} | "
-                f"{r['rel_error']:.1e} |"
+                f"{r['rel_error']:.1e} |" + _paged_cells(case, r, args.paged)
             )
             print(lines[-1], flush=True)
             if args.sweep and (rows, mean) in ((64, 256), (512, 1024)):
@@ -169,15 +233,15 @@ def main() -> None:
             del case
             torch.cuda.empty_cache()
     lines += ["", "Shared prompts (groups of 8, 256-position prompt read once per group, lengths in [257, 520]):", "",
-              "| B | L | split_len | ours us | roofline us | ours/roofline | rel err vs fp32 |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+              "| B | L | split_len | ours us | roofline us | ours/roofline | rel err vs fp32 |" + paged_head,
+              "| --- | --- | --- | --- | --- | --- | --- |" + paged_rule]
     for rows, max_len in ((320, 640), (512, 640), (512, 5120)):
         case = PrefixCase(rows, max_len=max_len)
         r = {"B": rows, "L": max_len, "case": "shared prompts", "split_len": default_attention_config(max_len).split_len,
              "bytes": case.bytes, "ours_s": case.ours(), "roofline_s": case.bytes / bandwidth, "rel_error": case.max_rel_error}
         results["table"].append(r)
         lines.append(f"| {rows} | {max_len} | {r['split_len']} | {r['ours_s'] * 1e6:.1f} | {r['roofline_s'] * 1e6:.1f} | "
-                     f"{r['ours_s'] / r['roofline_s']:.2f} | {r['rel_error']:.1e} |")
+                     f"{r['ours_s'] / r['roofline_s']:.2f} | {r['rel_error']:.1e} |" + _paged_cells(case, r, args.paged))
         print(lines[-1], flush=True)
         if args.sweep and (rows, max_len) == (512, 640):
             configs = [AttentionConfig(maxnreg=cap, num_stages=st) for cap in (0, 128, 112, 96, 80) for st in (2, 3)]
@@ -192,6 +256,18 @@ def main() -> None:
     (args.out / "bench_attention.json").write_text(json.dumps(results, indent=1))
     (args.out / "bench_attention.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _paged_cells(case: Case | PrefixCase, r: dict, block_sizes: list[int]) -> str:
+    """Times ``case`` paged at each block size into ``r`` (``paged_s``, ``paged_rel_diff``: by block size) and
+    returns the table cells."""
+    cells = ""
+    for block_size in block_sizes:
+        seconds, diff = case.paged(block_size)
+        r.setdefault("paged_s", {})[block_size] = seconds
+        r.setdefault("paged_rel_diff", {})[block_size] = diff
+        cells += f" {seconds * 1e6:.1f} | {seconds / r['ours_s']:.3f} |"
+    return cells
 
 
 if __name__ == "__main__":

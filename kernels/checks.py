@@ -114,15 +114,24 @@ def check_packed(
     _check_same_device([x, lora_a, lora_b, scales, token_slots])
 
 
-def _check_attention_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_dims: str) -> None:
-    """``q: [rows, H, d]`` (``q_dims`` names its dims) and ``k_cache, v_cache: [S, KV, L, d]`` alike, one float
-    dtype, ``H`` a multiple of ``KV``."""
+def _check_attention_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_dims: str,
+                              block_tables: torch.Tensor | None = None) -> None:
+    """``q: [rows, H, d]`` (``q_dims`` names its dims) and ``k_cache, v_cache`` alike, ``[S, KV, L, d]`` (slot
+    layout) or, with ``block_tables``, ``[NB, KV, BS, d]`` (paged: ``block_tables`` a contiguous 2-D int32
+    ``[R, M]`` on ``q``'s device); one float dtype, ``H`` a multiple of ``KV``."""
     if q.dim() != 3 or q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q must be {q_dims} in one of {FLOAT_DTYPES}, got {tuple(q.shape)} {q.dtype}")
+    layout = "[S, KV, L, d]" if block_tables is None else "[NB, KV, BS, d] (paged)"
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
-            f"k_cache and v_cache must both be [S, KV, L, d], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+            f"k_cache and v_cache must both be {layout}, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
+    if block_tables is not None:
+        if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
+            raise ValueError(f"block_tables must be a contiguous 2-D [R, M] int32 tensor, got {tuple(block_tables.shape)} "
+                             f"{block_tables.dtype} strides {block_tables.stride()}")
+        if block_tables.device != q.device:
+            raise ValueError(f"block_tables is on {block_tables.device}, q on {q.device}")
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
     if k_cache.shape[3] != head_dim:
@@ -153,19 +162,21 @@ def check_decode_attention(
     max_head_dim: int,
     prefix_rows: torch.Tensor | None = None,
     prefix_lens: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
 ) -> None:
-    """Checks the arguments of ``decode_attention`` for the Triton path (see ``reference.decode_attention_ref``)."""
+    """Checks the arguments of ``decode_attention`` for the Triton path (see ``reference.decode_attention_ref``):
+    the slot layout needs a cache row per row of ``q``, the paged one a table row per row of ``q``."""
     if (prefix_rows is None) != (prefix_lens is None):
         raise ValueError("prefix_rows and prefix_lens go together: give both or neither")
     for name, t in (("prefix_rows", prefix_rows), ("prefix_lens", prefix_lens)):
         if t is not None and (t.shape != (q.shape[0],) or t.dtype not in (torch.int32, torch.int64) or t.device != q.device):
             raise ValueError(f"{name} must be [B] int32/int64 on q's device, got {tuple(t.shape)} {t.dtype} {t.device}")
-    _check_attention_operands(q, k_cache, v_cache, "[B, H, d]")
+    _check_attention_operands(q, k_cache, v_cache, "[B, H, d]", block_tables)
     check_attention_head_dim(q, k_cache, v_cache, max_head_dim)
     B, D = q.shape[0], q.shape[2]
-    S = k_cache.shape[0]
-    if S < B:
-        raise ValueError(f"the cache has {S} rows, q has {B}")
+    rows, what = (k_cache.shape[0], "cache") if block_tables is None else (block_tables.shape[0], "block table")
+    if rows < B:
+        raise ValueError(f"the {what} has {rows} rows, q has {B}")
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype or (out.stride(-1) != 1 and D > 1):
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with unit last stride, got {tuple(out.shape)} {out.dtype}")
@@ -184,10 +195,11 @@ def check_prefill_attention(
     job_starts: torch.Tensor,
     q_offsets: torch.Tensor,
     q_lens: torch.Tensor,
+    block_tables: torch.Tensor | None = None,
 ) -> None:
     """Checks the arguments of ``prefill_attention`` (both paths; see ``reference.prefill_attention_ref``):
-    shapes, dtypes and devices."""
-    _check_attention_operands(q, k_cache, v_cache, "[T, H, d]")
+    shapes, dtypes and devices, for the slot or (with ``block_tables``) the paged layout."""
+    _check_attention_operands(q, k_cache, v_cache, "[T, H, d]", block_tables)
     metadata = (job_rows, job_starts, q_offsets, q_lens)
     for name, t in zip(PREFILL_METADATA, metadata):
         if t.dim() != 1 or t.dtype != torch.int64 or t.shape != job_rows.shape:

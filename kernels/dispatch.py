@@ -220,9 +220,10 @@ def decode_attention(
     workspace: DecodeWorkspace | None = None,
     prefix_rows: torch.Tensor | None = None,
     prefix_lens: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
     backend: Backend | None = None,
 ) -> torch.Tensor:
-    """One decode step's attention over a slot-based KV cache; returns ``out`` (written in place if given).
+    """One decode step's attention over a slot or paged KV cache; returns ``out`` (written in place if given).
 
     Shapes: ``q: [B, H, d]``; ``k_cache, v_cache: [S, KV, L, d]`` with ``S >= B`` (row ``b`` of ``q`` reads
     cache row ``b``); ``lengths: [B]`` int32/int64 with ``1 <= lengths[b] <= L`` (a length of 0 gives
@@ -239,6 +240,21 @@ def decode_attention(
     ``prefix_lens[b]`` from cache row ``prefix_rows[b]`` instead: rows whose prompts were copied from one
     cached prefix then read one copy of it (``decode_attention_ref`` states it as pseudo-code).
 
+    Paged, with ``block_tables: [R, M]`` (int32, contiguous, ``R >= B``): ``k_cache, v_cache: [NB, KV, BS, d]``
+    (``NB`` blocks of ``BS`` positions), logical row ``r``'s position ``p`` at ``k_cache[block_tables[r, p //
+    BS], :, p % BS]``, logical length ``L = M * BS`` (the ``max_len`` of the :class:`DecodeWorkspace`). Row
+    ``b`` reads through table row ``b``, and its positions below ``prefix_lens[b]`` through table row
+    ``prefix_rows[b]``; table entries of blocks at or past what a row reads may hold anything (they are never
+    dereferenced), and rows may share blocks. Torch pseudo-code::
+
+        for b in range(B):
+            n = min(lengths[b], M * BS)
+            r = [prefix_rows[b] if p < prefix_lens[b] else b for p in range(n)]    # no prefix: all b
+            for h in range(H):
+                k = stack([k_cache[block_tables[r[p], p // BS], h // (H // KV), p % BS] for p in range(n)])
+                v = stack([v_cache[block_tables[r[p], p // BS], h // (H // KV), p % BS] for p in range(n)])
+                out[b, h] = softmax(q[b, h] @ k.T / sqrt(d)) @ v                   # [n, d] each
+
     Usage in a decode step (the new token's K/V already written at position ``lengths[b] - 1``)::
 
         ws = DecodeWorkspace(max_rows, H, L, d, device="cuda")       # once
@@ -247,13 +263,16 @@ def decode_attention(
     The Triton path (``kernels.attention.decode``, flash-decoding) reads only the first ``lengths[b]`` positions
     of each row, needs unit stride along ``d`` and ``d <= 256``, and raises ValueError otherwise. With
     ``out`` and ``workspace`` given it allocates nothing and never waits for the host, so the step can be
-    captured in a CUDA graph and replayed with new ``lengths`` copied into the captured tensor. The torch
-    path (``reference.decode_attention_ref``) masks over all ``L`` positions and ignores ``workspace``.
+    captured in a CUDA graph and replayed with new ``lengths`` (and block tables) copied into the captured
+    tensors. The torch path (``reference.decode_attention_ref``) masks over all ``L`` positions and ignores
+    ``workspace``; paged, it gathers the rows' blocks into a ``[B, KV, L, d]`` copy first and is then
+    bit-identical to a slot call over that copy.
     """
     if use_triton(q, backend):
         return decode_attention_triton(q, k_cache, v_cache, lengths, out=out, workspace=workspace,
-                                       prefix_rows=prefix_rows, prefix_lens=prefix_lens)
-    return decode_attention_ref(q, k_cache, v_cache, lengths, out=out, prefix_rows=prefix_rows, prefix_lens=prefix_lens)
+                                       prefix_rows=prefix_rows, prefix_lens=prefix_lens, block_tables=block_tables)
+    return decode_attention_ref(q, k_cache, v_cache, lengths, out=out, prefix_rows=prefix_rows, prefix_lens=prefix_lens,
+                                block_tables=block_tables)
 
 
 def prefill_attention(
@@ -266,10 +285,11 @@ def prefill_attention(
     q_lens: torch.Tensor,
     scale: float,
     *,
+    block_tables: torch.Tensor | None = None,
     backend: Backend | None = None,
 ) -> torch.Tensor:
-    """Attention of one layer for a ragged prefill pass, keys read straight from the KV cache; returns a new
-    ``[T, H, d]`` in ``q``'s dtype.
+    """Attention of one layer for a ragged prefill pass, keys read straight from the KV cache (slot or paged);
+    returns a new ``[T, H, d]`` in ``q``'s dtype.
 
     Shapes: ``q: [T, H, d]``, the pass's query tokens, job ``j``'s at ``q[q_offsets[j] : q_offsets[j] +
     q_lens[j]]`` (disjoint ranges in any order; ``q_lens[j] = 0``: an unused job slot); ``k_cache, v_cache:
@@ -287,16 +307,26 @@ def prefill_attention(
                     k = k_cache[job_rows[j], h // (H // KV), :p + 1]       # [p + 1, d]; v likewise
                     out[t, h] = softmax(scale * q[t, h] @ k.T) @ v
 
+    Paged, with ``block_tables: [R, M]`` (int32, contiguous): ``k_cache, v_cache: [NB, KV, BS, d]``, logical
+    length ``L = M * BS``, and job ``j`` reads through table row ``job_rows[j]`` (``< R``); entries of blocks
+    past a job's last query position may hold anything (never dereferenced). The pseudo-code's ``k`` becomes::
+
+                    k = stack([k_cache[block_tables[job_rows[j], i // BS], h // (H // KV), i % BS]
+                               for i in range(p + 1)])                   # [p + 1, d]; v likewise
+
     The Triton path (``kernels.attention.prefill``) reads only each job's positions up to its last query
     (causal tiles), needs unit stride along ``d`` and ``d <= 256``, never waits for the host and allocates
     only ``out``: a prefill pass is capturable in a CUDA graph and replayable with new metadata copied into
     the same tensors. The torch path (``reference.prefill_attention_ref``, the CPU engine's) loops over the
-    jobs on the host. Raises ValueError on bad shapes or dtypes.
+    jobs on the host (paged, bit-identical to a slot call over the jobs' gathered blocks). Raises ValueError on
+    bad shapes or dtypes.
     """
     if use_triton(q, backend):
-        return prefill_attention_triton(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens, scale)
-    check_prefill_attention(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens)
-    return prefill_attention_ref(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens, scale)
+        return prefill_attention_triton(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens, scale,
+                                        block_tables=block_tables)
+    check_prefill_attention(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens, block_tables)
+    return prefill_attention_ref(q, k_cache, v_cache, job_rows, job_starts, q_offsets, q_lens, scale,
+                                 block_tables=block_tables)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,

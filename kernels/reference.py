@@ -104,6 +104,21 @@ def packed_lora_ref(
     return out
 
 
+def paged_view(cache: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor, used: torch.Tensor,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Logical rows of a paged cache layer as a contiguous ``[N, KV, M * BS, d]`` copy in ``dtype`` (default the
+    cache's), block by block: ``out[n, :, p] = cache[block_tables[rows[n], p // BS], :, p % BS]`` for ``cache: [NB,
+    KV, BS, d]``, ``block_tables: [R, M]``, ``rows: [N]`` and ``used: [N, M]`` bool; where ``used`` is False the
+    table entry is never dereferenced (it may hold anything) and ``out`` holds block 0's values instead."""
+    blocks = torch.where(used, block_tables[rows], 0).long()  # [N, M]
+    num, per_row = blocks.shape
+    kv_heads, block_size, head_dim = cache.shape[1:]
+    out = cache.new_empty((num, kv_heads, per_row, block_size, head_dim), dtype=dtype or cache.dtype)
+    gathered = cache.index_select(0, blocks.view(-1)).view(num, per_row, kv_heads, block_size, head_dim)
+    out.copy_(gathered.permute(0, 2, 1, 3, 4))  # [N, M, KV, BS, d] -> [N, KV, M, BS, d]
+    return out.view(num, kv_heads, per_row * block_size, head_dim)
+
+
 def decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -112,6 +127,7 @@ def decode_attention_ref(
     out: torch.Tensor | None = None,
     prefix_rows: torch.Tensor | None = None,
     prefix_lens: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step's attention, each row over its own cache row's first ``lengths[b]`` positions, or,
     with ``prefix_rows``/``prefix_lens`` (``[B]`` ints), over row ``prefix_rows[b]``'s K/V at the positions
@@ -126,10 +142,21 @@ def decode_attention_ref(
                 k = stack([k_cache[r(b, p), h // G, p] for p in range(n)])     # [n, d]; v likewise
                 out[b, h] = softmax(q[b, h] @ k.T / sqrt(d)) @ v                 # zeros if n <= 0
 
-    Computes in fp32 and writes ``out`` (allocated in ``q``'s dtype if not given); returns it. The
-    positions past a row's length are masked, not skipped, so this reads all ``L`` positions of every row.
-    No host synchronisation.
+    Paged (``block_tables: [R, M]`` int32, ``R >= B``; ``k_cache, v_cache: [NB, KV, BS, d]``; ``L = M * BS``):
+    the same with ``k_cache[r, :, p]`` read as ``k_cache[block_tables[r, p // BS], :, p % BS]``. The rows are
+    taken in groups of equal block counts (``c = cdiv(n, BS)``): a group's blocks are gathered into a contiguous
+    ``[rows, KV, c * BS, d]`` (the entries of blocks past ``n``, and of a row's own blocks wholly below its
+    prefix, are not dereferenced: they may hold anything), then the slot computation runs on it, so row ``b``
+    of a paged call is bit-identical to a slot call of that row alone over its own ``c`` gathered blocks,
+    whatever the other rows (gathering and attending over each row's blocks only is what keeps the CPU engine's
+    paged decode close to its former slot cost). Reads the lengths on the host.
+
+    Computes in fp32 and writes ``out`` (allocated in ``q``'s dtype if not given); returns it. The slot
+    layout's positions past a row's length are masked, not skipped, so it reads all ``L`` positions of every
+    row, with no host synchronisation.
     """
+    if block_tables is not None:
+        return _paged_decode_ref(q, k_cache, v_cache, lengths, out, prefix_rows, prefix_lens, block_tables)
     B, H, D = q.shape
     KV, L = k_cache.shape[1], k_cache.shape[2]
     if prefix_rows is None:
@@ -142,15 +169,69 @@ def decode_attention_ref(
         # kernels, so a row's result does not depend on which row its prefix is read from.
         k = k_cache[source, :, positions].float().permute(0, 2, 1, 3).contiguous()
         v = v_cache[source, :, positions].float().permute(0, 2, 1, 3).contiguous()
-    scores = (q.float().view(B, KV, H // KV, D) @ k.transpose(-1, -2)) / D**0.5  # [B, KV, G, L]
-    valid = torch.arange(L, device=q.device).view(1, L) < lengths.view(B, 1)  # [B, L]
-    scores = scores.masked_fill(~valid.view(B, 1, 1, L), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row of length 0 softmaxes to NaN: zeros
-    result = (probs @ v).view(B, H, D)
+    result = _attend_rows(q, k, v, lengths)
     if out is None:
         return result.to(q.dtype)
     out.copy_(result)
     return out
+
+
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``softmax(q @ k.T / sqrt(d)) @ v`` per row and head over each row's first ``lengths[b]`` positions, in fp32:
+    ``q: [B, H, d]``, ``k, v: [B, KV, L, d]`` fp32 -> ``[B, H, d]`` (zeros for a row of length 0)."""
+    B, H, D = q.shape
+    KV, L = k.shape[1], k.shape[2]
+    scores = (q.float().view(B, KV, H // KV, D) @ k.transpose(-1, -2)) / D**0.5  # [B, KV, G, L]
+    valid = torch.arange(L, device=q.device).view(1, L) < lengths.view(B, 1)  # [B, L]
+    scores = scores.masked_fill(~valid.view(B, 1, 1, L), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row of length 0 softmaxes to NaN: zeros
+    return (probs @ v).view(B, H, D)
+
+
+def _paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                      out: torch.Tensor | None, prefix_rows: torch.Tensor | None, prefix_lens: torch.Tensor | None,
+                      block_tables: torch.Tensor) -> torch.Tensor:
+    """``decode_attention_ref`` on a paged cache, by groups of rows of equal block counts (see its docstring)."""
+    B = q.shape[0]
+    block_size, per_row = k_cache.shape[2], block_tables.shape[1]
+    lengths = lengths.clamp(0, per_row * block_size)
+    counts = torch.div(lengths + block_size - 1, block_size, rounding_mode="floor")
+    result = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for count in sorted(set(counts.tolist()) - {0}):
+        rows = (counts == count).nonzero(as_tuple=True)[0]
+        group_prefix = (None, None) if prefix_rows is None else (prefix_rows[rows], prefix_lens[rows])
+        k, v = _gather_decode_rows(k_cache, v_cache, block_tables[:, :count], rows, lengths[rows], *group_prefix)
+        result[rows] = _attend_rows(q[rows], k, v, lengths[rows])
+    if out is None:
+        return result.to(q.dtype)
+    out.copy_(result)
+    return out
+
+
+def _gather_decode_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor,
+                        lengths: torch.Tensor, prefix_rows: torch.Tensor | None,
+                        prefix_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows ``rows: [N]`` of a paged cache as contiguous fp32 ``[N, KV, M * BS, d]`` K and V (``M``:
+    ``block_tables``' width): row ``rows[n]``'s blocks from its own table row, those below ``prefix_lens[n]``
+    from table row ``prefix_rows[n]`` (a block holding the prefix's end is read through both, and each position
+    taken from its own row's). Only the entries of blocks holding positions a row reads are dereferenced."""
+    num = rows.shape[0]
+    block_size = k_cache.shape[2]
+    starts = torch.arange(block_tables.shape[1], device=k_cache.device)[None] * block_size  # [1, M]: first positions
+    lengths = lengths.view(num, 1)
+    if prefix_rows is None:
+        used = starts < lengths
+        return tuple(paged_view(cache, block_tables, rows, used, torch.float32) for cache in (k_cache, v_cache))
+    prefix_lens = prefix_lens.view(num, 1)
+    prefix_src = torch.where(prefix_lens[:, 0] > 0, prefix_rows, rows)
+    used_prefix = starts < torch.minimum(prefix_lens, lengths)
+    used_own = (starts < lengths) & (starts + block_size > prefix_lens)
+    below = (torch.arange(starts.shape[1] * block_size, device=k_cache.device)[None] < prefix_lens)[:, None, :, None]
+    return tuple(
+        torch.where(below, paged_view(cache, block_tables, prefix_src, used_prefix),
+                    paged_view(cache, block_tables, rows, used_own)).float()
+        for cache in (k_cache, v_cache)
+    )
 
 
 def prefill_attention_ref(
@@ -162,6 +243,7 @@ def prefill_attention_ref(
     q_offsets: torch.Tensor,
     q_lens: torch.Tensor,
     scale: float,
+    block_tables: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a ragged prefill pass, each job's queries causally over its own cache row.
 
@@ -184,16 +266,30 @@ def prefill_attention_ref(
     runs are reproducible bit for bit), and equals the runner's former call on chunks padded to whole 16
     positions. With ``scale = 1 / math.sqrt(d)`` this is SDPA's default scale. Reads the metadata on the
     host (``.tolist()``): not capturable in a CUDA graph.
+
+    Paged (``block_tables: [R, M]`` int32; ``k_cache, v_cache: [NB, KV, BS, d]``; ``L = M * BS``): job ``j``
+    reads ``k_cache[block_tables[job_rows[j], p // BS], :, p % BS]`` for its position ``p``. Each job's blocks
+    are gathered into a contiguous ``[KV, L, d]`` (the entries past its last query's position are not
+    dereferenced: they may hold anything), then the slot computation runs on it unchanged, so a paged call is
+    bit-identical to a slot call over the gathered cache.
     """
     groups = q.shape[1] // k_cache.shape[1]
-    key_positions = torch.arange(k_cache.shape[2], device=q.device)
+    L = k_cache.shape[2] if block_tables is None else block_tables.shape[1] * k_cache.shape[2]
+    key_positions = torch.arange(L, device=q.device)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    for row, start, offset, n in zip(job_rows.tolist(), job_starts.tolist(), q_offsets.tolist(), q_lens.tolist()):
-        if n <= 0:
-            continue
+    live = (q_lens > 0).nonzero(as_tuple=True)[0]  # unused job slots may name any row
+    if block_tables is not None:  # every live job's blocks up to its last position, in one gather: [J', KV, L, d]
+        ends = (job_starts + q_lens)[live].view(-1, 1)
+        used = torch.arange(block_tables.shape[1], device=q.device)[None] * k_cache.shape[2] < ends
+        paged_keys, paged_values = (paged_view(cache, block_tables, job_rows[live], used) for cache in (k_cache, v_cache))
+    jobs = zip(job_rows[live].tolist(), job_starts[live].tolist(), q_offsets[live].tolist(), q_lens[live].tolist())
+    for job, (row, start, offset, n) in enumerate(jobs):
         padded = -(-n // PREFILL_QUERY_QUANTUM) * PREFILL_QUERY_QUANTUM
         q_job = torch.nn.functional.pad(q[offset : offset + n], (0, 0, 0, 0, 0, padded - n)).transpose(0, 1)[None]
-        keys, values = k_cache[row][None], v_cache[row][None]  # [1, KV, L, d]
+        if block_tables is None:
+            keys, values = k_cache[row][None], v_cache[row][None]  # [1, KV, L, d]
+        else:
+            keys, values = paged_keys[job : job + 1], paged_values[job : job + 1]
         if groups > 1:
             keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
         query_positions = start + torch.arange(padded, device=q.device)

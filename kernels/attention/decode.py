@@ -1,4 +1,5 @@
-"""Decode attention over a slot-based KV cache (flash-decoding): Triton kernels and host wrapper.
+"""Decode attention over a slot or paged KV cache (flash-decoding): Triton kernels and host wrapper (the group
+and reduce kernels, which never read the cache, are in ``decode_aux``).
 
 One decode step attends each row's single query token to the first ``lengths[b]`` positions of its own cache
 row. The keys of a row are cut into fixed splits of ``split_len`` positions; one program per (split, kv head,
@@ -25,6 +26,13 @@ members past the first :data:`PREFIX_GROUP_ROWS` of a group, and rows naming a s
 read their prefix in their own programs from the source row. The result equals reading each row's own
 copy up to rounding (the prefix is a partial softmax of its own).
 
+Paged caches (``block_tables: [R, M]``, caches ``[NB, KV, BS, d]``): logical row ``r``'s position ``p`` is at
+``k_cache[block_tables[r, p // BS], :, p % BS]`` and the logical length is ``L = M * BS``; everything above
+holds with "cache row" read as "table row". One constexpr (``PAGED``) picks the addressing, so the slot
+layout compiles to its own code. A key tile loads its table entries once (one per key, shared by its K and
+V loads; a tile of ``BLOCK_N`` keys spans ``BLOCK_N / BS`` blocks, or part of one), masked like its keys:
+the entries past what a row uses may hold anything and are never read.
+
 Semantics: ``reference.decode_attention_ref``; entry point: ``dispatch.decode_attention``.
 """
 
@@ -36,8 +44,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
+from skyrl_clora.kernels.attention.decode_aux import _prefix_groups_kernel, _reduce_kernel, reduce_warps
 from skyrl_clora.kernels.checks import check_decode_attention
 from skyrl_clora.kernels.launch import cdiv, dot_flags, has_pdl, next_power_of_2
 
@@ -132,42 +141,6 @@ class DecodeWorkspace:
 
 
 @triton.jit
-def _prefix_groups_kernel(
-    len_ptr,
-    prefix_row_ptr,
-    prefix_len_ptr,
-    served_ptr,
-    count_ptr,
-    members_ptr,
-    B,
-    L,
-    B_P2: tl.constexpr,
-    MEMBERS: tl.constexpr,
-):
-    """Row ``b`` as a member: ``served[b]`` = its shared prefix length if it is among the first ``MEMBERS``
-    rows (by index) naming its source, a row of the batch (it is then ``members[source, rank]``), else 0.
-    Row ``b`` as a source: ``count[b]`` = its members (at most ``MEMBERS``). A row's prefix length is
-    ``min(prefix_len, length, L)``; 0 means none."""
-    b = tl.program_id(0)
-    offs = tl.arange(0, B_P2)
-    in_batch = offs < B
-    lengths = tl.minimum(tl.load(len_ptr + offs, mask=in_batch, other=0), L)
-    lens = tl.minimum(tl.load(prefix_len_ptr + offs, mask=in_batch, other=0), lengths).to(tl.int32)
-    rows = tl.load(prefix_row_ptr + offs, mask=in_batch, other=-1).to(tl.int32)
-    grouped = (lens > 0) & (rows >= 0) & (rows < B)  # rows whose source has a group program
-    source = tl.sum(tl.where(offs == b, rows, 0), axis=0)
-    own_len = tl.sum(tl.where(offs == b, lens, 0), axis=0)
-    is_grouped = tl.sum(tl.where(offs == b, grouped.to(tl.int32), 0), axis=0) > 0
-    rank = tl.sum((grouped & (rows == source) & (offs < b)).to(tl.int32), axis=0)
-    served = is_grouped & (rank < MEMBERS)
-    tl.store(served_ptr + b, tl.where(served, own_len, 0))
-    if served:
-        tl.store(members_ptr + source * MEMBERS + rank, b)
-    mine = grouped & (rows == b)
-    tl.store(count_ptr + b, tl.minimum(tl.sum(mine.to(tl.int32), axis=0), MEMBERS))
-
-
-@triton.jit
 def _softmax_block(q, kt, vt, valid, m, denom, acc, qk_scale, DOT_PRECISION: tl.constexpr):
     """One key block of an online softmax: ``q: [Q, D]``, ``kt: [D, N]``, ``vt: [N, D]``, ``valid: [Q, N]``;
     returns the updated running max (base 2), denominator and unnormalised output."""
@@ -191,14 +164,25 @@ def _store_partial(o_ptr, lse_ptr, row_head, q_ok, acc, denom, m, offs_d, d_mask
 
 
 @triton.jit
+def _paged_keys(table_ptr, table_row, pos, n_mask, stride_t, BLOCK_SIZE: tl.constexpr):
+    """Paged layout: the cache block (int64) and the offset in it (int64) of the keys at positions ``pos`` of
+    logical row ``table_row`` (one row, or one per key): ``block_tables[table_row, pos // BLOCK_SIZE]`` and
+    ``pos % BLOCK_SIZE``. The table is read once per key tile, and only where ``n_mask`` (entries past a row's
+    keys may hold anything): masked keys get block 0."""
+    blk = tl.load(table_ptr + table_row * stride_t + pos // BLOCK_SIZE, mask=n_mask, other=0)
+    return blk.to(tl.int64), (pos % BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
 def _row_partial(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, b, slot, kvh, start, lo, hi, low_row, split_at, H, D, NUM_SLOTS, qk_scale,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
+    q_ptr, k_ptr, v_ptr, table_ptr, o_ptr, lse_ptr, b, slot, kvh, start, lo, hi, low_row, split_at, H, D, NUM_SLOTS,
+    qk_scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_t,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_LEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
     """The ``GROUP`` query heads of kv head ``kvh`` of row ``b`` over keys ``[lo, hi)`` of the split starting
-    at ``start`` (positions below ``split_at`` from cache row ``low_row``)."""
+    at ``start`` (positions below ``split_at`` from row ``low_row``: a cache row, or with PAGED a table row)."""
     offs_q = tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -224,11 +208,22 @@ def _row_partial(
     for i in range(first_block, end_block):
         pos = start + i * BLOCK_N + offs_n
         n_mask = (pos >= lo) & (pos < hi)
-        row = tl.where(pos < split_at, low_row, b).to(tl.int64)
-        kt = tl.load(k_base + row[None, :] * stride_kb + pos[None, :].to(tl.int64) * stride_kl + offs_d[:, None],
-                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        vt = tl.load(v_base + row[:, None] * stride_vb + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :],
-                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if PAGED:
+            blk, off = _paged_keys(table_ptr, tl.where(pos < split_at, low_row, b).to(tl.int64), pos, n_mask, stride_t,
+                                   BLOCK_SIZE)
+            # K read as [BLOCK_N, BLOCK_D] like V (the keys' addresses in one layout), then transposed: at the
+            # engine's shape on the H200, paged steps took 6.8-7.3% longer than slot ones, against 8.9-11.4% with K
+            # read transposed.
+            kt = tl.trans(tl.load(k_base + (blk * stride_kb + off * stride_kl)[:, None] + offs_d[None, :],
+                                  mask=n_mask[:, None] & d_mask[None, :], other=0.0))  # [BLOCK_D, BLOCK_N]
+            vt = tl.load(v_base + (blk * stride_vb + off * stride_vl)[:, None] + offs_d[None, :],
+                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        else:
+            row = tl.where(pos < split_at, low_row, b).to(tl.int64)
+            kt = tl.load(k_base + row[None, :] * stride_kb + pos[None, :].to(tl.int64) * stride_kl + offs_d[:, None],
+                         mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            vt = tl.load(v_base + row[:, None] * stride_vb + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :],
+                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         if UPCAST:
             kt, vt = kt.to(tl.float32), vt.to(tl.float32)
         m, denom, acc = _softmax_block(q, kt, vt, n_mask[None, :], m, denom, acc, qk_scale, DOT_PRECISION)
@@ -238,15 +233,17 @@ def _row_partial(
 
 @triton.jit
 def _prefix_partial(
-    q_ptr, k_ptr, v_ptr, served_ptr, count_ptr, members_ptr, o_ptr, lse_ptr, b, slot, kvh, start, H, D, NUM_SLOTS,
-    qk_scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
-    GROUP: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_LEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, table_ptr, served_ptr, count_ptr, members_ptr, o_ptr, lse_ptr, b, slot, kvh, start, H, D,
+    NUM_SLOTS, qk_scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
+    stride_t, GROUP: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
     """Row ``b``'s group (its first ``MEMBERS`` members, ``_prefix_groups_kernel``) over the split starting at
-    ``start`` of row ``b``'s keys of kv head ``kvh``, each member up to its own prefix length; the query rows
-    are the ``(member, query head)`` pairs. Writes nothing when no member has a key in the split (the reduce
-    reads a prefix slot only below the member's prefix length)."""
+    ``start`` of row ``b``'s keys of kv head ``kvh`` (cache row ``b``, or with PAGED table row ``b``), each
+    member up to its own prefix length; the query rows are the ``(member, query head)`` pairs. Writes nothing
+    when no member has a key in the split (the reduce reads a prefix slot only below the member's prefix
+    length)."""
     offs_q = tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -268,18 +265,29 @@ def _prefix_partial(
                     mask=q_ok[:, None] & d_mask[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-        v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+        if PAGED:
+            k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+            v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+        else:
+            k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+            v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
         m = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
         denom = tl.zeros([BLOCK_Q], dtype=tl.float32)
         acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
         for i in range(first_block, end_block):
             pos = start + i * BLOCK_N + offs_n
             n_mask = pos < last
-            kt = tl.load(k_base + pos[None, :].to(tl.int64) * stride_kl + offs_d[:, None],
-                         mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-            vt = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :],
-                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            if PAGED:
+                blk, off = _paged_keys(table_ptr, b.to(tl.int64), pos, n_mask, stride_t, BLOCK_SIZE)
+                kt = tl.trans(tl.load(k_base + (blk * stride_kb + off * stride_kl)[:, None] + offs_d[None, :],
+                                      mask=n_mask[:, None] & d_mask[None, :], other=0.0))  # as in _row_partial
+                vt = tl.load(v_base + (blk * stride_vb + off * stride_vl)[:, None] + offs_d[None, :],
+                             mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            else:
+                kt = tl.load(k_base + pos[None, :].to(tl.int64) * stride_kl + offs_d[:, None],
+                             mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+                vt = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :],
+                             mask=n_mask[:, None] & d_mask[None, :], other=0.0)
             if UPCAST:
                 kt, vt = kt.to(tl.float32), vt.to(tl.float32)
             m, denom, acc = _softmax_block(q, kt, vt, pos[None, :] < hi[:, None], m, denom, acc, qk_scale,
@@ -293,6 +301,7 @@ def _partial_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    table_ptr,
     len_ptr,
     prefix_row_ptr,
     prefix_len_ptr,
@@ -315,6 +324,7 @@ def _partial_kernel(
     stride_vb,
     stride_vh,
     stride_vl,
+    stride_t,
     GROUP: tl.constexpr,
     MEMBERS: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -325,16 +335,19 @@ def _partial_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
+    PAGED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     """Program ``(slot, kv head j, row b)``, one of two kinds, each with its own code (a program computes and
     loads only what its kind needs). ``slot = s < NUM_SPLITS``, a row program (``_row_partial``): the
     ``GROUP`` query heads of kv head ``j`` of row ``b`` over keys ``[s * SPLIT_LEN, min((s + 1) * SPLIT_LEN,
     length))``, less the positions below ``served[b]`` (read by its group's program); with HAS_PREFIX, keys
-    below ``prefix_len[b]`` of a row not served come from cache row ``prefix_row[b]``. ``slot = NUM_SPLITS +
-    s``, a prefix program (HAS_PREFIX only, ``_prefix_partial``): the members of row ``b``'s group over the
-    same split of row ``b``'s keys, each up to its own prefix length. Writes ``o[row, h, slot] = softmax(q @
-    K.T * scale) @ V`` over the program's keys and ``lse[row, h, slot]`` (base 2; ``-inf`` where a query has no
-    key in the range)."""
+    below ``prefix_len[b]`` of a row not served come from row ``prefix_row[b]``. ``slot = NUM_SPLITS + s``, a
+    prefix program (HAS_PREFIX only, ``_prefix_partial``): the members of row ``b``'s group over the same split
+    of row ``b``'s keys, each up to its own prefix length. Writes ``o[row, h, slot] = softmax(q @ K.T * scale) @
+    V`` over the program's keys and ``lse[row, h, slot]`` (base 2; ``-inf`` where a query has no key in the
+    range). Key ``p`` of row ``r``: ``k[r, j, p]`` (slot layout), or with PAGED ``k[table[r, p // BLOCK_SIZE], j,
+    p % BLOCK_SIZE]`` (``table`` rows ``stride_t`` apart; ``L`` is the table's width times ``BLOCK_SIZE``)."""
     if PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -354,9 +367,10 @@ def _partial_kernel(
             split_at = tl.where(served > 0, 0, tl.minimum(tl.load(prefix_len_ptr + b).to(tl.int32), length))
         if hi > lo:
             _row_partial(
-                q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, b, pid, kvh, start, lo, hi, low_row, split_at, H, D, NUM_SLOTS,
-                qk_scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
-                GROUP, BLOCK_Q, BLOCK_D, BLOCK_N, SPLIT_LEN, UPCAST, DOT_PRECISION,
+                q_ptr, k_ptr, v_ptr, table_ptr, o_ptr, lse_ptr, b, pid, kvh, start, lo, hi, low_row, split_at, H, D,
+                NUM_SLOTS, qk_scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh,
+                stride_vl, stride_t, GROUP, BLOCK_Q, BLOCK_D, BLOCK_N, SPLIT_LEN, UPCAST, DOT_PRECISION, PAGED,
+                BLOCK_SIZE,
             )  # fmt: skip
         else:
             offs_q = tl.arange(0, BLOCK_Q)
@@ -364,62 +378,11 @@ def _partial_kernel(
                      tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32), mask=offs_q < GROUP)
     elif HAS_PREFIX:
         _prefix_partial(
-            q_ptr, k_ptr, v_ptr, served_ptr, count_ptr, members_ptr, o_ptr, lse_ptr, b, pid, kvh,
+            q_ptr, k_ptr, v_ptr, table_ptr, served_ptr, count_ptr, members_ptr, o_ptr, lse_ptr, b, pid, kvh,
             (pid - NUM_SPLITS) * SPLIT_LEN, H, D, NUM_SLOTS, qk_scale,
-            stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
-            GROUP, MEMBERS, BLOCK_Q, BLOCK_D, BLOCK_N, SPLIT_LEN, UPCAST, DOT_PRECISION,
+            stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_t,
+            GROUP, MEMBERS, BLOCK_Q, BLOCK_D, BLOCK_N, SPLIT_LEN, UPCAST, DOT_PRECISION, PAGED, BLOCK_SIZE,
         )  # fmt: skip
-
-
-@triton.jit
-def _reduce_kernel(
-    o_ptr,
-    lse_ptr,
-    len_ptr,
-    served_ptr,
-    out_ptr,
-    H,
-    D,
-    L,
-    NUM_SPLITS,
-    NUM_SLOTS,
-    stride_ob,
-    stride_oh,
-    SPLIT_LEN: tl.constexpr,
-    SLOTS_P2: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
-):
-    """``out[b, h] = sum_s w_s * o[b, h, s] / sum_s w_s`` with ``w_s = 2 ** lse[b, h, s]`` over the row's
-    written slots: its splits up to its length and, when its group read its prefix, the prefix's splits;
-    zeros for a row of length 0."""
-    h = tl.program_id(0)
-    b = tl.program_id(1)
-    length = tl.minimum(tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0), L)
-    offs_s = tl.arange(0, SLOTS_P2)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < (length + SPLIT_LEN - 1) // SPLIT_LEN
-    d_mask = offs_d < D
-    base = (b * H + h).to(tl.int64) * NUM_SLOTS
-    if PDL:
-        gdc_wait()  # the partials are complete and visible from here on
-    if HAS_PREFIX:
-        served = tl.load(served_ptr + b)
-        s_mask = s_mask | ((offs_s >= NUM_SPLITS) & (offs_s < NUM_SLOTS) & ((offs_s - NUM_SPLITS) * SPLIT_LEN < served))
-    lse = tl.load(lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # a row of length 0 has no partials: all weights 0
-    used = s_mask & (lse != float("-inf"))
-    w = tl.where(used, tl.exp2(lse - top), 0.0)
-    o = tl.load(o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=used[:, None] & d_mask[None, :], other=0.0)
-    res = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
-
-
-def reduce_warps(slots_p2: int, block_d: int) -> int:
-    """Warps of a reduce program over a ``[slots_p2, block_d]`` fp32 tile: one per 1,024 floats, 1 to 8."""
-    return max(1, min(8, slots_p2 * block_d // 1024))
 
 
 def _register_cap(cfg: AttentionConfig, has_prefix: bool, block_d: int, on_cpu: bool) -> dict[str, int]:
@@ -441,18 +404,24 @@ def decode_attention_triton(
     config: AttentionConfig | None = None,
     prefix_rows: torch.Tensor | None = None,
     prefix_lens: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton ``decode_attention`` (semantics: ``reference.decode_attention_ref``); returns ``out``.
 
     Launches: with a shared prefix the group tables (grid ``(B,)``), then the partials (grid ``(slots, KV, B)``,
     two slots per split with a prefix, else one) and the reduce (grid ``(H, B)``). With ``out`` and
     ``workspace`` given nothing is allocated and nothing waits for the host; otherwise they are allocated
-    here. ``config`` overrides ``default_attention_config`` (benchmarks sweep it). Raises ValueError on bad
-    shapes, dtypes or strides.
+    here. ``config`` overrides ``default_attention_config`` (benchmarks sweep it). With ``block_tables: [R, M]``
+    (int32, contiguous) the caches are paged, ``[NB, KV, BS, d]``: the logical length is ``L = M * BS`` (the
+    config, grids and workspace size follow it), and each key's block comes from the table, read only for the
+    positions a row uses. Raises ValueError on bad shapes, dtypes or strides.
     """
-    check_decode_attention(q, k_cache, v_cache, lengths, out, MAX_HEAD_DIM, prefix_rows, prefix_lens)
+    check_decode_attention(q, k_cache, v_cache, lengths, out, MAX_HEAD_DIM, prefix_rows, prefix_lens, block_tables)
     B, H, D = q.shape
-    KV, L = k_cache.shape[1], k_cache.shape[2]
+    KV = k_cache.shape[1]
+    paged = block_tables is not None
+    block_size = k_cache.shape[2] if paged else 1
+    L = block_tables.shape[1] * block_size if paged else k_cache.shape[2]
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if B == 0:
@@ -488,12 +457,14 @@ def decode_attention_triton(
             B_P2=next_power_of_2(B), MEMBERS=members_per_tile, num_warps=4,
         )  # fmt: skip
     _partial_kernel[(num_slots, KV, B)](
-        q, k_cache, v_cache, lengths, prefix_rows if has_prefix else lengths, prefix_lens if has_prefix else lengths,
-        served, count, members, partial_o, partial_lse, H, D, L, num_splits, num_slots,
-        _LOG2E / math.sqrt(D), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q, k_cache, v_cache, block_tables if paged else lengths, lengths, prefix_rows if has_prefix else lengths,
+        prefix_lens if has_prefix else lengths, served, count, members, partial_o, partial_lse, H, D, L, num_splits,
+        num_slots, _LOG2E / math.sqrt(D), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0) if paged else 0,
         GROUP=group, MEMBERS=members_per_tile, BLOCK_Q=max(16, next_power_of_2(group * members_per_tile)),
         BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_LEN=cfg.split_len, **dot_flags(q), PDL=pdl, HAS_PREFIX=has_prefix,
+        PAGED=paged, BLOCK_SIZE=block_size,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg, has_prefix, block_d, on_cpu),
     )  # fmt: skip
     slots_p2 = next_power_of_2(num_slots)

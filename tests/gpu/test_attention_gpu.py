@@ -1,7 +1,8 @@
-"""GPU parity of the Triton decode-attention kernels at real sizes against the fp32 torch reference, and
-CUDA-graph capture of a decode step replayed with new lengths. Skipped without CUDA. Cache positions past
-each row's length and cache rows past the batch hold NaN, so a kernel reading them fails. Tolerances per
-dtype: ``kernel_cases.TOLERANCE``.
+"""GPU parity of the Triton decode-attention kernels at real sizes against the fp32 torch reference, slot and
+paged caches, and CUDA-graph capture of a decode step replayed with new lengths (and, paged, new block tables).
+Skipped without CUDA. Cache positions past each row's length and cache rows past the batch hold NaN (paged:
+blocks no row names too, and table entries past each row's length are garbage), so a kernel reading them
+fails. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from skyrl_clora.kernels import DecodeWorkspace, decode_attention
 from kernel_cases import TOLERANCE, attention_ref_fp32, capture_graph, make_attention_problem, rel_error
+from paged_cases import page_cache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -110,3 +112,82 @@ def test_prefix_rows_read_the_shared_copy_at_real_sizes(heads: int, dtype: torch
     got = decode_attention(p.q, p.k_cache, p.v_cache, p.lengths, workspace=workspace, prefix_rows=prefix_rows,
                            prefix_lens=prefix_lens)
     assert _err(got, want) < TOLERANCE[dtype], f"relative error {_err(got, want):.2e}"
+
+
+def _paged(p, block_size: int, seed: int, shared=None, hidden=None):
+    """``p``'s cache paged (tests/paged_cases.py), each row up to its length, NaN past it and in unused blocks."""
+    return page_cache(p.k_cache, p.v_cache, p.lengths.tolist(), block_size, seed=seed, shared=shared, hidden=hidden)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+def test_paged_real_sizes_match_reference(block_size: int, dtype: torch.dtype) -> None:
+    """48 rows over 2048 positions in randomly placed blocks (the table's entries past each row's length
+    garbage: -1, stale, 2**30): against the fp32 reference on the slot cache, and bit-identical to the slot
+    layout's kernel on the same keys (one computation, other addresses)."""
+    p = make_attention_problem(48, 16, 8, 2048, 128, dtype, device="cuda", seed=block_size, poison=True)
+    paged = _paged(p, block_size, seed=block_size)
+    got = decode_attention(p.q, paged.k_cache, paged.v_cache, p.lengths, block_tables=paged.block_tables)
+    assert _err(got, attention_ref_fp32(p)) < TOLERANCE[dtype], f"relative error {_err(got, attention_ref_fp32(p)):.2e}"
+    assert torch.equal(got, decode_attention(p.q, p.k_cache, p.v_cache, p.lengths))
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("heads", [16, 32], ids=["1.7b", "4b"])
+def test_paged_prefix_rows_at_real_sizes(heads: int, block_size: int) -> None:
+    """The engine's shape: 64 rows in 8 GRPO groups of 8 whose 255-position prompt is the group's first row's,
+    read once per group through ``prefix_rows``; the even members' tables name the first row's whole prompt
+    blocks (shared blocks), the odd members' entries there are garbage. Every partial the call does not write
+    is NaN."""
+    p = make_attention_problem(64, heads, 8, 640, 128, torch.bfloat16, device="cuda", seed=7,
+                               lengths=[300 + 4 * row for row in range(64)])
+    prefix_rows = (torch.arange(64, device="cuda") // 8) * 8
+    p.k_cache[:, :, :255] = p.k_cache[prefix_rows, :, :255]
+    p.v_cache[:, :, :255] = p.v_cache[prefix_rows, :, :255]
+    whole = 255 // block_size
+    members = [row for row in range(64) if row % 8]
+    paged = _paged(p, block_size, seed=heads, shared={row: (row // 8 * 8, whole) for row in members if row % 2 == 0},
+                   hidden={row: whole for row in members if row % 2})
+    workspace = DecodeWorkspace(max_rows=64, num_heads=heads, max_len=640, head_dim=128, device="cuda")
+    workspace.buffer.fill_(float("nan"))
+    got = decode_attention(p.q, paged.k_cache, paged.v_cache, p.lengths, workspace=workspace, prefix_rows=prefix_rows,
+                           prefix_lens=torch.full((64,), 255, device="cuda"), block_tables=paged.block_tables)
+    assert _err(got, attention_ref_fp32(p)) < TOLERANCE[torch.bfloat16], f"relative error {_err(got, attention_ref_fp32(p)):.2e}"
+
+
+def test_paged_decode_step_captured_in_cuda_graph_replays_new_tables() -> None:
+    """A paged decode step captured once (no allocation in the capture); each replay copies new lengths, q, cache
+    blocks and a new block table (another placement of the blocks) into the captured tensors, and matches the
+    reference."""
+    B, H, KV, L, D, BS = 64, 16, 8, 2048, 128, 32
+    num_blocks = B * L // BS + 8
+    q = torch.zeros(B, H, D, device="cuda", dtype=torch.bfloat16)
+    lengths = torch.ones(B, dtype=torch.int32, device="cuda")
+    k_cache = torch.zeros(num_blocks, KV, BS, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    block_tables = torch.zeros(B + 1, L // BS, dtype=torch.int32, device="cuda")  # one table row past the batch
+    out = torch.empty_like(q)
+    ws = DecodeWorkspace(max_rows=B, num_heads=H, max_len=L, head_dim=D, device="cuda")
+
+    def step() -> None:
+        decode_attention(q, k_cache, v_cache, lengths, out=out, workspace=ws, block_tables=block_tables)
+
+    graph, _, step_allocated = capture_graph(step)
+    assert step_allocated == 0, f"the captured decode step allocated {step_allocated} bytes"
+    previous = None
+    for replay in range(3):
+        p = make_attention_problem(B, H, KV, L, D, torch.bfloat16, device="cuda", seed=20 + replay, poison=True)
+        p.lengths = p.lengths.int()
+        paged = _paged(p, BS, seed=replay)
+        k_cache[: paged.k_cache.shape[0]].copy_(paged.k_cache)
+        v_cache[: paged.v_cache.shape[0]].copy_(paged.v_cache)
+        block_tables[:B].copy_(paged.block_tables)
+        block_tables[B] = -1
+        lengths.copy_(p.lengths)
+        q.copy_(p.q)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = attention_ref_fp32(p)
+        assert _err(out, want) < TOLERANCE[torch.bfloat16], f"replay {replay}: relative error {_err(out, want):.2e}"
+        assert previous is None or not torch.equal(out, previous)
+        previous = out.clone()

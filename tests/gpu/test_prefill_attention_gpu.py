@@ -1,7 +1,8 @@
-"""GPU parity of the Triton prefill-attention kernel at real sizes against the fp32 torch reference, and
-CUDA-graph capture of a prefill pass replayed with new metadata. Skipped without CUDA. Each cache row's
-positions past its job's last one, the rows of no job and q's tokens of no job hold NaN, so a kernel
-reading them fails. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
+"""GPU parity of the Triton prefill-attention kernel at real sizes against the fp32 torch reference, slot and
+paged caches, and CUDA-graph capture of a prefill pass replayed with new metadata (and, paged, new tables).
+Skipped without CUDA. Each cache row's positions past its job's last one, the rows of no job and q's tokens of
+no job hold NaN (paged: blocks no row names too, and table entries past each row's last position are
+garbage), so a kernel reading them fails. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from skyrl_clora.kernels import prefill_attention
 from kernel_cases import TOLERANCE, capture_graph, make_prefill_problem, prefill_ref_fp32, rel_error
+from paged_cases import page_prefill_problem
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -114,3 +116,51 @@ def test_prefill_pass_captured_in_cuda_graph_replays_new_metadata() -> None:
         assert not out[used:].any(), f"replay {replay}: tokens past the pass must be zeros"
         assert previous is None or not torch.equal(out, previous), "each replay must give its own pass's answer"
         previous = out.clone()
+
+
+@pytest.mark.parametrize("layout", ["turns", "prompts", "mixed"])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_paged_real_sizes_match_reference(block_size: int, layout: str) -> None:
+    """The jobs' rows in randomly placed blocks (tests/paged_cases.py; entries past each row's last position
+    garbage, blocks no row names NaN): against the fp32 reference, and bit-identical to the slot layout's
+    kernel on the same keys."""
+    p = make_prefill_problem(_jobs(layout, seed=block_size), 16, KV_HEADS, MAX_LEN, HEAD_DIM, torch.bfloat16,
+                             cache_rows=CACHE_ROWS, device="cuda", seed=block_size, poison=True)
+    paged = page_prefill_problem(p, block_size, {}, seed=block_size)
+    got = prefill_attention(p.q, paged.k_cache, paged.v_cache, *p.args()[3:], block_tables=paged.block_tables)
+    assert _err(got, prefill_ref_fp32(p)) < TOLERANCE[torch.bfloat16], f"relative error {_err(got, prefill_ref_fp32(p)):.2e}"
+    assert torch.equal(got, prefill_attention(*p.args()))
+
+
+def test_paged_prefill_pass_captured_in_cuda_graph_replays_new_tables() -> None:
+    """A paged prefill pass captured once (allocating only its output); replays after copying three passes' q,
+    cache blocks, metadata and block tables (other placements) into the captured tensors match the reference."""
+    heads, num_tokens, slots, block_size = 16, 4096, 64, 32
+    num_blocks = CACHE_ROWS * MAX_LEN // block_size + 8
+    q = torch.zeros(num_tokens, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.zeros(num_blocks, KV_HEADS, block_size, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    block_tables = torch.zeros(CACHE_ROWS, MAX_LEN // block_size, dtype=torch.int32, device="cuda")
+    metadata = torch.zeros(4, slots, dtype=torch.int64, device="cuda")  # rows, starts, offsets, lengths
+
+    def attend() -> torch.Tensor:
+        return prefill_attention(q, k_cache, v_cache, *metadata, HEAD_DIM**-0.5, block_tables=block_tables)
+
+    graph, out, pass_allocated = capture_graph(attend)
+    assert pass_allocated == out.numel() * out.element_size(), f"the captured pass allocated {pass_allocated} bytes"
+    for replay, layout in enumerate(["turns", "prompts", "mixed"]):
+        p = make_prefill_problem(_jobs(layout, seed=20 + replay), heads, KV_HEADS, MAX_LEN, HEAD_DIM, torch.bfloat16,
+                                 cache_rows=CACHE_ROWS, device="cuda", seed=20 + replay, poison=True)
+        paged = page_prefill_problem(p, block_size, {}, seed=replay)
+        used = p.q.shape[0]
+        q[:used].copy_(p.q)
+        q[used:] = float("nan")
+        k_cache[: paged.k_cache.shape[0]].copy_(paged.k_cache)
+        v_cache[: paged.v_cache.shape[0]].copy_(paged.v_cache)
+        block_tables.copy_(paged.block_tables)
+        metadata.copy_(torch.stack([p.job_rows, p.job_starts, p.q_offsets, p.q_lens]))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = prefill_ref_fp32(p)
+        assert _err(out[:used], want) < TOLERANCE[torch.bfloat16], f"replay {replay}: relative error {_err(out[:used], want):.2e}"
+        assert not out[used:].any(), f"replay {replay}: tokens past the pass must be zeros"

@@ -22,6 +22,7 @@ from skyrl_clora.kernels.attention.decode import (
 )
 from skyrl_clora.kernels.reference import decode_attention_ref
 from kernel_cases import TOLERANCE, attention_loop_ref, make_attention_problem, rel_error
+from paged_cases import PROMPT_LEN, gather_cache, make_paged_decode_problem
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"
@@ -212,3 +213,103 @@ def test_reduce_warps_one_per_thousand_floats_of_the_tile() -> None:
     assert reduce_warps(4, 16) == 1
     assert reduce_warps(16, 128) == 2
     assert reduce_warps(128, 256) == 8
+
+
+# Paged caches (tests/paged_cases.py): (block size, config) per case. Default config: 64-key tiles spanning
+# four 16-position blocks, two 32-position ones or one 64-position block; 16-key tiles over 32- and 64-position
+# blocks (a part of one block per tile) with 32-key splits; 32-key tiles and 128-key splits over 16-position blocks.
+PAGED_CASES = [
+    (16, None),
+    (32, None),
+    (64, None),
+    (32, AttentionConfig(split_len=32, block_n=16)),
+    (64, AttentionConfig(split_len=32, block_n=16)),
+    (16, AttentionConfig(split_len=128, block_n=32)),
+]
+
+
+@pytest.mark.parametrize("with_prefix", [False, True], ids=["own-rows", "prefix-rows"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_paged_reference_is_the_slot_reference_on_the_gathered_cache(block_size: int, dtype: torch.dtype,
+                                                                     with_prefix: bool) -> None:
+    """Row by row bit for bit (the CPU engine's runs stay reproducible): a row of a paged call equals a slot
+    call of that row alone over its own blocks gathered (its length rounded up to whole blocks), over randomly
+    placed blocks, blocks shared by rows, garbage table entries past each row's keys; and within rounding of
+    the float64 loop."""
+    pp = make_paged_decode_problem(4, 2, 16, dtype, block_size, with_prefix, seed=block_size)
+    paged, p = pp.clean_paged(), pp.slot
+    got = decode_attention(p.q, paged.k_cache, paged.v_cache, p.lengths, block_tables=paged.block_tables,
+                           prefix_rows=pp.prefix_rows, prefix_lens=pp.prefix_lens)
+    gathered_k, gathered_v = (gather_cache(c, paged.block_tables) for c in (paged.k_cache, paged.v_cache))
+    for b in range(p.q.shape[0]):
+        width = -(-min(int(p.lengths[b]), gathered_k.shape[2]) // block_size) * block_size
+        # Row b first (the slot call's row 0), then every row, so that prefix rows keep their places (shifted by 1).
+        k, v = (torch.cat([c[b : b + 1], c])[:, :, :width] for c in (gathered_k, gathered_v))
+        prefix = {} if pp.prefix_rows is None else {"prefix_rows": pp.prefix_rows[b : b + 1] + 1,
+                                                    "prefix_lens": pp.prefix_lens[b : b + 1]}
+        assert torch.equal(got[b : b + 1], decode_attention(p.q[b : b + 1], k, v, p.lengths[b : b + 1], **prefix)), b
+    assert _err(got, attention_loop_ref(p)) < (1e-5 if dtype == torch.float32 else TOLERANCE[dtype])
+
+
+@interpreted
+@pytest.mark.parametrize("with_prefix", [False, True], ids=["own-rows", "prefix-rows"])
+@pytest.mark.parametrize("block_size,config", PAGED_CASES, ids=lambda c: repr(c) if c is None or isinstance(c, int) else f"n{c.block_n}")
+def test_paged_triton_matches_reference(block_size: int, config: AttentionConfig | None, with_prefix: bool) -> None:
+    """Paged Triton against the float64 loop on the slot cache, and against the paged reference: positions past
+    each row's keys, blocks no row names and garbage table entries (-1, stale, 2**30) would show as NaN or a
+    crash. With prefixes, rows 3 and 4 form row 1's group (one prefix program), rows 1 and 2 read the prompt
+    through table row 5, past the batch (in their own programs), and the own entries of whole blocks below a
+    member's prefix are garbage (rows 2, 3, 4)."""
+    pp = make_paged_decode_problem(4, 2, 16, torch.float32, block_size, with_prefix, seed=block_size + 1)
+    # The default config's workspace for L = M * BS = 192; 32-key splits need as many as 512-key ones at 3072.
+    workspace = DecodeWorkspace(5, 4, 192 if config is None else 3072, 16, "cpu")
+    workspace.buffer.fill_(float("nan"))  # partials this call does not write must not be read
+    got = decode_attention_triton(pp.slot.q, pp.paged.k_cache, pp.paged.v_cache, pp.slot.lengths, workspace=workspace,
+                                  config=config, prefix_rows=pp.prefix_rows, prefix_lens=pp.prefix_lens,
+                                  block_tables=pp.paged.block_tables)
+    assert _err(got, attention_loop_ref(pp.slot)) < TOLERANCE[torch.float32], f"relative error {_err(got, attention_loop_ref(pp.slot)):.2e}"
+    clean = pp.clean_paged()
+    want = decode_attention_ref(pp.slot.q, clean.k_cache, clean.v_cache, pp.slot.lengths, prefix_rows=pp.prefix_rows,
+                                prefix_lens=pp.prefix_lens, block_tables=clean.block_tables)
+    assert _err(got, want) < TOLERANCE[torch.float32]
+    if with_prefix:
+        assert workspace.groups[:5].tolist() == [0, 0, 0, 100, PROMPT_LEN], "rows 3 and 4 read their prefix in row 1's group"
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_paged_triton_half_precision(dtype: torch.dtype) -> None:
+    pp = make_paged_decode_problem(8, 2, 32, dtype, 32, with_prefix=True, seed=2)
+    got = decode_attention(pp.slot.q, pp.paged.k_cache, pp.paged.v_cache, pp.slot.lengths, prefix_rows=pp.prefix_rows,
+                           prefix_lens=pp.prefix_lens, block_tables=pp.paged.block_tables, backend="triton")
+    assert got.dtype == dtype
+    assert _err(got, attention_loop_ref(pp.slot)) < TOLERANCE[dtype], f"relative error {_err(got, attention_loop_ref(pp.slot)):.2e}"
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
+def test_paged_rows_do_not_depend_on_the_batch(backend: str) -> None:
+    """A row's output is bit-identical whether it is decoded with 5 rows or 2 (a table of 6 rows either way)."""
+    pp = make_paged_decode_problem(4, 2, 16, torch.bfloat16, 32, with_prefix=False, seed=6)
+    paged = pp.clean_paged() if backend == "torch" else pp.paged
+    args = (paged.k_cache, paged.v_cache)
+    full = decode_attention(pp.slot.q, *args, pp.slot.lengths, block_tables=paged.block_tables, backend=backend)
+    part = decode_attention(pp.slot.q[:2], *args, pp.slot.lengths[:2], block_tables=paged.block_tables, backend=backend)
+    assert torch.equal(full[:2], part)
+
+
+@interpreted
+def test_paged_triton_rejects_bad_tables() -> None:
+    pp = make_paged_decode_problem(4, 2, 16, torch.float32, 32, with_prefix=False)
+    q, k, v, lengths, table = pp.slot.q, pp.paged.k_cache, pp.paged.v_cache, pp.slot.lengths, pp.paged.block_tables
+    cases = [
+        (table.long(), "int32"),
+        (table[:, :2], "contiguous"),
+        (table[0], "2-D"),
+        (table[:4], "block table has 4 rows"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            decode_attention(q, k, v, lengths, block_tables=bad, backend="triton")
+    with pytest.raises(ValueError, match="paged"):
+        decode_attention(q, k, v[:, :, :16], lengths, block_tables=table, backend="triton")

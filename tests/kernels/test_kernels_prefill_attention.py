@@ -16,6 +16,7 @@ import torch
 from skyrl_clora.kernels import prefill_attention
 from skyrl_clora.kernels.attention.prefill import PrefillConfig, default_prefill_config, prefill_attention_triton
 from kernel_cases import TOLERANCE, make_prefill_problem, prefill_loop_ref, rel_error
+from paged_cases import gather_cache, page_prefill_problem
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"
@@ -165,3 +166,77 @@ def test_triton_rejects_what_only_the_reference_takes() -> None:
         prefill_attention(*wide.args(), backend="triton")
     with pytest.raises(ValueError, match="at least 16"):
         prefill_attention_triton(*p.args(), config=PrefillConfig(block_q=8))
+
+
+# Paged caches (tests/paged_cases.py): JOBS over L = 192 positions, row 4's keys (its job's 28 positions) in row
+# 2's blocks (GRPO siblings sharing a prompt), the table entries past each row's last position garbage.
+PAGED_LEN, PAGED_SHARED = 192, {4: 2}
+
+
+def _paged_problem(block_size: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    p = make_prefill_problem(JOBS, heads, kv_heads, PAGED_LEN, head_dim, dtype, cache_rows=6, seed=seed, poison=True)
+    paged = page_prefill_problem(p, block_size, PAGED_SHARED, seed=seed)
+    tables = paged.block_tables
+    assert (tables < 0).any() and (tables >= paged.k_cache.shape[0]).any(), "garbage table entries"
+    assert tables[4, 0] == tables[2, 0], "rows 2 and 4 share a block"
+    return p, paged
+
+
+@pytest.mark.parametrize("block_size,dtype,head_dim", [
+    (16, torch.float32, 16),
+    (32, torch.bfloat16, 128),  # d=128: the CPU flash attention's GEMM paths of the engine's shape
+    (64, torch.float32, 16),
+    (64, torch.bfloat16, 16),
+])  # fmt: skip
+def test_paged_reference_is_the_slot_reference_on_the_gathered_cache(block_size: int, dtype: torch.dtype,
+                                                                     head_dim: int) -> None:
+    """Bit for bit (the CPU engine's runs stay reproducible), and within rounding of the float64 loop."""
+    p, paged = _paged_problem(block_size, 4, 2, head_dim, dtype, seed=block_size)
+    k, v = paged.k_cache.nan_to_num(0.0), paged.v_cache.nan_to_num(0.0)
+    q = p.q.nan_to_num(0.0)
+    got = prefill_attention(q, k, v, *p.args()[3:], block_tables=paged.block_tables)
+    gathered = replace(p, q=q, k_cache=gather_cache(k, paged.block_tables), v_cache=gather_cache(v, paged.block_tables))
+    assert torch.equal(got, prefill_attention(*gathered.args()))
+    assert _err(got, prefill_loop_ref(p)) < (1e-5 if dtype == torch.float32 else TOLERANCE[dtype])
+
+
+@interpreted
+@pytest.mark.parametrize("block_size,heads,kv_heads,config", [
+    (16, 4, 2, None),  # 64-key tiles over four blocks each
+    (32, 4, 1, None),  # 64-row tiles of 16 tokens x 4 heads, 64-key tiles over two blocks
+    (64, 4, 4, None),  # one block per key tile
+    (32, 4, 2, PrefillConfig(block_q=16, block_n=16)),  # 16-key tiles: part of a block each
+    (64, 8, 1, PrefillConfig(block_q=16, block_n=32)),
+])  # fmt: skip
+def test_paged_triton_matches_loop(block_size: int, heads: int, kv_heads: int, config: PrefillConfig | None) -> None:
+    """Positions past each row's last one, blocks no row names, q's tokens of no job and garbage table entries
+    (-1, stale, 2**30) would show as NaN or a crash."""
+    p, paged = _paged_problem(block_size, heads, kv_heads, 16, torch.float32, seed=block_size + heads)
+    got = prefill_attention_triton(p.q, paged.k_cache, paged.v_cache, *p.args()[3:], config=config,
+                                   block_tables=paged.block_tables)
+    assert not got[_uncovered(p)].any(), "tokens of no job must be zeros"
+    assert _err(got, prefill_loop_ref(p)) < TOLERANCE[torch.float32], f"relative error {_err(got, prefill_loop_ref(p)):.2e}"
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_paged_triton_half_precision(dtype: torch.dtype) -> None:
+    p, paged = _paged_problem(32, 4, 2, 24, dtype, seed=4)
+    got = prefill_attention(p.q, paged.k_cache, paged.v_cache, *p.args()[3:], block_tables=paged.block_tables,
+                            backend="triton")
+    assert got.dtype == dtype and _err(got, prefill_loop_ref(p)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
+def test_paged_rejects_bad_tables(backend: str) -> None:
+    p, paged = _paged_problem(32, 4, 2, 16, torch.float32, seed=0)
+    for bad, message in [
+        (paged.block_tables.long(), "int32"),
+        (paged.block_tables[:, :3], "contiguous"),
+        (paged.block_tables[0], "2-D"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            prefill_attention(p.q, paged.k_cache, paged.v_cache, *p.args()[3:], block_tables=bad, backend=backend)
+    with pytest.raises(ValueError, match="paged"):
+        prefill_attention(p.q, paged.k_cache, paged.v_cache[:, :, :16], *p.args()[3:], block_tables=paged.block_tables,
+                          backend=backend)

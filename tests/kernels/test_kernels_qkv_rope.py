@@ -107,6 +107,39 @@ def test_the_torch_path_scatters_k_and_v_into_the_cache() -> None:
     check_kv_cache_write(p, cache_rows=4, cache_len=8, backend="torch")
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
+def test_k_and_v_go_into_a_paged_cache_through_the_block_table(backend: str, block_size: int) -> None:
+    """A paged cache layer ``[NB, KV, BS, d]`` takes the write unchanged, the block index as the row and ``BS`` as
+    the length: each token at a distinct (logical row, position), written to ``(block_tables[row, position //
+    BS], position % BS)``, is found there through the table (a row's positions across several blocks, two rows
+    sharing a block at different offsets), and every other entry is as it was."""
+    p = make_qkv_rope_problem(24, 80, 4, 2, 32, num_slots=4, rank=16, dtype=torch.bfloat16, layout="zipf",
+                              with_norm=True, seed=5)
+    lora = p.lora
+    args = (lora.x, p.folded, lora.lora_b, lora.scales, lora.token_slots, p.head_dim, p.cos, p.sin, p.q_weight,
+            p.k_weight, p.eps)
+    q, k, v = folded_qkv_rope(*args, backend=backend)
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks = 10
+    block_tables = torch.randperm(num_blocks, generator=gen)[:8].view(2, 4).int()  # 2 logical rows of 4 blocks
+    block_tables[1, 3] = block_tables[0, 0]  # a block shared by both rows (row 1's last, row 0's first)
+    token = torch.arange(q.shape[0])  # token t: row t % 2, its block t // 2 % 4, offset t // 8 (+ BS / 2 in row 1)
+    rows = token % 2
+    positions = token // 2 % 4 * block_size + token // 8 + rows * (block_size // 2)
+    cache = KVCacheWrite(*(torch.randn(num_blocks, 2, block_size, 32, generator=gen).bfloat16() for _ in range(2)),
+                         block_tables[rows, positions // block_size].long(), positions % block_size)
+    before_k, before_v = cache.k_cache.clone(), cache.v_cache.clone()
+    assert torch.equal(folded_qkv_rope_into_cache(*args, cache, backend=backend), q)
+    for cache_layer, before, values in ((cache.k_cache, before_k, k), (cache.v_cache, before_v, v)):
+        logical = cache_layer[block_tables.long()].transpose(1, 2).flatten(2, 3)  # [2, KV, 4 * BS, d]
+        assert torch.equal(logical[rows, :, positions], values)
+        untouched = torch.ones(num_blocks, block_size, dtype=torch.bool)
+        untouched[cache.rows, cache.positions] = False
+        assert untouched.sum() == num_blocks * block_size - q.shape[0], "each token at an entry of its own"
+        assert torch.equal(cache_layer.transpose(1, 2)[untouched], before.transpose(1, 2)[untouched])
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
 def test_a_cache_that_does_not_fit_the_block_is_refused(backend: str) -> None:
     p = make_qkv_rope_problem(8, 48, 2, 1, 32, num_slots=2, rank=8, dtype=torch.float32, layout="uniform",
