@@ -106,7 +106,7 @@ def main() -> None:
     rows = max(args.batches)
     started = time.perf_counter()
     engine = Engine(model, layers, num_rows=rows, max_len=args.prompt + args.new, block_size=128,
-                    max_prefills_per_step=64, prefix_cache_bytes=0)
+                    max_prefills_per_step=64, cache_prefixes=False)
     build_s = time.perf_counter() - started
     names = [f"tenant-{i}" for i in range(32)]
     for i, name in enumerate(names):

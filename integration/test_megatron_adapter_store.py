@@ -7,7 +7,7 @@ repository root:
         python -m pytest integration/test_megatron_adapter_store.py -v
 
 The stack is the plugin's own (:func:`skyrl_clora.skyrl.stack.build_stack`): SkyRL's Megatron policy workers
-(2 GPUs, data parallel, patch 0002's run-time form) under SkyRL's ``PPORayActorGroup``, one ``WorkerDispatch``
+(2 GPUs, data parallel, patch 0001's run-time form) under SkyRL's ``PPORayActorGroup``, one ``WorkerDispatch``
 per tenant, and the embedded engine behind SkyRL's HTTP protocol as the inference server (so that this test
 needs no vLLM). Asserted: each tenant's step changes only its own adapter (the other's log-probs are bit
 equal before and after), per-tenant learning rates reach the optimizer, a tenant's sync loads only its

@@ -112,6 +112,7 @@ class TrainerConfig:
     shared_prompts: bool = True
     sm_carveout: int = 0
     overlap_sampling: bool | None = None
+    pause_sampling_rows: int = 256
     max_tokens_per_microbatch: int = -1
     ckpt_interval: int = 10
     ckpt_path: str | None = None
@@ -159,17 +160,18 @@ class SamplerConfig:
     max_rows: int
     max_prefills_per_step: int
     prefill_block: int
-    prefix_cache_mb: int
+    prefix_cache: bool
     cuda_graphs: bool
-    kv_memory_fraction: float
+    gpu_memory_utilization: float
+    kv_blocks: int
     reuse_decode_kv: bool | None
     stream_priority: str = "high"
 
     def __post_init__(self) -> None:
         if self.stream_priority not in ("high", "normal"):
             raise ConfigError(f"sampler.stream_priority={self.stream_priority} is unknown; use high or normal")
-        if not 0 < self.kv_memory_fraction < 1:
-            raise ConfigError(f"sampler.kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1)")
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ConfigError(f"sampler.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1)")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError("sampler.temperature must be >= 0 and sampler.top_p in (0, 1]")
         if self.prefill_block < 16 or self.prefill_block % 16:
@@ -178,8 +180,8 @@ class SamplerConfig:
             raise ConfigError(f"sampler.max_rows={self.max_rows} must be >= 0 (0: rows for every tenant's whole step batch)")
         if self.max_prefills_per_step < 1:
             raise ConfigError(f"sampler.max_prefills_per_step={self.max_prefills_per_step} must be >= 1")
-        if self.prefix_cache_mb < 0:
-            raise ConfigError(f"sampler.prefix_cache_mb={self.prefix_cache_mb} must be >= 0 (0 turns the prefix cache off)")
+        if self.kv_blocks < 0:
+            raise ConfigError(f"sampler.kv_blocks={self.kv_blocks} must be >= 0 (0: from the GPU memory plan)")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Process-wide CUDA settings the trainer relies on.
+"""Process-wide CUDA settings the trainer and the memory plan rely on.
 
 PyTorch's scaled_dot_product_attention prefers cuDNN's attention on Hopper, and cuDNN builds an execution
 graph for every new combination of shapes (tens to hundreds of milliseconds, then cached per shape). The
@@ -9,6 +9,8 @@ RESULTS.md, Engine and trainer settings and why). Flash and memory-efficient att
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -17,3 +19,12 @@ def avoid_cudnn_attention() -> None:
     flash attention, or memory-efficient attention when there is a mask). A no-op without CUDA."""
     if torch.cuda.is_available():
         torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def use_expandable_segments() -> None:
+    """Makes the CUDA caching allocator grow and shrink its segments in place (``expandable_segments:True``), unless
+    ``PYTORCH_CUDA_ALLOC_CONF`` chooses otherwise. Training passes and the engine's passes of changing shapes
+    otherwise leave the cached memory cut into pieces: a concurrent long-tailed run at the memory plan's budget
+    ran out with 60 GiB cached but free (RESULTS.md, Real rollouts). A no-op without CUDA."""
+    if torch.cuda.is_available() and "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")

@@ -21,7 +21,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.gpu_settings import use_expandable_segments
 from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear, attach_multi_lora
+from skyrl_clora.memory_plan import plan_kv_blocks
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.fused_projections import fuse_base_projections
@@ -48,14 +50,15 @@ class Services:
     cold_start_seconds: float
 
     def train_scheduler(self, run: RunConfig) -> TrainScheduler:
-        """The scheduler the tenants of one run share: ``clora.train_mode`` passes, with the engine paused for
-        each of them unless ``trainer.overlap_sampling`` (null: overlap on the CPU, where the trainer and the
-        engine each keep a core busy; pause on a GPU, where either saturates the device and the two side by
-        side take longer than one after the other: RESULTS.md, Engine and trainer settings and why)."""
+        """The scheduler the tenants of one run share: ``clora.train_mode`` passes, run beside sampling or with the
+        engine paused (``trainer.overlap_sampling``: true never pauses, false pauses for every pass; null: never on
+        the CPU, where the trainer and the engine each keep a core busy; on a GPU, pause while at least
+        ``trainer.pause_sampling_rows`` rows decode: RESULTS.md, Engine and trainer settings and why)."""
         overlap = run.trainer.overlap_sampling
-        if overlap is None:
-            overlap = self.trainer.device.type != "cuda"
-        return TrainScheduler(self.trainer, run.train_mode, sampler=None if overlap else self.engine)
+        if overlap is None and self.trainer.device.type != "cuda" or overlap is True:
+            return TrainScheduler(self.trainer, run.train_mode)
+        pause_rows = 0 if overlap is False else run.trainer.pause_sampling_rows
+        return TrainScheduler(self.trainer, run.train_mode, sampler=self.engine, pause_rows=pause_rows)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -108,6 +111,8 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     dtype = _DTYPES[run.model_dtype] if run.model_dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32
     )
+    if device.type == "cuda":
+        use_expandable_segments()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
         raise ConfigError(f"model.path={model_path}: tokenizer needs an eos token and a chat template")
@@ -116,19 +121,6 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     sampler_layers, trainer_model, trainer_routing, trainer_layers = share_base_weights(
         sampler_model, num_tenants, trainer_slots, run.lora.max_rank)
 
-    max_len = run.recipe.max_input_length + run.recipe.max_generate_length
-    rows = fit_kv_rows(sampler_model, run.sampler.max_rows or num_tenants * rows_per_tenant, max_len,
-                       run.sampler.kv_memory_fraction)
-    engine = Engine(sampler_model, sampler_layers, num_rows=rows, max_len=max_len,
-                    max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
-                    prefix_cache_bytes=run.sampler.prefix_cache_mb << 20, cuda_graphs=run.sampler.cuda_graphs,
-                    reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
-                    share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority)
-    client = EmbeddedInferenceClient(
-        engine, tokenizer, model_name=model_path, seed=run.seed,
-        default_sampling={"max_tokens": run.recipe.max_generate_length, "temperature": run.sampler.temperature,
-                          "top_p": run.sampler.top_p, "logprobs": 1},
-    )
     store = AdapterStore(trainer_layers, num_slots=trainer_slots)
     algorithm = AlgorithmConfig(**run.trainer.algorithm, use_kl_loss=False)
     trainer = Trainer(
@@ -137,6 +129,27 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         micro_batch_size=run.trainer.micro_batch_size,
         max_tokens_per_microbatch=run.trainer.max_tokens_per_microbatch,
         shared_prefix=run.trainer.shared_prompts,
+    )
+    max_len = run.recipe.max_input_length + run.recipe.max_generate_length
+    rows = -(-(run.sampler.max_rows or num_tenants * rows_per_tenant) // 16) * 16
+    kv_blocks = run.sampler.kv_blocks or None
+    if kv_blocks is None and device.type == "cuda":
+        tokens_per_micro = run.trainer.max_tokens_per_microbatch
+        micro_rows = max(1, tokens_per_micro // max_len) if tokens_per_micro > 0 else run.trainer.micro_batch_size
+        pack = trainer_slots if run.train_mode == "packed" else 1
+        kv_blocks = plan_kv_blocks(
+            sampler_model, trainer, utilization=run.sampler.gpu_memory_utilization, block_size=run.sampler.prefill_block,
+            rows=rows, max_len=max_len, micro_batch_rows=min(micro_rows, pack * rows_per_tenant), pack=pack,
+            rank=run.lora.max_rank).kv_blocks
+    engine = Engine(sampler_model, sampler_layers, num_rows=rows, max_len=max_len,
+                    max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
+                    num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache, cuda_graphs=run.sampler.cuda_graphs,
+                    reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
+                    share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority)
+    client = EmbeddedInferenceClient(
+        engine, tokenizer, model_name=model_path, seed=run.seed,
+        default_sampling={"max_tokens": run.recipe.max_generate_length, "temperature": run.sampler.temperature,
+                          "top_p": run.sampler.top_p, "logprobs": 1},
     )
     if device.type == "cuda":
         carve_gemm_sms(run.trainer.sm_carveout)
@@ -154,28 +167,6 @@ def carve_gemm_sms(count: int) -> None:
     captured on first use, are carved too)."""
     torch.backends.cuda.preferred_blas_library("cublaslt" if count else _DEFAULT_BLAS_LIBRARY)
     torch._C._set_sm_carveout_experimental(count or None)
-
-
-def fit_kv_rows(model: torch.nn.Module, rows: int, max_len: int, memory_fraction: float) -> int:
-    """``rows`` KV-cache rows of ``max_len`` positions, capped on a GPU to what ``memory_fraction`` of the free
-    memory holds (requests beyond the rows wait for a free one). Rows come in whole multiples of 16."""
-    rows = -(-rows // 16) * 16
-    param = next(model.parameters())
-    if param.device.type != "cuda":
-        return rows
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    row_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * max_len * head_dim * param.element_size()
-    free_bytes, _ = torch.cuda.mem_get_info(param.device)
-    fitting = int(free_bytes * memory_fraction // row_bytes) // 16 * 16
-    if fitting < 16:
-        raise ConfigError(f"16 KV-cache rows of {max_len} positions need {16 * row_bytes / 2**30:.1f} GiB, more than "
-                          f"sampler.kv_memory_fraction={memory_fraction} of the free GPU memory; shorten "
-                          "recipe.max_input_length or raise sampler.kv_memory_fraction")
-    if fitting < rows:
-        print(f"[setup] KV cache: {rows} rows do not fit in {memory_fraction:.0%} of the free GPU memory; using "
-              f"{fitting} (requests queue for a free row)", file=sys.stderr, flush=True)
-    return min(rows, fitting)
 
 
 def trainer_slot_count(run: RunConfig, num_tenants: int) -> int:

@@ -5,10 +5,11 @@ One background thread owns the model. Each iteration of its loop:
   2. applies every pending publish whose adapter has no running request (the version fence: a request
      is sampled entirely with the adapter version it was admitted under; new requests of an adapter with
      a pending publish wait until it lands, so a publish cannot starve);
-  3. admits waiting requests into free cache rows (FIFO over all tenants) and prefills them together
-     (ragged passes, replayed from CUDA graphs on the GPU), taking the prompt blocks it already has from
-     the per-adapter-version prefix cache (and, with ``reuse_decode_kv``, a finished turn's whole history
-     when the prompt extends it: the next turn of a multi-turn episode then computes only its new tokens);
+  3. admits waiting requests into free cache rows (FIFO over all tenants, while the KV block pool has room)
+     and prefills them together (ragged passes, replayed from CUDA graphs on the GPU), each row starting with
+     the keyed prompt blocks of its adapter version it can share (and, with ``reuse_decode_kv``, a finished
+     turn's whole history when the prompt extends it: the next turn of a multi-turn episode then computes only
+     its new tokens), by reference: :class:`BlockManager`;
   4. launches one decode step for the rows up to the last running one (a CUDA-graph replay on the GPU)
      and its sampling of every running row at once (each with its own counter-based RNG, see
      ``sampling``), then accepts the tokens of the step launched before it and retires the finished
@@ -18,6 +19,10 @@ One background thread owns the model. Each iteration of its loop:
      dropped.
 Which publishes land and which waiting requests take which rows in steps 2 and 3 is the :class:`Scheduler`'s
 decision (``scheduler``, which holds the row table); the engine applies and prefills what it decides.
+Rows take KV blocks as they grow. When a running row needs a block and the pool has none (after evicting
+unreferenced prefix blocks and histories), the most recently admitted running request is preempted: its
+blocks go back to the pool and it waits first in the queue, to start over (its tokens are drawn again from
+the same counter-based RNG); a request that cannot fit even alone fails with a MemoryError.
 Other tenants' requests keep decoding while one tenant's adapter is published: a publish is a ``copy_``
 into that tenant's slot between two decode steps (dropping only that tenant's cached prefixes), never a
 pause or a global cache reset.
@@ -42,10 +47,10 @@ import torch
 from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear
 from skyrl_clora.sampler.adapter_slots import AdapterSlots
+from skyrl_clora.sampler.block_manager import BlockManager
 from skyrl_clora.profiling import profiled
 from skyrl_clora.sampler.engine_stats import EngineStats, GPUSpan
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
-from skyrl_clora.sampler.prefix_cache import PrefixCache, PrefixIdentity
 from skyrl_clora.sampler.requests import Completion, SamplingParams
 from skyrl_clora.sampler.running_rows import RunningRows
 from skyrl_clora.sampler.sampling import DrawnTokens, draw_rows
@@ -72,15 +77,19 @@ class Engine:
     """Multi-tenant sampler (see module docstring). Thread-safe: ``submit`` and ``publish`` may be called
     from any thread and return ``concurrent.futures.Future`` objects.
 
-    ``reuse_decode_kv``: a finished request's K/V (its prompt and sampled tokens) go to the prefix cache
-    as a history, which the next request whose prompt extends it takes instead of recomputing. Decode
+    ``num_blocks``: KV blocks of ``block_size`` positions in the pool (None: enough for every row at
+    ``max_len`` twice over: a CPU default; a GPU's comes from the memory plan). ``cache_prefixes``: prompt
+    blocks stay keyed for later prompts with the same prefix (and histories may be kept).
+
+    ``reuse_decode_kv``: a finished request's blocks (its prompt and sampled tokens) stay in the pool as a
+    history, which the next request whose prompt extends it adopts instead of recomputing. Decode
     steps compute K/V with other kernels than prefill, so on the CPU this would make a request's bits
     depend on whether its history was still cached (i.e. on other tenants' traffic): off by default,
     on for GPU runs (``sampler.reuse_decode_kv``).
 
-    ``share_prefix_reads``: decode attention reads the positions that rows copied from one cached block
-    chain once for up to eight such rows (:class:`SharedPrefixRows`), instead of once per row: the same
-    answer up to rounding (bit for bit on the CPU, whose reference reads the shared copy per row). On for
+    ``share_prefix_reads``: decode attention reads the positions of the keyed blocks that rows share once for
+    up to eight such rows (:class:`SharedPrefixRows`), instead of once per row: the same answer up to
+    rounding (bit for bit on the CPU, whose reference reads the shared blocks per row). On for
     GPU runs (the services), where decode attention is bound by reading K/V.
 
     ``stream_priority``: ``"high"`` (the engine's blocks are scheduled ahead of waiting training blocks) or
@@ -95,7 +104,8 @@ class Engine:
         max_len: int,
         max_prefills_per_step: int = 8,
         block_size: int = 16,
-        prefix_cache_bytes: int = 1 << 30,
+        num_blocks: int | None = None,
+        cache_prefixes: bool = True,
         cuda_graphs: bool = True,
         reuse_decode_kv: bool = False,
         share_prefix_reads: bool = False,
@@ -106,11 +116,13 @@ class Engine:
         self.stream_priority = stream_priority
         max_len = -(-max_len // block_size) * block_size  # whole prefill blocks
         num_rows = -(-num_rows // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
+        num_blocks = num_blocks or 2 * num_rows * (max_len // block_size)
         self.runner = ModelRunner(model, num_rows=num_rows, max_len=max_len, block_size=block_size,
-                                  prefill_tokens=max_prefills_per_step * block_size, share_prefix_reads=share_prefix_reads)
+                                  prefill_tokens=max_prefills_per_step * block_size, num_blocks=num_blocks,
+                                  share_prefix_reads=share_prefix_reads)
         self._shared_rows = SharedPrefixRows(num_rows) if share_prefix_reads else None
-        self.prefix_cache = PrefixCache(block_size, prefix_cache_bytes)
-        self.reuse_decode_kv = reuse_decode_kv and prefix_cache_bytes > 0
+        self.blocks = BlockManager(num_blocks, block_size, num_rows, max_len // block_size, cache_prefixes)
+        self.reuse_decode_kv = reuse_decode_kv and cache_prefixes
         self.lora_layers = lora_layers
         self.adapters = AdapterSlots(lora_layers)
         self.max_len = max_len
@@ -118,8 +130,10 @@ class Engine:
         self.stats = EngineStats()
         if cuda_graphs and self.runner.device.type == "cuda":
             self.stats.graph_capture_seconds = self.runner.capture_graphs()
-        self.scheduler = Scheduler(num_rows, self.adapters, self.prefix_cache, max_prefills_per_step,
+        self.scheduler = Scheduler(num_rows, self.adapters, self.blocks, max_prefills_per_step,
                                    self.reuse_decode_kv)
+        self._admitted_at = np.zeros(num_rows, dtype=np.int64)  # per row: when its request was admitted
+        self._admissions = 0
         self._inbox: queue.Queue = queue.Queue()
         self._running = RunningRows(num_rows, max_len)  # per cache row: decode inputs, settings, outputs so far
         self._in_flight: _StepInFlight | None = None
@@ -192,6 +206,10 @@ class Engine:
             if self._pauses == 0:
                 self._paused.clear()
                 self._inbox.put(None)
+
+    def running_rows(self) -> int:
+        """How many requests hold a row now (read from any thread: a snapshot)."""
+        return int(np.count_nonzero(self._running.active))
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -270,13 +288,15 @@ class Engine:
         self._admit()
         self._decode()
 
-    def start_row(self, request: QueuedRequest, prefix: PrefixIdentity | None) -> None:
-        """Makes ``request`` run in its cache row ``request.row`` (free, holding the K/V of its prompt, whose
-        first positions copy the cached block chain ``prefix`` if not None), its first token not drawn yet.
-        Same threads as :meth:`step`."""
+    def start_row(self, request: QueuedRequest) -> None:
+        """Makes ``request`` run in its cache row ``request.row`` (whose blocks hold the K/V of its prompt), its
+        first token not drawn yet. Same threads as :meth:`step`."""
         if self._shared_rows is not None:
-            self._shared_rows.assign(request.row, prefix)
+            self._shared_rows.assign(request.row, self.blocks.identity(request.row))
         self.scheduler.place(request)
+        self._admissions += 1
+        self._admitted_at[request.row] = self._admissions
+        self.stats.peak_running_rows = max(self.stats.peak_running_rows, len(self.scheduler.running()))
         params = request.params
         self._running.start(request.row, len(request.prompt_ids), request.lora_slot, params.seed, params.temperature,
                             params.top_p, params.max_tokens, params.stop_token_ids)
@@ -286,7 +306,7 @@ class Engine:
         each dropping its adapter's cached prefixes; a failed one fails its own future."""
         for publish in self.scheduler.ready_publishes():
             try:
-                self.prefix_cache.drop_adapter(publish.adapter)
+                self.blocks.drop_adapter(publish.adapter)
                 if isinstance(publish, Unregister):
                     self.adapters.clear(publish.adapter)
                     self.scheduler.fail_waiting(publish.adapter)
@@ -315,46 +335,76 @@ class Engine:
     @profiled("engine.prefill")
     def _prefill(self, requests: list[QueuedRequest]) -> None:
         """Prefills ``requests`` (rows and adapter versions set by :meth:`Scheduler.admit`), starts their rows
-        (:meth:`start_row`) and samples their first tokens."""
+        (:meth:`start_row`) and samples their first tokens. Each row first adopts its history's blocks or the
+        keyed blocks of its prompt, copies the one it must write into if shared, and takes blocks for the rest;
+        a request the pool cannot take now goes back to the queue."""
         started = time.perf_counter()
-        jobs = []
         block = self.runner.block_size
-        prompts = lists_to_device([req.prompt_ids for req in requests], self.runner.device)
-        copied: list[PrefixIdentity | None] = []  # per request: the cached chain its first positions copy
-        with GPUSpan(self.runner.device) as copies:  # the K/V copies into the requests' rows
-            for req, tokens in zip(requests, prompts):
-                req.lora_slot = -1 if req.adapter is None else self.adapters.slot(req.adapter)
-                if req.history is not None:  # the last prompt token is always computed (its logits are needed)
-                    length, (k, v), identity = req.history
-                    start = min(length, len(req.prompt_ids) - 1)
-                    self.runner.write_kv(req.row, 0, (k[:, :, :start], v[:, :, :start]))
-                else:
-                    cached, key = self.prefix_cache.lookup(req.adapter, req.version, req.prompt_ids)
-                    start = min(len(cached) * block, len(req.prompt_ids) - 1)
-                    identity = None if key is None else (key, len(cached) * block)
-                    if cached:
-                        self.runner.write_kv(req.row, 0, (torch.cat([k for k, _ in cached], dim=2),
-                                                          torch.cat([v for _, v in cached], dim=2)))
-                copied.append(None if identity is None else (identity[0], min(identity[1], start)))
-                jobs.append(PrefillJob(req.row, tokens, req.lora_slot, start=start))
+        ready, starts, short = [], [], []
+        copies: tuple[list[int], list[int]] = ([], [])
+        for req in requests:
+            req.lora_slot = -1 if req.adapter is None else self.adapters.slot(req.adapter)
+            try:
+                starts.append(self._take_blocks(req, copies))
+                ready.append(req)
+            except MemoryError:
+                self.blocks.release(req.row)
+                short.append(req)
+        for req in reversed(short):  # they wait first in the queue, in their order
+            self.scheduler.requeue(req)
+        if not ready:
+            return
+        prompts = lists_to_device([req.prompt_ids for req in ready], self.runner.device)
+        jobs = [PrefillJob(req.row, tokens, req.lora_slot, start=start) for req, tokens, start in zip(ready, prompts, starts)]
+        with GPUSpan(self.runner.device) as copied:  # copies of shared blocks a row writes into
+            if copies[0]:
+                self.runner.copy_blocks(*copies)
+            self._sync_tables()
         with GPUSpan(self.runner.device) as forward:
             logits = torch.stack(self.runner.prefill(jobs))
         self.stats.prefill_rounds += 1
-        for req, job, identity in zip(requests, jobs, copied):
-            if req.history is None:  # a history's positions were partly computed by decode steps: not blocks
-                stored = self.prefix_cache.insert(req.adapter, req.version, req.prompt_ids, job.start // block,
-                                                  lambda index, row=req.row: self.runner.read_kv(row, index * block, (index + 1) * block))
-                if stored is not None and job.start % block == 0:  # its copied positions continue the chain it stored
-                    identity = stored
+        for req, job in zip(ready, jobs):
+            if req.history is None:  # a history's positions were partly computed by decode steps: not keyed
+                self.blocks.key_prompt(req.row, req.adapter, req.version, req.prompt_ids, job.start // block)
             req.history = None
             self.stats.prefill_tokens += len(req.prompt_ids) - job.start
             self.stats.cached_prompt_tokens += job.start
-            self.start_row(req, identity)
-        rows = np.array([req.row for req in requests], dtype=np.int64)
+            self.start_row(req)
+        self.stats.peak_blocks_held = max(self.stats.peak_blocks_held, self.blocks.held_blocks())
+        rows = np.array([req.row for req in ready], dtype=np.int64)
         self._accept(rows, *self._draw(rows, logits).result())
-        self.stats.prefill_copy_gpu_seconds += copies.seconds()
+        self.stats.prefill_copy_gpu_seconds += copied.seconds()
         self.stats.prefill_gpu_seconds += forward.seconds()
         self.stats.prefill_seconds += time.perf_counter() - started
+
+    def _take_blocks(self, req: QueuedRequest, copies: tuple[list[int], list[int]]) -> int:
+        """Gives ``req``'s row the blocks of its prompt: its history's, or the keyed ones of its leading whole
+        blocks, then a copy of the block it writes into first if that one is shared (appended to ``copies`` as
+        source and target), then new blocks for the rest. Returns the first position the prefill computes (the
+        last prompt token always: its logits are needed). Raises MemoryError when the pool is short."""
+        block = self.runner.block_size
+        if req.history is not None:
+            length, held = req.history
+            self.blocks.adopt(req.row, held, owned=True)
+            start = min(length, len(req.prompt_ids) - 1)
+        else:
+            cached = self.blocks.lookup(req.adapter, req.version, req.prompt_ids)
+            self.blocks.adopt(req.row, cached, owned=False)
+            start = min(len(cached) * block, len(req.prompt_ids) - 1)
+        if start < self.blocks.row_counts[req.row] * block:
+            copy = self.blocks.make_writable(req.row, start // block)
+            if copy is not None:
+                copies[0].append(copy[0])
+                copies[1].append(copy[1])
+        if not self.blocks.grow(req.row, -(-len(req.prompt_ids) // block)):
+            raise MemoryError(f"no KV block is free for a prompt of {len(req.prompt_ids)} tokens")
+        return start
+
+    def _sync_tables(self) -> None:
+        """Copies the block tables to the device if they changed (ordered after the work queued before)."""
+        if self.blocks.dirty:
+            self.runner.set_block_tables(self.blocks.tables)
+            self.blocks.dirty = False
 
     def _decode(self) -> None:
         """Launches the next decode step (if a row runs), then accepts the step in flight before it. Which rows
@@ -364,8 +414,11 @@ class Engine:
         held = None if step is None else self._held(step)
         if step is not None:
             pending[step.rows[held]] = True
+        preemptions = self.stats.preemptions
         launched = self._launch_decode(pending) if any(self.scheduler.rows) else None
         if step is not None:
+            if self.stats.preemptions != preemptions:  # a preempted row's token in flight is not its own any more
+                held &= self._held(step)
             self._accept_in_flight(held)
         self._in_flight = launched
 
@@ -380,7 +433,11 @@ class Engine:
         running = self._running
         if not (running.active & ~running.ending(pending)).any():
             return None
+        self._grow_rows(pending)
         rows = running.active_below(self.runner.num_rows)
+        if not rows.size:  # every running request was preempted or failed
+            return None
+        self._sync_tables()
         span = min(self.runner.num_rows, -(-(int(rows[-1]) + 1) // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM)
         prefix_rows = prefix_lens = None
         if self._shared_rows is not None:
@@ -401,6 +458,37 @@ class Engine:
         self.stats.decode_seconds += launched - started
         table = self.scheduler.rows
         return _StepInFlight(rows, [table[row] for row in rows.tolist()], drawn, forward)
+
+    def _grow_rows(self, pending: np.ndarray) -> None:
+        """Gives every running row the block its next decode step writes into (position ``prompt_len + drawn -
+        1``, one further for a ``pending`` row), preempting the most recently admitted running request while
+        the pool has none (:meth:`_preempt`); a request that is alone and still short fails."""
+        running = self._running
+        rows = running.active_below(self.runner.num_rows)
+        positions = running.prompt_len[rows] + running.drawn[rows] + pending[rows] - 1
+        needed = positions // self.blocks.block_size + 1
+        short = needed > self.blocks.row_counts[rows]
+        for row, count in zip(rows[short].tolist(), needed[short].tolist()):
+            while running.active[row] and not self.blocks.grow(row, count):
+                running_rows = running.active_below(self.runner.num_rows)
+                victim = int(running_rows[np.argmax(self._admitted_at[running_rows])])
+                if running_rows.size == 1:
+                    req = self.scheduler.rows[row]
+                    self._retire_row(row)
+                    req.future.set_exception(MemoryError(
+                        f"a request of {int(running.prompt_len[row])} prompt tokens needs more than the {self.blocks.num_blocks} "
+                        f"KV blocks of {self.blocks.block_size} tokens the pool holds: raise sampler.gpu_memory_utilization "
+                        "(or sampler.kv_blocks) or lower its max_tokens"))
+                else:
+                    self._preempt(victim)
+
+    def _preempt(self, row: int) -> None:
+        """Stops the request in ``row`` and queues it first, to start over (its blocks go back to the pool)."""
+        req = self.scheduler.rows[row]
+        self._retire_row(row)
+        req.output, req.logprobs = [], []
+        self.scheduler.requeue(req)
+        self.stats.preemptions += 1
 
     def _held(self, step: _StepInFlight) -> np.ndarray:
         """Per row of ``step`` (bool): whether it still holds the request it held at the step's launch (the others
@@ -441,10 +529,7 @@ class Engine:
 
     def _retire(self, req: QueuedRequest, reason: str) -> None:
         if self.reuse_decode_kv:  # the row holds the K/V of the prompt and of every sampled token but the last
-            computed = len(req.prompt_ids) + len(req.output) - 1
-            identity = None if self._shared_rows is None else self._shared_rows.identity(req.row)
-            self.prefix_cache.insert_history(req.adapter, req.version, req.prompt_ids + req.output[:-1],
-                                             self.runner.read_kv(req.row, 0, computed), prefix=identity)
+            self.blocks.keep_history(req.row, req.adapter, req.version, req.prompt_ids + req.output[:-1])
         self._retire_row(req.row)
         if not req.future.cancelled():
             req.future.set_result(Completion(req.output, req.logprobs, reason, req.version))
@@ -452,6 +537,7 @@ class Engine:
     def _retire_row(self, row: int) -> None:
         if self._shared_rows is not None:
             self._shared_rows.clear(row)
+        self.blocks.release(row)
         self.scheduler.release(row)
         self._running.release(row)
 

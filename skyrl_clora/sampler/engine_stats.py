@@ -22,11 +22,11 @@ class EngineStats:
     sources, copies to the device) and launching the step and its sampling (a CUDA-graph replay, or the eager
     forward on the CPU), the GPU time of the decode steps' forward passes (:class:`GPUSpan` around each; 0
     off CUDA: set against decode_seconds per step it tells a GPU-bound step from one whose GPU idles or is
-    shared), likewise the GPU time of the prefill rounds' forward passes and, apart, of their copies of cached K/V
-    into the requests' rows (with any host time between those copies), the seconds spent retiring
-    finished requests (storing their K/V history, completing their futures; in decode steps and prefill), the
-    seconds the decode CUDA graphs' capture took, and the key positions decode steps read from another row's
-    copy of a shared prefix."""
+    shared), likewise the GPU time of the prefill rounds' forward passes and, apart, of their copies of shared
+    blocks a row writes into and block-table uploads, the seconds spent retiring finished requests (keeping
+    their blocks as a history, completing their futures; in decode steps and prefill), the seconds the decode
+    CUDA graphs' capture took, the key positions decode steps read through another row's shared blocks, the
+    preemptions, and the peaks of running requests and of KV blocks held."""
 
     decode_steps: int = 0
     prefill_rounds: int = 0
@@ -48,7 +48,10 @@ class EngineStats:
     idle_waits: int = 0
     longest_idle_seconds: float = 0.0
     graph_capture_seconds: float = 0.0
-    shared_prefix_positions: int = 0  # decode-step key positions read from another row's copy
+    shared_prefix_positions: int = 0  # decode-step key positions read through another row's shared blocks
+    preemptions: int = 0  # running requests stopped for want of a KV block (queued again to start over)
+    peak_running_rows: int = 0  # most requests running at once
+    peak_blocks_held: int = 0  # most KV blocks held by rows and histories at once (sampled after prefill rounds)
 
 
 class GPUSpan:

@@ -1,4 +1,4 @@
-"""Runs a Hugging Face decoder (Qwen3 / Qwen2 / Llama module layout) over a slot-based KV cache.
+"""Runs a Hugging Face decoder (Qwen3 / Qwen2 / Llama module layout) over a paged KV cache.
 
 The HF modules supply the weights (embeddings, norms, projections with multi-LoRA, MLP) and the rotary
 tables; this runner replaces the attention bookkeeping, so that many sequences of different lengths decode
@@ -20,9 +20,13 @@ order):
   the LoRA slot buffers and the segment metadata live in fixed buffers, so in-place adapter publishes and
   new inputs are seen by the replay.
 
-KV cache: ``k_cache, v_cache: [layers, num_rows + 1, kv_heads, max_len, head_dim]`` in the model dtype (one
-tensor each, so a prompt block of every layer is copied in one operation); the last row is scratch space
-for the K/V of a prefill pass's padding.
+KV cache: ``k_cache, v_cache: [layers, num_blocks + 1, kv_heads, block_size, head_dim]`` in the model dtype,
+blocks of ``block_size`` positions; cache row ``r``'s position ``p`` lives in block ``block_tables[r, p //
+block_size]`` at offset ``p % block_size`` (``block_tables: [num_rows + 1, max_len // block_size]`` int32 on the
+device, written by :meth:`set_block_tables` from the engine's :class:`BlockManager`; a runner built without
+``num_blocks`` gives each row a run of blocks of its own). The last block is scratch
+space: free rows' table entries name it, and the last table row (the scratch row, every entry the scratch
+block) takes a prefill pass's padding.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -82,7 +87,7 @@ class ModelRunner:
     """Forward passes of a causal LM over a slot-based KV cache (see module docstring)."""
 
     def __init__(self, model: nn.Module, num_rows: int, max_len: int, block_size: int,
-                 prefill_tokens: int, share_prefix_reads: bool = False) -> None:
+                 prefill_tokens: int, num_blocks: int | None = None, share_prefix_reads: bool = False) -> None:
         if max_len % block_size:
             raise ValueError(f"max_len {max_len} must be a multiple of the prefill block size {block_size}")
         if num_rows % DECODE_ROW_QUANTUM:
@@ -104,9 +109,16 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.scratch_row = num_rows  # a cache row no request uses: a prefill pass's padding writes its K/V there
-        shape = (len(self.decoder.layers), num_rows + 1, self.num_kv_heads, max_len, self.head_dim)
+        # Without a pool size, each row owns max_len // block_size blocks of its own (row r: the r-th run).
+        per_row = max_len // block_size
+        contiguous = num_blocks is None
+        self.num_blocks = num_blocks = num_rows * per_row if contiguous else num_blocks
+        shape = (len(self.decoder.layers), num_blocks + 1, self.num_kv_heads, block_size, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.block_tables = torch.full((num_rows + 1, per_row), num_blocks, dtype=torch.int32, device=self.device)
+        if contiguous:
+            self.block_tables[:num_rows] = torch.arange(num_blocks, dtype=torch.int32, device=self.device).view(num_rows, per_row)
         self._row_index = torch.arange(num_rows, device=self.device)
         # Decode inputs (written by set_decode_inputs, read by eager steps and graph replays).
         self.decode_tokens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
@@ -242,7 +254,7 @@ class ModelRunner:
         def attend(layer_idx: int, q: torch.Tensor) -> torch.Tensor:
             # q: [T, H, d]; each job attends to its own cache row.
             return prefill_attention(q, self.k_cache[layer_idx], self.v_cache[layer_idx], job_rows, job_starts, q_offsets,
-                                     q_lens, scale)
+                                     q_lens, scale, block_tables=self.block_tables)
 
         hidden = self._forward(ids, positions, token_slots, token_rows, attend)
         last = hidden.index_select(0, (q_offsets + q_lens - 1).clamp(min=0))  # [J, hidden]
@@ -270,16 +282,35 @@ class ModelRunner:
         self._prefill_graphs[size] = (graph, logits)
         self.graph_capture_seconds += time.perf_counter() - started
 
+    def set_block_tables(self, tables: np.ndarray) -> None:
+        """Copies the host block tables (``[num_rows + 1, max_len // block_size]`` int32) to the device, ordered
+        after the work already queued on the current stream (a step in flight reads the tables it was
+        launched with); the host does not wait."""
+        (flat,) = lists_to_device([tables.reshape(-1)], self.device, dtype=torch.int32)
+        self.block_tables.view(-1).copy_(flat)
+
     def read_kv(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of row ``row``'s K/V at positions ``start..end-1`` of every layer: ``(k, v)``, each
         ``[layers, KV, end - start, d]``."""
-        return self.k_cache[:, row, :, start:end].clone(), self.v_cache[:, row, :, start:end].clone()
+        positions = torch.arange(start, end, device=self.device)
+        blocks = self.block_tables[row, positions // self.block_size].long()
+        offsets = positions % self.block_size
+        # [n, layers, KV, d] (the advanced indices' dimension first) -> [layers, KV, n, d]
+        return tuple(cache[:, blocks, :, offsets].permute(1, 2, 0, 3).contiguous() for cache in (self.k_cache, self.v_cache))
 
     def write_kv(self, row: int, start: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Copies ``kv`` (as returned by :meth:`read_kv`) into row ``row`` from position ``start`` on."""
-        end = start + kv[0].shape[2]
-        self.k_cache[:, row, :, start:end].copy_(kv[0])
-        self.v_cache[:, row, :, start:end].copy_(kv[1])
+        """Writes ``kv`` (as returned by :meth:`read_kv`) into row ``row``'s blocks from position ``start`` on."""
+        positions = torch.arange(start, start + kv[0].shape[2], device=self.device)
+        blocks = self.block_tables[row, positions // self.block_size].long()
+        offsets = positions % self.block_size
+        for cache, values in zip((self.k_cache, self.v_cache), kv):
+            cache[:, blocks, :, offsets] = values.permute(2, 0, 1, 3)
+
+    def copy_blocks(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Copies the K/V of blocks ``sources[i]`` into blocks ``targets[i]`` in every layer."""
+        source, target = lists_to_device([list(sources), list(targets)], self.device)
+        self.k_cache.index_copy_(1, target, self.k_cache.index_select(1, source))
+        self.v_cache.index_copy_(1, target, self.v_cache.index_select(1, source))
 
     def set_decode_inputs(self, tokens: Sequence[int], positions: Sequence[int], lora_slots: Sequence[int],
                           prefix_rows: Sequence[int] | None = None, prefix_lens: Sequence[int] | None = None,
@@ -353,7 +384,8 @@ class ModelRunner:
         def attend(layer_idx: int, q: torch.Tensor) -> torch.Tensor:
             # q: [span, H, d]
             return decode_attention(q, self.k_cache[layer_idx], self.v_cache[layer_idx], lengths,
-                                    workspace=self._attention_workspace, prefix_rows=prefix_rows, prefix_lens=prefix_lens)
+                                    workspace=self._attention_workspace, prefix_rows=prefix_rows, prefix_lens=prefix_lens,
+                                    block_tables=self.block_tables)
 
         hidden = self._forward(tokens, positions, self.decode_slots[:span], rows, attend)
         return self.model.lm_head(hidden)
@@ -370,12 +402,15 @@ class ModelRunner:
         residual = None
         if self.lora_meta is not None:
             self.lora_meta.build(token_slots)
+        # Each token's K/V go to block ``block_tables[row, position // block_size]`` at ``position % block_size``.
+        write_blocks = self.block_tables[cache_rows, position_ids // self.block_size].long()
+        write_offsets = position_ids % self.block_size
         for layer_idx, (layer, projections) in enumerate(zip(self.decoder.layers, self._projections)):
             norm = layer.input_layernorm
             hidden, residual = rms_norm(x, norm.weight, norm.variance_epsilon, residual)
             attn, qkv = layer.self_attn, projections.qkv
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            cache = KVCacheWrite(self.k_cache[layer_idx], self.v_cache[layer_idx], cache_rows, position_ids)
+            cache = KVCacheWrite(self.k_cache[layer_idx], self.v_cache[layer_idx], write_blocks, write_offsets)
             q = folded_qkv_rope_into_cache(
                 hidden, qkv.folded, qkv.lora_b, qkv.scales, token_slots, self.head_dim, cos, sin,
                 None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,

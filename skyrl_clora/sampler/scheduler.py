@@ -3,8 +3,12 @@ queued adapter publish or unregister may land.
 
 Plain host bookkeeping over the engine's row table, driven by the engine thread alone (the engine keeps the
 thread, its inbox and every tensor). It reads the adapters' published versions (:class:`AdapterSlots`) and
-which prompt blocks the prefix cache holds (:class:`PrefixCache`), and takes the finished-turn histories it
-admits a request with from that cache.
+the KV block pool (:class:`BlockManager`: which prompt blocks are keyed, how many blocks are available), and
+takes the finished-turn histories it admits a request with from that pool.
+
+Admission by free blocks: a request is admitted only while the pool keeps :attr:`Scheduler.watermark` blocks
+available after it (room for the running rows to grow); the first request that does not fit stops the round
+(first come, first served), and a request whose prompt could not fit the whole pool fails alone.
 
 The version fence: a request is sampled entirely with the adapter version it was admitted under, so a
 publish (or unregister) of an adapter lands only once none of its requests holds a row; new requests of an
@@ -18,7 +22,7 @@ from dataclasses import dataclass, field
 
 from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.sampler.adapter_slots import AdapterSlots
-from skyrl_clora.sampler.prefix_cache import BlockKV, PrefixCache, PrefixIdentity
+from skyrl_clora.sampler.block_manager import BlockManager
 from skyrl_clora.sampler.requests import SamplingParams
 
 
@@ -26,8 +30,9 @@ from skyrl_clora.sampler.requests import SamplingParams
 class QueuedRequest:
     """One generation request, from submission until its future resolves. :meth:`Scheduler.admit` sets its cache
     ``row``, the adapter ``version`` it is sampled with and the finished turn its prompt extends (``history``:
-    ``(length, kv, prefix)`` from :meth:`PrefixCache.take_history`); the engine sets ``lora_slot`` at its
-    prefill and ``output`` / ``logprobs`` when it finishes."""
+    ``(length, blocks)`` from :meth:`BlockManager.take_history`, whose references the request holds until its
+    row adopts them); the engine sets ``lora_slot`` at its prefill and ``output`` / ``logprobs`` when it
+    finishes."""
 
     prompt_ids: list[int]
     adapter: str | None
@@ -36,7 +41,7 @@ class QueuedRequest:
     row: int = -1
     lora_slot: int = -1
     version: int = -1
-    history: tuple[int, BlockKV, PrefixIdentity | None] | None = None
+    history: tuple[int, list[int]] | None = None
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -69,13 +74,15 @@ class Scheduler:
     row table: ``rows[r]`` is the request running in cache row ``r`` (between :meth:`place` and :meth:`release`)
     or None.
 
-    ``reuse_decode_kv``: admission takes a stored history the prompt extends from the prefix cache (the engine
-    then copies it instead of computing those positions)."""
+    ``reuse_decode_kv``: admission takes a stored history the prompt extends from the block pool (the request's
+    row then starts with its blocks instead of computing those positions)."""
 
-    def __init__(self, num_rows: int, adapters: AdapterSlots, prefix_cache: PrefixCache, max_prefills_per_step: int,
+    def __init__(self, num_rows: int, adapters: AdapterSlots, blocks: BlockManager, max_prefills_per_step: int,
                  reuse_decode_kv: bool) -> None:
         self.adapters = adapters
-        self.prefix_cache = prefix_cache
+        self.blocks = blocks
+        # Blocks kept available after an admission: 1% of the pool (as vLLM keeps), at least one.
+        self.watermark = max(1, blocks.num_blocks // 100)
         self.max_prefills_per_step = max_prefills_per_step
         self.reuse_decode_kv = reuse_decode_kv
         self.rows: list[QueuedRequest | None] = [None] * num_rows
@@ -88,6 +95,11 @@ class Scheduler:
             self._waiting.append(item)
         else:
             self._pending.append(item)
+
+    def requeue(self, request: QueuedRequest) -> None:
+        """Puts ``request`` (preempted: its row and blocks were released) first in the queue, to start over."""
+        request.row, request.history = -1, None
+        self._waiting.insert(0, request)
 
     def idle(self) -> bool:
         """Whether nothing waits, nothing is pending and no row runs."""
@@ -124,15 +136,17 @@ class Scheduler:
 
     def admit(self) -> list[QueuedRequest]:
         """Admits waiting requests (FIFO over all tenants) into the free rows, lowest first, at most
-        ``max_prefills_per_step`` of them: sets each one's ``row``, ``version`` and ``history`` and returns them
-        in admission order, for the caller to prefill together and :meth:`place`. Cancelled requests are dropped;
-        requests whose adapter is no longer registered fail; requests of an adapter with a pending publish or
-        unregister wait (the version fence).
+        ``max_prefills_per_step`` of them and while the block pool keeps :attr:`watermark` blocks available
+        after each (dropping stored histories, oldest first, to make room): sets each one's ``row``,
+        ``version`` and ``history`` and returns them in admission order, for the caller to prefill together and
+        :meth:`place`. Cancelled requests are dropped; requests whose adapter is no longer registered fail, and
+        so does a request whose prompt needs more blocks than the pool has; requests of an adapter with a
+        pending publish or unregister wait (the version fence).
 
         A request whose first uncached prompt block is also the first uncached block of another request
         admitted in this round waits one round, so that it finds that prefix (a GRPO group's prompt, a
-        tenant's system prompt) in the prefix cache instead of computing it again; requests that share
-        only cached blocks (the turns of a GRPO group's episodes) are admitted together."""
+        tenant's system prompt) keyed instead of computing it again; requests that share only keyed blocks
+        (the turns of a GRPO group's episodes) are admitted together."""
         if not self._waiting:
             return []
         fenced = {item.adapter for item in self._pending}
@@ -140,25 +154,49 @@ class Scheduler:
         admitted: list[QueuedRequest] = []
         first_missing: set[tuple] = set()
         remaining = []
+        budget = self.blocks.available()
+        spent = 0  # blocks the requests admitted this round will take
+        full = False  # the pool could not take the last request tried: the round admits no more
+        block_size = self.blocks.block_size
         for req in self._waiting:
             if req.future.cancelled():
                 continue
             if req.adapter is not None and req.adapter not in self.adapters:  # unregistered after it was submitted
                 req.future.set_exception(_unregistered(req.adapter))
                 continue
-            if req.adapter in fenced or not free_rows or len(admitted) >= self.max_prefills_per_step:
+            needed = -(-(len(req.prompt_ids) + 1) // block_size)
+            if needed > self.blocks.num_blocks:
+                req.future.set_exception(MemoryError(
+                    f"a prompt of {len(req.prompt_ids)} tokens needs {needed} KV blocks of {block_size} tokens; the "
+                    f"engine's pool has {self.blocks.num_blocks}: raise sampler.gpu_memory_utilization (or "
+                    "sampler.kv_blocks) or shorten the prompt"))
+                continue
+            if full or req.adapter in fenced or not free_rows or len(admitted) >= self.max_prefills_per_step:
                 remaining.append(req)
                 continue
-            req.version = -1 if req.adapter is None else self.adapters.version(req.adapter)
-            if self.reuse_decode_kv:
-                req.history = self.prefix_cache.take_history(req.adapter, req.version, req.prompt_ids)
-            missing = None if req.history else self.prefix_cache.first_missing(req.adapter, req.version, req.prompt_ids)
+            version = -1 if req.adapter is None else self.adapters.version(req.adapter)
+            history = self.blocks.take_history(req.adapter, version, req.prompt_ids) if self.reuse_decode_kv else None
+            missing = None if history else self.blocks.first_missing(req.adapter, version, req.prompt_ids)
             shared_key = None if missing is None else (req.adapter, missing)
             if shared_key in first_missing:
                 remaining.append(req)
                 continue
+            cost = self.blocks.admission_cost(req.adapter, version, req.prompt_ids, 0 if history is None else len(history[1]))
+            if budget - cost < self.watermark:
+                self.blocks.reclaim(cost + self.watermark + spent)
+                budget = self.blocks.available() - spent
+            alone = not admitted and not any(self.rows)  # nothing else could free blocks: the watermark is moot
+            if budget - cost < (0 if alone else self.watermark):
+                full = True
+                if history is not None:  # not admitted now: the history goes back to the pool
+                    self.blocks.store_history(req.adapter, version, req.prompt_ids[: history[0]], history[1])
+                remaining.append(req)
+                continue
             if shared_key is not None:
                 first_missing.add(shared_key)
+            budget -= cost
+            spent += cost
+            req.version, req.history = version, history
             req.row = free_rows.pop(0)
             admitted.append(req)
         self._waiting = remaining

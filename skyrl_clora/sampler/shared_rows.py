@@ -1,24 +1,24 @@
-"""Which cache rows hold the same cached prompt K/V, so that a decode step's attention reads one copy.
+"""Which cache rows share their leading KV blocks, so that a decode step's attention reads them once.
 
-The engine copies a prompt's cached blocks into every row that uses them (the samples of a GRPO group, the
-episodes sharing a system prompt), and a finished turn's history carries the copy into the next turn's
-row. Rows whose first positions are copies of one block chain (one :data:`PrefixIdentity` key) hold the
-same bytes there; decode attention then reads those positions once for the group, from one member, the
-group's *source* (``decode_attention``'s ``prefix_rows`` / ``prefix_lens``): one program per kv head and
-key split takes the query heads of up to ``PREFIX_GROUP_ROWS`` rows, so the prefix's K/V are read once
-instead of once per row. The rows of one chain are cut into groups of that many (by row), and a group's
-source is its member covering the most positions (the lowest row among equals), so every member's
-positions are inside it. The answer equals reading each row's own copy up to rounding.
+Every row that starts with a prompt's keyed blocks holds them by reference (the samples of a GRPO group, the
+episodes sharing a system prompt), and a finished turn's history hands them on to the next turn's row. Rows
+whose leading keyed blocks are the same (one :data:`PrefixIdentity`) hold the same K/V there; decode
+attention then reads those positions once for the group, through one member's block table, the group's
+*source* (``decode_attention``'s ``prefix_rows`` / ``prefix_lens``): one program per kv head and key split
+takes the query heads of up to ``PREFIX_GROUP_ROWS`` rows, so the shared K/V are read once instead of once
+per row. The rows of one identity are cut into groups of that many (by row), and a group's source is its
+member covering the most positions (the lowest row among equals), so every member's positions are inside
+it. The answer equals each row reading its own table up to rounding.
 """
 
 from __future__ import annotations
 
 from skyrl_clora.kernels.attention.decode import PREFIX_GROUP_ROWS
-from skyrl_clora.sampler.prefix_cache import PrefixIdentity
+from skyrl_clora.sampler.block_manager import PrefixIdentity
 
 
 class SharedPrefixRows:
-    """Per cache row, the block chain its first positions copy; per decode span, each row's source row and
+    """Per cache row, the identity of its leading shared blocks; per decode span, each row's source row and
     shared length (recomputed only after a row joins or leaves)."""
 
     def __init__(self, num_rows: int) -> None:

@@ -8,9 +8,9 @@ and the policy worker group. Each half is production or its stand-in, per the pl
 - training ``embedded``: SkyRL's ``PPORayActorGroup`` builds one
   :class:`~skyrl_clora.skyrl.worker.EmbeddedPolicyWorker` actor (``num_gpus_per_actor=0``) whose
   ``init_model`` loads the base model inside the actor, given every tenant's seed and learning rate.
-  ``megatron``: SkyRL's Megatron policy worker with patch 0002's run-time form
+  ``megatron``: SkyRL's Megatron policy worker with patch 0001's run-time form
   (:func:`~skyrl_clora.skyrl.worker_patches.with_per_tenant_lora_sync`: no prefix-cache reset on a
-  tenant's sync), initialised as SkyRL's Tinker backend does (LR driven through ``set_lr``, optimizer
+  tenant's sync whose requests were all salted), initialised as SkyRL's Tinker backend does (LR driven through ``set_lr``, optimizer
   state primed, the pristine adapter snapshotted for ``register_adapter``).
 
 Ray: with both halves embedded, a small local Ray (``num_cpus=2``, no dashboard); otherwise SkyRL's
@@ -177,7 +177,7 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
     engine = Engine(model, layers, num_rows=run.sampler.max_rows or len(names) * rows_per_tenant,
                     max_len=run.recipe.max_input_length + run.recipe.max_generate_length,
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
-                    prefix_cache_bytes=run.sampler.prefix_cache_mb << 20)
+                    num_blocks=run.sampler.kv_blocks or None, cache_prefixes=run.sampler.prefix_cache)
     server = EmbeddedServer(engine, tokenizer, model_name=model_path, seed=run.seed)
     try:
         url = server.start()

@@ -8,9 +8,11 @@ event loop.
 A tenant whose batch is invalid fails alone (its ``train`` call raises); if a pass itself raises, the
 tenants of that pass fail and the others keep going.
 
-Given a ``sampler`` to pause (the engine, ``trainer.overlap_sampling=false``), every pass runs with sampling
-paused, so the GPU runs one workload at a time instead of sharing itself between a training pass and the
-other tenants' decode steps.
+Given a ``sampler`` to pause (the engine), a pass that starts while at least ``pause_rows`` of its rows are
+decoding runs with sampling paused, so the GPU runs one workload at a time instead of sharing itself between
+a training pass and a full decode batch; with fewer rows decoding (a long-tailed step's last episodes), the
+pass runs beside them and fills the GPU they leave idle. ``pause_rows=0`` pauses for every pass
+(``trainer.overlap_sampling=false``); no sampler never pauses (``true``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class PausableSampler(Protocol):
 
     def resume(self) -> None: ...
 
+    def running_rows(self) -> int: ...
+
 
 @dataclass
 class _Request:
@@ -46,16 +50,19 @@ class _Request:
 
 class TrainScheduler:
     """Queues ``(tenant, batch)`` requests and drains them through ``trainer`` in ``mode`` (swap or packed);
-    with ``sampler``, sampling is paused for every pass. ``pass_seconds``: the passes' time so far (with the
-    pauses around them)."""
+    with ``sampler``, sampling is paused for each pass that starts while at least ``pause_rows`` rows decode.
+    ``pass_seconds``: the passes' time so far (with the pauses around them); ``paused_passes``: how many
+    passes paused sampling."""
 
-    def __init__(self, trainer: Trainer, mode: str, sampler: PausableSampler | None = None) -> None:
+    def __init__(self, trainer: Trainer, mode: str, sampler: PausableSampler | None = None, pause_rows: int = 0) -> None:
         if mode not in TRAIN_MODES:
             raise ValueError(f"train mode {mode!r} is unknown; use swap or packed")
         self.trainer = trainer
         self.mode = mode
         self.sampler = sampler
+        self.pause_rows = pause_rows
         self.pass_seconds = 0.0
+        self.paused_passes = 0
         self._waiting: list[_Request] = []
         self._drainer: asyncio.Task | None = None
 
@@ -106,14 +113,17 @@ class TrainScheduler:
                 request.result.set_result((weights, {**metrics, "pass_tenants": float(len(requests))}))
 
     def _pass(self, train: Callable[..., Result], *args) -> Result:
-        """Runs one training call (on a worker thread), with sampling paused around it when there is a sampler."""
+        """Runs one training call (on a worker thread), with sampling paused around it when there is a sampler
+        decoding at least ``pause_rows`` rows."""
         started = time.perf_counter()
-        if self.sampler is not None:
+        pause = self.sampler is not None and self.sampler.running_rows() >= self.pause_rows
+        if pause:
             self.sampler.pause()
+            self.paused_passes += 1
         try:
             return train(*args)
         finally:
-            if self.sampler is not None:
+            if pause:
                 self.sampler.resume()
             self.pass_seconds += time.perf_counter() - started
 

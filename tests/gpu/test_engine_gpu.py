@@ -146,8 +146,10 @@ def test_requests_that_stop_early_match_the_hf_forward() -> None:
 
 def test_decode_logits_match_the_hf_forward() -> None:
     engine = _engine(True, {}, dtype=torch.float32)
-    engine.shutdown()  # drive the runner directly
+    engine.shutdown()  # drive the runner directly, row 0 holding the blocks of the prompt's positions
     runner = engine.runner
+    engine.blocks.grow(0, -(-len(PROMPT) // runner.block_size))
+    runner.set_block_tables(engine.blocks.tables)
     tokens = torch.tensor(PROMPT, device="cuda")
     runner.prefill([PrefillJob(row=0, tokens=tokens[:-1], lora_slot=-1)])
     runner.set_decode_inputs([PROMPT[-1]] + [0] * 15, [len(PROMPT) - 1] + [0] * 15, [-1] * 16)
@@ -187,3 +189,25 @@ def test_graphed_prefill_passes_match_eager_ones() -> None:
             got, want = runners[0].read_kv(row, 0, len(tokens)), runners[1].read_kv(row, 0, len(tokens))
             assert all(torch.allclose(g, w, atol=1e-4, rtol=1e-4) for g, w in zip(got, want))
     assert sorted(runners[0]._prefill_graphs) == [64, 128]
+
+
+def test_a_small_block_pool_preempts_and_completes_every_request() -> None:
+    """On a pool of 12 blocks of 32 positions, 24 long-tailed requests over two tenants (graphs on) do not fit at
+    once: some are preempted and start over, every one completes with its full length, and every block goes
+    back to the pool."""
+    model = _model(torch.bfloat16)
+    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=16, trainable=False)
+    engine = Engine(model, layers, num_rows=32, max_len=256, block_size=32, num_blocks=12, reuse_decode_kv=True,
+                    share_prefix_reads=True)
+    for name, seed in (("a", 1), ("b", 2)):
+        engine.register_adapter(name, random_adapter(layers, seed, b_std=0.05))
+    lengths = [min(200, 8 * (1 + i % 7) ** 2 // 3) for i in range(24)]
+    try:
+        futures = [engine.submit(PROMPT, "ab"[i % 2], SamplingParams(max_tokens=n, temperature=1.0, seed=i))
+                   for i, n in enumerate(lengths)]
+        results = [future.result(timeout=300) for future in futures]
+    finally:
+        engine.shutdown()
+    assert [len(r.token_ids) for r in results] == lengths
+    assert engine.stats.preemptions > 0
+    assert engine.blocks.held_blocks() <= sum(len(h.blocks) for h in engine.blocks._histories.values())

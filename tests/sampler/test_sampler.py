@@ -238,7 +238,7 @@ def test_prefix_cache_reuses_blocks_bit_identically(micro_model_dir: Path) -> No
     engine, weights = _engine(micro_model_dir, num_rows=4, adapters={"a": 1, "b": 2}, max_len=256)
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
-    uncached = Engine(model, layers, num_rows=4, max_len=256, prefix_cache_bytes=0)
+    uncached = Engine(model, layers, num_rows=4, max_len=256, cache_prefixes=False)
     uncached.register_adapter("a", weights["a"])
     try:
         first = engine.submit(long_prompt, "a", _params(1, max_tokens=16)).result(timeout=60)

@@ -13,23 +13,24 @@ from torch import nn
 from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.sampler.adapter_slots import AdapterSlots
-from skyrl_clora.sampler.prefix_cache import PrefixCache
+from skyrl_clora.sampler.block_manager import BlockManager
 from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.sampler.scheduler import Publish, QueuedRequest, Scheduler, Unregister
 
 BLOCK = 4
 
 
-def _scheduler(num_rows: int, versions: dict[str, int], max_prefills: int = 8, cache_bytes: int = 0,
-               reuse_decode_kv: bool = False) -> Scheduler:
+def _scheduler(num_rows: int, versions: dict[str, int], max_prefills: int = 8, cache_prefixes: bool = False,
+               reuse_decode_kv: bool = False, num_blocks: int = 256) -> Scheduler:
     """A scheduler over ``num_rows`` rows whose adapters hold ``versions``, with a prefix cache of ``BLOCK``-token
-    blocks (off at ``cache_bytes=0``)."""
+    blocks (keyed only with ``cache_prefixes``) in a pool of ``num_blocks``."""
     layers = {"proj": MultiLoRALinear(nn.Linear(4, 4), num_slots=4, max_rank=2, routing=LoRARouting(), trainable=False)}
     adapters = AdapterSlots(layers)
     for name, version in versions.items():
         adapters.reserve(name)
         adapters.write(name, init_adapter(layers, 2, 4.0, torch.Generator().manual_seed(0)), version)
-    return Scheduler(num_rows, adapters, PrefixCache(BLOCK, cache_bytes), max_prefills, reuse_decode_kv)
+    pool = BlockManager(num_blocks, BLOCK, num_rows, max_blocks_per_row=16, cache_prefixes=cache_prefixes)
+    return Scheduler(num_rows, adapters, pool, max_prefills, reuse_decode_kv)
 
 
 def _request(prompt: list[int], adapter: str | None = "a") -> QueuedRequest:
@@ -44,8 +45,10 @@ def _admit_and_place(scheduler: Scheduler) -> list[QueuedRequest]:
     return admitted
 
 
-def _block_kv(index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.full((1, 1, BLOCK, 2), float(index)), torch.full((1, 1, BLOCK, 2), -float(index))
+def _prefilled(scheduler: Scheduler, req: QueuedRequest, first_block: int = 0) -> None:
+    """What the engine's prefill does to ``req``'s row: blocks for its prompt, its whole blocks keyed."""
+    scheduler.blocks.grow(req.row, -(-len(req.prompt_ids) // BLOCK))
+    scheduler.blocks.key_prompt(req.row, req.adapter, req.version, req.prompt_ids, first_block)
 
 
 def test_requests_take_the_lowest_free_rows_in_arrival_order() -> None:
@@ -120,7 +123,7 @@ def test_a_publish_holds_back_requests_that_arrive_after_it_only_while_pending()
 
 
 def test_requests_sharing_a_first_missing_block_wait_a_round_and_cached_sharers_go_together() -> None:
-    scheduler = _scheduler(num_rows=16, versions={"a": 0, "b": 0}, cache_bytes=1 << 20)
+    scheduler = _scheduler(num_rows=16, versions={"a": 0, "b": 0}, cache_prefixes=True)
     prompt = list(range(100, 110))  # two whole blocks and a part
     group = [_request(prompt, "a") for _ in range(3)]
     other_prompt, other_adapter = _request(list(range(200, 210)), "a"), _request(prompt, "b")
@@ -129,22 +132,22 @@ def test_requests_sharing_a_first_missing_block_wait_a_round_and_cached_sharers_
     assert _admit_and_place(scheduler) == [group[0], other_prompt, other_adapter], \
         "the group's later samples wait for its first; another prompt or adapter does not"
     assert [group[0].row, other_prompt.row, other_adapter.row] == [0, 1, 2]
-    scheduler.prefix_cache.insert("a", 0, prompt, 0, _block_kv)  # the first sample's prefill stores the blocks
+    _prefilled(scheduler, group[0])  # the first sample's prefill keys the blocks
     assert _admit_and_place(scheduler) == group[1:] and [req.row for req in group[1:]] == [3, 4]
     turns = [_request(prompt[:8] + [i] * 6, "a") for i in (1, 2)]  # the cached blocks, then a block each of their own
     same = [_request(prompt[:8] + [9] * 6, "a") for _ in range(2)]  # the cached blocks, then one block both compute
     for req in (*turns, *same):
         scheduler.enqueue(req)
     assert _admit_and_place(scheduler) == [*turns, same[0]], "same[1] waits a round though rows are free"
-    scheduler.prefix_cache.insert("a", 0, same[0].prompt_ids, 2, _block_kv)
+    _prefilled(scheduler, same[0], first_block=2)
     assert _admit_and_place(scheduler) == [same[1]] and same[1].row == 8
 
 
 def test_a_request_extending_a_stored_history_takes_it_and_is_not_held_back() -> None:
-    scheduler = _scheduler(num_rows=4, versions={"a": 2}, cache_bytes=1 << 20, reuse_decode_kv=True)
+    scheduler = _scheduler(num_rows=4, versions={"a": 2}, cache_prefixes=True, reuse_decode_kv=True)
     history = list(range(100, 110))
-    kv = (torch.zeros(1, 1, len(history), 2), torch.zeros(1, 1, len(history), 2))
-    scheduler.prefix_cache.insert_history("a", 2, history, kv)
+    scheduler.blocks.grow(3, 3)
+    scheduler.blocks.keep_history(3, "a", 2, history)
     fresh, extending = _request(history + [1, 2, 3]), _request(history + [1, 2, 3])
     scheduler.enqueue(fresh)
     scheduler.enqueue(extending)
@@ -185,3 +188,28 @@ def test_a_request_whose_adapter_left_before_admission_fails_alone() -> None:
     assert _admit_and_place(scheduler) == [kept] and kept.row == 0
     with pytest.raises(ValueError, match="adapter 'b' was unregistered"):
         orphan.future.result(timeout=0)
+
+
+def test_admission_stops_at_the_first_request_the_block_pool_cannot_take() -> None:
+    """A pool of 12 blocks of 4 tokens keeps one available (its watermark): a 17-token prompt costs 6 blocks
+    (5 and one for a copy on write), so two are admitted and the third waits, with the one behind it (first
+    come, first served) although that one is small; a prompt longer than the whole pool fails alone; a
+    preempted request is queued first."""
+    scheduler = _scheduler(num_rows=8, versions={"a": 0}, num_blocks=12)
+    assert scheduler.watermark == 1
+    big = [_request(list(range(i * 100, i * 100 + 17))) for i in range(3)]
+    small, huge = _request([7]), _request(list(range(60)))
+    for req in (*big, huge, small):
+        scheduler.enqueue(req)
+    admitted = scheduler.admit()
+    assert admitted == big[:1], "alone, the first fits with no watermark; the second would leave none"
+    for req in admitted:
+        scheduler.place(req)
+        scheduler.blocks.grow(req.row, 6)
+    assert isinstance(huge.future.exception(timeout=0), MemoryError)
+    assert "sampler.gpu_memory_utilization" in str(huge.future.exception(timeout=0))
+    assert scheduler.admit() == [], "5 blocks available cannot take 6 more: the small request waits behind"
+    scheduler.blocks.release(big[0].row)
+    scheduler.release(big[0].row)
+    scheduler.requeue(big[0])
+    assert scheduler.admit() == [big[0]], "the preempted request goes first (the next one would leave no watermark)"

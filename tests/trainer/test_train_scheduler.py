@@ -52,8 +52,12 @@ def test_the_scheduler_returns_each_tenants_stored_weights(micro_model_dir: Path
 
 
 class _RecordingSampler:
-    def __init__(self, events: list[str]) -> None:
+    def __init__(self, events: list[str], rows: int = 0) -> None:
         self.events = events
+        self.rows = rows
+
+    def running_rows(self) -> int:
+        return self.rows
 
     def pause(self) -> None:
         self.events.append("pause")
@@ -77,6 +81,19 @@ def test_the_scheduler_pauses_sampling_around_every_pass_also_a_failing_one(micr
     events.clear()
     results = asyncio.run(submit_all(scheduler, [("ghost", scheduler_batch(2))]))  # the pass raises: sampling resumes anyway
     assert isinstance(results[0], KeyError) and events == ["pause", "train", "resume"]
+
+
+def test_a_pass_pauses_sampling_only_while_enough_rows_decode(micro_model_dir: Path) -> None:
+    """With ``pause_rows``, a pass starting while fewer rows decode runs beside them (no pause)."""
+    trainer = scheduler_trainer(micro_model_dir, slots=2)
+    events: list[str] = []
+    sampler = _RecordingSampler(events, rows=12)
+    scheduler = TrainScheduler(trainer, "swap", sampler=sampler, pause_rows=16)
+    asyncio.run(submit_all(scheduler, [("A", scheduler_batch(0))]))
+    assert events == [] and scheduler.paused_passes == 0
+    sampler.rows = 16
+    asyncio.run(submit_all(scheduler, [("B", scheduler_batch(1))]))
+    assert events == ["pause", "resume"] and scheduler.paused_passes == 1
 
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:

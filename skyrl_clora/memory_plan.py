@@ -1,0 +1,118 @@
+"""The GPU memory plan made at start-up: what the model weights, the trainer's peak, the CUDA graph pools and
+the engine's workspaces take, and how many KV blocks the rest holds.
+
+``budget = total GPU memory x sampler.gpu_memory_utilization``; from it go the memory already allocated (the
+base weights, shared by sampler and trainer, and the AdapterStore's device slots), the trainer's peak above
+that for one pass at the configured micro-batch and the longest sequence (measured by running one such pass
+on throwaway tenants), and a fixed reserve for the engine's CUDA graph pools and workspaces
+(:data:`GRAPH_RESERVE_BYTES`); the KV blocks get what is left. Printed in one line. Off a GPU there is no
+plan (the engine's CPU default holds every row at full length).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from skyrl_clora.config import ConfigError
+from skyrl_clora.lora.peft_export import init_adapter
+from skyrl_clora.trainer.adapter_store import LRSchedule
+from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.trainer import Trainer
+
+GRAPH_RESERVE_BYTES = 3 << 30  # decode and prefill CUDA graph pools, attention and LoRA workspaces, sampling
+_GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per part of the plan and the KV blocks it leaves (``kv_blocks`` of ``block_bytes`` each)."""
+
+    total: int
+    budget: int
+    allocated: int
+    training_peak: int
+    reserve: int
+    block_bytes: int
+    kv_blocks: int
+    block_size: int
+    training_shape: str
+
+    def line(self, rows: int) -> str:
+        """The plan in one line."""
+        return (f"[setup] GPU memory plan: {self.total / _GIB:.1f} GiB x utilization = {self.budget / _GIB:.1f} GiB: "
+                f"weights and adapter slots {self.allocated / _GIB:.1f}, training pass peak {self.training_peak / _GIB:.1f} "
+                f"(measured: {self.training_shape}), graphs and workspaces {self.reserve / _GIB:.1f} (reserved), KV cache "
+                f"{self.kv_blocks * self.block_bytes / _GIB:.1f} = {self.kv_blocks:,} blocks x {self.block_size} tokens "
+                f"({self.kv_blocks * self.block_size:,} positions for {rows} rows)")
+
+
+def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block (K and V of ``block_size`` positions in every layer) of a model with ``config``."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * block_size * head_dim * element
+
+
+def measure_training_peak(trainer: Trainer, tenants: int, rows: int, seq_len: int, rank: int) -> int:
+    """Bytes above the current allocation one training pass takes: ``tenants`` throwaway tenants (packed when
+    more than one) of ``rows`` rows in all, each a ``seq_len``-token sequence (half prompt, half response).
+    The tenants are removed afterwards and the allocator's cache emptied."""
+    device = trainer.device
+    vocab = trainer.head.weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    names = [f"memory-plan-{index}" for index in range(tenants)]
+    per_tenant = -(-rows // tenants)
+    prompt, response = seq_len // 2, seq_len - seq_len // 2
+    batch = TrainBatch(
+        prompt_ids=[torch.randint(vocab, (prompt,), generator=generator).tolist() for _ in range(per_tenant)],
+        response_ids=[torch.randint(vocab, (response,), generator=generator).tolist() for _ in range(per_tenant)],
+        loss_masks=[[1] * response for _ in range(per_tenant)],
+        rewards=[float(index % 2) for index in range(per_tenant)],
+        group_ids=[str(index // 2) for index in range(per_tenant)],
+        rollout_logprobs=None,
+    )
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    weights = init_adapter(trainer.layers, rank, 2.0 * rank, generator)
+    try:
+        for name in names:
+            trainer.store.register(name, weights, LRSchedule(base_lr=1e-6), seed=0)
+        if tenants > 1:
+            trainer.train_packed([(name, batch) for name in names])
+        else:
+            trainer.train_step(names[0], batch)
+        torch.cuda.synchronize(device)
+    finally:
+        for name in names:
+            if name in trainer.store.tenants:
+                trainer.store.remove(name)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    return peak
+
+
+def plan_kv_blocks(model: torch.nn.Module, trainer: Trainer, *, utilization: float, block_size: int, rows: int,
+                   max_len: int, micro_batch_rows: int, pack: int, rank: int) -> MemoryPlan:
+    """The plan for ``model`` (the sampler's, on a GPU) beside ``trainer`` (see module docstring); raises
+    ConfigError when the KV blocks left cannot hold one row of ``max_len`` positions."""
+    param = next(model.parameters())
+    device = param.device
+    peak = measure_training_peak(trainer, pack, micro_batch_rows, max_len, rank)
+    _, total = torch.cuda.mem_get_info(device)
+    budget = int(total * utilization)
+    allocated = torch.cuda.memory_allocated(device)
+    block_bytes = kv_block_bytes(model.config, block_size, param.dtype)
+    blocks = (budget - allocated - peak - GRAPH_RESERVE_BYTES) // block_bytes
+    plan = MemoryPlan(total, budget, allocated, peak, GRAPH_RESERVE_BYTES, block_bytes, max(0, blocks), block_size,
+                      f"{pack} tenant(s), {micro_batch_rows} rows x {max_len} tokens")
+    needed = -(-max_len // block_size)
+    if blocks < needed:
+        raise ConfigError(f"the GPU memory plan leaves {max(0, blocks)} KV blocks, fewer than the {needed} one sequence of "
+                          f"{max_len} tokens needs ({plan.line(rows)}); raise sampler.gpu_memory_utilization, lower "
+                          "trainer.micro_batch_size (or trainer.max_tokens_per_microbatch) or shorten the recipe's lengths")
+    print(plan.line(rows), file=sys.stderr, flush=True)
+    return plan

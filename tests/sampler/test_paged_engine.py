@@ -1,0 +1,96 @@
+"""The engine on a small KV block pool: long-tailed requests that do not all fit at once wait for blocks or are
+preempted and start over, and still complete exactly as on a pool with room for all; a request longer than
+the whole pool fails alone; shared prompt blocks are held by reference (no copies) and go back to the pool."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from skyrl_clora.lora.layers import attach_multi_lora
+from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.requests import SamplingParams
+
+from helpers import random_adapter
+
+BLOCK = 16
+
+
+def _engine(model_dir: Path, num_blocks: int | None, reuse_decode_kv: bool = False) -> Engine:
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
+    engine = Engine(model, layers, num_rows=16, max_len=160, block_size=BLOCK, num_blocks=num_blocks,
+                    reuse_decode_kv=reuse_decode_kv)
+    for name, seed in (("a", 1), ("b", 2)):
+        engine.register_adapter(name, random_adapter(layers, seed))
+    return engine
+
+
+def _jobs() -> list[tuple[list[int], str, SamplingParams]]:
+    """24 requests over two tenants: groups of 4 samples sharing a 40-token prompt, long-tailed lengths."""
+    rng = random.Random(0)
+    jobs = []
+    for group in range(6):
+        prompt = [5 + (group * 37 + i * 11) % 290 for i in range(40)]
+        for sample in range(4):
+            length = min(100, max(1, round(rng.lognormvariate(3.0, 1.0))))
+            jobs.append((prompt, "ab"[group % 2], SamplingParams(max_tokens=length, temperature=1.0, seed=group * 10 + sample)))
+    return jobs
+
+
+def _run(engine: Engine, jobs: list) -> list:
+    try:
+        futures = [engine.submit(prompt, adapter, params) for prompt, adapter, params in jobs]
+        return [future.result(timeout=120) for future in futures]
+    finally:
+        engine.shutdown()
+
+
+def test_a_small_pool_preempts_and_completes_exactly_as_a_large_one(micro_model_dir: Path) -> None:
+    jobs = _jobs()
+    roomy = _engine(micro_model_dir, num_blocks=None)
+    expected = _run(roomy, jobs)
+    assert len({tuple(c.token_ids) for c in expected}) == len(jobs), "the requests' samples must differ"
+    assert roomy.stats.preemptions == 0 and roomy.stats.peak_running_rows == 16
+    # 24 blocks of 16 tokens: a few rows at a time (a row holds up to 9); running rows outgrow the pool.
+    small = _engine(micro_model_dir, num_blocks=24)
+    got = _run(small, jobs)
+    assert small.stats.preemptions > 0, "the small pool must have preempted to test anything"
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert [c.logprobs for c in got] == [c.logprobs for c in expected]
+    assert small.blocks.held_blocks() == 0, "every block went back to the pool"
+
+
+def test_shared_prompt_blocks_are_held_by_reference(micro_model_dir: Path) -> None:
+    engine = _engine(micro_model_dir, num_blocks=None)
+    prompt = list(range(5, 53))  # three whole blocks
+    try:
+        first = engine.submit(prompt, "a", SamplingParams(max_tokens=4, seed=1)).result(timeout=60)
+        assert first.token_ids
+        blocks = engine.blocks.lookup("a", 0, prompt)
+        assert len(blocks) == 3 and engine.blocks.held_blocks() == 0, "keyed, held by nothing once it finished"
+        futures = [engine.submit(prompt + [7], "a", SamplingParams(max_tokens=30, seed=s)) for s in range(4)]
+        results = [f.result(timeout=60) for f in futures]
+        assert len({tuple(r.token_ids) for r in results}) == 4
+        assert engine.stats.cached_prompt_tokens == 4 * 48
+        assert engine.stats.peak_blocks_held <= 3 + 4 * 3, "the siblings share the prompt's three blocks"
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_longer_than_the_pool_fails_alone(micro_model_dir: Path) -> None:
+    engine = _engine(micro_model_dir, num_blocks=4)  # 64 positions in all
+    try:
+        too_long = engine.submit(list(range(5, 75)), "a", SamplingParams(max_tokens=4, seed=1))
+        grows_too_long = engine.submit(list(range(5, 25)), "b", SamplingParams(max_tokens=120, seed=2))
+        fits = engine.submit(list(range(5, 25)), "a", SamplingParams(max_tokens=8, seed=3))
+        with pytest.raises(MemoryError, match="sampler.gpu_memory_utilization"):
+            too_long.result(timeout=60)
+        with pytest.raises(MemoryError, match="KV blocks"):
+            grows_too_long.result(timeout=60)
+        assert len(fits.result(timeout=60).token_ids) == 8
+    finally:
+        engine.shutdown()
