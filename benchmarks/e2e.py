@@ -3,20 +3,29 @@ on one warm model (swap and packed training), side by side in one run.
 
 Model: a Qwen3-shaped checkpoint with random bf16 weights, written to disk once and loaded from it at every
 cold start (load weights, build the engine, capture its CUDA graphs). Workload per tenant step, shaped like
-GSM8K-agentic RL: ``prompts`` prompts x ``samples`` samples; each episode has ``turns`` turns of exactly
-``response`` sampled tokens, with a ``observation``-token tool result between turns; the first prompt is
-``prompt`` tokens. Training is the production GRPO step (SkyRL's advantage estimator and policy loss) on
-random rewards; after it the tenant's adapter is published into the sampler in place. ``steps`` steps per
-experiment. The services are the production ones (``skyrl_clora.services.build_services``); only the
-episodes are synthetic (a random model writes no parsable tool calls).
+GSM8K-agentic RL: ``prompts`` prompts x ``samples`` samples; each episode has ``turns`` turns, with an
+``observation``-token tool result between turns; the first prompt is ``prompt`` tokens. Each turn samples
+exactly its drawn length (no stop tokens): ``--lengths fixed:N`` (the default, N = ``--response``, 100) or a
+long-tailed ``--lengths lognormal:median=M,sigma=S,cap=C`` / ``longtail`` / ``hard`` (``benchmarks.workloads``),
+drawn per (tenant seed, step, episode, turn) so that serial and concurrent runs sample the same lengths; the
+run config's ``recipe.max_input_length`` / ``max_generate_length`` cover the longest episode the distribution
+allows, so no turn is cut short (the line above the table counts turns that came back short: none expected).
+Observation tokens come from the same counters; prompts and rewards from a per-tenant generator in program
+order. Training is the production GRPO step (SkyRL's advantage estimator and policy loss) on random rewards;
+after it the tenant's adapter is published into the sampler in place. ``steps`` steps per experiment. The
+services are the production ones (``skyrl_clora.services.build_services``); only the episodes are synthetic
+(a random model writes no parsable tool calls).
 
 Serial mode runs the experiments one after another, each paying its cold start; serial time for N is the
 sum of the first N experiments. Concurrent mode runs N experiments at once on one cold start.
 
-One table: experiment throughput ratio vs serial, mean per-tenant step time, rollout / train / sync split,
-decode tokens/s, peak GPU memory. Full numbers go to ``--out`` as JSON.
+One table, per mode and N: wall time, experiment throughput ratio vs serial, mean per-tenant step time and
+mean rollout time per tenant step, each with its ratio to the same mode's N=1 (serial's when that mode did not
+run N=1), train / sync split, decode tokens/s, the GPU busy fraction of the wall time (:func:`gpu_busy`) and
+peak GPU memory; above it, the per-turn lengths drawn (mean, p50, p90, max). Full numbers go to ``--out`` as
+JSON (``rows``; ``lengths``: the spec and the drawn lengths' summary; ``gpu_busy_method``).
 
-Usage (GPU): python -m benchmarks.e2e --shape qwen3-1.7b --tokenizer <model dir with a chat template> --out $OUT/e2e.json
+Usage (GPU): python -m benchmarks.e2e --shape qwen3-1.7b --tokenizer <model dir with a chat template> --lengths longtail --out $OUT/e2e.json
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from pathlib import Path
 
 import torch
 from benchmarks.common import QWEN3_VOCAB, write_random_model
+from benchmarks.workloads import Lengths, counter_rng, length_summary, parse_lengths
 
 from skyrl_clora.config import build_run_config
 from skyrl_clora.main import compose_config
@@ -47,24 +57,26 @@ from skyrl_clora.trainer.trainer import TrainBatch
 
 @dataclass(frozen=True)
 class Workload:
+    """One tenant step: ``prompts`` x ``samples`` episodes of ``turns`` turns, each turn sampling a length drawn
+    from ``lengths`` (at most ``lengths.cap``), ``observation`` tokens between turns, ``prompt``-token prompts."""
+
     prompt: int = 256
-    response: int = 100
+    lengths: Lengths = Lengths("fixed", 100)
     observation: int = 32
     turns: int = 3
     prompts: int = 8
     samples: int = 8
     steps: int = 3
-    # Prompt-prefix K/V kept by the engine: a 1.7B model's 128-token block is ~15 MB, and every episode's
-    # history is reused by its next turn (the CPU default of 1 GiB would evict them at N=1 already).
-    prefix_cache_mb: int = 32768
-    # A tenant step (8 prompts once + 64 responses of 364 tokens, ~25k positions with shared prompts) in one
-    # micro-batch: half the trainer's launches of 32-row micro-batches (RESULTS.md, Training: packed vs swap).
+    # A tenant step at fixed:100 (8 prompts once + 64 responses of 364 tokens, ~25k positions with shared
+    # prompts) in one micro-batch: half the trainer's launches of 32-row micro-batches (RESULTS.md, Training:
+    # packed vs swap). Longer draws split into more micro-batches (the longest row, 3392 tokens at ``hard``, fits).
     max_tokens_per_microbatch: int = 32768
     overrides: tuple[str, ...] = ()  # further config overrides (--override), e.g. trainer.shared_prompts=true
 
     @property
     def max_input(self) -> int:
-        return self.prompt + (self.turns - 1) * (self.response + self.observation)
+        """The longest last-turn context: the prompt and every earlier turn at the cap with its observation."""
+        return self.prompt + (self.turns - 1) * (self.lengths.cap + self.observation)
 
 
 @dataclass
@@ -76,6 +88,7 @@ class StepRecord:
     sync_s: float
     step_s: float
     generated_tokens: int
+    short_turns: int = 0  # turns whose completion came back shorter than the drawn length (none expected)
 
 
 @dataclass
@@ -90,61 +103,70 @@ class ModeResult:
     peak_reserved_gib: float = 0.0  # the caching allocator's peak reservation
     alloc_retries: int = 0  # allocations that had to free cached blocks and retry (each synchronises the device)
     train_passes_s: float = 0.0  # the trainer's passes (TrainScheduler.pass_seconds)
+    train_overlaps_sampling: bool = False  # the engine kept sampling during training passes (no pause)
+    turn_lengths: list[int] = field(default_factory=list)  # every turn's drawn length, in completion order
 
 
 def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: int, device: str):
     overrides = [
         f"model.path={model_dir}", "model.dtype=bfloat16", f"clora.device={device}", f"clora.train_mode={train_mode}",
         f"+tenants={tenants}", f"clora.steps={workload.steps}", "clora.progress=false",
-        f"recipe.max_input_length={workload.max_input}", f"recipe.max_generate_length={workload.response}",
+        f"recipe.max_input_length={workload.max_input}", f"recipe.max_generate_length={workload.lengths.cap}",
         f"recipe.samples_per_prompt={workload.samples}", f"recipe.prompts_per_step={workload.prompts}",
-        "sampler.prefill_block=128", "sampler.max_prefills_per_step=64", f"sampler.prefix_cache_mb={workload.prefix_cache_mb}",
+        "sampler.prefill_block=128", "sampler.max_prefills_per_step=64",
         f"trainer.max_tokens_per_microbatch={workload.max_tokens_per_microbatch}", "lora.rank=16", "lora.max_rank=16",
         *workload.overrides,
     ]
     return build_run_config(compose_config(overrides))
 
 
-async def episode(services: Services, tenant: str, session: str, prompt: list[int], workload: Workload,
-                  generator: torch.Generator) -> tuple[list[int], list[int]]:
-    """One multi-turn episode: returns the response ids (sampled turns and observations) and their loss mask."""
-    context, response, mask = list(prompt), [], []
+async def episode(services: Services, tenant: str, seed: int, step: int, index: int, prompt: list[int],
+                  workload: Workload, drawn: list[int]) -> tuple[list[int], list[int], int]:
+    """Episode ``index`` of ``step`` of the tenant seeded ``seed``: each turn asks for its drawn length (appended
+    to ``drawn``; no stop tokens, so the engine samples exactly that many), observations come from the same
+    counters, so the episode is the same whatever runs beside it. Returns the response ids (sampled turns and
+    observations), their loss mask and the turns that came back short."""
+    context, response, mask, short = list(prompt), [], [], 0
     for turn in range(workload.turns):
-        params = SamplingParams(max_tokens=workload.response, temperature=1.0,
-                                seed=derive_seed(0, f"{tenant}/{session}", len(context)))
+        length = workload.lengths.draw(seed, step, index, turn)
+        drawn.append(length)
+        params = SamplingParams(max_tokens=length, temperature=1.0,
+                                seed=derive_seed(0, f"{tenant}/{seed}-{step}-{index}", len(context)))
         completion = await asyncio.wrap_future(services.engine.submit(context, tenant, params))
+        short += len(completion.token_ids) < length
         response += completion.token_ids
         mask += [1] * len(completion.token_ids)
         context += completion.token_ids
         if turn + 1 < workload.turns:
-            observation = torch.randint(0, 1000, (workload.observation,), generator=generator).tolist()
+            observation = counter_rng(seed, step, index, turn, 1).integers(0, 1000, workload.observation).tolist()
             response += observation
             mask += [0] * len(observation)
             context += observation
-    return response, mask
+    return response, mask, short
 
 
 async def experiment(services: Services, scheduler: TrainScheduler, tenant: str, seed: int, workload: Workload,
-                     records: list[StepRecord]) -> None:
-    generator = torch.Generator().manual_seed(seed)
+                     result: ModeResult) -> None:
+    """``workload.steps`` steps of one tenant: rollout, GRPO training, publish; appends to ``result``."""
+    generator = torch.Generator().manual_seed(seed)  # prompts and rewards, drawn in program order
     for step in range(1, workload.steps + 1):
         started = time.perf_counter()
         prompts = [torch.randint(0, 1000, (workload.prompt,), generator=generator).tolist() for _ in range(workload.prompts)]
         rows = [(index, prompt) for index, prompt in enumerate(prompts) for _ in range(workload.samples)]
-        results = await asyncio.gather(*(episode(services, tenant, f"{seed}-{step}-{episode_index}", prompt, workload,
-                                                 generator) for episode_index, (_, prompt) in enumerate(rows)))
+        results = await asyncio.gather(*(episode(services, tenant, seed, step, index, prompt, workload,
+                                                 result.turn_lengths) for index, (_, prompt) in enumerate(rows)))
         rollout_s = time.perf_counter() - started
         batch = TrainBatch(
-            prompt_ids=[prompt for _, prompt in rows], response_ids=[r for r, _ in results],
-            loss_masks=[m for _, m in results], rewards=torch.rand(len(rows), generator=generator).round().tolist(),
+            prompt_ids=[prompt for _, prompt in rows], response_ids=[r for r, _, _ in results],
+            loss_masks=[m for _, m, _ in results], rewards=torch.rand(len(rows), generator=generator).round().tolist(),
             group_ids=[f"{tenant}-{step}-{index}" for index, _ in rows], rollout_logprobs=None,
         )
         trained = time.perf_counter()
         weights, _ = await scheduler.train(tenant, batch)
         train_s = time.perf_counter() - trained
         _, sync_s = await services.sync.publish(tenant, weights)
-        records.append(StepRecord(tenant, step, rollout_s, train_s, sync_s, time.perf_counter() - started,
-                                  sum(sum(m) for _, m in results)))
+        result.steps.append(StepRecord(tenant, step, rollout_s, train_s, sync_s, time.perf_counter() - started,
+                                       sum(sum(m) for _, m, _ in results), sum(s for _, _, s in results)))
 
 
 def register(services: Services, run, tenant: str, seed: int) -> None:
@@ -171,7 +193,8 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
 
         async def main() -> None:
             scheduler = services.train_scheduler(run)
-            await asyncio.gather(*(experiment(services, scheduler, name, seed, workload, result.steps)
+            result.train_overlaps_sampling = scheduler.sampler is None
+            await asyncio.gather(*(experiment(services, scheduler, name, seed, workload, result)
                                    for name, seed in zip(names, seeds)))
             result.train_passes_s = scheduler.pass_seconds
 
@@ -221,15 +244,50 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
     return result
 
 
+GPU_BUSY_METHOD = (
+    "GPU busy = union of the engine's GPU time and the trainer's passes over the wall time (cold starts included). "
+    "engine: EngineStats decode_gpu_seconds + prefill_gpu_seconds + prefill_copy_gpu_seconds (CUDA events around "
+    "each forward pass and block copy; 0 off CUDA); trainer: TrainScheduler.pass_seconds (host time of each pass, "
+    "which ends in a host sync: at least its GPU time, with its launch gaps). Adapter publishes are left out. "
+    "upper = min(1, (engine + trainer) / wall); lower = max(engine, trainer) / wall. When the engine pauses for "
+    "every pass (train_overlaps_sampling false, the GPU default) the two never overlap and upper is the estimate "
+    "(high by the passes' host gaps); when they overlap the union lies between lower and upper. "
+    "The table prints upper.")
+
+
+def gpu_busy(result: ModeResult) -> dict[str, float]:
+    """The GPU busy fraction's bounds over ``result.wall_s`` and their inputs (:data:`GPU_BUSY_METHOD`)."""
+    stats = result.engine
+    engine = stats.decode_gpu_seconds + stats.prefill_gpu_seconds + stats.prefill_copy_gpu_seconds
+    train, wall = result.train_passes_s, max(result.wall_s, 1e-9)
+    return {"engine_gpu_s": engine, "train_pass_s": train, "lower": min(1.0, max(engine, train) / wall),
+            "upper": min(1.0, (engine + train) / wall)}
+
+
 def summarize(result: ModeResult) -> dict:
+    """One table row of ``result``: per-tenant-step means (seconds), throughput, GPU busy, drawn lengths."""
     steps = result.steps
     return {
         "mode": result.mode, "tenants": result.tenants, "wall_s": result.wall_s, "cold_start_s": result.cold_start_s,
         "step_s": statistics.mean(s.step_s for s in steps), "rollout_s": statistics.mean(s.rollout_s for s in steps),
         "train_s": statistics.mean(s.train_s for s in steps), "sync_s": statistics.mean(s.sync_s for s in steps),
         "decode_tokens_per_s": result.engine.generated_tokens / max(result.engine.decode_seconds, 1e-9),
-        "peak_memory_gib": result.peak_memory_gib,
+        "peak_memory_gib": result.peak_memory_gib, "gpu_busy": gpu_busy(result),
+        "train_overlaps_sampling": result.train_overlaps_sampling,
+        "turn_lengths": length_summary(result.turn_lengths), "short_turns": sum(s.short_turns for s in steps),
     }
+
+
+def combine(results: list[ModeResult], mode: str) -> ModeResult:
+    """``results`` (one experiment each, run one after another) as one group: walls, counters and steps add up."""
+    added = ("generated_tokens", "decode_seconds", "decode_gpu_seconds", "prefill_gpu_seconds",
+             "prefill_copy_gpu_seconds")
+    engine = EngineStats(**{name: sum(getattr(r.engine, name) for r in results) for name in added})
+    return ModeResult(mode, len(results), sum(r.wall_s for r in results), [c for r in results for c in r.cold_start_s],
+                      [s for r in results for s in r.steps], engine, max(r.peak_memory_gib for r in results),
+                      train_passes_s=sum(r.train_passes_s for r in results),
+                      train_overlaps_sampling=results[0].train_overlaps_sampling,
+                      turn_lengths=[length for r in results for length in r.turn_lengths])
 
 
 def profile_experiment(model_dir: Path, workload: Workload, mode: str, tenants: int, device: str, out: Path) -> None:
@@ -254,18 +312,25 @@ def profile_experiment(model_dir: Path, workload: Workload, mode: str, tenants: 
 def write_partial(path: Path, serial: list[ModeResult], concurrent: dict[tuple[str, int], ModeResult]) -> None:
     """Writes every group measured so far to ``path`` (replaced by the final table's JSON at the end)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    groups = [asdict(r) for r in serial] + [asdict(r) for r in concurrent.values()]
+    groups = [{**asdict(r), "turn_lengths": length_summary(r.turn_lengths)} for r in [*serial, *concurrent.values()]]
     path.write_text(json.dumps({"partial": True, "groups": groups}, indent=2) + "\n")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog=next(line for line in __doc__.splitlines() if line.startswith("Usage")))
     parser.add_argument("--shape", default="qwen3-1.7b")
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--tenants", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--modes", nargs="+", default=["swap", "packed"])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--response", type=int, default=100)
+    parser.add_argument("--lengths", metavar="SPEC",
+                        help="each turn's sampled length: fixed:N (the default, fixed:100), "
+                             "lognormal:median=M,sigma=S,cap=C (round(M*exp(S*z)), z ~ N(0,1), clipped to [1, C]), "
+                             "or a preset: longtail (= lognormal:median=128,sigma=1.0,cap=512), hard (= "
+                             "lognormal:median=300,sigma=0.9,cap=1024); drawn per (tenant seed, step, episode, turn), "
+                             "the same in serial and concurrent runs")
+    parser.add_argument("--response", type=int, metavar="N", help="the same as --lengths fixed:N")
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run of the script")
     parser.add_argument("--profile", action="store_true",
                         help="instead of the table: profile 1-step experiments after the warm-up (the largest --tenants "
@@ -277,6 +342,12 @@ def main() -> None:
                              "e.g. carve32:trainer.sm_carveout=32")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.lengths is not None and args.response is not None:
+        parser.error("--response N is --lengths fixed:N; give one of them")
+    try:
+        lengths = parse_lengths(args.lengths or f"fixed:{args.response or 100}")
+    except ValueError as error:
+        parser.error(str(error))
     variants = {"": ()}
     for spec in args.variant:
         name, _, overrides = spec.partition(":")
@@ -284,7 +355,7 @@ def main() -> None:
             parser.error(f"--variant {spec!r}: use NAME:KEY=VALUE[,KEY=VALUE]")
         variants[f"+{name}"] = tuple(overrides.split(","))
     labels = [mode + suffix for suffix in variants for mode in args.modes]
-    workload = Workload(steps=args.steps, response=args.response, overrides=tuple(args.override))
+    workload = Workload(steps=args.steps, lengths=lengths, overrides=tuple(args.override))
     with tempfile.TemporaryDirectory() as folder:
         model_dir = Path(folder) / args.shape
         write_random_model(args.shape, args.tokenizer, model_dir, args.device, vocab_size=QWEN3_VOCAB)
@@ -318,29 +389,34 @@ def main() -> None:
     rows = []
     for n in args.tenants:
         serial_wall = sum(r.wall_s for r in serial[:n])
-        serial_steps = [s for r in serial[:n] for s in r.steps]
-        decode = EngineStats(generated_tokens=sum(r.engine.generated_tokens for r in serial[:n]),
-                             decode_seconds=sum(r.engine.decode_seconds for r in serial[:n]))
-        rows.append({**summarize(ModeResult("serial", n, serial_wall, [c for r in serial[:n] for c in r.cold_start_s],
-                                            serial_steps, decode, max(r.peak_memory_gib for r in serial[:n]))),
-                     "throughput_vs_serial": 1.0})
+        rows.append({**summarize(combine(serial[:n], "serial")), "throughput_vs_serial": 1.0})
         for label in labels:
             result = concurrent[(label, n)]
             rows.append({**summarize(result), "throughput_vs_serial": serial_wall / result.wall_s})
+    # Ratios to the same mode at N=1, or to serial N=1 (one swap experiment) when that mode did not run N=1.
     one = {row["mode"]: row for row in rows if row["tenants"] == 1}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"shape": args.shape, "workload": asdict(workload), "rows": rows}, indent=2) + "\n")
-    print(f"{args.shape}: {workload}")
-    print(f"{'mode':14} {'N':>2} {'wall s':>7} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
-          f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'peak GiB':>8}")
+    serial_one = summarize(combine(serial[:1], "serial"))
     for row in rows:
-        base = one.get(row["mode"])  # the same mode at N=1, when it ran
-        step_vs = f"{row['step_s'] / base['step_s']:6.2f}" if base else f"{'-':>6}"
-        rollout_vs = f"{row['rollout_s'] / base['rollout_s']:6.2f}" if base else f"{'-':>6}"
+        base = one.get(row["mode"], serial_one)
+        row.update(vs_n1_base=f"{base['mode']} N=1", step_vs_n1=row["step_s"] / base["step_s"],
+                   rollout_vs_n1=row["rollout_s"] / base["rollout_s"])
+    drawn = length_summary(length for r in serial for length in r.turn_lengths)  # every tenant's draws, once
+    short = sum(s.short_turns for r in [*serial, *concurrent.values()] for s in r.steps)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"shape": args.shape, "workload": asdict(workload), "lengths": {"spec": lengths.spec, "drawn": drawn},
+              "gpu_busy_method": GPU_BUSY_METHOD, "rows": rows}
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{args.shape}: {workload}")
+    print(f"lengths {lengths.spec}: {drawn['count']} turns drawn over {len(serial)} serial experiments, mean "
+          f"{drawn['mean']:.0f}, p50 {drawn['p50']:.0f}, p90 {drawn['p90']:.0f}, max {drawn['max']:.0f}; turns cut "
+          f"short in all groups: {short}; GPU busy: upper bound (--out: both bounds)")
+    print(f"{'mode':14} {'N':>2} {'wall s':>7} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
+          f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'GPU busy':>8} {'peak GiB':>8}")
+    for row in rows:
         print(f"{row['mode']:14} {row['tenants']:2d} {row['wall_s']:7.1f} {row['throughput_vs_serial']:8.2f} "
-              f"{row['step_s']:7.2f} {step_vs} {row['rollout_s']:7.2f} "
-              f"{rollout_vs} {row['train_s']:6.2f} {row['sync_s']:5.2f} "
-              f"{row['decode_tokens_per_s']:12.0f} {row['peak_memory_gib']:8.1f}")
+              f"{row['step_s']:7.2f} {row['step_vs_n1']:6.2f} {row['rollout_s']:7.2f} {row['rollout_vs_n1']:6.2f} "
+              f"{row['train_s']:6.2f} {row['sync_s']:5.2f} {row['decode_tokens_per_s']:12.0f} "
+              f"{row['gpu_busy']['upper']:8.2f} {row['peak_memory_gib']:8.1f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,168 @@
+"""The end-to-end benchmark's workload on the CPU (no model): the per-turn length sampler (``--lengths``), an
+episode driven by a stub engine, the run config's length limits and the GPU-busy arithmetic."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import statistics
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import e2e
+from benchmarks.workloads import PRESETS, Lengths, length_summary, parse_lengths
+from skyrl_clora.sampler.requests import Completion
+from skyrl_clora.sampler.engine_stats import EngineStats
+
+KEYS = [(seed, step, episode, turn)
+        for seed in (0, 1, 7) for step in (1, 2) for episode in range(64) for turn in range(3)]
+
+
+@pytest.mark.parametrize("spec", ["longtail", "hard", "lognormal:median=40,sigma=0.5,cap=60", "fixed:7"])
+def test_a_turns_length_does_not_depend_on_the_order_of_draws(spec):
+    forward = {key: parse_lengths(spec).draw(*key) for key in KEYS}
+    shuffled = list(KEYS)
+    random.Random(3).shuffle(shuffled)
+    other = parse_lengths(spec)  # a fresh sampler: no state carried between draws
+    assert {key: other.draw(*key) for key in shuffled} == forward
+    assert all(isinstance(length, int) for length in forward.values())
+
+
+def test_draws_differ_between_tenants_steps_episodes_and_turns():
+    lengths = parse_lengths("longtail")
+    base = (1, 1, 0, 0)
+    for index in range(4):
+        varied = [[*base] for _ in range(20)]
+        for k, key in enumerate(varied):
+            key[index] += k + 1
+        assert len({lengths.draw(*key) for key in varied}) > 5, index
+
+
+@pytest.mark.parametrize("spec, median, sigma, cap", [("longtail", 128, 1.0, 512), ("hard", 300, 0.9, 1024),
+                                                      ("lognormal:median=50,sigma=0.3,cap=2000", 50, 0.3, 2000)])
+def test_lognormal_draws_follow_their_parameters(spec, median, sigma, cap):
+    lengths = parse_lengths(spec)
+    assert (lengths.kind, lengths.median, lengths.sigma, lengths.cap) == ("lognormal", median, sigma, cap)
+    draws = [lengths.draw(seed, step, episode, turn) for seed in range(4) for step in range(1, 6)
+             for episode in range(100) for turn in range(4)]  # 8000 draws
+    assert 1 <= min(draws) and max(draws) <= cap
+    assert abs(statistics.median(draws) / median - 1) < 0.05
+    p90 = sorted(draws)[int(0.9 * len(draws))]
+    expected_p90 = min(cap, median * 3.6022 ** sigma)  # exp(1.2816 sigma): the lognormal's 90th percentile
+    assert abs(p90 / expected_p90 - 1) < 0.08
+    if cap < median * 10:  # the presets' caps bind for the top few per cent: the tail is clipped, not dropped
+        assert 0.005 < sum(d == cap for d in draws) / len(draws) < 0.2
+
+
+def test_presets_are_their_lognormal_specs():
+    assert parse_lengths("longtail") == parse_lengths("lognormal:median=128,sigma=1.0,cap=512")
+    assert parse_lengths("hard") == parse_lengths("lognormal:median=300,sigma=0.9,cap=1024")
+    assert parse_lengths(parse_lengths("hard").spec) == parse_lengths("hard") and set(PRESETS) == {"longtail", "hard"}
+
+
+def test_fixed_gives_its_length_everywhere():
+    lengths = parse_lengths("fixed:100")
+    assert lengths == Lengths("fixed", 100) and lengths.spec == "fixed:100"
+    assert {lengths.draw(*key) for key in KEYS} == {100}
+
+
+@pytest.mark.parametrize("spec", ["lognormal:median=-1", "lognormal:median=-1,sigma=1,cap=10", "zipf:3", "fixed:0",
+                                  "fixed:abc", "fixed", "", "lognormal:median=10,sigma=-1,cap=10",
+                                  "lognormal:median=10,sigma=1,cap=0", "lognormal:median=10,sigma=1,cap=5.5",
+                                  "lognormal:median=nan,sigma=1,cap=5", "lognormal:median=10,sigma=1",
+                                  "lognormal:median=10,sigma=1,cap=5,mean=3", "lognormal:median10,sigma=1,cap=5"])
+def test_a_bad_spec_names_the_accepted_forms_in_one_line(spec):
+    with pytest.raises(ValueError) as raised:
+        parse_lengths(spec)
+    message = str(raised.value)
+    assert "\n" not in message and repr(spec) in message
+    for form in ("fixed:N", "lognormal:median=M,sigma=S,cap=C", "longtail", "hard"):
+        assert form in message
+
+
+def test_the_command_line_rejects_a_bad_spec_before_building_anything(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["e2e", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o.json"),
+                                      "--lengths", "zipf:3"])
+    with pytest.raises(SystemExit) as raised:
+        e2e.main()
+    assert raised.value.code == 2 and "fixed:N" in capsys.readouterr().err
+
+
+def test_length_summary():
+    assert length_summary([5, 1, 3, 2, 4, 6, 7, 8, 9, 10]) == {"count": 10, "mean": 5.5, "p50": 5.0, "p90": 9.0,
+                                                               "max": 10.0}
+    assert length_summary([])["count"] == 0
+
+
+class StubEngine:
+    """Answers every request at once with exactly ``max_tokens`` tokens, recording (prompt length, max_tokens)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[int, int]] = []
+
+    def submit(self, prompt_ids, adapter, params) -> concurrent.futures.Future:
+        self.requests.append((len(prompt_ids), params.max_tokens))
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(Completion([5] * params.max_tokens, [0.0] * params.max_tokens, "length", 0))
+        return future
+
+
+@pytest.mark.parametrize("spec", ["fixed:100", "longtail", "hard"])
+def test_episodes_fit_the_run_configs_lengths_and_repeat_in_any_order(spec, tmp_path):
+    workload = e2e.Workload(lengths=parse_lengths(spec))
+    (tmp_path / "config.json").write_text("{}")
+    recipe = e2e.run_config(tmp_path, workload, "swap", 2, "cpu").recipe
+    # The longest episode the distribution allows: every turn at the cap.
+    assert recipe.max_generate_length == workload.lengths.cap
+    longest_context = workload.prompt + (workload.turns - 1) * (workload.lengths.cap + workload.observation)
+    assert recipe.max_input_length >= longest_context
+
+    def run(order: list[int]) -> tuple[dict, StubEngine]:
+        engine = StubEngine()
+        services = SimpleNamespace(engine=engine)
+        prompt = list(range(workload.prompt))
+
+        async def main() -> dict:
+            results = {}
+            for index in order:
+                drawn: list[int] = []
+                response, mask, short = await e2e.episode(services, "t", 3, 1, index, prompt, workload, drawn)
+                results[index] = (response, mask, short, drawn)
+            return results
+
+        return asyncio.run(main()), engine
+
+    forward, engine = run(list(range(16)))
+    backward, _ = run(list(reversed(range(16))))
+    assert forward == backward
+    for index, (response, mask, short, drawn) in forward.items():
+        assert short == 0 and drawn == [workload.lengths.draw(3, 1, index, turn) for turn in range(workload.turns)]
+        assert sum(mask) == sum(drawn) and len(response) == sum(drawn) + (workload.turns - 1) * workload.observation
+    for prompt_len, max_tokens in engine.requests:
+        assert prompt_len <= recipe.max_input_length
+        assert prompt_len + max_tokens <= recipe.max_input_length + recipe.max_generate_length
+
+
+def test_gpu_busy_bounds():
+    stats = EngineStats(decode_gpu_seconds=2.0, prefill_gpu_seconds=0.5, prefill_copy_gpu_seconds=0.5)
+    result = e2e.ModeResult("swap", 2, 10.0, [1.0], engine=stats, train_passes_s=4.0)
+    busy = e2e.gpu_busy(result)
+    assert busy["engine_gpu_s"] == 3.0 and busy["train_pass_s"] == 4.0
+    assert busy["lower"] == pytest.approx(0.4) and busy["upper"] == pytest.approx(0.7)
+    result.wall_s = 5.0
+    assert e2e.gpu_busy(result)["upper"] == 1.0  # the sum of overlapping spans is capped
+
+
+def test_serial_groups_add_up():
+    def one(wall: float, lengths: list[int]) -> e2e.ModeResult:
+        step = e2e.StepRecord("t", 1, 1.0, 2.0, 0.1, 3.1, sum(lengths))
+        return e2e.ModeResult("swap", 1, wall, [0.5], [step], EngineStats(decode_gpu_seconds=1.0), 2.0,
+                              train_passes_s=2.0, turn_lengths=lengths)
+
+    group = e2e.combine([one(10.0, [1, 2]), one(20.0, [3])], "serial")
+    row = e2e.summarize(group)
+    assert (row["wall_s"], row["tenants"], row["cold_start_s"]) == (30.0, 2, [0.5, 0.5])
+    assert row["gpu_busy"]["upper"] == pytest.approx(6.0 / 30.0) and row["turn_lengths"]["count"] == 3
