@@ -53,9 +53,13 @@ from skyrl_clora.recipes.plugin import TaskSource
 from skyrl_clora.services import resolve_model_path
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
+from skyrl_clora.skyrl.worker_patches import with_salt_gated_lora_sync
 from skyrl_clora.tenant_loop import Rollout
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
+
+# Each tenant's dispatch tells the worker when its sync may skip the global prefix-cache reset (patch 0001).
+SALT_GATED_DISPATCH = with_salt_gated_lora_sync(WorkerDispatch)
 
 
 @dataclass
@@ -82,7 +86,7 @@ class SkyRLBackend:
     async def register(self, spec: TenantSpec) -> None:
         """``register_adapter`` on the workers, then the first sync publishes version 0."""
         config, view = self.plan.tenant_configs[spec.name], self.stack.views[spec.name]
-        dispatch = WorkerDispatch(config, policy_actor_group=self.stack.policy_group, inference_engine_client=view)
+        dispatch = SALT_GATED_DISPATCH(config, policy_actor_group=self.stack.policy_group, inference_engine_client=view)
         if not self.tenants:  # one weight-sync setup for the worker group (it keeps the shared client's server URLs)
             await asyncio.to_thread(dispatch.init_weight_sync_state, self.stack.client)
         generator = SkyRLGymGenerator(config.generator, config.environment.skyrl_gym, view, self.stack.tokenizer,

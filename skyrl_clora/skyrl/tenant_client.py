@@ -13,11 +13,17 @@ A :class:`TenantInferenceClient` is a ``RemoteInferenceClient`` for one tenant, 
   tenant's adapter (``version`` in the embedded server's body; one more per load with vLLM's), or advanced
   by :meth:`increment_weight_version` by a sync hook that loads through another client. The stock
   generator's salt is then ``<tenant>:<tenant's version>``: a tenant's update re-salts only its own prefixes.
-  (integration/patches/0001-per-tenant-cache-salt.patch is the same fix made upstream.)
+  (integration/patches/0001-per-adapter-cache-salt-and-prefix-cache-reset.patch is the upstream form; the view
+  also answers that patch's ``increment_weight_version(model_id)`` and ``weight_version_for``.)
+- :meth:`prefix_cache_salted` says whether every request of the tenant so far carried a cache salt (and at
+  least one did), as the patched client does: a dispatch from
+  :func:`~skyrl_clora.skyrl.worker_patches.with_salt_gated_lora_sync` then lets the worker skip the global
+  prefix-cache reset of the tenant's sync. A ``sample``/``chat_completion``/``completion`` call counts as
+  unsalted.
 - its generate semaphore has ``max_in_flight`` permits (see :func:`tenant_views` for the default split), so
   each tenant's in-flight requests are bounded on their own and no tenant can starve another.
 - it refuses a generate batch without sampling params (the stock client would send ``{}``, and vLLM's
-  defaults stop after 16 tokens; integration/patches/0003 is the upstream form).
+  defaults stop after 16 tokens; kept here rather than proposed upstream, see integration/patches/README.md).
 - it only generates for its own adapter (``model`` omitted or equal to the tenant), and records the adapter
   version the server reports for each request of a session (:meth:`versions_for`), so a trajectory can be
   checked against the version it was sampled with.
@@ -52,6 +58,8 @@ class TenantInferenceClient(RemoteInferenceClient):
     """Most generate requests of this tenant in flight at once; 0: unbounded."""
 
     _session_versions: Dict[str, list] = field(default_factory=lambda: defaultdict(list), repr=False)
+    _clora_salted: bool = field(default=False, repr=False)
+    _clora_unsalted: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -60,6 +68,21 @@ class TenantInferenceClient(RemoteInferenceClient):
         if self.max_in_flight < 0:
             raise ValueError(f"max_in_flight must be >= 0, got {self.max_in_flight}")
         self._weight_version = -1  # no adapter loaded yet; its first load (version 0) or sync makes it 0
+
+    def increment_weight_version(self, model_id: Optional[str] = None) -> None:
+        """Advances the tenant's version (a sync of its adapter; ``model_id``, as patch 0001's dispatch passes it,
+        can only be the tenant)."""
+        if model_id is not None and model_id != self.tenant:
+            raise ValueError(f"the view of tenant {self.tenant!r} cannot count a sync of {model_id!r}")
+        self._weight_version += 1
+
+    def weight_version_for(self, model: Optional[str]) -> int:
+        """Patch 0001's per-adapter version: the tenant's version (the view serves only its tenant)."""
+        return self._weight_version
+
+    def prefix_cache_salted(self, model: str) -> bool:
+        """Whether every request of the tenant so far carried a cache salt, and at least one did."""
+        return model == self.tenant and self._clora_salted and not self._clora_unsalted
 
     def versions_for(self, session_id: str) -> list[int]:
         """Adapter versions the server reported for each request of ``session_id`` so far (one per turn)."""
@@ -77,17 +100,24 @@ class TenantInferenceClient(RemoteInferenceClient):
         return self._gen_sem, self._detok_sem
 
     async def generate(self, input_batch: InferenceEngineInput, model: Optional[str] = None) -> InferenceEngineOutput:
-        """``RemoteInferenceClient.generate``, refusing a batch without sampling params: the stock client
-        sends ``{}`` for them, and vLLM's defaults then stop after 16 tokens (integration/patches/0003)."""
+        """``RemoteInferenceClient.generate``, refusing a batch without sampling params (the stock client
+        sends ``{}`` for them, and vLLM's defaults then stop after 16 tokens); notes whether the batch is salted."""
         if input_batch.get("sampling_params") is None:
             raise ValueError(f"generate for tenant {self.tenant!r} needs input_batch['sampling_params'] (at least "
                              "max_tokens; SkyRL's trainer passes generator.sampling_params): without them vLLM "
                              "stops after 16 tokens")
+        self._resolve_model(model, "generate")
+        if input_batch.get("cache_salt") is None:
+            self._clora_unsalted = True
+        else:
+            self._clora_salted = True
         return await super().generate(input_batch, model=model)
 
     def _resolve_model(self, model: Optional[str], method_name: str) -> str:
         if model and model != self.tenant:
             raise ValueError(f"{method_name}: the view of tenant {self.tenant!r} cannot generate for model {model!r}")
+        if method_name in ("sample", "chat_completion", "completion"):
+            self._clora_unsalted = True  # counted as unsalted (Tinker samples carry no salt)
         return self.tenant
 
     async def _generate_single(

@@ -242,9 +242,10 @@ class EmbeddedPolicyWorker:
         self._client = inference_engine_client
 
     async def broadcast_to_inference_engines(self, inference_engine_client: Any, inference_engine_cfg: Any,
-                                             model_id: Optional[str] = None) -> None:
+                                             model_id: Optional[str] = None, prefix_cache_salted: bool = False) -> None:
         """Writes ``model_id``'s adapter (the active one) as a PEFT folder and loads it in place under its
-        name on every server. No pause and no prefix-cache reset: the server swaps only that adapter."""
+        name on every server. No pause and no prefix-cache reset whatever ``prefix_cache_salted`` says (the
+        dispatch's hint, patch 0001): the embedded server keys its prefix blocks by adapter version."""
         client = inference_engine_client or self._client
         if client is None:
             raise RuntimeError("broadcast_to_inference_engines before init_weight_sync_state")
