@@ -116,3 +116,22 @@ def plan_kv_blocks(model: torch.nn.Module, trainer: Trainer, *, utilization: flo
                           "trainer.micro_batch_size (or trainer.max_tokens_per_microbatch) or shorten the recipe's lengths")
     print(plan.line(rows), file=sys.stderr, flush=True)
     return plan
+
+
+def inference_only_blocks(model: torch.nn.Module, *, utilization: float, block_size: int, max_len: int) -> int:
+    """KV blocks for an engine alone on its GPU (backend=skyrl's embedded server, whose trainer runs in other
+    processes on other GPUs): ``utilization`` of the GPU's memory less what is allocated and
+    :data:`GRAPH_RESERVE_BYTES`, printed in one line; ConfigError when that cannot hold one ``max_len`` row."""
+    param = next(model.parameters())
+    _, total = torch.cuda.mem_get_info(param.device)
+    allocated = torch.cuda.memory_allocated(param.device)
+    block_bytes = kv_block_bytes(model.config, block_size, param.dtype)
+    blocks = (int(total * utilization) - allocated - GRAPH_RESERVE_BYTES) // block_bytes
+    if blocks < -(-max_len // block_size):
+        raise ConfigError(f"{max(0, blocks)} KV blocks of {block_size} tokens fit in sampler.gpu_memory_utilization="
+                          f"{utilization} of the GPU beside the weights, fewer than one {max_len}-token sequence needs; "
+                          "raise it or set sampler.kv_blocks")
+    print(f"[setup] GPU memory plan (inference only): {total / _GIB:.1f} GiB x {utilization} less weights "
+          f"{allocated / _GIB:.1f} and reserve {GRAPH_RESERVE_BYTES / _GIB:.1f}: {blocks:,} KV blocks x {block_size} tokens",
+          file=sys.stderr, flush=True)
+    return blocks

@@ -37,6 +37,7 @@ from transformers.utils import logging as hf_logging
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import load_peft_adapter
+from skyrl_clora.memory_plan import inference_only_blocks
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.services import resolve_device
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
@@ -174,10 +175,14 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     routing, layers = attach_multi_lora(model, len(names), run.lora.max_rank, trainable=False)
     rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in plan.tenants)
-    engine = Engine(model, layers, num_rows=run.sampler.max_rows or len(names) * rows_per_tenant,
-                    max_len=run.recipe.max_input_length + run.recipe.max_generate_length,
+    max_len = run.recipe.max_input_length + run.recipe.max_generate_length
+    kv_blocks = run.sampler.kv_blocks or None
+    if kv_blocks is None and device.type == "cuda":
+        kv_blocks = inference_only_blocks(model, utilization=run.sampler.gpu_memory_utilization,
+                                          block_size=run.sampler.prefill_block, max_len=max_len)
+    engine = Engine(model, layers, num_rows=run.sampler.max_rows or len(names) * rows_per_tenant, max_len=max_len,
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
-                    num_blocks=run.sampler.kv_blocks or None, cache_prefixes=run.sampler.prefix_cache)
+                    num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache)
     server = EmbeddedServer(engine, tokenizer, model_name=model_path, seed=run.seed)
     try:
         url = server.start()
