@@ -296,10 +296,10 @@ class Engine:
         self.scheduler.place(request)
         self._admissions += 1
         self._admitted_at[request.row] = self._admissions
-        self.stats.peak_running_rows = max(self.stats.peak_running_rows, len(self.scheduler.running()))
         params = request.params
         self._running.start(request.row, len(request.prompt_ids), request.lora_slot, params.seed, params.temperature,
                             params.top_p, params.max_tokens, params.stop_token_ids)
+        self.stats.peak_running_rows = max(self.stats.peak_running_rows, self.running_rows())
 
     def _apply_publishes(self) -> None:
         """Applies the publishes and unregisters the scheduler lets land now (:meth:`Scheduler.ready_publishes`),

@@ -185,8 +185,11 @@ class EmbeddedPolicyWorker:
         return self._store().tenants[model_id].step
 
     def adapter_store_state(self) -> dict:
+        """SkyRL's Megatron worker's schema (``enabled``, ``current_id``: the active adapter, ``registered``,
+        ``num_adapters``), plus ``steps``: each registered adapter's optimizer steps."""
         store = self._store()
-        return {"enabled": True, "active": self.active, "tenants": sorted(store.tenants),
+        registered = sorted(store.tenants)
+        return {"enabled": True, "current_id": self.active, "registered": registered, "num_adapters": len(registered),
                 "steps": {name: state.step for name, state in store.tenants.items()}}
 
     # ---- training --------------------------------------------------------------------------------

@@ -121,11 +121,12 @@ def test_dispatch_registers_steps_syncs_and_deletes_tenants(micro_model_dir: Pat
         dispatches["tenant-1"].optim_step("policy", model_id="tenant-1")
         assert stack.step_metrics("tenant-1", {}, None, 0.0)["lr"] == LRS["tenant-1"]
         state = ray.get(stack.policy_group.async_run_ray_method("pass_through", "adapter_store_state"))[0]
-        assert state["steps"] == {"tenant-0": 1, "tenant-1": 1} and state["active"] == "tenant-1"
+        assert state["steps"] == {"tenant-0": 1, "tenant-1": 1} and state["current_id"] == "tenant-1"
+        assert state["registered"] == ["tenant-0", "tenant-1"] and state["num_adapters"] == 2
 
         dispatches["tenant-1"].delete_adapter("policy", "tenant-1")
         state = ray.get(stack.policy_group.async_run_ray_method("pass_through", "adapter_store_state"))[0]
-        assert state["tenants"] == ["tenant-0"]
+        assert state["registered"] == ["tenant-0"] and state["num_adapters"] == 1
         with pytest.raises(ray.exceptions.RayTaskError, match="not registered"):
             dispatches["tenant-1"].forward_backward("policy", data, model_id="tenant-1")
     finally:
