@@ -89,6 +89,15 @@ class TenantCheckpoints:
         folder, data = meta
         return TenantCheckpoint(folder, data["step"], data["version"], data["finished"], data["records"])
 
+    def at_most(self, step: int) -> TenantCheckpoint | None:
+        """The newest complete checkpoint of at most ``step`` RL steps, or None."""
+        for held in self._steps():
+            meta = self.folder / f"global_step_{held}" / TENANT_META
+            if held <= step and meta.is_file():
+                data = json.loads(meta.read_text())
+                return TenantCheckpoint(meta.parent, data["step"], data["version"], data["finished"], data["records"])
+        return None
+
     def identity(self) -> dict[str, Any] | None:
         """The run identity the newest checkpoint was written under, or None when there is none."""
         meta = self._newest_meta()
@@ -212,6 +221,29 @@ def claim_output_dir(run: RunConfig) -> tuple[RunConfig, dict[str, TenantCheckpo
             latest = TenantCheckpoints(root, spec.name, -1).latest()
             if latest is not None:
                 checkpoints[spec.name] = latest
+    if run.trainer.pack_policy == "lockstep":
+        checkpoints = _common_step(root, run, checkpoints, stopped)
     run.output_dir.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(run.identity, indent=1, sort_keys=True) + "\n")
     return run, checkpoints, stopped
+
+
+def _common_step(root: Path | None, run: RunConfig, checkpoints: dict[str, TenantCheckpoint],
+                 stopped: list[str]) -> dict[str, TenantCheckpoint]:
+    """Lockstep packing (``trainer.pack_policy=lockstep``): every tenant not stopped resumes from the newest step all
+    of them hold a checkpoint of (a kill between two tenants' checkpoints of one round leaves some a round
+    ahead), so that the resumed rounds pack as the uninterrupted ones did. None held by all: all start afresh."""
+    tenants = [spec.name for spec in run.tenants if spec.name not in stopped]
+    common = min((checkpoints[name].step if name in checkpoints else 0) for name in tenants) if tenants else 0
+    rolled = {name: checkpoint for name, checkpoint in checkpoints.items() if name in stopped}
+    for name in tenants:
+        if common == 0:
+            continue
+        held = checkpoints[name] if checkpoints[name].step == common else \
+            TenantCheckpoints(root, name, -1).at_most(common)
+        if held is None or held.step != common:
+            raise ConfigError(f"tenant {name} keeps no checkpoint of step {common}, the newest step every tenant of this "
+                              "lockstep run holds, so the run cannot resume as it went: start it in a new "
+                              "clora.output_dir (with trainer.max_ckpts_to_keep >= 2)")
+        rolled[name] = held
+    return rolled

@@ -32,6 +32,9 @@ def checked(value: Any, hint: Any, key: str) -> Any:
         raise ConfigError(str(error)) from None
 
 
+PACK_POLICIES = ("ready", "lockstep")  # trainer.pack_policy: see conf/config.yaml
+
+
 @dataclass(frozen=True)
 class RecipeConfig:
     """The keys every recipe has; ``options`` is the recipe's own keys, an instance of its plugin's
@@ -109,6 +112,7 @@ class TrainerConfig:
     max_grad_norm: float
     algorithm: dict[str, Any]
     pack_size: int = 0
+    pack_policy: str = "ready"
     shared_prompts: bool = True
     sm_carveout: int = 0
     overlap_sampling: bool | None = None
@@ -145,6 +149,8 @@ class TrainerConfig:
                               "of trainer.micro_batch_size rows) or a positive token count")
         if not 0 <= self.sm_carveout < 128:
             raise ConfigError(f"trainer.sm_carveout={self.sm_carveout} must be in [0, 128) (SMs left free; 0: none)")
+        if self.pack_policy not in PACK_POLICIES:
+            raise ConfigError(f"trainer.pack_policy={self.pack_policy} is unknown; use {' or '.join(PACK_POLICIES)}")
         if self.pack_size < 0:
             raise ConfigError(f"trainer.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
         if self.lr_schedule not in ("constant", "cosine"):
@@ -216,6 +222,8 @@ class RunConfig:
         if self.mode == "serial" and self.backend != "embedded":
             raise ConfigError("backend=skyrl runs tenants concurrently on one stack; set clora.mode=concurrent "
                               "(serial mode is the embedded backend's baseline)")
+        if self.trainer.pack_policy == "lockstep" and self.train_mode != "packed":
+            raise ConfigError("trainer.pack_policy=lockstep forms packed passes; it needs clora.train_mode=packed")
         if self.train_mode == "packed" and self.backend != "embedded":
             raise ConfigError("clora.train_mode=packed needs backend=embedded; use clora.train_mode=swap")
         if self.trainer.overlap_sampling is False and self.backend != "embedded":

@@ -55,10 +55,11 @@ class Services:
         the CPU, where the trainer and the engine each keep a core busy; on a GPU, pause while at least
         ``trainer.pause_sampling_rows`` rows decode: RESULTS.md, Engine and trainer settings and why)."""
         overlap = run.trainer.overlap_sampling
+        lockstep = run.trainer.pack_policy == "lockstep"
         if overlap is None and self.trainer.device.type != "cuda" or overlap is True:
-            return TrainScheduler(self.trainer, run.train_mode)
+            return TrainScheduler(self.trainer, run.train_mode, lockstep=lockstep)
         pause_rows = 0 if overlap is False else run.trainer.pause_sampling_rows
-        return TrainScheduler(self.trainer, run.train_mode, sampler=self.engine, pause_rows=pause_rows)
+        return TrainScheduler(self.trainer, run.train_mode, sampler=self.engine, pause_rows=pause_rows, lockstep=lockstep)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -82,6 +82,9 @@ class TenantBackend(Protocol):
         """Replaces the registered tenant's training state with what :meth:`save` wrote into ``folder`` and
         publishes its adapter as ``version``."""
 
+    async def end_training(self, tenant: str) -> None:
+        """The tenant trains no more (its steps are done, it stopped or it failed): nothing waits for it."""
+
     async def remove(self, tenant: str) -> None:
         """Frees everything the tenant holds in the services (after a failure)."""
 
@@ -116,13 +119,16 @@ class TenantLoop:
         try:
             if self.resume is None:
                 await self._evaluate(step=0)
-            for step in range(self.step + 1, steps + 1):
-                if STOP.requested() or self.stop_requested:
-                    await self._stop(done=step - 1)
-                    return
-                await self._rl_step(step)
-                if interval and step % interval == 0 and step < steps:
-                    await self._checkpoint(step, finished=False)
+            try:
+                for step in range(self.step + 1, steps + 1):
+                    if STOP.requested() or self.stop_requested:
+                        await self._stop(done=step - 1)
+                        return
+                    await self._rl_step(step)
+                    if interval and step % interval == 0 and step < steps:
+                        await self._checkpoint(step, finished=False)
+            finally:
+                await self.backend.end_training(name)
             await self._evaluate(step=steps)
             await self.backend.export(name, self.run.output_dir / "adapters" / name)
             await self._checkpoint(steps, finished=True)

@@ -112,6 +112,8 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["sampler.max_rows=-5"], "sampler.max_rows=-5 must be >= 0"),
     (["sampler.max_prefills_per_step=0"], "sampler.max_prefills_per_step=0 must be >= 1"),
     (["sampler.kv_blocks=-5"], "sampler.kv_blocks=-5 must be >= 0"),
+    (["trainer.pack_policy=fifo"], "trainer.pack_policy=fifo is unknown; use ready or lockstep"),
+    (["trainer.pack_policy=lockstep"], "trainer.pack_policy=lockstep forms packed passes; it needs clora.train_mode=packed"),
     (["sampler.gpu_memory_utilization=1.5"], "sampler.gpu_memory_utilization=1.5 must be in (0, 1)"),
     (["+tenants=[{},{env_class:nope}]"], "tenant tenant-1: env_class=nope is not a registered skyrl-gym environment"),
     (["+tenants=[{task_variant:nope}]"], "tenant tenant-0: unknown gsm8k task variant 'nope'; choose one of standard, hard"),

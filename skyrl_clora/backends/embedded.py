@@ -57,6 +57,7 @@ class EmbeddedBackend:
         schedule = LRSchedule(spec.lr, run.trainer.warmup_steps, run.steps, run.trainer.lr_schedule)
         services.store.register(spec.name, weights, schedule, seed=spec.seed)
         services.sync.register(spec.name, services.store.tenants[spec.name].weights)
+        self.scheduler.join(spec.name)
         recipe = run.recipe
         generator_cfg = GeneratorConfig(
             max_turns=recipe.max_turns, batched=False, max_input_length=recipe.max_input_length,
@@ -118,7 +119,11 @@ class EmbeddedBackend:
         read_tenant_state(self.services.store, tenant, folder)
         await self.services.sync.publish_as(tenant, self.services.store.tenants[tenant].weights, version)
 
+    async def end_training(self, tenant: str) -> None:
+        self.scheduler.leave(tenant)
+
     async def remove(self, tenant: str) -> None:
+        self.scheduler.leave(tenant)
         self._trained.pop(tenant, None)
         await self.services.sync.unregister(tenant)
         self.services.store.remove(tenant)
@@ -169,6 +174,9 @@ def _run_group(run: RunConfig, specs: list[TenantSpec], sources: dict[str, TaskS
     concurrent = run.mode == "concurrent"
     services = build_services(run, model_path, run.tenant_capacity if concurrent else len(specs), rows_per_tenant)
     refuse_adds = None if concurrent else "clora.mode=serial runs one tenant at a time; add tenants to a concurrent run"
+    if run.trainer.pack_policy == "lockstep":
+        refuse_adds = ("trainer.pack_policy=lockstep packs a fixed set of tenants step by step; add tenants to a run with "
+                       "trainer.pack_policy=ready")
     try:
         asyncio.run(run_tenant_pool(run, EmbeddedBackend(run, services), specs, sources, metrics, resume, stopped,
                                     refuse_adds))

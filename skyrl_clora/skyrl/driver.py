@@ -168,6 +168,9 @@ class SkyRLBackend:
             shutil.copytree(folder / "adapter", synced, dirs_exist_ok=True)
             await self.stack.publish_as(tenant, synced, version)
 
+    async def end_training(self, tenant: str) -> None:
+        """Nothing waits for a tenant here: each trains under the update lock when its batch is ready."""
+
     async def remove(self, tenant: str) -> None:
         async with self._update_lock:
             await asyncio.to_thread(self.tenants[tenant].dispatch.delete_adapter, "policy", tenant)

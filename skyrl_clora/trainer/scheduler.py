@@ -4,7 +4,10 @@ event loop.
 - swap mode: the waiting tenants train one at a time in arrival order; while one trains, the next waiting
   tenant's state is prefetched into the trainer's second slot (``Trainer.train_step(..., prefetch=)``).
 - packed mode: whenever the trainer is free, every waiting tenant (up to ``trainer.pack_size``, in arrival
-  order) trains in one packed pass (``Trainer.train_packed``).
+  order) trains in one packed pass (``Trainer.train_packed``); with ``lockstep``, a round of passes starts once
+  every member tenant (``join`` / ``leave``) has its batch waiting, packed in member order, ``pack_size`` a
+  pass: the passes' composition then depends on nothing but the members, so runs are reproducible (the CPU
+  rounds a GEMM's rows by the batch they are in) and a resumed run packs as the uninterrupted one did.
 A tenant whose batch is invalid fails alone (its ``train`` call raises); if a pass itself raises, the
 tenants of that pass fail and the others keep going.
 
@@ -54,47 +57,87 @@ class TrainScheduler:
     ``pass_seconds``: the passes' time so far (with the pauses around them); ``paused_passes``: how many
     passes paused sampling."""
 
-    def __init__(self, trainer: Trainer, mode: str, sampler: PausableSampler | None = None, pause_rows: int = 0) -> None:
+    def __init__(self, trainer: Trainer, mode: str, sampler: PausableSampler | None = None, pause_rows: int = 0,
+                 lockstep: bool = False) -> None:
         if mode not in TRAIN_MODES:
             raise ValueError(f"train mode {mode!r} is unknown; use swap or packed")
         self.trainer = trainer
         self.mode = mode
+        if lockstep and mode != "packed":
+            raise ValueError("lockstep rounds are packed passes; use mode packed")
         self.sampler = sampler
         self.pause_rows = pause_rows
+        self.lockstep = lockstep
+        self._members: list[str] = []  # lockstep: the tenants a round waits for, in the order they joined
         self.pass_seconds = 0.0
         self.paused_passes = 0
         self._waiting: list[_Request] = []
         self._drainer: asyncio.Task | None = None
 
+    def join(self, tenant: str) -> None:
+        """Lockstep: rounds wait for ``tenant``'s batch from now on (call when it is registered)."""
+        self._members.append(tenant)
+
+    def leave(self, tenant: str) -> None:
+        """Lockstep: rounds no longer wait for ``tenant`` (it trains no more: finished, stopped or failed)."""
+        if tenant in self._members:
+            self._members.remove(tenant)
+            self._kick()
+
     async def train(self, tenant: str, batch: TrainBatch) -> tuple[AdapterWeights, dict[str, float]]:
-        """Trains ``tenant`` on ``batch`` in the next pass that has room; returns its new weights and metrics
-        (``pass_tenants``: how many tenants shared the pass)."""
+        """Trains ``tenant`` on ``batch`` in the next pass that has room (lockstep: in the round every member's
+        batch joins); returns its new weights and metrics (``pass_tenants``: how many tenants shared the pass)."""
         request = _Request(tenant, batch, asyncio.get_running_loop().create_future())
         self._waiting.append(request)
-        if self._drainer is None:
-            self._drainer = asyncio.create_task(self._drain())
+        self._kick()
         return await request.result
+
+    def _kick(self) -> None:
+        """Starts draining unless a drain runs or (lockstep) a member's batch is still to come."""
+        if self._drainer is None and self._ready():
+            self._drainer = asyncio.create_task(self._drain())
+
+    def _ready(self) -> bool:
+        if not self.lockstep:
+            return bool(self._waiting)
+        waiting = {request.tenant for request in self._waiting}
+        return bool(waiting) and all(member in waiting for member in self._members)
+
+    def _next_passes(self) -> list[list[_Request]]:
+        """What trains next: lockstep, the whole round in member order cut into passes of ``pack_size``; else one
+        pass of the first waiting requests (``pack_size`` in packed mode, one in swap mode)."""
+        size = self.trainer.pack_size if self.mode == "packed" else 1
+        if not self.lockstep:
+            taken, self._waiting = self._waiting[:size], self._waiting[size:]
+            return [taken]
+        order = {name: index for index, name in enumerate(self._members)}
+        taken = sorted(self._waiting, key=lambda request: order.get(request.tenant, len(order)))
+        self._waiting = []
+        return [taken[first : first + size] for first in range(0, len(taken), size)]
 
     async def _drain(self) -> None:
         try:
-            while self._waiting:
-                size = self.trainer.pack_size if self.mode == "packed" else 1
-                taken, self._waiting = self._waiting[:size], self._waiting[size:]
-                valid = []
-                for request in taken:
-                    try:
-                        validate_batch(request.batch)
-                        valid.append(request)
-                    except ValueError as error:
-                        # No pass runs now: give back the slot it may have been prefetched into.
-                        slot = self.trainer.store.slot_of(request.tenant)
-                        if slot is not None:
-                            self.trainer.store.release(slot)
-                        _fail(request, error)
-                if valid:
-                    await self._run(valid)
+            while self._ready():
+                for taken in self._next_passes():
+                    await self._train_pass(taken)
         finally:
             self._drainer = None
+
+    async def _train_pass(self, taken: list[_Request]) -> None:
+        """Validates ``taken`` (an invalid batch fails its tenant alone) and trains the valid ones in one pass."""
+        valid = []
+        for request in taken:
+            try:
+                validate_batch(request.batch)
+                valid.append(request)
+            except ValueError as error:
+                # No pass runs now: give back the slot it may have been prefetched into.
+                slot = self.trainer.store.slot_of(request.tenant)
+                if slot is not None:
+                    self.trainer.store.release(slot)
+                _fail(request, error)
+        if valid:
+            await self._run(valid)
 
     async def _run(self, requests: list[_Request]) -> None:
         try:

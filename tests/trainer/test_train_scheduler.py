@@ -32,6 +32,35 @@ def test_packed_scheduler_packs_waiting_tenants_and_fails_only_the_bad_one(micro
     assert all(slot.owner is None for slot in trainer.store.slots)
 
 
+def test_lockstep_rounds_wait_for_every_member_and_pack_in_member_order(micro_model_dir: Path) -> None:
+    """A round starts when every member's batch waits (not before), packs them in the order they joined whatever
+    order they arrived in (two slots: [A, B] then [C]), and trains the same bits as that packing arriving in
+    order; a member that leaves is no longer waited for."""
+    trainer, reference = scheduler_trainer(micro_model_dir, slots=2), scheduler_trainer(micro_model_dir, slots=2)
+    scheduler = TrainScheduler(trainer, "packed", lockstep=True)
+    for name in "ABC":
+        scheduler.join(name)
+
+    async def round_in_reverse() -> tuple[list, bool]:
+        tasks = [asyncio.create_task(scheduler.train(name, scheduler_batch(seed))) for seed, name in ((2, "C"), (1, "B"))]
+        await asyncio.sleep(0.05)
+        early = any(task.done() for task in tasks) or trainer.store.tenants["B"].step > 0
+        tasks.append(asyncio.create_task(scheduler.train("A", scheduler_batch(0))))
+        return await asyncio.gather(*tasks), early
+
+    results, early = asyncio.run(round_in_reverse())
+    assert not early, "a round must wait for every member"
+    assert [result[1]["pass_tenants"] for result in results] == [1.0, 2.0, 2.0]  # C alone, B with A
+    want = reference.train_packed([("A", scheduler_batch(0)), ("B", scheduler_batch(1))])
+    assert [results[2][1], results[1][1]] == [{**m, "pass_tenants": 2.0} for _, m in want]
+    assert results[0][1] == {**reference.train_packed([("C", scheduler_batch(2))])[0][1], "pass_tenants": 1.0}
+    scheduler.leave("B")
+    results = asyncio.run(submit_all(scheduler, [("C", scheduler_batch(3)), ("A", scheduler_batch(4))]))
+    assert [result[1]["pass_tenants"] for result in results] == [2.0, 2.0]
+    with pytest.raises(ValueError, match="packed"):
+        TrainScheduler(trainer, "swap", lockstep=True)
+
+
 def test_swap_scheduler_trains_in_arrival_order_with_prefetch(micro_model_dir: Path) -> None:
     trainer, plain = scheduler_trainer(micro_model_dir, slots=2), scheduler_trainer(micro_model_dir, slots=1)
     scheduler = TrainScheduler(trainer, "swap")
