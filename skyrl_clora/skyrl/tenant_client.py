@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from skyrl.backends.skyrl_train.inference_servers.base import InferenceEngineInput, InferenceEngineOutput
-from skyrl.backends.skyrl_train.inference_servers.generate_wire import PackedField
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
 from skyrl.env_vars import SKYRL_GENERATE_CONCURRENCY_PER_ENGINE
 
@@ -58,6 +57,8 @@ class TenantInferenceClient(RemoteInferenceClient):
     """Most generate requests of this tenant in flight at once; 0: unbounded."""
 
     _session_versions: Dict[str, list] = field(default_factory=lambda: defaultdict(list), repr=False)
+    _tenant_semaphores: Optional[tuple] = field(default=None, repr=False)  # (event loop, generate, detokenize)
+    _recorder: Optional["_VersionRecorder"] = field(default=None, repr=False)
     _clora_salted: bool = field(default=False, repr=False)
     _clora_unsalted: bool = field(default=False, repr=False)
 
@@ -89,15 +90,15 @@ class TenantInferenceClient(RemoteInferenceClient):
         return list(self._session_versions.get(str(session_id), []))
 
     def _get_semaphores(self) -> tuple[Optional[asyncio.Semaphore], Optional[asyncio.Semaphore]]:
-        """This tenant's own generate/detokenize semaphores (``max_in_flight`` permits), per event loop."""
+        """This tenant's own generate/detokenize semaphores (``max_in_flight`` permits), per event loop (in fields
+        of the view's own, not the stock client's)."""
         if self.max_in_flight == 0:
             return super()._get_semaphores()
         current_loop = asyncio.get_running_loop()
-        if self._sem_loop is not current_loop:
-            self._gen_sem = asyncio.Semaphore(self.max_in_flight)
-            self._detok_sem = asyncio.Semaphore(self.max_in_flight)
-            self._sem_loop = current_loop
-        return self._gen_sem, self._detok_sem
+        if self._tenant_semaphores is None or self._tenant_semaphores[0] is not current_loop:
+            self._tenant_semaphores = (current_loop, asyncio.Semaphore(self.max_in_flight),
+                                       asyncio.Semaphore(self.max_in_flight))
+        return self._tenant_semaphores[1], self._tenant_semaphores[2]
 
     async def generate(self, input_batch: InferenceEngineInput, model: Optional[str] = None) -> InferenceEngineOutput:
         """``RemoteInferenceClient.generate``, refusing a batch without sampling params (the stock client
@@ -120,39 +121,13 @@ class TenantInferenceClient(RemoteInferenceClient):
             self._clora_unsalted = True  # counted as unsalted (Tinker samples carry no salt)
         return self.tenant
 
-    async def _generate_single(
-        self,
-        prompt_token_ids: list[int],
-        sampling_params: Dict[str, Any],
-        session_id: Optional[Any],
-        model: str,
-        mm_features: Optional[Any] = None,
-        cache_salt: Optional[str] = None,
-        routed_experts_prompt_start: Optional[int] = None,
-        return_sample_support: bool = False,
-    ) -> Dict[str, Any]:
-        """``RemoteInferenceClient._generate_single`` that also records the reported adapter version."""
-        result = await self._get_generate_client().generate(
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=sampling_params,
-            session_id=session_id,
-            model=model,
-            return_routed_experts=self.enable_return_routed_experts,
-            routed_experts_prompt_start=routed_experts_prompt_start,
-            return_sample_support=return_sample_support,
-            mm_features=mm_features,
-            cache_salt=cache_salt,
-        )
-        version = result.raw_response["choices"][0].get("adapter_version")
-        if session_id is not None and version is not None:
-            self._session_versions[str(session_id)].append(int(version))
-        return {
-            "stop_reason": result.stop_reason,
-            "response_ids": result.response_ids,
-            "response_logprobs": result.response_logprobs,
-            "routed_experts": result.routed_experts,
-            PackedField.ROLLOUT_SAMPLE_SUPPORT.value: result.sample_support,
-        }
+    def _get_generate_client(self) -> Any:
+        """The stock generate client behind a recorder of the adapter version each response reports (per
+        session): the stock ``_generate_single`` then runs unchanged through it."""
+        client = super()._get_generate_client()
+        if self._recorder is None or self._recorder.client is not client:
+            self._recorder = _VersionRecorder(client, self._session_versions)
+        return self._recorder
 
     async def load_lora_adapter(
         self, lora_name: str, lora_path: Optional[str] = None, *, in_memory: bool = False
@@ -221,3 +196,22 @@ def tenant_views(
         )
         for tenant in tenants
     }
+
+
+class _VersionRecorder:
+    """A generate client whose ``generate`` records the ``adapter_version`` a response reports under its
+    ``session_id`` (the embedded server reports it; vLLM does not); everything else is the client's."""
+
+    def __init__(self, client: Any, versions: Dict[str, list]) -> None:
+        self.client = client
+        self._versions = versions
+
+    async def generate(self, **kwargs: Any) -> Any:
+        result = await self.client.generate(**kwargs)
+        version = result.raw_response["choices"][0].get("adapter_version")
+        if kwargs.get("session_id") is not None and version is not None:
+            self._versions[str(kwargs["session_id"])].append(int(version))
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
