@@ -327,8 +327,12 @@ class Engine:
             self._prefill(admitted)
         except Exception as error:  # a failed prefill fails its own requests, not the running ones
             for req in admitted:
+                if req.row < 0:  # queued again for want of blocks: it waits, unharmed
+                    continue
                 if self.scheduler.rows[req.row] is req:
                     self._retire_row(req.row)
+                else:
+                    self.blocks.release(req.row)
                 if not req.future.done():
                     req.future.set_exception(error)
 

@@ -94,3 +94,25 @@ def test_a_request_longer_than_the_pool_fails_alone(micro_model_dir: Path) -> No
         assert len(fits.result(timeout=60).token_ids) == 8
     finally:
         engine.shutdown()
+
+
+def test_a_failed_prefill_fails_its_requests_and_gives_their_blocks_back(micro_model_dir: Path) -> None:
+    engine = _engine(micro_model_dir, num_blocks=None)
+    prefill = engine.runner.prefill
+    calls = []
+
+    def fails_once(jobs):
+        calls.append(len(jobs))
+        if len(calls) == 1:
+            raise RuntimeError("prefill broke")
+        return prefill(jobs)
+
+    engine.runner.prefill = fails_once
+    try:
+        broken = engine.submit(list(range(5, 45)), "a", SamplingParams(max_tokens=4, seed=1))
+        with pytest.raises(RuntimeError, match="prefill broke"):
+            broken.result(timeout=60)
+        assert engine.blocks.held_blocks() == 0, "the failed request's blocks went back to the pool"
+        assert len(engine.submit(list(range(5, 45)), "b", SamplingParams(max_tokens=4, seed=2)).result(timeout=60).token_ids) == 4
+    finally:
+        engine.shutdown()
