@@ -156,24 +156,29 @@ def decode_attention_ref(
     row, with no host synchronisation.
     """
     if block_tables is not None:
-        return _paged_decode_ref(q, k_cache, v_cache, lengths, out, prefix_rows, prefix_lens, block_tables)
-    B, H, D = q.shape
-    KV, L = k_cache.shape[1], k_cache.shape[2]
-    if prefix_rows is None:
-        k = k_cache[:B].float()  # [B, KV, L, d]
-        v = v_cache[:B].float()
+        result = _paged_decode_rows(q, k_cache, v_cache, lengths, prefix_rows, prefix_lens, block_tables)
     else:
-        positions = torch.arange(L, device=q.device)
-        source = torch.where(positions[None] < prefix_lens.view(B, 1), prefix_rows.view(B, 1), torch.arange(B, device=q.device)[:, None])
-        # [B, L, KV, d] -> [B, KV, L, d], contiguous as the slice above is: the matmuls then take the same
-        # kernels, so a row's result does not depend on which row its prefix is read from.
-        k = k_cache[source, :, positions].float().permute(0, 2, 1, 3).contiguous()
-        v = v_cache[source, :, positions].float().permute(0, 2, 1, 3).contiguous()
-    result = _attend_rows(q, k, v, lengths)
+        result = _attend_rows(q, *_slot_rows(q.shape[0], k_cache, v_cache, prefix_rows, prefix_lens), lengths)
     if out is None:
         return result.to(q.dtype)
     out.copy_(result)
     return out
+
+
+def _slot_rows(B: int, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix_rows: torch.Tensor | None,
+               prefix_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_attention_ref``'s rows of a slot cache as fp32 ``[B, KV, L, d]`` K and V: row ``b``'s own, its
+    positions below ``prefix_lens[b]`` from row ``prefix_rows[b]``."""
+    if prefix_rows is None:
+        return k_cache[:B].float(), v_cache[:B].float()
+    L = k_cache.shape[2]
+    positions = torch.arange(L, device=k_cache.device)
+    source = torch.where(positions[None] < prefix_lens.view(B, 1), prefix_rows.view(B, 1),
+                         torch.arange(B, device=k_cache.device)[:, None])
+    # [B, L, KV, d] -> [B, KV, L, d], contiguous as the slice above is: the matmuls then take the same kernels, so
+    # a row's result does not depend on which row its prefix is read from.
+    return (k_cache[source, :, positions].float().permute(0, 2, 1, 3).contiguous(),
+            v_cache[source, :, positions].float().permute(0, 2, 1, 3).contiguous())
 
 
 def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -188,11 +193,11 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tor
     return (probs @ v).view(B, H, D)
 
 
-def _paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                      out: torch.Tensor | None, prefix_rows: torch.Tensor | None, prefix_lens: torch.Tensor | None,
-                      block_tables: torch.Tensor) -> torch.Tensor:
-    """``decode_attention_ref`` on a paged cache, by groups of rows of equal block counts (see its docstring)."""
-    B = q.shape[0]
+def _paged_decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                       prefix_rows: torch.Tensor | None, prefix_lens: torch.Tensor | None,
+                       block_tables: torch.Tensor) -> torch.Tensor:
+    """``decode_attention_ref``'s fp32 result ``[B, H, d]`` on a paged cache, by groups of rows of equal block
+    counts (see its docstring)."""
     block_size, per_row = k_cache.shape[2], block_tables.shape[1]
     lengths = lengths.clamp(0, per_row * block_size)
     counts = torch.div(lengths + block_size - 1, block_size, rounding_mode="floor")
@@ -202,10 +207,7 @@ def _paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         group_prefix = (None, None) if prefix_rows is None else (prefix_rows[rows], prefix_lens[rows])
         k, v = _gather_decode_rows(k_cache, v_cache, block_tables[:, :count], rows, lengths[rows], *group_prefix)
         result[rows] = _attend_rows(q[rows], k, v, lengths[rows])
-    if out is None:
-        return result.to(q.dtype)
-    out.copy_(result)
-    return out
+    return result
 
 
 def _gather_decode_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor,

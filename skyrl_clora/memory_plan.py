@@ -44,7 +44,7 @@ class MemoryPlan:
         """The plan in one line."""
         return (f"[setup] GPU memory plan: {self.total / _GIB:.1f} GiB x utilization = {self.budget / _GIB:.1f} GiB: "
                 f"weights and adapter slots {self.allocated / _GIB:.1f}, training pass peak {self.training_peak / _GIB:.1f} "
-                f"(measured: {self.training_shape}), graphs and workspaces {self.reserve / _GIB:.1f} (reserved), KV cache "
+                f"({self.training_shape}), graphs and workspaces {self.reserve / _GIB:.1f} (reserved), KV cache "
                 f"{self.kv_blocks * self.block_bytes / _GIB:.1f} = {self.kv_blocks:,} blocks x {self.block_size} tokens "
                 f"({self.kv_blocks * self.block_size:,} positions for {rows} rows)")
 
@@ -99,39 +99,37 @@ def plan_kv_blocks(model: torch.nn.Module, trainer: Trainer, *, utilization: flo
                    max_len: int, micro_batch_rows: int, pack: int, rank: int) -> MemoryPlan:
     """The plan for ``model`` (the sampler's, on a GPU) beside ``trainer`` (see module docstring); raises
     ConfigError when the KV blocks left cannot hold one row of ``max_len`` positions."""
-    param = next(model.parameters())
-    device = param.device
     peak = measure_training_peak(trainer, pack, micro_batch_rows, max_len, rank)
-    _, total = torch.cuda.mem_get_info(device)
+    return _plan(model, utilization, block_size, rows, max_len, peak,
+                 f"measured: {pack} tenant(s), {micro_batch_rows} rows x {max_len} tokens",
+                 "raise sampler.gpu_memory_utilization, lower trainer.micro_batch_size (or "
+                 "trainer.max_tokens_per_microbatch) or shorten the recipe's lengths")
+
+
+def inference_only_blocks(model: torch.nn.Module, *, utilization: float, block_size: int, rows: int,
+                          max_len: int) -> int:
+    """KV blocks for an engine alone on its GPU (backend=skyrl's embedded server, whose trainer runs in other
+    processes on other GPUs): the plan without a training peak."""
+    return _plan(model, utilization, block_size, rows, max_len, 0, "none here: the trainer runs in other processes",
+                 "raise sampler.gpu_memory_utilization, set sampler.kv_blocks or shorten the recipe's lengths").kv_blocks
+
+
+def _plan(model: torch.nn.Module, utilization: float, block_size: int, rows: int, max_len: int, training_peak: int,
+          training_shape: str, fix: str) -> MemoryPlan:
+    """``utilization`` of the GPU's memory less what is allocated, ``training_peak`` and
+    :data:`GRAPH_RESERVE_BYTES`, in KV blocks of ``block_size`` positions; printed in one line. ConfigError
+    (naming ``fix``) when that cannot hold one row of ``max_len`` positions."""
+    param = next(model.parameters())
+    _, total = torch.cuda.mem_get_info(param.device)
     budget = int(total * utilization)
-    allocated = torch.cuda.memory_allocated(device)
+    allocated = torch.cuda.memory_allocated(param.device)
     block_bytes = kv_block_bytes(model.config, block_size, param.dtype)
-    blocks = (budget - allocated - peak - GRAPH_RESERVE_BYTES) // block_bytes
-    plan = MemoryPlan(total, budget, allocated, peak, GRAPH_RESERVE_BYTES, block_bytes, max(0, blocks), block_size,
-                      f"{pack} tenant(s), {micro_batch_rows} rows x {max_len} tokens")
+    blocks = (budget - allocated - training_peak - GRAPH_RESERVE_BYTES) // block_bytes
+    plan = MemoryPlan(total, budget, allocated, training_peak, GRAPH_RESERVE_BYTES, block_bytes, max(0, blocks),
+                      block_size, training_shape)
     needed = -(-max_len // block_size)
     if blocks < needed:
         raise ConfigError(f"the GPU memory plan leaves {max(0, blocks)} KV blocks, fewer than the {needed} one sequence of "
-                          f"{max_len} tokens needs ({plan.line(rows)}); raise sampler.gpu_memory_utilization, lower "
-                          "trainer.micro_batch_size (or trainer.max_tokens_per_microbatch) or shorten the recipe's lengths")
+                          f"{max_len} tokens needs ({plan.line(rows)}); {fix}")
     print(plan.line(rows), file=sys.stderr, flush=True)
     return plan
-
-
-def inference_only_blocks(model: torch.nn.Module, *, utilization: float, block_size: int, max_len: int) -> int:
-    """KV blocks for an engine alone on its GPU (backend=skyrl's embedded server, whose trainer runs in other
-    processes on other GPUs): ``utilization`` of the GPU's memory less what is allocated and
-    :data:`GRAPH_RESERVE_BYTES`, printed in one line; ConfigError when that cannot hold one ``max_len`` row."""
-    param = next(model.parameters())
-    _, total = torch.cuda.mem_get_info(param.device)
-    allocated = torch.cuda.memory_allocated(param.device)
-    block_bytes = kv_block_bytes(model.config, block_size, param.dtype)
-    blocks = (int(total * utilization) - allocated - GRAPH_RESERVE_BYTES) // block_bytes
-    if blocks < -(-max_len // block_size):
-        raise ConfigError(f"{max(0, blocks)} KV blocks of {block_size} tokens fit in sampler.gpu_memory_utilization="
-                          f"{utilization} of the GPU beside the weights, fewer than one {max_len}-token sequence needs; "
-                          "raise it or set sampler.kv_blocks")
-    print(f"[setup] GPU memory plan (inference only): {total / _GIB:.1f} GiB x {utilization} less weights "
-          f"{allocated / _GIB:.1f} and reserve {GRAPH_RESERVE_BYTES / _GIB:.1f}: {blocks:,} KV blocks x {block_size} tokens",
-          file=sys.stderr, flush=True)
-    return blocks

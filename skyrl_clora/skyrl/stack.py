@@ -176,11 +176,12 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
     routing, layers = attach_multi_lora(model, len(names), run.lora.max_rank, trainable=False)
     rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in plan.tenants)
     max_len = run.recipe.max_input_length + run.recipe.max_generate_length
+    rows = run.sampler.max_rows or len(names) * rows_per_tenant
     kv_blocks = run.sampler.kv_blocks or None
     if kv_blocks is None and device.type == "cuda":
         kv_blocks = inference_only_blocks(model, utilization=run.sampler.gpu_memory_utilization,
-                                          block_size=run.sampler.prefill_block, max_len=max_len)
-    engine = Engine(model, layers, num_rows=run.sampler.max_rows or len(names) * rows_per_tenant, max_len=max_len,
+                                          block_size=run.sampler.prefill_block, rows=rows, max_len=max_len)
+    engine = Engine(model, layers, num_rows=rows, max_len=max_len,
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
                     num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache)
     server = EmbeddedServer(engine, tokenizer, model_name=model_path, seed=run.seed)
