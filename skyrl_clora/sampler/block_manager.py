@@ -214,43 +214,35 @@ class BlockManager:
     def lookup(self, adapter: str | None, version: int, tokens: list[int]) -> list[int]:
         """The keyed blocks of ``tokens``' leading whole blocks, stopping at the first miss (no reference taken;
         found evictable blocks become the most recently used)."""
+        found, _ = self.keyed_prefix(adapter, version, tokens)
+        for block in found:
+            if block in self._evictable:
+                self._evictable[block] = next(self._clock)
+                self._evictable.move_to_end(block)
+        self.hits += len(found)
+        return found
+
+    def keyed_prefix(self, adapter: str | None, version: int, tokens: list[int]) -> tuple[list[int], bytes | None]:
+        """``tokens``' leading whole blocks that are keyed (stopping at the first miss), and the digest of that
+        first whole block not keyed (one a prefill must compute and could share with another prompt; None when
+        every whole block is keyed or caching is off). No side effects."""
         if not self.cache_prefixes:
-            return []
+            return [], None
         found = []
         for digest in block_hashes(tokens, self.block_size, len(tokens) // self.block_size):
             block = self._cached.get((adapter, version, digest))
             if block is None:
-                break
-            if block in self._evictable:
-                self._evictable[block] = next(self._clock)
-                self._evictable.move_to_end(block)
+                return found, digest
             found.append(block)
-        self.hits += len(found)
-        return found
+        return found, None
 
-    def first_missing(self, adapter: str | None, version: int, tokens: list[int]) -> bytes | None:
-        """The digest of the first whole block of ``tokens`` not keyed (one a prefill must compute and could
-        share with another prompt), or None when every whole block is keyed or caching is off. No side effects."""
-        if not self.cache_prefixes:
-            return None
-        for digest in block_hashes(tokens, self.block_size, len(tokens) // self.block_size):
-            if (adapter, version, digest) not in self._cached:
-                return digest
-        return None
-
-    def admission_cost(self, adapter: str | None, version: int, tokens: list[int], reused: int) -> int:
-        """Blocks admitting a prompt of ``tokens`` takes from :meth:`available`: its blocks past the ``reused``
-        ones it adopts (a history's), or past its keyed leading blocks (of which those held by nothing count,
-        as they stop being evictable), plus one for a copy on write."""
-        total = -(-len(tokens) // self.block_size)
+    def admission_cost(self, prompt_len: int, keyed: list[int], reused: int) -> int:
+        """Blocks admitting a prompt of ``prompt_len`` tokens takes from :meth:`available`: its blocks past the
+        ``reused`` ones it adopts (a history's), or past its ``keyed`` leading blocks (:meth:`keyed_prefix`; those
+        held by nothing count, as they stop being evictable), plus one for a copy on write."""
+        total = -(-prompt_len // self.block_size)
         if reused:
             return total - min(reused, total) + 1
-        keyed = []
-        for digest in block_hashes(tokens, self.block_size, len(tokens) // self.block_size) if self.cache_prefixes else []:
-            block = self._cached.get((adapter, version, digest))
-            if block is None:
-                break
-            keyed.append(block)
         return total - len(keyed) + sum(1 for block in keyed if self.refs[block] == 0) + 1
 
     def key_prompt(self, row: int, adapter: str | None, version: int, tokens: list[int], first_block: int) -> None:

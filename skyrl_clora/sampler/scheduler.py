@@ -176,12 +176,12 @@ class Scheduler:
                 continue
             version = -1 if req.adapter is None else self.adapters.version(req.adapter)
             history = self.blocks.take_history(req.adapter, version, req.prompt_ids) if self.reuse_decode_kv else None
-            missing = None if history else self.blocks.first_missing(req.adapter, version, req.prompt_ids)
+            keyed, missing = ([], None) if history else self.blocks.keyed_prefix(req.adapter, version, req.prompt_ids)
             shared_key = None if missing is None else (req.adapter, missing)
             if shared_key in first_missing:
                 remaining.append(req)
                 continue
-            cost = self.blocks.admission_cost(req.adapter, version, req.prompt_ids, 0 if history is None else len(history[1]))
+            cost = self.blocks.admission_cost(len(req.prompt_ids), keyed, 0 if history is None else len(history[1]))
             if budget - cost < self.watermark:
                 self.blocks.reclaim(cost + self.watermark + spent)
                 budget = self.blocks.available() - spent

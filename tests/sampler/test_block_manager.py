@@ -29,10 +29,10 @@ def test_rows_take_blocks_as_they_grow_and_give_them_back() -> None:
 def test_keyed_prompt_blocks_are_shared_then_evicted_least_recently_used_first() -> None:
     pool = BlockManager(num_blocks=4, block_size=BS, num_rows=3, max_blocks_per_row=4)
     prompt = list(range(10))  # two whole blocks and two positions
-    assert pool.lookup("a", 0, prompt) == [] and pool.first_missing("a", 0, prompt) is not None
+    assert pool.lookup("a", 0, prompt) == [] and pool.keyed_prefix("a", 0, prompt)[1] is not None
     pool.grow(0, 3)
     pool.key_prompt(0, "a", 0, prompt, first_block=0)
-    assert pool.first_missing("a", 0, prompt) is None
+    assert pool.keyed_prefix("a", 0, prompt)[1] is None
     shared = pool.lookup("a", 0, prompt)
     assert shared == pool.row_blocks[0][:2], "the whole blocks are keyed, the partial third is not"
     assert pool.lookup("b", 0, prompt) == [] and pool.lookup("a", 1, prompt) == [], "other adapters and versions miss"
@@ -99,10 +99,14 @@ def test_histories_and_evictable_blocks_go_oldest_first_and_reclaim_drops_histor
 def test_admission_cost_counts_new_blocks_and_unheld_keyed_ones() -> None:
     pool = BlockManager(num_blocks=8, block_size=BS, num_rows=2, max_blocks_per_row=6)
     prompt = list(range(10))  # 3 blocks
-    assert pool.admission_cost("a", 0, prompt, reused=0) == 4, "3 new blocks and one to copy into"
+
+    def cost(tokens: list[int], reused: int = 0) -> int:
+        return pool.admission_cost(len(tokens), pool.keyed_prefix("a", 0, tokens)[0], reused)
+
+    assert cost(prompt) == 4, "3 new blocks and one to copy into"
     pool.grow(0, 3)
     pool.key_prompt(0, "a", 0, prompt, first_block=0)
-    assert pool.admission_cost("a", 0, prompt, reused=0) == 2, "the keyed 2 are held by row 0: free to share"
+    assert cost(prompt) == 2, "the keyed 2 are held by row 0: free to share"
     pool.release(0)
-    assert pool.admission_cost("a", 0, prompt, reused=0) == 4, "unheld keyed blocks stop being evictable"
-    assert pool.admission_cost("a", 0, prompt + [1, 2, 3], reused=2) == 3
+    assert cost(prompt) == 4, "unheld keyed blocks stop being evictable"
+    assert cost(prompt + [1, 2, 3], reused=2) == 3
