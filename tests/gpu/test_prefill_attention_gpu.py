@@ -83,6 +83,21 @@ def test_cuda_dispatch_takes_the_triton_path() -> None:
         prefill_attention(*replace(p, k_cache=strided).args())
 
 
+def _replay_and_check(graph: torch.cuda.CUDAGraph, out: torch.Tensor, q: torch.Tensor, metadata: torch.Tensor,
+                      p, replay: int) -> None:
+    """Copies problem ``p``'s queries (NaN past them) and metadata into the captured ``q`` and ``metadata`` (its
+    cache already copied in), replays ``graph`` and checks ``out`` against the fp32 reference, zeros past the pass."""
+    used = p.q.shape[0]
+    q[:used].copy_(p.q)
+    q[used:] = float("nan")
+    metadata.copy_(torch.stack([p.job_rows, p.job_starts, p.q_offsets, p.q_lens]))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = prefill_ref_fp32(p)
+    assert _err(out[:used], want) < TOLERANCE[torch.bfloat16], f"replay {replay}: relative error {_err(out[:used], want):.2e}"
+    assert not out[used:].any(), f"replay {replay}: tokens past the pass must be zeros"
+
+
 def test_prefill_pass_captured_in_cuda_graph_replays_new_metadata() -> None:
     """One layer's prefill attention captured once over fixed q, cache and metadata tensors (64 job slots,
     the metadata one ``[4, 64]`` tensor as the runner holds it), allocating only its output; replays
@@ -103,17 +118,9 @@ def test_prefill_pass_captured_in_cuda_graph_replays_new_metadata() -> None:
     for replay, layout in enumerate(["turns", "prompts", "mixed"]):
         p = make_prefill_problem(_jobs(layout, seed=10 + replay), heads, KV_HEADS, MAX_LEN, HEAD_DIM, torch.bfloat16,
                                  cache_rows=CACHE_ROWS, device="cuda", seed=10 + replay, poison=True)
-        used = p.q.shape[0]
-        q[:used].copy_(p.q)
-        q[used:] = float("nan")
         k_cache.copy_(p.k_cache)
         v_cache.copy_(p.v_cache)
-        metadata.copy_(torch.stack([p.job_rows, p.job_starts, p.q_offsets, p.q_lens]))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = prefill_ref_fp32(p)
-        assert _err(out[:used], want) < TOLERANCE[torch.bfloat16], f"replay {replay}: relative error {_err(out[:used], want):.2e}"
-        assert not out[used:].any(), f"replay {replay}: tokens past the pass must be zeros"
+        _replay_and_check(graph, out, q, metadata, p, replay)
         assert previous is None or not torch.equal(out, previous), "each replay must give its own pass's answer"
         previous = out.clone()
 
@@ -152,15 +159,7 @@ def test_paged_prefill_pass_captured_in_cuda_graph_replays_new_tables() -> None:
         p = make_prefill_problem(_jobs(layout, seed=20 + replay), heads, KV_HEADS, MAX_LEN, HEAD_DIM, torch.bfloat16,
                                  cache_rows=CACHE_ROWS, device="cuda", seed=20 + replay, poison=True)
         paged = page_prefill_problem(p, block_size, {}, seed=replay)
-        used = p.q.shape[0]
-        q[:used].copy_(p.q)
-        q[used:] = float("nan")
         k_cache[: paged.k_cache.shape[0]].copy_(paged.k_cache)
         v_cache[: paged.v_cache.shape[0]].copy_(paged.v_cache)
         block_tables.copy_(paged.block_tables)
-        metadata.copy_(torch.stack([p.job_rows, p.job_starts, p.q_offsets, p.q_lens]))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = prefill_ref_fp32(p)
-        assert _err(out[:used], want) < TOLERANCE[torch.bfloat16], f"replay {replay}: relative error {_err(out[:used], want):.2e}"
-        assert not out[used:].any(), f"replay {replay}: tokens past the pass must be zeros"
+        _replay_and_check(graph, out, q, metadata, p, replay)
