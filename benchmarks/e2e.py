@@ -237,7 +237,8 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
           f"{stats.idle_seconds:.1f} s ({stats.idle_waits} waits of 1 ms or more, the longest "
           f"{stats.longest_idle_seconds:.2f} s); training passes {result.train_passes_s:.1f} s; allocator: peak "
           f"{result.peak_memory_gib:.1f} GiB allocated, {result.peak_reserved_gib:.1f} GiB reserved, "
-          f"{result.alloc_retries} retries", flush=True)
+          f"{result.alloc_retries} retries; rows running at once: at most {stats.peak_running_rows}, "
+          f"{stats.preemptions} preempted", flush=True)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -275,14 +276,16 @@ def summarize(result: ModeResult) -> dict:
         "peak_memory_gib": result.peak_memory_gib, "gpu_busy": gpu_busy(result),
         "train_overlaps_sampling": result.train_overlaps_sampling,
         "turn_lengths": length_summary(result.turn_lengths), "short_turns": sum(s.short_turns for s in steps),
+        "peak_running_rows": result.engine.peak_running_rows, "preemptions": result.engine.preemptions,
     }
 
 
 def combine(results: list[ModeResult], mode: str) -> ModeResult:
     """``results`` (one experiment each, run one after another) as one group: walls, counters and steps add up."""
     added = ("generated_tokens", "decode_seconds", "decode_gpu_seconds", "prefill_gpu_seconds",
-             "prefill_copy_gpu_seconds")
-    engine = EngineStats(**{name: sum(getattr(r.engine, name) for r in results) for name in added})
+             "prefill_copy_gpu_seconds", "preemptions")
+    engine = EngineStats(**{name: sum(getattr(r.engine, name) for r in results) for name in added},
+                         peak_running_rows=max(r.engine.peak_running_rows for r in results))
     return ModeResult(mode, len(results), sum(r.wall_s for r in results), [c for r in results for c in r.cold_start_s],
                       [s for r in results for s in r.steps], engine, max(r.peak_memory_gib for r in results),
                       train_passes_s=sum(r.train_passes_s for r in results),
@@ -411,12 +414,13 @@ def main() -> None:
           f"{drawn['mean']:.0f}, p50 {drawn['p50']:.0f}, p90 {drawn['p90']:.0f}, max {drawn['max']:.0f}; turns cut "
           f"short in all groups: {short}; GPU busy: upper bound (--out: both bounds)")
     print(f"{'mode':14} {'N':>2} {'wall s':>7} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
-          f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'GPU busy':>8} {'peak GiB':>8}")
+          f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'GPU busy':>8} {'peak GiB':>8} {'rows':>5} {'preempt':>7}")
     for row in rows:
         print(f"{row['mode']:14} {row['tenants']:2d} {row['wall_s']:7.1f} {row['throughput_vs_serial']:8.2f} "
               f"{row['step_s']:7.2f} {row['step_vs_n1']:6.2f} {row['rollout_s']:7.2f} {row['rollout_vs_n1']:6.2f} "
               f"{row['train_s']:6.2f} {row['sync_s']:5.2f} {row['decode_tokens_per_s']:12.0f} "
-              f"{row['gpu_busy']['upper']:8.2f} {row['peak_memory_gib']:8.1f}")
+              f"{row['gpu_busy']['upper']:8.2f} {row['peak_memory_gib']:8.1f} {row['peak_running_rows']:5d} "
+              f"{row['preemptions']:7d}")
 
 
 if __name__ == "__main__":

@@ -12,11 +12,12 @@ One background thread owns the model. Each iteration of its loop:
      its new tokens), by reference: :class:`BlockManager`;
   4. launches one decode step for the rows up to the last running one (a CUDA-graph replay on the GPU)
      and its sampling of every running row at once (each with its own counter-based RNG, see
-     ``sampling``), then accepts the tokens of the step launched before it and retires the finished
-     requests, resolving their futures. The host thus works on step t's tokens while the GPU runs step
-     t+1, whose rows of step t take their input tokens from the device; a row whose step-t token ends it
-     (a stop token, or its length limit while other rows go on) runs once more at t+1, and that token is
-     dropped.
+     ``sampling``), then accepts the tokens of the step launched before it and the first tokens of the
+     rows prefilled in step 3, and retires the finished requests, resolving their futures. The host thus
+     works on step t's tokens while the GPU runs step t+1, whose rows of step t (and rows just prefilled)
+     take their input tokens from the device; a prefill never waits for the decode step ahead of it. A row
+     whose step-t token ends it (a stop token, or its length limit while other rows go on) runs once more
+     at t+1, and that token is dropped.
 Which publishes land and which waiting requests take which rows in steps 2 and 3 is the :class:`Scheduler`'s
 decision (``scheduler``, which holds the row table); the engine applies and prefills what it decides.
 Rows take KV blocks as they grow. When a running row needs a block and the pool has none (after evicting
@@ -64,8 +65,9 @@ STREAM_PRIORITIES = {"high": -1, "normal": 0}
 
 @dataclass
 class _StepInFlight:
-    """A decode step launched with its sampling, its tokens not accepted yet: its cache rows (ascending), the
-    request each row held at launch, the drawn tokens (one per row) and its forward pass's GPU span."""
+    """A decode step or prefill launched with its sampling, its tokens not accepted yet: its cache rows
+    (ascending for a decode step), the request each row held at launch, the drawn tokens (one per row) and its
+    forward pass's GPU span."""
 
     rows: np.ndarray
     requests: list[QueuedRequest]
@@ -136,7 +138,8 @@ class Engine:
         self._admissions = 0
         self._inbox: queue.Queue = queue.Queue()
         self._running = RunningRows(num_rows, max_len)  # per cache row: decode inputs, settings, outputs so far
-        self._in_flight: _StepInFlight | None = None
+        self._in_flight: _StepInFlight | None = None  # the decode step launched last
+        self._prefilled: _StepInFlight | None = None  # this round's prefill, its first tokens not accepted yet
         self._paused = threading.Event()  # set while _pauses > 0
         self._pauses = 0
         self._pause_lock = threading.Lock()
@@ -263,7 +266,7 @@ class Engine:
                 else:  # the step in flight ends before the pause
                     self._accept_in_flight(self._held(self._in_flight))
             except Exception as error:  # a broken step fails its requests, not the engine thread
-                self._in_flight = None
+                self._in_flight = self._prefilled = None
                 self._fail_running(error)
             self.stats.busy_seconds += time.perf_counter() - started
 
@@ -376,9 +379,10 @@ class Engine:
             self.start_row(req)
         self.stats.peak_blocks_held = max(self.stats.peak_blocks_held, self.blocks.held_blocks())
         rows = np.array([req.row for req in ready], dtype=np.int64)
-        self._accept(rows, *self._draw(rows, logits).result())
+        drawn = self._draw(rows, logits)
+        self.runner.record_sampled(lists_to_device([rows], logits.device)[0], drawn.tokens)
+        self._prefilled = _StepInFlight(rows, ready, drawn, forward)
         self.stats.prefill_copy_gpu_seconds += copied.seconds()
-        self.stats.prefill_gpu_seconds += forward.seconds()
         self.stats.prefill_seconds += time.perf_counter() - started
 
     def _take_blocks(self, req: QueuedRequest, copies: tuple[list[int], list[int]]) -> int:
@@ -411,19 +415,25 @@ class Engine:
             self.blocks.dirty = False
 
     def _decode(self) -> None:
-        """Launches the next decode step (if a row runs), then accepts the step in flight before it. Which rows
-        of the step in flight still hold its requests is found once: nothing admits or retires in between."""
-        step = self._in_flight
-        pending = np.zeros(self.runner.num_rows, dtype=bool)  # rows whose token from the step in flight is to come
+        """Launches the next decode step (if a row runs), then accepts the step in flight before it and this
+        round's prefilled first tokens. Which rows of the step in flight still hold its requests is found once:
+        nothing admits or retires in between (a row retired at the last accept and admitted again holds a new
+        request, whose token in flight is the prefill's)."""
+        step, prefilled = self._in_flight, self._prefilled
+        pending = np.zeros(self.runner.num_rows, dtype=bool)  # rows whose token in flight is to come
         held = None if step is None else self._held(step)
         if step is not None:
             pending[step.rows[held]] = True
+        if prefilled is not None:
+            pending[prefilled.rows] = True
         preemptions = self.stats.preemptions
         launched = self._launch_decode(pending) if any(self.scheduler.rows) else None
         if step is not None:
             if self.stats.preemptions != preemptions:  # a preempted row's token in flight is not its own any more
                 held &= self._held(step)
             self._accept_in_flight(held)
+        if prefilled is not None:
+            self._accept_prefilled()
         self._in_flight = launched
 
     @profiled("engine.decode_step")
@@ -512,6 +522,16 @@ class Engine:
         self.stats.decode_wait_seconds += received - started
         self.stats.decode_gpu_seconds += step.forward.seconds()
         self.stats.decode_seconds += time.perf_counter() - started
+
+    def _accept_prefilled(self) -> None:
+        """Waits for this round's prefilled first tokens and accepts those of its rows that still hold their
+        requests (a row preempted since lost its token)."""
+        prefill, self._prefilled = self._prefilled, None
+        started = time.perf_counter()
+        held = self._held(prefill)
+        self._accept(prefill.rows[held], *(values[held] for values in prefill.drawn.result()))
+        self.stats.prefill_gpu_seconds += prefill.forward.seconds()
+        self.stats.prefill_seconds += time.perf_counter() - started
 
     def _draw(self, rows: np.ndarray, logits: torch.Tensor, pending: np.ndarray | None = None) -> DrawnTokens:
         """Launches the sampling of the next token of the requests in cache rows ``rows`` from ``logits: [len(rows),

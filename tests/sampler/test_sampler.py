@@ -66,15 +66,17 @@ def test_mixed_batch_equals_each_request_alone(micro_model_dir: Path) -> None:
 def test_requests_that_stop_early_and_those_taking_their_rows_match_the_hf_forward(micro_model_dir: Path) -> None:
     """A decode step is launched before the tokens of the step before it are read back: its rows take their input
     tokens from the device, and a row that drew a stop token runs once more (that token is dropped) while the
-    request admitted into its row next is prefilled. 40 requests through 16 rows, finishing at varied steps by
-    stop token or by length: every log-prob is the HF forward's over the prompt and the tokens sampled before
-    it, and each completion equals the request run alone."""
+    request admitted into its row next is prefilled; a prefill's first tokens are read back after the next decode
+    step is launched, its rows taking their input from the device too (those whose first token ends them run
+    once more). 40 requests through 16 rows, finishing at varied steps by stop token or by length (a length of 1
+    included): every log-prob is the HF forward's over the prompt and the tokens sampled before it, and each
+    completion equals the request run alone."""
     stops = tuple(range(3, 400, 5))  # one token in five stops a completion
     jobs = [(name, seed) for seed in range(10) for name in ("a", "b", "c", None)]
     prompts = {seed: PROMPT[: 12 + seed % 3 * 4] for seed in range(10)}  # some rows share a cached prompt block
 
     def params(seed: int) -> SamplingParams:
-        return SamplingParams(max_tokens=10, temperature=1.0, seed=seed, stop_token_ids=stops)
+        return SamplingParams(max_tokens=1 if seed == 4 else 10, temperature=1.0, seed=seed, stop_token_ids=stops)
 
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
@@ -91,6 +93,8 @@ def test_requests_that_stop_early_and_those_taking_their_rows_match_the_hf_forwa
         engine.shutdown()
     assert len({tuple(c.token_ids) for c, (_, seed) in zip(mixed, jobs) if seed == 0}) == 4, "tenants' samples must differ"
     assert {c.finish_reason for c in mixed} == {"stop", "length"} and len({len(c.token_ids) for c in mixed}) >= 5
+    firsts = [c.finish_reason for c in mixed if len(c.token_ids) == 1]
+    assert {"stop", "length"} <= set(firsts), "requests must end at their prefill's token, by both reasons"
     assert all((c.token_ids[-1] in stops) == (c.finish_reason == "stop") for c in mixed)
     for (name, seed), completion in zip(jobs, mixed):
         ids = torch.tensor(prompts[seed] + completion.token_ids)
