@@ -66,13 +66,15 @@ STREAM_PRIORITIES = {"high": -1, "normal": 0}
 @dataclass
 class _StepInFlight:
     """A decode step or prefill launched with its sampling, its tokens not accepted yet: its cache rows
-    (ascending for a decode step), the request each row held at launch, the drawn tokens (one per row) and its
-    forward pass's GPU span."""
+    (ascending for a decode step), the request each row held at launch, the drawn tokens (one per row), its
+    forward pass's GPU span and, for a prefill, the span of its block copies. The spans are read once the
+    tokens are (reading one waits for the GPU to reach its end)."""
 
     rows: np.ndarray
     requests: list[QueuedRequest]
     drawn: DrawnTokens
     forward: GPUSpan
+    copied: GPUSpan | None = None
 
 
 class Engine:
@@ -381,8 +383,7 @@ class Engine:
         rows = np.array([req.row for req in ready], dtype=np.int64)
         drawn = self._draw(rows, logits)
         self.runner.record_sampled(lists_to_device([rows], logits.device)[0], drawn.tokens)
-        self._prefilled = _StepInFlight(rows, ready, drawn, forward)
-        self.stats.prefill_copy_gpu_seconds += copied.seconds()
+        self._prefilled = _StepInFlight(rows, ready, drawn, forward, copied)
         self.stats.prefill_seconds += time.perf_counter() - started
 
     def _take_blocks(self, req: QueuedRequest, copies: tuple[list[int], list[int]]) -> int:
@@ -531,6 +532,7 @@ class Engine:
         held = self._held(prefill)
         self._accept(prefill.rows[held], *(values[held] for values in prefill.drawn.result()))
         self.stats.prefill_gpu_seconds += prefill.forward.seconds()
+        self.stats.prefill_copy_gpu_seconds += prefill.copied.seconds()
         self.stats.prefill_seconds += time.perf_counter() - started
 
     def _draw(self, rows: np.ndarray, logits: torch.Tensor, pending: np.ndarray | None = None) -> DrawnTokens:
