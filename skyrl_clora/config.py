@@ -213,6 +213,7 @@ class RunConfig:
     identity: dict[str, Any]
     max_tenants: int = 0
     control: bool = True
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in ("concurrent", "serial"):
@@ -233,6 +234,12 @@ class RunConfig:
             raise ConfigError(f"clora.steps must be >= 1, got {self.steps}")
         if self.max_tenants < 0:
             raise ConfigError(f"clora.max_tenants={self.max_tenants} must be >= 0 (0: the tenants the run starts with)")
+        if self.replicas < 1:
+            raise ConfigError(f"clora.replicas={self.replicas} must be >= 1")
+        if self.replicas > 1 and (self.backend != "embedded" or self.mode != "concurrent"):
+            raise ConfigError("clora.replicas > 1 spreads a concurrent run of backend=embedded over replicas; set "
+                              "clora.mode=concurrent and backend=embedded (backend=skyrl places its workers with "
+                              "trainer.placement.*)")
         if self.backend not in ("embedded", "skyrl"):
             raise ConfigError(f"backend={self.backend} is unknown; use backend=embedded or backend=skyrl")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -334,7 +341,7 @@ def tenant_defaults(seed: int, lora: LoraConfig, trainer: TrainerConfig, recipe:
 
 # Keys that do not change a run's results: where it writes, what it prints, how it checkpoints and resumes.
 NOT_IDENTITY = frozenset({
-    "clora.output_dir", "clora.progress", "clora.control", "trainer.logger", "trainer.project_name", "trainer.run_name",
+    "clora.output_dir", "clora.progress", "clora.control", "clora.replicas", "trainer.logger", "trainer.project_name", "trainer.run_name",
     "trainer.ckpt_interval", "trainer.ckpt_path", "trainer.max_ckpts_to_keep",
     "trainer.resume_mode", "trainer.resume_path",
 })
@@ -386,6 +393,7 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         "progress": checked(clora.progress, bool, "clora.progress"),
         "max_tenants": checked(clora.max_tenants, int, "clora.max_tenants"),
         "control": checked(clora.control, bool, "clora.control"),
+        "replicas": checked(clora.replicas, int, "clora.replicas"),
     })
     if problems:
         raise ConfigError("\n".join(problems))

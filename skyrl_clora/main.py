@@ -181,6 +181,10 @@ def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
                 from skyrl_clora.skyrl.driver import run_skyrl
 
                 summary = run_skyrl(run, plan, sources, resume, stopped)
+            elif run.replicas > 1:
+                from skyrl_clora.placement.replicas import run_replicated
+
+                summary = run_replicated(run, resume, stopped)
             else:
                 from skyrl_clora.backends.embedded import run_experiments
 

@@ -49,11 +49,11 @@ def register_micro_env() -> str:
 
 def micro_tenants(*tenants: dict[str, Any]) -> str:
     """The ``+tenants=[...]`` override of ``tenants`` (dicts of per-tenant keys), each on the micro task
-    (registered here)."""
+    (registered here) unless it names its own ``env_class``."""
     register_micro_env()
     entries = []
     for tenant in tenants:
-        keys = {**tenant, "env_class": ENV_CLASS}
+        keys = {"env_class": ENV_CLASS, **tenant}
         entries.append("{" + ",".join(f"{key}:{value}" for key, value in keys.items()) + "}")
     return f"+tenants=[{','.join(entries)}]"
 

@@ -128,7 +128,7 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["trainer.overlap_sampling=sometimes"], "trainer.overlap_sampling=sometimes must be true, false or null"),
     (["backend=skyrl", "trainer.overlap_sampling=false"], "trainer.overlap_sampling=false needs backend=embedded"),
     (["+clora.foo=1"], "unknown key clora.foo; valid keys here: control, device, max_tenants, mode, output_dir, "
-                       "progress, seed, steps"),
+                       "progress, replicas, seed, steps"),
     (["+model.foo=1"], "unknown key model.foo; valid keys here: corpus, dtype, path"),
     (["model.corpus=taubench"], "model.corpus=taubench is no recipe with a pre-training corpus; use one of gsm8k"),
     (["recipe=taubench", "recipe.user=bogus"], "recipe.user=bogus is unknown; use scripted or llm"),

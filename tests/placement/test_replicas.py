@@ -1,0 +1,97 @@
+"""Tenants spread over Ray actor replicas on the CPU (``clora.replicas``): each tenant ends exactly as in a
+one-replica run, and a replica that dies mid-run costs its tenants only the steps since their last checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import skyrl_gym
+
+from isolation import assert_same_records, tenant_records
+from micro_task import LetterRewardEnv, micro_tenants, read_records, register_micro_env, run_args
+from skyrl_clora.main import main
+
+DYING_ENV = "micro_letters_dying"
+TENANTS = [{"name": "a", "seed": 1, "lr": "1e-2"}, {"name": "b", "seed": 2, "lr": "3e-3", "rank": 4},
+           {"name": "c", "seed": 3, "lr": "5e-3", "alpha": 8}]
+
+
+class DyingLetterEnv(LetterRewardEnv):
+    """``micro_letters`` whose process exits at its ``after``-th episode while ``marker`` does not exist (it is
+    made first): the replica running it dies once, mid-run."""
+
+    episodes = 0
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None, marker: str = "",
+                 after: int = 0) -> None:
+        super().__init__(env_config, extras)
+        DyingLetterEnv.episodes += 1
+        if DyingLetterEnv.episodes == after and not os.path.exists(marker):
+            Path(marker).touch()
+            os._exit(1)
+
+
+@pytest.fixture(autouse=True)
+def _ray_shut_down():
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _args(model_dir: Path, out: Path, tenants: list[dict[str, Any]], *extra: str) -> list[str]:
+    register_micro_env()
+    return run_args(model_dir, out, micro_tenants(*tenants), "trainer.ckpt_interval=1", *extra, steps=4)
+
+
+def _same_tenants(got: Path, want: Path) -> None:
+    for name in "abc":
+        records = tenant_records(got, name)
+        assert [r["step"] for r in records if r["event"] == "step"] == [1, 2, 3, 4], name
+        assert_same_records(records, tenant_records(want, name), name)
+
+
+def test_tenants_on_two_replicas_end_as_on_one(learning_model_dir: Path, tmp_path: Path) -> None:
+    assert main(_args(learning_model_dir, tmp_path / "one", TENANTS)) == 0
+    assert main(_args(learning_model_dir, tmp_path / "two", TENANTS, "clora.replicas=2")) == 0
+    one, two = read_records(tmp_path / "one"), read_records(tmp_path / "two")
+    finals = {r["tenant"]: r["reward_mean"] for r in one if r["event"] == "step" and r["step"] == 4}
+    assert len(set(finals.values())) == 3, "the tenants' runs must differ"
+    _same_tenants(tmp_path / "two", tmp_path / "one")
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert sorted(len(group) for group in summary["replicas"]) == [1, 2]
+    assert all(row["status"] == "ok" for row in summary["per_tenant"])
+    assert all((tmp_path / "two" / "adapters" / name / "adapter_config.json").is_file() for name in "abc")
+
+
+def test_a_lost_replica_resumes_its_tenants_from_their_last_checkpoints(learning_model_dir: Path, tmp_path: Path,
+                                                                       capfd: pytest.CaptureFixture) -> None:
+    marker = tmp_path / "died"
+    skyrl_gym.register(id=DYING_ENV, entry_point=f"{__name__}:{DyingLetterEnv.__name__}",
+                       kwargs={"marker": str(marker), "after": 80})  # mid-run: 32 episodes a step, and evaluations
+    try:
+        tenants = [dict(spec) for spec in TENANTS]
+        tenants[1]["env_class"] = DYING_ENV
+        marker.touch()  # the reference run does not die
+        assert main(_args(learning_model_dir, tmp_path / "one", tenants)) == 0
+        marker.unlink()
+        assert main(_args(learning_model_dir, tmp_path / "two", tenants, "clora.replicas=2")) == 0
+        assert marker.exists(), "the replica must have died"
+    finally:
+        skyrl_gym.envs.registration.registry.pop(DYING_ENV, None)
+    assert "was lost; its tenants resume from their last checkpoints" in capfd.readouterr().err
+    _same_tenants(tmp_path / "two", tmp_path / "one")
+
+
+@pytest.mark.parametrize("extra", ["clora.mode=serial", "backend=skyrl", "clora.replicas=0"])
+def test_replicas_outside_a_concurrent_embedded_run_are_refused(extra: str, micro_model_dir: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    replicas = [] if extra.startswith("clora.replicas") else ["clora.replicas=2"]
+    assert main([f"model.path={micro_model_dir}", f"clora.output_dir={tmp_path}", *replicas, extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "clora.replicas" in err[0], err
