@@ -74,13 +74,13 @@ class SkyRLStack:
         """The adapter version the inference server holds for ``tenant`` (None: vLLM does not say)."""
         return self.engine.adapter_version(tenant) if self.engine is not None else None
 
-    def step_metrics(self, tenant: str, forward_backward: dict[str, float], grad_norm: float | None,
-                     lr: float) -> dict[str, float]:
-        """The metrics of ``tenant``'s last step: the embedded worker's own (the Trainer's), or
-        Megatron's ``forward_backward`` metrics with the gradient norm and the LR set for the step."""
+    def step_metrics(self, tenant: str, forward_backward: dict[str, float], grad_norm: float | None) -> dict[str, float]:
+        """The metrics of ``tenant``'s last step: the embedded worker's own (the Trainer's), or Megatron's
+        ``forward_backward`` metrics with ``optim_step``'s gradient norm and, as ``lr``, the LR the worker's
+        optimizer ran the step with (its ``policy_lr``)."""
         if self.strategy == "embedded":
             return self.worker_call("step_metrics", tenant)
-        return {**forward_backward, "grad_norm": float(grad_norm or 0.0), "lr": lr}
+        return {**forward_backward, "grad_norm": float(grad_norm or 0.0), "lr": forward_backward.get("policy_lr")}
 
     def worker_call(self, method: str, *args: Any) -> Any:
         """``method(*args)`` on the policy worker (world size 1); its result. Blocks on Ray."""
