@@ -140,6 +140,10 @@ def _gpus_needed(plan: SkyRLPlan) -> int:
 
 def check_buildable(plan: SkyRLPlan) -> None:
     """Refuses, with the fix, a plan this machine cannot build (before anything starts)."""
+    if plan.strategy == "megatron" and plan.inference_backend == "embedded":
+        raise ConfigError("backend.strategy=megatron needs backend.inference_backend=vllm: SkyRL 0.4's Megatron "
+                          "init_weight_sync_state imports vLLM and POSTs /init_weight_transfer_engine, which the "
+                          "embedded server lacks (or use backend.strategy=embedded)")
     if plan.inference_backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("backend.inference_backend=vllm but vllm is not installed; install vllm or set "
                           "backend.inference_backend=embedded (or auto)")

@@ -184,7 +184,9 @@ def test_backend_skyrl_runs_through_main(learning_model_dir: Path, tmp_path: Pat
     ("overrides", "reason"),
     [
         (["backend.inference_backend=vllm"], "vllm is not installed; install vllm or set backend.inference_backend=embedded"),
-        (["backend.strategy=megatron"], "megatron-core is not installed"),
+        (["backend.strategy=megatron", "backend.inference_backend=vllm"], "vllm is not installed"),
+        (["backend.strategy=megatron", "backend.inference_backend=embedded"],
+         "backend.strategy=megatron needs backend.inference_backend=vllm: SkyRL 0.4's Megatron init_weight_sync_state"),
         (["clora.mode=serial"], "set clora.mode=concurrent"),
         (["backend.policy_num_gpus_per_node=2"], "runs one worker"),
     ],
