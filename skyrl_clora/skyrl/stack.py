@@ -10,8 +10,10 @@ and the policy worker group. Each half is production or its stand-in, per the pl
   ``init_model`` loads the base model inside the actor, given every tenant's seed and learning rate.
   ``megatron``: SkyRL's Megatron policy worker with patch 0001's run-time form
   (:func:`~skyrl_clora.skyrl.worker_patches.with_per_tenant_lora_sync`: no prefix-cache reset on a
-  tenant's sync whose requests were all salted), initialised as SkyRL's Tinker backend does (LR driven through ``set_lr``, optimizer
-  state primed, the pristine adapter snapshotted for ``register_adapter``).
+  tenant's sync whose requests were all salted) and per-tenant initial adapters
+  (:func:`~skyrl_clora.skyrl.megatron_seeding.with_seeded_tenant_adapters`, given every tenant's seed),
+  initialised as SkyRL's Tinker backend does (LR driven through ``set_lr``, optimizer state primed, the
+  pristine adapter snapshotted for ``register_adapter``).
 
 Ray: with both halves embedded, a small local Ray (``num_cpus=2``, no dashboard); otherwise SkyRL's
 ``initialize_ray`` (its runtime environment for vLLM/Megatron). A Ray the caller started is reused.
@@ -41,6 +43,7 @@ from skyrl_clora.memory_plan import inference_only_blocks
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.services import resolve_device
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
+from skyrl_clora.skyrl.megatron_seeding import with_seeded_tenant_adapters
 from skyrl_clora.skyrl.server import EmbeddedServer
 from skyrl_clora.skyrl.tenant_client import TenantInferenceClient, tenant_views
 from skyrl_clora.skyrl.worker import EmbeddedPolicyWorker
@@ -211,7 +214,7 @@ def _policy_group(run: RunConfig, plan: SkyRLPlan, model_path: str, pad_token_id
     else:
         from skyrl.backends.skyrl_train.workers.megatron.megatron_worker import MegatronPolicyWorkerBase
 
-        worker = ray.remote(num_gpus=1)(with_per_tenant_lora_sync(MegatronPolicyWorkerBase))
+        worker = ray.remote(num_gpus=1)(with_seeded_tenant_adapters(with_per_tenant_lora_sync(MegatronPolicyWorkerBase)))
         placement = trainer_cfg.placement
         group = PPORayActorGroup(trainer_cfg, placement.policy_num_nodes, placement.policy_num_gpus_per_node, worker,
                                  pg=None, num_gpus_per_actor=1, colocate_all=False,
@@ -222,6 +225,8 @@ def _policy_group(run: RunConfig, plan: SkyRLPlan, model_path: str, pad_token_id
     if plan.strategy == "megatron":
         ray.get(group.async_run_ray_method("pass_through", "prime_optimizer_state"))
         ray.get(group.async_run_ray_method("pass_through", "register_pristine_adapter"))
+        seeds = {spec.name: spec.seed for spec in plan.tenants}
+        ray.get(group.async_run_ray_method("pass_through", "set_adapter_seeds", seeds))
     return group
 
 

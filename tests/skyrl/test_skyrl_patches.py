@@ -131,7 +131,7 @@ def test_the_patch_tests_fail_on_the_unpatched_skyrl(patch_test_runs: dict[str, 
 def test_the_worker_form_on_skyrl_megatron_and_fsdp_workers(patch_test_runs: dict[str, dict[str, str]]) -> None:
     outcomes = {name: outcome for name, outcome in patch_test_runs["unpatched"].items()
                 if name.startswith(RUNTIME_CHECKS)}
-    assert len(outcomes) == 11
+    assert len(outcomes) == 12
     assert set(outcomes.values()) == {"passed"}, outcomes
 
 
