@@ -83,7 +83,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "abs")  # SkyRL's compute_approx_kl
 def check_algorithm(algorithm: dict[str, Any]) -> None:
     """``trainer.algorithm`` as SkyRL's ``AlgorithmConfig`` takes it, with an advantage estimator and a policy loss
     that SkyRL's registries hold (a custom one registered before the run counts) and KL options SkyRL accepts and
-    the plugin honours (``use_kl_loss`` with ``kl_loss_coef``/``kl_estimator_type``); else a :class:`ConfigError`."""
+    the plugin honours (``use_kl_loss`` or ``use_kl_in_reward`` with its fixed controller, ``kl_loss_coef``,
+    ``kl_estimator_type``); else a :class:`ConfigError`."""
     from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
     from skyrl.train.config import AlgorithmConfig
 
@@ -99,9 +100,13 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
     if config.kl_estimator_type not in KL_ESTIMATORS:
         raise ConfigError(f"trainer.algorithm.kl_estimator_type={config.kl_estimator_type} is unknown; use one of "
                           f"{', '.join(KL_ESTIMATORS)}")
-    if config.use_kl_in_reward:
-        raise ConfigError("trainer.algorithm.use_kl_in_reward=true is not supported by skyrl-clora; use "
-                          "trainer.algorithm.use_kl_loss=true (SkyRL's KL loss against the frozen base) instead")
+    if config.use_kl_in_reward and config.use_kl_loss:
+        raise ConfigError("trainer.algorithm.use_kl_in_reward and use_kl_loss are mutually exclusive (SkyRL's rule); "
+                          "set one of them to false")
+    kl_ctrl = config.kl_ctrl if isinstance(config.kl_ctrl, dict) else vars(config.kl_ctrl)
+    if config.use_kl_in_reward and kl_ctrl.get("type", "fixed") != "fixed":
+        raise ConfigError(f"trainer.algorithm.kl_ctrl.type={kl_ctrl.get('type')}: skyrl-clora keeps no per-tenant "
+                          "adaptive KL controller state; use kl_ctrl.type=fixed (the coefficient is kl_loss_coef)")
     for key, registry in (("advantage_estimator", AdvantageEstimatorRegistry), ("policy_loss_type", PolicyLossRegistry)):
         available = registry.list_available()
         if key in algorithm and algorithm[key] not in available:

@@ -13,8 +13,9 @@ inference client) over one shared ``PPORayActorGroup`` of policy workers. A tena
   3. train: the episodes become SkyRL's ``TrainingInputBatch`` (:func:`training_input`); as SkyRL's trainer
      does, ``dispatch.forward`` recomputes the behaviour policy's ``action_log_probs`` with the tenant's adapter
      (``trainer.step_style=tinker``: the sampler's log-probs instead, as SkyRL's Tinker backend sends them) and,
-     with ``use_kl_loss``, the reference's ``base_action_log_probs`` under ``REFERENCE_MODEL_ID`` (the frozen
-     base); then ``dispatch.forward_backward`` and ``dispatch.optim_step`` with ``model_id=<tenant>`` (the
+     with ``use_kl_loss`` or ``use_kl_in_reward``, the reference's ``base_action_log_probs`` under
+     ``REFERENCE_MODEL_ID`` (the frozen base; with ``use_kl_in_reward`` the rewards then lose SkyRL's KL penalty
+     and the advantages are computed again, as ``RayPPOTrainer.apply_reward_kl_penalty`` does); then ``dispatch.forward_backward`` and ``dispatch.optim_step`` with ``model_id=<tenant>`` (the
      embedded worker swaps the tenant's adapter, LR schedule and RNG in; for Megatron the tenant's scheduled LR
      is sent first with ``dispatch.set_lr(model_id=<tenant>)``, as SkyRL's Tinker backend does). The step fails
      unless the LR the worker reports for it is the tenant's scheduled one (and, on the embedded worker, its
@@ -65,6 +66,7 @@ from skyrl_clora.skyrl.worker_patches import with_salt_gated_lora_sync
 from skyrl_clora.tenant_loop import Rollout
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
+from skyrl_clora.trainer.kl import kl_reward_penalty
 
 # Each tenant's dispatch tells the worker when its sync may skip the global prefix-cache reset (patch 0001).
 SALT_GATED_DISPATCH = with_salt_gated_lora_sync(WorkerDispatch)
@@ -103,7 +105,8 @@ class SkyRLBackend:
         schedule = LRSchedule(spec.lr, self.run.trainer.warmup_steps, self.run.steps, self.run.trainer.lr_schedule)
         self.tenants[spec.name] = Tenant(spec, dispatch, generator, view, schedule)
         async with self._update_lock:
-            if first and config.trainer.algorithm.use_kl_loss:  # the KL reference: the base, shared by all tenants
+            algorithm = config.trainer.algorithm
+            if first and (algorithm.use_kl_loss or algorithm.use_kl_in_reward):  # the KL reference, shared: the base
                 await asyncio.to_thread(dispatch.register_adapter, "policy", REFERENCE_MODEL_ID)
             await asyncio.to_thread(dispatch.register_adapter, "policy", spec.name)
             await self.publish(spec.name)
@@ -142,8 +145,16 @@ class SkyRLBackend:
             data["action_log_probs"] = data["rollout_logprobs"]
         else:
             data["action_log_probs"] = _response_logprobs(dispatch, scoring, name)
-        if algorithm.use_kl_loss:
+        if algorithm.use_kl_loss or algorithm.use_kl_in_reward:
             data["base_action_log_probs"] = _response_logprobs(dispatch, scoring, REFERENCE_MODEL_ID)
+        reward_kl = {}
+        if algorithm.use_kl_in_reward:  # as RayPPOTrainer: penalise the rewards, then the advantages again
+            policy = (data["action_log_probs"] if self.run.trainer.step_style == "skyrl"
+                      else _response_logprobs(dispatch, scoring, name))
+            penalty, reward_kl["avg_kl"] = kl_reward_penalty(policy, data["base_action_log_probs"], data["loss_mask"],
+                                                             algorithm)
+            data["rewards"] = data["rewards"] - penalty
+            data["advantages"], data["returns"] = _advantages(data, algorithm)
         lr = tenant.schedule.lr(tenant.steps_done)
         if self.stack.strategy == "megatron":
             dispatch.set_lr("policy", lr, model_id=name)
@@ -152,7 +163,7 @@ class SkyRLBackend:
         tenant.steps_done += 1
         metrics = self.stack.step_metrics(name, output.metrics, grad_norm)
         check_step_report(name, lr, grad_norm, output.metrics, metrics, self.stack.strategy)
-        return metrics
+        return {**metrics, **reward_kl}
 
     async def publish(self, tenant: str) -> int:
         """``save_weights_for_sampler`` (in a worker thread: the dispatch blocks on Ray), then the check that the
@@ -229,18 +240,22 @@ def training_input(output: dict[str, Any], groups: list[str], pad_token_id: int,
         pad_token_id, output["prompt_token_ids"], output["response_ids"], rewards, output["loss_masks"],
         output.get("rollout_logprobs"),
     )
-    advantages, returns = compute_advantages_and_returns(
-        token_level_rewards=token_rewards, response_mask=response_mask, index=list(groups),
-        adv_estimator=algorithm.advantage_estimator, config=algorithm, values=None, gamma=algorithm.gamma,
-        lambd=algorithm.lambd, grpo_norm_by_std=algorithm.grpo_norm_by_std,
-    )
     data = TrainingInputBatch({
         "sequences": sequences, "attention_mask": attention, "response_mask": response_mask,
         "rewards": token_rewards, "loss_mask": loss_mask, "rollout_logprobs": logprobs,
-        "advantages": advantages, "returns": returns,
     })
     data.metadata = {"uids": list(groups), "response_length": response_mask.shape[1]}
+    data["advantages"], data["returns"] = _advantages(data, algorithm)
     return data
+
+
+def _advantages(data: TrainingInputBatch, algorithm: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """SkyRL's advantages and returns of ``data``'s token-level rewards, grouped by ``metadata["uids"]``."""
+    return compute_advantages_and_returns(
+        token_level_rewards=data["rewards"], response_mask=data["response_mask"], index=list(data.metadata["uids"]),
+        adv_estimator=algorithm.advantage_estimator, config=algorithm, values=None, gamma=algorithm.gamma,
+        lambd=algorithm.lambd, grpo_norm_by_std=algorithm.grpo_norm_by_std,
+    )
 
 
 async def _run_tenants(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource], stack: SkyRLStack,

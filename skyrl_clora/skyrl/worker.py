@@ -171,8 +171,10 @@ class EmbeddedPolicyWorker:
         routing, layers = attach_multi_lora(model, 1, max_rank, trainable=True)
         self.store = AdapterStore(layers, num_slots=1)
         optimizer = policy.optimizer_config
+        # The KL penalty in the reward is the driver's (SkyRL's trainer applies it before the workers' update).
+        algorithm = dataclasses.replace(self.cfg.algorithm, use_kl_in_reward=False)
         self.trainer = Trainer(
-            model, routing, layers, self.store, self.cfg.algorithm,
+            model, routing, layers, self.store, algorithm,
             OptimizerConfig(betas=tuple(optimizer.adam_betas), weight_decay=optimizer.weight_decay,
                             max_grad_norm=optimizer.max_grad_norm),
             micro_batch_size=self.cfg.micro_train_batch_size_per_gpu,

@@ -76,15 +76,20 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-def tenant_advantages(batch: TrainBatch, algorithm: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def tenant_advantages(batch: TrainBatch, algorithm: AlgorithmConfig,
+                      reward_penalty: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's advantages scaled by its loss normaliser, and its response mask: both ``[N, Lr]`` fp32 on
-    the CPU (SkyRL's GRPO estimator builds its group statistics there), ``Lr`` = the longest response."""
+    the CPU (SkyRL's GRPO estimator builds its group statistics there), ``Lr`` = the longest response. The
+    token-level rewards are each row's reward on its last trained token, minus ``reward_penalty`` (``[N, >= Lr]``,
+    SkyRL's KL penalty in the reward) when given."""
     response_mask = _pad([[float(m) for m in mask] for mask in batch.loss_masks],
                          max(1, max(len(r) for r in batch.response_ids)))
     num_rows, response_len = response_mask.shape
     rewards = torch.zeros(num_rows, response_len)
     last = (response_mask.sum(dim=1) - 1).clamp(min=0).long()
     rewards[torch.arange(num_rows), last] = torch.tensor(batch.rewards, dtype=torch.float32)
+    if reward_penalty is not None:
+        rewards = rewards - reward_penalty[:, :response_len].cpu()
     advantages, _ = compute_advantages_and_returns(
         token_level_rewards=rewards, response_mask=response_mask, index=np.array(batch.group_ids),
         adv_estimator=algorithm.advantage_estimator, config=algorithm, grpo_norm_by_std=algorithm.grpo_norm_by_std,
@@ -133,12 +138,15 @@ class PassRows:
 
 
 def build_pass_rows(
-    batches: list[TrainBatch], slots: list[int], algorithm: AlgorithmConfig, device: torch.device
+    batches: list[TrainBatch], slots: list[int], algorithm: AlgorithmConfig, device: torch.device,
+    reward_penalties: list[torch.Tensor] | None = None,
 ) -> PassRows:
-    """Stacks the tenants' batches (each validated, advantages per tenant) into one :class:`PassRows`."""
+    """Stacks the tenants' batches (each validated, advantages per tenant, with ``reward_penalties[p]`` taken off
+    tenant ``p``'s token-level rewards when given: see :func:`tenant_advantages`) into one :class:`PassRows`."""
     for batch in batches:
         validate_batch(batch)
-    per_tenant = [tenant_advantages(batch, algorithm) for batch in batches]
+    penalties = reward_penalties or [None] * len(batches)
+    per_tenant = [tenant_advantages(batch, algorithm, penalty) for batch, penalty in zip(batches, penalties)]
     response_len = max(advantages.shape[1] for advantages, _ in per_tenant)
     prompts = [p for batch in batches for p in batch.prompt_ids]
     responses = [r for batch in batches for r in batch.response_ids]

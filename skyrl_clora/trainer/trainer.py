@@ -9,6 +9,8 @@ step passes the sampler's), else the update's own forward before the step (SkyRL
 ``action_log_probs``). With ``use_kl_loss`` the loss adds SkyRL's KL term (``compute_approx_kl`` with
 ``kl_estimator_type``, each row's token mean averaged over the tenant's rows, times ``kl_loss_coef``)
 against the reference policy: the frozen base model, i.e. the tenant's adapter disabled, no extra weights.
+With ``use_kl_in_reward`` the pass first scores every row under the tenant's adapter and the reference, and
+the advantages come from the rewards less SkyRL's KL penalty (``trainer.kl.kl_reward_penalty``).
 
 A pass over ``P`` tenants in slots ``0..P-1``: every tenant's prompt groups are shuffled with the tenant's
 own RNG (a group's rows stay together: a micro-batch computes each shared prompt once, see
@@ -38,6 +40,7 @@ from skyrl_clora.profiling import profiled
 from skyrl_clora.trainer.adapter_store import AdapterStore, TenantState
 from skyrl_clora.trainer.batch import MicroBatch, PassRows, TrainBatch, build_pass_rows, group_order, plan_micro_batches
 from skyrl_clora.trainer.fused_modules import fuse_elementwise_modules
+from skyrl_clora.trainer.kl import kl_reward_penalty
 from skyrl_clora.trainer.logprobs import token_logprobs
 from skyrl_clora.trainer.optim import OptimizerConfig, adamw_slot
 from skyrl_clora.trainer.prompt_segments import segment_prefix_hidden
@@ -168,6 +171,14 @@ class Trainer:
         """Gradients of every tenant's policy loss over its batch in shuffled, interleaved micro-batches,
         then one AdamW step per tenant. Advances each tenant's step count and RNG state."""
         rows = build_pass_rows(batches, slots, self.algorithm, self.device)
+        reward_kl = None
+        if self.algorithm.use_kl_in_reward:  # SkyRL's KL penalty in the reward, then the advantages again
+            policy, base = self._pass_logprobs(rows, adapter=True), self._pass_logprobs(rows, adapter=False)
+            parts = [slice(offset, offset + count) for offset, count in zip(rows.offsets, rows.counts)]
+            penalties = [kl_reward_penalty(policy[part], base[part], rows.response_mask[part], self.algorithm)
+                         for part in parts]
+            reward_kl = [avg for _, avg in penalties]
+            rows = build_pass_rows(batches, slots, self.algorithm, self.device, [penalty for penalty, _ in penalties])
         orders = []
         for state, offset, count in zip(states, rows.offsets, rows.counts):
             generator = torch.Generator().manual_seed(0)
@@ -231,6 +242,8 @@ class Trainer:
                 metrics["logprob_abs_diff_vs_sampler"] = host[2][p] / tokens
             if kl_loss:
                 metrics["policy_kl"] = host[3][p]
+            if reward_kl is not None:
+                metrics["avg_kl"] = reward_kl[p]
             results.append(metrics)
         return results
 
@@ -317,16 +330,22 @@ class Trainer:
             self.store.swap_in(tenant, slot)
         try:
             rows = build_pass_rows([batch], [slot], self.algorithm, self.device)
-            order, micro_batches = self._plan(rows, [list(range(rows.counts[0]))])
-            order_device = lists_to_device([order], self.device)[0]
-            out = torch.zeros_like(rows.response_mask)
-            for micro in micro_batches:
-                row_index = order_device[micro.start : micro.end]
-                out[row_index, : micro.response_width] = self._logprobs(
-                    rows, row_index, micro, order[micro.start : micro.end], adapter=tenant is not None)
+            return self._pass_logprobs(rows, adapter=tenant is not None)
         finally:
             if tenant is not None:
                 self.store.swap_out(slot)
                 self.store.wait(tenant)
+
+    @torch.no_grad()
+    def _pass_logprobs(self, rows: PassRows, adapter: bool) -> torch.Tensor:
+        """Log-probs ``[R, Lr]`` of every row's response tokens, in row order, each under its tenant's slot (the
+        tenants swapped in) or, without ``adapter``, under the base model alone; 0 past each row's response."""
+        order, micro_batches = self._plan(rows, [list(range(count)) for count in rows.counts])
+        order_device = lists_to_device([order], self.device)[0]
+        out = torch.zeros_like(rows.response_mask)
+        for micro in micro_batches:
+            row_index = order_device[micro.start : micro.end]
+            out[row_index, : micro.response_width] = self._logprobs(
+                rows, row_index, micro, order[micro.start : micro.end], adapter=adapter)
         lengths = lists_to_device([rows.host_response_lens], self.device)[0]
         return out.masked_fill(torch.arange(out.shape[1], device=self.device)[None] >= lengths[:, None], 0.0)

@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
+from skyrl.backends.skyrl_train.utils.ppo_utils import compute_advantages_and_returns
+from skyrl.train.config import AlgorithmConfig
 from transformers import AutoModelForCausalLM
 
 from skyrl_clora.config import build_run_config
@@ -21,6 +23,7 @@ from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate
 from skyrl_clora.skyrl.driver import SkyRLBackend, Tenant, training_input
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
+from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID
 from skyrl_clora.trainer.adapter_store import LRSchedule
 
 pytestmark = pytest.mark.usefixtures("without_production_extras")
@@ -113,8 +116,11 @@ class _Dispatch:
     """What ``SkyRLBackend._train`` calls on a ``WorkerDispatch``, recording the batch it trains on and answering
     with the reports a worker would give (``policy_lr``: the LR its optimizer runs the step with)."""
 
-    def __init__(self, reported_lr: float, use_kl_loss: bool = False) -> None:
-        self.cfg = SimpleNamespace(trainer=SimpleNamespace(algorithm=SimpleNamespace(use_kl_loss=use_kl_loss)))
+    LOGPROB = {"t": -0.5, REFERENCE_MODEL_ID: -1.5}  # what the policy forward scores under each adapter
+
+    def __init__(self, reported_lr: float, **algorithm: object) -> None:
+        self.cfg = SimpleNamespace(trainer=SimpleNamespace(algorithm=AlgorithmConfig(**{"use_kl_loss": False,
+                                                                                       **algorithm})))
         self.reported_lr = reported_lr
         self.trained = None
         self.forwards: list[str] = []
@@ -122,7 +128,8 @@ class _Dispatch:
     def forward(self, model: str, data, model_id: str) -> WorkerOutput:
         self.forwards.append(model_id)
         width = data.metadata["response_length"]
-        return WorkerOutput(loss_fn_outputs=[{"logprobs": [-0.5] * width}] * data["sequences"].shape[0], metrics={})
+        rows = [{"logprobs": [self.LOGPROB[model_id]] * width}] * data["sequences"].shape[0]
+        return WorkerOutput(loss_fn_outputs=rows, metrics={})
 
     def set_lr(self, model: str, lr: float, model_id: str) -> None:
         pass
@@ -167,3 +174,26 @@ def test_a_step_the_worker_ran_with_another_lr_fails(tmp_path: Path) -> None:
         ["backend=skyrl", f"model.path={tmp_path}"])).base.trainer.algorithm)
     with pytest.raises(RuntimeError, match="the worker reports .*policy_lr.*0.003"):
         backend._train(tenant, data)
+
+
+def test_kl_in_reward_penalises_the_rewards_before_the_advantages(tmp_path: Path) -> None:
+    """``use_kl_in_reward``: the rewards sent lose ``kl * kl_loss_coef`` per trained token (k1: policy - base = 1.0
+    here) and the advantages are SkyRL's of those rewards; the step reports SkyRL's ``avg_kl``."""
+    backend = _megatron_backend("skyrl", tmp_path)
+    dispatch = _Dispatch(reported_lr=1e-3, use_kl_in_reward=True, kl_loss_coef=0.25, kl_estimator_type="k1")
+    tenant = Tenant(spec=SimpleNamespace(name="t"), dispatch=dispatch, generator=None, view=None, schedule=LRSchedule(1e-3))
+    algorithm = dispatch.cfg.trainer.algorithm
+    output, groups = _output(rollout_shift=-9.0)
+    output["rewards"] = [1.0, 1.0, 0.0, 0.0]  # equal within each group: zero advantages without the penalty
+    data = training_input(output, groups, 0, algorithm)
+    before = data["rewards"].clone()
+    metrics = backend._train(tenant, data)
+    sent = dispatch.trained
+    assert dispatch.forwards == ["t", REFERENCE_MODEL_ID]
+    assert torch.allclose(sent["rewards"], before - 0.25 * sent["loss_mask"])
+    expected, _ = compute_advantages_and_returns(
+        token_level_rewards=sent["rewards"], response_mask=sent["response_mask"], index=groups,
+        adv_estimator=algorithm.advantage_estimator, config=algorithm, values=None, gamma=algorithm.gamma,
+        lambd=algorithm.lambd, grpo_norm_by_std=algorithm.grpo_norm_by_std)
+    assert torch.equal(sent["advantages"], expected) and sent["advantages"].abs().sum() > 0
+    assert metrics["avg_kl"] == pytest.approx(1.0)

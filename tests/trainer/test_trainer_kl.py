@@ -105,3 +105,29 @@ def test_batch_log_probs_are_the_ones_the_update_reads(micro_model_dir: Path) ->
     kl_wrong, _ = step(_trainer(micro_model_dir, use_kl_loss=True, kl_loss_coef=1.0), ref_logprobs=corrupted)
     assert kl_given["policy_kl"] == pytest.approx(kl_own["policy_kl"], rel=1e-4) and kl_own["policy_kl"] > 0
     assert kl_wrong["policy_kl"] != pytest.approx(kl_own["policy_kl"], rel=0.1), "the KL must read the given ref"
+
+
+def test_kl_in_reward_is_skyrls_penalty_on_the_rewards(micro_model_dir: Path) -> None:
+    """With ``use_kl_in_reward`` a step trains on the rewards less SkyRL's penalty (per token ``kl * kl_loss_coef``,
+    summed into each row's reward by GRPO): the same step as a plain trainer given those rewards."""
+    coef = 5.0
+    penalised = _trainer(micro_model_dir, use_kl_in_reward=True, kl_loss_coef=coef, kl_estimator_type="k1")
+    plain, unpenalised = _trainer(micro_model_dir), _trainer(micro_model_dir)
+    batch = swap_batch(3)
+    first = [t.train_step("B", batch)[1] for t in (penalised, plain, unpenalised)]
+    assert first[0]["avg_kl"] == pytest.approx(0.0, abs=1e-7), "a fresh adapter is the base: no penalty"
+    assert first[0]["grad_norm"] == pytest.approx(first[1]["grad_norm"], rel=1e-5)
+
+    # Step 2 on equal rewards: without the penalty every GRPO advantage is zero; with it, the rows differ by KL.
+    flat = dataclasses.replace(batch, rewards=[1.0] * len(batch.rewards))
+    mask = _mask(flat)
+    policy, base = penalised.response_logprobs("B", flat), penalised.response_logprobs(None, flat)
+    kl = compute_approx_kl(policy, base, loss_mask=mask, kl_estimator_type="k1")
+    rewards = [r - coef * kl[i].sum().item() for i, r in enumerate(flat.rewards)]
+    stepped = penalised.train_step("B", flat)[1]
+    expected = plain.train_step("B", dataclasses.replace(flat, rewards=rewards))[1]
+    without = unpenalised.train_step("B", flat)[1]
+    assert stepped["avg_kl"] == pytest.approx(masked_mean(kl, mask, dim=-1).mean().item(), rel=1e-4)
+    assert stepped["avg_kl"] != 0.0
+    assert stepped["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+    assert without["grad_norm"] == 0.0 < stepped["grad_norm"]
