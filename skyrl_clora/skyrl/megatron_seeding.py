@@ -1,4 +1,5 @@
-"""Per-tenant initial adapters on SkyRL's Megatron policy worker (run-time form, until SkyRL seeds them).
+"""Per-tenant initial adapters on SkyRL's Megatron policy worker: the run-time form of
+integration/patches/0002 (``register_adapter(model_id, seed)`` upstream), for SkyRL 0.4 as released.
 
 SkyRL 0.4's ``MegatronPolicyWorkerBase.register_adapter(model_id)`` gives every adapter a copy of one pristine
 slot (``AdapterStore.create``), so every tenant starts from the same LoRA A matrices whatever its seed (SkyRL's
