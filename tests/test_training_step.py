@@ -63,9 +63,9 @@ def test_the_embedded_backend_passes_the_sampler_log_probs_only_in_the_tinker_st
     sampler = [[-0.25, -1.5], [-2.0]]
     output = {"prompt_token_ids": [[1, 2], [1, 2]], "response_ids": [[3, 4], [5]], "loss_masks": [[1, 1], [1]],
               "rewards": [1.0, 0.0], "rollout_logprobs": sampler}
-    asyncio.run(backend.train("t", Rollout(output, ["g", "g"], [], None)))
+    asyncio.run(backend.train("t", Rollout(output, ["g", "g"], [], [])))
     assert scheduler.batch.rollout_logprobs == sampler
     assert scheduler.batch.old_logprobs == (sampler if step_style == "tinker" else None)
     if step_style == "tinker":
         with pytest.raises(RuntimeError, match="trainer.step_style=tinker needs the sampler's log-probs"):
-            asyncio.run(backend.train("t", Rollout({**output, "rollout_logprobs": None}, ["g", "g"], [], None)))
+            asyncio.run(backend.train("t", Rollout({**output, "rollout_logprobs": None}, ["g", "g"], [], [])))

@@ -8,8 +8,8 @@ inference client) over one shared ``PPORayActorGroup`` of policy workers. A tena
 
   1. generate: the generator runs the step's episodes through the view (``model=<tenant>``);
   2. version check (the tenant loop's): every request of every trajectory was sampled with the tenant's
-     current adapter version (the embedded server reports it per request), else the step fails; vLLM
-     reports none, and there the order of a tenant's own phases is the guarantee;
+     current adapter version, else the step fails: the version the embedded server reports per request, or,
+     from vLLM, which reports none, the view's own version around the request (see ``tenant_client``);
   3. train: the episodes become SkyRL's ``TrainingInputBatch`` (:func:`training_input`); as SkyRL's trainer
      does, ``dispatch.forward`` recomputes the behaviour policy's ``action_log_probs`` with the tenant's adapter
      (``trainer.step_style=tinker``: the sampler's log-probs instead, as SkyRL's Tinker backend sends them) and,
@@ -119,8 +119,7 @@ class SkyRLBackend:
         sampling = get_sampling_params_for_backend(generator_cfg.inference_engine.backend, generator_cfg.sampling_params)
         batch, trajectory_ids, groups = episode_batch(spec.seed, rows, samples, tag, sampling_params=sampling)
         output = await tenant.generator.generate(batch, disable_tqdm=True)
-        versions = ([tenant.view.versions_for(t.to_string()) for t in trajectory_ids]
-                    if self.stack.reports_versions else None)
+        versions = [tenant.view.versions_for(t.to_string()) for t in trajectory_ids]
         return Rollout(output, groups, trajectory_ids, versions)
 
     def version(self, tenant: str) -> int:

@@ -68,11 +68,6 @@ class SkyRLStack:
     server_setup: Any = None
     _stopped: bool = field(default=False, repr=False)
 
-    @property
-    def reports_versions(self) -> bool:
-        """Whether the servers report each request's adapter version (the embedded server does, vLLM not)."""
-        return self.engine is not None
-
     def server_version(self, tenant: str) -> int | None:
         """The adapter version the inference server holds for ``tenant`` (None: vLLM does not say)."""
         return self.engine.adapter_version(tenant) if self.engine is not None else None
