@@ -141,6 +141,9 @@ class SkyRLBackend:
         algorithm = dispatch.cfg.trainer.algorithm
         scoring = data.select(keys=["sequences", "attention_mask"], metadata_keys=["response_length"])
         if self.run.trainer.step_style == "tinker":
+            if data.get("rollout_logprobs") is None:
+                raise RuntimeError(f"tenant {name}: trainer.step_style=tinker needs the sampler's log-probs; the "
+                                   "generator returned none")
             data["action_log_probs"] = data["rollout_logprobs"]
         else:
             data["action_log_probs"] = _response_logprobs(dispatch, scoring, name)

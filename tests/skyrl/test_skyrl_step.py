@@ -163,6 +163,13 @@ def test_step_style_picks_the_behaviour_log_probs(step_style: str, tmp_path: Pat
     else:
         assert dispatch.forwards == ["t"] and torch.all(sent == -0.5)
     assert metrics["lr"] == 1e-3 and metrics["grad_norm"] == 2.0
+    output, groups = _output(rollout_shift=-9.0)
+    without = training_input({**output, "rollout_logprobs": None}, groups, 0, dispatch.cfg.trainer.algorithm)
+    if step_style == "tinker":
+        with pytest.raises(RuntimeError, match="trainer.step_style=tinker needs the sampler's log-probs"):
+            backend._train(tenant, without)
+    else:
+        assert backend._train(tenant, without)["grad_norm"] == 2.0
 
 
 def test_a_step_the_worker_ran_with_another_lr_fails(tmp_path: Path) -> None:
