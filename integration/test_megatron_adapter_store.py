@@ -41,7 +41,7 @@ from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID
 
 pytestmark = requires(gpus=3, modules=("megatron", "vllm", "ray"))
 
-TENANTS = {"tenant-0": 1e-4, "tenant-1": 2e-5}
+TENANTS = {"tenant-0": 1e-3, "tenant-1": 2e-5}
 
 
 def _episodes(vocab: int) -> tuple[dict, list[str]]:
@@ -69,7 +69,7 @@ def _stack(model_path: str, tmp_path: Path):
     cfg = compose_config([
         "backend=skyrl", f"model.path={model_path}", f"clora.output_dir={tmp_path}", "backend.strategy=megatron",
         "backend.inference_backend=vllm", "backend.policy_num_gpus_per_node=2", "lora.rank=8", "lora.alpha=16",
-        "+tenants=[{lr:1e-4},{lr:2e-5}]", "recipe.prompts_per_step=2", "recipe.samples_per_prompt=2",
+        "+tenants=[{lr:1e-3},{lr:2e-5}]", "recipe.prompts_per_step=2", "recipe.samples_per_prompt=2",
     ])
     run, plan = build_run_config(cfg), translate(cfg, model_path=model_path)
     assert plan.strategy == "megatron" and plan.inference_backend == "vllm"
@@ -80,13 +80,15 @@ def _stack(model_path: str, tmp_path: Path):
     return plan, stack, dispatches
 
 
-def _greedy(stack, tenant: str, prompt: list[int]) -> str:
-    """vLLM's greedy completion (text) of the token ids ``prompt`` under ``tenant``'s adapter (OpenAI completions)."""
-    body = json.dumps({"model": tenant, "prompt": prompt, "max_tokens": 16, "temperature": 0.0}).encode()
+def _greedy(stack, tenant: str, prompt: list[int]) -> tuple[str, list[float]]:
+    """vLLM's greedy completion of the token ids ``prompt`` under ``tenant``'s adapter (OpenAI completions): its
+    text and its tokens' log-probs."""
+    body = json.dumps({"model": tenant, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "logprobs": 1}).encode()
     request = urllib.request.Request(f"{stack.client.proxy_url}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:
-        return json.loads(response.read())["choices"][0]["text"]
+        choice = json.loads(response.read())["choices"][0]
+    return choice["text"], choice["logprobs"]["token_logprobs"]
 
 
 def test_two_tenants_through_the_megatron_adapter_store(model_path: str, tmp_path: Path) -> None:
@@ -121,8 +123,11 @@ def test_two_tenants_through_the_megatron_adapter_store(model_path: str, tmp_pat
             "the reference is never trained"
 
         asyncio.run(dispatch.save_weights_for_sampler(model_id="tenant-0"))
-        assert _greedy(stack, "tenant-1", prompt) == samples_before["tenant-1"]
-        assert _greedy(stack, "tenant-0", prompt) != samples_before["tenant-0"], "tenant-0's sync must reach vLLM"
+        assert _greedy(stack, "tenant-1", prompt)[0] == samples_before["tenant-1"][0]
+        text, logprobs = _greedy(stack, "tenant-0", prompt)
+        moved = text != samples_before["tenant-0"][0] or max(
+            abs(a - b) for a, b in zip(logprobs, samples_before["tenant-0"][1])) > 1e-3
+        assert moved, "tenant-0's sync must reach vLLM"
 
         dispatches["tenant-1"].delete_adapter("policy", "tenant-1")
         state = ray.get(stack.policy_group.async_run_ray_method("pass_through", "adapter_store_state"))[0]
