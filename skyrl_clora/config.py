@@ -33,6 +33,7 @@ def checked(value: Any, hint: Any, key: str) -> Any:
 
 
 PACK_POLICIES = ("ready", "lockstep")  # trainer.pack_policy: see conf/config.yaml
+STEP_STYLES = ("skyrl", "tinker")  # trainer.step_style: see conf/config.yaml
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,14 @@ class LoraConfig:
             raise ConfigError(f"lora.max_rank must be >= 1, got {self.max_rank}")
 
 
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")  # SkyRL's compute_approx_kl
+
+
 def check_algorithm(algorithm: dict[str, Any]) -> None:
     """``trainer.algorithm`` as SkyRL's ``AlgorithmConfig`` takes it, with an advantage estimator and a policy loss
-    that SkyRL's registries hold (a custom one registered before the run counts); else a :class:`ConfigError`."""
+    that SkyRL's registries hold (a custom one registered before the run counts) and KL options SkyRL accepts and
+    the plugin honours (``use_kl_loss`` or ``use_kl_in_reward`` with its fixed controller, ``kl_loss_coef``,
+    ``kl_estimator_type``); else a :class:`ConfigError`."""
     from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
     from skyrl.train.config import AlgorithmConfig
 
@@ -88,9 +94,19 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
         if hint in (int, float, bool, str) or hint in (int | None, float | None, bool | None, str | None):
             checked(value, hint, f"trainer.algorithm.{key}")
     try:
-        AlgorithmConfig(**algorithm, use_kl_loss=False)
+        config = AlgorithmConfig(**algorithm)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"trainer.algorithm: {str(error).splitlines()[0]}") from None
+    if config.kl_estimator_type not in KL_ESTIMATORS:
+        raise ConfigError(f"trainer.algorithm.kl_estimator_type={config.kl_estimator_type} is unknown; use one of "
+                          f"{', '.join(KL_ESTIMATORS)}")
+    if config.use_kl_in_reward and config.use_kl_loss:
+        raise ConfigError("trainer.algorithm.use_kl_in_reward and use_kl_loss are mutually exclusive (SkyRL's rule); "
+                          "set one of them to false")
+    kl_ctrl = config.kl_ctrl if isinstance(config.kl_ctrl, dict) else vars(config.kl_ctrl)
+    if config.use_kl_in_reward and kl_ctrl.get("type", "fixed") != "fixed":
+        raise ConfigError(f"trainer.algorithm.kl_ctrl.type={kl_ctrl.get('type')}: skyrl-clora keeps no per-tenant "
+                          "adaptive KL controller state; use kl_ctrl.type=fixed (the coefficient is kl_loss_coef)")
     for key, registry in (("advantage_estimator", AdvantageEstimatorRegistry), ("policy_loss_type", PolicyLossRegistry)):
         available = registry.list_available()
         if key in algorithm and algorithm[key] not in available:
@@ -118,6 +134,7 @@ class TrainerConfig:
     overlap_sampling: bool | None = None
     pause_sampling_rows: int = 256
     max_tokens_per_microbatch: int = -1
+    step_style: str = "skyrl"
     ckpt_interval: int = 10
     ckpt_path: str | None = None
     max_ckpts_to_keep: int = 2
@@ -147,6 +164,9 @@ class TrainerConfig:
         if self.max_tokens_per_microbatch == 0 or self.max_tokens_per_microbatch < -1:
             raise ConfigError(f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} must be -1 (micro-batches "
                               "of trainer.micro_batch_size rows) or a positive token count")
+        if self.step_style not in STEP_STYLES:
+            raise ConfigError(f"trainer.step_style={self.step_style} is unknown; use skyrl (behaviour log-probs recomputed "
+                              "by the trainer) or tinker (the sampler's log-probs reused)")
         if not 0 <= self.sm_carveout < 128:
             raise ConfigError(f"trainer.sm_carveout={self.sm_carveout} must be in [0, 128) (SMs left free; 0: none)")
         if self.pack_policy not in PACK_POLICIES:

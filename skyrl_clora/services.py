@@ -123,7 +123,7 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         sampler_model, num_tenants, trainer_slots, run.lora.max_rank)
 
     store = AdapterStore(trainer_layers, num_slots=trainer_slots)
-    algorithm = AlgorithmConfig(**run.trainer.algorithm, use_kl_loss=False)
+    algorithm = AlgorithmConfig(**run.trainer.algorithm)
     trainer = Trainer(
         trainer_model, trainer_routing, trainer_layers, store, algorithm,
         OptimizerConfig(weight_decay=run.trainer.weight_decay, max_grad_norm=run.trainer.max_grad_norm),

@@ -42,12 +42,12 @@ logger = logging.getLogger("skyrl_clora")
 class Rollout:
     """A batch of a tenant's episodes: SkyRL's generator output (``prompt_token_ids``, ``response_ids``,
     ``loss_masks``, ``rewards``, ...), each episode's GRPO group id and trajectory id, and per trajectory the
-    adapter version each of its requests was sampled with (None: the inference backend reports none)."""
+    adapter version each of its requests was sampled with."""
 
     output: dict[str, Any]
     groups: list[str]
     trajectory_ids: list[TrajectoryID]
-    versions: list[list[int]] | None
+    versions: list[list[int]]
 
 
 class TenantBackend(Protocol):
@@ -93,8 +93,6 @@ def check_sampled_versions(tenant: str, rollout: Rollout, began_at: int, now: in
     """Raises unless every request of every trajectory was sampled with the version the tenant had when its
     sampling began (``began_at``), and the tenant is still at that version (``now``): a publish landing during
     a tenant's rollout would otherwise train the new adapter on the old one's samples."""
-    if rollout.versions is None:  # vLLM reports no versions: the order of a tenant's own phases is the guarantee
-        return
     for trajectory, versions in zip(rollout.trajectory_ids, rollout.versions, strict=True):
         if not versions or now != began_at or any(v != began_at for v in versions):
             raise RuntimeError(f"tenant {tenant}: trajectory {trajectory.to_string()} sampled with adapter versions "

@@ -147,6 +147,12 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["trainer.resume_mode=sometimes"], "trainer.resume_mode=sometimes is unknown"),
     (["trainer.resume_mode=from_path"], "trainer.resume_path goes with trainer.resume_mode=from_path"),
     (["clora.max_tenants=-1"], "clora.max_tenants=-1 must be >= 0"),
+    (["trainer.step_style=verl"], "trainer.step_style=verl is unknown; use skyrl"),
+    (["trainer.algorithm.kl_estimator_type=k9"], "trainer.algorithm.kl_estimator_type=k9 is unknown; use one of k1"),
+    (["trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.use_kl_loss=true"],
+     "trainer.algorithm.use_kl_in_reward and use_kl_loss are mutually exclusive"),
+    (["trainer.algorithm.use_kl_in_reward=true", "+trainer.algorithm.kl_ctrl.type=adaptive"],
+     "trainer.algorithm.kl_ctrl.type=adaptive: skyrl-clora keeps no per-tenant adaptive KL controller state"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture,
                                           tmp_path: Path) -> None:
@@ -209,7 +215,7 @@ def test_an_added_skyrl_algorithm_field_is_a_known_key() -> None:
     """``+trainer.algorithm.<field>`` of SkyRL's AlgorithmConfig is accepted (it reaches SkyRL's config)."""
     from skyrl_clora.main import check_known_keys, compose_config
 
-    overrides = ["+trainer.algorithm.kl_loss_coef=0.1", "recipe=taubench", "+tenants=2"]
+    overrides = ["+trainer.algorithm.clip_ratio_c=2.5", "recipe=taubench", "+tenants=2"]
     check_known_keys(compose_config(overrides), overrides)
 
 
@@ -218,3 +224,21 @@ def test_bad_input_from_the_command_line_has_no_traceback() -> None:
                             timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error:") and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("backend", ["embedded", "skyrl"])
+def test_skyrls_kl_options_and_the_step_style_reach_both_backends(backend: str, tmp_path: Path) -> None:
+    """``use_kl_loss`` and its coefficient and estimator reach the AlgorithmConfig the trainer is built with (the
+    embedded services' and the translated SkyRL config's); ``trainer.step_style`` defaults to SkyRL's step."""
+    from skyrl.train.config import AlgorithmConfig
+
+    from skyrl_clora.skyrl.config_translation import translate
+
+    overrides = [f"backend={backend}", f"clora.output_dir={tmp_path}", "trainer.algorithm.use_kl_loss=true",
+                 "trainer.algorithm.kl_loss_coef=0.05", "trainer.algorithm.kl_estimator_type=k1"]
+    run = build_run_config(compose_config(overrides))
+    assert run.trainer.step_style == "skyrl"
+    algorithm = (translate(compose_config([*overrides, f"model.path={tmp_path}"])).base.trainer.algorithm
+                 if backend == "skyrl" else AlgorithmConfig(**run.trainer.algorithm))
+    assert (algorithm.use_kl_loss, algorithm.kl_loss_coef, algorithm.kl_estimator_type) == (True, 0.05, "k1")
+    assert build_run_config(compose_config([*overrides, "trainer.step_style=tinker"])).trainer.step_style == "tinker"

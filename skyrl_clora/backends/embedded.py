@@ -95,11 +95,18 @@ class EmbeddedBackend:
         return contextlib.nullcontext()
 
     async def train(self, tenant: str, rollout: Rollout) -> dict[str, float]:
+        """The tenant's update on its episodes; with ``trainer.step_style=tinker`` the PPO ratio's behaviour
+        log-probs are the sampler's, else the trainer recomputes them (see ``trainer.trainer``)."""
         output = rollout.output
+        sampler_logprobs = output.get("rollout_logprobs")
+        if self.run.trainer.step_style == "tinker" and sampler_logprobs is None:
+            raise RuntimeError(f"tenant {tenant}: trainer.step_style=tinker needs the sampler's log-probs; "
+                               "the generator returned none")
         batch = TrainBatch(
             prompt_ids=output["prompt_token_ids"], response_ids=output["response_ids"], loss_masks=output["loss_masks"],
             rewards=[scalar_reward(r) for r in output["rewards"]], group_ids=rollout.groups,
-            rollout_logprobs=output.get("rollout_logprobs"),
+            rollout_logprobs=sampler_logprobs,
+            old_logprobs=sampler_logprobs if self.run.trainer.step_style == "tinker" else None,
         )
         self._trained[tenant], metrics = await self.scheduler.train(tenant, batch)
         return metrics

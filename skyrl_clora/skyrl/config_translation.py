@@ -170,7 +170,7 @@ def _base_config(
     tr.placement.colocate_all = bool(backend["colocate_all"])
     tr.placement.policy_num_nodes = backend["policy_num_nodes"]
     tr.placement.policy_num_gpus_per_node = backend["policy_num_gpus_per_node"]
-    tr.algorithm = AlgorithmConfig(**trainer.algorithm, use_kl_loss=False)
+    tr.algorithm = AlgorithmConfig(**trainer.algorithm)
 
     policy = tr.policy
     policy.model.path = model_path

@@ -8,12 +8,18 @@ inference client) over one shared ``PPORayActorGroup`` of policy workers. A tena
 
   1. generate: the generator runs the step's episodes through the view (``model=<tenant>``);
   2. version check (the tenant loop's): every request of every trajectory was sampled with the tenant's
-     current adapter version (the embedded server reports it per request), else the step fails; vLLM
-     reports none, and there the order of a tenant's own phases is the guarantee;
-  3. train: the episodes become SkyRL's ``TrainingInputBatch`` (:func:`training_input`) and go through
-     ``dispatch.forward_backward`` and ``dispatch.optim_step`` with ``model_id=<tenant>`` (the embedded
-     worker swaps the tenant's adapter, LR schedule and RNG in; for Megatron the tenant's scheduled LR is
-     sent first with ``dispatch.set_lr(model_id=<tenant>)``, as SkyRL's Tinker backend does);
+     current adapter version, else the step fails: the version the embedded server reports per request, or,
+     from vLLM, which reports none, the view's own version around the request (see ``tenant_client``);
+  3. train: the episodes become SkyRL's ``TrainingInputBatch`` (:func:`training_input`); as SkyRL's trainer
+     does, ``dispatch.forward`` recomputes the behaviour policy's ``action_log_probs`` with the tenant's adapter
+     (``trainer.step_style=tinker``: the sampler's log-probs instead, as SkyRL's Tinker backend sends them) and,
+     with ``use_kl_loss`` or ``use_kl_in_reward``, the reference's ``base_action_log_probs`` under
+     ``REFERENCE_MODEL_ID`` (the frozen base; with ``use_kl_in_reward`` the rewards then lose SkyRL's KL penalty
+     and the advantages are computed again, as ``RayPPOTrainer.apply_reward_kl_penalty`` does); then ``dispatch.forward_backward`` and ``dispatch.optim_step`` with ``model_id=<tenant>`` (the
+     embedded worker swaps the tenant's adapter, LR schedule and RNG in; for Megatron the tenant's scheduled LR
+     is sent first with ``dispatch.set_lr(model_id=<tenant>)``, as SkyRL's Tinker backend does). The step fails
+     unless the LR the worker reports for it is the tenant's scheduled one (and, on the embedded worker, its
+     recorded gradient norm is the one ``optim_step`` returned);
   4. sync: ``dispatch.save_weights_for_sampler(model_id=<tenant>)``: the worker writes the adapter as a
      PEFT folder and loads it in place under the tenant's name (no pause, no prefix-cache reset), and
      the dispatch advances the view's version, which must equal the version the server now holds.
@@ -36,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from skyrl.backends.skyrl_train.distributed.dispatch import loss_fn_outputs_to_tensor
 from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampling_params_for_backend
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
@@ -53,10 +61,12 @@ from skyrl_clora.recipes.plugin import TaskSource
 from skyrl_clora.services import resolve_model_path
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
+from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID
 from skyrl_clora.skyrl.worker_patches import with_salt_gated_lora_sync
 from skyrl_clora.tenant_loop import Rollout
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
+from skyrl_clora.trainer.kl import kl_reward_penalty
 
 # Each tenant's dispatch tells the worker when its sync may skip the global prefix-cache reset (patch 0001).
 SALT_GATED_DISPATCH = with_salt_gated_lora_sync(WorkerDispatch)
@@ -87,13 +97,17 @@ class SkyRLBackend:
         """``register_adapter`` on the workers, then the first sync publishes version 0."""
         config, view = self.plan.tenant_configs[spec.name], self.stack.views[spec.name]
         dispatch = SALT_GATED_DISPATCH(config, policy_actor_group=self.stack.policy_group, inference_engine_client=view)
-        if not self.tenants:  # one weight-sync setup for the worker group (it keeps the shared client's server URLs)
+        first = not self.tenants
+        if first:  # one weight-sync setup for the worker group (it keeps the shared client's server URLs)
             await asyncio.to_thread(dispatch.init_weight_sync_state, self.stack.client)
         generator = SkyRLGymGenerator(config.generator, config.environment.skyrl_gym, view, self.stack.tokenizer,
                                       policy_model_name=spec.name)
         schedule = LRSchedule(spec.lr, self.run.trainer.warmup_steps, self.run.steps, self.run.trainer.lr_schedule)
         self.tenants[spec.name] = Tenant(spec, dispatch, generator, view, schedule)
         async with self._update_lock:
+            algorithm = config.trainer.algorithm
+            if first and (algorithm.use_kl_loss or algorithm.use_kl_in_reward):  # the KL reference, shared: the base
+                await asyncio.to_thread(dispatch.register_adapter, "policy", REFERENCE_MODEL_ID)
             await asyncio.to_thread(dispatch.register_adapter, "policy", spec.name)
             await self.publish(spec.name)
 
@@ -105,8 +119,7 @@ class SkyRLBackend:
         sampling = get_sampling_params_for_backend(generator_cfg.inference_engine.backend, generator_cfg.sampling_params)
         batch, trajectory_ids, groups = episode_batch(spec.seed, rows, samples, tag, sampling_params=sampling)
         output = await tenant.generator.generate(batch, disable_tqdm=True)
-        versions = ([tenant.view.versions_for(t.to_string()) for t in trajectory_ids]
-                    if self.stack.reports_versions else None)
+        versions = [tenant.view.versions_for(t.to_string()) for t in trajectory_ids]
         return Rollout(output, groups, trajectory_ids, versions)
 
     def version(self, tenant: str) -> int:
@@ -122,21 +135,37 @@ class SkyRLBackend:
         return await asyncio.to_thread(self._train, self.tenants[tenant], data)
 
     def _train(self, tenant: Tenant, data: TrainingInputBatch) -> dict[str, float]:
-        """``forward_backward`` + ``optim_step`` with the tenant's ``model_id``; the step's metrics."""
+        """The behaviour (and, with KL, reference) log-probs into ``data``, then ``forward_backward`` +
+        ``optim_step`` with the tenant's ``model_id``; the step's metrics, checked against the worker's reports."""
         name, dispatch = tenant.spec.name, tenant.dispatch
+        algorithm = dispatch.cfg.trainer.algorithm
+        scoring = data.select(keys=["sequences", "attention_mask"], metadata_keys=["response_length"])
+        if self.run.trainer.step_style == "tinker":
+            if data.get("rollout_logprobs") is None:
+                raise RuntimeError(f"tenant {name}: trainer.step_style=tinker needs the sampler's log-probs; the "
+                                   "generator returned none")
+            data["action_log_probs"] = data["rollout_logprobs"]
+        else:
+            data["action_log_probs"] = _response_logprobs(dispatch, scoring, name)
+        if algorithm.use_kl_loss or algorithm.use_kl_in_reward:
+            data["base_action_log_probs"] = _response_logprobs(dispatch, scoring, REFERENCE_MODEL_ID)
+        reward_kl = {}
+        if algorithm.use_kl_in_reward:  # as RayPPOTrainer: penalise the rewards, then the advantages again
+            policy = (data["action_log_probs"] if self.run.trainer.step_style == "skyrl"
+                      else _response_logprobs(dispatch, scoring, name))
+            penalty, reward_kl["avg_kl"] = kl_reward_penalty(policy, data["base_action_log_probs"], data["loss_mask"],
+                                                             algorithm)
+            data["rewards"] = data["rewards"] - penalty
+            data["advantages"], data["returns"] = _advantages(data, algorithm)
         lr = tenant.schedule.lr(tenant.steps_done)
         if self.stack.strategy == "megatron":
             dispatch.set_lr("policy", lr, model_id=name)
         output = dispatch.forward_backward("policy", data, model_id=name)
         grad_norm = dispatch.optim_step("policy", model_id=name)
         tenant.steps_done += 1
-        metrics = self.stack.step_metrics(name, output.metrics, grad_norm, lr)
-        # The embedded worker reports its own last step: it must be this one. (Megatron's metrics are the
-        # forward_backward output with this step's gradient norm and LR added here: nothing to compare.)
-        if self.stack.strategy == "embedded" and (metrics.get("grad_norm") != grad_norm or metrics.get("lr") != lr):
-            raise RuntimeError(f"tenant {name}: the worker's last step ({metrics.get('lr')=}, "
-                               f"{metrics.get('grad_norm')=}) is not this one ({lr=}, {grad_norm=})")
-        return metrics
+        metrics = self.stack.step_metrics(name, output.metrics, grad_norm)
+        check_step_report(name, lr, grad_norm, output.metrics, metrics, self.stack.strategy)
+        return {**metrics, **reward_kl}
 
     async def publish(self, tenant: str) -> int:
         """``save_weights_for_sampler`` (in a worker thread: the dispatch blocks on Ray), then the check that the
@@ -177,31 +206,58 @@ class SkyRLBackend:
         await self.stack.unload(tenant)
 
 
+def _response_logprobs(dispatch: WorkerDispatch, scoring: TrainingInputBatch, model_id: str) -> torch.Tensor:
+    """SkyRL's policy ``forward`` of ``scoring``'s rows under ``model_id``'s adapter: ``[B, response_length]``
+    right-aligned log-probs, as ``RayPPOTrainer.fwd_logprobs_values_reward`` stacks them."""
+    output = dispatch.forward("policy", scoring, model_id=model_id)
+    return loss_fn_outputs_to_tensor(output.loss_fn_outputs)[: scoring["sequences"].shape[0]]
+
+
+def check_step_report(tenant: str, lr: float, grad_norm: float | None, forward_backward: dict[str, float],
+                      metrics: dict[str, float], strategy: str) -> None:
+    """Raises unless the worker's reports are of this step: the LR its ``forward_backward`` ran with
+    (``policy_lr``, SkyRL's metric) and the step metrics' ``lr`` are the tenant's scheduled ``lr``, and, on the
+    embedded worker, whose step metrics are its own record, their ``grad_norm`` is the one ``optim_step``
+    returned (Megatron reports a step's gradient norm once, as ``optim_step``'s result)."""
+    reported = {"policy_lr": forward_backward.get("policy_lr"), "lr": metrics.get("lr")}
+    if strategy == "embedded":
+        reported["grad_norm"] = metrics.get("grad_norm")
+    expected = {"policy_lr": lr, "lr": lr, "grad_norm": grad_norm}
+    wrong = {key: value for key, value in reported.items() if value != expected[key]}
+    if wrong:
+        raise RuntimeError(f"tenant {tenant}: the worker reports {wrong} for this step; the driver expected "
+                           f"{ {key: expected[key] for key in wrong} }")
+
+
 def training_input(output: dict[str, Any], groups: list[str], pad_token_id: int,
                    algorithm: AlgorithmConfig) -> TrainingInputBatch:
     """SkyRL's ``TrainingInputBatch`` for a generator output, as ``RayPPOTrainer.convert_to_training_input``
-    builds it (outcome reward on the last response token; ``metadata["uids"]`` = GRPO groups), plus what
-    SkyRL's policy workers read for the update: ``advantages`` from SkyRL's estimator (``algorithm``) and
-    ``action_log_probs`` = the rollout log-probs (one on-policy update per step, as SkyRL's Tinker backend
-    sends them). The embedded worker recomputes advantages itself from ``rewards`` and ``uids``."""
+    builds it (outcome reward on the last response token; ``metadata["uids"]`` = GRPO groups), plus the
+    ``advantages`` SkyRL's policy workers read, from SkyRL's estimator (``algorithm``). The behaviour and
+    reference log-probs are added per step (``SkyRLBackend._train``). The embedded worker recomputes
+    advantages itself from ``rewards`` and ``uids``."""
     rewards = [r if isinstance(r, list) else [0.0] * (len(ids) - 1) + [float(r)]
                for r, ids in zip(output["rewards"], output["response_ids"])]
     sequences, attention, response_mask, token_rewards, loss_mask, logprobs, _, _ = convert_prompts_responses_to_batch_tensors(
         pad_token_id, output["prompt_token_ids"], output["response_ids"], rewards, output["loss_masks"],
         output.get("rollout_logprobs"),
     )
-    advantages, returns = compute_advantages_and_returns(
-        token_level_rewards=token_rewards, response_mask=response_mask, index=list(groups),
-        adv_estimator=algorithm.advantage_estimator, config=algorithm, values=None, gamma=algorithm.gamma,
-        lambd=algorithm.lambd, grpo_norm_by_std=algorithm.grpo_norm_by_std,
-    )
     data = TrainingInputBatch({
         "sequences": sequences, "attention_mask": attention, "response_mask": response_mask,
         "rewards": token_rewards, "loss_mask": loss_mask, "rollout_logprobs": logprobs,
-        "action_log_probs": logprobs, "advantages": advantages, "returns": returns,
     })
     data.metadata = {"uids": list(groups), "response_length": response_mask.shape[1]}
+    data["advantages"], data["returns"] = _advantages(data, algorithm)
     return data
+
+
+def _advantages(data: TrainingInputBatch, algorithm: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """SkyRL's advantages and returns of ``data``'s token-level rewards, grouped by ``metadata["uids"]``."""
+    return compute_advantages_and_returns(
+        token_level_rewards=data["rewards"], response_mask=data["response_mask"], index=list(data.metadata["uids"]),
+        adv_estimator=algorithm.advantage_estimator, config=algorithm, values=None, gamma=algorithm.gamma,
+        lambd=algorithm.lambd, grpo_norm_by_std=algorithm.grpo_norm_by_std,
+    )
 
 
 async def _run_tenants(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource], stack: SkyRLStack,

@@ -10,8 +10,10 @@ and the policy worker group. Each half is production or its stand-in, per the pl
   ``init_model`` loads the base model inside the actor, given every tenant's seed and learning rate.
   ``megatron``: SkyRL's Megatron policy worker with patch 0001's run-time form
   (:func:`~skyrl_clora.skyrl.worker_patches.with_per_tenant_lora_sync`: no prefix-cache reset on a
-  tenant's sync whose requests were all salted), initialised as SkyRL's Tinker backend does (LR driven through ``set_lr``, optimizer
-  state primed, the pristine adapter snapshotted for ``register_adapter``).
+  tenant's sync whose requests were all salted) and per-tenant initial adapters
+  (:func:`~skyrl_clora.skyrl.megatron_seeding.with_seeded_tenant_adapters`, given every tenant's seed),
+  initialised as SkyRL's Tinker backend does (LR driven through ``set_lr``, optimizer state primed, the
+  pristine adapter snapshotted for ``register_adapter``).
 
 Ray: with both halves embedded, a small local Ray (``num_cpus=2``, no dashboard); otherwise SkyRL's
 ``initialize_ray`` (its runtime environment for vLLM/Megatron). A Ray the caller started is reused.
@@ -41,6 +43,7 @@ from skyrl_clora.memory_plan import inference_only_blocks
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.services import resolve_device
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
+from skyrl_clora.skyrl.megatron_seeding import with_seeded_tenant_adapters
 from skyrl_clora.skyrl.server import EmbeddedServer
 from skyrl_clora.skyrl.tenant_client import TenantInferenceClient, tenant_views
 from skyrl_clora.skyrl.worker import EmbeddedPolicyWorker
@@ -65,22 +68,17 @@ class SkyRLStack:
     server_setup: Any = None
     _stopped: bool = field(default=False, repr=False)
 
-    @property
-    def reports_versions(self) -> bool:
-        """Whether the servers report each request's adapter version (the embedded server does, vLLM not)."""
-        return self.engine is not None
-
     def server_version(self, tenant: str) -> int | None:
         """The adapter version the inference server holds for ``tenant`` (None: vLLM does not say)."""
         return self.engine.adapter_version(tenant) if self.engine is not None else None
 
-    def step_metrics(self, tenant: str, forward_backward: dict[str, float], grad_norm: float | None,
-                     lr: float) -> dict[str, float]:
-        """The metrics of ``tenant``'s last step: the embedded worker's own (the Trainer's), or
-        Megatron's ``forward_backward`` metrics with the gradient norm and the LR set for the step."""
+    def step_metrics(self, tenant: str, forward_backward: dict[str, float], grad_norm: float | None) -> dict[str, float]:
+        """The metrics of ``tenant``'s last step: the embedded worker's own (the Trainer's), or Megatron's
+        ``forward_backward`` metrics with ``optim_step``'s gradient norm and, as ``lr``, the LR the worker's
+        optimizer ran the step with (its ``policy_lr``)."""
         if self.strategy == "embedded":
             return self.worker_call("step_metrics", tenant)
-        return {**forward_backward, "grad_norm": float(grad_norm or 0.0), "lr": lr}
+        return {**forward_backward, "grad_norm": float(grad_norm or 0.0), "lr": forward_backward.get("policy_lr")}
 
     def worker_call(self, method: str, *args: Any) -> Any:
         """``method(*args)`` on the policy worker (world size 1); its result. Blocks on Ray."""
@@ -140,6 +138,10 @@ def _gpus_needed(plan: SkyRLPlan) -> int:
 
 def check_buildable(plan: SkyRLPlan) -> None:
     """Refuses, with the fix, a plan this machine cannot build (before anything starts)."""
+    if plan.strategy == "megatron" and plan.inference_backend == "embedded":
+        raise ConfigError("backend.strategy=megatron needs backend.inference_backend=vllm: SkyRL 0.4's Megatron "
+                          "init_weight_sync_state imports vLLM and POSTs /init_weight_transfer_engine, which the "
+                          "embedded server lacks (or use backend.strategy=embedded)")
     if plan.inference_backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("backend.inference_backend=vllm but vllm is not installed; install vllm or set "
                           "backend.inference_backend=embedded (or auto)")
@@ -207,7 +209,7 @@ def _policy_group(run: RunConfig, plan: SkyRLPlan, model_path: str, pad_token_id
     else:
         from skyrl.backends.skyrl_train.workers.megatron.megatron_worker import MegatronPolicyWorkerBase
 
-        worker = ray.remote(num_gpus=1)(with_per_tenant_lora_sync(MegatronPolicyWorkerBase))
+        worker = ray.remote(num_gpus=1)(with_seeded_tenant_adapters(with_per_tenant_lora_sync(MegatronPolicyWorkerBase)))
         placement = trainer_cfg.placement
         group = PPORayActorGroup(trainer_cfg, placement.policy_num_nodes, placement.policy_num_gpus_per_node, worker,
                                  pg=None, num_gpus_per_actor=1, colocate_all=False,
@@ -218,6 +220,8 @@ def _policy_group(run: RunConfig, plan: SkyRLPlan, model_path: str, pad_token_id
     if plan.strategy == "megatron":
         ray.get(group.async_run_ray_method("pass_through", "prime_optimizer_state"))
         ray.get(group.async_run_ray_method("pass_through", "register_pristine_adapter"))
+        seeds = {spec.name: spec.seed for spec in plan.tenants}
+        ray.get(group.async_run_ray_method("pass_through", "set_adapter_seeds", seeds))
     return group
 
 

@@ -24,9 +24,11 @@ A :class:`TenantInferenceClient` is a ``RemoteInferenceClient`` for one tenant, 
   each tenant's in-flight requests are bounded on their own and no tenant can starve another.
 - it refuses a generate batch without sampling params (the stock client would send ``{}``, and vLLM's
   defaults stop after 16 tokens; kept here rather than proposed upstream, see integration/patches/README.md).
-- it only generates for its own adapter (``model`` omitted or equal to the tenant), and records the adapter
-  version the server reports for each request of a session (:meth:`versions_for`), so a trajectory can be
-  checked against the version it was sampled with.
+- it only generates for its own adapter (``model`` omitted or equal to the tenant), and records for each
+  request of a session the adapter version it was sampled with (:meth:`versions_for`), so a trajectory can be
+  checked against it: the version the server reports (the embedded server does), else (vLLM reports none) the
+  view's own ``weight_version`` if it was the same when the request went out and when its answer came back,
+  and ``UNKNOWN_VERSION`` if a load of the tenant's adapter completed in between.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Dict, Optional
 
 from skyrl.backends.skyrl_train.inference_servers.base import InferenceEngineInput, InferenceEngineOutput
@@ -45,6 +48,11 @@ from skyrl.env_vars import SKYRL_GENERATE_CONCURRENCY_PER_ENGINE
 from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.lora.peft_export import save_peft_adapter
 
+
+
+# What a view records for a request whose server reports no version while a load of its tenant's adapter
+# completed during the request: it may have been sampled with either version (no tenant version is negative).
+UNKNOWN_VERSION = -2
 
 @dataclass
 class TenantInferenceClient(RemoteInferenceClient):
@@ -86,7 +94,8 @@ class TenantInferenceClient(RemoteInferenceClient):
         return model == self.tenant and self._clora_salted and not self._clora_unsalted
 
     def versions_for(self, session_id: str) -> list[int]:
-        """Adapter versions the server reported for each request of ``session_id`` so far (one per turn)."""
+        """The adapter version each request of ``session_id`` was sampled with so far (one per turn; see the
+        module docstring for what the view knows when the server reports none)."""
         return list(self._session_versions.get(str(session_id), []))
 
     def _get_semaphores(self) -> tuple[Optional[asyncio.Semaphore], Optional[asyncio.Semaphore]]:
@@ -126,7 +135,7 @@ class TenantInferenceClient(RemoteInferenceClient):
         session): the stock ``_generate_single`` then runs unchanged through it."""
         client = super()._get_generate_client()
         if self._recorder is None or self._recorder.client is not client:
-            self._recorder = _VersionRecorder(client, self._session_versions)
+            self._recorder = _VersionRecorder(client, self._session_versions, lambda: self._weight_version)
         return self._recorder
 
     async def load_lora_adapter(
@@ -199,17 +208,23 @@ def tenant_views(
 
 
 class _VersionRecorder:
-    """A generate client whose ``generate`` records the ``adapter_version`` a response reports under its
-    ``session_id`` (the embedded server reports it; vLLM does not); everything else is the client's."""
+    """A generate client whose ``generate`` records under its ``session_id`` the adapter version a response was
+    sampled with: the ``adapter_version`` it reports (the embedded server's), else the view's version
+    (``current_version()``) when that was the same before and after the request, else ``UNKNOWN_VERSION``;
+    everything else is the client's."""
 
-    def __init__(self, client: Any, versions: Dict[str, list]) -> None:
+    def __init__(self, client: Any, versions: Dict[str, list], current_version: Callable[[], int]) -> None:
         self.client = client
         self._versions = versions
+        self._current_version = current_version
 
     async def generate(self, **kwargs: Any) -> Any:
+        sent = self._current_version()
         result = await self.client.generate(**kwargs)
         version = result.raw_response["choices"][0].get("adapter_version")
-        if kwargs.get("session_id") is not None and version is not None:
+        if version is None:
+            version = sent if self._current_version() == sent else UNKNOWN_VERSION
+        if kwargs.get("session_id") is not None:
             self._versions[str(kwargs["session_id"])].append(int(version))
         return result
 

@@ -17,6 +17,9 @@ by SkyRL's own ``PPORayActorGroup`` with ``num_gpus_per_actor=0``) that answers 
 ``load_tenant_state(t, folder)``     checkpoint: its training state to or from ``folder``
 ``ensure_active_adapter`` ->         makes ``t`` the tenant the next ``forward_backward`` /
 ``swap_to_adapter(t)``               ``optim_step`` / sync act on
+``forward(data)``                    the response log-probs of ``data``'s rows under the active
+                                     adapter (SkyRL's recomputed ``action_log_probs``), or under the
+                                     base model alone for ``REFERENCE_MODEL_ID`` (the KL reference)
 ``forward_backward(data)``           stages the ``TrainingInputBatch`` (see below) for the tenant
 ``optim_step()``                     one GRPO update of the tenant over everything staged since its
                                      last step (``Trainer.train_step``: forward, backward, AdamW at
@@ -36,12 +39,15 @@ metrics (policy loss, LR, ...) are returned by :meth:`step_metrics`.
 ``data`` is the batch SkyRL's ``RayPPOTrainer.convert_to_training_input`` builds (``sequences``,
 ``attention_mask``, ``response_mask``, ``loss_mask``, ``rewards``, ``rollout_logprobs``, right-aligned
 response tensors from ``convert_prompts_responses_to_batch_tensors``) with ``metadata["uids"]`` naming
-each row's GRPO group; advantages are not needed (the Trainer computes them).
+each row's GRPO group; advantages are not needed (the Trainer computes them). ``action_log_probs`` (the
+behaviour policy's: recomputed by :meth:`forward`, or the sampler's in the Tinker-style step) and
+``base_action_log_probs`` (the reference's, for SkyRL's KL loss), when present, are what the update reads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -62,20 +68,33 @@ from skyrl_clora.trainer.trainer import OptimizerConfig, TrainBatch, Trainer
 _SCHEDULES = {"constant_with_warmup": "constant", "constant": "constant", "cosine": "cosine"}
 
 
+# The model_id under which the policy worker answers ``forward`` with the reference policy: the frozen base,
+# i.e. a tenant's adapter disabled (SkyRL's KL loss). The embedded worker routes no adapter; on Megatron it is an
+# adapter registered from the pristine slot and never trained (LoRA B = 0: the base model's outputs exactly).
+# ':' is no character of a tenant name.
+REFERENCE_MODEL_ID = "clora:reference"
+
+# SkyRL's per-token tensors of a training batch -> the TrainBatch fields they fill (right-aligned, see below).
+_PER_TOKEN = {"rollout_logprobs": "rollout_logprobs", "action_log_probs": "old_logprobs",
+              "base_action_log_probs": "ref_logprobs"}
+
+
 def training_batch_to_train_batch(data: TrainingInputBatch) -> TrainBatch:
     """Inverts ``convert_prompts_responses_to_batch_tensors`` row by row into the Trainer's batch.
 
     Row ``i``: its real tokens are ``sequences[i][attention_mask[i] == 1]``, the last
     ``response_mask[i].sum()`` of them are the response; response tensors are right-aligned, so the
-    loss mask and rollout log-probs are their last ``len(response)`` entries; the reward is the sum of
-    the row's token-level rewards; its group is ``metadata["uids"][i]``."""
+    loss mask and the log-prob tensors present (``rollout_logprobs``; ``action_log_probs``, the behaviour
+    policy's, as ``old_logprobs``; ``base_action_log_probs``, the reference's, as ``ref_logprobs``) are their
+    last ``len(response)`` entries; the reward is the sum of the row's token-level rewards; its group is
+    ``metadata["uids"][i]``."""
     uids = (data.metadata or {}).get("uids")
     rows = data["sequences"].shape[0]
     if uids is None or len(uids) != rows:
         raise ValueError(f"forward_backward needs metadata['uids'] with one group id per row ({rows} rows)")
     prompt_ids, response_ids, loss_masks, rewards = [], [], [], []
-    logprobs = data["rollout_logprobs"] if "rollout_logprobs" in data.keys() else None
-    rollout_logprobs = [] if logprobs is not None else None
+    present = {key: data[key] for key in _PER_TOKEN if key in data.keys() and data[key] is not None}
+    per_token: dict[str, list[list[float]]] = {key: [] for key in present}
     for i in range(rows):
         tokens = data["sequences"][i][data["attention_mask"][i].bool()].tolist()
         length = int(data["response_mask"][i].sum())
@@ -85,10 +104,30 @@ def training_batch_to_train_batch(data: TrainingInputBatch) -> TrainBatch:
         response_ids.append(tokens[-length:])
         loss_masks.append([int(m) for m in data["loss_mask"][i, -length:].tolist()])
         rewards.append(float(data["rewards"][i].sum()))
-        if rollout_logprobs is not None:
-            rollout_logprobs.append(logprobs[i, -length:].tolist())
+        for key, table in present.items():
+            per_token[key].append(table[i, -length:].tolist())
     return TrainBatch(prompt_ids=prompt_ids, response_ids=response_ids, loss_masks=loss_masks, rewards=rewards,
-                      group_ids=[str(u) for u in uids], rollout_logprobs=rollout_logprobs)
+                      group_ids=[str(u) for u in uids],
+                      **{field: per_token.get(key) for key, field in _PER_TOKEN.items()})
+
+
+def forward_batch(data: TrainingInputBatch) -> TrainBatch:
+    """The batch whose response log-probs SkyRL's policy ``forward`` returns: per row, the last
+    ``metadata["response_length"]`` of its real tokens (all but the first when it has no more), as SkyRL's model
+    computes ``log_probs[:, -num_actions - 1 : -1]`` over the left-padded sequence (masks drop the positions
+    that are no response). No rewards or groups: nothing is trained on it."""
+    width = int((data.metadata or {})["response_length"])
+    prompt_ids, response_ids = [], []
+    for i in range(data["sequences"].shape[0]):
+        tokens = data["sequences"][i][data["attention_mask"][i].bool()].tolist()
+        length = min(width, len(tokens) - 1)
+        if length < 1:
+            raise ValueError(f"row {i}: {len(tokens)} real tokens leave no response to score")
+        prompt_ids.append(tokens[:-length])
+        response_ids.append(tokens[-length:])
+    rows = len(response_ids)
+    return TrainBatch(prompt_ids=prompt_ids, response_ids=response_ids, loss_masks=[[1] * len(r) for r in response_ids],
+                      rewards=[0.0] * rows, group_ids=[str(i) for i in range(rows)], rollout_logprobs=None)
 
 
 class EmbeddedPolicyWorker:
@@ -132,8 +171,10 @@ class EmbeddedPolicyWorker:
         routing, layers = attach_multi_lora(model, 1, max_rank, trainable=True)
         self.store = AdapterStore(layers, num_slots=1)
         optimizer = policy.optimizer_config
+        # The KL penalty in the reward is the driver's (SkyRL's trainer applies it before the workers' update).
+        algorithm = dataclasses.replace(self.cfg.algorithm, use_kl_in_reward=False)
         self.trainer = Trainer(
-            model, routing, layers, self.store, self.cfg.algorithm,
+            model, routing, layers, self.store, algorithm,
             OptimizerConfig(betas=tuple(optimizer.adam_betas), weight_decay=optimizer.weight_decay,
                             max_grad_norm=optimizer.max_grad_norm),
             micro_batch_size=self.cfg.micro_train_batch_size_per_gpu,
@@ -149,9 +190,12 @@ class EmbeddedPolicyWorker:
     # ---- adapter store ---------------------------------------------------------------------------
 
     def register_adapter(self, model_id: str) -> None:
-        """Adds tenant ``model_id`` with its seeded initial adapter, LR schedule and RNG."""
+        """Adds tenant ``model_id`` with its seeded initial adapter, LR schedule and RNG; ``REFERENCE_MODEL_ID``
+        needs no state (its forward runs the base model alone)."""
         if self.store is None:
             raise RuntimeError("register_adapter before init_model")
+        if model_id == REFERENCE_MODEL_ID:
+            return
         if model_id not in self.tenants:
             raise ValueError(f"unknown tenant {model_id!r}; init_model was given {sorted(self.tenants)}")
         spec = self.tenants[model_id]
@@ -170,7 +214,7 @@ class EmbeddedPolicyWorker:
             self.active = None
 
     def swap_to_adapter(self, model_id: str) -> None:
-        if model_id not in self._store().tenants:
+        if model_id not in self._store().tenants and model_id != REFERENCE_MODEL_ID:
             raise ValueError(f"adapter {model_id!r} is not registered; call register_adapter first")
         self.active = model_id
 
@@ -194,33 +238,48 @@ class EmbeddedPolicyWorker:
 
     # ---- training --------------------------------------------------------------------------------
 
+    def forward(self, data: TrainingInputBatch, loss_fn: Optional[str] = None, loss_fn_config: Optional[dict] = None,
+                return_per_token_outputs: bool = True) -> WorkerOutput:
+        """SkyRL's inference forward (``loss_fn`` None): per row, ``{"logprobs": [...]}`` of width
+        ``metadata["response_length"]``, right-aligned as SkyRL's policy worker returns them, under the active
+        adapter (``REFERENCE_MODEL_ID``: the base model alone). See :func:`forward_batch`."""
+        if loss_fn is not None or loss_fn_config:
+            raise ValueError(f"the embedded worker's forward scores log-probs only (got loss_fn={loss_fn!r})")
+        tenant = self._active()
+        width = int(data.metadata["response_length"])
+        batch = forward_batch(data)
+        logprobs = self.trainer.response_logprobs(None if tenant == REFERENCE_MODEL_ID else tenant, batch).cpu()
+        rows = torch.zeros(len(batch.response_ids), width)
+        for i, response in enumerate(batch.response_ids):
+            rows[i, width - len(response):] = logprobs[i, : len(response)]
+        return WorkerOutput(loss_fn_outputs=[{"logprobs": row.tolist()} for row in rows], metrics={})
+
     def forward_backward(self, data: TrainingInputBatch, loss_fn: Optional[str] = None,
                          loss_fn_config: Optional[dict] = None, return_per_token_outputs: bool = True) -> WorkerOutput:
-        """Stages ``data`` for the active tenant's next :meth:`optim_step` (see module docstring)."""
+        """Stages ``data`` for the active tenant's next :meth:`optim_step` (see module docstring); its metrics:
+        the rows staged and ``policy_lr``, the LR that step will use (SkyRL's metric of that name)."""
         if loss_fn not in (None, self.cfg.algorithm.policy_loss_type) or loss_fn_config:
             raise ValueError(f"the embedded worker trains with the configured policy loss "
                              f"{self.cfg.algorithm.policy_loss_type!r} only (got loss_fn={loss_fn!r})")
-        tenant = self._active()
+        tenant = self._trained_tenant()
         batch = training_batch_to_train_batch(data)
         self.staged.setdefault(tenant, []).append(batch)
         staged_rows = sum(len(b.rewards) for b in self.staged[tenant])
-        return WorkerOutput(metrics={"staged_sequences": float(staged_rows)})
+        state = self._store().tenants[tenant]
+        return WorkerOutput(metrics={"staged_sequences": float(staged_rows),
+                                     "policy_lr": state.schedule.lr(state.step)})
 
     def optim_step(self) -> float:
         """One update of the active tenant over its staged rows; returns the pre-clip gradient norm."""
-        tenant = self._active()
+        tenant = self._trained_tenant()
         batches = self.staged.pop(tenant, [])
         if not batches:
             raise RuntimeError(f"optim_step for {tenant!r} without a forward_backward since its last step")
-        logprobs = [b.rollout_logprobs for b in batches]
-        merged = TrainBatch(
-            prompt_ids=[row for b in batches for row in b.prompt_ids],
-            response_ids=[row for b in batches for row in b.response_ids],
-            loss_masks=[row for b in batches for row in b.loss_masks],
-            rewards=[r for b in batches for r in b.rewards],
-            group_ids=[g for b in batches for g in b.group_ids],
-            rollout_logprobs=None if any(lp is None for lp in logprobs) else [row for lp in logprobs for row in lp],
-        )
+        merged = TrainBatch(**{
+            field.name: (None if any(getattr(b, field.name) is None for b in batches)
+                         else [row for b in batches for row in getattr(b, field.name)])
+            for field in dataclasses.fields(TrainBatch)
+        })
         _, metrics = self.trainer.train_step(tenant, merged)
         self.last_metrics[tenant] = metrics
         return metrics["grad_norm"]
@@ -270,3 +329,10 @@ class EmbeddedPolicyWorker:
         if self.active is None:
             raise RuntimeError("no active adapter: pass model_id to WorkerDispatch so it swaps one in")
         return self.active
+
+    def _trained_tenant(self) -> str:
+        """The active adapter, which must be a tenant's: the reference policy is never trained."""
+        tenant = self._active()
+        if tenant == REFERENCE_MODEL_ID:
+            raise ValueError(f"{REFERENCE_MODEL_ID} is the frozen reference policy; it has no training state")
+        return tenant

@@ -24,7 +24,12 @@ from skyrl.train.config import AlgorithmConfig
 class TrainBatch:
     """One tenant's rollouts for a step. Per trajectory: prompt and response token ids, the response's
     loss mask (1 = trained token), its scalar reward, its group id (GRPO groups the samples of one
-    prompt) and the sampler's log-probs of the response tokens (or None)."""
+    prompt) and the sampler's log-probs of the response tokens (or None).
+
+    Optional per-token log-probs of the response tokens the update reads instead of computing them:
+    ``old_logprobs``, the behaviour policy's (the PPO ratio's denominator; None: the trainer's own forward
+    with the tenant's pre-update adapter, SkyRL's recomputed ``action_log_probs``), and ``ref_logprobs``,
+    the reference policy's for SkyRL's KL loss (None: the trainer's forward with the adapter disabled)."""
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
@@ -32,6 +37,12 @@ class TrainBatch:
     rewards: list[float]
     group_ids: list[str]
     rollout_logprobs: list[list[float]] | None
+    old_logprobs: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
+
+
+# The TrainBatch fields of per-token log-probs of the response tokens.
+PER_TOKEN_LOGPROBS = ("rollout_logprobs", "old_logprobs", "ref_logprobs")
 
 
 def validate_batch(batch: TrainBatch) -> None:
@@ -41,8 +52,8 @@ def validate_batch(batch: TrainBatch) -> None:
         raise ValueError("train batch has no rows")
     lengths = {"response_ids": len(batch.response_ids), "loss_masks": len(batch.loss_masks),
                "rewards": len(batch.rewards), "group_ids": len(batch.group_ids)}
-    if batch.rollout_logprobs is not None:
-        lengths["rollout_logprobs"] = len(batch.rollout_logprobs)
+    per_token = {name: getattr(batch, name) for name in PER_TOKEN_LOGPROBS if getattr(batch, name) is not None}
+    lengths.update({name: len(values) for name, values in per_token.items()})
     for name, length in lengths.items():
         if length != rows:
             raise ValueError(f"train batch has {rows} prompts but {length} {name}")
@@ -51,8 +62,9 @@ def validate_batch(batch: TrainBatch) -> None:
             raise ValueError(f"train batch row {index} has an empty prompt")
         if len(mask) != len(response):
             raise ValueError(f"train batch row {index}: loss mask of length {len(mask)} for {len(response)} response tokens")
-        if batch.rollout_logprobs is not None and len(batch.rollout_logprobs[index]) < len(response):
-            raise ValueError(f"train batch row {index}: fewer rollout log-probs than response tokens")
+        for name, values in per_token.items():
+            if len(values[index]) < len(response):
+                raise ValueError(f"train batch row {index}: fewer {name} than response tokens")
 
 
 def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
@@ -64,15 +76,20 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-def tenant_advantages(batch: TrainBatch, algorithm: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def tenant_advantages(batch: TrainBatch, algorithm: AlgorithmConfig,
+                      reward_penalty: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's advantages scaled by its loss normaliser, and its response mask: both ``[N, Lr]`` fp32 on
-    the CPU (SkyRL's GRPO estimator builds its group statistics there), ``Lr`` = the longest response."""
+    the CPU (SkyRL's GRPO estimator builds its group statistics there), ``Lr`` = the longest response. The
+    token-level rewards are each row's reward on its last trained token, minus ``reward_penalty`` (``[N, >= Lr]``,
+    SkyRL's KL penalty in the reward) when given."""
     response_mask = _pad([[float(m) for m in mask] for mask in batch.loss_masks],
                          max(1, max(len(r) for r in batch.response_ids)))
     num_rows, response_len = response_mask.shape
     rewards = torch.zeros(num_rows, response_len)
     last = (response_mask.sum(dim=1) - 1).clamp(min=0).long()
     rewards[torch.arange(num_rows), last] = torch.tensor(batch.rewards, dtype=torch.float32)
+    if reward_penalty is not None:
+        rewards = rewards - reward_penalty[:, :response_len].cpu()
     advantages, _ = compute_advantages_and_returns(
         token_level_rewards=rewards, response_mask=response_mask, index=np.array(batch.group_ids),
         adv_estimator=algorithm.advantage_estimator, config=algorithm, grpo_norm_by_std=algorithm.grpo_norm_by_std,
@@ -91,7 +108,9 @@ class PassRows:
     ``R`` rows, ``L`` = longest prompt + response, ``Lr`` = longest response: ``input_ids [R, L]`` int64
     (zero-padded), ``row_slot [R]`` int64 (the tenant's device slot), ``prompt_lens``/``seq_lens [R]`` int64,
     ``advantages``/``response_mask``/``rollout_logprobs [R, Lr]`` fp32 (zero beyond each row's response;
-    rollout log-probs zero for tenants without them, ``has_rollout[p]`` False). Host copies of the lengths
+    rollout log-probs zero for tenants without them, ``has_rollout[p]`` False); ``old_logprobs`` and
+    ``ref_logprobs`` likewise from the batches' fields of those names (``has_old``/``has_ref``), None when
+    no batch of the pass has them. Host copies of the lengths
     (``host_seq_lens``, ``host_response_lens``) and slots (``host_row_slot``) size the micro-batches without
     a device synchronisation. ``prompt_groups[r]``: an id shared by the rows of one tenant with the same
     prompt (a GRPO group), which the forward computes once per micro-batch.
@@ -112,15 +131,22 @@ class PassRows:
     counts: list[int]
     has_rollout: list[bool]
     response_tokens: list[float]
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    has_old: list[bool] | None = None
+    has_ref: list[bool] | None = None
 
 
 def build_pass_rows(
-    batches: list[TrainBatch], slots: list[int], algorithm: AlgorithmConfig, device: torch.device
+    batches: list[TrainBatch], slots: list[int], algorithm: AlgorithmConfig, device: torch.device,
+    reward_penalties: list[torch.Tensor] | None = None,
 ) -> PassRows:
-    """Stacks the tenants' batches (each validated, advantages per tenant) into one :class:`PassRows`."""
+    """Stacks the tenants' batches (each validated, advantages per tenant, with ``reward_penalties[p]`` taken off
+    tenant ``p``'s token-level rewards when given: see :func:`tenant_advantages`) into one :class:`PassRows`."""
     for batch in batches:
         validate_batch(batch)
-    per_tenant = [tenant_advantages(batch, algorithm) for batch in batches]
+    penalties = reward_penalties or [None] * len(batches)
+    per_tenant = [tenant_advantages(batch, algorithm, penalty) for batch, penalty in zip(batches, penalties)]
     response_len = max(advantages.shape[1] for advantages, _ in per_tenant)
     prompts = [p for batch in batches for p in batch.prompt_ids]
     responses = [r for batch in batches for r in batch.response_ids]
@@ -134,8 +160,12 @@ def build_pass_rows(
     def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([torch.nn.functional.pad(t, (0, response_len - t.shape[1])) for t in tensors])
 
-    rollout = [_pad(b.rollout_logprobs, response_len) if b.rollout_logprobs is not None
-               else torch.zeros(len(b.prompt_ids), response_len) for b in batches]
+    def per_token(name: str) -> torch.Tensor:
+        return torch.cat([_pad(getattr(b, name), response_len) if getattr(b, name) is not None
+                          else torch.zeros(len(b.prompt_ids), response_len) for b in batches])
+
+    has_old = [b.old_logprobs is not None for b in batches]
+    has_ref = [b.ref_logprobs is not None for b in batches]
     counts = [len(batch.prompt_ids) for batch in batches]
     host_row_slot = [slot for slot, count in zip(slots, counts) for _ in range(count)]
     group_of: dict[tuple[int, tuple[int, ...]], int] = {}
@@ -151,11 +181,14 @@ def build_pass_rows(
         input_ids=to_device(input_ids), row_slot=to_device(torch.tensor(host_row_slot)),
         prompt_lens=to_device(torch.tensor([len(p) for p in prompts])), seq_lens=to_device(lengths),
         advantages=to_device(stack([a for a, _ in per_tenant])), response_mask=to_device(stack([m for _, m in per_tenant])),
-        rollout_logprobs=to_device(torch.cat(rollout)), host_seq_lens=seq_lens,
+        rollout_logprobs=to_device(per_token("rollout_logprobs")), host_seq_lens=seq_lens,
         host_response_lens=[len(r) for r in responses], host_row_slot=host_row_slot, prompt_groups=prompt_groups,
         offsets=list(itertools.accumulate([0] + counts[:-1])),
         counts=counts, has_rollout=[b.rollout_logprobs is not None for b in batches],
         response_tokens=[float(sum(sum(mask) for mask in b.loss_masks)) for b in batches],
+        old_logprobs=to_device(per_token("old_logprobs")) if any(has_old) else None,
+        ref_logprobs=to_device(per_token("ref_logprobs")) if any(has_ref) else None,
+        has_old=has_old, has_ref=has_ref,
     )
 
 

@@ -4,6 +4,13 @@ or several in one forward/backward (packed mode).
 Advantages come from SkyRL's advantage-estimator registry and the loss from its policy-loss registry
 (``skyrl.backends.skyrl_train.utils.ppo_utils``), configured by SkyRL's ``AlgorithmConfig``; the
 optimizer is AdamW on each tenant's fp32 master weights with the tenant's own learning-rate schedule.
+The PPO ratio's behaviour log-probs are the batch's ``old_logprobs`` when it has them (the Tinker-style
+step passes the sampler's), else the update's own forward before the step (SkyRL's recomputed
+``action_log_probs``). With ``use_kl_loss`` the loss adds SkyRL's KL term (``compute_approx_kl`` with
+``kl_estimator_type``, each row's token mean averaged over the tenant's rows, times ``kl_loss_coef``)
+against the reference policy: the frozen base model, i.e. the tenant's adapter disabled, no extra weights.
+With ``use_kl_in_reward`` the pass first scores every row under the tenant's adapter and the reference, and
+the advantages come from the rewards less SkyRL's KL penalty (``trainer.kl.kl_reward_penalty``).
 
 A pass over ``P`` tenants in slots ``0..P-1``: every tenant's prompt groups are shuffled with the tenant's
 own RNG (a group's rows stay together: a micro-batch computes each shared prompt once, see
@@ -20,7 +27,8 @@ import contextlib
 import functools
 
 import torch
-from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry, compute_approx_kl
+from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
 from skyrl.train.config import AlgorithmConfig
 from torch.profiler import record_function
 
@@ -32,6 +40,7 @@ from skyrl_clora.profiling import profiled
 from skyrl_clora.trainer.adapter_store import AdapterStore, TenantState
 from skyrl_clora.trainer.batch import MicroBatch, PassRows, TrainBatch, build_pass_rows, group_order, plan_micro_batches
 from skyrl_clora.trainer.fused_modules import fuse_elementwise_modules
+from skyrl_clora.trainer.kl import kl_reward_penalty
 from skyrl_clora.trainer.logprobs import token_logprobs
 from skyrl_clora.trainer.optim import OptimizerConfig, adamw_slot
 from skyrl_clora.trainer.prompt_segments import segment_prefix_hidden
@@ -162,6 +171,14 @@ class Trainer:
         """Gradients of every tenant's policy loss over its batch in shuffled, interleaved micro-batches,
         then one AdamW step per tenant. Advances each tenant's step count and RNG state."""
         rows = build_pass_rows(batches, slots, self.algorithm, self.device)
+        reward_kl = None
+        if self.algorithm.use_kl_in_reward:  # SkyRL's KL penalty in the reward, then the advantages again
+            policy, base = self._pass_logprobs(rows, adapter=True), self._pass_logprobs(rows, adapter=False)
+            parts = [slice(offset, offset + count) for offset, count in zip(rows.offsets, rows.counts)]
+            penalties = [kl_reward_penalty(policy[part], base[part], rows.response_mask[part], self.algorithm)
+                         for part in parts]
+            reward_kl = [avg for _, avg in penalties]
+            rows = build_pass_rows(batches, slots, self.algorithm, self.device, [penalty for penalty, _ in penalties])
         orders = []
         for state, offset, count in zip(states, rows.offsets, rows.counts):
             generator = torch.Generator().manual_seed(0)
@@ -173,24 +190,37 @@ class Trainer:
         torch._foreach_zero_([view for slot in slots for view in self.store.param_views(slot, grads=True)])
 
         tenants = len(slots)
-        totals = torch.zeros(3, tenants, device=self.device)  # policy loss, log-prob sum, |log-prob - sampler's|
+        kl_loss = self.algorithm.use_kl_loss
+        totals = torch.zeros(4, tenants, device=self.device)  # policy loss, log-prob sum, |log-prob - sampler's|, KL
         for micro in micro_batches:
+            host_rows = order[micro.start : micro.end]
             row_index = order_device[micro.start : micro.end]
-            log_probs = self._logprobs(rows, row_index, micro, order[micro.start : micro.end])
-            advantages = rows.advantages[row_index, : micro.response_width]
-            mask = rows.response_mask[row_index, : micro.response_width]
-            rollout = rows.rollout_logprobs[row_index, : micro.response_width]
+            width = micro.response_width
+            reference = self._reference_logprobs(rows, row_index, micro, host_rows) if kl_loss else None
+            log_probs = self._logprobs(rows, row_index, micro, host_rows)
+            advantages = rows.advantages[row_index, :width]
+            mask = rows.response_mask[row_index, :width]
+            rollout = rows.rollout_logprobs[row_index, :width]
+            old = rows.old_logprobs[row_index, :width] if rows.old_logprobs is not None else None
             loss_sum = None
             for tenant, first, last in micro.segments:
                 part = slice(first, last)
-                # One on-policy update per step: the "old" policy is the current one.
+                detached = log_probs[part].detach()
+                # The behaviour policy's log-probs: given with the batch, or this forward's (one optimizer step
+                # per RL step: the weights are still the pre-update ones, SkyRL's recomputed action_log_probs).
+                behaviour = old[part] if rows.has_old[tenant] else detached
                 loss, _ = self.policy_loss(
-                    log_probs[part], log_probs[part].detach(), advantages[part], config=self.algorithm,
+                    log_probs[part], behaviour, advantages[part], config=self.algorithm,
                     loss_mask=mask[part], rollout_logprobs=rollout[part] if rows.has_rollout[tenant] else None,
                 )
-                loss_sum = loss if loss_sum is None else loss_sum + loss
-                detached = log_probs[part].detach()
                 totals[0, tenant] += loss.detach()
+                if reference is not None:  # SkyRL's KL loss: each row's token mean, averaged over the tenant's rows
+                    kl = compute_approx_kl(log_probs[part], reference[part], loss_mask=mask[part],
+                                           kl_estimator_type=self.algorithm.kl_estimator_type)
+                    kl = masked_mean(kl, mask[part], dim=-1).sum() / rows.counts[tenant]
+                    totals[3, tenant] += kl.detach()
+                    loss = loss + kl * self.algorithm.kl_loss_coef
+                loss_sum = loss if loss_sum is None else loss_sum + loss
                 totals[1, tenant] += (detached * mask[part]).sum()
                 totals[2, tenant] += ((detached - rollout[part]).abs() * mask[part]).sum()
             with record_function("trainer.backward"):
@@ -205,11 +235,15 @@ class Trainer:
         for p, state in enumerate(states):
             tokens = max(1.0, rows.response_tokens[p])
             metrics = {
-                "policy_loss": host[0][p], "grad_norm": host[3][p], "lr": state.schedule.lr(state.step - 1),
+                "policy_loss": host[0][p], "grad_norm": host[4][p], "lr": state.schedule.lr(state.step - 1),
                 "response_tokens": rows.response_tokens[p], "mean_token_logprob": host[1][p] / tokens,
             }
             if rows.has_rollout[p]:
                 metrics["logprob_abs_diff_vs_sampler"] = host[2][p] / tokens
+            if kl_loss:
+                metrics["policy_kl"] = host[3][p]
+            if reward_kl is not None:
+                metrics["avg_kl"] = reward_kl[p]
             results.append(metrics)
         return results
 
@@ -217,17 +251,39 @@ class Trainer:
         """The pass's row order and micro-batches (:func:`plan_micro_batches` under this trainer's bounds)."""
         return plan_micro_batches(rows, orders, self.micro_batch_size, self.max_tokens_per_microbatch, self.shared_prefix)
 
+    @torch.no_grad()
+    def _reference_logprobs(self, rows: PassRows, row_index: torch.Tensor, micro: MicroBatch,
+                            host_rows: list[int]) -> torch.Tensor:
+        """The reference policy's log-probs ``[B, response_width]`` of a micro-batch's rows for SkyRL's KL loss:
+        the batch's ``ref_logprobs`` where its tenant gave them, else the frozen base model's (a LoRA tenant's
+        reference is its adapter disabled)."""
+        width = micro.response_width
+        given = rows.has_ref or [False] * len(rows.counts)
+        if all(given[tenant] for tenant, _, _ in micro.segments):
+            return rows.ref_logprobs[row_index, :width]
+        reference = self._logprobs(rows, row_index, micro, host_rows, adapter=False)
+        for tenant, first, last in micro.segments:
+            if given[tenant]:
+                reference[first:last] = rows.ref_logprobs[row_index[first:last], :width]
+        return reference
+
     @profiled("trainer.forward")
-    def _logprobs(self, rows: PassRows, row_index: torch.Tensor, micro: MicroBatch, host_rows: list[int]) -> torch.Tensor:
+    def _logprobs(self, rows: PassRows, row_index: torch.Tensor, micro: MicroBatch, host_rows: list[int],
+                  adapter: bool = True) -> torch.Tensor:
         """Log-probs ``[B, response_width]`` of the response tokens of rows ``row_index`` (``host_rows`` on the
-        host), each under its tenant's slot (positions past a row's response hold a clamped token's
-        log-prob; masks drop them). Rows that share a prompt compute it once (see the class docstring)."""
+        host), each under its tenant's slot, or under the base model alone without ``adapter`` (positions past
+        a row's response hold a clamped token's log-prob; masks drop them). Rows that share a prompt compute
+        it once (see the class docstring)."""
         width = micro.width
         input_ids = rows.input_ids[row_index, :width]
         steps = torch.arange(micro.response_width, device=self.device)
         slots = {rows.host_row_slot[row] for row in host_rows}
         single_slot = slots.pop() if len(slots) == 1 else None
-        route = functools.partial(self._route, single_slot=single_slot)
+        if adapter:
+            route = functools.partial(self._route, single_slot=single_slot)
+        else:
+            def route(token_slots: torch.Tensor) -> contextlib.AbstractContextManager:
+                return self.routing.route(None)
         prefix_of: dict[int, int] = {}  # prompt group -> its index among the micro-batch's distinct prompts
         if self.shared_prefix:
             for row in host_rows:
@@ -265,22 +321,31 @@ class Trainer:
         return self.routing.route(token_slots, meta, single_slot)
 
     @torch.no_grad()
-    def response_logprobs(self, tenant: str, batch: TrainBatch) -> torch.Tensor:
+    def response_logprobs(self, tenant: str | None, batch: TrainBatch) -> torch.Tensor:
         """Log-probs ``[N, Lr]`` (fp32, device) of ``batch``'s response tokens under ``tenant``'s current
-        adapter, in row order; ``Lr`` = the longest response, 0 past each row's response. The tenant's state
-        is left unchanged."""
+        adapter, or under the base model alone (the adapter disabled) when ``tenant`` is None, in row order;
+        ``Lr`` = the longest response, 0 past each row's response. The tenant's state is left unchanged."""
         slot = self._free_slot(avoid=None)
-        self.store.swap_in(tenant, slot)
+        if tenant is not None:
+            self.store.swap_in(tenant, slot)
         try:
             rows = build_pass_rows([batch], [slot], self.algorithm, self.device)
-            order, micro_batches = self._plan(rows, [list(range(rows.counts[0]))])
-            order_device = lists_to_device([order], self.device)[0]
-            out = torch.zeros_like(rows.response_mask)
-            for micro in micro_batches:
-                row_index = order_device[micro.start : micro.end]
-                out[row_index, : micro.response_width] = self._logprobs(rows, row_index, micro, order[micro.start : micro.end])
+            return self._pass_logprobs(rows, adapter=tenant is not None)
         finally:
-            self.store.swap_out(slot)
-            self.store.wait(tenant)
+            if tenant is not None:
+                self.store.swap_out(slot)
+                self.store.wait(tenant)
+
+    @torch.no_grad()
+    def _pass_logprobs(self, rows: PassRows, adapter: bool) -> torch.Tensor:
+        """Log-probs ``[R, Lr]`` of every row's response tokens, in row order, each under its tenant's slot (the
+        tenants swapped in) or, without ``adapter``, under the base model alone; 0 past each row's response."""
+        order, micro_batches = self._plan(rows, [list(range(count)) for count in rows.counts])
+        order_device = lists_to_device([order], self.device)[0]
+        out = torch.zeros_like(rows.response_mask)
+        for micro in micro_batches:
+            row_index = order_device[micro.start : micro.end]
+            out[row_index, : micro.response_width] = self._logprobs(
+                rows, row_index, micro, order[micro.start : micro.end], adapter=adapter)
         lengths = lists_to_device([rows.host_response_lens], self.device)[0]
         return out.masked_fill(torch.arange(out.shape[1], device=self.device)[None] >= lengths[:, None], 0.0)

@@ -105,7 +105,7 @@ def test_dispatch_registers_steps_syncs_and_deletes_tenants(micro_model_dir: Pat
         dispatch = dispatches["tenant-0"]
         assert dispatch.forward_backward("policy", data, model_id="tenant-0").metrics["staged_sequences"] == 4.0
         grad_norm = dispatch.optim_step("policy", model_id="tenant-0")
-        metrics = stack.step_metrics("tenant-0", {}, grad_norm, LRS["tenant-0"])
+        metrics = stack.step_metrics("tenant-0", {}, grad_norm)
         reference = _local_step(micro_model_dir, training_batch_to_train_batch(data), LRS["tenant-0"], seed=0,
                                 algorithm=plan.base.trainer.algorithm, micro=plan.base.trainer.micro_train_batch_size_per_gpu)
         assert grad_norm == metrics["grad_norm"] > 0 and metrics["lr"] == LRS["tenant-0"]
@@ -119,7 +119,7 @@ def test_dispatch_registers_steps_syncs_and_deletes_tenants(micro_model_dir: Pat
 
         dispatches["tenant-1"].forward_backward("policy", data, model_id="tenant-1")
         dispatches["tenant-1"].optim_step("policy", model_id="tenant-1")
-        assert stack.step_metrics("tenant-1", {}, None, 0.0)["lr"] == LRS["tenant-1"]
+        assert stack.step_metrics("tenant-1", {}, None)["lr"] == LRS["tenant-1"]
         state = ray.get(stack.policy_group.async_run_ray_method("pass_through", "adapter_store_state"))[0]
         assert state["steps"] == {"tenant-0": 1, "tenant-1": 1} and state["current_id"] == "tenant-1"
         assert state["registered"] == ["tenant-0", "tenant-1"] and state["num_adapters"] == 2
@@ -184,7 +184,9 @@ def test_backend_skyrl_runs_through_main(learning_model_dir: Path, tmp_path: Pat
     ("overrides", "reason"),
     [
         (["backend.inference_backend=vllm"], "vllm is not installed; install vllm or set backend.inference_backend=embedded"),
-        (["backend.strategy=megatron"], "megatron-core is not installed"),
+        (["backend.strategy=megatron", "backend.inference_backend=vllm"], "vllm is not installed"),
+        (["backend.strategy=megatron", "backend.inference_backend=embedded"],
+         "backend.strategy=megatron needs backend.inference_backend=vllm: SkyRL 0.4's Megatron init_weight_sync_state"),
         (["clora.mode=serial"], "set clora.mode=concurrent"),
         (["backend.policy_num_gpus_per_node=2"], "runs one worker"),
     ],

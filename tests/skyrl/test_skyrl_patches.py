@@ -1,10 +1,10 @@
-"""The upstream patch in integration/patches, checked against the installed SkyRL 0.4.0, and its run-time forms in
-skyrl_clora.skyrl.
+"""The upstream patches in integration/patches, checked against the installed SkyRL 0.4.0, and their run-time forms
+in skyrl_clora.skyrl.
 
 - Every patch applies (``git apply --check``) to a copy of the installed ``skyrl`` package laid out as SkyRL's
   repository (``skyrl/`` at the root), the layout the patches are written for.
-- The patch's own upstream-style CPU tests (the ``tests/`` files it adds) pass on a patched copy and fail on an
-  unpatched one, except the guards of behaviour the patch must keep, which pass on both. Both runs are pytest
+- The patches' own upstream-style CPU tests (the ``tests/`` files they add) pass on a patched copy and fail on an
+  unpatched one, except the guards of behaviour a patch must keep, which pass on both. Both runs are pytest
   subprocesses (run at the same time) with the copy first on ``PYTHONPATH``; their ``conftest.py`` stubs the
   GPU-only packages SkyRL's Megatron/FSDP worker modules import (``gpu_only_stubs``), so the tests of those real
   worker classes run here instead of being skipped.
@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 PATCH_DIR = HERE.parents[1] / "integration" / "patches"
 PATCHES = sorted(PATCH_DIR.glob("*.patch"))
 SALT_PATCH = PATCH_DIR / "0001-per-adapter-cache-salt-and-prefix-cache-reset.patch"
+SEED_PATCH = PATCH_DIR / "0002-megatron-seeded-lora-adapters.patch"
 RUNTIME_CHECKS = "worker_patches_on_skyrl_workers.py"
 
 # The patch's tests that pass without it too: they guard what it must keep (single-model salts, duck-typed
@@ -48,6 +49,8 @@ COMPAT_GUARDS = {
     "test_adapter_cache_salt.py::test_clients_without_adapter_versions_keep_the_global_version",
     "test_adapter_sync_prefix_cache_reset.py::test_dispatch_keeps_the_reset_for_tinker_samples",
     "test_adapter_sync_prefix_cache_reset.py::test_dispatch_keeps_the_reset_without_evidence_of_salting",
+    "test_megatron_adapter_seed.py::test_without_a_seed_the_adapter_is_the_pristine_copy",
+    "test_megatron_adapter_seed.py::test_dispatch_without_a_seed_sends_none",
 }
 
 CONFTEST = """import pathlib, skyrl, gpu_only_stubs
@@ -96,9 +99,10 @@ def patch_test_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
     patched = _skyrl_checkout(tmp_path_factory.mktemp("patched"))
-    _git_apply(patched, SALT_PATCH)
     unpatched = _skyrl_checkout(tmp_path_factory.mktemp("unpatched"))
-    _git_apply(unpatched, SALT_PATCH, "--include=tests/*")
+    for patch_file in PATCHES:  # in order: each applies on top of the ones before, and alone (see below)
+        _git_apply(patched, patch_file)
+        _git_apply(unpatched, patch_file, "--include=tests/*")
     shutil.copy(HERE / RUNTIME_CHECKS, unpatched)
     runs = {"patched": _start_pytest(patched, "tests"), "unpatched": _start_pytest(unpatched, "tests", RUNTIME_CHECKS)}
     return {name: _outcomes(*run) for name, run in runs.items()}
@@ -106,7 +110,7 @@ def patch_test_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[
 
 def test_every_patch_applies_to_the_installed_skyrl(tmp_path: Path) -> None:
     assert skyrl.__version__ == "0.4.0"
-    assert PATCHES == [SALT_PATCH]
+    assert PATCHES == [SALT_PATCH, SEED_PATCH]
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
     root = _skyrl_checkout(tmp_path)
@@ -131,7 +135,7 @@ def test_the_patch_tests_fail_on_the_unpatched_skyrl(patch_test_runs: dict[str, 
 def test_the_worker_form_on_skyrl_megatron_and_fsdp_workers(patch_test_runs: dict[str, dict[str, str]]) -> None:
     outcomes = {name: outcome for name, outcome in patch_test_runs["unpatched"].items()
                 if name.startswith(RUNTIME_CHECKS)}
-    assert len(outcomes) == 11
+    assert len(outcomes) == 12
     assert set(outcomes.values()) == {"passed"}, outcomes
 
 

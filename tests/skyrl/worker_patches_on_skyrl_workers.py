@@ -106,3 +106,25 @@ def test_without_the_flag_the_worker_resets_as_upstream() -> None:
     with patch("torch.distributed.get_rank", return_value=0), patch("torch.distributed.barrier"):
         asyncio.run(worker.broadcast_to_inference_engines(engines, cfg.generator.inference_engine, "tenant-a"))
     engines.reset_prefix_cache.assert_awaited_once_with(reset_running_requests=True)
+
+
+def test_seeded_adapters_compose_with_the_sync_form_on_the_megatron_worker() -> None:
+    """``with_seeded_tenant_adapters`` over patch 0001's form over SkyRL's real Megatron worker: its
+    ``register_adapter`` runs SkyRL's (``AdapterStore.create`` with the store's signature) first, and an id
+    without a seed (the KL reference) keeps the pristine adapter (no swap, no re-draw)."""
+    from unittest.mock import MagicMock
+
+    from skyrl.backends.skyrl_train.workers.megatron.megatron_worker import MegatronPolicyWorkerBase
+
+    from skyrl_clora.skyrl.megatron_seeding import with_seeded_tenant_adapters
+
+    cfg = _cfg(False, True)
+    cls = with_seeded_tenant_adapters(with_per_tenant_lora_sync(MegatronPolicyWorkerBase))
+    worker = cls(cfg=cfg.trainer, world_size=1, rank=0, local_rank=0, master_addr="localhost", master_port=12345,
+                 sequence_parallel_size=1)
+    worker.adapter_store = MagicMock(signature="signature")
+    worker.set_adapter_seeds({"tenant-a": 3})
+    worker.register_adapter("clora:reference")
+    worker.adapter_store.create.assert_called_once()
+    assert worker.adapter_store.create.call_args.args[0] == "clora:reference"
+    worker.adapter_store.swap_to.assert_not_called()

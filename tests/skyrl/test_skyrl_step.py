@@ -1,0 +1,206 @@
+"""backend=skyrl's training step is SkyRL's: the driver recomputes the behaviour log-probs through the policy
+worker's ``forward`` (not the sampler's), adds the KL reference's (the base: the adapter disabled) when
+``use_kl_loss`` is on, and checks the worker's reports of the step; ``trainer.step_style=tinker`` sends the
+sampler's log-probs instead."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
+from skyrl.backends.skyrl_train.utils.ppo_utils import compute_advantages_and_returns
+from skyrl.train.config import AlgorithmConfig
+from transformers import AutoModelForCausalLM
+
+from skyrl_clora.config import build_run_config
+from skyrl_clora.lora.peft_export import load_peft_adapter
+from skyrl_clora.main import compose_config
+from skyrl_clora.skyrl.config_translation import translate
+from skyrl_clora.skyrl.driver import SkyRLBackend, Tenant, training_input
+from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
+from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID
+from skyrl_clora.trainer.adapter_store import LRSchedule
+
+pytestmark = pytest.mark.usefixtures("without_production_extras")
+
+PROMPT = list(range(5, 25))
+
+
+def _output(rollout_shift: float) -> tuple[dict, list[str]]:
+    """Two GRPO groups of two episodes; the sampler's log-probs are ``rollout_shift`` (deliberately wrong)."""
+    responses = [[30, 31, 32, 2], [40, 41, 2], [50, 51, 52, 53, 2], [60, 2]]
+    return {
+        "prompt_token_ids": [PROMPT, PROMPT, PROMPT[:12], PROMPT[:12]], "response_ids": responses,
+        "loss_masks": [[1] * len(r) for r in responses], "rewards": [1.0, 0.0, 1.0, 0.0],
+        "rollout_logprobs": [[rollout_shift] * len(r) for r in responses],
+    }, ["g0", "g0", "g1", "g1"]
+
+
+def _direct_logprobs(model_dir: Path, adapter_dir: Path | None, data) -> torch.Tensor:
+    """The response log-probs ``[B, R]`` (right-aligned) of a plain HF forward per row, the adapter (if any)
+    merged into the base weights: independent of the trainer's LoRA layers and batching."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        adapter = load_peft_adapter(adapter_dir)
+        with torch.no_grad():
+            for path, a in adapter.a.items():
+                model.get_submodule(path).weight += adapter.scale * adapter.b[path] @ a
+    width = data.metadata["response_length"]
+    out = torch.zeros(data["sequences"].shape[0], width)
+    with torch.no_grad():
+        for i in range(out.shape[0]):
+            tokens = data["sequences"][i][data["attention_mask"][i].bool()]
+            logits = model(input_ids=tokens[None]).logits[0].float().log_softmax(-1)
+            scored = logits[:-1].gather(1, tokens[1:, None])[:, 0]
+            length = int(data["response_mask"][i].sum())
+            out[i, width - length:] = scored[-length:]
+    return out
+
+
+def test_driver_recomputes_log_probs_and_adds_the_base_as_kl_reference(micro_model_dir: Path, tmp_path: Path) -> None:
+    cfg = compose_config([
+        "backend=skyrl", f"model.path={micro_model_dir}", f"clora.output_dir={tmp_path}", "clora.progress=false",
+        "recipe.prompts_per_step=2", "recipe.samples_per_prompt=2", "recipe.max_input_length=120", "lora.rank=8",
+        "lora.alpha=16", "trainer.lr=5e-2", "trainer.algorithm.use_kl_loss=true", "trainer.algorithm.kl_loss_coef=0.5",
+    ])
+    run, plan = build_run_config(cfg), translate(cfg)
+    stack = build_stack(run, plan, str(micro_model_dir))
+    backend = SkyRLBackend(run, plan, stack)
+    spec = plan.tenants[0]
+    pad = stack.tokenizer.pad_token_id
+    algorithm = plan.base.trainer.algorithm
+    after_step_1 = tmp_path / "after_step_1"
+
+    async def steps() -> list:
+        await backend.register(spec)
+        results = []
+        for step in range(2):
+            data = training_input(*_output(rollout_shift=-9.0), pad, algorithm)
+            metrics = await asyncio.to_thread(backend._train, backend.tenants[spec.name], data)
+            await backend.publish(spec.name)
+            results.append((data, metrics))
+            if step == 0:  # the adapter the worker holds for step 2
+                shutil.copytree(Path(stack.sync_path) / spec.name, after_step_1)
+        return results
+
+    try:
+        (first, first_metrics), (second, second_metrics) = asyncio.run(steps())
+    finally:
+        asyncio.run(_close(stack))
+        stack.shutdown()
+    mask = second["response_mask"].bool()
+    # Step 2 scores with the adapter published after step 1 (what the worker then holds): a direct forward agrees.
+    trained = _direct_logprobs(micro_model_dir, after_step_1, second)
+    base = _direct_logprobs(micro_model_dir, None, second)
+    assert torch.allclose(second["action_log_probs"][mask], trained[mask], atol=1e-4)
+    assert torch.allclose(second["base_action_log_probs"][mask], base[mask], atol=1e-4)
+    assert (second["action_log_probs"][mask] - second["rollout_logprobs"][mask]).abs().min() > 1.0, \
+        "the sampler's (corrupted) log-probs must not be the behaviour log-probs"
+    assert (trained[mask] - base[mask]).abs().max() > 1e-3, "after an update the policy is no longer the base"
+    # Step 1: a fresh adapter (B = 0) is the base, so no KL; step 2: the policy moved, KL > 0.
+    assert torch.allclose(first["action_log_probs"][mask], first["base_action_log_probs"][mask], atol=1e-6)
+    assert first_metrics["policy_kl"] == pytest.approx(0.0, abs=1e-7) and second_metrics["policy_kl"] > 1e-6
+
+
+async def _close(stack) -> None:
+    for client in [stack.client, *stack.views.values()]:
+        await client.teardown()
+
+
+class _Dispatch:
+    """What ``SkyRLBackend._train`` calls on a ``WorkerDispatch``, recording the batch it trains on and answering
+    with the reports a worker would give (``policy_lr``: the LR its optimizer runs the step with)."""
+
+    LOGPROB = {"t": -0.5, REFERENCE_MODEL_ID: -1.5}  # what the policy forward scores under each adapter
+
+    def __init__(self, reported_lr: float, **algorithm: object) -> None:
+        self.cfg = SimpleNamespace(trainer=SimpleNamespace(algorithm=AlgorithmConfig(**{"use_kl_loss": False,
+                                                                                       **algorithm})))
+        self.reported_lr = reported_lr
+        self.trained = None
+        self.forwards: list[str] = []
+
+    def forward(self, model: str, data, model_id: str) -> WorkerOutput:
+        self.forwards.append(model_id)
+        width = data.metadata["response_length"]
+        rows = [{"logprobs": [self.LOGPROB[model_id]] * width}] * data["sequences"].shape[0]
+        return WorkerOutput(loss_fn_outputs=rows, metrics={})
+
+    def set_lr(self, model: str, lr: float, model_id: str) -> None:
+        pass
+
+    def forward_backward(self, model: str, data, model_id: str) -> WorkerOutput:
+        self.trained = data
+        return WorkerOutput(metrics={"policy_loss": 0.1, "policy_lr": self.reported_lr})
+
+    def optim_step(self, model: str, model_id: str) -> float:
+        return 2.0
+
+
+def _megatron_backend(step_style: str, tmp_path: Path) -> SkyRLBackend:
+    run = SimpleNamespace(trainer=SimpleNamespace(step_style=step_style))
+    stack = SkyRLStack(tokenizer=None, client=None, views={}, policy_group=None, strategy="megatron", sync_path="",
+                       owns_ray=False)
+    return SkyRLBackend(run, plan=None, stack=stack)
+
+
+@pytest.mark.parametrize("step_style", ["skyrl", "tinker"])
+def test_step_style_picks_the_behaviour_log_probs(step_style: str, tmp_path: Path) -> None:
+    backend = _megatron_backend(step_style, tmp_path)
+    dispatch = _Dispatch(reported_lr=1e-3)
+    tenant = Tenant(spec=SimpleNamespace(name="t"), dispatch=dispatch, generator=None, view=None, schedule=LRSchedule(1e-3))
+    data = training_input(*_output(rollout_shift=-9.0), 0, translate(compose_config(
+        ["backend=skyrl", f"model.path={tmp_path}"])).base.trainer.algorithm)
+    metrics = backend._train(tenant, data)
+    sent = dispatch.trained["action_log_probs"][dispatch.trained["response_mask"].bool()]
+    if step_style == "tinker":
+        assert dispatch.forwards == [] and torch.all(sent == -9.0)
+    else:
+        assert dispatch.forwards == ["t"] and torch.all(sent == -0.5)
+    assert metrics["lr"] == 1e-3 and metrics["grad_norm"] == 2.0
+    output, groups = _output(rollout_shift=-9.0)
+    without = training_input({**output, "rollout_logprobs": None}, groups, 0, dispatch.cfg.trainer.algorithm)
+    if step_style == "tinker":
+        with pytest.raises(RuntimeError, match="trainer.step_style=tinker needs the sampler's log-probs"):
+            backend._train(tenant, without)
+    else:
+        assert backend._train(tenant, without)["grad_norm"] == 2.0
+
+
+def test_a_step_the_worker_ran_with_another_lr_fails(tmp_path: Path) -> None:
+    """Megatron's step metrics are checked against the LR its optimizer reports, not the driver's own value."""
+    backend = _megatron_backend("skyrl", tmp_path)
+    dispatch = _Dispatch(reported_lr=3e-3)  # e.g. another tenant's LR left in the optimizer
+    tenant = Tenant(spec=SimpleNamespace(name="t"), dispatch=dispatch, generator=None, view=None, schedule=LRSchedule(1e-3))
+    data = training_input(*_output(rollout_shift=-9.0), 0, translate(compose_config(
+        ["backend=skyrl", f"model.path={tmp_path}"])).base.trainer.algorithm)
+    with pytest.raises(RuntimeError, match="the worker reports .*policy_lr.*0.003"):
+        backend._train(tenant, data)
+
+
+def test_kl_in_reward_penalises_the_rewards_before_the_advantages(tmp_path: Path) -> None:
+    """``use_kl_in_reward``: the rewards sent lose ``kl * kl_loss_coef`` per trained token (k1: policy - base = 1.0
+    here) and the advantages are SkyRL's of those rewards; the step reports SkyRL's ``avg_kl``."""
+    backend = _megatron_backend("skyrl", tmp_path)
+    dispatch = _Dispatch(reported_lr=1e-3, use_kl_in_reward=True, kl_loss_coef=0.25, kl_estimator_type="k1")
+    tenant = Tenant(spec=SimpleNamespace(name="t"), dispatch=dispatch, generator=None, view=None, schedule=LRSchedule(1e-3))
+    algorithm = dispatch.cfg.trainer.algorithm
+    output, groups = _output(rollout_shift=-9.0)
+    output["rewards"] = [1.0, 1.0, 0.0, 0.0]  # equal within each group: zero advantages without the penalty
+    data = training_input(output, groups, 0, algorithm)
+    before = data["rewards"].clone()
+    metrics = backend._train(tenant, data)
+    sent = dispatch.trained
+    assert dispatch.forwards == ["t", REFERENCE_MODEL_ID]
+    assert torch.allclose(sent["rewards"], before - 0.25 * sent["loss_mask"])
+    expected, _ = compute_advantages_and_returns(
+        token_level_rewards=sent["rewards"], response_mask=sent["response_mask"], index=groups,
+        adv_estimator=algorithm.advantage_estimator, config=algorithm, values=None, gamma=algorithm.gamma,
+        lambd=algorithm.lambd, grpo_norm_by_std=algorithm.grpo_norm_by_std)
+    assert torch.equal(sent["advantages"], expected) and sent["advantages"].abs().sum() > 0
+    assert metrics["avg_kl"] == pytest.approx(1.0)
