@@ -6,24 +6,15 @@ import random
 
 import pytest
 
+from benchmarks.planner import small_case
 from skyrl_clora.placement.planner import TenantCost, makespan, optimal_assignment, plan_assignment
-
-
-def _case(rng: random.Random) -> tuple[list[TenantCost], int, int]:
-    """Tenants whose costs spread like mixed experiments (lognormal: a few long ones), 2-3 replicas, and a
-    per-replica limit that sometimes binds."""
-    count = rng.randint(2, 8)
-    replicas = rng.randint(2, 3)
-    capacity = rng.randint(-(-count // replicas), count)
-    tenants = [TenantCost(f"t{i}", round(rng.lognormvariate(0.0, 0.8), 3)) for i in range(count)]
-    return tenants, replicas, capacity
 
 
 def test_the_plan_is_within_5_percent_of_the_optimal_makespan_on_small_cases() -> None:
     rng = random.Random(0)
     ratios = []
     for _ in range(300):
-        tenants, replicas, capacity = _case(rng)
+        tenants, replicas, capacity = small_case(rng)
         plan = plan_assignment(tenants, replicas, capacity)
         costs = {t.name: t.work for t in tenants}
         assert sorted(name for names in plan for name in names) == sorted(costs), "every tenant placed once"
