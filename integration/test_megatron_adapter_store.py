@@ -60,9 +60,9 @@ def _logprobs(dispatch: WorkerDispatch, data, tenant: str) -> list[torch.Tensor]
 
 def test_two_tenants_through_the_megatron_adapter_store(model_path: str, tmp_path: Path) -> None:
     cfg = compose_config([
-        "backend=skyrl", f"model.path={model_path}", f"clora.output_dir={tmp_path}", "backend.strategy=megatron",
-        "backend.inference_backend=embedded", "backend.policy_num_gpus_per_node=2", "lora.rank=8", "lora.alpha=16",
-        "+tenants=[{lr:1e-4},{lr:2e-5}]", "recipe.prompts_per_step=2", "recipe.samples_per_prompt=2",
+        "backend=skyrl", f"trainer.policy.model.path={model_path}", f"clora.output_dir={tmp_path}", "backend.strategy=megatron",
+        "backend.inference_backend=embedded", "trainer.placement.policy_num_gpus_per_node=2", "trainer.policy.model.lora.rank=8", "trainer.policy.model.lora.alpha=16",
+        "+tenants=[{lr:1e-4},{lr:2e-5}]", "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2",
     ])
     run, plan = build_run_config(cfg), translate(cfg, model_path=model_path)
     assert plan.strategy == "megatron" and plan.inference_backend == "embedded"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, get_type_hints
@@ -37,13 +37,14 @@ PACK_POLICIES = ("ready", "lockstep")  # trainer.pack_policy: see conf/config.ya
 
 @dataclass(frozen=True)
 class RecipeConfig:
-    """The keys every recipe has; ``options`` is the recipe's own keys, an instance of its plugin's
+    """The keys every recipe has (SkyRL's where SkyRL has one: :data:`RECIPE_KEYS`); ``name`` is the recipe folder
+    serving ``env_class``; ``options`` is the recipe's own keys under ``recipe.``, an instance of its plugin's
     ``options_type`` (see ``recipes.plugin.Recipe``)."""
 
     name: str
     env_class: str
-    train_data: str | None
-    val_data: str | None
+    train_data: tuple[str, ...]
+    val_data: tuple[str, ...]
     task_variant: str
     prompts_per_step: int
     samples_per_prompt: int
@@ -56,13 +57,23 @@ class RecipeConfig:
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "samples_per_prompt", "max_turns", "max_generate_length", "max_input_length"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"recipe.{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{RECIPE_KEYS[name]} must be >= 1, got {getattr(self, name)}")
         if self.eval_prompts < 0:
             raise ConfigError(f"recipe.eval_prompts must be >= 0, got {self.eval_prompts}")
         for name in ("train_data", "val_data"):
-            value = getattr(self, name)
-            if value is not None and not Path(value).exists():
-                raise ConfigError(f"recipe.{name}={value} does not exist; point it at an existing file or folder")
+            for path in getattr(self, name):
+                if not Path(path).exists():
+                    raise ConfigError(f"{RECIPE_KEYS[name]}: {path} does not exist; point it at an existing file")
+
+
+RECIPE_KEYS = {
+    "env_class": "environment.env_class", "train_data": "data.train_data", "val_data": "data.val_data",
+    "task_variant": "recipe.task_variant", "prompts_per_step": "trainer.train_batch_size",
+    "samples_per_prompt": "generator.n_samples_per_prompt", "eval_prompts": "recipe.eval_prompts",
+    "max_turns": "generator.max_turns", "max_generate_length": "generator.sampling_params.max_generate_length",
+    "max_input_length": "generator.max_input_length",
+}
+""":class:`RecipeConfig`'s fields and the keys they are read from."""
 
 
 @dataclass(frozen=True)
@@ -73,12 +84,21 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         if self.max_rank < 1:
-            raise ConfigError(f"lora.max_rank must be >= 1, got {self.max_rank}")
+            raise ConfigError(f"sampler.max_lora_rank must be >= 1, got {self.max_rank}")
+
+
+def algorithm_config(algorithm: dict[str, Any]) -> Any:
+    """SkyRL's ``AlgorithmConfig`` built from ``trainer.algorithm`` (nested configs included)."""
+    from skyrl.train.config import AlgorithmConfig
+    from skyrl.train.config.config import build_nested_dataclass
+
+    return build_nested_dataclass(AlgorithmConfig, algorithm)
 
 
 def check_algorithm(algorithm: dict[str, Any]) -> None:
     """``trainer.algorithm`` as SkyRL's ``AlgorithmConfig`` takes it, with an advantage estimator and a policy loss
-    that SkyRL's registries hold (a custom one registered before the run counts); else a :class:`ConfigError`."""
+    that SkyRL's registries hold (a custom one registered before the run counts), and no KL term (the tenants'
+    step computes none); else a :class:`ConfigError`."""
     from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
     from skyrl.train.config import AlgorithmConfig
 
@@ -87,9 +107,12 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
         hint = hints.get(key)
         if hint in (int, float, bool, str) or hint in (int | None, float | None, bool | None, str | None):
             checked(value, hint, f"trainer.algorithm.{key}")
+    for key in ("use_kl_loss", "use_kl_in_reward"):
+        if algorithm.get(key):
+            raise ConfigError(f"trainer.algorithm.{key}=true: the tenants' step has no KL term yet; set it to false")
     try:
-        AlgorithmConfig(**algorithm, use_kl_loss=False)
-    except (TypeError, ValueError) as error:
+        algorithm_config(algorithm)
+    except (TypeError, ValueError, AssertionError) as error:
         raise ConfigError(f"trainer.algorithm: {str(error).splitlines()[0]}") from None
     for key, registry in (("advantage_estimator", AdvantageEstimatorRegistry), ("policy_loss_type", PolicyLossRegistry)):
         available = registry.list_available()
@@ -98,12 +121,31 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
                               f"{', '.join(sorted(available))} (or register yours with SkyRL before the run)")
 
 
+SCHEDULERS = {"constant_with_warmup": "constant", "constant": "constant", "cosine": "cosine"}
+"""SkyRL's ``trainer.policy.optimizer_config.scheduler`` values the trainers implement, and their schedule."""
+
+TRAINER_KEYS = {
+    "lr": "trainer.policy.optimizer_config.lr", "lr_schedule": "trainer.policy.optimizer_config.scheduler",
+    "warmup_steps": "trainer.policy.optimizer_config.num_warmup_steps",
+    "weight_decay": "trainer.policy.optimizer_config.weight_decay",
+    "max_grad_norm": "trainer.policy.optimizer_config.max_grad_norm",
+    "micro_batch_size": "trainer.micro_train_batch_size_per_gpu", "algorithm": "trainer.algorithm",
+    **{name: f"trainer.{name}" for name in (
+        "max_tokens_per_microbatch", "ckpt_interval", "ckpt_path", "max_ckpts_to_keep", "resume_mode", "resume_path",
+        "logger", "project_name", "run_name", "eval_interval", "eval_before_train", "pack_size", "pack_policy",
+        "shared_prompts", "sm_carveout", "overlap_sampling", "pause_sampling_rows")},
+}
+""":class:`TrainerConfig`'s fields and the keys they are read from."""
+
 # SkyRL's Tracking backends that trainer.logger takes (mlflow and swanlab need servers or accounts).
 LOGGERS = ("console", "tensorboard", "wandb")
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
+    """The trainer's settings, read from SkyRL's keys where SkyRL has one (:data:`TRAINER_KEYS`) and from the
+    plugin's own ``trainer.`` keys otherwise."""
+
     lr: float
     lr_schedule: str
     warmup_steps: int
@@ -126,6 +168,8 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=list)
     project_name: str = "skyrl-clora"
     run_name: str | None = None
+    eval_interval: int = 5
+    eval_before_train: bool = True
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.logger) - set(LOGGERS))
@@ -146,17 +190,18 @@ class TrainerConfig:
         check_algorithm(self.algorithm)
         if self.max_tokens_per_microbatch == 0 or self.max_tokens_per_microbatch < -1:
             raise ConfigError(f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} must be -1 (micro-batches "
-                              "of trainer.micro_batch_size rows) or a positive token count")
+                              "of trainer.micro_train_batch_size_per_gpu rows) or a positive token count")
         if not 0 <= self.sm_carveout < 128:
             raise ConfigError(f"trainer.sm_carveout={self.sm_carveout} must be in [0, 128) (SMs left free; 0: none)")
         if self.pack_policy not in PACK_POLICIES:
             raise ConfigError(f"trainer.pack_policy={self.pack_policy} is unknown; use {' or '.join(PACK_POLICIES)}")
         if self.pack_size < 0:
             raise ConfigError(f"trainer.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ConfigError(f"trainer.lr_schedule={self.lr_schedule} is unknown; use constant or cosine")
+        if self.lr_schedule not in SCHEDULERS.values():
+            raise ConfigError(f"trainer.policy.optimizer_config.scheduler={self.lr_schedule} is unknown; use "
+                              f"{' or '.join(SCHEDULERS)}")
         if self.micro_batch_size < 1:
-            raise ConfigError(f"trainer.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+            raise ConfigError(f"trainer.micro_train_batch_size_per_gpu must be >= 1, got {self.micro_batch_size}")
 
 
 @dataclass(frozen=True)
@@ -179,7 +224,7 @@ class SamplerConfig:
         if not 0 < self.gpu_memory_utilization < 1:
             raise ConfigError(f"sampler.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1)")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError("sampler.temperature must be >= 0 and sampler.top_p in (0, 1]")
+            raise ConfigError("generator.sampling_params.temperature must be >= 0 and generator.sampling_params.top_p in (0, 1]")
         if self.prefill_block < 16 or self.prefill_block % 16:
             raise ConfigError(f"sampler.prefill_block={self.prefill_block} must be a positive multiple of 16")
         if self.max_rows < 0:
@@ -192,11 +237,14 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything one run needs. ``tenants`` is expanded from ``+tenants=N`` or a list of overrides."""
+    """Everything one run needs. ``tenants`` is expanded from ``+tenants=N`` or a list of overrides. ``steps`` (RL
+    steps per tenant) is 0 until :func:`plan_steps` derives it from the training data, as SkyRL does from
+    ``trainer.epochs`` and ``trainer.max_training_steps``."""
 
     mode: str
     train_mode: str
-    steps: int
+    epochs: int
+    max_training_steps: int | None
     seed: int
     output_dir: Path
     progress: bool
@@ -213,6 +261,7 @@ class RunConfig:
     identity: dict[str, Any]
     max_tenants: int = 0
     control: bool = True
+    steps: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("concurrent", "serial"):
@@ -229,8 +278,10 @@ class RunConfig:
         if self.trainer.overlap_sampling is False and self.backend != "embedded":
             raise ConfigError("trainer.overlap_sampling=false needs backend=embedded (backend=skyrl's servers keep sampling); "
                               "remove the override")
-        if self.steps < 1:
-            raise ConfigError(f"clora.steps must be >= 1, got {self.steps}")
+        if self.epochs < 1:
+            raise ConfigError(f"trainer.epochs must be >= 1, got {self.epochs}")
+        if self.max_training_steps is not None and self.max_training_steps < 1:
+            raise ConfigError(f"trainer.max_training_steps must be >= 1 (or null), got {self.max_training_steps}")
         if self.max_tenants < 0:
             raise ConfigError(f"clora.max_tenants={self.max_tenants} must be >= 0 (0: the tenants the run starts with)")
         if self.backend not in ("embedded", "skyrl"):
@@ -240,7 +291,8 @@ class RunConfig:
         if self.model_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"model.dtype={self.model_dtype} is unknown; use auto, float32, bfloat16 or float16")
         if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
-            raise ConfigError(f"model.path={self.model_path} is not a Hugging Face model folder (no config.json); fix the path")
+            raise ConfigError(f"trainer.policy.model.path={self.model_path} is not a Hugging Face model folder (no "
+                              "config.json); fix the path")
         if self.model_path is None:
             from skyrl_clora.recipes.plugin import load_corpus
 
@@ -248,8 +300,8 @@ class RunConfig:
         for spec in self.tenants:
             if spec.rank > self.lora.max_rank:
                 raise ConfigError(
-                    f"tenant {spec.name} has lora rank {spec.rank} > lora.max_rank={self.lora.max_rank}; "
-                    "lower its rank or raise lora.max_rank"
+                    f"tenant {spec.name} has lora rank {spec.rank} > sampler.max_lora_rank={self.lora.max_rank}; "
+                    "lower its rank or raise sampler.max_lora_rank"
                 )
         _check_writable(self.output_dir)
 
@@ -299,19 +351,100 @@ def typed_dataclass(cls: type, values: dict[str, Any], prefix: str, valid: set[s
         raise ConfigError(f"{prefix}: {error}") from None
 
 
-def recipe_config(node: DictConfig) -> RecipeConfig:
-    """The ``recipe`` group as a :class:`RecipeConfig`: the keys every recipe has, and the rest as the options
-    of the recipe that ``recipe.name`` selects (an unknown name is a :class:`ConfigError` listing the recipes)."""
-    from skyrl_clora.recipes.plugin import load_recipe
+def read_keys(cfg: DictConfig, keys: dict[str, str]) -> dict[str, Any]:
+    """``{field: value of key}`` for each ``field: key`` of ``keys`` present in ``cfg``."""
+    values = {}
+    for name, key in keys.items():
+        value = OmegaConf.select(cfg, key, default=_ABSENT)
+        if value is not _ABSENT:
+            values[name] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return values
 
-    values = OmegaConf.to_container(node, resolve=True)
-    options_type = load_recipe(str(values.get("name"))).options_type
-    common = {f.name for f in fields(RecipeConfig)} - {"options"}
-    own = {f.name for f in fields(options_type)}
-    valid = common | own
-    options = typed_dataclass(options_type, {k: v for k, v in values.items() if k not in common}, "recipe", valid)
-    return typed_dataclass(RecipeConfig, {k: v for k, v in values.items() if k in common}, "recipe", valid,
-                           options=options)
+
+_ABSENT = object()
+
+
+def typed_fields(cls: type, values: dict[str, Any], keys: dict[str, str], **built: Any) -> Any:
+    """``cls(**values, **built)``, each value checked against its field's type and named by its key in ``keys``
+    in errors (every problem, one line each)."""
+    hints = get_type_hints(cls)
+    typed, problems = {}, []
+    for name, value in values.items():
+        try:
+            typed[name] = checked(value, hints[name], keys[name])
+        except ConfigError as error:
+            problems.append(str(error))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    try:
+        return cls(**typed, **built)
+    except TypeError as error:
+        raise ConfigError(f"{cls.__name__}: {error}") from None
+
+
+def _paths(value: Any, key: str) -> tuple[str, ...]:
+    """SkyRL's data list (a path or a list of paths; null or [] for none), user-expanded."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(path, str) for path in value):
+        raise ConfigError(f"{key}={value!r} must be a list of parquet files, e.g. {key}=['~/data/gsm8k/train.parquet']")
+    return tuple(os.path.expanduser(path) for path in value)
+
+
+def recipe_config(cfg: DictConfig) -> RecipeConfig:
+    """The recipe's keys (:data:`RECIPE_KEYS`) as a :class:`RecipeConfig`, for the recipe serving
+    ``environment.env_class`` (none: a :class:`ConfigError` listing the env classes served); the rest of the
+    ``recipe`` node is that recipe's options."""
+    from skyrl_clora.recipes.plugin import load_recipe, recipe_for_env
+
+    values = read_keys(cfg, RECIPE_KEYS)
+    if values["max_input_length"] is None:  # SkyRL's default: the prompt length bound
+        values["max_input_length"] = cfg.trainer.max_prompt_length
+    name = recipe_for_env(str(values["env_class"]))
+    for field_name in ("train_data", "val_data"):
+        values[field_name] = _paths(values[field_name], RECIPE_KEYS[field_name])
+    options_type = load_recipe(name).options_type
+    own = OmegaConf.to_container(cfg.recipe, resolve=True)
+    common = {"task_variant", "eval_prompts"}
+    options = typed_dataclass(options_type, {k: v for k, v in own.items() if k not in common}, "recipe",
+                              common | {f.name for f in fields(options_type)})
+    return typed_fields(RecipeConfig, values, RECIPE_KEYS, name=name, options=options)
+
+
+def trainer_config(cfg: DictConfig) -> TrainerConfig:
+    """:data:`TRAINER_KEYS` as a :class:`TrainerConfig`; SkyRL's ``trainer.logger`` may be one name or a list,
+    its ``trainer.resume_mode`` null (none), its scheduler one of :data:`SCHEDULERS`."""
+    values = read_keys(cfg, TRAINER_KEYS)
+    if isinstance(values.get("logger"), str):
+        values["logger"] = [values["logger"]]
+    if values.get("resume_mode", "") is None:
+        values["resume_mode"] = "none"
+    scheduler = values["lr_schedule"]
+    if scheduler not in SCHEDULERS:
+        raise ConfigError(f"trainer.policy.optimizer_config.scheduler={scheduler} is not implemented here; use "
+                          f"{' or '.join(SCHEDULERS)}")
+    values["lr_schedule"] = SCHEDULERS[scheduler]
+    temperature = cfg.generator.sampling_params.temperature
+    if values["algorithm"].get("temperature") is None and isinstance(temperature, (int, float)):
+        values["algorithm"]["temperature"] = temperature  # as SkyRL's SkyRLTrainConfig.__post_init__ does
+    return typed_fields(TrainerConfig, values, TRAINER_KEYS)
+
+
+def lora_config(cfg: DictConfig) -> LoraConfig:
+    keys = {"rank": "trainer.policy.model.lora.rank", "alpha": "trainer.policy.model.lora.alpha",
+            "max_rank": "sampler.max_lora_rank"}
+    return typed_fields(LoraConfig, read_keys(cfg, keys), keys)
+
+
+def sampler_config(cfg: DictConfig) -> SamplerConfig:
+    keys = {"temperature": "generator.sampling_params.temperature", "top_p": "generator.sampling_params.top_p",
+            **{f.name: f"sampler.{f.name}" for f in fields(SamplerConfig) if f.name not in ("temperature", "top_p")}}
+    own = set(OmegaConf.to_container(cfg.sampler)) - {key.split(".", 1)[1] for key in keys.values()} - {"max_lora_rank"}
+    if own:
+        raise ConfigError(f"unknown key sampler.{sorted(own)[0]}; see python -m skyrl_clora.main --help")
+    return typed_fields(SamplerConfig, read_keys(cfg, keys), keys)
 
 
 def tenant_specs(cfg: DictConfig, lora: LoraConfig, trainer: TrainerConfig, recipe: RecipeConfig) -> list[TenantSpec]:
@@ -320,7 +453,8 @@ def tenant_specs(cfg: DictConfig, lora: LoraConfig, trainer: TrainerConfig, reci
     if OmegaConf.is_config(value):
         value = OmegaConf.to_container(value, resolve=True)
     try:
-        return expand_tenants(value, **tenant_defaults(checked(cfg.clora.seed, int, "clora.seed"), lora, trainer, recipe))
+        seed = checked(cfg.trainer.seed, int, "trainer.seed")
+        return expand_tenants(value, **tenant_defaults(seed, lora, trainer, recipe))
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
@@ -365,8 +499,9 @@ def run_identity(cfg: DictConfig, tenants: list[TenantSpec]) -> dict[str, Any]:
 
 
 def build_run_config(cfg: DictConfig) -> RunConfig:
-    """Validates the composed Hydra config and returns the run's :class:`RunConfig`. The groups are checked
-    independently and every group's problem is reported at once: a :class:`ConfigError` of one line per problem."""
+    """Validates the composed Hydra config and returns the run's :class:`RunConfig` (``steps`` still 0: see
+    :func:`plan_steps`). The groups are checked independently and every group's problem is reported at once: a
+    :class:`ConfigError` of one line per problem."""
     problems: list[str] = []
 
     def section(build: Callable[[], Any]) -> Any:
@@ -377,12 +512,14 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
             return None
 
     clora = cfg.clora
-    lora = section(lambda: config_section(LoraConfig, cfg.lora, "lora"))
-    trainer = section(lambda: config_section(TrainerConfig, cfg.trainer, "trainer"))
-    recipe = section(lambda: recipe_config(cfg.recipe))
-    sampler = section(lambda: config_section(SamplerConfig, cfg.sampler, "sampler"))
+    lora = section(lambda: lora_config(cfg))
+    trainer = section(lambda: trainer_config(cfg))
+    recipe = section(lambda: recipe_config(cfg))
+    sampler = section(lambda: sampler_config(cfg))
     scalars = section(lambda: {
-        "steps": checked(clora.steps, int, "clora.steps"), "seed": checked(clora.seed, int, "clora.seed"),
+        "epochs": checked(cfg.trainer.epochs, int, "trainer.epochs"),
+        "max_training_steps": checked(cfg.trainer.max_training_steps, int | None, "trainer.max_training_steps"),
+        "seed": checked(cfg.trainer.seed, int, "trainer.seed"),
         "progress": checked(clora.progress, bool, "clora.progress"),
         "max_tenants": checked(clora.max_tenants, int, "clora.max_tenants"),
         "control": checked(clora.control, bool, "clora.control"),
@@ -390,10 +527,38 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
     if problems:
         raise ConfigError("\n".join(problems))
     tenants = tenant_specs(cfg, lora, trainer, recipe)
+    model_path = cfg.trainer.policy.model.path
     return RunConfig(
         mode=str(clora.mode), train_mode=str(clora.train_mode), output_dir=Path(os.path.expanduser(str(clora.output_dir))),
         device=str(clora.device), backend=str(cfg.backend.name),
-        model_path=None if cfg.model.path is None else os.path.expanduser(str(cfg.model.path)),
-        model_dtype=str(cfg.model.dtype), model_corpus=str(cfg.model.corpus), recipe=recipe, lora=lora, trainer=trainer,
-        sampler=sampler, tenants=tuple(tenants), identity=run_identity(cfg, tenants), **scalars,
+        model_path=None if model_path is None else os.path.expanduser(str(model_path)),
+        model_dtype=str(cfg.model.dtype), model_corpus=model_corpus(cfg.model.corpus, recipe), recipe=recipe,
+        lora=lora, trainer=trainer, sampler=sampler, tenants=tuple(tenants), identity=run_identity(cfg, tenants),
+        **scalars,
     )
+
+
+def model_corpus(corpus: str | None, recipe: RecipeConfig) -> str:
+    """``model.corpus``, or when null the run's recipe if it offers a pre-training corpus, else ``gsm8k``."""
+    if corpus is not None:
+        return str(corpus)
+    from skyrl_clora.recipes.plugin import load_recipe
+
+    return recipe.name if hasattr(load_recipe(recipe.name), "pretraining_episodes") else "gsm8k"
+
+
+def planned_steps(epochs: int, max_training_steps: int | None, train_rows: int, batch_size: int) -> int:
+    """SkyRL's step count: ``epochs`` passes of ``train_rows // batch_size`` steps (its dataloader drops the last
+    partial batch), at most ``max_training_steps``; a :class:`ConfigError` when that is no step."""
+    steps = epochs * (train_rows // batch_size)
+    if max_training_steps is not None:
+        steps = min(steps, max_training_steps)
+    if steps < 1:
+        raise ConfigError(f"the training data holds {train_rows} rows, fewer than trainer.train_batch_size={batch_size}; "
+                          "lower trainer.train_batch_size or add rows to data.train_data")
+    return steps
+
+
+def plan_steps(run: RunConfig, train_rows: int) -> RunConfig:
+    """``run`` with its RL steps per tenant (:func:`planned_steps`) for a training set of ``train_rows`` rows."""
+    return replace(run, steps=planned_steps(run.epochs, run.max_training_steps, train_rows, run.recipe.prompts_per_step))

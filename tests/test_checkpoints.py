@@ -212,9 +212,9 @@ def test_a_used_output_folder_takes_only_its_own_run(learning_model_dir: Path, t
     assert main(args) == 0
     before = _listing(tmp_path)
     capsys.readouterr()
-    assert main([*args, "recipe.max_generate_length=9"]) == 2
+    assert main([*args, "generator.sampling_params.max_generate_length=9"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: clora.output_dir={tmp_path} holds a run whose config differs in recipe.max_generate_length; ")
+    assert err.startswith(f"error: clora.output_dir={tmp_path} holds a run whose config differs in generator.sampling_params.max_generate_length; ")
     assert len(err.splitlines()) == 1
     assert main([*args, "trainer.resume_mode=none"]) == 2
     assert "holds a run; resume it (trainer.resume_mode=latest) or choose a new clora.output_dir" in capsys.readouterr().err
@@ -225,8 +225,8 @@ def test_a_used_output_folder_takes_only_its_own_run(learning_model_dir: Path, t
     elsewhere = tmp_path / "elsewhere"
     from_path = ["trainer.resume_mode=from_path", f"trainer.resume_path={tmp_path / 'checkpoints'}"]
     moved = run_args(learning_model_dir, elsewhere, micro_tenants(*TENANTS[:2]), *from_path, steps=2)
-    assert main([*moved, "trainer.lr=0.01"]) == 2
-    assert "tenant a's checkpoints were written by a run whose config differs in tenants.a, trainer.lr" in capsys.readouterr().err
+    assert main([*moved, "trainer.policy.optimizer_config.lr=0.01"]) == 2
+    assert "tenant a's checkpoints were written by a run whose config differs in tenants.a, trainer.policy.optimizer_config.lr" in capsys.readouterr().err
     assert main(moved) == 0  # the checkpoints continue in another folder: finished there too
     assert {name: [r for r in read_records(elsewhere) if r["tenant"] == name] for name in ("a", "b")} == records
     for name in ("a", "b"):
