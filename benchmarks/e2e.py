@@ -44,7 +44,7 @@ import torch
 from benchmarks.common import QWEN3_VOCAB, write_random_model
 from benchmarks.workloads import Lengths, counter_rng, length_summary, parse_lengths
 
-from skyrl_clora.config import build_run_config
+from skyrl_clora.config_build import build_run_config, plan_steps
 from skyrl_clora.main import compose_config
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.sampler.engine_stats import EngineStats
@@ -117,7 +117,7 @@ def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: in
         f"trainer.max_tokens_per_microbatch={workload.max_tokens_per_microbatch}", "trainer.policy.model.lora.rank=16", "sampler.max_lora_rank=16",
         *workload.overrides,
     ]
-    return build_run_config(compose_config(overrides))
+    return plan_steps(build_run_config(compose_config(overrides)), workload.steps * workload.prompts)
 
 
 async def episode(services: Services, tenant: str, seed: int, step: int, index: int, prompt: list[int],

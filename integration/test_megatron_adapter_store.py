@@ -25,7 +25,7 @@ import torch
 from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 
 from gpu_node import requires
-from skyrl_clora.config import build_run_config
+from skyrl_clora.config_build import build_run_config
 from skyrl_clora.main import compose_config
 from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.skyrl.config_translation import translate

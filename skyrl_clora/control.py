@@ -20,7 +20,8 @@ from typing import Any
 from aiohttp import web
 
 from skyrl_clora.checkpoints import TenantCheckpoint, read_live_tenants, write_live_tenants
-from skyrl_clora.config import ConfigError, RunConfig, tenant_defaults
+from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.config_build import tenant_defaults
 from skyrl_clora.metrics import MetricsLog
 from skyrl_clora.recipes.plugin import TaskSource, build_task_sources
 from skyrl_clora.tenant_loop import TenantBackend, TenantPool

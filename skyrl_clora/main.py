@@ -97,7 +97,7 @@ def _unknown_key_message(key: str, overrides: list[str]) -> str:
     """One line for an override of a key the config does not have: the closest valid keys."""
     import difflib
 
-    from skyrl_clora.config import flat_config
+    from skyrl_clora.config_build import flat_config
 
     groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
     known = list(flat_config(compose_config([o for o in overrides if o.split("=", 1)[0] in groups])))
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from skyrl_clora.checkpoints import claim_output_dir
-    from skyrl_clora.config import ConfigError, build_run_config, plan_steps
+    from skyrl_clora.config import ConfigError
+    from skyrl_clora.config_build import build_run_config, plan_steps
     from skyrl_clora.config_keys import check_embedded_keys
     from skyrl_clora.recipes.plugin import build_task_sources, load_recipe
 

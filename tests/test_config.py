@@ -11,7 +11,7 @@ import yaml
 
 from omegaconf import OmegaConf
 
-from skyrl_clora.config import build_run_config
+from skyrl_clora.config_build import build_run_config
 from skyrl_clora.help import is_global
 from skyrl_clora.main import CONF_DIR, compose_config, main
 from skyrl_clora.tenants import expand_tenants

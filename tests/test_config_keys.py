@@ -11,7 +11,8 @@ from typing import Any, Callable
 import pytest
 from omegaconf import OmegaConf
 
-from skyrl_clora.config import ConfigError, build_run_config
+from skyrl_clora.config import ConfigError
+from skyrl_clora.config_build import build_run_config
 from skyrl_clora.config_keys import (
     DOC_HEADER, HONOURED, IGNORED, KEY_RULES, REFUSED, SKYRL_SET, check_embedded_keys, mapping_table, rule_for,
 )

@@ -41,7 +41,8 @@ from skyrl.train.config import SkyRLTrainConfig
 from skyrl.train.config.config import build_nested_dataclass
 from skyrl.train.utils.utils import validate_cfg
 
-from skyrl_clora.config import ConfigError, TrainerConfig, lora_config, recipe_config, tenant_specs, trainer_config
+from skyrl_clora.config import ConfigError, TrainerConfig
+from skyrl_clora.config_build import lora_config, recipe_config, tenant_specs, trainer_config
 from skyrl_clora.config_keys import PLUGIN_TRAINER_KEYS, SKYRL_GROUPS
 from skyrl_clora.recipes.plugin import load_recipe
 from skyrl_clora.tenants import TenantSpec

@@ -151,7 +151,7 @@ def test_train_modes_end_to_end(train_mode: str, overlap: str, learning_model_di
 @pytest.mark.parametrize("overlap, paused", [("null", False), ("true", False), ("false", True)])
 def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: Path, tmp_path: Path, overlap: str,
                                                               paused: bool) -> None:
-    from skyrl_clora.config import build_run_config
+    from skyrl_clora.config_build import build_run_config
     from skyrl_clora.main import compose_config
     from skyrl_clora.services import build_services
 
@@ -164,7 +164,7 @@ def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: 
 
 
 def test_unknown_train_mode_is_a_one_line_config_error(micro_model_dir: Path, tmp_path: Path) -> None:
-    from skyrl_clora.config import build_run_config
+    from skyrl_clora.config_build import build_run_config
     from skyrl_clora.main import compose_config
 
     with pytest.raises(ConfigError, match=r"clora.train_mode=fused is unknown; use swap or packed"):
