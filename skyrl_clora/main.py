@@ -33,9 +33,12 @@ Runs N RL experiments ("tenants") of one SkyRL recipe on one shared base model, 
 LoRA adapter. Overrides use Hydra syntax (key=value; +key=value adds a key).
 
 Tenants:
-  +tenants=N                       N tenants (seeds clora.seed + i); default 1
+  +tenants=N                       N tenants (seeds trainer.seed + i); default 1
   +tenants=[{{lr:1e-3}},{{seed:7,rank:8}}]  one tenant per entry; per-tenant keys:
                                    {overridable}
+                                   (a tenant's trainer.seed, trainer.policy.optimizer_config.lr,
+                                   trainer.policy.model.lora.rank/alpha, recipe.task_variant,
+                                   generator.n_samples_per_prompt and environment.env_class)
 
 Config groups (choose one of each):
 {groups}

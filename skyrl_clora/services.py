@@ -90,7 +90,7 @@ def check_model_folder(path: str) -> None:
 
 
 def resolve_model_path(run: RunConfig) -> str:
-    """The base model folder: ``model.path`` or the tiny pre-trained base (built and cached on first use)."""
+    """The base model folder: ``trainer.policy.model.path`` or the tiny pre-trained base (built and cached on first use)."""
     if run.model_path is not None:
         return run.model_path
     from skyrl_clora.tiny_base.pretrain import TinyBaseRecipe, ensure_tiny_base, tiny_base_path
