@@ -49,7 +49,8 @@ class KeyRule:
     accepts: Callable[[Any, DictConfig], bool] | None = None
 
     def matches(self, key: str) -> bool:
-        return key == self.key or (self.key.endswith(".*") and key.startswith(self.key[:-1]))
+        """``key`` is the rule's key, or under its ``prefix.*``, or starts with its ``prefix_*``."""
+        return key == self.key or (self.key.endswith("*") and key.startswith(self.key[:-1]))
 
 
 def _equals(expected: Any) -> Callable[[Any, DictConfig], bool]:
@@ -114,7 +115,21 @@ KEY_RULES: tuple[KeyRule, ...] = (
             _false),
     KeyRule("trainer.algorithm.dynamic_sampling.*", REFUSED, "no dynamic sampling: leave dynamic_sampling.type null",
             lambda value, cfg: cfg.trainer.algorithm.dynamic_sampling.type is None),
-    KeyRule("trainer.algorithm.*", HONOURED, "SkyRL's advantage estimator and policy loss (its registries)"),
+    KeyRule("trainer.algorithm.advantage_estimator", REFUSED,
+            "gae needs a critic, which the tenants' step has not: use a critic-free estimator (grpo, rloo, ...)",
+            lambda value, cfg: value != "gae"),
+    KeyRule("trainer.algorithm.use_entropy_loss", REFUSED, "the tenants' step has no entropy term: set it to false",
+            _false),
+    KeyRule("trainer.algorithm.advantage_batch_normalize", REFUSED,
+            "advantages are normalised per GRPO group only: set it to false", _false),
+    KeyRule("trainer.algorithm.zero_variance_filter", REFUSED, "no zero-variance filter: set it to false", _false),
+    KeyRule("trainer.algorithm.enable_sample_support_replay", REFUSED, "no sample-support replay: set it to false",
+            _false),
+    KeyRule("trainer.algorithm.kl_*", IGNORED, "the KL term is off (use_kl_loss and use_kl_in_reward must be false)"),
+    KeyRule("trainer.algorithm.entropy_loss_coef", IGNORED, "the entropy term is off (use_entropy_loss must be false)"),
+    KeyRule("trainer.algorithm.value_*", IGNORED, "critic settings: the tenants' step has no critic"),
+    KeyRule("trainer.algorithm.*", HONOURED, "SkyRL's advantage estimator and policy loss (its registries and their "
+            "settings: loss_reduction, eps_clip_*, off_policy_correction, sapo, cispo, ...)"),
     KeyRule("generator.n_samples_per_prompt", HONOURED, "GRPO group size (tenant override: samples_per_prompt)"),
     KeyRule("generator.max_turns", HONOURED, "assistant turns per episode"),
     KeyRule("generator.max_input_length", HONOURED, "prompt + history tokens before a turn"),

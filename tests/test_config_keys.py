@@ -88,6 +88,14 @@ SAMPLES = [
     Sample("trainer.algorithm.use_kl_loss", True),
     Sample("trainer.algorithm.use_kl_in_reward", True),
     Sample("trainer.algorithm.dynamic_sampling.type", "filter"),
+    Sample("trainer.algorithm.advantage_estimator", "gae"),
+    Sample("trainer.algorithm.use_entropy_loss", True),
+    Sample("trainer.algorithm.advantage_batch_normalize", True),
+    Sample("trainer.algorithm.zero_variance_filter", True),
+    Sample("trainer.algorithm.enable_sample_support_replay", True),
+    Sample("trainer.algorithm.kl_loss_coef", 0.01),
+    Sample("trainer.algorithm.entropy_loss_coef", 0.02),
+    Sample("trainer.algorithm.value_clip", 0.3),
     Sample("trainer.algorithm.eps_clip_high", 0.28, (), lambda run: run.trainer.algorithm["eps_clip_high"]),
     Sample("generator.n_samples_per_prompt", 5, (), lambda run: run.recipe.samples_per_prompt),
     Sample("generator.max_turns", 2, (), lambda run: run.recipe.max_turns),
@@ -99,6 +107,10 @@ SAMPLES = [
     Sample("generator.inference_engine.num_engines", 2),
 ]
 """One sample per rule of KEY_RULES (a prefix rule by one key under it)."""
+
+# Samples SkyRL's own checks refuse without the other keys they need (what SkyRL says).
+SKYRL_REFUSES = {"trainer.algorithm.advantage_estimator": "trainer.critic.model.path",
+                 "trainer.algorithm.enable_sample_support_replay": "enable_return_sample_support_set"}
 
 # Keys SkyRL's config receives from the plugin instead (config_keys.SKYRL_SET), with the value each sample gives.
 SET_BY_PLUGIN = {"trainer.strategy", "generator.batched", "trainer.policy_mini_batch_size",
@@ -133,6 +145,10 @@ def test_skyrl_key_reaches_skyrls_config_as_given(sample: Sample, data: Path, mi
     given = [o.lstrip("+").split("=", 1)[0] for o in overrides]
     if sample.key in ("generator.batched", "trainer.algorithm.use_kl_loss", "trainer.algorithm.use_kl_in_reward"):
         with pytest.raises(ConfigError):  # the tenants' step cannot keep them (config_keys.SKYRL_SET, check_algorithm)
+            translate(cfg, model_path=str(tmp_path), given=given)
+        return
+    if sample.key in SKYRL_REFUSES:  # the value reaches SkyRL's config, whose own checks reject it alone
+        with pytest.raises(ConfigError, match=f"SkyRL rejects the .*config.*: .*{SKYRL_REFUSES[sample.key]}"):
             translate(cfg, model_path=str(tmp_path), given=given)
         return
     plan = translate(cfg, model_path=str(tmp_path), given=given)  # the tiny base's path, were none given
@@ -178,6 +194,7 @@ def test_embedded_honours_ignores_or_refuses_each_key(sample: Sample, data: Path
 @pytest.mark.parametrize("override", [
     "trainer.policy_mini_batch_size=4", "trainer.update_epochs_per_batch=1", "trainer.algorithm.use_kl_loss=false",
     "trainer.policy.model.lora.target_modules=all-linear", "trainer.policy.model.lora.dropout=0",
+    "trainer.algorithm.advantage_estimator=rloo", "trainer.algorithm.use_entropy_loss=false",
 ])
 def test_embedded_runs_a_refusable_key_with_the_value_it_implements(override: str, tmp_path: Path) -> None:
     overrides = [f"clora.output_dir={tmp_path}", override]
