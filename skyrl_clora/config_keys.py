@@ -142,6 +142,8 @@ KEY_RULES: tuple[KeyRule, ...] = (
 
 SKYRL_SET: dict[str, str] = {
     "trainer.policy.model.path": "null: the tiny base's folder",
+    "trainer.policy.model.lora.rank": "the tenants' common rank (as given unless every tenant overrides it)",
+    "trainer.policy.model.lora.alpha": "the tenants' common alpha (as given unless every tenant overrides it)",
     "trainer.policy.model.lora.max_loras": "null: the tenants sampling at once",
     "trainer.policy.model.lora.max_cpu_loras": "null: every tenant",
     "trainer.policy.model.lora.lora_sync_path": "null: <clora.output_dir>/lora_sync",
