@@ -170,7 +170,6 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["trainer.algorithm.advantage_estimator=nope"], "trainer.algorithm.advantage_estimator=nope is not in SkyRL's registry"),
     (["trainer.algorithm.policy_loss_type=nope"], "trainer.algorithm.policy_loss_type=nope is not in SkyRL's registry"),
     (["trainer.algorithm.eps_clip_low=abc"], "trainer.algorithm.eps_clip_low=abc must be a number"),
-    (["trainer.algorithm.use_kl_loss=true"], "trainer.algorithm.use_kl_loss=true: the tenants' step has no KL term yet"),
     (["trainer.policy.optimizer_config.scheduler=linear"], "trainer.policy.optimizer_config.scheduler=linear is not "
                                                            "implemented here; use constant_with_warmup or constant or cosine"),
     (["trainer.update_epochs_per_batch=2"], "trainer.update_epochs_per_batch=2 on backend=embedded: one pass over each "
@@ -188,7 +187,7 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["trainer.algorithm.kl_estimator_type=k9"], "trainer.algorithm.kl_estimator_type=k9 is unknown; use one of k1"),
     (["trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.use_kl_loss=true"],
      "trainer.algorithm.use_kl_in_reward and use_kl_loss are mutually exclusive"),
-    (["trainer.algorithm.use_kl_in_reward=true", "+trainer.algorithm.kl_ctrl.type=adaptive"],
+    (["trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.kl_ctrl.type=adaptive"],
      "trainer.algorithm.kl_ctrl.type=adaptive: skyrl-clora keeps no per-tenant adaptive KL controller state"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture,
@@ -295,7 +294,7 @@ def test_skyrls_kl_options_and_the_step_style_reach_both_backends(backend: str, 
                  "trainer.algorithm.kl_loss_coef=0.05", "trainer.algorithm.kl_estimator_type=k1"]
     run = build_run_config(compose_config(overrides))
     assert run.trainer.step_style == "skyrl"
-    algorithm = (translate(compose_config([*overrides, f"model.path={tmp_path}"])).base.trainer.algorithm
+    algorithm = (translate(compose_config([*overrides, f"trainer.policy.model.path={tmp_path}"])).base.trainer.algorithm
                  if backend == "skyrl" else AlgorithmConfig(**run.trainer.algorithm))
     assert (algorithm.use_kl_loss, algorithm.kl_loss_coef, algorithm.kl_estimator_type) == (True, 0.05, "k1")
     assert build_run_config(compose_config([*overrides, "trainer.step_style=tinker"])).trainer.step_style == "tinker"

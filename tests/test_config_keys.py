@@ -85,15 +85,15 @@ SAMPLES = [
     Sample("trainer.gradient_checkpointing", False),
     Sample("trainer.use_expandable_segments", False),
     Sample("trainer.max_prompt_length", 256, (), lambda run: run.recipe.max_input_length),
-    Sample("trainer.algorithm.use_kl_loss", True),
-    Sample("trainer.algorithm.use_kl_in_reward", True),
+    Sample("trainer.algorithm.use_kl_loss", True, (), lambda run: run.trainer.algorithm["use_kl_loss"]),
+    Sample("trainer.algorithm.use_kl_in_reward", True, (), lambda run: run.trainer.algorithm["use_kl_in_reward"]),
     Sample("trainer.algorithm.dynamic_sampling.type", "filter"),
     Sample("trainer.algorithm.advantage_estimator", "gae"),
     Sample("trainer.algorithm.use_entropy_loss", True),
     Sample("trainer.algorithm.advantage_batch_normalize", True),
     Sample("trainer.algorithm.zero_variance_filter", True),
     Sample("trainer.algorithm.enable_sample_support_replay", True),
-    Sample("trainer.algorithm.kl_loss_coef", 0.01),
+    Sample("trainer.algorithm.kl_loss_coef", 0.01, (), lambda run: run.trainer.algorithm["kl_loss_coef"]),
     Sample("trainer.algorithm.entropy_loss_coef", 0.02),
     Sample("trainer.algorithm.value_clip", 0.3),
     Sample("trainer.algorithm.eps_clip_high", 0.28, (), lambda run: run.trainer.algorithm["eps_clip_high"]),
@@ -113,8 +113,7 @@ SKYRL_REFUSES = {"trainer.algorithm.advantage_estimator": "trainer.critic.model.
                  "trainer.algorithm.enable_sample_support_replay": "enable_return_sample_support_set"}
 
 # Keys SkyRL's config receives from the plugin instead (config_keys.SKYRL_SET), with the value each sample gives.
-SET_BY_PLUGIN = {"trainer.strategy", "generator.batched", "trainer.policy_mini_batch_size",
-                 "trainer.algorithm.use_kl_loss", "trainer.algorithm.use_kl_in_reward"}
+SET_BY_PLUGIN = {"trainer.strategy", "generator.batched", "trainer.policy_mini_batch_size"}
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +142,8 @@ def test_skyrl_key_reaches_skyrls_config_as_given(sample: Sample, data: Path, mi
     cfg = compose_config(overrides)
     check_known_keys(cfg, overrides)
     given = [o.lstrip("+").split("=", 1)[0] for o in overrides]
-    if sample.key in ("generator.batched", "trainer.algorithm.use_kl_loss", "trainer.algorithm.use_kl_in_reward"):
-        with pytest.raises(ConfigError):  # the tenants' step cannot keep them (config_keys.SKYRL_SET, check_algorithm)
+    if sample.key == "generator.batched":
+        with pytest.raises(ConfigError):  # the tenants' requests each carry their adapter (config_keys.SKYRL_SET)
             translate(cfg, model_path=str(tmp_path), given=given)
         return
     if sample.key in SKYRL_REFUSES:  # the value reaches SkyRL's config, whose own checks reject it alone
@@ -204,5 +203,4 @@ def test_embedded_runs_a_refusable_key_with_the_value_it_implements(override: st
 
 
 def test_the_plugin_sets_only_what_it_documents() -> None:
-    assert SET_BY_PLUGIN - {"trainer.policy_mini_batch_size", "trainer.algorithm.use_kl_loss",
-                            "trainer.algorithm.use_kl_in_reward"} <= set(SKYRL_SET)
+    assert SET_BY_PLUGIN - {"trainer.policy_mini_batch_size"} <= set(SKYRL_SET)

@@ -37,8 +37,6 @@ CPU_SIZE = (
     "trainer.micro_train_batch_size_per_gpu=4", "generator.sampling_params.max_generate_length=24",
     "trainer.max_training_steps=2", "recipe.eval_prompts=4",
 )
-# What this project cannot run yet, whatever the backend: the tenants' step has no KL term.
-NO_KL = ("trainer.algorithm.use_kl_loss=false",)
 # backend=skyrl's multi-tenant constraints: in-place syncs need separate placement, each request its adapter, and
 # several tenants Megatron's AdapterStore (here its embedded stand-in).
 SKYRL_MULTI_TENANT = ("trainer.placement.colocate_all=false", "generator.batched=false", "trainer.strategy=megatron")
@@ -68,14 +66,11 @@ def example(data: Path, model: Path, out: Path, *more: str) -> list[str]:
 
 def test_the_example_needs_only_documented_changes(data: Path, small_base: Path, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture, without_production_extras: None) -> None:
-    """As SkyRL writes it, the example is refused for what the tenants' step lacks (KL), in one line; on
-    backend=skyrl each of its single-adapter settings is refused in one line naming it."""
-    assert main(example(data, small_base, tmp_path / "e")) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "error: trainer.algorithm.use_kl_loss=true: the tenants' step has no KL term yet; set it to false"]
+    """On backend=skyrl each of the example's single-adapter settings is refused in one line naming it (on the
+    embedded backend it runs as SkyRL writes it: the next test)."""
     for left_out in SKYRL_MULTI_TENANT:
         kept = [fix for fix in SKYRL_MULTI_TENANT if fix != left_out]
-        assert main(example(data, small_base, tmp_path / "s", *NO_KL, "backend=skyrl", *kept)) == 2
+        assert main(example(data, small_base, tmp_path / "s", "backend=skyrl", *kept)) == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         key = left_out.split("=")[0]
         assert len(errors) == 1 and f"{key}=" in errors[0], (left_out, errors)
@@ -85,7 +80,7 @@ def test_the_example_needs_only_documented_changes(data: Path, small_base: Path,
 def test_skyrls_gsm8k_example_runs_four_tenants(backend: str, data: Path, small_base: Path, tmp_path: Path,
                                                  without_production_extras: None) -> None:
     out = tmp_path / "run"
-    extra = (*NO_KL, f"backend={backend}", *(SKYRL_MULTI_TENANT if backend == "skyrl" else ()))
+    extra = (f"backend={backend}", *(SKYRL_MULTI_TENANT if backend == "skyrl" else ()))
     assert main(example(data, small_base, out, *extra)) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = sorted((r["tenant"], r["step"]) for r in records if r["event"] == "step")
