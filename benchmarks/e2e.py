@@ -8,7 +8,7 @@ GSM8K-agentic RL: ``prompts`` prompts x ``samples`` samples; each episode has ``
 exactly its drawn length (no stop tokens): ``--lengths fixed:N`` (the default, N = ``--response``, 100) or a
 long-tailed ``--lengths lognormal:median=M,sigma=S,cap=C`` / ``longtail`` / ``hard`` (``benchmarks.workloads``),
 drawn per (tenant seed, step, episode, turn) so that serial and concurrent runs sample the same lengths; the
-run config's ``recipe.max_input_length`` / ``max_generate_length`` cover the longest episode the distribution
+run config's ``generator.max_input_length`` / ``max_generate_length`` cover the longest episode the distribution
 allows, so no turn is cut short (the line above the table counts turns that came back short: none expected).
 Observation tokens come from the same counters; prompts and rewards from a per-tenant generator in program
 order. Training is the production GRPO step (SkyRL's advantage estimator and policy loss) on random rewards;
@@ -44,7 +44,7 @@ import torch
 from benchmarks.common import QWEN3_VOCAB, write_random_model
 from benchmarks.workloads import Lengths, counter_rng, length_summary, parse_lengths
 
-from skyrl_clora.config import build_run_config
+from skyrl_clora.config_build import build_run_config, plan_steps
 from skyrl_clora.main import compose_config
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.sampler.engine_stats import EngineStats
@@ -109,15 +109,15 @@ class ModeResult:
 
 def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: int, device: str):
     overrides = [
-        f"model.path={model_dir}", "model.dtype=bfloat16", f"clora.device={device}", f"clora.train_mode={train_mode}",
-        f"+tenants={tenants}", f"clora.steps={workload.steps}", "clora.progress=false",
-        f"recipe.max_input_length={workload.max_input}", f"recipe.max_generate_length={workload.lengths.cap}",
-        f"recipe.samples_per_prompt={workload.samples}", f"recipe.prompts_per_step={workload.prompts}",
+        f"trainer.policy.model.path={model_dir}", "model.dtype=bfloat16", f"clora.device={device}", f"clora.train_mode={train_mode}",
+        f"+tenants={tenants}", f"trainer.max_training_steps={workload.steps}", "clora.progress=false",
+        f"trainer.max_prompt_length={workload.max_input}", f"generator.sampling_params.max_generate_length={workload.lengths.cap}",
+        f"generator.n_samples_per_prompt={workload.samples}", f"trainer.train_batch_size={workload.prompts}",
         "sampler.prefill_block=128", "sampler.max_prefills_per_step=64",
-        f"trainer.max_tokens_per_microbatch={workload.max_tokens_per_microbatch}", "lora.rank=16", "lora.max_rank=16",
+        f"trainer.max_tokens_per_microbatch={workload.max_tokens_per_microbatch}", "trainer.policy.model.lora.rank=16", "sampler.max_lora_rank=16",
         *workload.overrides,
     ]
-    return build_run_config(compose_config(overrides))
+    return plan_steps(build_run_config(compose_config(overrides)), workload.steps * workload.prompts)
 
 
 async def episode(services: Services, tenant: str, seed: int, step: int, index: int, prompt: list[int],

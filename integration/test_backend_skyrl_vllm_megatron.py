@@ -28,9 +28,9 @@ pytestmark = requires(gpus=2, modules=("vllm", "megatron", "ray"))
 def test_backend_skyrl_with_vllm_and_megatron(model_path: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
     assert main([
-        "backend=skyrl", "backend.inference_backend=vllm", "backend.strategy=megatron", f"model.path={model_path}",
-        f"clora.output_dir={out}", "+tenants=2", "clora.steps=3", "clora.progress=false", "recipe.prompts_per_step=2",
-        "recipe.samples_per_prompt=4", "recipe.eval_prompts=8", "lora.rank=8", "lora.alpha=16",
+        "backend=skyrl", "backend.inference_backend=vllm", "backend.strategy=megatron", f"trainer.policy.model.path={model_path}",
+        f"clora.output_dir={out}", "+tenants=2", "trainer.max_training_steps=3", "clora.progress=false", "trainer.train_batch_size=2",
+        "generator.n_samples_per_prompt=4", "recipe.eval_prompts=8", "trainer.policy.model.lora.rank=8", "trainer.policy.model.lora.alpha=16",
         "trainer.algorithm.use_kl_loss=true", "trainer.algorithm.kl_loss_coef=0.01",
     ]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -32,7 +32,7 @@ from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 from gpu_node import requires
 from safetensors.torch import load_file
 
-from skyrl_clora.config import build_run_config
+from skyrl_clora.config_build import build_run_config
 from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate
 from skyrl_clora.skyrl.driver import training_input
@@ -67,9 +67,10 @@ def _logprobs(dispatch: WorkerDispatch, data, tenant: str) -> list[torch.Tensor]
 
 def _stack(model_path: str, tmp_path: Path):
     cfg = compose_config([
-        "backend=skyrl", f"model.path={model_path}", f"clora.output_dir={tmp_path}", "backend.strategy=megatron",
-        "backend.inference_backend=vllm", "backend.policy_num_gpus_per_node=2", "lora.rank=8", "lora.alpha=16",
-        "+tenants=[{lr:1e-3},{lr:2e-5}]", "recipe.prompts_per_step=2", "recipe.samples_per_prompt=2",
+        "backend=skyrl", f"trainer.policy.model.path={model_path}", f"clora.output_dir={tmp_path}",
+        "backend.strategy=megatron", "backend.inference_backend=vllm", "trainer.placement.policy_num_gpus_per_node=2",
+        "trainer.policy.model.lora.rank=8", "trainer.policy.model.lora.alpha=16",
+        "+tenants=[{lr:1e-3},{lr:2e-5}]", "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2",
     ])
     run, plan = build_run_config(cfg), translate(cfg, model_path=model_path)
     assert plan.strategy == "megatron" and plan.inference_backend == "vllm"

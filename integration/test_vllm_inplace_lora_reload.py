@@ -28,7 +28,7 @@ import aiohttp
 from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 
 from gpu_node import requires
-from skyrl_clora.config import build_run_config
+from skyrl_clora.config_build import build_run_config
 from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate
 from skyrl_clora.skyrl.driver import training_input
@@ -50,9 +50,9 @@ async def _prefix_cache_hits(url: str) -> float:
 
 def test_one_tenants_inplace_reload_leaves_the_others_alone(model_path: str, tmp_path: Path) -> None:
     cfg = compose_config([
-        "backend=skyrl", f"model.path={model_path}", f"clora.output_dir={tmp_path}", "backend.strategy=embedded",
-        "backend.inference_backend=vllm", "backend.enable_prefix_caching=true", "lora.rank=8", "lora.alpha=16",
-        "+tenants=[{lr:5e-2},{lr:1e-3}]", "recipe.prompts_per_step=2", "recipe.samples_per_prompt=2",
+        "backend=skyrl", f"trainer.policy.model.path={model_path}", f"clora.output_dir={tmp_path}", "backend.strategy=embedded",
+        "backend.inference_backend=vllm", "generator.inference_engine.enable_prefix_caching=true", "trainer.policy.model.lora.rank=8", "trainer.policy.model.lora.alpha=16",
+        "+tenants=[{lr:5e-2},{lr:1e-3}]", "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2",
     ])
     run, plan = build_run_config(cfg), translate(cfg, model_path=model_path)
     stack = build_stack(run, plan, model_path)

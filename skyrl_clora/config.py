@@ -1,4 +1,5 @@
-"""The plugin's configuration: the composed Hydra tree (conf/) turned into validated dataclasses.
+"""The plugin's configuration: the validated dataclasses of a run (``config_build`` reads the composed Hydra tree,
+conf/, into them).
 
 Errors in user input raise :class:`ConfigError` with a one-line message that names the fix; the entry
 point prints it and exits with status 2.
@@ -6,17 +7,12 @@ point prints it and exits with status 2.
 
 from __future__ import annotations
 
-import json
-import os
 import tempfile
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, get_type_hints
 
-from omegaconf import DictConfig, OmegaConf
-
-from skyrl_clora.tenants import TenantSpec, expand_tenants
+from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.value_types import typed_value
 
 
@@ -38,13 +34,14 @@ STEP_STYLES = ("skyrl", "tinker")  # trainer.step_style: see conf/config.yaml
 
 @dataclass(frozen=True)
 class RecipeConfig:
-    """The keys every recipe has; ``options`` is the recipe's own keys, an instance of its plugin's
+    """The keys every recipe has (SkyRL's where SkyRL has one: :data:`RECIPE_KEYS`); ``name`` is the recipe folder
+    serving ``env_class``; ``options`` is the recipe's own keys under ``recipe.``, an instance of its plugin's
     ``options_type`` (see ``recipes.plugin.Recipe``)."""
 
     name: str
     env_class: str
-    train_data: str | None
-    val_data: str | None
+    train_data: tuple[str, ...]
+    val_data: tuple[str, ...]
     task_variant: str
     prompts_per_step: int
     samples_per_prompt: int
@@ -57,13 +54,23 @@ class RecipeConfig:
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "samples_per_prompt", "max_turns", "max_generate_length", "max_input_length"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"recipe.{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{RECIPE_KEYS[name]} must be >= 1, got {getattr(self, name)}")
         if self.eval_prompts < 0:
             raise ConfigError(f"recipe.eval_prompts must be >= 0, got {self.eval_prompts}")
         for name in ("train_data", "val_data"):
-            value = getattr(self, name)
-            if value is not None and not Path(value).exists():
-                raise ConfigError(f"recipe.{name}={value} does not exist; point it at an existing file or folder")
+            for path in getattr(self, name):
+                if not Path(path).exists():
+                    raise ConfigError(f"{RECIPE_KEYS[name]}: {path} does not exist; point it at an existing file")
+
+
+RECIPE_KEYS = {
+    "env_class": "environment.env_class", "train_data": "data.train_data", "val_data": "data.val_data",
+    "task_variant": "recipe.task_variant", "prompts_per_step": "trainer.train_batch_size",
+    "samples_per_prompt": "generator.n_samples_per_prompt", "eval_prompts": "recipe.eval_prompts",
+    "max_turns": "generator.max_turns", "max_generate_length": "generator.sampling_params.max_generate_length",
+    "max_input_length": "generator.max_input_length",
+}
+""":class:`RecipeConfig`'s fields and the keys they are read from."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,15 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         if self.max_rank < 1:
-            raise ConfigError(f"lora.max_rank must be >= 1, got {self.max_rank}")
+            raise ConfigError(f"sampler.max_lora_rank must be >= 1, got {self.max_rank}")
+
+
+def algorithm_config(algorithm: dict[str, Any]) -> Any:
+    """SkyRL's ``AlgorithmConfig`` built from ``trainer.algorithm`` (nested configs included)."""
+    from skyrl.train.config import AlgorithmConfig
+    from skyrl.train.config.config import build_nested_dataclass
+
+    return build_nested_dataclass(AlgorithmConfig, algorithm)
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")  # SkyRL's compute_approx_kl
@@ -94,8 +109,8 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
         if hint in (int, float, bool, str) or hint in (int | None, float | None, bool | None, str | None):
             checked(value, hint, f"trainer.algorithm.{key}")
     try:
-        config = AlgorithmConfig(**algorithm)
-    except (TypeError, ValueError) as error:
+        config = algorithm_config(algorithm)
+    except (TypeError, ValueError, AssertionError) as error:
         raise ConfigError(f"trainer.algorithm: {str(error).splitlines()[0]}") from None
     if config.kl_estimator_type not in KL_ESTIMATORS:
         raise ConfigError(f"trainer.algorithm.kl_estimator_type={config.kl_estimator_type} is unknown; use one of "
@@ -114,12 +129,18 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
                               f"{', '.join(sorted(available))} (or register yours with SkyRL before the run)")
 
 
+SCHEDULERS = {"constant_with_warmup": "constant", "constant": "constant", "cosine": "cosine"}
+"""SkyRL's ``trainer.policy.optimizer_config.scheduler`` values the trainers implement, and their schedule."""
+
 # SkyRL's Tracking backends that trainer.logger takes (mlflow and swanlab need servers or accounts).
 LOGGERS = ("console", "tensorboard", "wandb")
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
+    """The trainer's settings, read from SkyRL's keys where SkyRL has one (:data:`TRAINER_KEYS`) and from the
+    plugin's own ``trainer.`` keys otherwise."""
+
     lr: float
     lr_schedule: str
     warmup_steps: int
@@ -143,6 +164,8 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=list)
     project_name: str = "skyrl-clora"
     run_name: str | None = None
+    eval_interval: int = 5
+    eval_before_train: bool = True
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.logger) - set(LOGGERS))
@@ -163,7 +186,7 @@ class TrainerConfig:
         check_algorithm(self.algorithm)
         if self.max_tokens_per_microbatch == 0 or self.max_tokens_per_microbatch < -1:
             raise ConfigError(f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} must be -1 (micro-batches "
-                              "of trainer.micro_batch_size rows) or a positive token count")
+                              "of trainer.micro_train_batch_size_per_gpu rows) or a positive token count")
         if self.step_style not in STEP_STYLES:
             raise ConfigError(f"trainer.step_style={self.step_style} is unknown; use skyrl (behaviour log-probs recomputed "
                               "by the trainer) or tinker (the sampler's log-probs reused)")
@@ -173,10 +196,11 @@ class TrainerConfig:
             raise ConfigError(f"trainer.pack_policy={self.pack_policy} is unknown; use {' or '.join(PACK_POLICIES)}")
         if self.pack_size < 0:
             raise ConfigError(f"trainer.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ConfigError(f"trainer.lr_schedule={self.lr_schedule} is unknown; use constant or cosine")
+        if self.lr_schedule not in SCHEDULERS.values():
+            raise ConfigError(f"trainer.policy.optimizer_config.scheduler={self.lr_schedule} is unknown; use "
+                              f"{' or '.join(SCHEDULERS)}")
         if self.micro_batch_size < 1:
-            raise ConfigError(f"trainer.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+            raise ConfigError(f"trainer.micro_train_batch_size_per_gpu must be >= 1, got {self.micro_batch_size}")
 
 
 @dataclass(frozen=True)
@@ -199,7 +223,7 @@ class SamplerConfig:
         if not 0 < self.gpu_memory_utilization < 1:
             raise ConfigError(f"sampler.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1)")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError("sampler.temperature must be >= 0 and sampler.top_p in (0, 1]")
+            raise ConfigError("generator.sampling_params.temperature must be >= 0 and generator.sampling_params.top_p in (0, 1]")
         if self.prefill_block < 16 or self.prefill_block % 16:
             raise ConfigError(f"sampler.prefill_block={self.prefill_block} must be a positive multiple of 16")
         if self.max_rows < 0:
@@ -212,11 +236,14 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything one run needs. ``tenants`` is expanded from ``+tenants=N`` or a list of overrides."""
+    """Everything one run needs. ``tenants`` is expanded from ``+tenants=N`` or a list of overrides. ``steps`` (RL
+    steps per tenant) is 0 until :func:`plan_steps` derives it from the training data, as SkyRL does from
+    ``trainer.epochs`` and ``trainer.max_training_steps``."""
 
     mode: str
     train_mode: str
-    steps: int
+    epochs: int
+    max_training_steps: int | None
     seed: int
     output_dir: Path
     progress: bool
@@ -234,6 +261,7 @@ class RunConfig:
     max_tenants: int = 0
     control: bool = True
     replicas: int = 1
+    steps: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("concurrent", "serial"):
@@ -250,8 +278,10 @@ class RunConfig:
         if self.trainer.overlap_sampling is False and self.backend != "embedded":
             raise ConfigError("trainer.overlap_sampling=false needs backend=embedded (backend=skyrl's servers keep sampling); "
                               "remove the override")
-        if self.steps < 1:
-            raise ConfigError(f"clora.steps must be >= 1, got {self.steps}")
+        if self.epochs < 1:
+            raise ConfigError(f"trainer.epochs must be >= 1, got {self.epochs}")
+        if self.max_training_steps is not None and self.max_training_steps < 1:
+            raise ConfigError(f"trainer.max_training_steps must be >= 1 (or null), got {self.max_training_steps}")
         if self.max_tenants < 0:
             raise ConfigError(f"clora.max_tenants={self.max_tenants} must be >= 0 (0: the tenants the run starts with)")
         if self.replicas < 1:
@@ -267,7 +297,8 @@ class RunConfig:
         if self.model_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"model.dtype={self.model_dtype} is unknown; use auto, float32, bfloat16 or float16")
         if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
-            raise ConfigError(f"model.path={self.model_path} is not a Hugging Face model folder (no config.json); fix the path")
+            raise ConfigError(f"trainer.policy.model.path={self.model_path} is not a Hugging Face model folder (no "
+                              "config.json); fix the path")
         if self.model_path is None:
             from skyrl_clora.recipes.plugin import load_corpus
 
@@ -275,8 +306,8 @@ class RunConfig:
         for spec in self.tenants:
             if spec.rank > self.lora.max_rank:
                 raise ConfigError(
-                    f"tenant {spec.name} has lora rank {spec.rank} > lora.max_rank={self.lora.max_rank}; "
-                    "lower its rank or raise lora.max_rank"
+                    f"tenant {spec.name} has lora rank {spec.rank} > sampler.max_lora_rank={self.lora.max_rank}; "
+                    "lower its rank or raise sampler.max_lora_rank"
                 )
         _check_writable(self.output_dir)
 
@@ -294,134 +325,3 @@ def _check_writable(path: Path) -> None:
             pass
     except OSError as error:
         raise ConfigError(f"clora.output_dir={path} is not writable ({error.strerror}); choose another directory") from None
-
-
-def config_section(cls: type, node: DictConfig, prefix: str) -> Any:
-    """Builds dataclass ``cls`` from ``node``, each value checked against its field's type (``checked``);
-    unknown keys are an error naming the valid ones, and so are missing ones."""
-    return typed_dataclass(cls, OmegaConf.to_container(node, resolve=True), prefix)
-
-
-def typed_dataclass(cls: type, values: dict[str, Any], prefix: str, valid: set[str] | None = None,
-                    **built: Any) -> Any:
-    """``cls(**values, **built)``, each of ``values`` checked against its field's type; a key of ``values``
-    that is no field (or, when given, not in ``valid``: the keys the error lists) is a :class:`ConfigError`
-    naming the valid keys, and so is a missing one."""
-    names = {f.name for f in fields(cls)} - set(built)
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise ConfigError(f"unknown key {prefix}.{unknown[0]}; valid keys: {', '.join(sorted(valid or names))}")
-    hints = get_type_hints(cls)
-    typed, problems = {}, []
-    for name, value in values.items():  # every field's type problem, one line each
-        try:
-            typed[name] = checked(value, hints[name], f"{prefix}.{name}")
-        except ConfigError as error:
-            problems.append(str(error))
-    if problems:
-        raise ConfigError("\n".join(problems))
-    try:
-        return cls(**typed, **built)
-    except TypeError as error:
-        raise ConfigError(f"{prefix}: {error}") from None
-
-
-def recipe_config(node: DictConfig) -> RecipeConfig:
-    """The ``recipe`` group as a :class:`RecipeConfig`: the keys every recipe has, and the rest as the options
-    of the recipe that ``recipe.name`` selects (an unknown name is a :class:`ConfigError` listing the recipes)."""
-    from skyrl_clora.recipes.plugin import load_recipe
-
-    values = OmegaConf.to_container(node, resolve=True)
-    options_type = load_recipe(str(values.get("name"))).options_type
-    common = {f.name for f in fields(RecipeConfig)} - {"options"}
-    own = {f.name for f in fields(options_type)}
-    valid = common | own
-    options = typed_dataclass(options_type, {k: v for k, v in values.items() if k not in common}, "recipe", valid)
-    return typed_dataclass(RecipeConfig, {k: v for k, v in values.items() if k in common}, "recipe", valid,
-                           options=options)
-
-
-def tenant_specs(cfg: DictConfig, lora: LoraConfig, trainer: TrainerConfig, recipe: RecipeConfig) -> list[TenantSpec]:
-    """The run's tenants from ``tenants`` (absent: 1), with the config's seed, lr, LoRA and recipe defaults."""
-    value = cfg.get("tenants", 1)
-    if OmegaConf.is_config(value):
-        value = OmegaConf.to_container(value, resolve=True)
-    try:
-        return expand_tenants(value, **tenant_defaults(checked(cfg.clora.seed, int, "clora.seed"), lora, trainer, recipe))
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-
-
-def tenant_defaults(seed: int, lora: LoraConfig, trainer: TrainerConfig, recipe: RecipeConfig) -> dict[str, Any]:
-    """What a tenant's spec takes from the config where its overrides are silent (``expand_tenants``' keywords);
-    ``seed`` is the first tenant's."""
-    return {"seed": seed, "lr": trainer.lr, "rank": lora.rank, "alpha": lora.alpha,
-            "task_variant": recipe.task_variant, "samples_per_prompt": recipe.samples_per_prompt}
-
-
-# Keys that do not change a run's results: where it writes, what it prints, how it checkpoints and resumes.
-NOT_IDENTITY = frozenset({
-    "clora.output_dir", "clora.progress", "clora.control", "clora.replicas", "trainer.logger", "trainer.project_name", "trainer.run_name",
-    "trainer.ckpt_interval", "trainer.ckpt_path", "trainer.max_ckpts_to_keep",
-    "trainer.resume_mode", "trainer.resume_path",
-})
-
-
-def flat_config(cfg: DictConfig) -> dict[str, Any]:
-    """Every key of the composed config but ``tenants``, flattened: ``group.key`` (``trainer.algorithm.x``): value."""
-    flat: dict[str, Any] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(value, f"{prefix}.{key}" if prefix else str(key))
-        else:
-            flat[prefix] = node
-
-    walk({k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "tenants"}, "")
-    return flat
-
-
-def run_identity(cfg: DictConfig, tenants: list[TenantSpec]) -> dict[str, Any]:
-    """Every key of the composed config that changes results, flattened (``group.key``: value), with the tenants
-    as expanded specs (``+tenants=2`` and the list it stands for are the same run)."""
-    flat = {key: value for key, value in flat_config(cfg).items() if key not in NOT_IDENTITY}
-    for spec in tenants:
-        flat[f"tenants.{spec.name}"] = asdict(spec)
-    return json.loads(json.dumps(flat))  # as it reads back from run_config.json
-
-
-def build_run_config(cfg: DictConfig) -> RunConfig:
-    """Validates the composed Hydra config and returns the run's :class:`RunConfig`. The groups are checked
-    independently and every group's problem is reported at once: a :class:`ConfigError` of one line per problem."""
-    problems: list[str] = []
-
-    def section(build: Callable[[], Any]) -> Any:
-        try:
-            return build()
-        except ConfigError as error:
-            problems.append(str(error))
-            return None
-
-    clora = cfg.clora
-    lora = section(lambda: config_section(LoraConfig, cfg.lora, "lora"))
-    trainer = section(lambda: config_section(TrainerConfig, cfg.trainer, "trainer"))
-    recipe = section(lambda: recipe_config(cfg.recipe))
-    sampler = section(lambda: config_section(SamplerConfig, cfg.sampler, "sampler"))
-    scalars = section(lambda: {
-        "steps": checked(clora.steps, int, "clora.steps"), "seed": checked(clora.seed, int, "clora.seed"),
-        "progress": checked(clora.progress, bool, "clora.progress"),
-        "max_tenants": checked(clora.max_tenants, int, "clora.max_tenants"),
-        "control": checked(clora.control, bool, "clora.control"),
-        "replicas": checked(clora.replicas, int, "clora.replicas"),
-    })
-    if problems:
-        raise ConfigError("\n".join(problems))
-    tenants = tenant_specs(cfg, lora, trainer, recipe)
-    return RunConfig(
-        mode=str(clora.mode), train_mode=str(clora.train_mode), output_dir=Path(os.path.expanduser(str(clora.output_dir))),
-        device=str(clora.device), backend=str(cfg.backend.name),
-        model_path=None if cfg.model.path is None else os.path.expanduser(str(cfg.model.path)),
-        model_dtype=str(cfg.model.dtype), model_corpus=str(cfg.model.corpus), recipe=recipe, lora=lora, trainer=trainer,
-        sampler=sampler, tenants=tuple(tenants), identity=run_identity(cfg, tenants), **scalars,
-    )

@@ -20,7 +20,8 @@ from typing import Any
 from aiohttp import web
 
 from skyrl_clora.checkpoints import TenantCheckpoint, read_live_tenants, write_live_tenants
-from skyrl_clora.config import ConfigError, RunConfig, tenant_defaults
+from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.config_build import tenant_defaults
 from skyrl_clora.metrics import MetricsLog
 from skyrl_clora.recipes.plugin import TaskSource, build_task_sources
 from skyrl_clora.tenant_loop import TenantBackend, TenantPool
@@ -65,7 +66,7 @@ class ControlServer:
         try:
             overrides = await request.json()
             spec = self._spec(overrides)
-            source = (await asyncio.to_thread(build_task_sources, self.run.recipe, [spec], self.run.steps,
+            source = (await asyncio.to_thread(build_task_sources, self.run.recipe, [spec], self.run.max_training_steps,
                                               self.run.seed))[spec.name]
             await self.pool.add(spec, source)
         except (ConfigError, ValueError) as error:
@@ -95,7 +96,7 @@ class ControlServer:
         if spec.name in self.known:
             raise ConfigError(f"tenant name {spec.name} is taken in this run; choose another")
         if spec.rank > run.lora.max_rank:
-            raise ConfigError(f"tenant {spec.name} has lora rank {spec.rank} > lora.max_rank={run.lora.max_rank}; "
+            raise ConfigError(f"tenant {spec.name} has lora rank {spec.rank} > sampler.max_lora_rank={run.lora.max_rank}; "
                               "lower its rank")
         return spec
 

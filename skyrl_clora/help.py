@@ -2,8 +2,8 @@
 
 The descriptions are the comments beside the keys in ``conf/`` (a key's comment, with the comment lines under
 it that continue it), so the config files and the help cannot disagree. Sections: the base config's top-level
-groups (``clora``, ``lora``, ``trainer``, ``sampler``), then each option of each config group
-(``recipe=gsm8k``, ``backend=skyrl``, ...).
+groups (``clora``, ``trainer``, ``data``, ``generator``, ``sampler``), then each option of each config group
+(``recipe=gsm8k``, ``backend=skyrl``, ...; a ``_global_`` option's keys are written in full).
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ def conf_keys(path: Path) -> list[KeyHelp]:
     return keys
 
 
+def is_global(path: Path) -> bool:
+    """Whether conf file ``path`` is in Hydra's ``_global_`` package (its keys are absolute, not under its group)."""
+    return path.read_text().startswith("# @package _global_")
+
+
 def help_text(conf_dir: Path) -> str:
     """The grouped key listing (see the module docstring)."""
     sections: list[tuple[str, list[KeyHelp]]] = []
@@ -59,8 +64,9 @@ def help_text(conf_dir: Path) -> str:
         sections.append((f"{group}.*", [k for k in base if k.path.split(".")[0] == group]))
     for folder in sorted(p for p in conf_dir.iterdir() if p.is_dir()):
         for option in sorted(folder.glob("*.yaml")):
-            keys = [KeyHelp(f"{folder.name}.{k.path}", k.default, k.description) for k in conf_keys(option)]
-            sections.append((f"{folder.name}.* with {folder.name}={option.stem}", keys))
+            prefix = "" if is_global(option) else f"{folder.name}."
+            keys = [KeyHelp(f"{prefix}{k.path}", k.default, k.description) for k in conf_keys(option)]
+            sections.append((f"with {folder.name}={option.stem}", keys))
     lines = []
     for title, keys in sections:
         lines.append(f"{title}:")

@@ -33,9 +33,12 @@ Runs N RL experiments ("tenants") of one SkyRL recipe on one shared base model, 
 LoRA adapter. Overrides use Hydra syntax (key=value; +key=value adds a key).
 
 Tenants:
-  +tenants=N                       N tenants (seeds clora.seed + i); default 1
+  +tenants=N                       N tenants (seeds trainer.seed + i); default 1
   +tenants=[{{lr:1e-3}},{{seed:7,rank:8}}]  one tenant per entry; per-tenant keys:
                                    {overridable}
+                                   (a tenant's trainer.seed, trainer.policy.optimizer_config.lr,
+                                   trainer.policy.model.lora.rank/alpha, recipe.task_variant,
+                                   generator.n_samples_per_prompt and environment.env_class)
 
 Config groups (choose one of each):
 {groups}
@@ -51,7 +54,10 @@ stopped the run (the same command resumes it).
 Examples:
   python -m skyrl_clora.main +tenants=8
   python -m skyrl_clora.main +tenants=8 clora.mode=serial clora.output_dir=outputs/serial
-  python -m skyrl_clora.main model.path=/models/Qwen3-0.6B recipe.train_data=~/data/gsm8k/train.parquet
+  python -m skyrl_clora.main +tenants=4 trainer.policy.model.path=/models/Qwen3-0.6B environment.env_class=gsm8k \
+      data.train_data="['~/data/gsm8k/train.parquet']" data.val_data="['~/data/gsm8k/validation.parquet']"
+SkyRL's own keys (data.*, trainer.*, generator.*, environment.*) keep SkyRL's meaning; docs/config.md says where
+each acts on each backend (backend=embedded refuses what it cannot honour).
 """
 
 
@@ -68,7 +74,11 @@ def _groups() -> str:
 
 
 def compose_config(overrides: list[str]):
-    """Composes conf/ with ``overrides``; Hydra/OmegaConf errors become :class:`UserError`."""
+    """Composes conf/ (SkyRL's key tree included) with ``overrides``; Hydra/OmegaConf errors become
+    :class:`UserError`."""
+    from skyrl_clora.config_keys import register_skyrl_defaults
+
+    register_skyrl_defaults()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose(config_name="config", overrides=overrides)
@@ -90,7 +100,7 @@ def _unknown_key_message(key: str, overrides: list[str]) -> str:
     """One line for an override of a key the config does not have: the closest valid keys."""
     import difflib
 
-    from skyrl_clora.config import flat_config
+    from skyrl_clora.config_build import flat_config
 
     groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
     known = list(flat_config(compose_config([o for o in overrides if o.split("=", 1)[0] in groups])))
@@ -100,26 +110,20 @@ def _unknown_key_message(key: str, overrides: list[str]) -> str:
 
 
 def check_known_keys(cfg: DictConfig, overrides: list[str]) -> None:
-    """Raises :class:`UserError` for a key that ``+key=value`` added and nothing reads: every key of ``cfg`` must be
-    in the config composed with the same group choices alone (``recipe=``, ``backend=``, ...), except
-    ``tenants`` and the fields of SkyRL's ``AlgorithmConfig`` under ``trainer.algorithm``."""
-    from dataclasses import fields
-
-    from skyrl.train.config import AlgorithmConfig
-
+    """Raises :class:`UserError` for a key that ``+key=value`` added and nothing reads: every key of ``cfg`` but
+    ``tenants`` must be in the config composed with the same group choices alone (``recipe=``, ``backend=``, ...),
+    which holds SkyRL's whole key tree."""
     groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
     defaults = compose_config([o for o in overrides if o.split("=", 1)[0] in groups])
-    algorithm_fields = {f.name for f in fields(AlgorithmConfig)}
 
     def walk(node: DictConfig, known: DictConfig, prefix: str) -> None:
         for key in node:
             path = f"{prefix}{key}"
-            if path == "tenants" or (prefix == "trainer.algorithm." and key in algorithm_fields):
+            if path == "tenants":
                 continue
             if key not in known:
                 valid = ", ".join(sorted(str(k) for k in known))
-                more = " or any field of SkyRL's AlgorithmConfig" if prefix == "trainer.algorithm." else ""
-                raise UserError(f"unknown key {path}; valid keys{' here' if prefix else ''}: {valid}{more}")
+                raise UserError(f"unknown key {path}; valid keys{' here' if prefix else ''}: {valid}")
             if OmegaConf.is_dict(node[key]) and OmegaConf.is_dict(known[key]):
                 walk(node[key], known[key], f"{path}.")
 
@@ -136,13 +140,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from skyrl_clora.checkpoints import claim_output_dir
-    from skyrl_clora.config import ConfigError, build_run_config
-    from skyrl_clora.recipes.plugin import build_task_sources
+    from skyrl_clora.config import ConfigError
+    from skyrl_clora.config_build import build_run_config, plan_steps
+    from skyrl_clora.config_keys import check_embedded_keys
+    from skyrl_clora.recipes.plugin import build_task_sources, load_recipe
 
     try:
         cfg = compose_config(argv)
         check_known_keys(cfg, argv)
         run = build_run_config(cfg)
+        refusals = check_embedded_keys(cfg, argv) if run.backend == "embedded" else []
+        refusal = load_recipe(run.recipe.name).refuses(run.recipe, run.backend)
+        if refusals or refusal:
+            raise ConfigError("\n".join(refusals + ([refusal] if refusal else [])))
         plan = None
         if run.backend == "skyrl":
             from skyrl_clora.tiny_base.pretrain import TinyBaseRecipe, tiny_base_path
@@ -150,17 +160,20 @@ def main(argv: list[str] | None = None) -> int:
             from skyrl_clora.skyrl.stack import check_buildable
 
             # SkyRL's constraints and what this machine can build, checked before anything starts.
+            from skyrl_clora.config_keys import given_keys
+
             tiny_base = tiny_base_path(None, TinyBaseRecipe(corpus=run.model_corpus))
-            plan = translate(cfg, model_path=run.model_path or str(tiny_base))
+            plan = translate(cfg, model_path=run.model_path or str(tiny_base), given=given_keys(argv))
             check_buildable(plan)
         if run.model_path is not None:
             from skyrl_clora.services import check_model_folder
 
             check_model_folder(run.model_path)
-        sources = build_task_sources(run.recipe, list(run.tenants), run.steps, run.seed)  # before the model
+        sources = build_task_sources(run.recipe, list(run.tenants), run.max_training_steps, run.seed)  # before the model
+        run = plan_steps(run, min(len(source.train_rows) for source in sources.values()))
         run, resume, stopped = claim_output_dir(run)
         added = [spec for spec in run.tenants if spec.name not in sources]  # joined the resumed run while it went
-        sources |= build_task_sources(run.recipe, added, run.steps, run.seed)
+        sources |= build_task_sources(run.recipe, added, run.max_training_steps, run.seed)
     except (UserError, ConfigError) as error:
         return _refused(error)
     with STOP.installed():

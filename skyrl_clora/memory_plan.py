@@ -102,7 +102,7 @@ def plan_kv_blocks(model: torch.nn.Module, trainer: Trainer, *, utilization: flo
     peak = measure_training_peak(trainer, pack, micro_batch_rows, max_len, rank)
     return _plan(model, utilization, block_size, rows, max_len, peak,
                  f"measured: {pack} tenant(s), {micro_batch_rows} rows x {max_len} tokens",
-                 "raise sampler.gpu_memory_utilization, lower trainer.micro_batch_size (or "
+                 "raise sampler.gpu_memory_utilization, lower trainer.micro_train_batch_size_per_gpu (or "
                  "trainer.max_tokens_per_microbatch) or shorten the recipe's lengths")
 
 

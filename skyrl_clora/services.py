@@ -16,11 +16,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from skyrl.train.config import AlgorithmConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.config import ConfigError, RunConfig, algorithm_config
 from skyrl_clora.gpu_settings import use_expandable_segments
 from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear, attach_multi_lora
 from skyrl_clora.memory_plan import plan_kv_blocks
@@ -84,14 +83,14 @@ def check_model_folder(path: str) -> None:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"model.path={path} is not a usable Hugging Face model folder ({first}); point it at a "
+        raise ConfigError(f"trainer.policy.model.path={path} is not a usable Hugging Face model folder ({first}); point it at a "
                           "causal-LM checkpoint folder (config.json, weights, tokenizer)") from None
     if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
-        raise ConfigError(f"model.path={path}: tokenizer needs an eos token and a chat template")
+        raise ConfigError(f"trainer.policy.model.path={path}: tokenizer needs an eos token and a chat template")
 
 
 def resolve_model_path(run: RunConfig) -> str:
-    """The base model folder: ``model.path`` or the tiny pre-trained base (built and cached on first use)."""
+    """The base model folder: ``trainer.policy.model.path`` or the tiny pre-trained base (built and cached on first use)."""
     if run.model_path is not None:
         return run.model_path
     from skyrl_clora.tiny_base.pretrain import TinyBaseRecipe, ensure_tiny_base, tiny_base_path
@@ -116,14 +115,14 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         use_expandable_segments()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
-        raise ConfigError(f"model.path={model_path}: tokenizer needs an eos token and a chat template")
+        raise ConfigError(f"trainer.policy.model.path={model_path}: tokenizer needs an eos token and a chat template")
     sampler_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     trainer_slots = trainer_slot_count(run, num_tenants)
     sampler_layers, trainer_model, trainer_routing, trainer_layers = share_base_weights(
         sampler_model, num_tenants, trainer_slots, run.lora.max_rank)
 
     store = AdapterStore(trainer_layers, num_slots=trainer_slots)
-    algorithm = AlgorithmConfig(**run.trainer.algorithm)
+    algorithm = algorithm_config(run.trainer.algorithm)
     trainer = Trainer(
         trainer_model, trainer_routing, trainer_layers, store, algorithm,
         OptimizerConfig(weight_decay=run.trainer.weight_decay, max_grad_norm=run.trainer.max_grad_norm),

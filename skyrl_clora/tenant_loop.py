@@ -113,9 +113,13 @@ class TenantLoop:
         self.checkpointed = self.step  # RL steps the newest checkpoint holds (0: none needed yet)
 
     async def run_experiment(self) -> None:
+        """SkyRL's schedule: evaluation before step 1 (``trainer.eval_before_train``), every
+        ``trainer.eval_interval`` steps and after the last (none when the interval is <= 0); a checkpoint every
+        ``trainer.ckpt_interval`` steps and at the end."""
         name, steps, interval = self.spec.name, self.run.steps, self.run.trainer.ckpt_interval
+        eval_interval = self.run.trainer.eval_interval
         try:
-            if self.resume is None:
+            if self.resume is None and eval_interval > 0 and self.run.trainer.eval_before_train:
                 await self._evaluate(step=0)
             try:
                 for step in range(self.step + 1, steps + 1):
@@ -123,11 +127,14 @@ class TenantLoop:
                         await self._stop(done=step - 1)
                         return
                     await self._rl_step(step)
+                    if eval_interval > 0 and step % eval_interval == 0 and step < steps:
+                        await self._evaluate(step)
                     if interval and step % interval == 0 and step < steps:
                         await self._checkpoint(step, finished=False)
             finally:
                 await self.backend.end_training(name)
-            await self._evaluate(step=steps)
+            if eval_interval > 0:
+                await self._evaluate(step=steps)
             await self.backend.export(name, self.run.output_dir / "adapters" / name)
             await self._checkpoint(steps, finished=True)
         except Exception as error:  # noqa: BLE001 - a failing tenant must not take the others down

@@ -56,8 +56,9 @@ def expand_tenants(
         if not _NAME.fullmatch(spec.name) or spec.name in (".", ".."):
             raise ValueError(f"tenant {index}: name={spec.name!r} must be letters, digits, '.', '_' or '-' (it names the "
                              "tenant's adapter folder and its adapter in the sampler)")
-        for field, key in (("rank", "lora.rank"), ("lr", "trainer.lr"), ("alpha", "lora.alpha"),
-                           ("samples_per_prompt", "recipe.samples_per_prompt")):
+        for field, key in (("rank", "trainer.policy.model.lora.rank"), ("lr", "trainer.policy.optimizer_config.lr"),
+                           ("alpha", "trainer.policy.model.lora.alpha"),
+                           ("samples_per_prompt", "generator.n_samples_per_prompt")):
             if not getattr(spec, field) > 0:
                 raise ValueError(f"tenant {spec.name}: {field}={getattr(spec, field)} must be positive; set {key} or "
                                  f"the tenant's {field} override")

@@ -212,9 +212,9 @@ def test_a_used_output_folder_takes_only_its_own_run(learning_model_dir: Path, t
     assert main(args) == 0
     before = _listing(tmp_path)
     capsys.readouterr()
-    assert main([*args, "recipe.max_generate_length=9"]) == 2
+    assert main([*args, "generator.sampling_params.max_generate_length=9"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: clora.output_dir={tmp_path} holds a run whose config differs in recipe.max_generate_length; ")
+    assert err.startswith(f"error: clora.output_dir={tmp_path} holds a run whose config differs in generator.sampling_params.max_generate_length; ")
     assert len(err.splitlines()) == 1
     assert main([*args, "trainer.resume_mode=none"]) == 2
     assert "holds a run; resume it (trainer.resume_mode=latest) or choose a new clora.output_dir" in capsys.readouterr().err
@@ -225,8 +225,8 @@ def test_a_used_output_folder_takes_only_its_own_run(learning_model_dir: Path, t
     elsewhere = tmp_path / "elsewhere"
     from_path = ["trainer.resume_mode=from_path", f"trainer.resume_path={tmp_path / 'checkpoints'}"]
     moved = run_args(learning_model_dir, elsewhere, micro_tenants(*TENANTS[:2]), *from_path, steps=2)
-    assert main([*moved, "trainer.lr=0.01"]) == 2
-    assert "tenant a's checkpoints were written by a run whose config differs in tenants.a, trainer.lr" in capsys.readouterr().err
+    assert main([*moved, "trainer.policy.optimizer_config.lr=0.01"]) == 2
+    assert "tenant a's checkpoints were written by a run whose config differs in tenants.a, trainer.policy.optimizer_config.lr" in capsys.readouterr().err
     assert main(moved) == 0  # the checkpoints continue in another folder: finished there too
     assert {name: [r for r in read_records(elsewhere) if r["tenant"] == name] for name in ("a", "b")} == records
     for name in ("a", "b"):
@@ -332,7 +332,8 @@ def test_a_lockstep_run_resumes_every_tenant_from_the_newest_step_all_hold(tmp_p
     """A kill between two tenants' checkpoints of one round leaves a at step 4, b at 3: both resume from 3 (a's
     older checkpoint); a tenant with no checkpoint of that step is a one-line error."""
     from skyrl_clora.checkpoints import claim_output_dir
-    from skyrl_clora.config import ConfigError, build_run_config
+    from skyrl_clora.config import ConfigError
+    from skyrl_clora.config_build import build_run_config
     from skyrl_clora.main import compose_config
 
     run = build_run_config(compose_config(["+tenants=2", f"clora.output_dir={tmp_path}", "clora.train_mode=packed",

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from skyrl_clora.config import build_run_config
+from omegaconf import OmegaConf
+
+from skyrl_clora.config_build import build_run_config
+from skyrl_clora.help import is_global
 from skyrl_clora.main import CONF_DIR, compose_config, main
 from skyrl_clora.tenants import expand_tenants
 
@@ -26,15 +29,30 @@ def test_every_conf_file_composes(path: Path, tmp_path: Path) -> None:
         overrides.append(f"{relative.parent}={relative.stem}")
     cfg = compose_config(overrides)
     content = yaml.safe_load(path.read_text())
-    if relative.parent != Path("."):
+    if relative.parent != Path(".") and not is_global(path):
         assert dict(cfg[str(relative.parent)]) == content
-    else:
+    else:  # every key the file sets has its value in the composed config
+        for key, value in flat(content).items():
+            if not key.startswith("defaults") and relative.parent != Path("."):
+                if isinstance(value, str) and value.startswith("${"):  # an interpolation: the key it names
+                    value = OmegaConf.select(cfg, value[2:-1])
+                assert OmegaConf.select(cfg, key) == value, key
         assert {key for key in content if key != "defaults"} <= set(cfg)
     assert build_run_config(cfg).tenants
 
 
+def flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def test_plus_tenants_expands_into_specs(tmp_path: Path) -> None:
-    run = build_run_config(compose_config(["+tenants=8", f"clora.output_dir={tmp_path}", "clora.seed=3"]))
+    run = build_run_config(compose_config(["+tenants=8", f"clora.output_dir={tmp_path}", "trainer.seed=3"]))
     assert [spec.name for spec in run.tenants] == [f"tenant-{i}" for i in range(8)]
     assert [spec.seed for spec in run.tenants] == list(range(3, 11))
     assert {spec.rank for spec in run.tenants} == {16} and {spec.lr for spec in run.tenants} == {2e-3}
@@ -69,13 +87,13 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
 
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
-    for needle in ("+tenants=N", "recipe=gsm8k|taubench", "recipe.* with recipe=taubench:", "backend.* with backend=skyrl:"):
+    for needle in ("+tenants=N", "recipe=gsm8k|skyrl_gsm8k|taubench", "with recipe=taubench:", "with backend=skyrl:"):
         assert needle in text
     lines = text.splitlines()
     for path in sorted(CONF_DIR.rglob("*.yaml")):
         group = path.parent.name
-        prefix = "" if path.parent == CONF_DIR else f"{group}."
-        section = 0 if not prefix else lines.index(f"{group}.* with {group}={path.stem}:")
+        prefix = "" if path.parent == CONF_DIR or is_global(path) else f"{group}."
+        section = 0 if path.parent == CONF_DIR else lines.index(f"with {group}={path.stem}:")
         for key in conf_keys(path):
             assert key.description, f"{path.name}: {key.path} has no comment to describe it"
             head = f"  {prefix}{key.path}={key.default}"
@@ -90,25 +108,28 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["+tenants=0"], "at least 1 tenant"),
     (["+tenants=abc"], "malformed"),
     (["tenants=3"], "+tenants=N"),
-    (["model.path=/does/not/exist"], "model.path"),
-    (["+tenants=[{rank:128}]"], "lora.max_rank"),
-    (["+tenants=[{rank:0}]"], "tenant tenant-0: rank=0 must be positive; set lora.rank or the tenant's rank override"),
-    (["trainer.lr=-1"], "lr=-1.0 must be positive; set trainer.lr"),
-    (["+tenants=[{samples_per_prompt:0}]"], "samples_per_prompt=0 must be positive; set recipe.samples_per_prompt"),
-    (["recipe.samples_per_prompt=0"], "recipe.samples_per_prompt must be >= 1, got 0"),
-    (["trainer.micro_batch_size=1.5"], "trainer.micro_batch_size=1.5 must be an integer"),
+    (["trainer.policy.model.path=/does/not/exist"], "trainer.policy.model.path"),
+    (["+tenants=[{rank:128}]"], "sampler.max_lora_rank"),
+    (["+tenants=[{rank:0}]"], "tenant tenant-0: rank=0 must be positive; set trainer.policy.model.lora.rank or the "
+                              "tenant's rank override"),
+    (["trainer.policy.optimizer_config.lr=-1"], "lr=-1.0 must be positive; set trainer.policy.optimizer_config.lr"),
+    (["+tenants=[{samples_per_prompt:0}]"], "samples_per_prompt=0 must be positive; set generator.n_samples_per_prompt"),
+    (["generator.n_samples_per_prompt=0"], "generator.n_samples_per_prompt must be >= 1, got 0"),
+    (["trainer.micro_train_batch_size_per_gpu=1.5"], "trainer.micro_train_batch_size_per_gpu=1.5 must be an integer"),
     (["trainer.max_tokens_per_microbatch=0"], "trainer.max_tokens_per_microbatch=0 must be -1 (micro-batches of"),
-    (["sampler.temperature=warm"], "sampler.temperature=warm must be a number"),
-    (["lora.max_rank=abc"], "lora.max_rank=abc must be an integer"),
+    (["generator.sampling_params.temperature=warm"], "generator.sampling_params.temperature=warm must be a number"),
+    (["sampler.max_lora_rank=abc"], "sampler.max_lora_rank=abc must be an integer"),
     (["recipe.task_variant=[a,b]"], "recipe.task_variant=['a', 'b'] must be a single value"),
-    (["clora.seed=abc"], "clora.seed=abc must be an integer"),
-    (["recipe.env_class=null"], "recipe.env_class must be set (it is null)"),
-    (["clora.steps=2.5"], "clora.steps=2.5 must be an integer"),
+    (["trainer.seed=abc"], "trainer.seed=abc must be an integer"),
+    (["environment.env_class=null"], "environment.env_class=None has no recipe here; use one of gsm8k (skyrl_gsm8k)"),
+    (["environment.env_class=aime"], "environment.env_class=aime has no recipe here"),
+    (["trainer.max_training_steps=2.5"], "trainer.max_training_steps=2.5 must be an integer"),
+    (["trainer.epochs=0"], "trainer.epochs must be >= 1, got 0"),
     (["clora.progress=maybe"], "clora.progress=maybe must be true or false"),
     (["+tenants=[{rank:1.5}]"], "tenant 0: rank=1.5 must be an integer"),
     (["+tenants=[{name:../escape}]"], "tenant 0: name='../escape' must be letters, digits"),
     (["+tenants=[{name:..}]"], "tenant 0: name='..' must be letters, digits"),
-    (["lora.alpha=0"], "tenant tenant-0: alpha=0.0 must be positive; set lora.alpha"),
+    (["trainer.policy.model.lora.alpha=0"], "tenant tenant-0: alpha=0.0 must be positive; set trainer.policy.model.lora.alpha"),
     (["sampler.max_rows=-5"], "sampler.max_rows=-5 must be >= 0"),
     (["sampler.max_prefills_per_step=0"], "sampler.max_prefills_per_step=0 must be >= 1"),
     (["sampler.kv_blocks=-5"], "sampler.kv_blocks=-5 must be >= 0"),
@@ -117,8 +138,11 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["sampler.gpu_memory_utilization=1.5"], "sampler.gpu_memory_utilization=1.5 must be in (0, 1)"),
     (["+tenants=[{},{env_class:nope}]"], "tenant tenant-1: env_class=nope is not a registered skyrl-gym environment"),
     (["+tenants=[{task_variant:nope}]"], "tenant tenant-0: unknown gsm8k task variant 'nope'; choose one of standard, hard"),
-    (["recipe.train_data=/tmp"], "recipe.train_data=/tmp: gsm8k parquet file not found: /tmp; point it at a parquet file"),
+    (["data.train_data=[/tmp]"], "data.train_data: /tmp: gsm8k parquet file not found: /tmp; point it at a parquet file"),
+    (["data.train_data=[/nonexistent.parquet]"], "data.train_data: /nonexistent.parquet does not exist"),
+    (["data.val_data=[1]"], "data.val_data=[1] must be a list of parquet files"),
     (["recipe=taubench", "recipe.data_path=/tmp"], "recipe.data_path=/tmp: "),
+    (["recipe=taubench", "data.train_data=[/tmp]"], "tau-bench reads its tasks from recipe.data_path"),
     (["+tenants=[{},{lr:fast}]"], "tenant 1: lr=fast must be a number"),
     (["clora.output_dir=/proc/forbidden"], "not writable"),
     (["clora.mode=parallel"], "concurrent or serial"),
@@ -128,20 +152,32 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["trainer.overlap_sampling=sometimes"], "trainer.overlap_sampling=sometimes must be true, false or null"),
     (["backend=skyrl", "trainer.overlap_sampling=false"], "trainer.overlap_sampling=false needs backend=embedded"),
     (["+clora.foo=1"], "unknown key clora.foo; valid keys here: control, device, max_tenants, mode, output_dir, "
-                       "progress, replicas, seed, steps"),
-    (["+model.foo=1"], "unknown key model.foo; valid keys here: corpus, dtype, path"),
-    (["model.corpus=taubench"], "model.corpus=taubench is no recipe with a pre-training corpus; use one of gsm8k"),
+                       "progress, replicas"),
+    (["+model.foo=1"], "unknown key model.foo; valid keys here: corpus, dtype"),
+    (["model.corpus=taubench"], "model.corpus=taubench is no recipe with a pre-training corpus; use one of gsm8k, "
+                                "skyrl_gsm8k"),
     (["recipe=taubench", "recipe.user=bogus"], "recipe.user=bogus is unknown; use scripted or llm"),
     (["recipe=taubench", "recipe.data_path=/nonexistent"], "recipe.data_path=/nonexistent does not exist"),
     (["+recipe.user=llm"], "unknown key recipe.user"),
     (["+backend.foo=1"], "unknown key backend.foo; valid keys here: name"),
-    (["backend=skyrl", "+backend.foo=1"], "unknown key backend.foo; valid keys here: colocate_all,"),
-    (["+trainer.algorithm.foo=1"], "unknown key trainer.algorithm.foo; valid keys here: advantage_estimator"),
-    (["+foo=1"], "unknown key foo; valid keys: backend, clora, lora, model, recipe, sampler, trainer"),
-    (["clora.stepz=3"], "unknown key clora.stepz; did you mean clora.steps"),
+    (["backend=skyrl", "+backend.foo=1"], "unknown key backend.foo; valid keys here: inference_backend, name, strategy"),
+    (["+trainer.algorithm.foo=1"], "unknown key trainer.algorithm.foo; valid keys here: advantage_batch_normalize, "
+                                         "advantage_estimator"),
+    (["+foo=1"], "unknown key foo; valid keys: backend, clora, data, environment, generator, model, recipe, sampler, "
+                 "trainer"),
+    (["clora.outptu_dir=3"], "unknown key clora.outptu_dir; did you mean clora.output_dir"),
+    (["trainer.epoch=3"], "unknown key trainer.epoch; did you mean trainer.epochs"),
     (["trainer.algorithm.advantage_estimator=nope"], "trainer.algorithm.advantage_estimator=nope is not in SkyRL's registry"),
     (["trainer.algorithm.policy_loss_type=nope"], "trainer.algorithm.policy_loss_type=nope is not in SkyRL's registry"),
     (["trainer.algorithm.eps_clip_low=abc"], "trainer.algorithm.eps_clip_low=abc must be a number"),
+    (["trainer.policy.optimizer_config.scheduler=linear"], "trainer.policy.optimizer_config.scheduler=linear is not "
+                                                           "implemented here; use constant_with_warmup or constant or cosine"),
+    (["trainer.update_epochs_per_batch=2"], "trainer.update_epochs_per_batch=2 on backend=embedded: one pass over each "
+                                            "batch: set it to 1"),
+    (["trainer.policy_mini_batch_size=2"], "trainer.policy_mini_batch_size=2 on backend=embedded: one optimizer step"),
+    (["trainer.critic.model.path=/x"], "trainer.critic.model.path is a SkyRL key backend=embedded does not implement"),
+    (["trainer.train_batch_size=100", "data.train_data=[{data}/train.parquet]"],
+     "the training data holds 64 rows, fewer than trainer.train_batch_size=100"),
     (["+tenants=[{name:''}]"], "tenant 0: name='' must be letters, digits"),
     (["trainer.logger=[tensorboard,mlflow]"], "trainer.logger=mlflow is unknown"),
     (["trainer.resume_mode=sometimes"], "trainer.resume_mode=sometimes is unknown"),
@@ -151,7 +187,7 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["trainer.algorithm.kl_estimator_type=k9"], "trainer.algorithm.kl_estimator_type=k9 is unknown; use one of k1"),
     (["trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.use_kl_loss=true"],
      "trainer.algorithm.use_kl_in_reward and use_kl_loss are mutually exclusive"),
-    (["trainer.algorithm.use_kl_in_reward=true", "+trainer.algorithm.kl_ctrl.type=adaptive"],
+    (["trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.kl_ctrl.type=adaptive"],
      "trainer.algorithm.kl_ctrl.type=adaptive: skyrl-clora keeps no per-tenant adaptive KL controller state"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture,
@@ -159,6 +195,11 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: 
     out = tmp_path / "out"
     if not any(arg.startswith("clora.output_dir=") for arg in args):
         args = [*args, f"clora.output_dir={out}"]
+    if any("{data}" in arg for arg in args):
+        from skyrl_clora.recipes.skyrl_gsm8k.data import write_skyrl_gsm8k
+
+        write_skyrl_gsm8k(tmp_path / "data", train_size=64, val_size=4)
+        args = [arg.replace("{data}", str(tmp_path / "data")) for arg in args]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
@@ -182,11 +223,13 @@ def bad_files(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["recipe.train_data={bad}/empty.parquet"], "recipe.train_data={bad}/empty.parquet: "),
-    (["recipe.train_data={bad}/shape.parquet"], "recipe.train_data={bad}/shape.parquet: "),
-    (["recipe.train_data={bad}/norows.parquet"], "recipe.train_data={bad}/norows.parquet"),
-    (["recipe.val_data={bad}/norows.parquet"], "recipe.val_data={bad}/norows.parquet"),
-    (["model.path={bad}/model"], "model.path={bad}/model is not a usable Hugging Face model folder"),
+    (["data.train_data=[{bad}/empty.parquet]"], "data.train_data: {bad}/empty.parquet: "),
+    (["data.train_data=[{bad}/shape.parquet]"], "data.train_data: {bad}/shape.parquet: "),
+    (["data.train_data=[{bad}/norows.parquet]"], "data.train_data=['{bad}/norows.parquet'] holds no rows"),
+    (["data.val_data=[{bad}/norows.parquet]"], "data.val_data=['{bad}/norows.parquet'] holds no rows"),
+    (["environment.env_class=gsm8k", "data.train_data=[{bad}/shape.parquet]"],
+     "data.train_data: {bad}/shape.parquet: row 0 has no chat prompt"),
+    (["trainer.policy.model.path={bad}/model"], "trainer.policy.model.path={bad}/model is not a usable Hugging Face"),
 ])
 def test_bad_files_are_refused_before_any_work(args: list[str], needle: str, bad_files: Path, tmp_path: Path,
                                                capsys: pytest.CaptureFixture) -> None:
@@ -198,25 +241,38 @@ def test_bad_files_are_refused_before_any_work(args: list[str], needle: str, bad
 
 
 def test_every_groups_problem_is_listed_at_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    args = ["lora.rank=abc", "lora.alpha=big", "sampler.temperature=warm", "trainer.algorithm.advantage_estimator=nope",
-            "clora.steps=x", f"clora.output_dir={tmp_path / 'out'}"]
+    args = ["trainer.policy.model.lora.rank=abc", "trainer.policy.model.lora.alpha=big",
+            "generator.sampling_params.temperature=warm", "trainer.algorithm.advantage_estimator=nope",
+            "trainer.epochs=x", f"clora.output_dir={tmp_path / 'out'}"]
     assert main(args) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: lora.rank=abc must be an integer",
-        "error: lora.alpha=big must be a number",
+        "error: trainer.policy.model.lora.rank=abc must be an integer",
+        "error: trainer.policy.model.lora.alpha=big must be a number",
         "error: trainer.algorithm.advantage_estimator=nope is not in SkyRL's registry; use one of gae, grpo, maxrl, "
         "reinforce++, rloo (or register yours with SkyRL before the run)",
-        "error: sampler.temperature=warm must be a number",
-        "error: clora.steps=x must be an integer",
+        "error: generator.sampling_params.temperature=warm must be a number",
+        "error: trainer.epochs=x must be an integer",
     ]
 
 
-def test_an_added_skyrl_algorithm_field_is_a_known_key() -> None:
-    """``+trainer.algorithm.<field>`` of SkyRL's AlgorithmConfig is accepted (it reaches SkyRL's config)."""
+def test_every_skyrl_key_is_a_known_key() -> None:
+    """Any key of SkyRL's SkyRLTrainConfig is overridable without a ``+`` (SkyRL's own tree is in the config)."""
+    from skyrl_clora.config_keys import skyrl_defaults
     from skyrl_clora.main import check_known_keys, compose_config
 
-    overrides = ["+trainer.algorithm.clip_ratio_c=2.5", "recipe=taubench", "+tenants=2"]
-    check_known_keys(compose_config(overrides), overrides)
+    keys = [key for key, value in flat(skyrl_defaults()).items() if isinstance(value, (int, float, str))]
+    assert len(keys) > 300
+    overrides = [f"{key}={skyrl_defaults_value(key)}" for key in keys[::7]] + ["recipe=taubench", "+tenants=2"]
+    cfg = compose_config(overrides)
+    check_known_keys(cfg, overrides)
+    assert all(OmegaConf.select(cfg, key) is not None for key in keys[::7])
+
+
+def skyrl_defaults_value(key: str) -> str:
+    from skyrl_clora.config_keys import skyrl_defaults
+
+    value = flat(skyrl_defaults())[key]
+    return str(value).lower() if isinstance(value, bool) else f"'{value}'" if isinstance(value, str) else str(value)
 
 
 def test_bad_input_from_the_command_line_has_no_traceback() -> None:
@@ -238,7 +294,7 @@ def test_skyrls_kl_options_and_the_step_style_reach_both_backends(backend: str, 
                  "trainer.algorithm.kl_loss_coef=0.05", "trainer.algorithm.kl_estimator_type=k1"]
     run = build_run_config(compose_config(overrides))
     assert run.trainer.step_style == "skyrl"
-    algorithm = (translate(compose_config([*overrides, f"model.path={tmp_path}"])).base.trainer.algorithm
+    algorithm = (translate(compose_config([*overrides, f"trainer.policy.model.path={tmp_path}"])).base.trainer.algorithm
                  if backend == "skyrl" else AlgorithmConfig(**run.trainer.algorithm))
     assert (algorithm.use_kl_loss, algorithm.kl_loss_coef, algorithm.kl_estimator_type) == (True, 0.05, "k1")
     assert build_run_config(compose_config([*overrides, "trainer.step_style=tinker"])).trainer.step_style == "tinker"

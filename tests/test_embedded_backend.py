@@ -19,9 +19,9 @@ from skyrl_clora.main import main
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return [
-        f"model.path={model_dir}", f"clora.output_dir={out}", "clora.steps=2", "clora.progress=false",
-        "recipe.prompts_per_step=2", "recipe.samples_per_prompt=2", "recipe.eval_prompts=2",
-        "recipe.max_generate_length=8", "recipe.max_turns=2", "recipe.max_input_length=120", *extra,
+        f"trainer.policy.model.path={model_dir}", f"clora.output_dir={out}", "trainer.max_training_steps=2", "clora.progress=false",
+        "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2", "recipe.eval_prompts=2",
+        "generator.sampling_params.max_generate_length=8", "generator.max_turns=2", "trainer.max_prompt_length=120", *extra,
     ]
 
 
@@ -107,7 +107,7 @@ def test_a_failing_tenant_does_not_take_the_others_down(micro_model_dir: Path, t
 @pytest.mark.parametrize("mode", ["concurrent"])
 def test_sync_versions_are_checked_against_trajectories(mode: str, micro_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / mode
-    assert main(_args(micro_model_dir, out, "+tenants=1", f"clora.mode={mode}", "clora.steps=3")) == 0
+    assert main(_args(micro_model_dir, out, "+tenants=1", f"clora.mode={mode}", "trainer.max_training_steps=3")) == 0
     versions = [r["adapter_version"] for r in _step_metrics(out) if r["event"] == "step"]
     assert versions == [1, 2, 3]
 
@@ -117,9 +117,9 @@ def test_taubench_recipe_end_to_end(user: str, micro_model_dir: Path, tmp_path: 
     out = tmp_path / f"tau-{user}"
     tenants = "+tenants=2" if user == "scripted" else "+tenants=1"
     assert main([
-        f"model.path={micro_model_dir}", f"clora.output_dir={out}", "clora.steps=1", "clora.progress=false",
-        "recipe=taubench", f"recipe.user={user}", tenants, "recipe.prompts_per_step=1", "recipe.eval_prompts=1",
-        "recipe.max_turns=2", "recipe.max_generate_length=8",
+        f"trainer.policy.model.path={micro_model_dir}", f"clora.output_dir={out}", "trainer.max_training_steps=1", "clora.progress=false",
+        "recipe=taubench", f"recipe.user={user}", tenants, "trainer.train_batch_size=1", "recipe.eval_prompts=1",
+        "generator.max_turns=2", "generator.sampling_params.max_generate_length=8",
     ]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert all(row["status"] == "ok" and row["steps"] == 1 for row in summary["per_tenant"])

@@ -47,7 +47,7 @@ class ReplicaRunner:
         for env_id, spec in envs.items():
             if env_id not in registry:
                 register(env_id, entry_point=spec.entry_point, kwargs=spec.kwargs)
-        sources = build_task_sources(run.recipe, list(run.tenants), run.steps, run.seed)
+        sources = build_task_sources(run.recipe, list(run.tenants), run.max_training_steps, run.seed)
         return run_experiments(run, sources, resume, [])
 
 

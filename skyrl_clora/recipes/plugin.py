@@ -1,7 +1,8 @@
 """Recipes are plugins. A recipe is one folder ``skyrl_clora/recipes/<name>/`` whose package exposes
-``RECIPE`` (a :class:`Recipe`: its own config keys, the tenant's task data, its environment's registration, the
-extra arguments of its episodes, the backends it refuses) plus one config file ``conf/recipe/<name>.yaml``;
-``recipe=<name>`` selects it. Nothing outside a recipe's folder names it. A recipe may also be a
+``RECIPE`` (a :class:`Recipe`: the skyrl-gym env classes it serves, its own config keys, the tenant's task data,
+its environment's registration, the extra arguments of its episodes, the backends it refuses) plus one config
+file ``conf/recipe/<name>.yaml`` of defaults (``recipe=<name>`` picks them); SkyRL's ``environment.env_class``
+selects the recipe that serves it. Nothing outside a recipe's folder names it. A recipe may also be a
 :class:`PretrainingCorpus`: the synthetic episodes a base model is pre-trained on (``model.corpus`` names it).
 
 Task data is per tenant: SkyRL dataset rows for each RL step and for evaluation. A row is what SkyRL's prompt
@@ -69,10 +70,12 @@ class Recipe(Protocol):
     keys under ``recipe.`` (beside :class:`RecipeConfig`'s), with their defaults; its ``__post_init__`` raises
     :class:`ConfigError` on bad values. The built options are ``RecipeConfig.options``."""
 
+    env_classes: tuple[str, ...]
     options_type: type
 
-    def task_source(self, config: RecipeConfig, spec: TenantSpec, steps: int, run_seed: int) -> TaskSource:
-        """The tenant's task data; registers the recipe's skyrl-gym environment."""
+    def task_source(self, config: RecipeConfig, spec: TenantSpec, max_steps: int | None, run_seed: int) -> TaskSource:
+        """The tenant's task data (synthetic training rows: enough for ``max_steps`` steps when given); registers
+        the recipe's skyrl-gym environment."""
 
     def episode_env(self, config: RecipeConfig, spec: TenantSpec, chat: ChatFunction | None) -> EpisodeEnv:
         """The extras of the tenant's episodes; ``chat`` is None where the backend offers none. Nothing in them
@@ -119,6 +122,15 @@ def load_recipe(name: str) -> Recipe:
     return importlib.import_module(f"skyrl_clora.recipes.{name}.recipe").RECIPE
 
 
+def recipe_for_env(env_class: str) -> str:
+    """The recipe folder whose ``env_classes`` hold ``env_class``; none is a :class:`ConfigError` listing them."""
+    served = {env: folder for folder in recipe_folders() for env in load_recipe(folder).env_classes}
+    if env_class not in served:
+        raise ConfigError(f"environment.env_class={env_class} has no recipe here; use one of "
+                          f"{', '.join(f'{env} ({folder})' for env, folder in sorted(served.items()))}")
+    return served[env_class]
+
+
 def load_corpus(name: str) -> PretrainingCorpus:
     """The recipe ``name`` as a :class:`PretrainingCorpus`; a :class:`ConfigError` naming ``model.corpus`` and the
     recipes that offer one when it is no such recipe."""
@@ -128,7 +140,8 @@ def load_corpus(name: str) -> PretrainingCorpus:
     return load_recipe(name)
 
 
-def build_task_sources(recipe: RecipeConfig, specs: list[TenantSpec], steps: int, run_seed: int) -> dict[str, TaskSource]:
+def build_task_sources(recipe: RecipeConfig, specs: list[TenantSpec], max_steps: int | None,
+                       run_seed: int) -> dict[str, TaskSource]:
     """Every tenant's data, by tenant name, built before anything else starts: data that cannot be read, an
     unknown task variant or an environment that skyrl-gym does not know is a one-line :class:`ConfigError`
     (exit status 2), not a tenant failing once the run is under way."""
@@ -138,7 +151,7 @@ def build_task_sources(recipe: RecipeConfig, specs: list[TenantSpec], steps: int
     sources = {}
     for spec in specs:
         try:
-            source = plugin.task_source(recipe, spec, steps, run_seed)
+            source = plugin.task_source(recipe, spec, max_steps, run_seed)
         except ValueError as error:  # a ConfigError, or e.g. an unknown task variant
             raise ConfigError(f"tenant {spec.name}: {error}") from None
         if source.env_class not in skyrl_gym.registry:

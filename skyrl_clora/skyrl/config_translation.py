@@ -1,9 +1,12 @@
-"""The plugin's Hydra config (``conf/`` with ``backend=skyrl``) translated into SkyRL 0.4's ``SkyRLTrainConfig``.
+"""The plugin's Hydra config (``backend=skyrl``) translated into SkyRL 0.4's ``SkyRLTrainConfig``.
 
-SkyRL's CLI parser rejects ``+`` keys (``+tenants=8``), so the translation is done here, in code:
+SkyRL's CLI parser rejects ``+`` keys (``+tenants=8``), so the composed config is translated here, in code. Its
+``data``, ``trainer``, ``generator`` and ``environment`` trees are SkyRL's own key tree (``config_keys``), so the
+translation is SkyRL's builder over them, as given, and then:
 
-- one base ``SkyRLTrainConfig`` for the shared stack (model, LoRA signature, vLLM servers, Megatron/FSDP
-  workers, placement, recipe shape), and
+- the keys of :data:`~skyrl_clora.config_keys.SKYRL_SET` set by the plugin (the tiny base's path, the LoRA
+  adapter counts and sync folder when null, ``trainer.strategy`` from ``backend.strategy``, ...); a value given
+  for one of them that the plugin cannot keep is refused;
 - one ``SkyRLTrainConfig`` per tenant: the base with that tenant's seed, learning rate, group size and
   environment, i.e. what its ``WorkerDispatch(model_id=<tenant>)`` calls and its generator use.
 
@@ -29,28 +32,22 @@ import copy
 import importlib.util
 import math
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from skyrl.train.config import (
-    AlgorithmConfig,
-    SkyRLTrainConfig,
-)
+from skyrl.train.config import SkyRLTrainConfig
+from skyrl.train.config.config import build_nested_dataclass
 from skyrl.train.utils.utils import validate_cfg
 
-from skyrl_clora.config import (
-    ConfigError, LoraConfig, RecipeConfig, SamplerConfig, TrainerConfig, config_section, recipe_config, tenant_specs,
-)
+from skyrl_clora.config import ConfigError, TrainerConfig
+from skyrl_clora.config_build import lora_config, recipe_config, tenant_specs, trainer_config
+from skyrl_clora.config_keys import PLUGIN_TRAINER_KEYS, SKYRL_GROUPS
 from skyrl_clora.recipes.plugin import load_recipe
 from skyrl_clora.tenants import TenantSpec
 
-_BACKEND_KEYS = {
-    "name", "strategy", "inference_backend", "num_engines", "tensor_parallel_size", "merge_lora", "max_loras",
-    "max_cpu_loras", "target_modules", "lora_sync_mode", "lora_sync_path", "enable_prefix_caching",
-    "weight_sync_backend", "colocate_all", "policy_num_nodes", "policy_num_gpus_per_node", "gpu_memory_utilization",
-}
-_SCHEDULERS = {"constant": "constant_with_warmup", "cosine": "cosine"}
+_BACKEND_KEYS = {"name", "strategy", "inference_backend"}
 _INFERENCE_BACKENDS = ("auto", "vllm", "embedded")
 _STRATEGIES = ("auto", "megatron", "fsdp", "embedded")
 
@@ -95,10 +92,20 @@ def _backend(cfg: DictConfig) -> dict[str, Any]:
     return backend
 
 
+def skyrl_tree(cfg: DictConfig) -> dict[str, Any]:
+    """SkyRL's key tree of the composed config, as given (the plugin's own trainer keys left out)."""
+    tree = {group: OmegaConf.to_container(cfg[group], resolve=True) for group in SKYRL_GROUPS}
+    for key in PLUGIN_TRAINER_KEYS:
+        tree["trainer"].pop(key, None)
+    return tree
+
+
 def check_multi_tenant_constraints(
-    backend: dict[str, Any], trainer: TrainerConfig, tenants: list[TenantSpec], tenants_per_batch: int
+    backend: dict[str, Any], tree: dict[str, Any], trainer: TrainerConfig, tenants: list[TenantSpec],
+    tenants_per_batch: int,
 ) -> None:
-    """Raises :class:`ConfigError` (one line) for a combination SkyRL cannot run with tenants."""
+    """Raises :class:`ConfigError` (one line) for a combination SkyRL cannot run with tenants (``tree``: SkyRL's key
+    tree as given)."""
     if backend["inference_backend"] not in _INFERENCE_BACKENDS:
         raise ConfigError(
             f"backend.inference_backend={backend['inference_backend']}: SkyRL serves LoRA adapters with vllm only; "
@@ -111,20 +118,21 @@ def check_multi_tenant_constraints(
             f"backend.strategy=fsdp with {len(tenants)} tenants: SkyRL 0.4's FSDP workers hold one LoRA adapter "
             "(no AdapterStore); use backend.strategy=megatron (or embedded, its CPU stand-in)"
         )
-    if backend["merge_lora"]:
+    if tree["trainer"]["policy"]["megatron_config"]["lora_config"]["merge_lora"]:
         raise ConfigError(
-            "backend.merge_lora=true merges one adapter into the shared base weights, so tenants cannot coexist; "
-            "set backend.merge_lora=false"
+            "trainer.policy.megatron_config.lora_config.merge_lora=true merges one adapter into the shared base "
+            "weights, so tenants cannot coexist; set it to false"
         )
-    if backend["max_loras"] is not None and backend["max_loras"] < tenants_per_batch:
+    lora = tree["trainer"]["policy"]["model"]["lora"]
+    if lora["max_loras"] is not None and lora["max_loras"] < tenants_per_batch:
         raise ConfigError(
-            f"backend.max_loras={backend['max_loras']} < {tenants_per_batch} tenants sampling in one batch; "
-            f"raise backend.max_loras to >= {tenants_per_batch} (or null)"
+            f"trainer.policy.model.lora.max_loras={lora['max_loras']} < {tenants_per_batch} tenants sampling in one "
+            f"batch; raise it to >= {tenants_per_batch} (or null)"
         )
-    if backend["max_cpu_loras"] is not None and backend["max_cpu_loras"] < len(tenants):
+    if lora["max_cpu_loras"] is not None and lora["max_cpu_loras"] < len(tenants):
         raise ConfigError(
-            f"backend.max_cpu_loras={backend['max_cpu_loras']} < {len(tenants)} tenants: adapters would be evicted; "
-            f"raise it to >= {len(tenants)} (or null)"
+            f"trainer.policy.model.lora.max_cpu_loras={lora['max_cpu_loras']} < {len(tenants)} tenants: adapters "
+            f"would be evicted; raise it to >= {len(tenants)} (or null)"
         )
     signatures = {(spec.rank, spec.alpha) for spec in tenants}
     if len(signatures) > 1:
@@ -138,83 +146,46 @@ def check_multi_tenant_constraints(
         raise ConfigError(f"lora alpha {alpha:g} is not an integer; SkyRL's LoRA config takes an integer alpha")
     if backend["strategy"] in ("megatron", "embedded", "auto") and trainer.lr_schedule != "constant":
         raise ConfigError(
-            f"trainer.lr_schedule={trainer.lr_schedule}: SkyRL 0.4's Megatron scheduler is constant-only "
-            "(lr_decay_style is fixed; backend.strategy=embedded stands in for megatron and takes what it takes); "
-            "use trainer.lr_schedule=constant"
+            f"trainer.policy.optimizer_config.scheduler={tree['trainer']['policy']['optimizer_config']['scheduler']}: "
+            "SkyRL 0.4's Megatron scheduler is constant-only (lr_decay_style is fixed; backend.strategy=embedded "
+            "stands in for megatron and takes what it takes); use constant_with_warmup"
         )
 
 
-def _base_config(
-    cfg: DictConfig, backend: dict[str, Any], recipe: RecipeConfig, trainer: TrainerConfig, sampler: SamplerConfig,
-    tenants: list[TenantSpec], tenants_per_batch: int, model_path: str,
-) -> SkyRLTrainConfig:
-    st = SkyRLTrainConfig()
-    first = tenants[0]
-    gpus = backend["policy_num_nodes"] * backend["policy_num_gpus_per_node"]
-    per_gpu = max(1, recipe.prompts_per_step * recipe.samples_per_prompt // gpus)
-
-    tr = st.trainer
-    tr.strategy = "fsdp" if backend["strategy"] == "fsdp" else "megatron"  # embedded stands in for megatron
-    tr.seed = int(cfg.clora.seed)
-    tr.max_training_steps = int(cfg.clora.steps)
-    tr.train_batch_size = recipe.prompts_per_step
-    tr.policy_mini_batch_size = recipe.prompts_per_step
-    tr.micro_train_batch_size_per_gpu = math.gcd(trainer.micro_batch_size, per_gpu)
-    tr.micro_forward_batch_size_per_gpu = math.gcd(trainer.micro_batch_size, per_gpu)
-    tr.max_tokens_per_microbatch = trainer.max_tokens_per_microbatch
-    tr.max_prompt_length = recipe.max_input_length
-    tr.eval_batch_size = max(1, recipe.eval_prompts)
-    tr.eval_before_train = recipe.eval_prompts > 0
-    tr.logger = "console"
-    tr.run_name = os.path.basename(os.path.normpath(str(cfg.clora.output_dir)))
-    tr.placement.colocate_all = bool(backend["colocate_all"])
-    tr.placement.policy_num_nodes = backend["policy_num_nodes"]
-    tr.placement.policy_num_gpus_per_node = backend["policy_num_gpus_per_node"]
-    tr.algorithm = AlgorithmConfig(**trainer.algorithm)
-
+def _set_by_plugin(st: SkyRLTrainConfig, cfg: DictConfig, backend: dict[str, Any], tenants: list[TenantSpec],
+                   tenants_per_batch: int, model_path: str, given: Collection[str]) -> None:
+    """Sets the keys of ``config_keys.SKYRL_SET`` on ``st``, refusing a given value the plugin cannot keep."""
+    tr, gen = st.trainer, st.generator
+    strategy = "fsdp" if backend["strategy"] == "fsdp" else "megatron"  # embedded stands in for megatron
+    if "trainer.strategy" in given and tr.strategy != strategy:
+        raise ConfigError(f"trainer.strategy={tr.strategy} disagrees with backend.strategy={backend['strategy']} "
+                          f"({strategy}); set backend.strategy={tr.strategy} (SkyRL's trainer.strategy follows it)")
+    tr.strategy = strategy
+    if gen.inference_engine.backend != "vllm":
+        raise ConfigError(f"generator.inference_engine.backend={gen.inference_engine.backend}: tenants' adapters are "
+                          "served by vLLM (or its embedded stand-in); set it to vllm")
+    if gen.batched:
+        raise ConfigError("generator.batched=true sends one batch without per-request adapters; set "
+                          "generator.batched=false (each tenant's requests carry its adapter)")
+    if gen.sampling_params.logprobs is None:
+        raise ConfigError("generator.sampling_params.logprobs=null: the step needs the sampled tokens' log-probs; "
+                          "set it to 1")
     policy = tr.policy
-    policy.model.path = model_path
+    policy.model.path = os.path.expanduser(policy.model.path) if policy.model.path else model_path
+    policy.model.lora.rank, policy.model.lora.alpha = tenants[0].rank, int(tenants[0].alpha)
     lora = policy.model.lora
-    lora.rank = first.rank
-    lora.alpha = int(first.alpha)
-    lora.target_modules = backend["target_modules"]
-    lora.sync_mode = backend["lora_sync_mode"]
-    sync_path = backend["lora_sync_path"] or os.path.join(str(cfg.clora.output_dir), "lora_sync")
+    lora.max_loras = lora.max_loras if lora.max_loras is not None else tenants_per_batch
+    lora.max_cpu_loras = lora.max_cpu_loras if lora.max_cpu_loras is not None else max(len(tenants), lora.max_loras)
+    sync_path = lora.lora_sync_path or os.path.join(str(cfg.clora.output_dir), "lora_sync")
     lora.lora_sync_path = os.path.abspath(os.path.expanduser(sync_path))
-    lora.max_loras = backend["max_loras"] if backend["max_loras"] is not None else tenants_per_batch
-    lora.max_cpu_loras = backend["max_cpu_loras"] if backend["max_cpu_loras"] is not None else max(
-        len(tenants), lora.max_loras
-    )
-    policy.megatron_config.lora_config.merge_lora = bool(backend["merge_lora"])
-    opt = policy.optimizer_config
-    opt.lr = first.lr
-    opt.weight_decay = trainer.weight_decay
-    opt.max_grad_norm = trainer.max_grad_norm
-    opt.num_warmup_steps = trainer.warmup_steps
-    opt.scheduler = _SCHEDULERS[trainer.lr_schedule]
-
-    gen = st.generator
-    gen.n_samples_per_prompt = recipe.samples_per_prompt
-    gen.max_turns = recipe.max_turns
-    gen.max_input_length = recipe.max_input_length
-    gen.batched = False
-    gen.sampling_params.max_generate_length = recipe.max_generate_length
-    gen.sampling_params.temperature = sampler.temperature
-    gen.sampling_params.top_p = sampler.top_p
-    gen.sampling_params.logprobs = 1
-    ie = gen.inference_engine
-    ie.backend = "vllm"  # embedded stands in for vllm
-    ie.num_engines = backend["num_engines"]
-    ie.tensor_parallel_size = backend["tensor_parallel_size"]
-    ie.enable_prefix_caching = bool(backend["enable_prefix_caching"])
-    ie.weight_sync_backend = backend["weight_sync_backend"]
-    ie.gpu_memory_utilization = float(backend["gpu_memory_utilization"])
-
-    st.environment.env_class = recipe.env_class
-    st.data.train_data = [recipe.train_data] if recipe.train_data else []
-    st.data.val_data = [recipe.val_data] if recipe.val_data else []
-    st.trainer.algorithm.temperature = sampler.temperature
-    return st
+    if tr.ckpt_path is None:
+        tr.ckpt_path = os.path.join(str(cfg.clora.output_dir), "checkpoints")
+    tr.run_name = tr.run_name or os.path.basename(os.path.normpath(str(cfg.clora.output_dir)))
+    gpus = tr.placement.policy_num_nodes * tr.placement.policy_num_gpus_per_node
+    per_gpu = max(1, tr.policy_mini_batch_size * gen.n_samples_per_prompt // gpus)
+    for key in ("micro_train_batch_size_per_gpu", "micro_forward_batch_size_per_gpu"):
+        if f"trainer.{key}" not in given:  # SkyRL's batch-size check: a divisor of the rows per GPU
+            setattr(tr, key, math.gcd(getattr(tr, key), per_gpu))
 
 
 def _validated(st: SkyRLTrainConfig, who: str) -> SkyRLTrainConfig:
@@ -227,30 +198,39 @@ def _validated(st: SkyRLTrainConfig, who: str) -> SkyRLTrainConfig:
     return st
 
 
-def translate(cfg: DictConfig, model_path: str | None = None) -> SkyRLPlan:
+def _built(tree: dict[str, Any]) -> SkyRLTrainConfig:
+    """SkyRL's own builder over ``tree``; what it rejects becomes a one-line ConfigError."""
+    try:
+        return build_nested_dataclass(SkyRLTrainConfig, tree)
+    except (AssertionError, ValueError, TypeError) as error:
+        message = " ".join(str(error).split()) or type(error).__name__
+        raise ConfigError(f"SkyRL rejects the config: {message}") from None
+
+
+def translate(cfg: DictConfig, model_path: str | None = None, given: Collection[str] = ()) -> SkyRLPlan:
     """Translates the composed Hydra config (``backend=skyrl``) into SkyRL configs; raises ConfigError.
 
-    ``model_path`` is the base model folder when ``model.path`` is null (e.g. the tiny base, resolved by
-    the caller); the vLLM servers and the workers all load it."""
+    ``model_path`` is the base model folder when ``trainer.policy.model.path`` is null (e.g. the tiny base,
+    resolved by the caller); the vLLM servers and the workers all load it. ``given`` is the keys the command
+    line set (a given ``trainer.strategy`` must agree with ``backend.strategy``; given micro-batch sizes are kept)."""
     backend = _backend(cfg)
-    lora = config_section(LoraConfig, cfg.lora, "lora")
     if lora_rank_off(cfg):
-        raise ConfigError("lora.rank=0 turns LoRA off; backend=skyrl runs each tenant as a LoRA adapter: set lora.rank >= 1")
-    trainer = config_section(TrainerConfig, cfg.trainer, "trainer")
-    recipe = recipe_config(cfg.recipe)
+        raise ConfigError("trainer.policy.model.lora.rank=0 turns LoRA off; backend=skyrl runs each tenant as a LoRA "
+                          "adapter: set it >= 1")
+    trainer = trainer_config(cfg)
+    recipe = recipe_config(cfg)
     refusal = load_recipe(recipe.name).refuses(recipe, "skyrl")
     if refusal is not None:
         raise ConfigError(refusal)
-    sampler = config_section(SamplerConfig, cfg.sampler, "sampler")
-    tenants = tenant_specs(cfg, lora, trainer, recipe)
-    path = cfg.model.path if cfg.model.path is not None else model_path
-    if path is None:
-        raise ConfigError("backend=skyrl needs a base model folder: set model.path=/path/to/hf-checkpoint")
-    path = os.path.expanduser(str(path))
+    tenants = tenant_specs(cfg, lora_config(cfg), trainer, recipe)
+    if cfg.trainer.policy.model.path is None and model_path is None:
+        raise ConfigError("backend=skyrl needs a base model folder: set trainer.policy.model.path=/path/to/hf-checkpoint")
     tenants_per_batch = len(tenants) if str(cfg.clora.mode) == "concurrent" else 1
-    check_multi_tenant_constraints(backend, trainer, tenants, tenants_per_batch)
-
-    base = _validated(_base_config(cfg, backend, recipe, trainer, sampler, tenants, tenants_per_batch, path), "shared")
+    tree = skyrl_tree(cfg)
+    check_multi_tenant_constraints(backend, tree, trainer, tenants, tenants_per_batch)
+    base = _built(tree)
+    _set_by_plugin(base, cfg, backend, tenants, tenants_per_batch, os.path.expanduser(str(model_path or "")), given)
+    base = _validated(base, "shared")
     per_tenant = {}
     for spec in tenants:
         st = copy.deepcopy(base)
@@ -273,8 +253,8 @@ def translate(cfg: DictConfig, model_path: str | None = None) -> SkyRLPlan:
 
 
 def lora_rank_off(cfg: DictConfig) -> bool:
-    """True when the config turns LoRA off (``lora.rank`` 0 or a tenant with rank 0)."""
-    if int(cfg.lora.rank) < 1:
+    """True when the config turns LoRA off (``trainer.policy.model.lora.rank`` 0 or a tenant with rank 0)."""
+    if int(cfg.trainer.policy.model.lora.rank) < 1:
         return True
     value = cfg.get("tenants", 1)
     if OmegaConf.is_list(value):

@@ -156,16 +156,17 @@ def check_buildable(plan: SkyRLPlan) -> None:
                           "use backend.strategy=megatron (or embedded)")
     placement = plan.base.trainer.placement
     if placement.colocate_all:
-        raise ConfigError("backend.colocate_all=true pauses generation for every sync; tenants sync in place: set "
-                          "backend.colocate_all=false")
+        raise ConfigError("trainer.placement.colocate_all=true pauses generation for every sync; tenants sync in place: "
+                          "set trainer.placement.colocate_all=false")
     if plan.strategy == "embedded" and placement.policy_num_nodes * placement.policy_num_gpus_per_node != 1:
-        raise ConfigError("backend.strategy=embedded runs one worker: set backend.policy_num_nodes=1 "
-                          "backend.policy_num_gpus_per_node=1")
+        raise ConfigError("backend.strategy=embedded runs one worker: set trainer.placement.policy_num_nodes=1 "
+                          "trainer.placement.policy_num_gpus_per_node=1")
     gpus = _gpus_needed(plan)
     if gpus and placement.policy_num_nodes == 1 and torch.cuda.device_count() < gpus:
         raise ConfigError(f"backend=skyrl with inference_backend={plan.inference_backend} strategy={plan.strategy} needs "
                           f"{gpus} GPUs (not colocated); {torch.cuda.device_count()} visible: lower "
-                          "backend.policy_num_gpus_per_node/num_engines or use the embedded stand-ins")
+                          "trainer.placement.policy_num_gpus_per_node/generator.inference_engine.num_engines or use the "
+                          "embedded stand-ins")
 
 
 def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokenizer: Any) -> tuple:
@@ -280,7 +281,7 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
-        raise ConfigError(f"model.path={model_path}: tokenizer needs an eos token and a chat template")
+        raise ConfigError(f"trainer.policy.model.path={model_path}: tokenizer needs an eos token and a chat template")
     owns_ray = not ray.is_initialized()
     if owns_ray:
         _forget_stale_registry_actors()

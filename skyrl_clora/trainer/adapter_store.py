@@ -223,7 +223,7 @@ class AdapterStore:
         if name in self.tenants:
             raise ValueError(f"tenant {name!r} is already registered")
         if weights.rank > self.max_rank:
-            raise ValueError(f"tenant {name!r} rank {weights.rank} exceeds lora.max_rank={self.max_rank}")
+            raise ValueError(f"tenant {name!r} rank {weights.rank} exceeds sampler.max_lora_rank={self.max_rank}")
         if set(weights.a) != set(self.signature):
             raise ValueError(f"tenant {name!r} adapter targets {sorted(weights.a)[:3]}... differ from the model's LoRA layers")
         for path, (fan_in, fan_out) in self.signature.items():

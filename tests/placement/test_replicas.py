@@ -92,6 +92,6 @@ def test_a_lost_replica_resumes_its_tenants_from_their_last_checkpoints(learning
 def test_replicas_outside_a_concurrent_embedded_run_are_refused(extra: str, micro_model_dir: Path, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture) -> None:
     replicas = [] if extra.startswith("clora.replicas") else ["clora.replicas=2"]
-    assert main([f"model.path={micro_model_dir}", f"clora.output_dir={tmp_path}", *replicas, extra]) == 2
+    assert main([f"trainer.policy.model.path={micro_model_dir}", f"clora.output_dir={tmp_path}", *replicas, extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "clora.replicas" in err[0], err

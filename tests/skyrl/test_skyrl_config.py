@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("without_production_extras")
 
 
 def _translate(tmp_path: Path, *overrides: str):
-    return translate(compose_config(["backend=skyrl", f"model.path={tmp_path}", *overrides]))
+    return translate(compose_config(["backend=skyrl", f"trainer.policy.model.path={tmp_path}", *overrides]))
 
 
 @pytest.mark.parametrize("tenants", [1, 2, 8])
@@ -47,28 +47,28 @@ def test_per_tenant_hyper_parameters_reach_their_configs(tmp_path: Path) -> None
 
 
 def test_serial_mode_needs_one_lora_slot_per_batch(tmp_path: Path) -> None:
-    plan = _translate(tmp_path, "+tenants=4", "clora.mode=serial", "backend.max_loras=1")
+    plan = _translate(tmp_path, "+tenants=4", "clora.mode=serial", "trainer.policy.model.lora.max_loras=1")
     assert plan.tenants_per_batch == 1 and plan.base.trainer.policy.model.lora.max_loras == 1
 
 
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
-        (["lora.rank=0"], "lora.rank=0 turns LoRA off"),
+        (["trainer.policy.model.lora.rank=0"], "trainer.policy.model.lora.rank=0 turns LoRA off"),
         (["+tenants=[{rank:0},{}]"], "turns LoRA off"),
         (["backend.inference_backend=sglang"], "serves LoRA adapters with vllm only"),
-        (["backend.merge_lora=true"], "set backend.merge_lora=false"),
-        (["+tenants=8", "backend.max_loras=4"], "backend.max_loras=4 < 8 tenants sampling in one batch"),
+        (["trainer.policy.megatron_config.lora_config.merge_lora=true"], "merges one adapter into the shared base weights"),
+        (["+tenants=8", "trainer.policy.model.lora.max_loras=4"], "trainer.policy.model.lora.max_loras=4 < 8 tenants sampling in one batch"),
         (["+tenants=[{rank:8,alpha:16},{}]"], "tenants differ in LoRA signature"),
         (["+tenants=[{alpha:8},{}]"], "tenants differ in LoRA signature"),
-        (["+tenants=2", "backend.max_cpu_loras=1"], "adapters would be evicted"),
-        (["trainer.lr_schedule=cosine"], "Megatron scheduler is constant-only"),
-        (["trainer.lr_schedule=cosine", "backend.strategy=embedded"], "embedded stands in for megatron"),
+        (["+tenants=2", "trainer.policy.model.lora.max_cpu_loras=1"], "adapters would be evicted"),
+        (["trainer.policy.optimizer_config.scheduler=cosine"], "Megatron scheduler is constant-only"),
+        (["trainer.policy.optimizer_config.scheduler=cosine", "backend.strategy=embedded"], "embedded stands in for megatron"),
         (["+tenants=2", "backend.strategy=fsdp"], "FSDP workers hold one LoRA adapter"),
         (["backend.strategy=deepspeed"], "backend.strategy=deepspeed is unknown"),
         (["backend=embedded"], "use backend=skyrl"),
         (["recipe=taubench", "recipe.user=llm"], "use recipe.user=scripted with backend=skyrl"),
-        (["recipe.prompts_per_step=3", "backend.policy_num_gpus_per_node=8", "recipe.samples_per_prompt=1"],
+        (["trainer.train_batch_size=3", "trainer.placement.policy_num_gpus_per_node=8", "generator.n_samples_per_prompt=1"],
          "SkyRL rejects the translated config (shared)"),
     ],
 )
@@ -80,7 +80,7 @@ def test_invalid_combinations_fail_with_one_line_reasons(tmp_path: Path, overrid
 
 
 def test_fsdp_takes_the_cosine_schedule(tmp_path: Path) -> None:
-    plan = _translate(tmp_path, "backend.strategy=fsdp", "trainer.lr_schedule=cosine")
+    plan = _translate(tmp_path, "backend.strategy=fsdp", "trainer.policy.optimizer_config.scheduler=cosine")
     assert plan.base.trainer.policy.optimizer_config.scheduler == "cosine"
 
 

@@ -17,7 +17,7 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv
 from transformers import AutoModelForCausalLM
 
 from micro_task import assert_learning, register_micro_env
-from skyrl_clora.config import build_run_config
+from skyrl_clora.config_build import build_run_config
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter, load_peft_adapter
 from skyrl_clora.main import compose_config, main
@@ -37,10 +37,10 @@ LRS = {"tenant-0": 1e-2, "tenant-1": 3e-3}
 
 def _overrides(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "backend=skyrl", f"model.path={model_dir}", f"clora.output_dir={out}", "clora.progress=false",
-        "recipe.prompts_per_step=2", "recipe.samples_per_prompt=2", "recipe.eval_prompts=2",
-        "recipe.max_generate_length=8", "recipe.max_turns=2", "recipe.max_input_length=120", "lora.rank=8",
-        "lora.alpha=16", *extra,
+        "backend=skyrl", f"trainer.policy.model.path={model_dir}", f"clora.output_dir={out}", "clora.progress=false",
+        "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2", "recipe.eval_prompts=2",
+        "generator.sampling_params.max_generate_length=8", "generator.max_turns=2", "trainer.max_prompt_length=120", "trainer.policy.model.lora.rank=8",
+        "trainer.policy.model.lora.alpha=16", *extra,
     ]
 
 
@@ -81,7 +81,7 @@ def _local_step(model_dir: Path, batch, lr: float, seed: int, algorithm: Algorit
 
 
 def test_dispatch_registers_steps_syncs_and_deletes_tenants(micro_model_dir: Path, tmp_path: Path) -> None:
-    cfg = compose_config(_overrides(micro_model_dir, tmp_path, "+tenants=[{lr:1e-2},{lr:3e-3}]", "clora.steps=4"))
+    cfg = compose_config(_overrides(micro_model_dir, tmp_path, "+tenants=[{lr:1e-2},{lr:3e-3}]", "trainer.max_training_steps=4"))
     run, plan = build_run_config(cfg), translate(cfg)
     stack = build_stack(run, plan, str(micro_model_dir))  # starts (and at shutdown stops) a small local Ray
     dispatches = {name: WorkerDispatch(plan.tenant_configs[name], policy_actor_group=stack.policy_group,
@@ -156,14 +156,14 @@ def test_backend_skyrl_runs_through_main(learning_model_dir: Path, tmp_path: Pat
         skyrl_gym.register(id="raising_reward_skyrl", entry_point=RaisingRewardEnv)
     out = tmp_path / "run"
     tenants = f"+tenants=[{{env_class:{register_micro_env()}}},{{env_class:raising_reward_skyrl}},{{env_class:micro_letters}}]"
-    assert main(_overrides(learning_model_dir, out, tenants, "clora.steps=2")) == 1
+    assert main(_overrides(learning_model_dir, out, tenants, "trainer.max_training_steps=2")) == 1
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert_learning(records)  # rewards vary and every step took a gradient, computed by the Ray worker
     steps = sorted((r["tenant"], r["step"], r["adapter_version"]) for r in records if r["event"] == "step")
     assert steps == [("tenant-0", 1, 1), ("tenant-0", 2, 2), ("tenant-2", 1, 1), ("tenant-2", 2, 2)]
     assert all(r["episodes"] == 4 and r["train/lr"] == 2e-3 and r["train/response_tokens"] > 0
                for r in records if r["event"] == "step")
-    # SkyRL's sampling params reach the server: no turn runs past recipe.max_generate_length (8, 2 turns).
+    # SkyRL's sampling params reach the server: no turn runs past generator.sampling_params.max_generate_length (8, 2 turns).
     assert all(0 < r["rollout/generate/max_assistant_tokens"] <= 2 * 8 for r in records if r["event"] == "step")
     assert sorted((r["tenant"], r["step"]) for r in records if r["event"] == "eval") == [
         ("tenant-0", 0), ("tenant-0", 2), ("tenant-2", 0), ("tenant-2", 2)]
@@ -188,7 +188,7 @@ def test_backend_skyrl_runs_through_main(learning_model_dir: Path, tmp_path: Pat
         (["backend.strategy=megatron", "backend.inference_backend=embedded"],
          "backend.strategy=megatron needs backend.inference_backend=vllm: SkyRL 0.4's Megatron init_weight_sync_state"),
         (["clora.mode=serial"], "set clora.mode=concurrent"),
-        (["backend.policy_num_gpus_per_node=2"], "runs one worker"),
+        (["trainer.placement.policy_num_gpus_per_node=2"], "runs one worker"),
     ],
 )
 def test_user_errors_exit_2_with_one_line(micro_model_dir: Path, tmp_path: Path, capsys, overrides, reason) -> None:

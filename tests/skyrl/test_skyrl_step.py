@@ -17,7 +17,7 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import compute_advantages_and_re
 from skyrl.train.config import AlgorithmConfig
 from transformers import AutoModelForCausalLM
 
-from skyrl_clora.config import build_run_config
+from skyrl_clora.config_build import build_run_config
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate
@@ -64,9 +64,10 @@ def _direct_logprobs(model_dir: Path, adapter_dir: Path | None, data) -> torch.T
 
 def test_driver_recomputes_log_probs_and_adds_the_base_as_kl_reference(micro_model_dir: Path, tmp_path: Path) -> None:
     cfg = compose_config([
-        "backend=skyrl", f"model.path={micro_model_dir}", f"clora.output_dir={tmp_path}", "clora.progress=false",
-        "recipe.prompts_per_step=2", "recipe.samples_per_prompt=2", "recipe.max_input_length=120", "lora.rank=8",
-        "lora.alpha=16", "trainer.lr=5e-2", "trainer.algorithm.use_kl_loss=true", "trainer.algorithm.kl_loss_coef=0.5",
+        "backend=skyrl", f"trainer.policy.model.path={micro_model_dir}", f"clora.output_dir={tmp_path}",
+        "clora.progress=false", "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2",
+        "trainer.max_prompt_length=120", "trainer.policy.model.lora.rank=8", "trainer.policy.model.lora.alpha=16",
+        "trainer.policy.optimizer_config.lr=5e-2", "trainer.algorithm.use_kl_loss=true", "trainer.algorithm.kl_loss_coef=0.5",
     ])
     run, plan = build_run_config(cfg), translate(cfg)
     stack = build_stack(run, plan, str(micro_model_dir))
@@ -155,7 +156,7 @@ def test_step_style_picks_the_behaviour_log_probs(step_style: str, tmp_path: Pat
     dispatch = _Dispatch(reported_lr=1e-3)
     tenant = Tenant(spec=SimpleNamespace(name="t"), dispatch=dispatch, generator=None, view=None, schedule=LRSchedule(1e-3))
     data = training_input(*_output(rollout_shift=-9.0), 0, translate(compose_config(
-        ["backend=skyrl", f"model.path={tmp_path}"])).base.trainer.algorithm)
+        ["backend=skyrl", f"trainer.policy.model.path={tmp_path}"])).base.trainer.algorithm)
     metrics = backend._train(tenant, data)
     sent = dispatch.trained["action_log_probs"][dispatch.trained["response_mask"].bool()]
     if step_style == "tinker":
@@ -178,7 +179,7 @@ def test_a_step_the_worker_ran_with_another_lr_fails(tmp_path: Path) -> None:
     dispatch = _Dispatch(reported_lr=3e-3)  # e.g. another tenant's LR left in the optimizer
     tenant = Tenant(spec=SimpleNamespace(name="t"), dispatch=dispatch, generator=None, view=None, schedule=LRSchedule(1e-3))
     data = training_input(*_output(rollout_shift=-9.0), 0, translate(compose_config(
-        ["backend=skyrl", f"model.path={tmp_path}"])).base.trainer.algorithm)
+        ["backend=skyrl", f"trainer.policy.model.path={tmp_path}"])).base.trainer.algorithm)
     with pytest.raises(RuntimeError, match="the worker reports .*policy_lr.*0.003"):
         backend._train(tenant, data)
 

@@ -126,9 +126,9 @@ def test_a_pass_pauses_sampling_only_while_enough_rows_decode(micro_model_dir: P
 
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
-    return [f"model.path={model_dir}", f"clora.output_dir={out}", "clora.steps=2", "clora.progress=false",
-            "recipe.prompts_per_step=2", "recipe.samples_per_prompt=2", "recipe.eval_prompts=1",
-            "recipe.max_generate_length=8", "recipe.max_turns=1", "recipe.max_input_length=120", *extra]
+    return [f"trainer.policy.model.path={model_dir}", f"clora.output_dir={out}", "trainer.max_training_steps=2", "clora.progress=false",
+            "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2", "recipe.eval_prompts=1",
+            "generator.sampling_params.max_generate_length=8", "generator.max_turns=1", "trainer.max_prompt_length=120", *extra]
 
 
 @pytest.mark.parametrize("train_mode, overlap", [("swap", "true"), ("packed", "true"), ("swap", "false")])
@@ -151,7 +151,7 @@ def test_train_modes_end_to_end(train_mode: str, overlap: str, learning_model_di
 @pytest.mark.parametrize("overlap, paused", [("null", False), ("true", False), ("false", True)])
 def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: Path, tmp_path: Path, overlap: str,
                                                               paused: bool) -> None:
-    from skyrl_clora.config import build_run_config
+    from skyrl_clora.config_build import build_run_config
     from skyrl_clora.main import compose_config
     from skyrl_clora.services import build_services
 
@@ -164,7 +164,7 @@ def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: 
 
 
 def test_unknown_train_mode_is_a_one_line_config_error(micro_model_dir: Path, tmp_path: Path) -> None:
-    from skyrl_clora.config import build_run_config
+    from skyrl_clora.config_build import build_run_config
     from skyrl_clora.main import compose_config
 
     with pytest.raises(ConfigError, match=r"clora.train_mode=fused is unknown; use swap or packed"):

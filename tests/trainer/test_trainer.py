@@ -74,7 +74,7 @@ def test_grpo_step_raises_the_likelihood_of_rewarded_responses(trainer: Trainer)
 
 def test_store_rejects_bad_registrations(trainer: Trainer) -> None:
     weights = init_adapter(trainer.layers, 32, 64.0, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="exceeds lora.max_rank"):
+    with pytest.raises(ValueError, match="exceeds sampler.max_lora_rank"):
         trainer.store.register("C", weights, LRSchedule(base_lr=1e-3), seed=0)
     with pytest.raises(ValueError, match="already registered"):
         trainer.store.register("A", init_adapter(trainer.layers, 8, 16.0, torch.Generator()), LRSchedule(1e-3), seed=0)

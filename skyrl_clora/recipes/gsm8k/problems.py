@@ -13,6 +13,8 @@ Task variants, selected by name (`VARIANTS`):
 
 * ``standard``: 1-3 operations, operands up to ~30.
 * ``hard``: 3-4 operations, operands up to ~200 (more and longer numbers to copy).
+* ``easy``: one addition or subtraction of single-digit numbers (an answer a tiny model can know by heart, for
+  tasks whose difficulty is the answer's format rather than its arithmetic).
 
 Dataset rows follow SkyRL's prompt-dataset format (see `problem_to_row`); generation is deterministic
 given ``(seed, variant, split, n)``.
@@ -32,7 +34,7 @@ SYSTEM_PROMPT = "Use the calculator tool, then call final_answer."
 
 DATA_SOURCE = "synthetic_gsm8k"
 ENV_CLASS = "gsm8k_calc"
-VARIANTS: tuple[str, ...] = ("standard", "hard")
+VARIANTS: tuple[str, ...] = ("standard", "hard", "easy")
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 """Suffix SkyRL's gsm8k_dataset.py appends (after one space) to every question in the user message."""
 
@@ -97,7 +99,12 @@ _HARD: tuple[_Template, ...] = (
               "a*b+c*d-e", {"a": (4, 40), "b": (3, 12), "c": (4, 40), "d": (3, 12), "e": (5, 90)}),
 )
 
-_TEMPLATES: dict[str, tuple[_Template, ...]] = {"standard": _STANDARD, "hard": _HARD}
+_EASY: tuple[_Template, ...] = (
+    _Template("{N} has {a} {I} and finds {b} more. How many {I} does {p} have now?", "a+b", {"a": (1, 9), "b": (1, 9)}),
+    _Template("{N} has {a} {I}. {P} gives away {b}. How many {I} are left?", "a-b", {"a": (5, 9), "b": (1, 4)}),
+)
+
+_TEMPLATES: dict[str, tuple[_Template, ...]] = {"standard": _STANDARD, "hard": _HARD, "easy": _EASY}
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ agentic calculator environment ``gsm8k_calc``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,31 +21,18 @@ class GSM8KOptions:
 
 
 class GSM8KRecipe:
-    """:class:`~skyrl_clora.recipes.plugin.Recipe`: per-tenant problems seeded by the tenant (``task_variant``
-    standard or hard) unless ``recipe.train_data`` / ``recipe.val_data`` name parquet files; also a
-    :class:`~skyrl_clora.recipes.plugin.PretrainingCorpus` (``corpus``), the tiny base model's default."""
+    """:class:`~skyrl_clora.recipes.plugin.Recipe` of env ``gsm8k_calc``: per-tenant problems seeded by the tenant
+    (``task_variant`` standard or hard) unless ``data.train_data`` / ``data.val_data`` name SkyRL GSM8K parquet
+    files (mapped to the calculator task); also a :class:`~skyrl_clora.recipes.plugin.PretrainingCorpus`
+    (``corpus``), the tiny base model's default."""
 
+    env_classes = ("gsm8k_calc",)
     options_type = GSM8KOptions
 
-    def task_source(self, config: RecipeConfig, spec: TenantSpec, steps: int, run_seed: int) -> TaskSource:
+    def task_source(self, config: RecipeConfig, spec: TenantSpec, max_steps: int | None, run_seed: int) -> TaskSource:
         register_gsm8k_env()
-        needed = steps * config.prompts_per_step
-        if config.train_data is not None:
-            train = _parquet(config.train_data, "recipe.train_data")
-        else:
-            train = make_dataset_rows(max(needed, 64), seed=spec.seed, variant=spec.task_variant, split="train")
-        if config.val_data is not None:
-            evaluation = _parquet(config.val_data, "recipe.val_data")[: config.eval_prompts]
-            if not evaluation and config.eval_prompts:
-                raise ConfigError(f"recipe.val_data={config.val_data} holds no rows; check the file, or set "
-                                  "recipe.eval_prompts=0 to run without evaluation")
-        else:
-            evaluation = make_dataset_rows(
-                config.eval_prompts, seed=run_seed + EVAL_SEED_OFFSET, variant=spec.task_variant, split="test"
-            )
-        if not train:
-            raise ConfigError(f"recipe.train_data={config.train_data} holds no rows; check the file")
-        return TaskSource(spec.env_class or config.env_class, train, evaluation, spec.seed)
+        return TaskSource(spec.env_class or config.env_class, *task_rows(config, spec, max_steps, run_seed,
+                                                                          load_gsm8k_parquet, make_dataset_rows), spec.seed)
 
     def episode_env(self, config: RecipeConfig, spec: TenantSpec, chat: ChatFunction | None) -> EpisodeEnv:
         return EpisodeEnv()
@@ -56,12 +44,41 @@ class GSM8KRecipe:
         return corpus.pretraining_episodes(settings, solve_rate)
 
 
-def _parquet(path: str, key: str) -> list[dict[str, Any]]:
-    """``load_gsm8k_parquet(path)``; a file it cannot read is a :class:`ConfigError` naming ``key``."""
+SYNTHETIC_TRAIN_ROWS = 64
+"""Synthetic training rows per tenant at least (more when ``trainer.max_training_steps`` needs more)."""
+
+
+def task_rows(config: RecipeConfig, spec: TenantSpec, max_steps: int | None, run_seed: int,
+              load: Callable[[str], list[dict[str, Any]]],
+              make: Callable[..., list[dict[str, Any]]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training rows, evaluation rows) of a GSM8K-format recipe: the rows of ``data.train_data`` /
+    ``data.val_data`` read by ``load`` (every file, concatenated; the first ``recipe.eval_prompts`` evaluated), or
+    synthetic ones made by ``make(n, seed=, variant=, split=)``: seeded by the tenant for training, by the run
+    for evaluation (every tenant is evaluated on the same problems)."""
+    if config.train_data:
+        train = [row for path in config.train_data for row in _parquet(path, "data.train_data", load)]
+        if not train:
+            raise ConfigError(f"data.train_data={list(config.train_data)} holds no rows; check the files")
+    else:
+        needed = (max_steps or 0) * config.prompts_per_step
+        train = make(max(needed, SYNTHETIC_TRAIN_ROWS), seed=spec.seed, variant=spec.task_variant, split="train")
+    if config.val_data:
+        evaluation = [row for path in config.val_data for row in _parquet(path, "data.val_data", load)]
+        evaluation = evaluation[: config.eval_prompts]
+        if not evaluation and config.eval_prompts:
+            raise ConfigError(f"data.val_data={list(config.val_data)} holds no rows; check the files, or set "
+                              "recipe.eval_prompts=0 to run without evaluation")
+    else:
+        evaluation = make(config.eval_prompts, seed=run_seed + EVAL_SEED_OFFSET, variant=spec.task_variant, split="test")
+    return train, evaluation
+
+
+def _parquet(path: str, key: str, load: Callable[[str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """``load(path)``; a file it cannot read is a :class:`ConfigError` naming ``key``."""
     try:
-        return load_gsm8k_parquet(path)
+        return load(path)
     except (OSError, ValueError) as error:
-        raise ConfigError(f"{key}={path}: {error}; point it at a parquet file from SkyRL's gsm8k_dataset.py") from None
+        raise ConfigError(f"{key}: {path}: {error}; point it at a parquet file from SkyRL's gsm8k_dataset.py") from None
 
 
 RECIPE = GSM8KRecipe()

@@ -41,9 +41,10 @@ class TauBenchRecipe:
     """:class:`~skyrl_clora.recipes.plugin.Recipe` for tau-bench retail (every tenant takes the folder's
     train tasks in its own seeded order and is evaluated on its first ``eval_prompts`` test tasks)."""
 
+    env_classes = ("taubench_retail",)
     options_type = TauBenchOptions
 
-    def task_source(self, config: RecipeConfig, spec: TenantSpec, steps: int, run_seed: int) -> TaskSource:
+    def task_source(self, config: RecipeConfig, spec: TenantSpec, max_steps: int | None, run_seed: int) -> TaskSource:
         register_taubench_env()
         data_path = config.options.data_path or str(synthetic_retail_path())
         try:
@@ -71,6 +72,8 @@ class TauBenchRecipe:
         return EpisodeEnv(args={"user_factory": user_factory}, workers=LLM_USER_ENV_WORKERS)
 
     def refuses(self, config: RecipeConfig, backend: str) -> str | None:
+        if config.train_data or config.val_data:
+            return "data.train_data / data.val_data: tau-bench reads its tasks from recipe.data_path; drop them"
         if backend == "skyrl" and config.options.user == "llm":
             return ("recipe.user=llm (the base model as the customer) runs on backend=embedded only; "
                     "use recipe.user=scripted with backend=skyrl")

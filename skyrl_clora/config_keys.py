@@ -1,0 +1,271 @@
+"""SkyRL's key tree inside the plugin's config, and what each SkyRL key does on each backend.
+
+The composed config holds SkyRL 0.4's whole ``SkyRLTrainConfig`` tree (``data``, ``trainer``, ``generator``,
+``environment``; its defaults registered in Hydra's ConfigStore as ``skyrl_defaults``), so every key of SkyRL's
+entry point is accepted with SkyRL's meaning. The plugin's own keys live beside it: ``clora``, ``sampler``,
+``model``, ``recipe``, ``backend`` and the few trainer keys in :data:`PLUGIN_TRAINER_KEYS`.
+
+- ``backend=skyrl``: the SkyRL tree, as given, is the translated ``SkyRLTrainConfig``
+  (``skyrl.config_translation``); only the keys of :data:`SKYRL_SET` are set by the plugin, and a value given
+  for one of them that the plugin cannot keep is refused there.
+- ``backend=embedded``: a SkyRL key given on the command line must be one of :data:`KEY_RULES`: honoured
+  (it acts where the rule says), ignored (it only places work on machines, which one process replaces) or
+  accepted only with the values the embedded trainer implements. Any other SkyRL key is refused with a
+  one-line reason (:func:`check_embedded_keys`). docs/config.md is this table (``python -m
+  skyrl_clora.config_keys`` writes it; a test checks it is current).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from functools import cache
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+SKYRL_GROUPS = ("data", "trainer", "generator", "environment")
+"""The top-level keys of SkyRL's ``SkyRLTrainConfig``."""
+
+PLUGIN_TRAINER_KEYS = ("pack_size", "pack_policy", "shared_prompts", "sm_carveout", "overlap_sampling",
+                       "pause_sampling_rows", "step_style")
+"""The plugin's own keys under ``trainer.`` (SkyRL has none of them; they never reach SkyRL's config)."""
+
+HONOURED, IGNORED, REFUSED = "honoured", "ignored", "refused"
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """What ``backend=embedded`` does with SkyRL key ``key`` (``prefix.*``: every key under ``prefix``).
+
+    ``action`` is :data:`HONOURED` (``detail``: where it acts), :data:`IGNORED` (``detail``: why it changes
+    nothing here) or :data:`REFUSED` (``detail``: the fix); ``accepts(value, cfg)``, when given, is the values a
+    refused key is nevertheless run with (those equal to what the embedded trainer does)."""
+
+    key: str
+    action: str
+    detail: str
+    accepts: Callable[[Any, DictConfig], bool] | None = None
+
+    def matches(self, key: str) -> bool:
+        """``key`` is the rule's key, or under its ``prefix.*``, or starts with its ``prefix_*``."""
+        return key == self.key or (self.key.endswith("*") and key.startswith(self.key[:-1]))
+
+
+def _equals(expected: Any) -> Callable[[Any, DictConfig], bool]:
+    return lambda value, cfg: value == expected
+
+
+def _false(value: Any, cfg: DictConfig) -> bool:
+    return value in (False, None)
+
+
+_PLACEMENT = "placement only: one process runs the engine and the trainer"
+KEY_RULES: tuple[KeyRule, ...] = (
+    KeyRule("data.train_data", HONOURED, "the recipe's training rows (every file, concatenated); []: synthetic"),
+    KeyRule("data.val_data", HONOURED, "evaluation rows (the first recipe.eval_prompts); []: synthetic"),
+    KeyRule("environment.env_class", HONOURED, "picks the recipe serving that env, and every tenant's env"),
+    KeyRule("trainer.policy.model.path", HONOURED, "the shared base model (null: the tiny base)"),
+    KeyRule("trainer.policy.model.lora.rank", HONOURED, "every tenant's LoRA rank (tenant override: rank)"),
+    KeyRule("trainer.policy.model.lora.alpha", HONOURED, "every tenant's LoRA alpha (tenant override: alpha)"),
+    KeyRule("trainer.policy.model.lora.target_modules", REFUSED,
+            "the embedded LoRA layers target every linear layer: use all-linear", _equals("all-linear")),
+    KeyRule("trainer.policy.model.lora.dropout", REFUSED, "the embedded LoRA layers have no dropout: use 0",
+            _equals(0)),
+    KeyRule("trainer.policy.optimizer_config.lr", HONOURED, "every tenant's peak AdamW learning rate (tenant override: lr)"),
+    KeyRule("trainer.policy.optimizer_config.weight_decay", HONOURED, "AdamW's decoupled weight decay"),
+    KeyRule("trainer.policy.optimizer_config.max_grad_norm", HONOURED, "per-tenant gradient clipping"),
+    KeyRule("trainer.policy.optimizer_config.num_warmup_steps", HONOURED, "linear warm-up, in optimizer (= RL) steps"),
+    KeyRule("trainer.policy.optimizer_config.scheduler", HONOURED,
+            "constant_with_warmup (or constant) and cosine; other schedules are refused"),
+    KeyRule("trainer.policy.optimizer_config.offload_after_step", IGNORED, "memory placement only"),
+    KeyRule("trainer.seed", HONOURED, "tenant i's seed is seed + i (tenant override: seed)"),
+    KeyRule("trainer.epochs", HONOURED, "RL steps = epochs * (training rows // train_batch_size), at most max_training_steps"),
+    KeyRule("trainer.max_training_steps", HONOURED, "RL steps per tenant at most"),
+    KeyRule("trainer.train_batch_size", HONOURED, "prompts per RL step per tenant"),
+    KeyRule("trainer.policy_mini_batch_size", REFUSED,
+            "one optimizer step per RL step: set it to trainer.train_batch_size",
+            lambda value, cfg: value == cfg.trainer.train_batch_size),
+    KeyRule("trainer.update_epochs_per_batch", REFUSED, "one pass over each batch: set it to 1", _equals(1)),
+    KeyRule("trainer.micro_train_batch_size_per_gpu", HONOURED, "sequences per forward/backward micro-batch"),
+    KeyRule("trainer.max_tokens_per_microbatch", HONOURED, "token-bounded micro-batches"),
+    KeyRule("trainer.micro_forward_batch_size_per_gpu", IGNORED, "batching only: the step recomputes no forward pass"),
+    KeyRule("trainer.eval_batch_size", IGNORED, "batching only: the engine samples every evaluation row at once"),
+    KeyRule("trainer.eval_interval", HONOURED, "evaluate every k RL steps and after the last (<= 0: never)"),
+    KeyRule("trainer.eval_before_train", HONOURED, "evaluate before step 1 (with eval_interval > 0)"),
+    KeyRule("trainer.ckpt_interval", HONOURED, "a checkpoint per tenant every k steps and at its end"),
+    KeyRule("trainer.ckpt_path", HONOURED, "checkpoints under <ckpt_path>/<tenant>/ (null: <clora.output_dir>/checkpoints)"),
+    KeyRule("trainer.max_ckpts_to_keep", HONOURED, "per tenant"),
+    KeyRule("trainer.resume_mode", HONOURED, "latest | none (null) | from_path"),
+    KeyRule("trainer.resume_path", HONOURED, "with resume_mode=from_path"),
+    KeyRule("trainer.logger", HONOURED, "SkyRL's Tracking, one run per tenant: console, tensorboard, wandb"),
+    KeyRule("trainer.project_name", HONOURED, "the trackers' project"),
+    KeyRule("trainer.run_name", HONOURED, "the trackers' run prefix (<run_name>/<tenant>)"),
+    KeyRule("trainer.log_path", IGNORED, "SkyRL's inference-server logs: no server runs"),
+    KeyRule("trainer.strategy", IGNORED, "the embedded trainer replaces FSDP/Megatron"),
+    KeyRule("trainer.placement.*", IGNORED, _PLACEMENT),
+    KeyRule("trainer.bf16", IGNORED, "precision is model.dtype"),
+    KeyRule("trainer.gradient_checkpointing", IGNORED, "memory only"),
+    KeyRule("trainer.use_expandable_segments", IGNORED, "memory only"),
+    KeyRule("trainer.max_prompt_length", HONOURED,
+            "generator.max_input_length when that is null (SkyRL's default); longer prompts are not dropped from the data"),
+    KeyRule("trainer.algorithm.use_kl_loss", HONOURED,
+            "SkyRL's KL loss against the frozen base (each tenant's adapter disabled): one more forward per micro-batch"),
+    KeyRule("trainer.algorithm.use_kl_in_reward", HONOURED,
+            "SkyRL's KL penalty on the rewards (fixed controller; exclusive with use_kl_loss)"),
+    KeyRule("trainer.algorithm.dynamic_sampling.*", REFUSED, "no dynamic sampling: leave dynamic_sampling.type null",
+            lambda value, cfg: cfg.trainer.algorithm.dynamic_sampling.type is None),
+    KeyRule("trainer.algorithm.advantage_estimator", REFUSED,
+            "gae needs a critic, which the tenants' step has not: use a critic-free estimator (grpo, rloo, ...)",
+            lambda value, cfg: value != "gae"),
+    KeyRule("trainer.algorithm.use_entropy_loss", REFUSED, "the tenants' step has no entropy term: set it to false",
+            _false),
+    KeyRule("trainer.algorithm.advantage_batch_normalize", REFUSED,
+            "advantages are normalised per GRPO group only: set it to false", _false),
+    KeyRule("trainer.algorithm.zero_variance_filter", REFUSED, "no zero-variance filter: set it to false", _false),
+    KeyRule("trainer.algorithm.enable_sample_support_replay", REFUSED, "no sample-support replay: set it to false",
+            _false),
+    KeyRule("trainer.algorithm.kl_*", HONOURED, "kl_loss_coef, kl_estimator_type (k1, k2, k3, abs), kl_ctrl (type fixed "
+            "only: no per-tenant adaptive controller state)"),
+    KeyRule("trainer.algorithm.entropy_loss_coef", IGNORED, "the entropy term is off (use_entropy_loss must be false)"),
+    KeyRule("trainer.algorithm.value_*", IGNORED, "critic settings: the tenants' step has no critic"),
+    KeyRule("trainer.algorithm.*", HONOURED, "SkyRL's advantage estimator and policy loss (its registries and their "
+            "settings: loss_reduction, eps_clip_*, off_policy_correction, sapo, cispo, ...)"),
+    KeyRule("generator.n_samples_per_prompt", HONOURED, "GRPO group size (tenant override: samples_per_prompt)"),
+    KeyRule("generator.max_turns", HONOURED, "assistant turns per episode"),
+    KeyRule("generator.max_input_length", HONOURED, "prompt + history tokens before a turn"),
+    KeyRule("generator.sampling_params.max_generate_length", HONOURED, "tokens per assistant turn"),
+    KeyRule("generator.sampling_params.temperature", HONOURED, "every tenant's sampling temperature"),
+    KeyRule("generator.sampling_params.top_p", HONOURED, "nucleus sampling"),
+    KeyRule("generator.batched", IGNORED, "the engine batches every tenant's requests either way"),
+    KeyRule("generator.inference_engine.*", IGNORED, "vLLM server settings: the embedded engine replaces the servers"),
+)
+
+SKYRL_SET: dict[str, str] = {
+    "trainer.policy.model.path": "null: the tiny base's folder",
+    "trainer.policy.model.lora.rank": "the tenants' common rank (as given unless every tenant overrides it)",
+    "trainer.policy.model.lora.alpha": "the tenants' common alpha (as given unless every tenant overrides it)",
+    "trainer.policy.model.lora.max_loras": "null: the tenants sampling at once",
+    "trainer.policy.model.lora.max_cpu_loras": "null: every tenant",
+    "trainer.policy.model.lora.lora_sync_path": "null: <clora.output_dir>/lora_sync",
+    "trainer.strategy": "megatron or fsdp from backend.strategy (a different value given is refused)",
+    "generator.inference_engine.backend": "vllm (the embedded stand-in speaks its protocol; other values are refused)",
+    "generator.batched": "false: each request carries its tenant's adapter (true is refused)",
+    "generator.sampling_params.logprobs": "1: the step needs the sampled tokens' log-probs",
+    "trainer.seed": "per tenant: seed + i (or its override)",
+    "trainer.policy.optimizer_config.lr": "per tenant: the tenant's lr",
+    "generator.n_samples_per_prompt": "per tenant: the tenant's samples_per_prompt",
+    "environment.env_class": "per tenant: the tenant's env_class override",
+    "trainer.ckpt_path": "null: <clora.output_dir>/checkpoints (the plugin writes the checkpoints)",
+    "trainer.run_name": "null: the output folder's name",
+    "trainer.micro_train_batch_size_per_gpu": "not given: the largest divisor of the rows per GPU it holds",
+    "trainer.micro_forward_batch_size_per_gpu": "not given: the largest divisor of the rows per GPU it holds",
+}
+"""``backend=skyrl``: SkyRL keys the translation sets, with what it sets them to; every other key reaches SkyRL's
+config as given."""
+
+
+@cache
+def skyrl_defaults() -> dict[str, Any]:
+    """The defaults of SkyRL's ``SkyRLTrainConfig`` fields as a plain dict: each group's dataclass defaults, as SkyRL
+    declares them (before its root ``__post_init__`` derives e.g. ``trainer.algorithm.temperature`` from the
+    sampling temperature, which SkyRL's builder does again over the given tree)."""
+    from skyrl.train.config import SkyRLTrainConfig
+
+    return {f.name: asdict(f.default_factory()) for f in fields(SkyRLTrainConfig)}
+
+
+def register_skyrl_defaults() -> None:
+    """Stores :func:`skyrl_defaults` in Hydra's ConfigStore as ``skyrl_defaults`` (conf/config.yaml's first
+    default), so that every SkyRL key can be overridden."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="skyrl_defaults", node=OmegaConf.create(skyrl_defaults()))
+
+
+def rule_for(key: str) -> KeyRule | None:
+    """The first rule of :data:`KEY_RULES` matching SkyRL key ``key``."""
+    return next((rule for rule in KEY_RULES if rule.matches(key)), None)
+
+
+def given_keys(overrides: list[str]) -> list[str]:
+    """The keys of command-line ``overrides`` (``key=value``, ``+key=value``, ``~key``)."""
+    return [override.lstrip("+~").split("=", 1)[0] for override in overrides]
+
+
+def is_skyrl_key(key: str) -> bool:
+    return key.split(".", 1)[0] in SKYRL_GROUPS and key.split(".")[1:2] != [] and not (
+        key.startswith("trainer.") and key.split(".")[1] in PLUGIN_TRAINER_KEYS)
+
+
+def embedded_refusal(key: str, cfg: DictConfig) -> str | None:
+    """Why ``backend=embedded`` cannot run SkyRL key ``key`` with its value in ``cfg`` (one line), or None."""
+    value = OmegaConf.select(cfg, key)
+    rule = rule_for(key)
+    if rule is None:
+        return (f"{key} is a SkyRL key backend=embedded does not implement; drop it, or run it on backend=skyrl "
+                "(docs/config.md lists what each backend takes)")
+    if rule.action == REFUSED and not (rule.accepts and rule.accepts(value, cfg)):
+        return f"{key}={value} on backend=embedded: {rule.detail}"
+    return None
+
+
+def check_embedded_keys(cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """The one-line refusals of the SkyRL keys in ``overrides`` that ``backend=embedded`` cannot run; the
+    ignored ones are logged once."""
+    problems, ignored = [], []
+    for key in dict.fromkeys(given_keys(overrides)):
+        if not is_skyrl_key(key):
+            continue
+        refusal = embedded_refusal(key, cfg)
+        if refusal is not None:
+            problems.append(refusal)
+        elif rule_for(key).action == IGNORED:
+            ignored.append(key)
+    if ignored and not problems:
+        print(f"[config] backend=embedded ignores {', '.join(ignored)} (docs/config.md says why)", file=sys.stderr)
+    return problems
+
+
+def mapping_table() -> str:
+    """docs/config.md's body: one row per rule of :data:`KEY_RULES` and per key of :data:`SKYRL_SET`."""
+    lines = ["| SkyRL key | backend=embedded | backend=skyrl |", "| --- | --- | --- |"]
+    for rule in KEY_RULES:
+        on_skyrl = SKYRL_SET.get(rule.key, "as given")
+        lines.append(f"| `{rule.key}` | {embedded_refusal_summary(rule.key)} | {on_skyrl} |")
+    for key, what in SKYRL_SET.items():
+        if rule_for(key) is None or rule_for(key).key != key:
+            lines.append(f"| `{key}` | {embedded_refusal_summary(key)} | {what} |")
+    lines.append("| any other SkyRL key | refused (one line naming the key) | as given |")
+    return "\n".join(lines)
+
+
+def embedded_refusal_summary(key: str) -> str:
+    """The backend=embedded cell of ``key``'s row in docs/config.md."""
+    rule = rule_for(key)
+    if rule is None:
+        return "refused"
+    if rule.action == REFUSED and rule.accepts is not None:
+        return f"only as it runs here, else refused: {rule.detail}"
+    return f"{rule.action}: {rule.detail}"
+
+
+DOC_HEADER = """# Configuration: SkyRL's keys on each backend
+
+`python -m skyrl_clora.main` takes SkyRL 0.4's own command line (`data.*`, `trainer.*`, `generator.*`,
+`environment.*`: every key of `SkyRLTrainConfig`, with SkyRL's meaning) plus `+tenants=N` (or a list of
+per-tenant overrides: name, seed, lr, rank, alpha, task_variant, samples_per_prompt, env_class) and the
+plugin's own keys (`clora.*`, `sampler.*`, `model.*`, `recipe.*`, `backend.*`, and `trainer.` pack_size,
+pack_policy, shared_prompts, sm_carveout, overlap_sampling, pause_sampling_rows); `--help` lists them.
+
+On `backend=skyrl` every SkyRL key reaches SkyRL's `SkyRLTrainConfig` as given, except the ones the right-hand
+column names. On `backend=embedded` a SkyRL key given on the command line is honoured, ignored (it only places
+work on machines) or refused with a one-line reason (exit status 2). This table is generated by
+`python -m skyrl_clora.config_keys > docs/config.md` from `skyrl_clora/config_keys.py`.
+
+"""
+
+
+if __name__ == "__main__":
+    print(DOC_HEADER + mapping_table())

@@ -1,0 +1,1 @@
+"""SkyRL's own GSM8K recipe: skyrl-gym's single-turn ``gsm8k`` env on SkyRL-format GSM8K rows."""
