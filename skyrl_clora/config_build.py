@@ -43,19 +43,7 @@ def typed_dataclass(cls: type, values: dict[str, Any], prefix: str, valid: set[s
     unknown = sorted(set(values) - names)
     if unknown:
         raise ConfigError(f"unknown key {prefix}.{unknown[0]}; valid keys: {', '.join(sorted(valid or names))}")
-    hints = get_type_hints(cls)
-    typed, problems = {}, []
-    for name, value in values.items():  # every field's type problem, one line each
-        try:
-            typed[name] = checked(value, hints[name], f"{prefix}.{name}")
-        except ConfigError as error:
-            problems.append(str(error))
-    if problems:
-        raise ConfigError("\n".join(problems))
-    try:
-        return cls(**typed, **built)
-    except TypeError as error:
-        raise ConfigError(f"{prefix}: {error}") from None
+    return typed_fields(cls, values, {name: f"{prefix}.{name}" for name in values}, **built)
 
 
 def read_keys(cfg: DictConfig, keys: dict[str, str]) -> dict[str, Any]:
