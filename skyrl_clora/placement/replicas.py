@@ -9,7 +9,8 @@ works the same way), and gathers the replicas' metrics into the run's own files.
 Every replica checkpoints into the run's checkpoint folder (``trainer.ckpt_path`` or
 ``<output_dir>/checkpoints``), so a tenant resumes on whichever replica the plan gives it. A replica that dies
 (its actor lost) costs its tenants only the steps since their last checkpoint: a new replica takes them and
-resumes them from there. Each replica writes its own metrics under ``<output_dir>/replicas/<k>/``; the run's
+resumes them from there; one lost more than :data:`REPLICA_RESTARTS` times leaves its unfinished tenants failed,
+the other replicas' tenants unharmed. Each replica writes its own metrics under ``<output_dir>/replicas/<k>/``; the run's
 ``metrics.jsonl``, ``summary.json`` and ``adapters/<tenant>/`` gather them at the end. Live control
 (``python -m skyrl_clora.ctl``) is not available across replicas.
 """
@@ -31,6 +32,7 @@ from skyrl_clora.placement.planner import estimated_cost, plan_assignment
 from skyrl_clora.tenants import TenantSpec
 
 PLACEMENT_TIMEOUT_S = 120
+REPLICA_RESTARTS = 2  # a replica lost more often than this leaves its unfinished tenants failed (the others go on)
 
 
 class ReplicaRunner:
@@ -95,6 +97,7 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
                           "lower clora.replicas or free the cluster's resources") from None
     actor_class = ray.remote(ReplicaRunner)
     records: list[dict[str, Any]] = []
+    losses, lost = [0] * len(sub_runs), []
     try:
         pending = {}
         for index, sub in enumerate(sub_runs):
@@ -104,7 +107,14 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
             index = pending.pop(done[0])
             try:
                 ray.get(done[0])
-            except ray.exceptions.RayActorError:  # the replica died: its tenants resume from their checkpoints
+            except ray.exceptions.RayActorError as error:  # the replica died: its tenants resume from checkpoints
+                losses[index] += 1
+                if losses[index] > REPLICA_RESTARTS:
+                    print(f"[replicas] replica {index} was lost {losses[index]} times; its unfinished tenants fail",
+                          file=sys.stderr)
+                    lost += _lost_records(root, sub_runs[index].tenants, f"{type(error).__name__}: replica lost "
+                                          f"{losses[index]} times")
+                    continue
                 print(f"[replicas] replica {index} was lost; its tenants resume from their last checkpoints",
                       file=sys.stderr)
                 latest = _latest_checkpoints(root, sub_runs[index].tenants)
@@ -114,7 +124,7 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     for sub in sub_runs:
         records += _read_records(sub.output_dir / "metrics.jsonl")
         _gather_adapters(sub.output_dir, run.output_dir)
-    records = _stopped_records(run, resume, stopped) + records
+    records = _stopped_records(run, resume, stopped) + records + lost
     (run.output_dir / "metrics.jsonl").write_text("".join(_json_line(record) for record in records))
     fields = {"mode": run.mode, "steps": run.steps, "replicas": [[spec.name for spec in g] for g in groups]}
     return write_run_summary(run.output_dir, records, run_tenants(run), fields, time.perf_counter() - started, 0.0,
@@ -145,6 +155,13 @@ def _replica_run(run: RunConfig, index: int, tenants: list[TenantSpec], root: Pa
 def _latest_checkpoints(root: Path, specs: tuple[TenantSpec, ...]) -> dict[str, TenantCheckpoint]:
     found = {spec.name: TenantCheckpoints(root, spec.name, -1).latest() for spec in specs}
     return {name: checkpoint for name, checkpoint in found.items() if checkpoint is not None}
+
+
+def _lost_records(root: Path, specs: tuple[TenantSpec, ...], error: str) -> list[dict[str, Any]]:
+    """A failure record for each of ``specs`` whose latest checkpoint is not its last (it did not finish)."""
+    latest = _latest_checkpoints(root, specs)
+    return [{"event": "failed", "tenant": spec.name, "error": error}
+            for spec in specs if not (spec.name in latest and latest[spec.name].finished)]
 
 
 def _stopped_records(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped: list[str]) -> list[dict[str, Any]]:

@@ -22,15 +22,15 @@ TENANTS = [{"name": "a", "seed": 1, "lr": "1e-2"}, {"name": "b", "seed": 2, "lr"
 
 class DyingLetterEnv(LetterRewardEnv):
     """``micro_letters`` whose process exits at its ``after``-th episode while ``marker`` does not exist (it is
-    made first): the replica running it dies once, mid-run."""
+    made first: the replica running it dies once, mid-run), or every time with ``always``."""
 
     episodes = 0
 
     def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None, marker: str = "",
-                 after: int = 0) -> None:
+                 after: int = 0, always: bool = False) -> None:
         super().__init__(env_config, extras)
         DyingLetterEnv.episodes += 1
-        if DyingLetterEnv.episodes == after and not os.path.exists(marker):
+        if DyingLetterEnv.episodes == after and (always or not os.path.exists(marker)):
             Path(marker).touch()
             os._exit(1)
 
@@ -86,6 +86,23 @@ def test_a_lost_replica_resumes_its_tenants_from_their_last_checkpoints(learning
         skyrl_gym.envs.registration.registry.pop(DYING_ENV, None)
     assert "was lost; its tenants resume from their last checkpoints" in capfd.readouterr().err
     _same_tenants(tmp_path / "two", tmp_path / "one")
+
+
+def test_a_replica_that_keeps_dying_fails_its_tenants_alone(learning_model_dir: Path, tmp_path: Path) -> None:
+    skyrl_gym.register(id=DYING_ENV, entry_point=f"{__name__}:{DyingLetterEnv.__name__}",
+                       kwargs={"marker": str(tmp_path / "died"), "after": 40, "always": True})
+    try:
+        tenants = [dict(spec) for spec in TENANTS]
+        tenants[1]["env_class"] = DYING_ENV
+        assert main(_args(learning_model_dir, tmp_path / "two", tenants, "clora.replicas=2")) == 1
+    finally:
+        skyrl_gym.envs.registration.registry.pop(DYING_ENV, None)
+    assert main(_args(learning_model_dir, tmp_path / "one", [TENANTS[0], TENANTS[2]])) == 0
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert {row["tenant"]: row["status"] for row in summary["per_tenant"]} == {"a": "ok", "b": "failed", "c": "ok"}
+    assert "replica lost 3 times" in next(row["error"] for row in summary["per_tenant"] if row["tenant"] == "b")
+    for name in "ac":
+        assert_same_records(tenant_records(tmp_path / "two", name), tenant_records(tmp_path / "one", name), name)
 
 
 @pytest.mark.parametrize("extra", ["clora.mode=serial", "backend=skyrl", "clora.replicas=0"])
