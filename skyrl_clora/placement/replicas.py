@@ -17,6 +17,7 @@ the other replicas' tenants unharmed. Each replica writes its own metrics under 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -29,6 +30,7 @@ from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints, checkpo
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.metrics import write_run_summary
 from skyrl_clora.placement.planner import estimated_cost, plan_assignment
+from skyrl_clora.services import resolve_device
 from skyrl_clora.tenants import TenantSpec
 
 PLACEMENT_TIMEOUT_S = 120
@@ -77,8 +79,8 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
              and not (spec.name in resume and resume[spec.name].finished)]
     groups = [group for group in plan_replicas(run, specs, resume, run.replicas) if group]
     root = checkpoint_root(run)
-    envs = {env_id: registry[env_id] for env_id in registry}
-    gpu = run.device == "cuda" or (run.device == "auto" and _cuda_available())
+    envs = dict(registry)
+    gpu = resolve_device(run).type == "cuda"
     sub_runs = [_replica_run(run, index, group, root) for index, group in enumerate(groups)]
     if not ray.is_initialized():
         ray.init(include_dashboard=False)
@@ -125,7 +127,7 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
         records += _read_records(sub.output_dir / "metrics.jsonl")
         _gather_adapters(sub.output_dir, run.output_dir)
     records = _stopped_records(run, resume, stopped) + records + lost
-    (run.output_dir / "metrics.jsonl").write_text("".join(_json_line(record) for record in records))
+    (run.output_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
     fields = {"mode": run.mode, "steps": run.steps, "replicas": [[spec.name for spec in g] for g in groups]}
     return write_run_summary(run.output_dir, records, run_tenants(run), fields, time.perf_counter() - started, 0.0,
                              f"replicas={run.replicas}")
@@ -171,15 +173,7 @@ def _stopped_records(run: RunConfig, resume: dict[str, TenantCheckpoint], stoppe
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
-    import json
-
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
-def _json_line(record: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(record) + "\n"
 
 
 def _gather_adapters(replica_dir: Path, output_dir: Path) -> None:
@@ -193,9 +187,3 @@ def _gather_adapters(replica_dir: Path, output_dir: Path) -> None:
             shutil.rmtree(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(folder), target)
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
