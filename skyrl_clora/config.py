@@ -215,6 +215,7 @@ class SamplerConfig:
     gpu_memory_utilization: float
     kv_blocks: int
     reuse_decode_kv: bool | None
+    prefill_wait_steps: int | None
     stream_priority: str = "high"
 
     def __post_init__(self) -> None:
@@ -230,6 +231,8 @@ class SamplerConfig:
             raise ConfigError(f"sampler.max_rows={self.max_rows} must be >= 0 (0: rows for every tenant's whole step batch)")
         if self.max_prefills_per_step < 1:
             raise ConfigError(f"sampler.max_prefills_per_step={self.max_prefills_per_step} must be >= 1")
+        if self.prefill_wait_steps is not None and self.prefill_wait_steps < 0:
+            raise ConfigError(f"sampler.prefill_wait_steps={self.prefill_wait_steps} must be >= 0 (or null)")
         if self.kv_blocks < 0:
             raise ConfigError(f"sampler.kv_blocks={self.kv_blocks} must be >= 0 (0: from the GPU memory plan)")
 

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from skyrl_clora.config import ConfigError, RunConfig, algorithm_config
+from skyrl_clora.config import ConfigError, RunConfig, SamplerConfig, algorithm_config
 from skyrl_clora.gpu_settings import use_expandable_segments
 from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear, attach_multi_lora
 from skyrl_clora.memory_plan import plan_kv_blocks
@@ -33,6 +33,7 @@ from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_BLAS_LIBRARY = torch.backends.cuda.preferred_blas_library()  # what carve_gemm_sms(0) restores
+GPU_PREFILL_WAIT_STEPS = 8  # sampler.prefill_wait_steps=null on a GPU (RESULTS.md, Real rollouts)
 
 
 @dataclass
@@ -145,7 +146,8 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
                     num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache, cuda_graphs=run.sampler.cuda_graphs,
                     reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
-                    share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority)
+                    share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority,
+                    prefill_wait_steps=prefill_wait_steps(run.sampler, device))
     client = EmbeddedInferenceClient(
         engine, tokenizer, model_name=model_path, seed=run.seed,
         default_sampling={"max_tokens": run.recipe.max_generate_length, "temperature": run.sampler.temperature,
@@ -155,6 +157,14 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         carve_gemm_sms(run.trainer.sm_carveout)
     return Services(model_path, tokenizer, engine, client, trainer, store, AdapterSync(engine),
                     cold_start_seconds=time.perf_counter() - started)
+
+
+def prefill_wait_steps(sampler: SamplerConfig, device: torch.device) -> int:
+    """``sampler.prefill_wait_steps``, or where it is null :data:`GPU_PREFILL_WAIT_STEPS` on a GPU (a prefill
+    pass costs about the same for one prompt or many there) and 0 on the CPU (where its cost grows with its tokens)."""
+    if sampler.prefill_wait_steps is not None:
+        return sampler.prefill_wait_steps
+    return GPU_PREFILL_WAIT_STEPS if device.type == "cuda" else 0
 
 
 def carve_gemm_sms(count: int) -> None:

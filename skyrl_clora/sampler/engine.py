@@ -98,6 +98,9 @@ class Engine:
 
     ``stream_priority``: ``"high"`` (the engine's blocks are scheduled ahead of waiting training blocks) or
     ``"normal"`` (the engine's stream and the trainer's default stream share the GPU as equals).
+
+    ``prefill_wait_steps``: while rows decode, a waiting request is prefilled once ``max_prefills_per_step``
+    requests wait or it has waited this many decode steps (:class:`Scheduler`); 0 prefills at every round.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class Engine:
         reuse_decode_kv: bool = False,
         share_prefix_reads: bool = False,
         stream_priority: str = "high",
+        prefill_wait_steps: int = 0,
     ) -> None:
         if stream_priority not in STREAM_PRIORITIES:
             raise ValueError(f"stream_priority={stream_priority!r} is unknown; use one of {sorted(STREAM_PRIORITIES)}")
@@ -135,7 +139,7 @@ class Engine:
         if cuda_graphs and self.runner.device.type == "cuda":
             self.stats.graph_capture_seconds = self.runner.capture_graphs()
         self.scheduler = Scheduler(num_rows, self.adapters, self.blocks, max_prefills_per_step,
-                                   self.reuse_decode_kv)
+                                   self.reuse_decode_kv, prefill_wait_steps)
         self._admitted_at = np.zeros(num_rows, dtype=np.int64)  # per row: when its request was admitted
         self._admissions = 0
         self._inbox: queue.Queue = queue.Queue()
@@ -470,6 +474,7 @@ class Engine:
         self.stats.decode_input_seconds += staged - started
         self.stats.decode_launch_seconds += launched - staged
         self.stats.decode_steps += 1
+        self.scheduler.decode_launched()
         self.stats.decode_seconds += launched - started
         table = self.scheduler.rows
         return _StepInFlight(rows, [table[row] for row in rows.tolist()], drawn, forward)

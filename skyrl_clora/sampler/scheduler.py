@@ -6,6 +6,10 @@ thread, its inbox and every tensor). It reads the adapters' published versions (
 the KV block pool (:class:`BlockManager`: which prompt blocks are keyed, how many blocks are available), and
 takes the finished-turn histories it admits a request with from that pool.
 
+Prefill batching: while rows decode, waiting requests are admitted only once ``max_prefills_per_step`` of
+them wait or the oldest has waited ``prefill_wait_steps`` decode steps, so that a prefill pass (whose cost on a GPU
+hardly grows with its tokens) serves several requests; with no row running they are admitted at once.
+
 Admission by free blocks: a request is admitted only while the pool keeps :attr:`Scheduler.watermark` blocks
 available after it (room for the running rows to grow); the first request that does not fit stops the round
 (first come, first served), and a request whose prompt could not fit the whole pool fails alone.
@@ -44,6 +48,7 @@ class QueuedRequest:
     history: tuple[int, list[int]] | None = None
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    queued_at: int = 0  # the scheduler's decode-step count when the request was queued
 
 
 @dataclass
@@ -75,16 +80,19 @@ class Scheduler:
     or None.
 
     ``reuse_decode_kv``: admission takes a stored history the prompt extends from the block pool (the request's
-    row then starts with its blocks instead of computing those positions)."""
+    row then starts with its blocks instead of computing those positions). ``prefill_wait_steps``: the most
+    decode steps a request waits for others to share its prefill pass while rows decode (0: none)."""
 
     def __init__(self, num_rows: int, adapters: AdapterSlots, blocks: BlockManager, max_prefills_per_step: int,
-                 reuse_decode_kv: bool) -> None:
+                 reuse_decode_kv: bool, prefill_wait_steps: int = 0) -> None:
         self.adapters = adapters
         self.blocks = blocks
         # Blocks kept available after an admission: 1% of the pool (as vLLM keeps), at least one.
         self.watermark = max(1, blocks.num_blocks // 100)
         self.max_prefills_per_step = max_prefills_per_step
         self.reuse_decode_kv = reuse_decode_kv
+        self.prefill_wait_steps = prefill_wait_steps
+        self.decode_steps = 0  # decode steps launched so far (the engine counts them with :meth:`decode_launched`)
         self.rows: list[QueuedRequest | None] = [None] * num_rows
         self._waiting: list[QueuedRequest] = []
         self._pending: list[Publish | Unregister] = []
@@ -92,6 +100,7 @@ class Scheduler:
     def enqueue(self, item: QueuedRequest | Publish | Unregister) -> None:
         """Queues a request to be admitted, or a publish or unregister to be applied."""
         if isinstance(item, QueuedRequest):
+            item.queued_at = self.decode_steps
             self._waiting.append(item)
         else:
             self._pending.append(item)
@@ -100,6 +109,10 @@ class Scheduler:
         """Puts ``request`` (preempted: its row and blocks were released) first in the queue, to start over."""
         request.row, request.history = -1, None
         self._waiting.insert(0, request)
+
+    def decode_launched(self) -> None:
+        """Counts a decode step launched (the clock of ``prefill_wait_steps``)."""
+        self.decode_steps += 1
 
     def idle(self) -> bool:
         """Whether nothing waits, nothing is pending and no row runs."""
@@ -128,6 +141,14 @@ class Scheduler:
         self._pending = [item for item in self._pending if item.adapter in busy]
         return ready
 
+    def _gathering(self) -> bool:
+        """Whether the waiting requests should wait for more to share their prefill pass: rows are running,
+        fewer than ``max_prefills_per_step`` wait and none has waited ``prefill_wait_steps`` decode steps."""
+        if not self.prefill_wait_steps or len(self._waiting) >= self.max_prefills_per_step or not any(self.rows):
+            return False
+        oldest = min(req.queued_at for req in self._waiting)
+        return self.decode_steps - oldest < self.prefill_wait_steps
+
     def fail_waiting(self, adapter: str) -> None:
         """Fails every waiting request of ``adapter`` (just unregistered) and drops it from the queue."""
         for req in [r for r in self._waiting if r.adapter == adapter]:
@@ -146,8 +167,9 @@ class Scheduler:
         A request whose first uncached prompt block is also the first uncached block of another request
         admitted in this round waits one round, so that it finds that prefix (a GRPO group's prompt, a
         tenant's system prompt) keyed instead of computing it again; requests that share only keyed blocks
-        (the turns of a GRPO group's episodes) are admitted together."""
-        if not self._waiting:
+        (the turns of a GRPO group's episodes) are admitted together. While rows run, nothing is admitted until
+        ``max_prefills_per_step`` requests wait or the oldest has waited ``prefill_wait_steps`` decode steps."""
+        if not self._waiting or self._gathering():
             return []
         fenced = {item.adapter for item in self._pending}
         free_rows = [row for row, req in enumerate(self.rows) if req is None]

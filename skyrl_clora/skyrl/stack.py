@@ -41,7 +41,7 @@ from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.memory_plan import inference_only_blocks
 from skyrl_clora.sampler.engine import Engine
-from skyrl_clora.services import resolve_device
+from skyrl_clora.services import prefill_wait_steps, resolve_device
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.megatron_seeding import with_seeded_tenant_adapters
 from skyrl_clora.skyrl.server import EmbeddedServer
@@ -186,7 +186,8 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
                                           block_size=run.sampler.prefill_block, rows=rows, max_len=max_len)
     engine = Engine(model, layers, num_rows=rows, max_len=max_len,
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
-                    num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache)
+                    num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache,
+                    prefill_wait_steps=prefill_wait_steps(run.sampler, device))
     server = EmbeddedServer(engine, tokenizer, model_name=model_path, seed=run.seed)
     try:
         url = server.start()

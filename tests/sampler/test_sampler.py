@@ -29,11 +29,11 @@ PROMPT = list(range(5, 25))
 
 
 def _engine(model_dir: Path, num_rows: int, adapters: dict[str, int], max_len: int = 96,
-            reuse_decode_kv: bool = False, share_prefix_reads: bool = False) -> tuple[Engine, dict]:
+            reuse_decode_kv: bool = False, share_prefix_reads: bool = False, **options) -> tuple[Engine, dict]:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
     engine = Engine(model, layers, num_rows=num_rows, max_len=max_len, reuse_decode_kv=reuse_decode_kv,
-                    share_prefix_reads=share_prefix_reads)
+                    share_prefix_reads=share_prefix_reads, **options)
     weights = {name: random_adapter(layers, seed) for name, seed in adapters.items()}
     for name, adapter in weights.items():
         engine.register_adapter(name, adapter)
@@ -61,6 +61,33 @@ def test_mixed_batch_equals_each_request_alone(micro_model_dir: Path) -> None:
             assert alone_engine.submit(PROMPT, name, _params(seed)).result(timeout=60).token_ids == tokens
     finally:
         alone_engine.shutdown()
+
+
+def test_requests_arriving_while_rows_decode_share_one_prefill_and_sample_the_same(micro_model_dir: Path) -> None:
+    """With ``prefill_wait_steps`` far off, a request arriving while a row decodes waits until
+    ``max_prefills_per_step`` requests wait and they are prefilled in one pass; each samples what it samples
+    without waiting."""
+    tenants = {"a": 1, "b": 2}
+    outputs, rounds = [], []
+    for wait in (0, 10_000):
+        engine, _ = _engine(micro_model_dir, num_rows=8, adapters=tenants, max_prefills_per_step=2,
+                            prefill_wait_steps=wait)
+        try:
+            long = engine.submit(PROMPT, "a", _params(1, max_tokens=70))
+            late = []
+            for i, name in enumerate(tenants):  # a few decode steps apart
+                steps = engine.stats.decode_steps
+                while engine.stats.decode_steps < steps + 3:
+                    time.sleep(0.001)
+                late.append(engine.submit(PROMPT[:7 + i], name, _params(i)))
+            outputs.append([f.result(timeout=60).token_ids for f in [long, *late]])
+            rounds.append(engine.stats.prefill_rounds)
+        finally:
+            engine.shutdown()
+    assert outputs[0][1] != outputs[0][2], "tenants' samples must differ"
+    assert len(outputs[0][0]) == 70, "the long request ran past both late ones' arrival"
+    assert outputs[1] == outputs[0]
+    assert rounds == [3, 2], "without waiting a prefill each; waiting, the long request's, then one for both late ones"
 
 
 def test_requests_that_stop_early_and_those_taking_their_rows_match_the_hf_forward(micro_model_dir: Path) -> None:

@@ -1,5 +1,5 @@
-"""The engine's scheduler on its own (no model): FIFO admission into free rows, the per-round prefill cap, the
-version fence, the one-round wait of requests sharing a first uncached prefix block, cancelled and unregistered
+"""The engine's scheduler on its own (no model): FIFO admission into free rows, the per-round prefill cap, prefill
+batching while rows decode, the version fence, the one-round wait of requests sharing a first uncached prefix block, cancelled and unregistered
 requests."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ BLOCK = 4
 
 
 def _scheduler(num_rows: int, versions: dict[str, int], max_prefills: int = 8, cache_prefixes: bool = False,
-               reuse_decode_kv: bool = False, num_blocks: int = 256) -> Scheduler:
+               reuse_decode_kv: bool = False, num_blocks: int = 256, prefill_wait_steps: int = 0) -> Scheduler:
     """A scheduler over ``num_rows`` rows whose adapters hold ``versions``, with a prefix cache of ``BLOCK``-token
     blocks (keyed only with ``cache_prefixes``) in a pool of ``num_blocks``."""
     layers = {"proj": MultiLoRALinear(nn.Linear(4, 4), num_slots=4, max_rank=2, routing=LoRARouting(), trainable=False)}
@@ -30,7 +30,7 @@ def _scheduler(num_rows: int, versions: dict[str, int], max_prefills: int = 8, c
         adapters.reserve(name)
         adapters.write(name, init_adapter(layers, 2, 4.0, torch.Generator().manual_seed(0)), version)
     pool = BlockManager(num_blocks, BLOCK, num_rows, max_blocks_per_row=16, cache_prefixes=cache_prefixes)
-    return Scheduler(num_rows, adapters, pool, max_prefills, reuse_decode_kv)
+    return Scheduler(num_rows, adapters, pool, max_prefills, reuse_decode_kv, prefill_wait_steps)
 
 
 def _request(prompt: list[int], adapter: str | None = "a") -> QueuedRequest:
@@ -77,6 +77,34 @@ def test_at_most_max_prefills_per_step_are_admitted_per_round() -> None:
     rounds = [_admit_and_place(scheduler) for _ in range(4)]
     assert rounds == [waiting[0:2], waiting[2:4], waiting[4:5], []]
     assert [req.row for req in waiting] == [0, 1, 2, 3, 4]
+
+
+def test_while_rows_decode_requests_wait_for_a_fuller_prefill_or_their_deadline() -> None:
+    """With ``prefill_wait_steps=3`` a request waits while rows run until 3 decode steps passed since the oldest
+    waiting one was queued, or until ``max_prefills_per_step`` wait; with no row running it goes at once."""
+    scheduler = _scheduler(num_rows=8, versions={"a": 0}, max_prefills=3, prefill_wait_steps=3)
+    first = _request([1])
+    scheduler.enqueue(first)
+    assert _admit_and_place(scheduler) == [first], "nothing runs: no reason to wait"
+    early, late = _request([2]), _request([3])
+    scheduler.enqueue(early)
+    scheduler.decode_launched()
+    scheduler.enqueue(late)
+    scheduler.decode_launched()
+    assert _admit_and_place(scheduler) == [], "2 steps since the oldest was queued, 2 waiting of 3"
+    scheduler.decode_launched()
+    assert _admit_and_place(scheduler) == [early, late], "the oldest's deadline takes the younger one along"
+    batch = [_request([4 + i]) for i in range(3)]
+    for req in batch[:2]:
+        scheduler.enqueue(req)
+    assert _admit_and_place(scheduler) == []
+    scheduler.enqueue(batch[2])
+    assert _admit_and_place(scheduler) == batch, "max_prefills_per_step waiting: a full pass goes now"
+    for req in (first, early, late, *batch):
+        scheduler.release(req.row)
+    alone = _request([9])
+    scheduler.enqueue(alone)
+    assert _admit_and_place(scheduler) == [alone], "the rows emptied: no reason to wait"
 
 
 def test_a_publish_waits_for_its_adapters_rows_and_fences_its_new_requests() -> None:
