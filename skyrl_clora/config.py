@@ -139,7 +139,8 @@ LOGGERS = ("console", "tensorboard", "wandb")
 @dataclass(frozen=True)
 class TrainerConfig:
     """The trainer's settings, read from SkyRL's keys where SkyRL has one (:data:`TRAINER_KEYS`) and from the
-    plugin's own ``trainer.`` keys otherwise."""
+    plugin's own ``trainer.`` keys otherwise. ``mini_batch_size`` (prompts per optimizer step) and
+    ``update_epochs`` are SkyRL's ``policy_mini_batch_size`` and ``update_epochs_per_batch``."""
 
     lr: float
     lr_schedule: str
@@ -148,6 +149,8 @@ class TrainerConfig:
     weight_decay: float
     max_grad_norm: float
     algorithm: dict[str, Any]
+    mini_batch_size: int
+    update_epochs: int
     pack_size: int = 0
     pack_policy: str = "ready"
     shared_prompts: bool = True
@@ -201,6 +204,8 @@ class TrainerConfig:
                               f"{' or '.join(SCHEDULERS)}")
         if self.micro_batch_size < 1:
             raise ConfigError(f"trainer.micro_train_batch_size_per_gpu must be >= 1, got {self.micro_batch_size}")
+        if self.update_epochs < 1:
+            raise ConfigError(f"trainer.update_epochs_per_batch must be >= 1, got {self.update_epochs}")
 
 
 @dataclass(frozen=True)
@@ -280,6 +285,10 @@ class RunConfig:
                               "remove the override")
         if self.epochs < 1:
             raise ConfigError(f"trainer.epochs must be >= 1, got {self.epochs}")
+        batch, mini = self.recipe.prompts_per_step, self.trainer.mini_batch_size
+        if not 1 <= mini <= batch or batch % mini:
+            raise ConfigError(f"trainer.policy_mini_batch_size={mini} must divide trainer.train_batch_size={batch} "
+                              "(SkyRL's rule); set it to a divisor of the batch")
         if self.max_training_steps is not None and self.max_training_steps < 1:
             raise ConfigError(f"trainer.max_training_steps must be >= 1 (or null), got {self.max_training_steps}")
         if self.max_tenants < 0:
@@ -310,6 +319,12 @@ class RunConfig:
                     "lower its rank or raise sampler.max_lora_rank"
                 )
         _check_writable(self.output_dir)
+
+    @property
+    def optimizer_steps_per_rl_step(self) -> int:
+        """A tenant's optimizer (and LR-schedule) steps per RL step: SkyRL's ``policy_steps_per_train_batch``,
+        ``train_batch_size // policy_mini_batch_size * update_epochs_per_batch``."""
+        return self.recipe.prompts_per_step // self.trainer.mini_batch_size * self.trainer.update_epochs
 
     @property
     def tenant_capacity(self) -> int:

@@ -26,6 +26,7 @@ TRAINER_KEYS = {
     "weight_decay": "trainer.policy.optimizer_config.weight_decay",
     "max_grad_norm": "trainer.policy.optimizer_config.max_grad_norm",
     "micro_batch_size": "trainer.micro_train_batch_size_per_gpu", "algorithm": "trainer.algorithm",
+    "mini_batch_size": "trainer.policy_mini_batch_size", "update_epochs": "trainer.update_epochs_per_batch",
     **{name: f"trainer.{name}" for name in (
         "max_tokens_per_microbatch", "ckpt_interval", "ckpt_path", "max_ckpts_to_keep", "resume_mode", "resume_path",
         "logger", "project_name", "run_name", "eval_interval", "eval_before_train", "pack_size", "pack_policy",

@@ -128,7 +128,8 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         OptimizerConfig(weight_decay=run.trainer.weight_decay, max_grad_norm=run.trainer.max_grad_norm),
         micro_batch_size=run.trainer.micro_batch_size,
         max_tokens_per_microbatch=run.trainer.max_tokens_per_microbatch,
-        shared_prefix=run.trainer.shared_prompts,
+        shared_prefix=run.trainer.shared_prompts, mini_batch_prompts=run.trainer.mini_batch_size,
+        update_epochs=run.trainer.update_epochs,
     )
     max_len = run.recipe.max_input_length + run.recipe.max_generate_length
     rows = -(-(run.sampler.max_rows or num_tenants * rows_per_tenant) // 16) * 16

@@ -172,9 +172,8 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["trainer.algorithm.eps_clip_low=abc"], "trainer.algorithm.eps_clip_low=abc must be a number"),
     (["trainer.policy.optimizer_config.scheduler=linear"], "trainer.policy.optimizer_config.scheduler=linear is not "
                                                            "implemented here; use constant_with_warmup or constant or cosine"),
-    (["trainer.update_epochs_per_batch=2"], "trainer.update_epochs_per_batch=2 on backend=embedded: one pass over each "
-                                            "batch: set it to 1"),
-    (["trainer.policy_mini_batch_size=2"], "trainer.policy_mini_batch_size=2 on backend=embedded: one optimizer step"),
+    (["trainer.update_epochs_per_batch=0"], "trainer.update_epochs_per_batch must be >= 1, got 0"),
+    (["trainer.policy_mini_batch_size=3"], "trainer.policy_mini_batch_size=3 must divide trainer.train_batch_size=4"),
     (["trainer.critic.model.path=/x"], "trainer.critic.model.path is a SkyRL key backend=embedded does not implement"),
     (["trainer.train_batch_size=100", "data.train_data=[{data}/train.parquet]"],
      "the training data holds 64 rows, fewer than trainer.train_batch_size=100"),

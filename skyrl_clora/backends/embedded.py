@@ -54,7 +54,9 @@ class EmbeddedBackend:
         """Seeded PEFT init into the trainer's store and the sampler (version 0); the tenant's generator."""
         services, run = self.services, self.run
         weights = init_adapter(services.trainer.layers, spec.rank, spec.alpha, torch.Generator().manual_seed(spec.seed))
-        schedule = LRSchedule(spec.lr, run.trainer.warmup_steps, run.steps, run.trainer.lr_schedule)
+        # SkyRL's scheduler counts optimizer steps: num_training_steps = RL steps * policy_steps_per_train_batch
+        schedule = LRSchedule(spec.lr, run.trainer.warmup_steps, run.steps * run.optimizer_steps_per_rl_step,
+                              run.trainer.lr_schedule)
         services.store.register(spec.name, weights, schedule, seed=spec.seed)
         services.sync.register(spec.name, services.store.tenants[spec.name].weights)
         self.scheduler.join(spec.name)
