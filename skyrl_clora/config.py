@@ -50,9 +50,11 @@ class RecipeConfig:
     max_generate_length: int
     max_input_length: int
     options: Any
+    max_prompt_length: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "samples_per_prompt", "max_turns", "max_generate_length", "max_input_length"):
+        for name in ("prompts_per_step", "samples_per_prompt", "max_turns", "max_generate_length", "max_input_length",
+                     "max_prompt_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{RECIPE_KEYS[name]} must be >= 1, got {getattr(self, name)}")
         if self.eval_prompts < 0:
@@ -68,7 +70,7 @@ RECIPE_KEYS = {
     "task_variant": "recipe.task_variant", "prompts_per_step": "trainer.train_batch_size",
     "samples_per_prompt": "generator.n_samples_per_prompt", "eval_prompts": "recipe.eval_prompts",
     "max_turns": "generator.max_turns", "max_generate_length": "generator.sampling_params.max_generate_length",
-    "max_input_length": "generator.max_input_length",
+    "max_input_length": "generator.max_input_length", "max_prompt_length": "trainer.max_prompt_length",
 }
 """:class:`RecipeConfig`'s fields and the keys they are read from."""
 

@@ -108,7 +108,8 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.gradient_checkpointing", IGNORED, "memory only"),
     KeyRule("trainer.use_expandable_segments", IGNORED, "memory only"),
     KeyRule("trainer.max_prompt_length", HONOURED,
-            "generator.max_input_length when that is null (SkyRL's default); longer prompts are not dropped from the data"),
+            "rows whose prompt is longer (chat template included) are dropped at load, as SkyRL's PromptDataset does; "
+            "generator.max_input_length when that is null (SkyRL's default)"),
     KeyRule("trainer.algorithm.use_kl_loss", HONOURED,
             "SkyRL's KL loss against the frozen base (each tenant's adapter disabled): one more forward per micro-batch"),
     KeyRule("trainer.algorithm.use_kl_in_reward", HONOURED,

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from skyrl_clora.config import ConfigError, RunConfig, algorithm_config
@@ -101,6 +101,12 @@ def resolve_model_path(run: RunConfig) -> str:
               "5 minutes on 2 CPU cores; a progress line every 10% of its steps)", file=sys.stderr, flush=True)
         logging.getLogger("skyrl_clora.tiny_base").setLevel(logging.INFO)  # its progress lines, under WARNING's root
     return str(ensure_tiny_base(None, recipe))
+
+
+def prompt_tokenizer(run: RunConfig) -> PreTrainedTokenizerBase:
+    """The base model's tokenizer (the tiny base built first if needed), which SkyRL's prompt-length rule counts
+    with (``recipes.plugin.drop_long_prompts``)."""
+    return AutoTokenizer.from_pretrained(resolve_model_path(run))
 
 
 def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_tenant: int) -> Services:
