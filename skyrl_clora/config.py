@@ -100,8 +100,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "abs")  # SkyRL's compute_approx_kl
 def check_algorithm(algorithm: dict[str, Any]) -> None:
     """``trainer.algorithm`` as SkyRL's ``AlgorithmConfig`` takes it, with an advantage estimator and a policy loss
     that SkyRL's registries hold (a custom one registered before the run counts) and KL options SkyRL accepts and
-    the plugin honours (``use_kl_loss`` or ``use_kl_in_reward`` with its fixed controller, ``kl_loss_coef``,
-    ``kl_estimator_type``); else a :class:`ConfigError`."""
+    the plugin honours (``use_kl_loss`` or ``use_kl_in_reward`` with a controller SkyRL's ``get_kl_controller``
+    builds, ``kl_loss_coef``, ``kl_estimator_type``); else a :class:`ConfigError`."""
     from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
     from skyrl.train.config import AlgorithmConfig
 
@@ -120,10 +120,14 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
     if config.use_kl_in_reward and config.use_kl_loss:
         raise ConfigError("trainer.algorithm.use_kl_in_reward and use_kl_loss are mutually exclusive (SkyRL's rule); "
                           "set one of them to false")
-    kl_ctrl = config.kl_ctrl if isinstance(config.kl_ctrl, dict) else vars(config.kl_ctrl)
-    if config.use_kl_in_reward and kl_ctrl.get("type", "fixed") != "fixed":
-        raise ConfigError(f"trainer.algorithm.kl_ctrl.type={kl_ctrl.get('type')}: skyrl-clora keeps no per-tenant "
-                          "adaptive KL controller state; use kl_ctrl.type=fixed (the coefficient is kl_loss_coef)")
+    if config.use_kl_in_reward:
+        from skyrl.backends.skyrl_train.utils.ppo_utils import get_kl_controller
+
+        try:
+            get_kl_controller(config)  # SkyRL's own checks of kl_ctrl
+        except ValueError as error:
+            raise ConfigError(f"trainer.algorithm.kl_ctrl: {error}; fix kl_ctrl.type (fixed or adaptive) or "
+                              "kl_ctrl.horizon") from None
     for key, registry in (("advantage_estimator", AdvantageEstimatorRegistry), ("policy_loss_type", PolicyLossRegistry)):
         available = registry.list_available()
         if key in algorithm and algorithm[key] not in available:
@@ -301,6 +305,11 @@ class RunConfig:
             raise ConfigError("clora.replicas > 1 spreads a concurrent run of backend=embedded over replicas; set "
                               "clora.mode=concurrent and backend=embedded (backend=skyrl places its workers with "
                               "trainer.placement.*)")
+        algorithm = self.trainer.algorithm
+        if (self.backend == "skyrl" and algorithm.get("use_kl_in_reward")
+                and (algorithm.get("kl_ctrl") or {}).get("type", "fixed") != "fixed"):
+            raise ConfigError("trainer.algorithm.kl_ctrl.type=adaptive keeps a KL controller per tenant on "
+                              "backend=embedded only; use backend=embedded or kl_ctrl.type=fixed")
         if self.backend not in ("embedded", "skyrl"):
             raise ConfigError(f"backend={self.backend} is unknown; use backend=embedded or backend=skyrl")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -113,7 +113,7 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.algorithm.use_kl_loss", HONOURED,
             "SkyRL's KL loss against the frozen base (each tenant's adapter disabled): one more forward per micro-batch"),
     KeyRule("trainer.algorithm.use_kl_in_reward", HONOURED,
-            "SkyRL's KL penalty on the rewards (fixed controller; exclusive with use_kl_loss)"),
+            "SkyRL's KL penalty on the rewards (each tenant's own kl_ctrl controller; exclusive with use_kl_loss)"),
     KeyRule("trainer.algorithm.dynamic_sampling.*", REFUSED, "no dynamic sampling: leave dynamic_sampling.type null",
             lambda value, cfg: cfg.trainer.algorithm.dynamic_sampling.type is None),
     KeyRule("trainer.algorithm.advantage_estimator", REFUSED,
@@ -126,8 +126,8 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.algorithm.zero_variance_filter", REFUSED, "no zero-variance filter: set it to false", _false),
     KeyRule("trainer.algorithm.enable_sample_support_replay", REFUSED, "no sample-support replay: set it to false",
             _false),
-    KeyRule("trainer.algorithm.kl_*", HONOURED, "kl_loss_coef, kl_estimator_type (k1, k2, k3, abs), kl_ctrl (type fixed "
-            "only: no per-tenant adaptive controller state)"),
+    KeyRule("trainer.algorithm.kl_*", HONOURED, "kl_loss_coef, kl_estimator_type (k1, k2, k3, abs), kl_ctrl (fixed or "
+            "adaptive: SkyRL's controller per tenant, its value in the tenant's checkpoint)"),
     KeyRule("trainer.algorithm.entropy_loss_coef", IGNORED, "the entropy term is off (use_entropy_loss must be false)"),
     KeyRule("trainer.algorithm.value_*", IGNORED, "critic settings: the tenants' step has no critic"),
     KeyRule("trainer.algorithm.*", HONOURED, "SkyRL's advantage estimator and policy loss (its registries and their "

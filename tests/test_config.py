@@ -186,8 +186,10 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["trainer.algorithm.kl_estimator_type=k9"], "trainer.algorithm.kl_estimator_type=k9 is unknown; use one of k1"),
     (["trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.use_kl_loss=true"],
      "trainer.algorithm.use_kl_in_reward and use_kl_loss are mutually exclusive"),
-    (["trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.kl_ctrl.type=adaptive"],
-     "trainer.algorithm.kl_ctrl.type=adaptive: skyrl-clora keeps no per-tenant adaptive KL controller state"),
+    (["trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.kl_ctrl.type=adaptive",
+      "trainer.algorithm.kl_ctrl.horizon=0"], "trainer.algorithm.kl_ctrl: horizon must be larger than 0. Got 0"),
+    (["backend=skyrl", "trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.kl_ctrl.type=adaptive"],
+     "trainer.algorithm.kl_ctrl.type=adaptive keeps a KL controller per tenant on backend=embedded only"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture,
                                           tmp_path: Path) -> None:

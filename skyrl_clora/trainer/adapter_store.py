@@ -85,6 +85,7 @@ class TenantState:
     grads: dict[str, torch.Tensor]
     rng_state: torch.Tensor
     step: int = 0
+    kl_coef: float | None = None  # its reward KL controller's value (SkyRL's; None: not used yet, kl_loss_coef)
     pending: torch.cuda.Event | None = None  # set while a swap-out's copies into the host buffers are in flight
 
     @property
@@ -246,10 +247,11 @@ class AdapterStore:
         self._set_weights(state, host_weights)
         self.tenants[name] = state
 
-    def restore(self, name: str, tables: dict[str, torch.Tensor], rng_state: torch.Tensor, step: int) -> None:
+    def restore(self, name: str, tables: dict[str, torch.Tensor], rng_state: torch.Tensor, step: int,
+                kl_coef: float | None = None) -> None:
         """Replaces registered tenant ``name``'s host state: ``tables`` (per table of ``TABLES``, the flat fp32
-        buffer at the tenant's rank), RNG state and step; its model-dtype weights become the masters' cast,
-        as after a swap-out. The tenant must not be on the device."""
+        buffer at the tenant's rank), RNG state, step and KL controller value; its model-dtype weights become the
+        masters' cast, as after a swap-out. The tenant must not be on the device."""
         if self.slot_of(name) is not None:
             raise RuntimeError(f"tenant {name!r} is on the device; swap it out first")
         self.wait(name)
@@ -263,6 +265,7 @@ class AdapterStore:
         self._set_weights(state, host_weights)
         state.rng_state = rng_state.clone()
         state.step = step
+        state.kl_coef = kl_coef
 
     def remove(self, name: str) -> None:
         if any(slot.owner == name for slot in self.slots):

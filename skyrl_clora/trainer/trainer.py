@@ -10,7 +10,8 @@ step passes the sampler's), else the update's own forward before the step (SkyRL
 ``kl_estimator_type``, each row's token mean averaged over the tenant's rows, times ``kl_loss_coef``)
 against the reference policy: the frozen base model, i.e. the tenant's adapter disabled, no extra weights.
 With ``use_kl_in_reward`` the pass first scores every row under the tenant's adapter and the reference, and
-the advantages come from the rewards less SkyRL's KL penalty (``trainer.kl.kl_reward_penalty``).
+the advantages come from the rewards less SkyRL's KL penalty (``trainer.kl.kl_reward_penalty``) with the
+coefficient of the tenant's own SkyRL KL controller (fixed or adaptive), whose value the tenant's state keeps.
 
 A pass over ``P`` tenants in slots ``0..P-1``: every tenant's prompt groups are shuffled with the tenant's
 own RNG (a group's rows stay together: a micro-batch computes each shared prompt once, see
@@ -48,7 +49,7 @@ from skyrl_clora.profiling import profiled
 from skyrl_clora.trainer.adapter_store import AdapterStore, TenantState
 from skyrl_clora.trainer.batch import MicroBatch, PassRows, TrainBatch, build_pass_rows, group_order, plan_micro_batches
 from skyrl_clora.trainer.fused_modules import fuse_elementwise_modules
-from skyrl_clora.trainer.kl import kl_reward_penalty
+from skyrl_clora.trainer.kl import kl_reward_penalty, tenant_kl_controller
 from skyrl_clora.trainer.logprobs import token_logprobs
 from skyrl_clora.trainer.optim import OptimizerConfig, adamw_slot
 from skyrl_clora.trainer.prompt_segments import segment_prefix_hidden
@@ -195,9 +196,13 @@ class Trainer:
         if self.algorithm.use_kl_in_reward:  # SkyRL's KL penalty in the reward, then the advantages again
             policy, base = self._pass_logprobs(rows, adapter=True), self._pass_logprobs(rows, adapter=False)
             parts = [slice(offset, offset + count) for offset, count in zip(rows.offsets, rows.counts)]
-            penalties = [kl_reward_penalty(policy[part], base[part], rows.response_mask[part], self.algorithm)
-                         for part in parts]
-            reward_kl = [avg for _, avg in penalties]
+            penalties = []
+            for state, part in zip(states, parts):  # each tenant's own SkyRL KL controller, continued from its value
+                controller = tenant_kl_controller(self.algorithm, state.kl_coef)
+                penalties.append(kl_reward_penalty(policy[part], base[part], rows.response_mask[part], self.algorithm,
+                                                   controller))
+                state.kl_coef = float(controller.value)
+            reward_kl = [kl_metrics for _, kl_metrics in penalties]
             rows = build_pass_rows(batches, slots, self.algorithm, self.device, [penalty for penalty, _ in penalties],
                                    self.mini_batch_prompts)
         minis = rows.mini_batches
@@ -248,7 +253,7 @@ class Trainer:
             if rows.has_rollout[p]:
                 metrics["logprob_abs_diff_vs_sampler"] = sum(host[2][s][p] for s, _ in taken[p]) / tokens
             if reward_kl is not None:
-                metrics["avg_kl"] = reward_kl[p]
+                metrics.update(reward_kl[p])
             results.append(metrics)
         return results
 
