@@ -21,7 +21,7 @@ from aiohttp import web
 
 from skyrl_clora.checkpoints import TenantCheckpoint, read_live_tenants, write_live_tenants
 from skyrl_clora.config import ConfigError, RunConfig
-from skyrl_clora.config_build import tenant_defaults
+from skyrl_clora.config_build import check_tenant_overrides, tenant_defaults
 from skyrl_clora.metrics import MetricsLog
 from skyrl_clora.recipes.plugin import TaskSource, build_task_sources
 from skyrl_clora.tenant_loop import TenantBackend, TenantPool
@@ -99,6 +99,7 @@ class ControlServer:
         run = self.run
         defaults = tenant_defaults(run.seed + len(self.known), run.lora, run.trainer, run.recipe)
         spec = expand_tenants([overrides], **defaults)[0]
+        check_tenant_overrides(spec, run.trainer, run.backend)
         if spec.name in self.known:
             raise ConfigError(f"tenant name {spec.name} is taken in this run; choose another")
         if spec.rank > run.lora.max_rank:

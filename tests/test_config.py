@@ -178,6 +178,14 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["trainer.train_batch_size=100", "data.train_data=[{data}/train.parquet]"],
      "the training data holds 64 rows, fewer than trainer.train_batch_size=100"),
     (["+tenants=[{name:''}]"], "tenant 0: name='' must be letters, digits"),
+    (["+tenants=[{use_kl_loss:true}]"], "tenant 0: use_kl_loss is not a per-tenant override (every tenant of the run "
+                                        "shares it); set trainer.algorithm.use_kl_loss for the run"),
+    (["+tenants=[{advantage_estimator:gae}]"], "tenant tenant-0: advantage_estimator=gae: gae needs a critic"),
+    (["+tenants=[{advantage_estimator:nope}]"], "tenant tenant-0: trainer.algorithm.advantage_estimator=nope is not "
+                                                "in SkyRL's registry"),
+    (["+tenants=[{eps_clip_low:-1}]"], "tenant tenant-0: eps_clip_low=-1.0 must be >= 0"),
+    (["backend=skyrl", "+tenants=[{temperature:0.5}]"], "tenant tenant-0: the override temperature needs "
+                                                        "backend=embedded"),
     (["trainer.logger=[tensorboard,mlflow]"], "trainer.logger=mlflow is unknown"),
     (["trainer.resume_mode=sometimes"], "trainer.resume_mode=sometimes is unknown"),
     (["trainer.resume_mode=from_path"], "trainer.resume_path goes with trainer.resume_mode=from_path"),

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
+from skyrl.train.config import AlgorithmConfig
 
 from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear
 
@@ -86,6 +87,8 @@ class TenantState:
     rng_state: torch.Tensor
     step: int = 0
     kl_coef: float | None = None  # its reward KL controller's value (SkyRL's; None: not used yet, kl_loss_coef)
+    algorithm: AlgorithmConfig | None = None  # its own SkyRL algorithm settings (None: the trainer's)
+    weight_decay: float | None = None  # its own AdamW weight decay (None: the trainer's)
     pending: torch.cuda.Event | None = None  # set while a swap-out's copies into the host buffers are in flight
 
     @property
@@ -219,8 +222,10 @@ class AdapterStore:
         return event
 
     # ---- tenants ------------------------------------------------------------------------------------
-    def register(self, name: str, weights: AdapterWeights, schedule: LRSchedule, seed: int) -> None:
-        """Adds a tenant whose adapter starts at ``weights`` (fp32, PEFT layout)."""
+    def register(self, name: str, weights: AdapterWeights, schedule: LRSchedule, seed: int,
+                 algorithm: AlgorithmConfig | None = None, weight_decay: float | None = None) -> None:
+        """Adds a tenant whose adapter starts at ``weights`` (fp32, PEFT layout), with its own SkyRL ``algorithm``
+        settings and AdamW ``weight_decay`` when given (None: the trainer's)."""
         if name in self.tenants:
             raise ValueError(f"tenant {name!r} is already registered")
         if weights.rank > self.max_rank:
@@ -240,7 +245,7 @@ class AdapterStore:
         state = TenantState(
             name=name, rank=weights.rank, alpha=weights.alpha, schedule=schedule,
             weights=AdapterWeights(rank=weights.rank, alpha=weights.alpha), flat=flat, **views,
-            rng_state=generator.get_state(),
+            rng_state=generator.get_state(), algorithm=algorithm, weight_decay=weight_decay,
         )
         host_weights = self._host_empty(numel, self.dtype)
         host_weights.copy_(flat["master"])

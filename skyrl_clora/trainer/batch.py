@@ -161,18 +161,19 @@ class PassRows:
 
 
 def build_pass_rows(
-    batches: list[TrainBatch], slots: list[int], algorithm: AlgorithmConfig, device: torch.device,
-    reward_penalties: list[torch.Tensor] | None = None, mini_batch_prompts: int = 0,
+    batches: list[TrainBatch], slots: list[int], algorithm: AlgorithmConfig | list[AlgorithmConfig],
+    device: torch.device, reward_penalties: list[torch.Tensor] | None = None, mini_batch_prompts: int = 0,
 ) -> PassRows:
     """Stacks the tenants' batches (each validated, cut into mini-batches of ``mini_batch_prompts`` prompts (<= 0:
-    one), advantages per tenant, with ``reward_penalties[p]`` taken off tenant ``p``'s token-level rewards when
-    given: see :func:`tenant_advantages`) into one :class:`PassRows`."""
+    one), advantages per tenant with its ``algorithm`` (one, or one per batch), with ``reward_penalties[p]`` taken
+    off tenant ``p``'s token-level rewards when given: see :func:`tenant_advantages`) into one :class:`PassRows`."""
     for batch in batches:
         validate_batch(batch)
     penalties = reward_penalties or [None] * len(batches)
+    algorithms = algorithm if isinstance(algorithm, list) else [algorithm] * len(batches)
     minis = [mini_batch_rows(batch.group_ids, mini_batch_prompts) for batch in batches]
-    per_tenant = [tenant_advantages(batch, algorithm, penalty, mini)
-                  for batch, penalty, mini in zip(batches, penalties, minis)]
+    per_tenant = [tenant_advantages(batch, algo, penalty, mini)
+                  for batch, algo, penalty, mini in zip(batches, algorithms, penalties, minis)]
     response_len = max(advantages.shape[1] for advantages, _ in per_tenant)
     prompts = [p for batch in batches for p in batch.prompt_ids]
     responses = [r for batch in batches for r in batch.response_ids]

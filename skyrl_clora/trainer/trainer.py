@@ -31,6 +31,7 @@ clipping, AdamW step and LR-schedule step. Packed tenants take their ``k``-th st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections import defaultdict
 
@@ -191,19 +192,20 @@ class Trainer:
         The behaviour log-probs are the batch's ``old_logprobs`` when given; else, for a tenant taking one optimizer
         step, the step's own forward (the weights are still the pre-update ones); else one scoring pass before the
         first step (SkyRL's ``action_log_probs``, computed once per batch)."""
-        rows = build_pass_rows(batches, slots, self.algorithm, self.device, mini_batch_prompts=self.mini_batch_prompts)
+        algorithms = [state.algorithm or self.algorithm for state in states]
+        rows = build_pass_rows(batches, slots, algorithms, self.device, mini_batch_prompts=self.mini_batch_prompts)
         reward_kl, policy = None, None
         if self.algorithm.use_kl_in_reward:  # SkyRL's KL penalty in the reward, then the advantages again
             policy, base = self._pass_logprobs(rows, adapter=True), self._pass_logprobs(rows, adapter=False)
             parts = [slice(offset, offset + count) for offset, count in zip(rows.offsets, rows.counts)]
             penalties = []
-            for state, part in zip(states, parts):  # each tenant's own SkyRL KL controller, continued from its value
-                controller = tenant_kl_controller(self.algorithm, state.kl_coef)
-                penalties.append(kl_reward_penalty(policy[part], base[part], rows.response_mask[part], self.algorithm,
+            for state, part, algorithm in zip(states, parts, algorithms):  # each tenant's own SkyRL KL controller
+                controller = tenant_kl_controller(algorithm, state.kl_coef)  # continued from its value
+                penalties.append(kl_reward_penalty(policy[part], base[part], rows.response_mask[part], algorithm,
                                                    controller))
                 state.kl_coef = float(controller.value)
             reward_kl = [kl_metrics for _, kl_metrics in penalties]
-            rows = build_pass_rows(batches, slots, self.algorithm, self.device, [penalty for penalty, _ in penalties],
+            rows = build_pass_rows(batches, slots, algorithms, self.device, [penalty for penalty, _ in penalties],
                                    self.mini_batch_prompts)
         minis = rows.mini_batches
         steps = [len(tenant_minis) * self.update_epochs for tenant_minis in minis]
@@ -226,12 +228,14 @@ class Trainer:
                     local = minis[p][k]
                     groups = [rows.prompt_groups[rows.offsets[p] + row] for row in local]
                     orders[p] = [local[i] for i in group_order(groups, generators[p])]
-                self._mini_batch_gradients(rows, slots, orders, totals[:4, step])
+                self._mini_batch_gradients(rows, slots, orders, algorithms, totals[:4, step])
                 for p in active:
                     state = states[p]
                     state.step += 1
                     lr = state.schedule.lr(state.step - 1)
-                    totals[4, step, p] = adamw_slot(self.store, slots[p], lr, state.step, self.optimizer)
+                    optimizer = self.optimizer if state.weight_decay is None else dataclasses.replace(
+                        self.optimizer, weight_decay=state.weight_decay)
+                    totals[4, step, p] = adamw_slot(self.store, slots[p], lr, state.step, optimizer)
                     taken[p].append((step, lr))
                 step += 1
         for state, generator in zip(states, generators):
@@ -273,10 +277,11 @@ class Trainer:
         rows.has_old = [given or want for given, want in zip(rows.has_old or [False] * len(wanted), wanted)]
 
     def _mini_batch_gradients(self, rows: PassRows, slots: list[int], orders: list[list[int]],
-                              totals: torch.Tensor) -> None:
+                              algorithms: list[AlgorithmConfig], totals: torch.Tensor) -> None:
         """Zeroes the gradients of the slots of the tenants with rows in ``orders`` (``orders[p]``: tenant ``p``'s
         rows of this mini-batch, local indices in shuffled order; empty: the tenant takes no step now) and
-        accumulates their policy losses' gradients over micro-batches; adds per tenant into ``totals [4, P]``:
+        accumulates their policy losses' gradients (each with its tenant's ``algorithms[p]``) over micro-batches; adds
+        per tenant into ``totals [4, P]``:
         policy loss, log-prob sum, |log-prob - sampler's| sum and KL."""
         order, micro_batches = self._plan(rows, orders)
         order_device = lists_to_device([order], self.device)[0]
@@ -301,17 +306,18 @@ class Trainer:
                 # The behaviour policy's log-probs: given (or scored before the first step), or this forward's (one
                 # optimizer step per RL step: the weights are still the pre-update ones).
                 behaviour = old[part] if rows.has_old[tenant] else detached
+                algorithm = algorithms[tenant]
                 loss, _ = self.policy_loss(
-                    log_probs[part], behaviour, advantages[part], config=self.algorithm,
+                    log_probs[part], behaviour, advantages[part], config=algorithm,
                     loss_mask=mask[part], rollout_logprobs=rollout[part] if rows.has_rollout[tenant] else None,
                 )
                 totals[0, tenant] += loss.detach()
                 if reference is not None:  # SkyRL's KL loss: each row's token mean, averaged over the mini-batch's rows
                     kl = compute_approx_kl(log_probs[part], reference[part], loss_mask=mask[part],
-                                           kl_estimator_type=self.algorithm.kl_estimator_type)
+                                           kl_estimator_type=algorithm.kl_estimator_type)
                     kl = masked_mean(kl, mask[part], dim=-1).sum() / counts[tenant]
                     totals[3, tenant] += kl.detach()
-                    loss = loss + kl * self.algorithm.kl_loss_coef
+                    loss = loss + kl * algorithm.kl_loss_coef
                 loss_sum = loss if loss_sum is None else loss_sum + loss
                 totals[1, tenant] += (detached * mask[part]).sum()
                 totals[2, tenant] += ((detached - rollout[part]).abs() * mask[part]).sum()
