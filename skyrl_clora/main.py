@@ -38,7 +38,9 @@ Tenants:
                                    {overridable}
                                    (a tenant's trainer.seed, trainer.policy.optimizer_config.lr,
                                    trainer.policy.model.lora.rank/alpha, recipe.task_variant,
-                                   generator.n_samples_per_prompt and environment.env_class)
+                                   generator.n_samples_per_prompt and environment.env_class; on
+                                   backend=embedded also its sampling temperature, weight_decay and
+                                   trainer.algorithm's kl_loss_coef, eps_clip_low/high, advantage_estimator)
 
 Config groups (choose one of each):
 {groups}
