@@ -50,9 +50,11 @@ class RecipeConfig:
     max_generate_length: int
     max_input_length: int
     options: Any
+    max_prompt_length: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "samples_per_prompt", "max_turns", "max_generate_length", "max_input_length"):
+        for name in ("prompts_per_step", "samples_per_prompt", "max_turns", "max_generate_length", "max_input_length",
+                     "max_prompt_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{RECIPE_KEYS[name]} must be >= 1, got {getattr(self, name)}")
         if self.eval_prompts < 0:
@@ -68,7 +70,7 @@ RECIPE_KEYS = {
     "task_variant": "recipe.task_variant", "prompts_per_step": "trainer.train_batch_size",
     "samples_per_prompt": "generator.n_samples_per_prompt", "eval_prompts": "recipe.eval_prompts",
     "max_turns": "generator.max_turns", "max_generate_length": "generator.sampling_params.max_generate_length",
-    "max_input_length": "generator.max_input_length",
+    "max_input_length": "generator.max_input_length", "max_prompt_length": "trainer.max_prompt_length",
 }
 """:class:`RecipeConfig`'s fields and the keys they are read from."""
 
@@ -98,8 +100,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "abs")  # SkyRL's compute_approx_kl
 def check_algorithm(algorithm: dict[str, Any]) -> None:
     """``trainer.algorithm`` as SkyRL's ``AlgorithmConfig`` takes it, with an advantage estimator and a policy loss
     that SkyRL's registries hold (a custom one registered before the run counts) and KL options SkyRL accepts and
-    the plugin honours (``use_kl_loss`` or ``use_kl_in_reward`` with its fixed controller, ``kl_loss_coef``,
-    ``kl_estimator_type``); else a :class:`ConfigError`."""
+    the plugin honours (``use_kl_loss`` or ``use_kl_in_reward`` with a controller SkyRL's ``get_kl_controller``
+    builds, ``kl_loss_coef``, ``kl_estimator_type``); else a :class:`ConfigError`."""
     from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
     from skyrl.train.config import AlgorithmConfig
 
@@ -118,10 +120,14 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
     if config.use_kl_in_reward and config.use_kl_loss:
         raise ConfigError("trainer.algorithm.use_kl_in_reward and use_kl_loss are mutually exclusive (SkyRL's rule); "
                           "set one of them to false")
-    kl_ctrl = config.kl_ctrl if isinstance(config.kl_ctrl, dict) else vars(config.kl_ctrl)
-    if config.use_kl_in_reward and kl_ctrl.get("type", "fixed") != "fixed":
-        raise ConfigError(f"trainer.algorithm.kl_ctrl.type={kl_ctrl.get('type')}: skyrl-clora keeps no per-tenant "
-                          "adaptive KL controller state; use kl_ctrl.type=fixed (the coefficient is kl_loss_coef)")
+    if config.use_kl_in_reward:
+        from skyrl.backends.skyrl_train.utils.ppo_utils import get_kl_controller
+
+        try:
+            get_kl_controller(config)  # SkyRL's own checks of kl_ctrl
+        except ValueError as error:
+            raise ConfigError(f"trainer.algorithm.kl_ctrl: {error}; fix kl_ctrl.type (fixed or adaptive) or "
+                              "kl_ctrl.horizon") from None
     for key, registry in (("advantage_estimator", AdvantageEstimatorRegistry), ("policy_loss_type", PolicyLossRegistry)):
         available = registry.list_available()
         if key in algorithm and algorithm[key] not in available:
@@ -139,7 +145,8 @@ LOGGERS = ("console", "tensorboard", "wandb")
 @dataclass(frozen=True)
 class TrainerConfig:
     """The trainer's settings, read from SkyRL's keys where SkyRL has one (:data:`TRAINER_KEYS`) and from the
-    plugin's own ``trainer.`` keys otherwise."""
+    plugin's own ``trainer.`` keys otherwise. ``mini_batch_size`` (prompts per optimizer step) and
+    ``update_epochs`` are SkyRL's ``policy_mini_batch_size`` and ``update_epochs_per_batch``."""
 
     lr: float
     lr_schedule: str
@@ -148,6 +155,8 @@ class TrainerConfig:
     weight_decay: float
     max_grad_norm: float
     algorithm: dict[str, Any]
+    mini_batch_size: int
+    update_epochs: int
     pack_size: int = 0
     pack_policy: str = "ready"
     shared_prompts: bool = True
@@ -201,6 +210,8 @@ class TrainerConfig:
                               f"{' or '.join(SCHEDULERS)}")
         if self.micro_batch_size < 1:
             raise ConfigError(f"trainer.micro_train_batch_size_per_gpu must be >= 1, got {self.micro_batch_size}")
+        if self.update_epochs < 1:
+            raise ConfigError(f"trainer.update_epochs_per_batch must be >= 1, got {self.update_epochs}")
 
 
 @dataclass(frozen=True)
@@ -283,6 +294,10 @@ class RunConfig:
                               "remove the override")
         if self.epochs < 1:
             raise ConfigError(f"trainer.epochs must be >= 1, got {self.epochs}")
+        batch, mini = self.recipe.prompts_per_step, self.trainer.mini_batch_size
+        if not 1 <= mini <= batch or batch % mini:
+            raise ConfigError(f"trainer.policy_mini_batch_size={mini} must divide trainer.train_batch_size={batch} "
+                              "(SkyRL's rule); set it to a divisor of the batch")
         if self.max_training_steps is not None and self.max_training_steps < 1:
             raise ConfigError(f"trainer.max_training_steps must be >= 1 (or null), got {self.max_training_steps}")
         if self.max_tenants < 0:
@@ -293,6 +308,11 @@ class RunConfig:
             raise ConfigError("clora.replicas > 1 spreads a concurrent run of backend=embedded over replicas; set "
                               "clora.mode=concurrent and backend=embedded (backend=skyrl places its workers with "
                               "trainer.placement.*)")
+        algorithm = self.trainer.algorithm
+        if (self.backend == "skyrl" and algorithm.get("use_kl_in_reward")
+                and (algorithm.get("kl_ctrl") or {}).get("type", "fixed") != "fixed"):
+            raise ConfigError("trainer.algorithm.kl_ctrl.type=adaptive keeps a KL controller per tenant on "
+                              "backend=embedded only; use backend=embedded or kl_ctrl.type=fixed")
         if self.backend not in ("embedded", "skyrl"):
             raise ConfigError(f"backend={self.backend} is unknown; use backend=embedded or backend=skyrl")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -313,6 +333,12 @@ class RunConfig:
                     "lower its rank or raise sampler.max_lora_rank"
                 )
         _check_writable(self.output_dir)
+
+    @property
+    def optimizer_steps_per_rl_step(self) -> int:
+        """A tenant's optimizer (and LR-schedule) steps per RL step: SkyRL's ``policy_steps_per_train_batch``,
+        ``train_batch_size // policy_mini_batch_size * update_epochs_per_batch``."""
+        return self.recipe.prompts_per_step // self.trainer.mini_batch_size * self.trainer.update_epochs
 
     @property
     def tenant_capacity(self) -> int:

@@ -17,8 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from skyrl_clora.config import (
     RECIPE_KEYS, SCHEDULERS, ConfigError, LoraConfig, RecipeConfig, RunConfig, SamplerConfig, TrainerConfig, checked,
+    check_algorithm,
 )
-from skyrl_clora.tenants import TenantSpec, expand_tenants
+from skyrl_clora.tenants import PER_TENANT_SKYRL, TenantSpec, expand_tenants
 
 TRAINER_KEYS = {
     "lr": "trainer.policy.optimizer_config.lr", "lr_schedule": "trainer.policy.optimizer_config.scheduler",
@@ -26,6 +27,7 @@ TRAINER_KEYS = {
     "weight_decay": "trainer.policy.optimizer_config.weight_decay",
     "max_grad_norm": "trainer.policy.optimizer_config.max_grad_norm",
     "micro_batch_size": "trainer.micro_train_batch_size_per_gpu", "algorithm": "trainer.algorithm",
+    "mini_batch_size": "trainer.policy_mini_batch_size", "update_epochs": "trainer.update_epochs_per_batch",
     **{name: f"trainer.{name}" for name in (
         "max_tokens_per_microbatch", "ckpt_interval", "ckpt_path", "max_ckpts_to_keep", "resume_mode", "resume_path",
         "logger", "project_name", "run_name", "eval_interval", "eval_before_train", "pack_size", "pack_policy",
@@ -149,9 +151,33 @@ def tenant_specs(cfg: DictConfig, lora: LoraConfig, trainer: TrainerConfig, reci
         value = OmegaConf.to_container(value, resolve=True)
     try:
         seed = checked(cfg.trainer.seed, int, "trainer.seed")
-        return expand_tenants(value, **tenant_defaults(seed, lora, trainer, recipe))
+        specs = expand_tenants(value, **tenant_defaults(seed, lora, trainer, recipe))
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    for spec in specs:
+        check_tenant_overrides(spec, trainer, str(cfg.backend.name))
+    return specs
+
+
+def check_tenant_overrides(spec: TenantSpec, trainer: TrainerConfig, backend: str) -> None:
+    """A :class:`ConfigError` (one line) unless the tenant's overrides of SkyRL keys (``tenants.PER_TENANT_SKYRL``) run
+    on ``backend`` and its ``trainer.algorithm`` (the run's with its overrides) is one SkyRL takes."""
+    given = [name for name in PER_TENANT_SKYRL if getattr(spec, name) is not None]
+    if given and backend != "embedded":
+        raise ConfigError(f"tenant {spec.name}: the override {given[0]} needs backend=embedded (SkyRL's policy workers "
+                          f"share one config); set {PER_TENANT_SKYRL[given[0]]} for the run instead")
+    overrides = spec.algorithm_overrides()
+    from skyrl_clora.config_keys import rule_for
+
+    for name, value in overrides.items():  # what the run's command line refuses, a tenant's override refuses too
+        rule = rule_for(f"trainer.algorithm.{name}")
+        if rule is not None and rule.accepts is not None and not rule.accepts(value, None):
+            raise ConfigError(f"tenant {spec.name}: {name}={value}: {rule.detail}")
+    if overrides:
+        try:
+            check_algorithm({**trainer.algorithm, **overrides})
+        except ConfigError as error:
+            raise ConfigError(f"tenant {spec.name}: {error}") from None
 
 
 def tenant_defaults(seed: int, lora: LoraConfig, trainer: TrainerConfig, recipe: RecipeConfig) -> dict[str, Any]:

@@ -74,9 +74,10 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.policy.model.lora.dropout", REFUSED, "the embedded LoRA layers have no dropout: use 0",
             _equals(0)),
     KeyRule("trainer.policy.optimizer_config.lr", HONOURED, "every tenant's peak AdamW learning rate (tenant override: lr)"),
-    KeyRule("trainer.policy.optimizer_config.weight_decay", HONOURED, "AdamW's decoupled weight decay"),
+    KeyRule("trainer.policy.optimizer_config.weight_decay", HONOURED,
+            "AdamW's decoupled weight decay (tenant override: weight_decay)"),
     KeyRule("trainer.policy.optimizer_config.max_grad_norm", HONOURED, "per-tenant gradient clipping"),
-    KeyRule("trainer.policy.optimizer_config.num_warmup_steps", HONOURED, "linear warm-up, in optimizer (= RL) steps"),
+    KeyRule("trainer.policy.optimizer_config.num_warmup_steps", HONOURED, "linear warm-up, in optimizer steps"),
     KeyRule("trainer.policy.optimizer_config.scheduler", HONOURED,
             "constant_with_warmup (or constant) and cosine; other schedules are refused"),
     KeyRule("trainer.policy.optimizer_config.offload_after_step", IGNORED, "memory placement only"),
@@ -84,10 +85,9 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.epochs", HONOURED, "RL steps = epochs * (training rows // train_batch_size), at most max_training_steps"),
     KeyRule("trainer.max_training_steps", HONOURED, "RL steps per tenant at most"),
     KeyRule("trainer.train_batch_size", HONOURED, "prompts per RL step per tenant"),
-    KeyRule("trainer.policy_mini_batch_size", REFUSED,
-            "one optimizer step per RL step: set it to trainer.train_batch_size",
-            lambda value, cfg: value == cfg.trainer.train_batch_size),
-    KeyRule("trainer.update_epochs_per_batch", REFUSED, "one pass over each batch: set it to 1", _equals(1)),
+    KeyRule("trainer.policy_mini_batch_size", HONOURED,
+            "prompts per optimizer step (a divisor of train_batch_size): train_batch_size // it steps per RL step"),
+    KeyRule("trainer.update_epochs_per_batch", HONOURED, "passes over each RL step's mini-batches (steps multiply)"),
     KeyRule("trainer.micro_train_batch_size_per_gpu", HONOURED, "sequences per forward/backward micro-batch"),
     KeyRule("trainer.max_tokens_per_microbatch", HONOURED, "token-bounded micro-batches"),
     KeyRule("trainer.micro_forward_batch_size_per_gpu", IGNORED, "batching only: the step recomputes no forward pass"),
@@ -109,11 +109,12 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.gradient_checkpointing", IGNORED, "memory only"),
     KeyRule("trainer.use_expandable_segments", IGNORED, "memory only"),
     KeyRule("trainer.max_prompt_length", HONOURED,
-            "generator.max_input_length when that is null (SkyRL's default); longer prompts are not dropped from the data"),
+            "rows whose prompt is longer (chat template included) are dropped at load, as SkyRL's PromptDataset does; "
+            "generator.max_input_length when that is null (SkyRL's default)"),
     KeyRule("trainer.algorithm.use_kl_loss", HONOURED,
             "SkyRL's KL loss against the frozen base (each tenant's adapter disabled): one more forward per micro-batch"),
     KeyRule("trainer.algorithm.use_kl_in_reward", HONOURED,
-            "SkyRL's KL penalty on the rewards (fixed controller; exclusive with use_kl_loss)"),
+            "SkyRL's KL penalty on the rewards (each tenant's own kl_ctrl controller; exclusive with use_kl_loss)"),
     KeyRule("trainer.algorithm.dynamic_sampling.*", REFUSED, "no dynamic sampling: leave dynamic_sampling.type null",
             lambda value, cfg: cfg.trainer.algorithm.dynamic_sampling.type is None),
     KeyRule("trainer.algorithm.advantage_estimator", REFUSED,
@@ -126,17 +127,19 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.algorithm.zero_variance_filter", REFUSED, "no zero-variance filter: set it to false", _false),
     KeyRule("trainer.algorithm.enable_sample_support_replay", REFUSED, "no sample-support replay: set it to false",
             _false),
-    KeyRule("trainer.algorithm.kl_*", HONOURED, "kl_loss_coef, kl_estimator_type (k1, k2, k3, abs), kl_ctrl (type fixed "
-            "only: no per-tenant adaptive controller state)"),
+    KeyRule("trainer.algorithm.kl_*", HONOURED, "kl_loss_coef, kl_estimator_type (k1, k2, k3, abs), kl_ctrl (fixed or "
+            "adaptive: SkyRL's controller per tenant, its value in the tenant's checkpoint; tenant override: kl_loss_coef)"),
     KeyRule("trainer.algorithm.entropy_loss_coef", IGNORED, "the entropy term is off (use_entropy_loss must be false)"),
     KeyRule("trainer.algorithm.value_*", IGNORED, "critic settings: the tenants' step has no critic"),
     KeyRule("trainer.algorithm.*", HONOURED, "SkyRL's advantage estimator and policy loss (its registries and their "
-            "settings: loss_reduction, eps_clip_*, off_policy_correction, sapo, cispo, ...)"),
+            "settings: loss_reduction, eps_clip_*, off_policy_correction, sapo, cispo, ...; tenant overrides: eps_clip_low, "
+            "eps_clip_high, advantage_estimator)"),
     KeyRule("generator.n_samples_per_prompt", HONOURED, "GRPO group size (tenant override: samples_per_prompt)"),
     KeyRule("generator.max_turns", HONOURED, "assistant turns per episode"),
     KeyRule("generator.max_input_length", HONOURED, "prompt + history tokens before a turn"),
     KeyRule("generator.sampling_params.max_generate_length", HONOURED, "tokens per assistant turn"),
-    KeyRule("generator.sampling_params.temperature", HONOURED, "every tenant's sampling temperature"),
+    KeyRule("generator.sampling_params.temperature", HONOURED,
+            "every tenant's sampling temperature (tenant override: temperature)"),
     KeyRule("generator.sampling_params.top_p", HONOURED, "nucleus sampling"),
     KeyRule("generator.batched", IGNORED, "the engine batches every tenant's requests either way"),
     KeyRule("generator.inference_engine.*", IGNORED, "vLLM server settings: the embedded engine replaces the servers"),
@@ -255,7 +258,8 @@ DOC_HEADER = """# Configuration: SkyRL's keys on each backend
 
 `python -m skyrl_clora.main` takes SkyRL 0.4's own command line (`data.*`, `trainer.*`, `generator.*`,
 `environment.*`: every key of `SkyRLTrainConfig`, with SkyRL's meaning) plus `+tenants=N` (or a list of
-per-tenant overrides: name, seed, lr, rank, alpha, task_variant, samples_per_prompt, env_class) and the
+per-tenant overrides: name, seed, lr, rank, alpha, task_variant, samples_per_prompt, env_class, and on
+backend=embedded temperature, weight_decay, kl_loss_coef, eps_clip_low, eps_clip_high, advantage_estimator) and the
 plugin's own keys (`clora.*`, `sampler.*`, `model.*`, `recipe.*`, `backend.*`, and `trainer.` pack_size,
 pack_policy, shared_prompts, sm_carveout, overlap_sampling, pause_sampling_rows); `--help` lists them.
 

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from skyrl_clora.checkpoints import TenantCheckpoint, read_live_tenants, write_live_tenants
 from skyrl_clora.config import ConfigError, RunConfig
-from skyrl_clora.config_build import tenant_defaults
+from skyrl_clora.config_build import check_tenant_overrides, tenant_defaults
 from skyrl_clora.metrics import MetricsLog
 from skyrl_clora.recipes.plugin import TaskSource, build_task_sources
 from skyrl_clora.tenant_loop import TenantBackend, TenantPool
@@ -66,8 +66,7 @@ class ControlServer:
         try:
             overrides = await request.json()
             spec = self._spec(overrides)
-            source = (await asyncio.to_thread(build_task_sources, self.run.recipe, [spec], self.run.max_training_steps,
-                                              self.run.seed))[spec.name]
+            source = await asyncio.to_thread(self._task_source, spec)
             await self.pool.add(spec, source)
         except (ConfigError, ValueError) as error:
             return web.json_response({"error": str(error)}, status=400)
@@ -75,6 +74,13 @@ class ControlServer:
         self.added.append(spec)
         write_live_tenants(self.run.output_dir, self.added, self.stopped)
         return web.json_response({"added": asdict(spec)})
+
+    def _task_source(self, spec: TenantSpec) -> TaskSource:
+        """The added tenant's task data, its prompts over ``trainer.max_prompt_length`` dropped as at the start."""
+        from skyrl_clora.services import prompt_tokenizer
+
+        return build_task_sources(self.run.recipe, [spec], self.run.max_training_steps, self.run.seed,
+                                  prompt_tokenizer(self.run))[spec.name]
 
     async def _stop(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -93,6 +99,7 @@ class ControlServer:
         run = self.run
         defaults = tenant_defaults(run.seed + len(self.known), run.lora, run.trainer, run.recipe)
         spec = expand_tenants([overrides], **defaults)[0]
+        check_tenant_overrides(spec, run.trainer, run.backend)
         if spec.name in self.known:
             raise ConfigError(f"tenant name {spec.name} is taken in this run; choose another")
         if spec.rank > run.lora.max_rank:

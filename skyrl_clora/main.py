@@ -38,7 +38,9 @@ Tenants:
                                    {overridable}
                                    (a tenant's trainer.seed, trainer.policy.optimizer_config.lr,
                                    trainer.policy.model.lora.rank/alpha, recipe.task_variant,
-                                   generator.n_samples_per_prompt and environment.env_class)
+                                   generator.n_samples_per_prompt and environment.env_class; on
+                                   backend=embedded also its sampling temperature, weight_decay and
+                                   trainer.algorithm's kl_loss_coef, eps_clip_low/high, advantage_estimator)
 
 Config groups (choose one of each):
 {groups}
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_clora.config import ConfigError
     from skyrl_clora.config_build import build_run_config, plan_steps
     from skyrl_clora.config_keys import check_embedded_keys
-    from skyrl_clora.recipes.plugin import build_task_sources, load_recipe
+    from skyrl_clora.recipes.plugin import build_task_sources, drop_long_prompts, load_recipe
 
     try:
         cfg = compose_config(argv)
@@ -170,10 +172,15 @@ def main(argv: list[str] | None = None) -> int:
 
             check_model_folder(run.model_path)
         sources = build_task_sources(run.recipe, list(run.tenants), run.max_training_steps, run.seed)  # before the model
+        from skyrl_clora.services import prompt_tokenizer
+
+        tokenizer = prompt_tokenizer(run)  # SkyRL drops prompts over trainer.max_prompt_length at load: so do we
+        sources = {name: drop_long_prompts(source, tokenizer, run.recipe.max_prompt_length, name)
+                   for name, source in sources.items()}
         run = plan_steps(run, min(len(source.train_rows) for source in sources.values()))
         run, resume, stopped = claim_output_dir(run)
         added = [spec for spec in run.tenants if spec.name not in sources]  # joined the resumed run while it went
-        sources |= build_task_sources(run.recipe, added, run.max_training_steps, run.seed)
+        sources |= build_task_sources(run.recipe, added, run.max_training_steps, run.seed, tokenizer)
     except (UserError, ConfigError) as error:
         return _refused(error)
     with STOP.installed():

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from skyrl_clora.config import ConfigError, RunConfig, SamplerConfig, algorithm_config
@@ -104,6 +104,12 @@ def resolve_model_path(run: RunConfig) -> str:
     return str(ensure_tiny_base(None, recipe))
 
 
+def prompt_tokenizer(run: RunConfig) -> PreTrainedTokenizerBase:
+    """The base model's tokenizer (the tiny base built first if needed), which SkyRL's prompt-length rule counts
+    with (``recipes.plugin.drop_long_prompts``)."""
+    return AutoTokenizer.from_pretrained(resolve_model_path(run))
+
+
 def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_tenant: int) -> Services:
     """Loads the base model once and builds sampler, trainer and sync around it (the cold start)."""
     started = time.perf_counter()
@@ -129,7 +135,8 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         OptimizerConfig(weight_decay=run.trainer.weight_decay, max_grad_norm=run.trainer.max_grad_norm),
         micro_batch_size=run.trainer.micro_batch_size,
         max_tokens_per_microbatch=run.trainer.max_tokens_per_microbatch,
-        shared_prefix=run.trainer.shared_prompts,
+        shared_prefix=run.trainer.shared_prompts, mini_batch_prompts=run.trainer.mini_batch_size,
+        update_epochs=run.trainer.update_epochs,
     )
     max_len = run.recipe.max_input_length + run.recipe.max_generate_length
     rows = -(-(run.sampler.max_rows or num_tenants * rows_per_tenant) // 16) * 16

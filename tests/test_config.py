@@ -172,13 +172,20 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["trainer.algorithm.eps_clip_low=abc"], "trainer.algorithm.eps_clip_low=abc must be a number"),
     (["trainer.policy.optimizer_config.scheduler=linear"], "trainer.policy.optimizer_config.scheduler=linear is not "
                                                            "implemented here; use constant_with_warmup or constant or cosine"),
-    (["trainer.update_epochs_per_batch=2"], "trainer.update_epochs_per_batch=2 on backend=embedded: one pass over each "
-                                            "batch: set it to 1"),
-    (["trainer.policy_mini_batch_size=2"], "trainer.policy_mini_batch_size=2 on backend=embedded: one optimizer step"),
+    (["trainer.update_epochs_per_batch=0"], "trainer.update_epochs_per_batch must be >= 1, got 0"),
+    (["trainer.policy_mini_batch_size=3"], "trainer.policy_mini_batch_size=3 must divide trainer.train_batch_size=4"),
     (["trainer.critic.model.path=/x"], "trainer.critic.model.path is a SkyRL key backend=embedded does not implement"),
     (["trainer.train_batch_size=100", "data.train_data=[{data}/train.parquet]"],
      "the training data holds 64 rows, fewer than trainer.train_batch_size=100"),
     (["+tenants=[{name:''}]"], "tenant 0: name='' must be letters, digits"),
+    (["+tenants=[{use_kl_loss:true}]"], "tenant 0: use_kl_loss is not a per-tenant override (every tenant of the run "
+                                        "shares it); set trainer.algorithm.use_kl_loss for the run"),
+    (["+tenants=[{advantage_estimator:gae}]"], "tenant tenant-0: advantage_estimator=gae: gae needs a critic"),
+    (["+tenants=[{advantage_estimator:nope}]"], "tenant tenant-0: trainer.algorithm.advantage_estimator=nope is not "
+                                                "in SkyRL's registry"),
+    (["+tenants=[{eps_clip_low:-1}]"], "tenant tenant-0: eps_clip_low=-1.0 must be >= 0"),
+    (["backend=skyrl", "+tenants=[{temperature:0.5}]"], "tenant tenant-0: the override temperature needs "
+                                                        "backend=embedded"),
     (["trainer.logger=[tensorboard,mlflow]"], "trainer.logger=mlflow is unknown"),
     (["trainer.resume_mode=sometimes"], "trainer.resume_mode=sometimes is unknown"),
     (["trainer.resume_mode=from_path"], "trainer.resume_path goes with trainer.resume_mode=from_path"),
@@ -187,8 +194,10 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     (["trainer.algorithm.kl_estimator_type=k9"], "trainer.algorithm.kl_estimator_type=k9 is unknown; use one of k1"),
     (["trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.use_kl_loss=true"],
      "trainer.algorithm.use_kl_in_reward and use_kl_loss are mutually exclusive"),
-    (["trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.kl_ctrl.type=adaptive"],
-     "trainer.algorithm.kl_ctrl.type=adaptive: skyrl-clora keeps no per-tenant adaptive KL controller state"),
+    (["trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.kl_ctrl.type=adaptive",
+      "trainer.algorithm.kl_ctrl.horizon=0"], "trainer.algorithm.kl_ctrl: horizon must be larger than 0. Got 0"),
+    (["backend=skyrl", "trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.kl_ctrl.type=adaptive"],
+     "trainer.algorithm.kl_ctrl.type=adaptive keeps a KL controller per tenant on backend=embedded only"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture,
                                           tmp_path: Path) -> None:

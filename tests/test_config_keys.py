@@ -62,8 +62,8 @@ SAMPLES = [
     Sample("trainer.epochs", 3, (), lambda run: run.epochs),
     Sample("trainer.max_training_steps", 4, (), lambda run: run.max_training_steps),
     Sample("trainer.train_batch_size", 2, (), lambda run: run.recipe.prompts_per_step),
-    Sample("trainer.policy_mini_batch_size", 2),
-    Sample("trainer.update_epochs_per_batch", 2),
+    Sample("trainer.policy_mini_batch_size", 2, (), lambda run: run.trainer.mini_batch_size),
+    Sample("trainer.update_epochs_per_batch", 2, (), lambda run: run.trainer.update_epochs),
     Sample("trainer.micro_train_batch_size_per_gpu", 2, (), lambda run: run.trainer.micro_batch_size),
     Sample("trainer.max_tokens_per_microbatch", 4096, (), lambda run: run.trainer.max_tokens_per_microbatch),
     Sample("trainer.micro_forward_batch_size_per_gpu", 2),
@@ -191,7 +191,7 @@ def test_embedded_honours_ignores_or_refuses_each_key(sample: Sample, data: Path
 
 
 @pytest.mark.parametrize("override", [
-    "trainer.policy_mini_batch_size=4", "trainer.update_epochs_per_batch=1", "trainer.algorithm.use_kl_loss=false",
+    "trainer.algorithm.use_kl_loss=false",
     "trainer.policy.model.lora.target_modules=all-linear", "trainer.policy.model.lora.dropout=0",
     "trainer.algorithm.advantage_estimator=rloo", "trainer.algorithm.use_entropy_loss=false",
 ])

@@ -127,3 +127,23 @@ def test_taubench_recipe_end_to_end(user: str, micro_model_dir: Path, tmp_path: 
     for record in steps:  # the benchmark's reward breakdown reaches the metrics
         assert {"rollout/environment/r_actions", "rollout/environment/r_outputs",
                 "rollout/environment/turns"} <= set(record)
+
+
+def test_mini_batches_step_the_optimizer_and_its_schedule_per_mini_batch(learning_model_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """SkyRL's ``policy_mini_batch_size``: 2 prompts per step in mini-batches of 1 make 2 optimizer steps per RL
+    step, and the LR schedule spans every optimizer step of the run (SkyRL's ``num_training_steps``)."""
+    import math
+
+    out = tmp_path / "mini"
+    lr = 4e-3
+    assert main(_args(learning_model_dir, out, micro_tenants({}), "trainer.policy_mini_batch_size=1",
+                      "trainer.policy.optimizer_config.scheduler=cosine", f"trainer.policy.optimizer_config.lr={lr}",
+                      "trainer.ckpt_interval=1")) == 0
+    steps = sorted((r for r in read_records(out) if r["event"] == "step"), key=lambda r: r["step"])
+    assert [r["train/optimizer_steps"] for r in steps] == [2.0, 2.0]
+    # cosine over 2 RL steps x 2 optimizer steps: each RL step reports the mean LR of its two optimizer steps
+    schedule = [lr * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
+    assert [r["train/lr"] for r in steps] == pytest.approx([sum(schedule[:2]) / 2, sum(schedule[2:]) / 2])
+    state = json.loads((out / "checkpoints" / "tenant-0" / "global_step_2" / "trainer_state.json").read_text())
+    assert state["step"] == 4

@@ -23,7 +23,7 @@ from skyrl.train.config import SamplingParams as SkyRLSamplingParams
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
-from skyrl_clora.config import RunConfig
+from skyrl_clora.config import RunConfig, algorithm_config
 from skyrl_clora.control import run_tenant_pool
 from skyrl_clora.episodes import episode_batch, scalar_reward
 from skyrl_clora.interrupts import STOP
@@ -54,8 +54,13 @@ class EmbeddedBackend:
         """Seeded PEFT init into the trainer's store and the sampler (version 0); the tenant's generator."""
         services, run = self.services, self.run
         weights = init_adapter(services.trainer.layers, spec.rank, spec.alpha, torch.Generator().manual_seed(spec.seed))
-        schedule = LRSchedule(spec.lr, run.trainer.warmup_steps, run.steps, run.trainer.lr_schedule)
-        services.store.register(spec.name, weights, schedule, seed=spec.seed)
+        # SkyRL's scheduler counts optimizer steps: num_training_steps = RL steps * policy_steps_per_train_batch
+        schedule = LRSchedule(spec.lr, run.trainer.warmup_steps, run.steps * run.optimizer_steps_per_rl_step,
+                              run.trainer.lr_schedule)
+        overrides = spec.algorithm_overrides()  # the tenant's own SkyRL algorithm keys (tenants.PER_TENANT_SKYRL)
+        algorithm = algorithm_config({**run.trainer.algorithm, **overrides}) if overrides else None
+        services.store.register(spec.name, weights, schedule, seed=spec.seed, algorithm=algorithm,
+                                weight_decay=spec.weight_decay)
         services.sync.register(spec.name, services.store.tenants[spec.name].weights)
         self.scheduler.join(spec.name)
         recipe = run.recipe
@@ -63,7 +68,8 @@ class EmbeddedBackend:
             max_turns=recipe.max_turns, batched=False, max_input_length=recipe.max_input_length,
             n_samples_per_prompt=spec.samples_per_prompt, use_conversation_multi_turn=True,
             sampling_params=SkyRLSamplingParams(
-                max_generate_length=recipe.max_generate_length, temperature=run.sampler.temperature,
+                max_generate_length=recipe.max_generate_length,
+                temperature=run.sampler.temperature if spec.temperature is None else spec.temperature,
                 top_p=run.sampler.top_p, logprobs=1,
             ),
         )
@@ -82,8 +88,13 @@ class EmbeddedBackend:
         return response["choices"][0]["message"]["content"]
 
     async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
-        batch, trajectory_ids, groups = episode_batch(spec.seed, rows, samples, tag, self._env_args[spec.name])
-        output = await self._generators[spec.name].generate(batch, disable_tqdm=True)
+        """The tenant's episodes; with its own ``temperature`` its requests carry its generator's sampling params
+        (else the engine client's, the run's)."""
+        generator = self._generators[spec.name]
+        sampling = asdict(generator.generator_cfg.sampling_params) if spec.temperature is not None else None
+        batch, trajectory_ids, groups = episode_batch(spec.seed, rows, samples, tag, self._env_args[spec.name],
+                                                      sampling)
+        output = await generator.generate(batch, disable_tqdm=True)
         versions = [self.services.client.versions_for(spec.name, t.to_string()) for t in trajectory_ids]
         return Rollout(output, groups, trajectory_ids, versions)
 

@@ -47,11 +47,13 @@ class ReplicaRunner:
 
         from skyrl_clora.backends.embedded import run_experiments
         from skyrl_clora.recipes.plugin import build_task_sources
+        from skyrl_clora.services import prompt_tokenizer
 
         for env_id, spec in envs.items():
             if env_id not in registry:
                 register(env_id, entry_point=spec.entry_point, kwargs=spec.kwargs)
-        sources = build_task_sources(run.recipe, list(run.tenants), run.max_training_steps, run.seed)
+        sources = build_task_sources(run.recipe, list(run.tenants), run.max_training_steps, run.seed,
+                                     prompt_tokenizer(run))
         return run_experiments(run, sources, resume, [])
 
 

@@ -13,9 +13,10 @@ dataset yields: ``{"prompt": [messages], "env_class": str, ...extras}``; every k
 from __future__ import annotations
 
 import importlib
+import logging
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +24,7 @@ from skyrl_clora.config import ConfigError, RecipeConfig
 from skyrl_clora.tenants import TenantSpec
 
 EVAL_SEED_OFFSET = 1_000_003
+logger = logging.getLogger("skyrl_clora")
 
 
 @dataclass
@@ -140,11 +142,33 @@ def load_corpus(name: str) -> PretrainingCorpus:
     return load_recipe(name)
 
 
+def drop_long_prompts(source: TaskSource, tokenizer: Any, max_prompt_length: int, tenant: str) -> TaskSource:
+    """``source`` without the rows whose prompt is longer than ``max_prompt_length`` tokens with the chat template
+    and generation prompt applied: SkyRL's ``PromptDataset`` rule (its ``_prompt_not_too_long``), applied as it
+    does to the training and the evaluation data, with a log line when rows go. No training row left is a one-line
+    :class:`ConfigError`."""
+    from skyrl.train.dataset.dataset import _prompt_not_too_long
+
+    kept = {}
+    for part in ("train_rows", "eval_rows"):
+        rows = getattr(source, part)
+        kept[part] = [row for row in rows if _prompt_not_too_long(row, tokenizer, "prompt", max_prompt_length)]
+        if len(kept[part]) < len(rows):
+            logger.warning("tenant %s: dropped %d of %d %s rows whose prompt is longer than trainer.max_prompt_length=%d "
+                           "tokens (SkyRL's rule: chat template included)", tenant, len(rows) - len(kept[part]),
+                           len(rows), "training" if part == "train_rows" else "evaluation", max_prompt_length)
+    if not kept["train_rows"]:
+        raise ConfigError(f"tenant {tenant}: every training prompt is longer than trainer.max_prompt_length="
+                          f"{max_prompt_length} tokens (chat template included); raise trainer.max_prompt_length")
+    return replace(source, **kept)
+
+
 def build_task_sources(recipe: RecipeConfig, specs: list[TenantSpec], max_steps: int | None,
-                       run_seed: int) -> dict[str, TaskSource]:
+                       run_seed: int, tokenizer: Any | None = None) -> dict[str, TaskSource]:
     """Every tenant's data, by tenant name, built before anything else starts: data that cannot be read, an
     unknown task variant or an environment that skyrl-gym does not know is a one-line :class:`ConfigError`
-    (exit status 2), not a tenant failing once the run is under way."""
+    (exit status 2), not a tenant failing once the run is under way. With the base model's ``tokenizer``, rows
+    whose prompt exceeds ``trainer.max_prompt_length`` are dropped as SkyRL drops them (:func:`drop_long_prompts`)."""
     import skyrl_gym
 
     plugin = load_recipe(recipe.name)
@@ -157,5 +181,7 @@ def build_task_sources(recipe: RecipeConfig, specs: list[TenantSpec], max_steps:
         if source.env_class not in skyrl_gym.registry:
             raise ConfigError(f"tenant {spec.name}: env_class={source.env_class} is not a registered skyrl-gym "
                               f"environment; register it before the run, or leave env_class to the recipe")
+        if tokenizer is not None:
+            source = drop_long_prompts(source, tokenizer, recipe.max_prompt_length, spec.name)
         sources[spec.name] = source
     return sources

@@ -153,8 +153,8 @@ class SkyRLBackend:
         if algorithm.use_kl_in_reward:  # as RayPPOTrainer: penalise the rewards, then the advantages again
             policy = (data["action_log_probs"] if self.run.trainer.step_style == "skyrl"
                       else _response_logprobs(dispatch, scoring, name))
-            penalty, reward_kl["avg_kl"] = kl_reward_penalty(policy, data["base_action_log_probs"], data["loss_mask"],
-                                                             algorithm)
+            penalty, kl_metrics = kl_reward_penalty(policy, data["base_action_log_probs"], data["loss_mask"], algorithm)
+            reward_kl["avg_kl"] = kl_metrics["avg_kl"]
             data["rewards"] = data["rewards"] - penalty
             data["advantages"], data["returns"] = _advantages(data, algorithm)
         lr = tenant.schedule.lr(tenant.steps_done)

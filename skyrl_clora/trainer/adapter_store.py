@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
+from skyrl.train.config import AlgorithmConfig
 
 from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear
 
@@ -85,6 +86,9 @@ class TenantState:
     grads: dict[str, torch.Tensor]
     rng_state: torch.Tensor
     step: int = 0
+    kl_coef: float | None = None  # its reward KL controller's value (SkyRL's; None: not used yet, kl_loss_coef)
+    algorithm: AlgorithmConfig | None = None  # its own SkyRL algorithm settings (None: the trainer's)
+    weight_decay: float | None = None  # its own AdamW weight decay (None: the trainer's)
     pending: torch.cuda.Event | None = None  # set while a swap-out's copies into the host buffers are in flight
 
     @property
@@ -218,8 +222,10 @@ class AdapterStore:
         return event
 
     # ---- tenants ------------------------------------------------------------------------------------
-    def register(self, name: str, weights: AdapterWeights, schedule: LRSchedule, seed: int) -> None:
-        """Adds a tenant whose adapter starts at ``weights`` (fp32, PEFT layout)."""
+    def register(self, name: str, weights: AdapterWeights, schedule: LRSchedule, seed: int,
+                 algorithm: AlgorithmConfig | None = None, weight_decay: float | None = None) -> None:
+        """Adds a tenant whose adapter starts at ``weights`` (fp32, PEFT layout), with its own SkyRL ``algorithm``
+        settings and AdamW ``weight_decay`` when given (None: the trainer's)."""
         if name in self.tenants:
             raise ValueError(f"tenant {name!r} is already registered")
         if weights.rank > self.max_rank:
@@ -239,17 +245,18 @@ class AdapterStore:
         state = TenantState(
             name=name, rank=weights.rank, alpha=weights.alpha, schedule=schedule,
             weights=AdapterWeights(rank=weights.rank, alpha=weights.alpha), flat=flat, **views,
-            rng_state=generator.get_state(),
+            rng_state=generator.get_state(), algorithm=algorithm, weight_decay=weight_decay,
         )
         host_weights = self._host_empty(numel, self.dtype)
         host_weights.copy_(flat["master"])
         self._set_weights(state, host_weights)
         self.tenants[name] = state
 
-    def restore(self, name: str, tables: dict[str, torch.Tensor], rng_state: torch.Tensor, step: int) -> None:
+    def restore(self, name: str, tables: dict[str, torch.Tensor], rng_state: torch.Tensor, step: int,
+                kl_coef: float | None = None) -> None:
         """Replaces registered tenant ``name``'s host state: ``tables`` (per table of ``TABLES``, the flat fp32
-        buffer at the tenant's rank), RNG state and step; its model-dtype weights become the masters' cast,
-        as after a swap-out. The tenant must not be on the device."""
+        buffer at the tenant's rank), RNG state, step and KL controller value; its model-dtype weights become the
+        masters' cast, as after a swap-out. The tenant must not be on the device."""
         if self.slot_of(name) is not None:
             raise RuntimeError(f"tenant {name!r} is on the device; swap it out first")
         self.wait(name)
@@ -263,6 +270,7 @@ class AdapterStore:
         self._set_weights(state, host_weights)
         state.rng_state = rng_state.clone()
         state.step = step
+        state.kl_coef = kl_coef
 
     def remove(self, name: str) -> None:
         if any(slot.owner == name for slot in self.slots):

@@ -1,9 +1,11 @@
 """Training batches: one tenant's rollouts, their validation, and the padded device tables of a pass.
 
-A pass trains ``P`` tenants (``P = 1`` in swap mode) on the rows of all their batches. Each tenant's
-advantages are computed over its own batch with SkyRL's estimator and scaled by its own loss normaliser
-(``apply_loss_reduction_to_advantages_minibatch`` over the whole batch), so that summing the per-token
-policy loss over any grouping of its rows into micro-batches gives the tenant's loss.
+A pass trains ``P`` tenants (``P = 1`` in swap mode) on the rows of all their batches. A tenant's batch is
+cut into SkyRL's policy mini-batches (:func:`mini_batch_rows`: ``trainer.policy_mini_batch_size`` prompts each,
+one optimizer step each). Each tenant's advantages are computed over its own batch with SkyRL's estimator and
+scaled by its mini-batch's loss normaliser (``apply_loss_reduction_to_advantages_minibatch`` per mini-batch, as
+SkyRL's ``_normalize_advantages``), so that summing the per-token policy loss over any grouping of a
+mini-batch's rows into micro-batches gives the tenant's loss for that mini-batch.
 """
 
 from __future__ import annotations
@@ -76,12 +78,27 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-def tenant_advantages(batch: TrainBatch, algorithm: AlgorithmConfig,
-                      reward_penalty: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's advantages scaled by its loss normaliser, and its response mask: both ``[N, Lr]`` fp32 on
-    the CPU (SkyRL's GRPO estimator builds its group statistics there), ``Lr`` = the longest response. The
-    token-level rewards are each row's reward on its last trained token, minus ``reward_penalty`` (``[N, >= Lr]``,
-    SkyRL's KL penalty in the reward) when given."""
+def mini_batch_rows(group_ids: list[str], prompts: int) -> list[list[int]]:
+    """SkyRL's policy mini-batches of one tenant's batch (``compute_prompt_mini_batch_boundaries``: consecutive
+    prompts, ``trainer.policy_mini_batch_size`` of them per mini-batch, in batch order, never shuffled): the batch's
+    prompt groups in the order they first appear, ``prompts`` groups per mini-batch (the last may hold fewer;
+    ``prompts <= 0``: one mini-batch of every group). Returns each mini-batch's rows (local indices, ascending)."""
+    distinct = list(dict.fromkeys(group_ids))
+    per = prompts if prompts > 0 else max(1, len(distinct))
+    index = {group: position // per for position, group in enumerate(distinct)}
+    minis: list[list[int]] = [[] for _ in range(-(-len(distinct) // per))]
+    for row, group in enumerate(group_ids):
+        minis[index[group]].append(row)
+    return minis
+
+
+def tenant_advantages(batch: TrainBatch, algorithm: AlgorithmConfig, reward_penalty: torch.Tensor | None = None,
+                      mini_batches: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's advantages, each mini-batch's scaled by that mini-batch's loss normaliser (``mini_batches``:
+    rows per mini-batch, :func:`mini_batch_rows`; None: the whole batch is one), and its response mask: both
+    ``[N, Lr]`` fp32 on the CPU (SkyRL's GRPO estimator builds its group statistics there), ``Lr`` = the longest
+    response. The token-level rewards are each row's reward on its last trained token, minus ``reward_penalty``
+    (``[N, >= Lr]``, SkyRL's KL penalty in the reward) when given."""
     response_mask = _pad([[float(m) for m in mask] for mask in batch.loss_masks],
                          max(1, max(len(r) for r in batch.response_ids)))
     num_rows, response_len = response_mask.shape
@@ -95,10 +112,14 @@ def tenant_advantages(batch: TrainBatch, algorithm: AlgorithmConfig,
         adv_estimator=algorithm.advantage_estimator, config=algorithm, grpo_norm_by_std=algorithm.grpo_norm_by_std,
         gamma=algorithm.gamma, lambd=algorithm.lambd,
     )
-    advantages = apply_loss_reduction_to_advantages_minibatch(
-        advantages, response_mask, algorithm.loss_reduction, micro_batch_size=num_rows, max_seq_len=response_len
-    )
-    return advantages, response_mask
+    scaled = torch.zeros_like(advantages)
+    for rows in mini_batches or [list(range(num_rows))]:
+        index = torch.tensor(rows)
+        scaled[index] = apply_loss_reduction_to_advantages_minibatch(
+            advantages[index], response_mask[index], algorithm.loss_reduction, micro_batch_size=len(rows),
+            max_seq_len=response_len,
+        )
+    return scaled, response_mask
 
 
 @dataclass
@@ -113,7 +134,8 @@ class PassRows:
     no batch of the pass has them. Host copies of the lengths
     (``host_seq_lens``, ``host_response_lens``) and slots (``host_row_slot``) size the micro-batches without
     a device synchronisation. ``prompt_groups[r]``: an id shared by the rows of one tenant with the same
-    prompt (a GRPO group), which the forward computes once per micro-batch.
+    prompt (a GRPO group), which the forward computes once per micro-batch. ``mini_batches[p]``: tenant ``p``'s
+    policy mini-batches (local row indices each, :func:`mini_batch_rows`), one optimizer step each.
     """
 
     input_ids: torch.Tensor
@@ -135,18 +157,23 @@ class PassRows:
     ref_logprobs: torch.Tensor | None = None
     has_old: list[bool] | None = None
     has_ref: list[bool] | None = None
+    mini_batches: list[list[list[int]]] | None = None
 
 
 def build_pass_rows(
-    batches: list[TrainBatch], slots: list[int], algorithm: AlgorithmConfig, device: torch.device,
-    reward_penalties: list[torch.Tensor] | None = None,
+    batches: list[TrainBatch], slots: list[int], algorithm: AlgorithmConfig | list[AlgorithmConfig],
+    device: torch.device, reward_penalties: list[torch.Tensor] | None = None, mini_batch_prompts: int = 0,
 ) -> PassRows:
-    """Stacks the tenants' batches (each validated, advantages per tenant, with ``reward_penalties[p]`` taken off
-    tenant ``p``'s token-level rewards when given: see :func:`tenant_advantages`) into one :class:`PassRows`."""
+    """Stacks the tenants' batches (each validated, cut into mini-batches of ``mini_batch_prompts`` prompts (<= 0:
+    one), advantages per tenant with its ``algorithm`` (one, or one per batch), with ``reward_penalties[p]`` taken
+    off tenant ``p``'s token-level rewards when given: see :func:`tenant_advantages`) into one :class:`PassRows`."""
     for batch in batches:
         validate_batch(batch)
     penalties = reward_penalties or [None] * len(batches)
-    per_tenant = [tenant_advantages(batch, algorithm, penalty) for batch, penalty in zip(batches, penalties)]
+    algorithms = algorithm if isinstance(algorithm, list) else [algorithm] * len(batches)
+    minis = [mini_batch_rows(batch.group_ids, mini_batch_prompts) for batch in batches]
+    per_tenant = [tenant_advantages(batch, algo, penalty, mini)
+                  for batch, algo, penalty, mini in zip(batches, algorithms, penalties, minis)]
     response_len = max(advantages.shape[1] for advantages, _ in per_tenant)
     prompts = [p for batch in batches for p in batch.prompt_ids]
     responses = [r for batch in batches for r in batch.response_ids]
@@ -188,7 +215,7 @@ def build_pass_rows(
         response_tokens=[float(sum(sum(mask) for mask in b.loss_masks)) for b in batches],
         old_logprobs=to_device(per_token("old_logprobs")) if any(has_old) else None,
         ref_logprobs=to_device(per_token("ref_logprobs")) if any(has_ref) else None,
-        has_old=has_old, has_ref=has_ref,
+        has_old=has_old, has_ref=has_ref, mini_batches=minis,
     )
 
 

@@ -2,7 +2,8 @@
 
 ``write_tenant_state`` saves an :class:`~skyrl_clora.trainer.adapter_store.TenantState` (its host tables: fp32
 master weights, Adam moments and last gradients, one flat buffer each at the tenant's rank; the RNG state;
-the optimizer step) into ``<folder>/trainer_state.safetensors`` and ``<folder>/trainer_state.json``;
+the optimizer step; its reward KL controller's value, exactly as a JSON float) into
+``<folder>/trainer_state.safetensors`` and ``<folder>/trainer_state.json``;
 ``read_tenant_state`` puts them back into a registered tenant of the same rank, alpha and layer signature (a
 mismatch is a ValueError naming it) through ``AdapterStore.restore``. The tenant must not be on the device.
 """
@@ -28,7 +29,8 @@ def write_tenant_state(store: AdapterStore, name: str, folder: Path) -> None:
     state = store.tenants[name]
     tensors = {table: state.flat[table] for table in TABLES} | {"rng_state": state.rng_state}
     save_file({key: value.detach().cpu().contiguous() for key, value in tensors.items()}, str(folder / TENSORS))
-    meta = {"step": state.step, "rank": state.rank, "alpha": state.alpha, "signature": _signature(store)}
+    meta = {"step": state.step, "rank": state.rank, "alpha": state.alpha, "signature": _signature(store),
+            "kl_coef": state.kl_coef}
     (folder / META).write_text(json.dumps(meta, sort_keys=True) + "\n")
 
 
@@ -41,7 +43,8 @@ def read_tenant_state(store: AdapterStore, name: str, folder: Path) -> None:
     if differing:
         raise ValueError(f"tenant {name!r}: the checkpoint in {folder} has another {', '.join(differing)}")
     tensors = load_file(str(folder / TENSORS))
-    store.restore(name, {table: tensors[table] for table in TABLES}, tensors["rng_state"], int(meta["step"]))
+    store.restore(name, {table: tensors[table] for table in TABLES}, tensors["rng_state"], int(meta["step"]),
+                  meta.get("kl_coef"))
 
 
 def _signature(store: AdapterStore) -> dict[str, list[int]]:

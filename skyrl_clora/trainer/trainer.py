@@ -10,7 +10,8 @@ step passes the sampler's), else the update's own forward before the step (SkyRL
 ``kl_estimator_type``, each row's token mean averaged over the tenant's rows, times ``kl_loss_coef``)
 against the reference policy: the frozen base model, i.e. the tenant's adapter disabled, no extra weights.
 With ``use_kl_in_reward`` the pass first scores every row under the tenant's adapter and the reference, and
-the advantages come from the rewards less SkyRL's KL penalty (``trainer.kl.kl_reward_penalty``).
+the advantages come from the rewards less SkyRL's KL penalty (``trainer.kl.kl_reward_penalty``) with the
+coefficient of the tenant's own SkyRL KL controller (fixed or adaptive), whose value the tenant's state keeps.
 
 A pass over ``P`` tenants in slots ``0..P-1``: every tenant's prompt groups are shuffled with the tenant's
 own RNG (a group's rows stay together: a micro-batch computes each shared prompt once, see
@@ -19,16 +20,25 @@ routed to their tenants' slots, and per micro-batch the tenants' policy losses a
 packed LoRA op gives every slot its own gradients). Then each slot gets its own gradient clipping and
 AdamW step with its tenant's learning rate and step count. Each tenant's loss normaliser covers its own
 batch, so a tenant's update does not depend on which tenants shared its pass (up to float rounding).
+
+With ``mini_batch_prompts`` (SkyRL's ``trainer.policy_mini_batch_size``) below a batch's prompt count, the above
+is one optimizer step per mini-batch, as SkyRL's ``RayPPOTrainer._execute_training_step``: for each of
+``update_epochs`` (``trainer.update_epochs_per_batch``) epochs, the tenant's mini-batches in batch order (never
+shuffled; only the micro-batch order within one is), each its own loss normaliser, shuffle draw, gradient
+clipping, AdamW step and LR-schedule step. Packed tenants take their ``k``-th steps in the same pass.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+from collections import defaultdict
 
 import torch
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry, compute_approx_kl
 from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
+from skyrl.backends.skyrl_train.workers.worker_utils import reduce_metrics
 from skyrl.train.config import AlgorithmConfig
 from torch.profiler import record_function
 
@@ -40,7 +50,7 @@ from skyrl_clora.profiling import profiled
 from skyrl_clora.trainer.adapter_store import AdapterStore, TenantState
 from skyrl_clora.trainer.batch import MicroBatch, PassRows, TrainBatch, build_pass_rows, group_order, plan_micro_batches
 from skyrl_clora.trainer.fused_modules import fuse_elementwise_modules
-from skyrl_clora.trainer.kl import kl_reward_penalty
+from skyrl_clora.trainer.kl import kl_reward_penalty, tenant_kl_controller
 from skyrl_clora.trainer.logprobs import token_logprobs
 from skyrl_clora.trainer.optim import OptimizerConfig, adamw_slot
 from skyrl_clora.trainer.prompt_segments import segment_prefix_hidden
@@ -77,7 +87,11 @@ class Trainer:
         max_logits: int = 1 << 27,
         fused_elementwise: bool = True,
         shared_prefix: bool = False,
+        mini_batch_prompts: int = 0,
+        update_epochs: int = 1,
     ) -> None:
+        if update_epochs < 1:
+            raise ValueError(f"update_epochs must be >= 1, got {update_epochs}")
         avoid_cudnn_attention()
         if fused_elementwise:
             fuse_elementwise_modules(model)
@@ -89,6 +103,8 @@ class Trainer:
         self.optimizer = optimizer
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.mini_batch_prompts = mini_batch_prompts
+        self.update_epochs = update_epochs
         self.max_logits = max_logits
         self.policy_loss = PolicyLossRegistry.get(algorithm.policy_loss_type)
         self.device = store.device
@@ -168,30 +184,111 @@ class Trainer:
         return [(state.weights, m) for state, m in zip(states, metrics)]
 
     def _update(self, slots: list[int], states: list[TenantState], batches: list[TrainBatch]) -> list[dict[str, float]]:
-        """Gradients of every tenant's policy loss over its batch in shuffled, interleaved micro-batches,
-        then one AdamW step per tenant. Advances each tenant's step count and RNG state."""
-        rows = build_pass_rows(batches, slots, self.algorithm, self.device)
-        reward_kl = None
+        """SkyRL's policy update of every tenant on its batch: ``update_epochs`` passes over the batch's mini-batches
+        (in batch order), one AdamW step per mini-batch, each over the gradients of the tenant's policy loss on that
+        mini-batch in shuffled, interleaved micro-batches. Advances each tenant's step count (one per optimizer
+        step) and RNG state (one shuffle per optimizer step).
+
+        The behaviour log-probs are the batch's ``old_logprobs`` when given; else, for a tenant taking one optimizer
+        step, the step's own forward (the weights are still the pre-update ones); else one scoring pass before the
+        first step (SkyRL's ``action_log_probs``, computed once per batch)."""
+        algorithms = [state.algorithm or self.algorithm for state in states]
+        rows = build_pass_rows(batches, slots, algorithms, self.device, mini_batch_prompts=self.mini_batch_prompts)
+        reward_kl, policy = None, None
         if self.algorithm.use_kl_in_reward:  # SkyRL's KL penalty in the reward, then the advantages again
             policy, base = self._pass_logprobs(rows, adapter=True), self._pass_logprobs(rows, adapter=False)
             parts = [slice(offset, offset + count) for offset, count in zip(rows.offsets, rows.counts)]
-            penalties = [kl_reward_penalty(policy[part], base[part], rows.response_mask[part], self.algorithm)
-                         for part in parts]
-            reward_kl = [avg for _, avg in penalties]
-            rows = build_pass_rows(batches, slots, self.algorithm, self.device, [penalty for penalty, _ in penalties])
-        orders = []
-        for state, offset, count in zip(states, rows.offsets, rows.counts):
+            penalties = []
+            for state, part, algorithm in zip(states, parts, algorithms):  # each tenant's own SkyRL KL controller
+                controller = tenant_kl_controller(algorithm, state.kl_coef)  # continued from its value
+                penalties.append(kl_reward_penalty(policy[part], base[part], rows.response_mask[part], algorithm,
+                                                   controller))
+                state.kl_coef = float(controller.value)
+            reward_kl = [kl_metrics for _, kl_metrics in penalties]
+            rows = build_pass_rows(batches, slots, algorithms, self.device, [penalty for penalty, _ in penalties],
+                                   self.mini_batch_prompts)
+        minis = rows.mini_batches
+        steps = [len(tenant_minis) * self.update_epochs for tenant_minis in minis]
+        self._score_behaviour(rows, [count > 1 for count in steps], policy)
+        generators = []
+        for state in states:
             generator = torch.Generator().manual_seed(0)
             generator.set_state(state.rng_state)
-            orders.append(group_order(rows.prompt_groups[offset : offset + count], generator))
+            generators.append(generator)
+        tenants = len(slots)
+        # per optimizer step of the pass: policy loss, log-prob sum, |log-prob - sampler's|, KL, grad norm
+        totals = torch.zeros(5, max(steps), tenants, device=self.device)
+        taken: list[list[tuple[int, float]]] = [[] for _ in range(tenants)]  # per tenant: (pass step, its lr)
+        step = 0
+        for _ in range(self.update_epochs):
+            for k in range(max(map(len, minis))):
+                active = [p for p in range(tenants) if k < len(minis[p])]
+                orders = [[] for _ in range(tenants)]
+                for p in active:
+                    local = minis[p][k]
+                    groups = [rows.prompt_groups[rows.offsets[p] + row] for row in local]
+                    orders[p] = [local[i] for i in group_order(groups, generators[p])]
+                self._mini_batch_gradients(rows, slots, orders, algorithms, totals[:4, step])
+                for p in active:
+                    state = states[p]
+                    state.step += 1
+                    lr = state.schedule.lr(state.step - 1)
+                    optimizer = self.optimizer if state.weight_decay is None else dataclasses.replace(
+                        self.optimizer, weight_decay=state.weight_decay)
+                    totals[4, step, p] = adamw_slot(self.store, slots[p], lr, state.step, optimizer)
+                    taken[p].append((step, lr))
+                step += 1
+        for state, generator in zip(states, generators):
             state.rng_state = generator.get_state()
+        host = totals.tolist()  # the pass's one host synchronisation
+        results = []
+        for p in range(tenants):
+            per_step = defaultdict(list)
+            for s, lr in taken[p]:
+                per_step["policy_loss"].append(host[0][s][p])
+                per_step["grad_norm"].append(host[4][s][p])
+                per_step["lr"].append(lr)
+                if self.algorithm.use_kl_loss:
+                    per_step["policy_kl"].append(host[3][s][p])
+            metrics = reduce_metrics(per_step)  # SkyRL's reduction over a step's mini-batches: the mean
+            tokens = max(1.0, rows.response_tokens[p]) * self.update_epochs
+            metrics.update(response_tokens=rows.response_tokens[p], optimizer_steps=float(steps[p]),
+                           mean_token_logprob=sum(host[1][s][p] for s, _ in taken[p]) / tokens)
+            if rows.has_rollout[p]:
+                metrics["logprob_abs_diff_vs_sampler"] = sum(host[2][s][p] for s, _ in taken[p]) / tokens
+            if reward_kl is not None:
+                metrics.update(reward_kl[p])
+            results.append(metrics)
+        return results
+
+    def _score_behaviour(self, rows: PassRows, needed: list[bool], policy: torch.Tensor | None) -> None:
+        """Makes ``rows.old_logprobs`` hold, for each tenant ``p`` with ``needed[p]`` and no log-probs of its own,
+        its pre-update policy's log-probs (``policy`` when given, else one scoring pass), and marks them given."""
+        wanted = [need and not given for need, given in zip(needed, rows.has_old or [False] * len(needed))]
+        if not any(wanted):
+            return
+        scored = policy if policy is not None else self._pass_logprobs(rows, adapter=True)
+        old = rows.old_logprobs if rows.old_logprobs is not None else torch.zeros_like(scored)
+        for p, want in enumerate(wanted):
+            if want:
+                part = slice(rows.offsets[p], rows.offsets[p] + rows.counts[p])
+                old[part] = scored[part]
+        rows.old_logprobs = old
+        rows.has_old = [given or want for given, want in zip(rows.has_old or [False] * len(wanted), wanted)]
+
+    def _mini_batch_gradients(self, rows: PassRows, slots: list[int], orders: list[list[int]],
+                              algorithms: list[AlgorithmConfig], totals: torch.Tensor) -> None:
+        """Zeroes the gradients of the slots of the tenants with rows in ``orders`` (``orders[p]``: tenant ``p``'s
+        rows of this mini-batch, local indices in shuffled order; empty: the tenant takes no step now) and
+        accumulates their policy losses' gradients (each with its tenant's ``algorithms[p]``) over micro-batches; adds
+        per tenant into ``totals [4, P]``:
+        policy loss, log-prob sum, |log-prob - sampler's| sum and KL."""
         order, micro_batches = self._plan(rows, orders)
         order_device = lists_to_device([order], self.device)[0]
-        torch._foreach_zero_([view for slot in slots for view in self.store.param_views(slot, grads=True)])
-
-        tenants = len(slots)
+        torch._foreach_zero_([view for p, slot in enumerate(slots) if orders[p]
+                              for view in self.store.param_views(slot, grads=True)])
+        counts = [len(tenant_order) for tenant_order in orders]
         kl_loss = self.algorithm.use_kl_loss
-        totals = torch.zeros(4, tenants, device=self.device)  # policy loss, log-prob sum, |log-prob - sampler's|, KL
         for micro in micro_batches:
             host_rows = order[micro.start : micro.end]
             row_index = order_device[micro.start : micro.end]
@@ -206,46 +303,26 @@ class Trainer:
             for tenant, first, last in micro.segments:
                 part = slice(first, last)
                 detached = log_probs[part].detach()
-                # The behaviour policy's log-probs: given with the batch, or this forward's (one optimizer step
-                # per RL step: the weights are still the pre-update ones, SkyRL's recomputed action_log_probs).
+                # The behaviour policy's log-probs: given (or scored before the first step), or this forward's (one
+                # optimizer step per RL step: the weights are still the pre-update ones).
                 behaviour = old[part] if rows.has_old[tenant] else detached
+                algorithm = algorithms[tenant]
                 loss, _ = self.policy_loss(
-                    log_probs[part], behaviour, advantages[part], config=self.algorithm,
+                    log_probs[part], behaviour, advantages[part], config=algorithm,
                     loss_mask=mask[part], rollout_logprobs=rollout[part] if rows.has_rollout[tenant] else None,
                 )
                 totals[0, tenant] += loss.detach()
-                if reference is not None:  # SkyRL's KL loss: each row's token mean, averaged over the tenant's rows
+                if reference is not None:  # SkyRL's KL loss: each row's token mean, averaged over the mini-batch's rows
                     kl = compute_approx_kl(log_probs[part], reference[part], loss_mask=mask[part],
-                                           kl_estimator_type=self.algorithm.kl_estimator_type)
-                    kl = masked_mean(kl, mask[part], dim=-1).sum() / rows.counts[tenant]
+                                           kl_estimator_type=algorithm.kl_estimator_type)
+                    kl = masked_mean(kl, mask[part], dim=-1).sum() / counts[tenant]
                     totals[3, tenant] += kl.detach()
-                    loss = loss + kl * self.algorithm.kl_loss_coef
+                    loss = loss + kl * algorithm.kl_loss_coef
                 loss_sum = loss if loss_sum is None else loss_sum + loss
                 totals[1, tenant] += (detached * mask[part]).sum()
                 totals[2, tenant] += ((detached - rollout[part]).abs() * mask[part]).sum()
             with record_function("trainer.backward"):
                 loss_sum.backward()
-
-        norms = []
-        for slot, state in zip(slots, states):
-            state.step += 1
-            norms.append(adamw_slot(self.store, slot, state.schedule.lr(state.step - 1), state.step, self.optimizer))
-        host = torch.cat([totals, torch.stack(norms)[None]]).tolist()  # the pass's one host synchronisation
-        results = []
-        for p, state in enumerate(states):
-            tokens = max(1.0, rows.response_tokens[p])
-            metrics = {
-                "policy_loss": host[0][p], "grad_norm": host[4][p], "lr": state.schedule.lr(state.step - 1),
-                "response_tokens": rows.response_tokens[p], "mean_token_logprob": host[1][p] / tokens,
-            }
-            if rows.has_rollout[p]:
-                metrics["logprob_abs_diff_vs_sampler"] = host[2][p] / tokens
-            if kl_loss:
-                metrics["policy_kl"] = host[3][p]
-            if reward_kl is not None:
-                metrics["avg_kl"] = reward_kl[p]
-            results.append(metrics)
-        return results
 
     def _plan(self, rows: PassRows, orders: list[list[int]]) -> tuple[list[int], list[MicroBatch]]:
         """The pass's row order and micro-batches (:func:`plan_micro_batches` under this trainer's bounds)."""

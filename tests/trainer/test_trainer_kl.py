@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from skyrl.backends.skyrl_train.utils.ppo_utils import compute_approx_kl
+from skyrl.backends.skyrl_train.utils.ppo_utils import AdaptiveKLController, compute_approx_kl
 from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
-from skyrl.train.config import AlgorithmConfig
+from skyrl.train.config import AlgorithmConfig, KLCtrlConfig
 from transformers import AutoModelForCausalLM
 
 from skyrl_clora.lora.layers import attach_multi_lora
@@ -18,6 +18,7 @@ from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.optim import OptimizerConfig
+from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
 from skyrl_clora.trainer.trainer import Trainer
 from transport import swap_batch
 
@@ -131,3 +132,41 @@ def test_kl_in_reward_is_skyrls_penalty_on_the_rewards(micro_model_dir: Path) ->
     assert stepped["avg_kl"] != 0.0
     assert stepped["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
     assert without["grad_norm"] == 0.0 < stepped["grad_norm"]
+
+
+def test_adaptive_kl_controller_moves_as_skyrls_and_survives_a_resume(micro_model_dir: Path, tmp_path: Path) -> None:
+    """``kl_ctrl.type=adaptive``: each step's penalty coefficient is SkyRL's ``AdaptiveKLController``'s value, updated
+    after the step with the step's ``avg_kl`` and row count; the value is in the tenant's checkpoint, so a resumed
+    tenant continues with it; another tenant's controller is its own."""
+    settings = dict(use_kl_in_reward=True, kl_loss_coef=0.5, kl_estimator_type="k3",
+                    kl_ctrl=KLCtrlConfig(type="adaptive", kl_target=1e-5, horizon=8))
+    trainer = _trainer(micro_model_dir, **settings)
+    trainer.store.register("C", init_adapter(trainer.layers, 8, 16.0, torch.Generator().manual_seed(2)), LRSchedule(2e-2),
+                           seed=2)
+    batch = swap_batch(3)
+    reference = AdaptiveKLController(init_kl_coef=0.5, target=1e-5, horizon=8)
+    values = []
+    for _ in range(3):
+        _, metrics = trainer.train_step("B", batch)
+        assert metrics["kl_loss_coef"] == reference.value  # the coefficient this step applied
+        reference.update(current=metrics["avg_kl"], n_steps=len(batch.rewards))
+        assert trainer.store.tenants["B"].kl_coef == reference.value
+        values.append(reference.value)
+    assert values[0] < 0.5 < values[2], "no KL at step 1 lowers the coefficient, KL above the target raises it"
+    assert trainer.store.tenants["C"].kl_coef is None  # C's controller has not started
+
+    write_tenant_state(trainer.store, "B", tmp_path)
+    resumed = _trainer(micro_model_dir, **settings)
+    read_tenant_state(resumed.store, "B", tmp_path)
+    assert resumed.store.tenants["B"].kl_coef == values[-1]
+    got, want = resumed.train_step("B", batch)[1], trainer.train_step("B", batch)[1]
+    assert got["kl_loss_coef"] == want["kl_loss_coef"] == values[-1]
+    assert resumed.store.tenants["B"].kl_coef == trainer.store.tenants["B"].kl_coef
+    assert all(torch.equal(a, b) for a, b in zip(_weights(resumed), _weights(trainer)))
+
+
+def test_fixed_kl_controller_keeps_kl_loss_coef(micro_model_dir: Path) -> None:
+    trainer = _trainer(micro_model_dir, use_kl_in_reward=True, kl_loss_coef=0.5)
+    batch = swap_batch(3)
+    coefs = [trainer.train_step("B", batch)[1]["kl_loss_coef"] for _ in range(2)]
+    assert coefs == [0.5, 0.5] and trainer.store.tenants["B"].kl_coef == 0.5

@@ -1,0 +1,38 @@
+"""Per-tenant overrides of SkyRL keys that only change the tenant's own sampling or update (``tenants.PER_TENANT_SKYRL``):
+they reach the tenant's spec, its trainer state and its sampling requests, and nobody else's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from micro_task import micro_tenants, run_args
+from skyrl_clora.config_build import build_run_config
+from skyrl_clora.main import compose_config, main
+from skyrl_clora.sampler.client import EmbeddedInferenceClient
+
+
+def test_overrides_reach_the_tenants_spec_and_only_its(tmp_path: Path) -> None:
+    cfg = compose_config([f"clora.output_dir={tmp_path}", "+tenants=[{advantage_estimator:rloo,eps_clip_high:0.3,"
+                          "kl_loss_coef:0.2,weight_decay:0.1,temperature:0.5},{}]"])
+    first, second = build_run_config(cfg).tenants
+    assert first.algorithm_overrides() == {"advantage_estimator": "rloo", "eps_clip_high": 0.3, "kl_loss_coef": 0.2}
+    assert (first.weight_decay, first.temperature) == (0.1, 0.5)
+    assert second.algorithm_overrides() == {} and (second.weight_decay, second.temperature) == (None, None)
+
+
+def test_a_tenants_temperature_is_its_requests_alone(learning_model_dir: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str | None, set[float]] = {}
+    params = EmbeddedInferenceClient._params
+
+    def recording(self, sampling, adapter, session, prompt_len):
+        result = params(self, sampling, adapter, session, prompt_len)
+        seen.setdefault(adapter, set()).add(result.temperature)
+        return result
+
+    monkeypatch.setattr(EmbeddedInferenceClient, "_params", recording)
+    args = run_args(learning_model_dir, tmp_path / "run", micro_tenants({"temperature": 0.25}, {}), steps=1)
+    assert main([*args, "generator.sampling_params.temperature=0.9", "trainer.eval_interval=0"]) == 0
+    assert seen == {"tenant-0": {0.25}, "tenant-1": {0.9}}
