@@ -24,7 +24,7 @@ from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.config_build import tenant_defaults
 from skyrl_clora.metrics import MetricsLog
 from skyrl_clora.recipes.plugin import TaskSource, build_task_sources
-from skyrl_clora.tenant_loop import TenantBackend, TenantPool
+from skyrl_clora.tenant_loop import PoolHost, TenantBackend, TenantPool
 from skyrl_clora.tenants import TenantSpec, expand_tenants
 
 CONTROL_FILE = "control.json"
@@ -103,9 +103,10 @@ class ControlServer:
 
 async def run_tenant_pool(run: RunConfig, backend: TenantBackend, specs: list[TenantSpec],
                           sources: dict[str, TaskSource], metrics: MetricsLog, resume: dict[str, TenantCheckpoint],
-                          stopped: list[str], refuse_adds: str | None) -> None:
+                          stopped: list[str], refuse_adds: str | None, host: PoolHost | None = None) -> None:
     """Runs ``specs`` over ``backend`` as a :class:`TenantPool` (those in ``stopped`` stay stopped), with the
-    control endpoint while they run (``run.control``); returns when every tenant's loop has ended."""
+    control endpoint while they run (``run.control``); returns when every tenant's loop has ended, or with
+    ``host`` when ``host.serve`` returns (it keeps the pool open for tenants it adds)."""
     pool = TenantPool(run, backend, metrics, resume, refuse_adds)
     server = ControlServer(run, pool, [spec.name for spec in run.tenants]) if run.control else None
     await pool.start([spec for spec in specs if spec.name not in stopped], sources)
@@ -114,7 +115,7 @@ async def run_tenant_pool(run: RunConfig, backend: TenantBackend, specs: list[Te
     if server is not None:
         await server.start()
     try:
-        await pool.join()
+        await (host.serve(pool) if host is not None else pool.join())
     finally:
         if server is not None:
             await server.close()
