@@ -118,27 +118,38 @@ class ReplicaSet:
             self._queued.pop(name, None)
             return
         to = move.to if move.to not in self.gone else index
-        checkpoint = TenantCheckpoints(self.root, name, -1).latest()
-        if checkpoint is None or checkpoint.step != step:
+        checkpoint = TenantCheckpoints(self.root, name, -1).latest() if step > 0 else None  # none before step 1
+        if step > 0 and (checkpoint is None or checkpoint.step != step):
             raise RuntimeError(f"tenant {name} stopped after step {step} to move, but its latest checkpoint under "
                                f"{self.root} holds {checkpoint.step if checkpoint else 'no'} step(s)")
-        self.owner[name] = to
-        self.moves.append({"tenant": name, "from": index, "to": to, "step": step})
-        print(f"[replicas] tenant {name} moves from replica {index} to replica {to} after step {step}",
-              file=sys.stderr)
-        self._add(to, name, checkpoint)
+        error = self._add(to, name, checkpoint)
+        if error is not None and to != index:  # the destination refused it: it goes on where it was
+            print(f"[replicas] replica {to} refused tenant {name} ({error}); it stays on replica {index}",
+                  file=sys.stderr)
+            to, error = index, self._add(index, name, checkpoint)
+        if error is not None:
+            self.status[name] = "failed"
+            self.records.append({"event": "failed", "tenant": name, "error": f"resuming on replica {to}: {error}"})
+            return
+        if to != index:
+            self.moves.append({"tenant": name, "from": index, "to": to, "step": step})
+            print(f"[replicas] tenant {name} moved from replica {index} to replica {to} after step {step}",
+                  file=sys.stderr)
         self._next_move(name)
 
-    def _add(self, index: int, name: str, checkpoint: TenantCheckpoint) -> None:
+    def _add(self, index: int, name: str, checkpoint: TenantCheckpoint | None) -> str | None:
+        """Starts tenant ``name`` on replica ``index`` from ``checkpoint`` (None: afresh), which then holds it;
+        returns why the replica refused it, or None."""
         import ray
 
+        self.owner[name] = index
         try:
             ray.get(self.actors[index].add.remote(self.specs[name], checkpoint))
         except ray.exceptions.RayActorError:  # replica index is lost: its relaunch resumes the tenant
             pass
         except ray.exceptions.RayTaskError as error:
-            self.status[name] = "failed"
-            self.records.append({"event": "failed", "tenant": name, "error": f"moving to replica {index}: {error}"})
+            return str(error.cause if getattr(error, "cause", None) is not None else error).splitlines()[0]
+        return None
 
     def _next_move(self, name: str) -> None:
         """Asks the replica holding ``name`` to stop it for its next queued move (moves to where it is are done)."""

@@ -101,14 +101,17 @@ def test_tenants_on_two_replicas_end_as_on_one(learning_model_dir: Path, tmp_pat
 def test_a_tenant_moved_between_live_replicas_mid_run_ends_as_on_one(learning_model_dir: Path, tmp_path: Path,
                                                                      one_replica: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """``a`` moves to the other replica after step 1 and back after step 3 (to a replica it held a slot on)."""
-    moves = [Move("a", to=1, after_step=1), Move("a", to=0, after_step=3)]
+    """``a`` moves to the other replica after step 1 and back after step 3 (to a replica it held a slot on); ``c``
+    moves before its first step (after its first evaluation: it starts afresh there)."""
+    moves = [Move("a", to=1, after_step=1), Move("a", to=0, after_step=3), Move("c", to=1, after_step=0)]
     monkeypatch.setattr(replicas, "run_replicated", functools.partial(replicas.run_replicated, moves=moves))
     assert main(_args(learning_model_dir, tmp_path, TENANTS, "trainer.ckpt_interval=0", "clora.replicas=2")) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["replicas"] == [["a", "c"], ["b"]], "the moves assume this plan"
     assert [move for move in summary["moves"] if move["tenant"] == "a"] == [
         {"tenant": "a", "from": 0, "to": 1, "step": 1}, {"tenant": "a", "from": 1, "to": 0, "step": 3}]
+    assert next(move for move in summary["moves"] if move["tenant"] == "c") == {"tenant": "c", "from": 0, "to": 1,
+                                                                                "step": 0}
     assert all(row["status"] == "ok" for row in summary["per_tenant"])
     assert (tmp_path / "adapters" / "a" / "adapter_config.json").is_file()
     _same_tenants(tmp_path, one_replica)
