@@ -15,7 +15,7 @@ import asyncio
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -30,10 +30,23 @@ from skyrl_clora.tenants import TenantSpec, expand_tenants
 CONTROL_FILE = "control.json"
 
 
+class ControlledTenants(Protocol):
+    """What the endpoint asks of the run's tenants: a :class:`TenantPool`, or the tenants of several replicas."""
+
+    async def add(self, spec: TenantSpec, source: TaskSource) -> Any:
+        """Starts tenant ``spec`` (validated) beside the running ones; a :class:`ConfigError` says why not."""
+
+    def stop(self, name: str) -> None:
+        """Asks running tenant ``name`` to stop after its current step; a :class:`ConfigError` says why not."""
+
+    async def steps_done(self) -> dict[str, int]:
+        """The RL steps done by each running tenant."""
+
+
 class ControlServer:
     """Serves the control endpoint for ``pool`` on the running event loop (see the module docstring)."""
 
-    def __init__(self, run: RunConfig, pool: TenantPool, known: list[str]) -> None:
+    def __init__(self, run: RunConfig, pool: ControlledTenants, known: list[str]) -> None:
         self.run, self.pool = run, pool
         self.known = list(known)  # every tenant name of the run, finished or not: names stay unique
         self.added, self.stopped = read_live_tenants(run.output_dir)
@@ -58,9 +71,9 @@ class ControlServer:
             await self._runner.cleanup()
 
     async def _list(self, request: web.Request) -> web.Response:
-        loops = self.pool.loops
-        return web.json_response({"running": [{"name": name, "steps_done": loops[name].step, "steps": self.run.steps}
-                                              for name in self.pool.running()]})
+        steps_done = await self.pool.steps_done()
+        return web.json_response({"running": [{"name": name, "steps_done": done, "steps": self.run.steps}
+                                              for name, done in steps_done.items()]})
 
     async def _add(self, request: web.Request) -> web.Response:
         try:

@@ -268,6 +268,10 @@ class TenantPool:
     def running(self) -> list[str]:
         return [name for name, task in self.tasks.items() if not task.done()]
 
+    async def steps_done(self) -> dict[str, int]:
+        """The RL steps done by each running tenant."""
+        return {name: self.loops[name].step for name in self.running()}
+
     async def join(self) -> None:
         while self.running():  # a tenant added while the others ran is awaited too
             await asyncio.gather(*self.tasks.values())

@@ -159,8 +159,7 @@ class ReplicaRunner:
         """The RL steps done by each tenant running here."""
 
         async def progress() -> dict[str, int]:
-            pool = self._host.pool
-            return {name: pool.loops[name].step for name in pool.running()}
+            return await self._host.pool.steps_done()
 
         return self._call(progress())
 

@@ -10,6 +10,9 @@ ends:
   A move is asked for explicitly (:class:`Move`, in order per tenant), or made by the driver when a replica has
   no tenant left to run while another runs at least two with work left after their current step: the planner's
   :func:`~skyrl_clora.placement.planner.pick_move` chooses which (by work left).
+- Live control (``python -m skyrl_clora.ctl``; :mod:`.replica_control`): requests from other threads
+  (:meth:`ReplicaSet.call`) run on the driver's thread between its waits; an added tenant starts on the live
+  replica with room that runs the fewest tenants, a stop goes to the replica holding the tenant.
 - A lost replica (its actor died) is relaunched in its bundle with the tenants it held, each from its latest
   checkpoint; one lost more than :data:`REPLICA_RESTARTS` times leaves its unfinished tenants failed. A move
   from a lost replica is dropped (an explicit one is asked again of the relaunched replica); a move to a replica
@@ -18,8 +21,12 @@ ends:
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +34,9 @@ from typing import Any
 from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.placement.planner import estimated_cost, pick_move
+from skyrl_clora.tenants import TenantSpec
 
+CONTROL_POLL_S = 0.2  # with live control, the longest a request waits for the driver's thread
 REPLICA_RESTARTS = 2  # a replica lost more often than this leaves its unfinished tenants failed (the others go on)
 
 
@@ -59,6 +68,9 @@ class ReplicaSet:
         self._seen = [0] * len(sub_runs)
         self._queued: dict[str, deque[Move]] = {}
         self._moving: dict[str, Move] = {}  # tenants asked to stop for a move, by name
+        self._requests: queue.Queue[tuple[Callable[[], Any], Future]] | None = None  # live control's, when served
+        self._serving = False
+        self._lock = threading.Lock()  # orders call's queueing against refuse_requests
 
     def run_all(self, resume: dict[str, TenantCheckpoint], moves: list[Move]) -> None:
         """Runs every tenant to its end (finished or failed), with ``moves`` asked for as each tenant gets there."""
@@ -77,7 +89,11 @@ class ReplicaSet:
         for name in list(self._queued):
             self._next_move(name)
         while self._waits and any(status == "running" for status in self.status.values()):
-            done, _ = ray.wait(list(self._waits), num_returns=1)
+            done, _ = ray.wait(list(self._waits), num_returns=1,
+                               timeout=CONTROL_POLL_S if self._requests is not None else None)
+            self._answer_requests()
+            if not done:
+                continue
             index = self._waits.pop(done[0])
             try:
                 ended = ray.get(done[0])
@@ -91,9 +107,84 @@ class ReplicaSet:
                 self._ended(index, end.tenant, end.outcome, end.step)
             self._rebalance()
 
-    def close(self) -> None:
-        """Ends every live replica's run (their metrics and summaries written)."""
+    def serve_requests(self) -> None:
+        """From now until :meth:`close`, :meth:`call` runs requests on the driver's thread."""
+        self._requests, self._serving = queue.Queue(), True
+
+    def call(self, request: Callable[[], Any]) -> Any:
+        """Runs ``request`` on the driver's thread between its waits (from another thread) and returns its result
+        or raises its error; a :class:`ConfigError` once the run is ending."""
+        future: Future = Future()
+        with self._lock:
+            if self._requests is None or not self._serving:
+                raise ConfigError("the run is ending: it takes no more requests")
+            self._requests.put((request, future))
+        return future.result()
+
+    def _answer_requests(self) -> None:
+        while self._requests is not None and not self._requests.empty():
+            request, future = self._requests.get_nowait()
+            try:
+                future.set_result(request())
+            except Exception as error:  # noqa: BLE001 - the requester gets it
+                future.set_exception(error)
+
+    def add_tenant(self, spec: TenantSpec) -> None:
+        """(Driver's thread.) Starts tenant ``spec`` afresh on the live replica with room running the fewest."""
+        arriving = [move.to for move in self._moving.values()]
+        load = {index: sum(self.status[name] == "running" for name in self._held(index)) + arriving.count(index)
+                for index in range(len(self.sub_runs)) if index not in self.gone}
+        room = [index for index, held in load.items() if held < self.capacity]
+        if not room:
+            raise ConfigError(f"every replica holds {self.capacity} tenants, the most this run gives one (clora.max_tenants="
+                              f"{self.run.max_tenants}); start the run with a larger clora.max_tenants")
+        index = min(room, key=lambda i: (load[i], i))
+        self.specs[spec.name], self.status[spec.name] = spec, "running"
+        error = self._add(index, spec.name, None)
+        if error is not None:
+            del self.specs[spec.name], self.status[spec.name], self.owner[spec.name]
+            raise ConfigError(error)
+
+    def stop_tenant(self, name: str) -> None:
+        """(Driver's thread.) Asks running tenant ``name`` to stop after its current step (it ends ``stopped``)."""
         import ray
+
+        if self.status.get(name) != "running":
+            running = [n for n, status in self.status.items() if status == "running"]
+            raise ConfigError(f"tenant {name} is not running here; running: {', '.join(running) or 'none'}")
+        if name in self._moving:
+            raise ConfigError(f"tenant {name} is moving to another replica; stop it once it has moved (after its step)")
+        self._queued.pop(name, None)
+        try:
+            ray.get(self.actors[self.owner[name]].stop.remote(name))
+        except ray.exceptions.RayTaskError as error:
+            raise ConfigError(str(error.cause if getattr(error, "cause", None) is not None else error)) from None
+
+    def steps_done(self) -> dict[str, int]:
+        """(Driver's thread.) The RL steps done by each running tenant, from the live replicas."""
+        import ray
+
+        done: dict[str, int] = {}
+        for index, actor in enumerate(self.actors):
+            if index not in self.gone and actor is not None:
+                try:
+                    done |= ray.get(actor.progress.remote())
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                    continue
+        return done
+
+    def refuse_requests(self) -> None:
+        """Answers the requests still queued, and every later one, with a refusal (the run is ending)."""
+        with self._lock:
+            self._serving = False
+            while self._requests is not None and not self._requests.empty():
+                self._requests.get_nowait()[1].set_exception(ConfigError("the run is ending: it takes no more requests"))
+
+    def close(self) -> None:
+        """Refuses requests from now on, then ends every live replica's run (their metrics and summaries written)."""
+        import ray
+
+        self.refuse_requests()
 
         for index, actor in enumerate(self.actors):
             if index not in self.gone and actor is not None:

@@ -16,8 +16,9 @@ checkpoints (only the steps since then lost); a replica lost more than
 :data:`.replica_set.REPLICA_RESTARTS` times leaves its unfinished tenants failed, the other replicas' tenants
 unharmed. Each replica writes its own metrics under ``<output_dir>/replicas/<k>/``; the run's ``metrics.jsonl``
 (each tenant's records from the replica it ended on), ``summary.json`` (with the plan, ``replicas``, and the
-``moves`` done) and ``adapters/<tenant>/`` gather them at the end. Live control (``python -m skyrl_clora.ctl``)
-is not available across replicas.
+``moves`` done) and ``adapters/<tenant>/`` gather them at the end. Live control (``python -m skyrl_clora.ctl``,
+``clora.control``) works across replicas (:mod:`.replica_control`): tenants are added to the live replica with
+room running the fewest, and stopped where they run.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.metrics import write_run_summary
 from skyrl_clora.placement.planner import estimated_cost, plan_assignment
 from skyrl_clora.placement.replica_actor import ACTOR_CONCURRENCY, ReplicaRunner
+from skyrl_clora.placement.replica_control import ReplicaControl
 from skyrl_clora.placement.replica_set import REPLICA_RESTARTS, Move, ReplicaSet
 from skyrl_clora.services import resolve_device
 from skyrl_clora.tenants import TenantSpec
@@ -99,10 +101,17 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
         return _launch(actor_class, group_pg, index, gpu, sub, own, envs)
 
     replica_set = ReplicaSet(run, root, sub_runs, capacity, launch)
+    control = ReplicaControl(run, replica_set, [spec.name for spec in run.tenants]) if run.control else None
     try:
+        if control is not None:
+            replica_set.serve_requests()
+            control.start()
         replica_set.run_all(resume, list(moves))
         replica_set.close()
     finally:
+        if control is not None:
+            replica_set.refuse_requests()
+            control.close()
         remove_placement_group(group_pg)
     records = _stopped_records(run, resume, stopped)
     for index, sub in enumerate(sub_runs):

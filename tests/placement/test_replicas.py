@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,39 @@ def test_a_replica_out_of_tenants_takes_one_from_a_busy_replica(learning_model_d
     assert len(summary["moves"]) == 1 and summary["moves"][0]["tenant"] in "ac", summary["moves"]
     assert {key: summary["moves"][0][key] for key in ("from", "to")} == {"from": 0, "to": 1}
     _same_tenants(tmp_path, one_replica)
+
+
+def test_tenants_join_and_leave_a_replicated_run_through_ctl(learning_model_dir: Path, tmp_path: Path,
+                                                             one_replica: Path, capsys: pytest.CaptureFixture) -> None:
+    """Started with a and b on two replicas; c joins and b is stopped through ``ctl`` as soon as the endpoint serves;
+    bad requests are refused. a and c end as in a one-replica run started with all three."""
+    from skyrl_clora import ctl
+
+    answers: dict[str, int] = {}
+
+    def control() -> None:
+        while not (tmp_path / "control.json").exists():
+            time.sleep(0.05)  # until the run serves its endpoint
+        added = "{name: c, seed: 3, lr: 0.005, alpha: 8, env_class: micro_letters}"  # TENANTS[2]
+        for name, args in {"add c": ["add", added], "add a": ["add", "{name: a}"], "stop b": ["stop", "b"],
+                           "stop nobody": ["stop", "nobody"], "list": ["list"]}.items():
+            answers[name] = ctl.main(["--dir", str(tmp_path), *args])
+
+    client = threading.Thread(target=control)
+    client.start()
+    assert main(_args(learning_model_dir, tmp_path, TENANTS[:2], "trainer.ckpt_interval=0", "clora.replicas=2")) == 0
+    client.join()
+    assert answers == {"add c": 0, "add a": 2, "stop b": 0, "stop nobody": 2, "list": 0}, answers
+    err = capsys.readouterr().err
+    assert "tenant name a is taken in this run" in err and "tenant nobody is not running here" in err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {row["tenant"]: row["status"] for row in summary["per_tenant"]} == {"a": "ok", "b": "stopped", "c": "ok"}
+    for name in "ac":
+        assert_same_records(tenant_records(tmp_path, name), tenant_records(one_replica, name), name)
+    b_records = tenant_records(tmp_path, "b")
+    assert b_records[-1]["event"] == "stopped" and b_records[-1]["step"] < 4
+    assert_same_records(b_records[:-1], tenant_records(one_replica, "b")[:len(b_records) - 1], "b")
+    assert not (tmp_path / "control.json").exists()
 
 
 def test_a_lost_replica_resumes_its_tenants_from_their_last_checkpoints(learning_model_dir: Path, tmp_path: Path,
