@@ -15,7 +15,7 @@ import asyncio
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -24,16 +24,29 @@ from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.config_build import check_tenant_overrides, tenant_defaults
 from skyrl_clora.metrics import MetricsLog
 from skyrl_clora.recipes.plugin import TaskSource, build_task_sources
-from skyrl_clora.tenant_loop import TenantBackend, TenantPool
+from skyrl_clora.tenant_loop import PoolHost, TenantBackend, TenantPool
 from skyrl_clora.tenants import TenantSpec, expand_tenants
 
 CONTROL_FILE = "control.json"
 
 
+class ControlledTenants(Protocol):
+    """What the endpoint asks of the run's tenants: a :class:`TenantPool`, or the tenants of several replicas."""
+
+    async def add(self, spec: TenantSpec, source: TaskSource) -> Any:
+        """Starts tenant ``spec`` (validated) beside the running ones; a :class:`ConfigError` says why not."""
+
+    def stop(self, name: str) -> None:
+        """Asks running tenant ``name`` to stop after its current step; a :class:`ConfigError` says why not."""
+
+    async def steps_done(self) -> dict[str, int]:
+        """The RL steps done by each running tenant."""
+
+
 class ControlServer:
     """Serves the control endpoint for ``pool`` on the running event loop (see the module docstring)."""
 
-    def __init__(self, run: RunConfig, pool: TenantPool, known: list[str]) -> None:
+    def __init__(self, run: RunConfig, pool: ControlledTenants, known: list[str]) -> None:
         self.run, self.pool = run, pool
         self.known = list(known)  # every tenant name of the run, finished or not: names stay unique
         self.added, self.stopped = read_live_tenants(run.output_dir)
@@ -58,9 +71,9 @@ class ControlServer:
             await self._runner.cleanup()
 
     async def _list(self, request: web.Request) -> web.Response:
-        loops = self.pool.loops
-        return web.json_response({"running": [{"name": name, "steps_done": loops[name].step, "steps": self.run.steps}
-                                              for name in self.pool.running()]})
+        steps_done = await self.pool.steps_done()
+        return web.json_response({"running": [{"name": name, "steps_done": done, "steps": self.run.steps}
+                                              for name, done in steps_done.items()]})
 
     async def _add(self, request: web.Request) -> web.Response:
         try:
@@ -110,9 +123,10 @@ class ControlServer:
 
 async def run_tenant_pool(run: RunConfig, backend: TenantBackend, specs: list[TenantSpec],
                           sources: dict[str, TaskSource], metrics: MetricsLog, resume: dict[str, TenantCheckpoint],
-                          stopped: list[str], refuse_adds: str | None) -> None:
+                          stopped: list[str], refuse_adds: str | None, host: PoolHost | None = None) -> None:
     """Runs ``specs`` over ``backend`` as a :class:`TenantPool` (those in ``stopped`` stay stopped), with the
-    control endpoint while they run (``run.control``); returns when every tenant's loop has ended."""
+    control endpoint while they run (``run.control``); returns when every tenant's loop has ended, or with
+    ``host`` when ``host.serve`` returns (it keeps the pool open for tenants it adds)."""
     pool = TenantPool(run, backend, metrics, resume, refuse_adds)
     server = ControlServer(run, pool, [spec.name for spec in run.tenants]) if run.control else None
     await pool.start([spec for spec in specs if spec.name not in stopped], sources)
@@ -121,7 +135,7 @@ async def run_tenant_pool(run: RunConfig, backend: TenantBackend, specs: list[Te
     if server is not None:
         await server.start()
     try:
-        await pool.join()
+        await (host.serve(pool) if host is not None else pool.join())
     finally:
         if server is not None:
             await server.close()

@@ -46,6 +46,24 @@ class MetricsLog:
             if self.progress and record.get("event") in ("step", "eval", "failed", "stopped"):
                 self._show(record["tenant"], self._status_line(record))
 
+    def extend_resumed(self, records: list[dict[str, Any]]) -> None:
+        """Appends the records a tenant resumed from a checkpoint carries (as ``resumed`` are at the start: not
+        logged to the trackers nor shown, which had them when they were first written)."""
+        with self._lock:
+            self.records.extend(records)
+            self._file.write("".join(json.dumps(record, sort_keys=True) + "\n" for record in records))
+            self._file.flush()
+
+    def forget(self, tenant: str) -> None:
+        """Drops every record of ``tenant`` from the log and its file (a tenant that moved to another replica,
+        whose log has them from then on)."""
+        with self._lock:
+            self.records = [record for record in self.records if record.get("tenant") != tenant]
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.write("".join(json.dumps(record, sort_keys=True) + "\n" for record in self.records))
+            self._file.flush()
+
     def _show(self, tenant: str, line: str) -> None:
         """On a terminal, one line per tenant, rewritten in place (the block is redrawn under the cursor); else
         the line is appended."""

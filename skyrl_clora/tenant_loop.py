@@ -109,13 +109,15 @@ class TenantLoop:
         self.resume = resume
         self.checkpoints = TenantCheckpoints(checkpoint_root(run), spec.name, run.trainer.max_ckpts_to_keep)
         self.stop_requested = False  # set by TenantPool.stop: stop after the current step
+        self.stop_after: int | None = None  # set by TenantPool.stop: stop once this many RL steps are done
         self.step = 0 if resume is None else resume.step  # RL steps done
         self.checkpointed = self.step  # RL steps the newest checkpoint holds (0: none needed yet)
+        self.outcome: str | None = None  # once the loop ended: "finished", "stopped" or "failed"
 
     async def run_experiment(self) -> None:
         """SkyRL's schedule: evaluation before step 1 (``trainer.eval_before_train``), every
         ``trainer.eval_interval`` steps and after the last (none when the interval is <= 0); a checkpoint every
-        ``trainer.ckpt_interval`` steps and at the end."""
+        ``trainer.ckpt_interval`` steps and at the end. Sets :attr:`outcome` when it returns."""
         name, steps, interval = self.spec.name, self.run.steps, self.run.trainer.ckpt_interval
         eval_interval = self.run.trainer.eval_interval
         try:
@@ -123,8 +125,10 @@ class TenantLoop:
                 await self._evaluate(step=0)
             try:
                 for step in range(self.step + 1, steps + 1):
-                    if STOP.requested() or self.stop_requested:
+                    if STOP.requested() or self.stop_requested or (self.stop_after is not None
+                                                                   and step > self.stop_after):
                         await self._stop(done=step - 1)
+                        self.outcome = "stopped"
                         return
                     await self._rl_step(step)
                     if eval_interval > 0 and step % eval_interval == 0 and step < steps:
@@ -137,8 +141,10 @@ class TenantLoop:
                 await self._evaluate(step=steps)
             await self.backend.export(name, self.run.output_dir / "adapters" / name)
             await self._checkpoint(steps, finished=True)
+            self.outcome = "finished"
         except Exception as error:  # noqa: BLE001 - a failing tenant must not take the others down
             logger.exception("tenant %s failed", name)
+            self.outcome = "failed"
             self.metrics.write({"event": "failed", "tenant": name, "error": f"{type(error).__name__}: {error}"})
             await self.backend.remove(name)
 
@@ -192,10 +198,11 @@ class TenantPool:
     """The tenants of one set of services: started together, joined and stopped while the others run.
 
     ``add`` validates a new tenant as a start-time one is (a bad spec is a :class:`ConfigError` for the caller;
-    the run goes on), registers it and starts its loop; ``stop`` makes a tenant stop after its current step
-    (checkpointed and exported). ``join`` returns once every tenant's loop has ended, added ones included.
-    ``refuse_adds`` is why this pool takes no new tenant (None: it takes them while fewer than
-    ``run.tenant_capacity`` tenants hold adapter slots; a tenant keeps its slot until the run ends).
+    the run goes on), registers it (restored from a checkpoint when given one) and starts its loop; ``stop``
+    makes a tenant stop after its current step, or after a given step (checkpointed and exported). ``join``
+    returns once every tenant's loop has ended, added ones included. ``refuse_adds`` is why this pool takes no
+    new tenant (None: it takes them while fewer than ``run.tenant_capacity`` tenants hold adapter slots; a
+    tenant keeps its slot until the run ends, or until :meth:`release` frees it).
     """
 
     def __init__(self, run: RunConfig, backend: TenantBackend, metrics: MetricsLog,
@@ -217,27 +224,53 @@ class TenantPool:
         for loop in loops:
             self.tasks[loop.spec.name] = asyncio.create_task(loop.run_experiment())
 
-    async def add(self, spec: TenantSpec, source: TaskSource) -> None:
-        """Starts tenant ``spec`` (validated by the caller) beside the running ones."""
+    async def add(self, spec: TenantSpec, source: TaskSource, resume: TenantCheckpoint | None = None) -> asyncio.Task:
+        """Starts tenant ``spec`` (validated by the caller) beside the running ones; from its checkpoint ``resume``
+        when given (its records so far go into the metrics log first, as a resumed run's do). Returns its loop's
+        task."""
         async with self._lock:
+            if spec.name in self.loops:
+                raise ConfigError(f"tenant {spec.name} already holds a slot here; choose another name")
             if self.refuse_adds is not None:
                 raise ConfigError(self.refuse_adds)
             if len(self.loops) >= self.run.tenant_capacity:
                 raise ConfigError(f"{len(self.loops)} tenants hold adapter slots, the most this run has "
                                   f"(clora.max_tenants={self.run.max_tenants}; a tenant keeps its slot until the run "
                                   "ends); start the run with a larger clora.max_tenants")
-            loop = TenantLoop(self.run, spec, source, self.backend, self.metrics)
+            loop = TenantLoop(self.run, spec, source, self.backend, self.metrics, resume)
             await self._register(loop)
+            if resume is not None:
+                self.metrics.extend_resumed(resume.records)
             self.tasks[spec.name] = asyncio.create_task(loop.run_experiment())
+            return self.tasks[spec.name]
 
-    def stop(self, name: str) -> None:
-        """Asks running tenant ``name`` to stop after its current step."""
+    def stop(self, name: str, after_step: int | None = None) -> None:
+        """Asks running tenant ``name`` to stop after its current step, or (``after_step``) once it has done that
+        many RL steps (after its current step when it has done them already)."""
         if name not in self.tasks or self.tasks[name].done():
             raise ConfigError(f"tenant {name} is not running here; running: {', '.join(self.running()) or 'none'}")
-        self.loops[name].stop_requested = True
+        if after_step is None:
+            self.loops[name].stop_requested = True
+        else:
+            self.loops[name].stop_after = after_step
+
+    async def release(self, name: str) -> None:
+        """Frees the slot and services state of tenant ``name``, whose loop has ended (a failed tenant's state is
+        freed already); the pool forgets it, so it may be added again."""
+        async with self._lock:
+            if name not in self.tasks or not self.tasks[name].done():
+                raise RuntimeError(f"tenant {name} is running here or unknown; only an ended tenant is released")
+            loop = self.loops.pop(name)
+            del self.tasks[name]
+            if loop.outcome != "failed":
+                await self.backend.remove(name)
 
     def running(self) -> list[str]:
         return [name for name, task in self.tasks.items() if not task.done()]
+
+    async def steps_done(self) -> dict[str, int]:
+        """The RL steps done by each running tenant."""
+        return {name: self.loops[name].step for name in self.running()}
 
     async def join(self) -> None:
         while self.running():  # a tenant added while the others ran is awaited too
@@ -248,3 +281,11 @@ class TenantPool:
         if loop.resume is not None:
             await self.backend.restore(loop.spec.name, loop.resume.folder, loop.resume.version)
         self.loops[loop.spec.name] = loop
+
+
+class PoolHost(Protocol):
+    """Keeps a :class:`TenantPool` open past its start-time tenants (a replica that tenants move in and out of)."""
+
+    async def serve(self, pool: TenantPool) -> None:
+        """Runs on the pool's event loop once its start-time tenants' loops began; returns when the host is
+        closed and every tenant's loop has ended."""

@@ -32,7 +32,7 @@ from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
 from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.recipes.plugin import TaskSource, load_recipe
 from skyrl_clora.services import Services, build_services, resolve_model_path
-from skyrl_clora.tenant_loop import Rollout
+from skyrl_clora.tenant_loop import PoolHost, Rollout
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
@@ -148,12 +148,13 @@ class EmbeddedBackend:
 
 
 def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict[str, TenantCheckpoint],
-                    stopped: list[str]) -> dict[str, Any]:
+                    stopped: list[str], host: PoolHost | None = None) -> dict[str, Any]:
     """Runs every tenant in ``run.mode`` on its task data ``sources`` (by tenant name,
     ``recipes.plugin.build_task_sources``), those in ``resume`` from their checkpoints, those in ``stopped`` not
     (stopped through the control endpoint); writes metrics.jsonl, summary.json, reward_curves.png, adapters/
     and checkpoints (into ``run.output_dir``, which ``checkpoints.claim_output_dir`` made). In concurrent mode
-    tenants can be added while the run goes (``control``)."""
+    tenants can be added while the run goes (``control``), and with ``host`` the run's pool stays open while
+    ``host.serve`` runs (concurrent mode; a run with unfinished tenants)."""
     specs = list(run.tenants)
     base_started = time.perf_counter()
     model_path = resolve_model_path(run)
@@ -172,7 +173,7 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
                     metrics.write({"event": "stopped", "tenant": spec.name, "step": 0})
                 continue
             cold_starts.append(_run_group(run, group, sources, model_path, rows_per_tenant, metrics, engine_stats,
-                                          resume, stopped))
+                                          resume, stopped, host))
     finally:
         metrics.close()
     wall_s = time.perf_counter() - started
@@ -186,7 +187,7 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
 
 def _run_group(run: RunConfig, specs: list[TenantSpec], sources: dict[str, TaskSource], model_path: str,
                rows_per_tenant: int, metrics: MetricsLog, engine_stats: list[dict[str, float]],
-               resume: dict[str, TenantCheckpoint], stopped: list[str]) -> float:
+               resume: dict[str, TenantCheckpoint], stopped: list[str], host: PoolHost | None = None) -> float:
     """Runs ``specs`` on a set of services of their own (sized for ``run.tenant_capacity`` tenants in concurrent
     mode); appends the engine's stats; returns its cold start."""
     concurrent = run.mode == "concurrent"
@@ -197,7 +198,7 @@ def _run_group(run: RunConfig, specs: list[TenantSpec], sources: dict[str, TaskS
                        "trainer.pack_policy=ready")
     try:
         asyncio.run(run_tenant_pool(run, EmbeddedBackend(run, services), specs, sources, metrics, resume, stopped,
-                                    refuse_adds))
+                                    refuse_adds, host))
     finally:
         services.shutdown()
         engine_stats.append(asdict(services.engine.stats))

@@ -7,7 +7,8 @@ that sum across replicas (P||Cmax, the makespan of identical machines) under a p
 (adapter slots, KV rows): greedy longest-first, then exchanges of up to two tenants between the most loaded
 replica and another while one lowers the makespan, then a branch and bound from that plan (exact on small
 cases, within a node budget on large ones). :func:`optimal_assignment` solves small cases exactly,
-to measure the plan against.
+to measure the plan against. While the tenants run, :func:`pick_move` chooses the tenant to move onto a
+replica that ran out of tenants.
 """
 
 from __future__ import annotations
@@ -132,6 +133,28 @@ def _search(tenants: Sequence[TenantCost], replicas: int, capacity: int, incumbe
 
     place(0)
     return best[1]
+
+
+def pick_move(loads: Sequence[Sequence[TenantCost]], to: int, capacity: int) -> tuple[str, int] | None:
+    """The tenant to move onto replica ``to`` while the tenants run, and the replica it leaves: ``loads`` holds
+    per replica its unfinished tenants, each with its work after its current step (a tenant moves at a step
+    boundary; one with no work left after its current step does not move). Of the tenants of replicas holding
+    at least two, the one whose move leaves the lower of the two replicas' larger load, when that is below
+    their larger load now and ``to`` holds fewer than ``capacity`` tenants; None when no move helps. Ties go to
+    the lower replica index, then the order given."""
+    if len(loads[to]) >= capacity:
+        return None
+    totals = [sum(cost.work for cost in costs) for costs in loads]
+    best: tuple[float, str, int] | None = None
+    for source, costs in enumerate(loads):
+        if source == to or len(costs) < 2:
+            continue
+        for cost in costs:
+            after = max(totals[source] - cost.work, totals[to] + cost.work)
+            if cost.work > 0 and after < max(totals[source], totals[to]) * (1 - _MARGIN) \
+                    and (best is None or after < best[0] * (1 - _MARGIN)):
+                best = (after, cost.name, source)
+    return None if best is None else (best[1], best[2])
 
 
 def optimal_assignment(tenants: Sequence[TenantCost], replicas: int, capacity: int) -> tuple[float, list[list[str]]]:

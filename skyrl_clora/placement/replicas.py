@@ -1,18 +1,24 @@
 """Tenants spread over several replicas of the base model (``clora.replicas=K``), one Ray actor each.
 
 A replica is what a one-replica run is: one base model with its engine, trainer and AdapterStore, running its
-tenants concurrently (:func:`skyrl_clora.backends.embedded.run_experiments`). The driver plans which replica
-runs which tenant (:mod:`.planner`, by each tenant's work left: steps x rows x positions), reserves one bundle
-per replica in a Ray placement group (a GPU each on CUDA, a CPU each otherwise; a multi-node Ray cluster
-works the same way), and gathers the replicas' metrics into the run's own files.
+tenants concurrently (:func:`skyrl_clora.backends.embedded.run_experiments`), kept open while the run goes so
+that tenants move in and out of it (:mod:`.replica_actor`). The driver plans which replica starts which tenant
+(:mod:`.planner`, by each tenant's work left: steps x rows x positions), reserves one bundle per replica in a
+Ray placement group (a GPU each on CUDA, a CPU each otherwise; a multi-node Ray cluster works the same way),
+runs the replicas (:class:`.replica_set.ReplicaSet`: tenants moved between live replicas at step boundaries
+when a replica runs out of tenants or when asked, lost replicas relaunched) and gathers the replicas' metrics
+into the run's own files.
 
 Every replica checkpoints into the run's checkpoint folder (``trainer.ckpt_path`` or
-``<output_dir>/checkpoints``), so a tenant resumes on whichever replica the plan gives it. A replica that dies
-(its actor lost) costs its tenants only the steps since their last checkpoint: a new replica takes them and
-resumes them from there; one lost more than :data:`REPLICA_RESTARTS` times leaves its unfinished tenants failed,
-the other replicas' tenants unharmed. Each replica writes its own metrics under ``<output_dir>/replicas/<k>/``; the run's
-``metrics.jsonl``, ``summary.json`` and ``adapters/<tenant>/`` gather them at the end. Live control
-(``python -m skyrl_clora.ctl``) is not available across replicas.
+``<output_dir>/checkpoints``), so a tenant resumes on whichever replica takes it: a moved tenant from the
+checkpoint its source wrote when it stopped (no step lost), a lost replica's tenants from their latest
+checkpoints (only the steps since then lost); a replica lost more than
+:data:`.replica_set.REPLICA_RESTARTS` times leaves its unfinished tenants failed, the other replicas' tenants
+unharmed. Each replica writes its own metrics under ``<output_dir>/replicas/<k>/``; the run's ``metrics.jsonl``
+(each tenant's records from the replica it ended on), ``summary.json`` (with the plan, ``replicas``, and the
+``moves`` done) and ``adapters/<tenant>/`` gather them at the end. Live control (``python -m skyrl_clora.ctl``,
+``clora.control``) works across replicas (:mod:`.replica_control`): tenants are added to the live replica with
+room running the fewest, and stopped where they run.
 """
 
 from __future__ import annotations
@@ -22,39 +28,24 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints, checkpoint_root, run_tenants
+from skyrl_clora.checkpoints import TenantCheckpoint, checkpoint_root, run_tenants
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.metrics import write_run_summary
 from skyrl_clora.placement.planner import estimated_cost, plan_assignment
+from skyrl_clora.placement.replica_actor import ACTOR_CONCURRENCY, ReplicaRunner
+from skyrl_clora.placement.replica_control import ReplicaControl
+from skyrl_clora.placement.replica_set import REPLICA_RESTARTS, Move, ReplicaSet
 from skyrl_clora.services import resolve_device
 from skyrl_clora.tenants import TenantSpec
 
+__all__ = ["REPLICA_RESTARTS", "Move", "plan_replicas", "run_replicated"]
+
 PLACEMENT_TIMEOUT_S = 120
-REPLICA_RESTARTS = 2  # a replica lost more often than this leaves its unfinished tenants failed (the others go on)
-
-
-class ReplicaRunner:
-    """The body of one replica's Ray actor: runs its tenants as a one-replica run would."""
-
-    def run(self, run: RunConfig, resume: dict[str, TenantCheckpoint], envs: dict[str, Any]) -> dict[str, Any]:
-        """Registers the driver's skyrl-gym environments ``envs`` (id -> EnvSpec) this process lacks, builds the
-        tenants' task data (which registers the recipe's environment here) and runs them; returns the summary."""
-        from skyrl_gym.envs.registration import register, registry
-
-        from skyrl_clora.backends.embedded import run_experiments
-        from skyrl_clora.recipes.plugin import build_task_sources
-        from skyrl_clora.services import prompt_tokenizer
-
-        for env_id, spec in envs.items():
-            if env_id not in registry:
-                register(env_id, entry_point=spec.entry_point, kwargs=spec.kwargs)
-        sources = build_task_sources(run.recipe, list(run.tenants), run.max_training_steps, run.seed,
-                                     prompt_tokenizer(run))
-        return run_experiments(run, sources, resume, [])
 
 
 def plan_replicas(run: RunConfig, specs: list[TenantSpec], resume: dict[str, TenantCheckpoint],
@@ -69,9 +60,12 @@ def plan_replicas(run: RunConfig, specs: list[TenantSpec], resume: dict[str, Ten
     return [[by_name[name] for name in group] for group in names]
 
 
-def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped: list[str]) -> dict[str, Any]:
+def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped: list[str],
+                   moves: Sequence[Move] = ()) -> dict[str, Any]:
     """Runs the tenants of ``run`` not finished nor ``stopped`` on ``run.replicas`` replicas (see the module
-    docstring); writes the run's metrics.jsonl, summary.json and adapters/; returns the summary."""
+    docstring), moving tenants as ``moves`` ask (replica indices in the plan's order: summary.json's
+    ``replicas``) and where a replica runs out of tenants; writes the run's metrics.jsonl, summary.json and
+    adapters/; returns the summary."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from skyrl_gym.envs.registration import registry
@@ -80,10 +74,12 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     specs = [spec for spec in run.tenants if spec.name not in stopped
              and not (spec.name in resume and resume[spec.name].finished)]
     groups = [group for group in plan_replicas(run, specs, resume, run.replicas) if group]
+    # A replica holds clora.max_tenants tenants, or (unset) its planned ones and one moved in.
+    capacity = run.max_tenants or min(len(specs), max((len(group) for group in groups), default=0) + 1)
     root = checkpoint_root(run)
     envs = dict(registry)
     gpu = resolve_device(run).type == "cuda"
-    sub_runs = [_replica_run(run, index, group, root) for index, group in enumerate(groups)]
+    sub_runs = [_replica_run(run, index, group, root, capacity) for index, group in enumerate(groups)]
     if not ray.is_initialized():
         ray.init(include_dashboard=False)
     bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
@@ -100,72 +96,54 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
         raise ConfigError(f"Ray could not place {len(groups)} replicas ({bundle} each) within {PLACEMENT_TIMEOUT_S} s; "
                           "lower clora.replicas or free the cluster's resources") from None
     actor_class = ray.remote(ReplicaRunner)
-    records: list[dict[str, Any]] = []
-    losses, lost = [0] * len(sub_runs), []
+
+    def launch(index: int, sub: RunConfig, own: dict[str, TenantCheckpoint]) -> Any:
+        return _launch(actor_class, group_pg, index, gpu, sub, own, envs)
+
+    replica_set = ReplicaSet(run, root, sub_runs, capacity, launch)
+    control = ReplicaControl(run, replica_set, [spec.name for spec in run.tenants]) if run.control else None
     try:
-        pending = {}
-        for index, sub in enumerate(sub_runs):
-            pending[_launch(actor_class, group_pg, index, gpu, sub, resume, envs)] = index
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            index = pending.pop(done[0])
-            try:
-                ray.get(done[0])
-            except ray.exceptions.RayActorError as error:  # the replica died: its tenants resume from checkpoints
-                losses[index] += 1
-                if losses[index] > REPLICA_RESTARTS:
-                    print(f"[replicas] replica {index} was lost {losses[index]} times; its unfinished tenants fail",
-                          file=sys.stderr)
-                    lost += _lost_records(root, sub_runs[index].tenants, f"{type(error).__name__}: replica lost "
-                                          f"{losses[index]} times")
-                    continue
-                print(f"[replicas] replica {index} was lost; its tenants resume from their last checkpoints",
-                      file=sys.stderr)
-                latest = _latest_checkpoints(root, sub_runs[index].tenants)
-                pending[_launch(actor_class, group_pg, index, gpu, sub_runs[index], latest, envs)] = index
+        if control is not None:
+            replica_set.serve_requests()
+            control.start()
+        replica_set.run_all(resume, list(moves))
+        replica_set.close()
     finally:
+        if control is not None:
+            replica_set.refuse_requests()
+            control.close()
         remove_placement_group(group_pg)
-    for sub in sub_runs:
-        records += _read_records(sub.output_dir / "metrics.jsonl")
-        _gather_adapters(sub.output_dir, run.output_dir)
-    records = _stopped_records(run, resume, stopped) + records + lost
+    records = _stopped_records(run, resume, stopped)
+    for index, sub in enumerate(sub_runs):
+        held = {name for name, owner in replica_set.owner.items() if owner == index}
+        records += [record for record in _read_records(sub.output_dir / "metrics.jsonl") if record.get("tenant") in held]
+        _gather_adapters(sub.output_dir, run.output_dir, held)
+    records += replica_set.records
     (run.output_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
-    fields = {"mode": run.mode, "steps": run.steps, "replicas": [[spec.name for spec in g] for g in groups]}
+    fields = {"mode": run.mode, "steps": run.steps, "replicas": [[spec.name for spec in g] for g in groups],
+              "moves": replica_set.moves}
     return write_run_summary(run.output_dir, records, run_tenants(run), fields, time.perf_counter() - started, 0.0,
                              f"replicas={run.replicas}")
 
 
 def _launch(actor_class: Any, group_pg: Any, index: int, gpu: bool, sub: RunConfig,
             resume: dict[str, TenantCheckpoint], envs: dict[str, Any]) -> Any:
-    """Starts replica ``index``'s actor in its bundle and its run; returns the run's object ref."""
+    """Starts replica ``index``'s actor in its bundle on ``sub`` (from ``resume``); returns the actor."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     strategy = PlacementGroupSchedulingStrategy(placement_group=group_pg, placement_group_bundle_index=index)
     # The replica imports what the driver can (an environment registered from the driver's own modules).
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}}
-    actor = actor_class.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=strategy,
-                                runtime_env=runtime_env).remote()
-    own = {name: checkpoint for name, checkpoint in resume.items() if name in {s.name for s in sub.tenants}}
-    return actor.run.remote(sub, own, envs)
+    return actor_class.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=strategy,
+                               runtime_env=runtime_env, max_concurrency=ACTOR_CONCURRENCY).remote(sub, resume, envs)
 
 
-def _replica_run(run: RunConfig, index: int, tenants: list[TenantSpec], root: Path) -> RunConfig:
-    """Replica ``index``'s run: its tenants, its own output folder, the run's checkpoint folder, no control."""
+def _replica_run(run: RunConfig, index: int, tenants: list[TenantSpec], root: Path, capacity: int) -> RunConfig:
+    """Replica ``index``'s run: its start-time tenants, room for ``capacity``, its own output folder, the run's
+    checkpoint folder, no control."""
     trainer = replace(run.trainer, ckpt_path=str(root))
     return replace(run, tenants=tuple(tenants), output_dir=run.output_dir / "replicas" / str(index), trainer=trainer,
-                   replicas=1, control=False, max_tenants=0)
-
-
-def _latest_checkpoints(root: Path, specs: tuple[TenantSpec, ...]) -> dict[str, TenantCheckpoint]:
-    found = {spec.name: TenantCheckpoints(root, spec.name, -1).latest() for spec in specs}
-    return {name: checkpoint for name, checkpoint in found.items() if checkpoint is not None}
-
-
-def _lost_records(root: Path, specs: tuple[TenantSpec, ...], error: str) -> list[dict[str, Any]]:
-    """A failure record for each of ``specs`` whose latest checkpoint is not its last (it did not finish)."""
-    latest = _latest_checkpoints(root, specs)
-    return [{"event": "failed", "tenant": spec.name, "error": error}
-            for spec in specs if not (spec.name in latest and latest[spec.name].finished)]
+                   replicas=1, control=False, max_tenants=capacity)
 
 
 def _stopped_records(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped: list[str]) -> list[dict[str, Any]]:
@@ -178,12 +156,12 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def _gather_adapters(replica_dir: Path, output_dir: Path) -> None:
-    """Moves the replica's exported adapters to ``<output_dir>/adapters/<tenant>``."""
+def _gather_adapters(replica_dir: Path, output_dir: Path, held: set[str]) -> None:
+    """Moves the adapters the replica exported of the tenants in ``held`` to ``<output_dir>/adapters/<tenant>``."""
     source = replica_dir / "adapters"
     if not source.is_dir():
         return
-    for folder in source.iterdir():
+    for folder in [folder for folder in source.iterdir() if folder.name in held]:
         target = output_dir / "adapters" / folder.name
         if target.exists():
             shutil.rmtree(target)

@@ -1,10 +1,14 @@
 """Tenants spread over Ray actor replicas on the CPU (``clora.replicas``): each tenant ends exactly as in a
-one-replica run, and a replica that dies mid-run costs its tenants only the steps since their last checkpoint."""
+one-replica run, a tenant moved between live replicas mid-run too, and a replica that dies mid-run costs its
+tenants only the steps since their last checkpoint."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +18,11 @@ import skyrl_gym
 from isolation import assert_same_records, tenant_records
 from micro_task import LetterRewardEnv, micro_tenants, read_records, register_micro_env, run_args
 from skyrl_clora.main import main
+from skyrl_clora.placement import replicas
+from skyrl_clora.placement.replicas import Move
 
 DYING_ENV = "micro_letters_dying"
+GATED_ENV = "micro_letters_gated"
 TENANTS = [{"name": "a", "seed": 1, "lr": "1e-2"}, {"name": "b", "seed": 2, "lr": "3e-3", "rank": 4},
            {"name": "c", "seed": 3, "lr": "5e-3", "alpha": 8}]
 
@@ -35,6 +42,20 @@ class DyingLetterEnv(LetterRewardEnv):
             os._exit(1)
 
 
+class GatedLetterEnv(LetterRewardEnv):
+    """``micro_letters`` whose ``after``-th and later episodes in a process wait for the file ``gate`` to exist:
+    the tenants of one replica hold still at a known point until another replica's tenant has written it."""
+
+    episodes = 0
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None, gate: str = "",
+                 after: int = 0) -> None:
+        super().__init__(env_config, extras)
+        GatedLetterEnv.episodes += 1
+        while GatedLetterEnv.episodes >= after and not os.path.exists(gate):
+            time.sleep(0.05)  # an order between replicas, not a duration: the wait ends when the file appears
+
+
 @pytest.fixture(autouse=True)
 def _ray_shut_down():
     yield
@@ -47,6 +68,15 @@ def _ray_shut_down():
 def _args(model_dir: Path, out: Path, tenants: list[dict[str, Any]], *extra: str) -> list[str]:
     register_micro_env()
     return run_args(model_dir, out, micro_tenants(*tenants), "trainer.ckpt_interval=1", *extra, steps=4)
+
+
+@pytest.fixture(scope="module")
+def one_replica(learning_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-replica run of ``TENANTS`` without interval checkpoints (a moved tenant's only mid-run checkpoints
+    are the ones its moves write)."""
+    out = tmp_path_factory.mktemp("one_replica")
+    assert main(_args(learning_model_dir, out, TENANTS, "trainer.ckpt_interval=0")) == 0
+    return out
 
 
 def _same_tenants(got: Path, want: Path) -> None:
@@ -67,6 +97,78 @@ def test_tenants_on_two_replicas_end_as_on_one(learning_model_dir: Path, tmp_pat
     assert sorted(len(group) for group in summary["replicas"]) == [1, 2]
     assert all(row["status"] == "ok" for row in summary["per_tenant"])
     assert all((tmp_path / "two" / "adapters" / name / "adapter_config.json").is_file() for name in "abc")
+
+
+def test_a_tenant_moved_between_live_replicas_mid_run_ends_as_on_one(learning_model_dir: Path, tmp_path: Path,
+                                                                     one_replica: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``a`` moves to the other replica after step 1 and back after step 3 (to a replica it held a slot on); ``c``
+    moves before its first step (after its first evaluation: it starts afresh there)."""
+    moves = [Move("a", to=1, after_step=1), Move("a", to=0, after_step=3), Move("c", to=1, after_step=0)]
+    monkeypatch.setattr(replicas, "run_replicated", functools.partial(replicas.run_replicated, moves=moves))
+    assert main(_args(learning_model_dir, tmp_path, TENANTS, "trainer.ckpt_interval=0", "clora.replicas=2")) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["replicas"] == [["a", "c"], ["b"]], "the moves assume this plan"
+    assert [move for move in summary["moves"] if move["tenant"] == "a"] == [
+        {"tenant": "a", "from": 0, "to": 1, "step": 1}, {"tenant": "a", "from": 1, "to": 0, "step": 3}]
+    assert next(move for move in summary["moves"] if move["tenant"] == "c") == {"tenant": "c", "from": 0, "to": 1,
+                                                                                "step": 0}
+    assert all(row["status"] == "ok" for row in summary["per_tenant"])
+    assert (tmp_path / "adapters" / "a" / "adapter_config.json").is_file()
+    _same_tenants(tmp_path, one_replica)
+
+
+def test_a_replica_out_of_tenants_takes_one_from_a_busy_replica(learning_model_dir: Path, tmp_path: Path,
+                                                               one_replica: Path) -> None:
+    """``a`` and ``c`` (replica 0) hold still early in step 1 until ``b`` (replica 1) has finished: replica 1 is then
+    out of tenants while replica 0 has two with steps left, and the driver moves one of them over."""
+    gate = tmp_path / "checkpoints" / "b" / "global_step_4" / "tenant.json"  # b's final checkpoint
+    skyrl_gym.register(id=GATED_ENV, entry_point=f"{__name__}:{GatedLetterEnv.__name__}",
+                       kwargs={"gate": str(gate), "after": 40})  # each tenant has 8 evaluation then 32 step-1 episodes
+    try:
+        tenants = [dict(spec) for spec in TENANTS]
+        tenants[0]["env_class"] = tenants[2]["env_class"] = GATED_ENV
+        assert main(_args(learning_model_dir, tmp_path, tenants, "trainer.ckpt_interval=0", "clora.replicas=2")) == 0
+    finally:
+        skyrl_gym.envs.registration.registry.pop(GATED_ENV, None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["replicas"] == [["a", "c"], ["b"]]
+    assert len(summary["moves"]) == 1 and summary["moves"][0]["tenant"] in "ac", summary["moves"]
+    assert {key: summary["moves"][0][key] for key in ("from", "to")} == {"from": 0, "to": 1}
+    _same_tenants(tmp_path, one_replica)
+
+
+def test_tenants_join_and_leave_a_replicated_run_through_ctl(learning_model_dir: Path, tmp_path: Path,
+                                                             one_replica: Path, capsys: pytest.CaptureFixture) -> None:
+    """Started with a and b on two replicas; c joins and b is stopped through ``ctl`` as soon as the endpoint serves;
+    bad requests are refused. a and c end as in a one-replica run started with all three."""
+    from skyrl_clora import ctl
+
+    answers: dict[str, int] = {}
+
+    def control() -> None:
+        while not (tmp_path / "control.json").exists():
+            time.sleep(0.05)  # until the run serves its endpoint
+        added = "{name: c, seed: 3, lr: 0.005, alpha: 8, env_class: micro_letters}"  # TENANTS[2]
+        for name, args in {"add c": ["add", added], "add a": ["add", "{name: a}"], "stop b": ["stop", "b"],
+                           "stop nobody": ["stop", "nobody"], "list": ["list"]}.items():
+            answers[name] = ctl.main(["--dir", str(tmp_path), *args])
+
+    client = threading.Thread(target=control)
+    client.start()
+    assert main(_args(learning_model_dir, tmp_path, TENANTS[:2], "trainer.ckpt_interval=0", "clora.replicas=2")) == 0
+    client.join()
+    assert answers == {"add c": 0, "add a": 2, "stop b": 0, "stop nobody": 2, "list": 0}, answers
+    err = capsys.readouterr().err
+    assert "tenant name a is taken in this run" in err and "tenant nobody is not running here" in err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {row["tenant"]: row["status"] for row in summary["per_tenant"]} == {"a": "ok", "b": "stopped", "c": "ok"}
+    for name in "ac":
+        assert_same_records(tenant_records(tmp_path, name), tenant_records(one_replica, name), name)
+    b_records = tenant_records(tmp_path, "b")
+    assert b_records[-1]["event"] == "stopped" and b_records[-1]["step"] < 4
+    assert_same_records(b_records[:-1], tenant_records(one_replica, "b")[:len(b_records) - 1], "b")
+    assert not (tmp_path / "control.json").exists()
 
 
 def test_a_lost_replica_resumes_its_tenants_from_their_last_checkpoints(learning_model_dir: Path, tmp_path: Path,
