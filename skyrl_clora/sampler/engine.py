@@ -35,10 +35,6 @@ at high priority by default, so it goes ahead of it (``stream_priority``).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import queue
-import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -51,17 +47,13 @@ from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.sampler.block_manager import BlockManager
 from skyrl_clora.profiling import profiled
 from skyrl_clora.sampler.engine_stats import EngineStats, GPUSpan
+from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
 from skyrl_clora.sampler.requests import Completion, SamplingParams
 from skyrl_clora.sampler.running_rows import RunningRows
 from skyrl_clora.sampler.sampling import DrawnTokens, draw_rows
 from skyrl_clora.sampler.scheduler import Publish, QueuedRequest, Scheduler, Unregister
 from skyrl_clora.sampler.shared_rows import SharedPrefixRows
-
-GIL_SWITCH_SECONDS = 0.0005  # the GIL switch interval while the engine runs on a GPU (Python's default: 5 ms)
-# The engine stream's CUDA priority by name (lower is higher; the trainer's default streams are at 0).
-STREAM_PRIORITIES = {"high": -1, "normal": 0}
-
 
 @dataclass
 class _StepInFlight:
@@ -77,8 +69,8 @@ class _StepInFlight:
     copied: GPUSpan | None = None
 
 
-class Engine:
-    """Multi-tenant sampler (see module docstring). Thread-safe: ``submit`` and ``publish`` may be called
+class Engine(EngineThread):
+    """Multi-tenant sampler (see module docstring), its rounds run by its own thread (:class:`EngineThread`). Thread-safe: ``submit`` and ``publish`` may be called
     from any thread and return ``concurrent.futures.Future`` objects.
 
     ``num_blocks``: KV blocks of ``block_size`` positions in the pool (None: enough for every row at
@@ -119,9 +111,6 @@ class Engine:
         stream_priority: str = "high",
         prefill_wait_steps: int = 0,
     ) -> None:
-        if stream_priority not in STREAM_PRIORITIES:
-            raise ValueError(f"stream_priority={stream_priority!r} is unknown; use one of {sorted(STREAM_PRIORITIES)}")
-        self.stream_priority = stream_priority
         max_len = -(-max_len // block_size) * block_size  # whole prefill blocks
         num_rows = -(-num_rows // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
         num_blocks = num_blocks or 2 * num_rows * (max_len // block_size)
@@ -142,16 +131,10 @@ class Engine:
                                    self.reuse_decode_kv, prefill_wait_steps)
         self._admitted_at = np.zeros(num_rows, dtype=np.int64)  # per row: when its request was admitted
         self._admissions = 0
-        self._inbox: queue.Queue = queue.Queue()
         self._running = RunningRows(num_rows, max_len)  # per cache row: decode inputs, settings, outputs so far
         self._in_flight: _StepInFlight | None = None  # the decode step launched last
         self._prefilled: _StepInFlight | None = None  # this round's prefill, its first tokens not accepted yet
-        self._paused = threading.Event()  # set while _pauses > 0
-        self._pauses = 0
-        self._pause_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="clora-engine", daemon=True)
-        self._thread.start()
+        self.start_thread(self.runner.device, stream_priority)
 
     # ---- public API (any thread) -------------------------------------------------------------
 
@@ -197,97 +180,27 @@ class Engine:
         self._inbox.put(Publish(adapter, weights, version, future))
         return future
 
-    def pause(self) -> None:
-        """Stops stepping after the step in flight (requests keep their state) until :meth:`resume`. Pauses
-        nest: the engine steps again once every :meth:`pause` has had its :meth:`resume`. The first pause
-        wakes an idle engine thread, so that its stats count the time from then on as paused, not idle."""
-        with self._pause_lock:
-            self._pauses += 1
-            self._paused.set()
-            if self._pauses == 1:
-                self._inbox.put(None)
-
-    def resume(self) -> None:
-        with self._pause_lock:
-            if self._pauses == 0:
-                raise RuntimeError("Engine.resume() without a pause()")
-            self._pauses -= 1
-            if self._pauses == 0:
-                self._paused.clear()
-                self._inbox.put(None)
-
     def running_rows(self) -> int:
         """How many requests hold a row now (read from any thread: a snapshot)."""
         return int(np.count_nonzero(self._running.active))
 
-    def shutdown(self) -> None:
-        self._stop.set()
-        self._inbox.put(None)
-        self._thread.join()
-
     # ---- engine thread -----------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        """The engine thread. On a GPU all its work runs on its own CUDA stream: the trainer's kernels (on the
-        default stream of another thread) then overlap with decode steps instead of queueing before them, and
-        a step's host synchronisation waits for the engine's own work only. At ``stream_priority="high"`` the
-        GPU schedules a decode step's blocks ahead of waiting training blocks (a tenant's rollout is slowed as
-        little as possible by another tenant's training; RESULTS.md, Engine and trainer settings and why: N=8 swap 31.4 s
-        at high, 34.1 s at normal); at ``"normal"`` neither goes first. The engine shares only read-only base
-        weights with the trainer; adapters arrive as host tensors.
+    def _enqueue(self, item: QueuedRequest | Publish | Unregister) -> None:
+        self.scheduler.enqueue(item)
 
-        The thread also lowers the interpreter's GIL switch interval (process-wide) to
-        :data:`GIL_SWITCH_SECONDS` on a GPU: it takes the GIL back after every host synchronisation, and with
-        Python's default of 5 ms a decode step of about that length could wait as long again behind the
-        trainer's (Python-heavy, eager) thread."""
-        device = self.runner.device
-        stream = None
-        if device.type == "cuda":
-            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_SECONDS))
-            torch.cuda.synchronize(device)  # the buffers built on the default stream are ready
-            stream = torch.cuda.Stream(device, priority=STREAM_PRIORITIES[self.stream_priority])
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self._serve()
+    def _idle(self) -> bool:
+        return self.scheduler.idle()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            idle = self._in_flight is None and self.scheduler.idle()
-            paused = self._paused.is_set()
-            began = time.perf_counter()
-            self._drain_inbox(block=(idle or paused) and self._in_flight is None)
-            waited = time.perf_counter() - began
-            if paused:
-                self.stats.paused_seconds += waited
-            elif idle:
-                self.stats.idle_seconds += waited
-                self.stats.idle_waits += waited >= 1e-3
-                self.stats.longest_idle_seconds = max(self.stats.longest_idle_seconds, waited)
-            stepping = not (self._paused.is_set() or self._stop.is_set())
-            if not stepping and self._in_flight is None:
-                continue
-            started = time.perf_counter()
-            try:
-                if stepping:
-                    self.step()
-                else:  # the step in flight ends before the pause
-                    self._accept_in_flight(self._held(self._in_flight))
-            except Exception as error:  # a broken step fails its requests, not the engine thread
-                self._in_flight = self._prefilled = None
-                self._fail_running(error)
-            self.stats.busy_seconds += time.perf_counter() - started
+    def _has_step_in_flight(self) -> bool:
+        return self._in_flight is not None
 
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            if item is not None:  # None only wakes the thread
-                self.scheduler.enqueue(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+    def _finish_step_in_flight(self) -> None:
+        self._accept_in_flight(self._held(self._in_flight))
+
+    def _fail_steps(self, error: Exception) -> None:
+        self._in_flight = self._prefilled = None
+        self._fail_running(error)
 
     def step(self) -> None:
         """One round of the engine thread's work: applies the publishes that may land, admits and prefills waiting
