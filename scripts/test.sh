@@ -5,7 +5,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$repo_root"
 export TRITON_INTERPRET=1
 set +e
-python -m pytest -q -ra "$@"
+python -m pytest -q -ra --durations=15 "$@"
 rc=$?
 # pytest's exit code 5 means "no tests collected": a failure for us.
 [ $rc -eq 5 ] && echo "error: pytest collected no tests" >&2
