@@ -10,6 +10,9 @@ Contract with the driver: every tenant loop that ends here (finished, stopped or
 services state freed; a tenant that stopped to move has its records dropped from this replica's metrics log, the
 destination's log carries them) and only then reported by :meth:`ReplicaRunner.wait_ended`, in the order they
 ended. :meth:`ReplicaRunner.close` ends the run once no tenant runs and returns the replica's summary.
+:meth:`ReplicaRunner.interrupt` is how a signal to the driver reaches the replica: its tenants stop after their
+current step as a one-replica run's do (``interrupts``); the actor's process takes no signal itself (Ray starts
+it in a process group of its own with SIGINT blocked, so a Ctrl-C at the driver's terminal does not reach it).
 """
 
 from __future__ import annotations
@@ -157,6 +160,13 @@ class ReplicaRunner:
                 self._host.moving.add(name)
 
         self._call(stop())
+
+    def interrupt(self, number: int) -> None:
+        """The driver received signal ``number``: every tenant here, and any added later, stops after its current
+        step (checkpointed, exported, a ``stopped`` record), as in a one-replica run that received it."""
+        from skyrl_clora.interrupts import STOP
+
+        STOP.request(number)
 
     def progress(self) -> dict[str, int]:
         """The RL steps done by each tenant running here."""

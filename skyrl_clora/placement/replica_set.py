@@ -17,6 +17,10 @@ ends:
   checkpoint; one lost more than :data:`REPLICA_RESTARTS` times leaves its unfinished tenants failed. A move
   from a lost replica is dropped (an explicit one is asked again of the relaunched replica); a move to a replica
   lost for good goes back to its source.
+- A signal to the driver (``interrupts.STOP``; the driver looks between its waits) is forwarded to every live
+  replica (:meth:`~ReplicaRunner.interrupt`), relaunched ones included: each tenant stops after its current step
+  as in a one-replica run. From then on no move starts and no tenant is added; a move under way lands (its tenant
+  stops on its destination at once, checkpointed where it left).
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from typing import Any
 
 from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints
 from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.interrupts import STOP
 from skyrl_clora.placement.planner import estimated_cost, pick_move
 from skyrl_clora.tenants import TenantSpec
 
-CONTROL_POLL_S = 0.2  # with live control, the longest a request waits for the driver's thread
+POLL_S = 0.2  # the longest a control request, or a signal's stop, waits for the driver's thread
 REPLICA_RESTARTS = 2  # a replica lost more often than this leaves its unfinished tenants failed (the others go on)
 
 
@@ -71,6 +76,7 @@ class ReplicaSet:
         self._requests: queue.Queue[tuple[Callable[[], Any], Future]] | None = None  # live control's, when served
         self._serving = False
         self._lock = threading.Lock()  # orders call's queueing against refuse_requests
+        self._interrupted: int | None = None  # the signal forwarded to the replicas, once one came
 
     def run_all(self, resume: dict[str, TenantCheckpoint], moves: list[Move]) -> None:
         """Runs every tenant to its end (finished or failed), with ``moves`` asked for as each tenant gets there."""
@@ -89,8 +95,9 @@ class ReplicaSet:
         for name in list(self._queued):
             self._next_move(name)
         while self._waits and any(status == "running" for status in self.status.values()):
-            done, _ = ray.wait(list(self._waits), num_returns=1,
-                               timeout=CONTROL_POLL_S if self._requests is not None else None)
+            if STOP.requested() and self._interrupted is None:
+                self._interrupt(STOP.signal)
+            done, _ = ray.wait(list(self._waits), num_returns=1, timeout=POLL_S)
             self._answer_requests()
             if not done:
                 continue
@@ -131,6 +138,8 @@ class ReplicaSet:
 
     def add_tenant(self, spec: TenantSpec) -> None:
         """(Driver's thread.) Starts tenant ``spec`` afresh on the live replica with room running the fewest."""
+        if self._interrupted is not None:
+            raise ConfigError("the run is stopping on a signal; add the tenant once the same command resumes the run")
         arriving = [move.to for move in self._moving.values()]
         load = {index: sum(self.status[name] == "running" for name in self._held(index)) + arriving.count(index)
                 for index in range(len(self.sub_runs)) if index not in self.gone}
@@ -197,6 +206,32 @@ class ReplicaSet:
         self.actors[index] = self._launch(index, sub, resume)
         self._seen[index] = 0
         self._waits[self.actors[index].wait_ended.remote(0)] = index
+        if self._interrupted is not None:
+            self.actors[index].interrupt.remote(self._interrupted)
+
+    def _interrupt(self, number: int) -> None:
+        """Forwards signal ``number`` to every live replica (see the module docstring)."""
+        import ray
+
+        self._interrupted = number
+        self._queued.clear()
+        calls = [actor.interrupt.remote(number) for index, actor in enumerate(self.actors)
+                 if index not in self.gone and actor is not None]
+        for call in calls:
+            try:
+                ray.get(call)
+            except ray.exceptions.RayActorError:  # lost: its relaunch is interrupted as it starts
+                pass
+        print("[replicas] asked every replica's tenants to stop after their current step", file=sys.stderr)
+
+    def abort(self) -> None:
+        """Ends every replica at once (a second signal): what the tenants' last checkpoints hold is what a resume
+        continues from."""
+        import ray
+
+        for actor in self.actors:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
 
     def _held(self, index: int) -> list[str]:
         return [name for name, owner in self.owner.items() if owner == index]
@@ -253,6 +288,9 @@ class ReplicaSet:
     def _stop_to_move(self, move: Move) -> bool:
         import ray
 
+        if self._interrupted is not None:
+            return False
+
         try:
             ray.get(self.actors[self.owner[move.tenant]].stop.remote(move.tenant, move.after_step, moving=True))
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):  # lost, or the tenant just ended
@@ -293,8 +331,12 @@ class ReplicaSet:
             self._next_move(name)
 
     def _rebalance(self) -> None:
-        """Moves a tenant onto each live replica that has none left to run, where the planner finds one that helps."""
+        """Moves a tenant onto each live replica that has none left to run, where the planner finds one that helps
+        (none once the run is stopping on a signal)."""
         import ray
+
+        if self._interrupted is not None:
+            return
 
         live = [index for index in range(len(self.sub_runs)) if index not in self.gone]
         arriving = {move.to for move in self._moving.values()}

@@ -19,6 +19,11 @@ unharmed. Each replica writes its own metrics under ``<output_dir>/replicas/<k>/
 ``moves`` done) and ``adapters/<tenant>/`` gather them at the end. Live control (``python -m skyrl_clora.ctl``,
 ``clora.control``) works across replicas (:mod:`.replica_control`): tenants are added to the live replica with
 room running the fewest, and stopped where they run.
+
+A signal (Ctrl-C, SIGTERM) stops a replicated run as it stops a one-replica run (``interrupts``): the first is
+forwarded to every replica, whose tenants stop after their current step (checkpointed, exported, a ``stopped``
+record), and the run's files are written as above; a second ends the replicas at once (the metrics they logged
+so far gathered, the last checkpoints what a resume continues from) and raises ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 
 from skyrl_clora.checkpoints import TenantCheckpoint, checkpoint_root, run_tenants
 from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.interrupts import STOP
 from skyrl_clora.metrics import write_run_summary
 from skyrl_clora.placement.planner import estimated_cost, plan_assignment
 from skyrl_clora.placement.replica_actor import ACTOR_CONCURRENCY, ReplicaRunner
@@ -82,6 +88,7 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     sub_runs = [_replica_run(run, index, group, root, capacity) for index, group in enumerate(groups)]
     if not ray.is_initialized():
         ray.init(include_dashboard=False)
+    STOP.reclaim()  # ray.init makes SIGTERM exit at once
     bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
     for resource in bundle:
         held = int(ray.available_resources().get(resource, 0))
@@ -108,18 +115,16 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
             control.start()
         replica_set.run_all(resume, list(moves))
         replica_set.close()
+    except KeyboardInterrupt:  # a second signal
+        replica_set.abort()
+        _write_records(run, resume, stopped, sub_runs, replica_set)
+        raise
     finally:
         if control is not None:
             replica_set.refuse_requests()
             control.close()
         remove_placement_group(group_pg)
-    records = _stopped_records(run, resume, stopped)
-    for index, sub in enumerate(sub_runs):
-        held = {name for name, owner in replica_set.owner.items() if owner == index}
-        records += [record for record in _read_records(sub.output_dir / "metrics.jsonl") if record.get("tenant") in held]
-        _gather_adapters(sub.output_dir, run.output_dir, held)
-    records += replica_set.records
-    (run.output_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    records = _write_records(run, resume, stopped, sub_runs, replica_set)
     fields = {"mode": run.mode, "steps": run.steps, "replicas": [[spec.name for spec in g] for g in groups],
               "moves": replica_set.moves}
     return write_run_summary(run.output_dir, records, run_tenants(run), fields, time.perf_counter() - started, 0.0,
@@ -146,6 +151,20 @@ def _replica_run(run: RunConfig, index: int, tenants: list[TenantSpec], root: Pa
                    replicas=1, control=False, max_tenants=capacity)
 
 
+def _write_records(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped: list[str], sub_runs: list[RunConfig],
+                   replica_set: ReplicaSet) -> list[dict[str, Any]]:
+    """Writes the run's metrics.jsonl (each tenant's records from the replica holding it last, then the driver's
+    own) and gathers the replicas' exported adapters into adapters/; returns the records."""
+    records = _stopped_records(run, resume, stopped)
+    for index, sub in enumerate(sub_runs):
+        held = {name for name, owner in replica_set.owner.items() if owner == index}
+        records += [record for record in _read_records(sub.output_dir / "metrics.jsonl") if record.get("tenant") in held]
+        _gather_adapters(sub.output_dir, run.output_dir, held)
+    records += replica_set.records
+    (run.output_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    return records
+
+
 def _stopped_records(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped: list[str]) -> list[dict[str, Any]]:
     """The records of tenants no replica ran (finished or stopped before), from their checkpoints."""
     return [record for spec in run.tenants if spec.name in resume and (resume[spec.name].finished or spec.name in stopped)
@@ -153,7 +172,9 @@ def _stopped_records(run: RunConfig, resume: dict[str, TenantCheckpoint], stoppe
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    """The records of a metrics log (a last line cut short by a replica ended mid-write left out)."""
+    text = path.read_text() if path.is_file() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
 def _gather_adapters(replica_dir: Path, output_dir: Path, held: set[str]) -> None:
