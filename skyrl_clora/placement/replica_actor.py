@@ -176,6 +176,18 @@ class ReplicaRunner:
 
         return self._call(progress())
 
+    def step_seconds(self) -> dict[str, float]:
+        """The mean wall time of an RL step of each tenant running here that has done one (its records carried
+        from earlier replicas included): :func:`~skyrl_clora.placement.planner.step_seconds`."""
+        from skyrl_clora.placement.planner import step_seconds
+
+        async def seconds() -> dict[str, float]:
+            running = set(self._host.pool.running())
+            return {name: value for name, value in step_seconds(self._host.pool.metrics.records).items()
+                    if name in running}
+
+        return self._call(seconds())
+
     def wait_ended(self, seen: int) -> list[TenantEnd]:
         """Blocks until more than ``seen`` tenant loops ended here (or the run ended); returns those after the
         first ``seen``. Raises the run's error if it failed."""

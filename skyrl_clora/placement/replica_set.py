@@ -9,7 +9,8 @@ ends:
   it from that checkpoint (``add``) and the tenant goes on from the next step, as it would have where it was.
   A move is asked for explicitly (:class:`Move`, in order per tenant), or made by the driver when a replica has
   no tenant left to run while another runs at least two with work left after their current step: the planner's
-  :func:`~skyrl_clora.placement.planner.pick_move` chooses which (by work left).
+  :func:`~skyrl_clora.placement.planner.pick_move` chooses which (by work left: measured seconds per step where
+  the tenant has done one, :func:`~skyrl_clora.placement.planner.measured_costs`).
 - Live control (``python -m skyrl_clora.ctl``; :mod:`.replica_control`): requests from other threads
   (:meth:`ReplicaSet.call`) run on the driver's thread between its waits; an added tenant starts on the live
   replica with room that runs the fewest tenants, a stop goes to the replica holding the tenant.
@@ -38,7 +39,7 @@ from typing import Any
 from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.interrupts import STOP
-from skyrl_clora.placement.planner import estimated_cost, pick_move
+from skyrl_clora.placement.planner import TenantCost, estimated_cost, measured_costs, pick_move
 from skyrl_clora.tenants import TenantSpec
 
 POLL_S = 0.2  # the longest a control request, or a signal's stop, waits for the driver's thread
@@ -342,26 +343,35 @@ class ReplicaSet:
         arriving = {move.to for move in self._moving.values()}
         running = {index: [name for name in self._held(index) if self.status[name] == "running"] for index in live}
         for idle in [index for index in live if not running[index] and index not in arriving]:
-            loads: list[list[Any]] = [[] for _ in self.sub_runs]
+            done: dict[int, dict[str, int]] = {}
+            seconds: dict[str, float] = {}
             for index in live:
                 movable = [n for n in running[index] if n not in self._moving and not self._queued.get(n)]
                 if index == idle or len(movable) < 2:
                     continue
                 try:
-                    progress = ray.get(self.actors[index].progress.remote())
+                    progress, measured = ray.get([self.actors[index].progress.remote(),
+                                                  self.actors[index].step_seconds.remote()])
                 except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
                     continue
-                loads[index] = [self._work_after_current(name, progress[name]) for name in movable if name in progress]
+                done[index] = {name: progress[name] for name in movable if name in progress}
+                seconds |= measured
+            costs = {cost.name: cost for cost in self._work_after_current(done, seconds)}
+            loads = [[costs[name] for name in done.get(index, {})] for index in range(len(self.sub_runs))]
             choice = pick_move(loads, idle, self.capacity)
             if choice is not None and self._stop_to_move(Move(choice[0], idle)):
                 running[choice[1]].remove(choice[0])
 
-    def _work_after_current(self, name: str, done: int) -> Any:
-        """Tenant ``name``'s work after its current step (the planner's estimate), having done ``done`` steps."""
-        run, spec = self.run, self.specs[name]
-        return estimated_cost(name, max(0, run.steps - done - 1), run.recipe.prompts_per_step * spec.samples_per_prompt,
-                              run.recipe.max_input_length + run.recipe.max_generate_length)
-
+    def _work_after_current(self, done: dict[int, dict[str, int]], seconds: dict[str, float]) -> list[TenantCost]:
+        """The work after their current step of the tenants in ``done`` (per replica, each tenant's RL steps done):
+        :func:`~skyrl_clora.placement.planner.measured_costs` with the measured ``seconds`` per step."""
+        run = self.run
+        names = [name for held in done.values() for name in held]
+        positions = run.recipe.max_input_length + run.recipe.max_generate_length
+        per_step = [estimated_cost(name, 1, run.recipe.prompts_per_step * self.specs[name].samples_per_prompt,
+                                   positions) for name in names]
+        steps_left = {name: max(0, run.steps - steps - 1) for held in done.values() for name, steps in held.items()}
+        return measured_costs(per_step, steps_left, seconds)
 
 def _finished(root: Path, name: str) -> bool:
     latest = TenantCheckpoints(root, name, -1).latest()

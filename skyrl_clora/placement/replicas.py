@@ -3,7 +3,7 @@
 A replica is what a one-replica run is: one base model with its engine, trainer and AdapterStore, running its
 tenants concurrently (:func:`skyrl_clora.backends.embedded.run_experiments`), kept open while the run goes so
 that tenants move in and out of it (:mod:`.replica_actor`). The driver plans which replica starts which tenant
-(:mod:`.planner`, by each tenant's work left: steps x rows x positions), reserves one bundle per replica in a
+(:mod:`.planner`, by each tenant's work left: :func:`plan_replicas`), reserves one bundle per replica in a
 Ray placement group (a GPU each on CUDA, a CPU each otherwise; a multi-node Ray cluster works the same way),
 runs the replicas (:class:`.replica_set.ReplicaSet`: tenants moved between live replicas at step boundaries
 when a replica runs out of tenants or when asked, lost replicas relaunched) and gathers the replicas' metrics
@@ -42,7 +42,7 @@ from skyrl_clora.checkpoints import TenantCheckpoint, checkpoint_root, run_tenan
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.metrics import write_run_summary
-from skyrl_clora.placement.planner import estimated_cost, plan_assignment
+from skyrl_clora.placement.planner import estimated_cost, measured_costs, plan_assignment, step_seconds
 from skyrl_clora.placement.replica_actor import ACTOR_CONCURRENCY, ReplicaRunner
 from skyrl_clora.placement.replica_control import ReplicaControl
 from skyrl_clora.placement.replica_set import REPLICA_RESTARTS, Move, ReplicaSet
@@ -56,11 +56,17 @@ PLACEMENT_TIMEOUT_S = 120
 
 def plan_replicas(run: RunConfig, specs: list[TenantSpec], resume: dict[str, TenantCheckpoint],
                   replicas: int) -> list[list[TenantSpec]]:
-    """The tenants each of ``replicas`` replicas runs: :func:`plan_assignment` over their work left (steps not
-    yet checkpointed x prompts x samples x positions per row), at most ``clora.max_tenants`` per replica when set."""
+    """The tenants each of ``replicas`` replicas runs: :func:`plan_assignment` over their work left, at most
+    ``clora.max_tenants`` per replica when set. A tenant's work left is its steps not yet checkpointed times its
+    work per step: measured (the mean wall time of the steps its checkpoint's records hold) where it has run,
+    else estimated (prompts x samples x positions per row; scaled to seconds by the tenants that ran, if any):
+    :func:`~skyrl_clora.placement.planner.measured_costs`."""
     positions = run.recipe.max_input_length + run.recipe.max_generate_length
-    costs = [estimated_cost(spec.name, run.steps - (resume[spec.name].step if spec.name in resume else 0),
-                            run.recipe.prompts_per_step * spec.samples_per_prompt, positions) for spec in specs]
+    per_step = [estimated_cost(spec.name, 1, run.recipe.prompts_per_step * spec.samples_per_prompt, positions)
+                for spec in specs]
+    steps_left = {spec.name: run.steps - (resume[spec.name].step if spec.name in resume else 0) for spec in specs}
+    seconds = step_seconds(record for spec in specs if spec.name in resume for record in resume[spec.name].records)
+    costs = measured_costs(per_step, steps_left, seconds)
     names = plan_assignment(costs, replicas, run.max_tenants or len(specs))
     by_name = {spec.name: spec for spec in specs}
     return [[by_name[name] for name in group] for group in names]
