@@ -15,9 +15,12 @@ ends:
   (:meth:`ReplicaSet.call`) run on the driver's thread between its waits; an added tenant starts on the live
   replica with room that runs the fewest tenants, a stop goes to the replica holding the tenant.
 - A lost replica (its actor died) is relaunched in its bundle with the tenants it held, each from its latest
-  checkpoint; one lost more than :data:`REPLICA_RESTARTS` times leaves its unfinished tenants failed. A move
-  from a lost replica is dropped (an explicit one is asked again of the relaunched replica); a move to a replica
-  lost for good goes back to its source.
+  checkpoint. One lost more than :data:`REPLICA_RESTARTS` times is given up: its unfinished tenants go on, each
+  from its latest checkpoint (afresh without one), on the live replica with room that runs the fewest tenants
+  (recorded in :attr:`ReplicaSet.moves`); one that finds no room waits until a tenant ends somewhere, and fails
+  only when no live replica is left, or none runs a tenant that could free a slot. A move from a lost replica
+  is dropped (an explicit one is asked again where the tenant goes on); a move to a replica lost for good goes
+  back to its source.
 - A signal to the driver (``interrupts.STOP``; the driver looks between its waits) is forwarded to every live
   replica (:meth:`~ReplicaRunner.interrupt`), relaunched ones included: each tenant stops after its current step
   as in a one-replica run. From then on no move starts and no tenant is added; a move under way lands (its tenant
@@ -78,6 +81,7 @@ class ReplicaSet:
         self._serving = False
         self._lock = threading.Lock()  # orders call's queueing against refuse_requests
         self._interrupted: int | None = None  # the signal forwarded to the replicas, once one came
+        self._homeless: list[tuple[str, int]] = []  # tenants of replicas lost for good waiting for room: name, origin
 
     def run_all(self, resume: dict[str, TenantCheckpoint], moves: list[Move]) -> None:
         """Runs every tenant to its end (finished or failed), with ``moves`` asked for as each tenant gets there."""
@@ -113,6 +117,8 @@ class ReplicaSet:
                 self._waits[self.actors[index].wait_ended.remote(self._seen[index])] = index
             for end in ended:
                 self._ended(index, end.tenant, end.outcome, end.step)
+            if self._homeless:
+                self._rehome()
             self._rebalance()
 
     def serve_requests(self) -> None:
@@ -141,19 +147,24 @@ class ReplicaSet:
         """(Driver's thread.) Starts tenant ``spec`` afresh on the live replica with room running the fewest."""
         if self._interrupted is not None:
             raise ConfigError("the run is stopping on a signal; add the tenant once the same command resumes the run")
-        arriving = [move.to for move in self._moving.values()]
-        load = {index: sum(self.status[name] == "running" for name in self._held(index)) + arriving.count(index)
-                for index in range(len(self.sub_runs)) if index not in self.gone}
-        room = [index for index, held in load.items() if held < self.capacity]
+        room = self._with_room()
         if not room:
             raise ConfigError(f"every replica holds {self.capacity} tenants, the most this run gives one (clora.max_tenants="
                               f"{self.run.max_tenants}); start the run with a larger clora.max_tenants")
-        index = min(room, key=lambda i: (load[i], i))
+        index = room[0]
         self.specs[spec.name], self.status[spec.name] = spec, "running"
         error = self._add(index, spec.name, None)
         if error is not None:
             del self.specs[spec.name], self.status[spec.name], self.owner[spec.name]
             raise ConfigError(error)
+
+    def _with_room(self) -> list[int]:
+        """The live replicas holding fewer than ``capacity`` running or arriving tenants, fewest first (ties: the
+        lower index)."""
+        arriving = [move.to for move in self._moving.values()]
+        load = {index: sum(self.status[name] == "running" for name in self._held(index)) + arriving.count(index)
+                for index in range(len(self.sub_runs)) if index not in self.gone}
+        return sorted((index for index, held in load.items() if held < self.capacity), key=lambda i: (load[i], i))
 
     def stop_tenant(self, name: str) -> None:
         """(Driver's thread.) Asks running tenant ``name`` to stop after its current step (it ends ``stopped``)."""
@@ -310,13 +321,14 @@ class ReplicaSet:
                 self._queued[name].appendleft(move)
         if self.losses[index] > REPLICA_RESTARTS:
             self.gone.add(index)
-            print(f"[replicas] replica {index} was lost {self.losses[index]} times; its unfinished tenants fail",
-                  file=sys.stderr)
+            print(f"[replicas] replica {index} was lost {self.losses[index]} times ({type(error).__name__}); its "
+                  "unfinished tenants go on elsewhere from their last checkpoints", file=sys.stderr)
             for name in held:
-                if self.status[name] == "running" and not _finished(self.root, name):
-                    self.status[name] = "failed"
-                    self.records.append({"event": "failed", "tenant": name, "error": f"{type(error).__name__}: "
-                                         f"replica lost {self.losses[index]} times"})
+                if self.status[name] == "running" and _finished(self.root, name):
+                    self.status[name] = "finished"
+                elif self.status[name] == "running":
+                    self._homeless.append((name, index))
+            self._rehome()
             return
         latest = {name: checkpoint for name in held
                   if (checkpoint := TenantCheckpoints(self.root, name, -1).latest()) is not None}
@@ -330,6 +342,35 @@ class ReplicaSet:
         self._start(index, sub, latest)
         for name in held:
             self._next_move(name)
+
+    def _rehome(self) -> None:
+        """Starts each tenant of a replica lost for good on the live replica with room running the fewest tenants,
+        from its latest checkpoint; keeps those no replica took waiting, or fails them when no live replica is
+        left or none runs a tenant (no slot will free)."""
+        waiting = []
+        for name, origin in self._homeless:
+            checkpoint = TenantCheckpoints(self.root, name, -1).latest()
+            for to in self._with_room():
+                error = self._add(to, name, checkpoint)
+                if error is None:
+                    step = checkpoint.step if checkpoint is not None else 0
+                    self.moves.append({"tenant": name, "from": origin, "to": to, "step": step})
+                    print(f"[replicas] tenant {name} of lost replica {origin} goes on on replica {to} after step "
+                          f"{step}", file=sys.stderr)
+                    self._next_move(name)
+                    break
+                self.owner[name] = origin
+                print(f"[replicas] replica {to} refused tenant {name} ({error})", file=sys.stderr)
+            else:
+                waiting.append((name, origin))
+        self._homeless = waiting
+        busy = any(status == "running" and self.owner[name] not in self.gone for name, status in self.status.items())
+        if waiting and not busy:
+            for name, origin in waiting:
+                self.status[name] = "failed"
+                self.records.append({"event": "failed", "tenant": name, "error": f"replica {origin} lost "
+                                     f"{self.losses[origin]} times and no live replica could take the tenant"})
+            self._homeless = []
 
     def _rebalance(self) -> None:
         """Moves a tenant onto each live replica that has none left to run, where the planner finds one that helps
