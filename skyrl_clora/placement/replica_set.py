@@ -46,7 +46,7 @@ from skyrl_clora.placement.planner import TenantCost, estimated_cost, measured_c
 from skyrl_clora.tenants import TenantSpec
 
 POLL_S = 0.2  # the longest a control request, or a signal's stop, waits for the driver's thread
-REPLICA_RESTARTS = 2  # a replica lost more often than this leaves its unfinished tenants failed (the others go on)
+REPLICA_RESTARTS = 2  # a replica lost more often than this is given up: its tenants go on on the others
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,8 @@ class ReplicaSet:
 
     def _lost(self, index: int, error: Exception) -> None:
         """Replica ``index``'s actor died: relaunches it with its tenants from their latest checkpoints, or (lost
-        more than :data:`REPLICA_RESTARTS` times, or nothing left to run) gives it up."""
+        more than :data:`REPLICA_RESTARTS` times, or nothing left to run) gives it up, its unfinished tenants
+        going on elsewhere (:meth:`_rehome`)."""
         self.losses[index] += 1
         held = self._held(index)
         for name in held:  # its stop requests died with it; explicit moves are asked again

@@ -13,8 +13,8 @@ Every replica checkpoints into the run's checkpoint folder (``trainer.ckpt_path`
 ``<output_dir>/checkpoints``), so a tenant resumes on whichever replica takes it: a moved tenant from the
 checkpoint its source wrote when it stopped (no step lost), a lost replica's tenants from their latest
 checkpoints (only the steps since then lost); a replica lost more than
-:data:`.replica_set.REPLICA_RESTARTS` times leaves its unfinished tenants failed, the other replicas' tenants
-unharmed. Each replica writes its own metrics under ``<output_dir>/replicas/<k>/``; the run's ``metrics.jsonl``
+:data:`.replica_set.REPLICA_RESTARTS` times is given up and its unfinished tenants go on, from their latest
+checkpoints, on the other live replicas (they fail only when none is left). Each replica writes its own metrics under ``<output_dir>/replicas/<k>/``; the run's ``metrics.jsonl``
 (each tenant's records from the replica it ended on), ``summary.json`` (with the plan, ``replicas``, and the
 ``moves`` done) and ``adapters/<tenant>/`` gather them at the end. Live control (``python -m skyrl_clora.ctl``,
 ``clora.control``) works across replicas (:mod:`.replica_control`): tenants are added to the live replica with
