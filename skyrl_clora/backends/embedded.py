@@ -168,9 +168,10 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
     engine_stats: list[dict[str, float]] = []
     try:
         for group in groups:
-            if STOP.requested():  # serial mode: the tenants not started yet start on resume
+            if STOP.requested():  # before the group started (serial mode; a replica): it starts on resume
                 for spec in group:
-                    metrics.write({"event": "stopped", "tenant": spec.name, "step": 0})
+                    metrics.write({"event": "stopped", "tenant": spec.name,
+                                   "step": resume[spec.name].step if spec.name in resume else 0})
                 continue
             cold_starts.append(_run_group(run, group, sources, model_path, rows_per_tenant, metrics, engine_stats,
                                           resume, stopped, host))

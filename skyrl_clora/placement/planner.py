@@ -9,12 +9,16 @@ replica and another while one lowers the makespan, then a branch and bound from 
 cases, within a node budget on large ones). :func:`optimal_assignment` solves small cases exactly,
 to measure the plan against. While the tenants run, :func:`pick_move` chooses the tenant to move onto a
 replica that ran out of tenants.
+
+A tenant's cost is its work left: :func:`estimated_cost` before it has run, and once it has,
+:func:`measured_costs`: its measured seconds per RL step (:func:`step_seconds`, from its metrics records) times
+its steps left, the estimates of the tenants not measured yet scaled to seconds by the tenants that have both.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -35,6 +39,36 @@ def estimated_cost(name: str, steps: int, rows_per_step: int, positions_per_row:
     """The work of ``steps`` steps of ``rows_per_step`` rows (prompts x samples), each up to ``positions_per_row``
     prompt and generated positions, in token positions: what sampling and training both scale with."""
     return TenantCost(name, float(steps * rows_per_step * positions_per_row))
+
+
+STEP_TIMINGS = ("rollout_s", "train_s", "sync_s")  # the parts of an RL step's wall time in its metrics record
+
+
+def step_seconds(records: Iterable[Mapping[str, object]]) -> dict[str, float]:
+    """Per tenant with at least one RL step record in ``records``, the mean wall time of those steps (the sum of
+    each record's :data:`STEP_TIMINGS`)."""
+    totals: dict[str, list[float]] = {}
+    for record in records:
+        if record.get("event") == "step" and all(isinstance(record.get(key), (int, float)) for key in STEP_TIMINGS):
+            total = totals.setdefault(str(record["tenant"]), [0.0, 0.0])
+            total[0] += sum(float(record[key]) for key in STEP_TIMINGS)
+            total[1] += 1
+    return {name: seconds / count for name, (seconds, count) in totals.items()}
+
+
+def measured_costs(per_step: Sequence[TenantCost], steps_left: Mapping[str, int],
+                   seconds: Mapping[str, float]) -> list[TenantCost]:
+    """Each tenant's work left, ``steps_left[name]`` steps of: its measured ``seconds[name]`` per step where
+    given; else its estimated work per step (``per_step``, :func:`estimated_cost` of one step) times the seconds
+    per estimated unit of the measured tenants (their seconds over their estimates, summed). With no tenant
+    measured (or none with a non-zero estimate), every tenant's estimate."""
+    measured = [cost for cost in per_step if cost.name in seconds]
+    units = sum(cost.work for cost in measured)
+    if units <= 0:
+        return [TenantCost(cost.name, cost.work * steps_left[cost.name]) for cost in per_step]
+    scale = sum(seconds[cost.name] for cost in measured) / units
+    return [TenantCost(cost.name, steps_left[cost.name] * (seconds[cost.name] if cost.name in seconds
+                                                           else cost.work * scale)) for cost in per_step]
 
 
 def makespan(assignment: Sequence[Sequence[str]], costs: dict[str, float]) -> float:

@@ -10,6 +10,9 @@ Contract with the driver: every tenant loop that ends here (finished, stopped or
 services state freed; a tenant that stopped to move has its records dropped from this replica's metrics log, the
 destination's log carries them) and only then reported by :meth:`ReplicaRunner.wait_ended`, in the order they
 ended. :meth:`ReplicaRunner.close` ends the run once no tenant runs and returns the replica's summary.
+:meth:`ReplicaRunner.interrupt` is how a signal to the driver reaches the replica: its tenants stop after their
+current step as a one-replica run's do (``interrupts``); the actor's process takes no signal itself (Ray starts
+it in a process group of its own with SIGINT blocked, so a Ctrl-C at the driver's terminal does not reach it).
 """
 
 from __future__ import annotations
@@ -158,6 +161,13 @@ class ReplicaRunner:
 
         self._call(stop())
 
+    def interrupt(self, number: int) -> None:
+        """The driver received signal ``number``: every tenant here, and any added later, stops after its current
+        step (checkpointed, exported, a ``stopped`` record), as in a one-replica run that received it."""
+        from skyrl_clora.interrupts import STOP
+
+        STOP.request(number)
+
     def progress(self) -> dict[str, int]:
         """The RL steps done by each tenant running here."""
 
@@ -165,6 +175,18 @@ class ReplicaRunner:
             return await self._host.pool.steps_done()
 
         return self._call(progress())
+
+    def step_seconds(self) -> dict[str, float]:
+        """The mean wall time of an RL step of each tenant running here that has done one (its records carried
+        from earlier replicas included): :func:`~skyrl_clora.placement.planner.step_seconds`."""
+        from skyrl_clora.placement.planner import step_seconds
+
+        async def seconds() -> dict[str, float]:
+            running = set(self._host.pool.running())
+            return {name: value for name, value in step_seconds(self._host.pool.metrics.records).items()
+                    if name in running}
+
+        return self._call(seconds())
 
     def wait_ended(self, seen: int) -> list[TenantEnd]:
         """Blocks until more than ``seen`` tenant loops ended here (or the run ended); returns those after the

@@ -9,14 +9,22 @@ ends:
   it from that checkpoint (``add``) and the tenant goes on from the next step, as it would have where it was.
   A move is asked for explicitly (:class:`Move`, in order per tenant), or made by the driver when a replica has
   no tenant left to run while another runs at least two with work left after their current step: the planner's
-  :func:`~skyrl_clora.placement.planner.pick_move` chooses which (by work left).
+  :func:`~skyrl_clora.placement.planner.pick_move` chooses which (by work left: measured seconds per step where
+  the tenant has done one, :func:`~skyrl_clora.placement.planner.measured_costs`).
 - Live control (``python -m skyrl_clora.ctl``; :mod:`.replica_control`): requests from other threads
   (:meth:`ReplicaSet.call`) run on the driver's thread between its waits; an added tenant starts on the live
   replica with room that runs the fewest tenants, a stop goes to the replica holding the tenant.
 - A lost replica (its actor died) is relaunched in its bundle with the tenants it held, each from its latest
-  checkpoint; one lost more than :data:`REPLICA_RESTARTS` times leaves its unfinished tenants failed. A move
-  from a lost replica is dropped (an explicit one is asked again of the relaunched replica); a move to a replica
-  lost for good goes back to its source.
+  checkpoint. One lost more than :data:`REPLICA_RESTARTS` times is given up: its unfinished tenants go on, each
+  from its latest checkpoint (afresh without one), on the live replica with room that runs the fewest tenants
+  (recorded in :attr:`ReplicaSet.moves`); one that finds no room waits until a tenant ends somewhere, and fails
+  only when no live replica is left, or none runs a tenant that could free a slot. A move from a lost replica
+  is dropped (an explicit one is asked again where the tenant goes on); a move to a replica lost for good goes
+  back to its source.
+- A signal to the driver (``interrupts.STOP``; the driver looks between its waits) is forwarded to every live
+  replica (:meth:`~ReplicaRunner.interrupt`), relaunched ones included: each tenant stops after its current step
+  as in a one-replica run. From then on no move starts and no tenant is added; a move under way lands (its tenant
+  stops on its destination at once, checkpointed where it left).
 """
 
 from __future__ import annotations
@@ -33,11 +41,12 @@ from typing import Any
 
 from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints
 from skyrl_clora.config import ConfigError, RunConfig
-from skyrl_clora.placement.planner import estimated_cost, pick_move
+from skyrl_clora.interrupts import STOP
+from skyrl_clora.placement.planner import TenantCost, estimated_cost, measured_costs, pick_move
 from skyrl_clora.tenants import TenantSpec
 
-CONTROL_POLL_S = 0.2  # with live control, the longest a request waits for the driver's thread
-REPLICA_RESTARTS = 2  # a replica lost more often than this leaves its unfinished tenants failed (the others go on)
+POLL_S = 0.2  # the longest a control request, or a signal's stop, waits for the driver's thread
+REPLICA_RESTARTS = 2  # a replica lost more often than this is given up: its tenants go on on the others
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,8 @@ class ReplicaSet:
         self._requests: queue.Queue[tuple[Callable[[], Any], Future]] | None = None  # live control's, when served
         self._serving = False
         self._lock = threading.Lock()  # orders call's queueing against refuse_requests
+        self._interrupted: int | None = None  # the signal forwarded to the replicas, once one came
+        self._homeless: list[tuple[str, int]] = []  # tenants of replicas lost for good waiting for room: name, origin
 
     def run_all(self, resume: dict[str, TenantCheckpoint], moves: list[Move]) -> None:
         """Runs every tenant to its end (finished or failed), with ``moves`` asked for as each tenant gets there."""
@@ -89,8 +100,9 @@ class ReplicaSet:
         for name in list(self._queued):
             self._next_move(name)
         while self._waits and any(status == "running" for status in self.status.values()):
-            done, _ = ray.wait(list(self._waits), num_returns=1,
-                               timeout=CONTROL_POLL_S if self._requests is not None else None)
+            if STOP.requested() and self._interrupted is None:
+                self._interrupt(STOP.signal)
+            done, _ = ray.wait(list(self._waits), num_returns=1, timeout=POLL_S)
             self._answer_requests()
             if not done:
                 continue
@@ -105,6 +117,8 @@ class ReplicaSet:
                 self._waits[self.actors[index].wait_ended.remote(self._seen[index])] = index
             for end in ended:
                 self._ended(index, end.tenant, end.outcome, end.step)
+            if self._homeless:
+                self._rehome()
             self._rebalance()
 
     def serve_requests(self) -> None:
@@ -131,19 +145,26 @@ class ReplicaSet:
 
     def add_tenant(self, spec: TenantSpec) -> None:
         """(Driver's thread.) Starts tenant ``spec`` afresh on the live replica with room running the fewest."""
-        arriving = [move.to for move in self._moving.values()]
-        load = {index: sum(self.status[name] == "running" for name in self._held(index)) + arriving.count(index)
-                for index in range(len(self.sub_runs)) if index not in self.gone}
-        room = [index for index, held in load.items() if held < self.capacity]
+        if self._interrupted is not None:
+            raise ConfigError("the run is stopping on a signal; add the tenant once the same command resumes the run")
+        room = self._with_room()
         if not room:
             raise ConfigError(f"every replica holds {self.capacity} tenants, the most this run gives one (clora.max_tenants="
                               f"{self.run.max_tenants}); start the run with a larger clora.max_tenants")
-        index = min(room, key=lambda i: (load[i], i))
+        index = room[0]
         self.specs[spec.name], self.status[spec.name] = spec, "running"
         error = self._add(index, spec.name, None)
         if error is not None:
             del self.specs[spec.name], self.status[spec.name], self.owner[spec.name]
             raise ConfigError(error)
+
+    def _with_room(self) -> list[int]:
+        """The live replicas holding fewer than ``capacity`` running or arriving tenants, fewest first (ties: the
+        lower index)."""
+        arriving = [move.to for move in self._moving.values()]
+        load = {index: sum(self.status[name] == "running" for name in self._held(index)) + arriving.count(index)
+                for index in range(len(self.sub_runs)) if index not in self.gone}
+        return sorted((index for index, held in load.items() if held < self.capacity), key=lambda i: (load[i], i))
 
     def stop_tenant(self, name: str) -> None:
         """(Driver's thread.) Asks running tenant ``name`` to stop after its current step (it ends ``stopped``)."""
@@ -197,6 +218,32 @@ class ReplicaSet:
         self.actors[index] = self._launch(index, sub, resume)
         self._seen[index] = 0
         self._waits[self.actors[index].wait_ended.remote(0)] = index
+        if self._interrupted is not None:
+            self.actors[index].interrupt.remote(self._interrupted)
+
+    def _interrupt(self, number: int) -> None:
+        """Forwards signal ``number`` to every live replica (see the module docstring)."""
+        import ray
+
+        self._interrupted = number
+        self._queued.clear()
+        calls = [actor.interrupt.remote(number) for index, actor in enumerate(self.actors)
+                 if index not in self.gone and actor is not None]
+        for call in calls:
+            try:
+                ray.get(call)
+            except ray.exceptions.RayActorError:  # lost: its relaunch is interrupted as it starts
+                pass
+        print("[replicas] asked every replica's tenants to stop after their current step", file=sys.stderr)
+
+    def abort(self) -> None:
+        """Ends every replica at once (a second signal): what the tenants' last checkpoints hold is what a resume
+        continues from."""
+        import ray
+
+        for actor in self.actors:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
 
     def _held(self, index: int) -> list[str]:
         return [name for name, owner in self.owner.items() if owner == index]
@@ -253,6 +300,9 @@ class ReplicaSet:
     def _stop_to_move(self, move: Move) -> bool:
         import ray
 
+        if self._interrupted is not None:
+            return False
+
         try:
             ray.get(self.actors[self.owner[move.tenant]].stop.remote(move.tenant, move.after_step, moving=True))
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):  # lost, or the tenant just ended
@@ -262,7 +312,8 @@ class ReplicaSet:
 
     def _lost(self, index: int, error: Exception) -> None:
         """Replica ``index``'s actor died: relaunches it with its tenants from their latest checkpoints, or (lost
-        more than :data:`REPLICA_RESTARTS` times, or nothing left to run) gives it up."""
+        more than :data:`REPLICA_RESTARTS` times, or nothing left to run) gives it up, its unfinished tenants
+        going on elsewhere (:meth:`_rehome`)."""
         self.losses[index] += 1
         held = self._held(index)
         for name in held:  # its stop requests died with it; explicit moves are asked again
@@ -271,13 +322,14 @@ class ReplicaSet:
                 self._queued[name].appendleft(move)
         if self.losses[index] > REPLICA_RESTARTS:
             self.gone.add(index)
-            print(f"[replicas] replica {index} was lost {self.losses[index]} times; its unfinished tenants fail",
-                  file=sys.stderr)
+            print(f"[replicas] replica {index} was lost {self.losses[index]} times ({type(error).__name__}); its "
+                  "unfinished tenants go on elsewhere from their last checkpoints", file=sys.stderr)
             for name in held:
-                if self.status[name] == "running" and not _finished(self.root, name):
-                    self.status[name] = "failed"
-                    self.records.append({"event": "failed", "tenant": name, "error": f"{type(error).__name__}: "
-                                         f"replica lost {self.losses[index]} times"})
+                if self.status[name] == "running" and _finished(self.root, name):
+                    self.status[name] = "finished"
+                elif self.status[name] == "running":
+                    self._homeless.append((name, index))
+            self._rehome()
             return
         latest = {name: checkpoint for name in held
                   if (checkpoint := TenantCheckpoints(self.root, name, -1).latest()) is not None}
@@ -292,34 +344,76 @@ class ReplicaSet:
         for name in held:
             self._next_move(name)
 
+    def _rehome(self) -> None:
+        """Starts each tenant of a replica lost for good on the live replica with room running the fewest tenants,
+        from its latest checkpoint; keeps those no replica took waiting, or fails them when no live replica is
+        left or none runs a tenant (no slot will free)."""
+        waiting = []
+        for name, origin in self._homeless:
+            checkpoint = TenantCheckpoints(self.root, name, -1).latest()
+            for to in self._with_room():
+                error = self._add(to, name, checkpoint)
+                if error is None:
+                    step = checkpoint.step if checkpoint is not None else 0
+                    self.moves.append({"tenant": name, "from": origin, "to": to, "step": step})
+                    print(f"[replicas] tenant {name} of lost replica {origin} goes on on replica {to} after step "
+                          f"{step}", file=sys.stderr)
+                    self._next_move(name)
+                    break
+                self.owner[name] = origin
+                print(f"[replicas] replica {to} refused tenant {name} ({error})", file=sys.stderr)
+            else:
+                waiting.append((name, origin))
+        self._homeless = waiting
+        busy = any(status == "running" and self.owner[name] not in self.gone for name, status in self.status.items())
+        if waiting and not busy:
+            for name, origin in waiting:
+                self.status[name] = "failed"
+                self.records.append({"event": "failed", "tenant": name, "error": f"replica {origin} lost "
+                                     f"{self.losses[origin]} times and no live replica could take the tenant"})
+            self._homeless = []
+
     def _rebalance(self) -> None:
-        """Moves a tenant onto each live replica that has none left to run, where the planner finds one that helps."""
+        """Moves a tenant onto each live replica that has none left to run, where the planner finds one that helps
+        (none once the run is stopping on a signal)."""
         import ray
+
+        if self._interrupted is not None:
+            return
 
         live = [index for index in range(len(self.sub_runs)) if index not in self.gone]
         arriving = {move.to for move in self._moving.values()}
         running = {index: [name for name in self._held(index) if self.status[name] == "running"] for index in live}
         for idle in [index for index in live if not running[index] and index not in arriving]:
-            loads: list[list[Any]] = [[] for _ in self.sub_runs]
+            done: dict[int, dict[str, int]] = {}
+            seconds: dict[str, float] = {}
             for index in live:
                 movable = [n for n in running[index] if n not in self._moving and not self._queued.get(n)]
                 if index == idle or len(movable) < 2:
                     continue
                 try:
-                    progress = ray.get(self.actors[index].progress.remote())
+                    progress, measured = ray.get([self.actors[index].progress.remote(),
+                                                  self.actors[index].step_seconds.remote()])
                 except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
                     continue
-                loads[index] = [self._work_after_current(name, progress[name]) for name in movable if name in progress]
+                done[index] = {name: progress[name] for name in movable if name in progress}
+                seconds |= measured
+            costs = {cost.name: cost for cost in self._work_after_current(done, seconds)}
+            loads = [[costs[name] for name in done.get(index, {})] for index in range(len(self.sub_runs))]
             choice = pick_move(loads, idle, self.capacity)
             if choice is not None and self._stop_to_move(Move(choice[0], idle)):
                 running[choice[1]].remove(choice[0])
 
-    def _work_after_current(self, name: str, done: int) -> Any:
-        """Tenant ``name``'s work after its current step (the planner's estimate), having done ``done`` steps."""
-        run, spec = self.run, self.specs[name]
-        return estimated_cost(name, max(0, run.steps - done - 1), run.recipe.prompts_per_step * spec.samples_per_prompt,
-                              run.recipe.max_input_length + run.recipe.max_generate_length)
-
+    def _work_after_current(self, done: dict[int, dict[str, int]], seconds: dict[str, float]) -> list[TenantCost]:
+        """The work after their current step of the tenants in ``done`` (per replica, each tenant's RL steps done):
+        :func:`~skyrl_clora.placement.planner.measured_costs` with the measured ``seconds`` per step."""
+        run = self.run
+        names = [name for held in done.values() for name in held]
+        positions = run.recipe.max_input_length + run.recipe.max_generate_length
+        per_step = [estimated_cost(name, 1, run.recipe.prompts_per_step * self.specs[name].samples_per_prompt,
+                                   positions) for name in names]
+        steps_left = {name: max(0, run.steps - steps - 1) for held in done.values() for name, steps in held.items()}
+        return measured_costs(per_step, steps_left, seconds)
 
 def _finished(root: Path, name: str) -> bool:
     latest = TenantCheckpoints(root, name, -1).latest()

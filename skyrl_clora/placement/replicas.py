@@ -3,7 +3,7 @@
 A replica is what a one-replica run is: one base model with its engine, trainer and AdapterStore, running its
 tenants concurrently (:func:`skyrl_clora.backends.embedded.run_experiments`), kept open while the run goes so
 that tenants move in and out of it (:mod:`.replica_actor`). The driver plans which replica starts which tenant
-(:mod:`.planner`, by each tenant's work left: steps x rows x positions), reserves one bundle per replica in a
+(:mod:`.planner`, by each tenant's work left: :func:`plan_replicas`), reserves one bundle per replica in a
 Ray placement group (a GPU each on CUDA, a CPU each otherwise; a multi-node Ray cluster works the same way),
 runs the replicas (:class:`.replica_set.ReplicaSet`: tenants moved between live replicas at step boundaries
 when a replica runs out of tenants or when asked, lost replicas relaunched) and gathers the replicas' metrics
@@ -13,12 +13,17 @@ Every replica checkpoints into the run's checkpoint folder (``trainer.ckpt_path`
 ``<output_dir>/checkpoints``), so a tenant resumes on whichever replica takes it: a moved tenant from the
 checkpoint its source wrote when it stopped (no step lost), a lost replica's tenants from their latest
 checkpoints (only the steps since then lost); a replica lost more than
-:data:`.replica_set.REPLICA_RESTARTS` times leaves its unfinished tenants failed, the other replicas' tenants
-unharmed. Each replica writes its own metrics under ``<output_dir>/replicas/<k>/``; the run's ``metrics.jsonl``
+:data:`.replica_set.REPLICA_RESTARTS` times is given up and its unfinished tenants go on, from their latest
+checkpoints, on the other live replicas (they fail only when none is left). Each replica writes its own metrics under ``<output_dir>/replicas/<k>/``; the run's ``metrics.jsonl``
 (each tenant's records from the replica it ended on), ``summary.json`` (with the plan, ``replicas``, and the
 ``moves`` done) and ``adapters/<tenant>/`` gather them at the end. Live control (``python -m skyrl_clora.ctl``,
 ``clora.control``) works across replicas (:mod:`.replica_control`): tenants are added to the live replica with
 room running the fewest, and stopped where they run.
+
+A signal (Ctrl-C, SIGTERM) stops a replicated run as it stops a one-replica run (``interrupts``): the first is
+forwarded to every replica, whose tenants stop after their current step (checkpointed, exported, a ``stopped``
+record), and the run's files are written as above; a second ends the replicas at once (the metrics they logged
+so far gathered, the last checkpoints what a resume continues from) and raises ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from typing import Any
 
 from skyrl_clora.checkpoints import TenantCheckpoint, checkpoint_root, run_tenants
 from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.interrupts import STOP
 from skyrl_clora.metrics import write_run_summary
-from skyrl_clora.placement.planner import estimated_cost, plan_assignment
+from skyrl_clora.placement.planner import estimated_cost, measured_costs, plan_assignment, step_seconds
 from skyrl_clora.placement.replica_actor import ACTOR_CONCURRENCY, ReplicaRunner
 from skyrl_clora.placement.replica_control import ReplicaControl
 from skyrl_clora.placement.replica_set import REPLICA_RESTARTS, Move, ReplicaSet
@@ -50,11 +56,17 @@ PLACEMENT_TIMEOUT_S = 120
 
 def plan_replicas(run: RunConfig, specs: list[TenantSpec], resume: dict[str, TenantCheckpoint],
                   replicas: int) -> list[list[TenantSpec]]:
-    """The tenants each of ``replicas`` replicas runs: :func:`plan_assignment` over their work left (steps not
-    yet checkpointed x prompts x samples x positions per row), at most ``clora.max_tenants`` per replica when set."""
+    """The tenants each of ``replicas`` replicas runs: :func:`plan_assignment` over their work left, at most
+    ``clora.max_tenants`` per replica when set. A tenant's work left is its steps not yet checkpointed times its
+    work per step: measured (the mean wall time of the steps its checkpoint's records hold) where it has run,
+    else estimated (prompts x samples x positions per row; scaled to seconds by the tenants that ran, if any):
+    :func:`~skyrl_clora.placement.planner.measured_costs`."""
     positions = run.recipe.max_input_length + run.recipe.max_generate_length
-    costs = [estimated_cost(spec.name, run.steps - (resume[spec.name].step if spec.name in resume else 0),
-                            run.recipe.prompts_per_step * spec.samples_per_prompt, positions) for spec in specs]
+    per_step = [estimated_cost(spec.name, 1, run.recipe.prompts_per_step * spec.samples_per_prompt, positions)
+                for spec in specs]
+    steps_left = {spec.name: run.steps - (resume[spec.name].step if spec.name in resume else 0) for spec in specs}
+    seconds = step_seconds(record for spec in specs if spec.name in resume for record in resume[spec.name].records)
+    costs = measured_costs(per_step, steps_left, seconds)
     names = plan_assignment(costs, replicas, run.max_tenants or len(specs))
     by_name = {spec.name: spec for spec in specs}
     return [[by_name[name] for name in group] for group in names]
@@ -82,6 +94,7 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     sub_runs = [_replica_run(run, index, group, root, capacity) for index, group in enumerate(groups)]
     if not ray.is_initialized():
         ray.init(include_dashboard=False)
+    STOP.reclaim()  # ray.init makes SIGTERM exit at once
     bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
     for resource in bundle:
         held = int(ray.available_resources().get(resource, 0))
@@ -108,18 +121,16 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
             control.start()
         replica_set.run_all(resume, list(moves))
         replica_set.close()
+    except KeyboardInterrupt:  # a second signal
+        replica_set.abort()
+        _write_records(run, resume, stopped, sub_runs, replica_set)
+        raise
     finally:
         if control is not None:
             replica_set.refuse_requests()
             control.close()
         remove_placement_group(group_pg)
-    records = _stopped_records(run, resume, stopped)
-    for index, sub in enumerate(sub_runs):
-        held = {name for name, owner in replica_set.owner.items() if owner == index}
-        records += [record for record in _read_records(sub.output_dir / "metrics.jsonl") if record.get("tenant") in held]
-        _gather_adapters(sub.output_dir, run.output_dir, held)
-    records += replica_set.records
-    (run.output_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    records = _write_records(run, resume, stopped, sub_runs, replica_set)
     fields = {"mode": run.mode, "steps": run.steps, "replicas": [[spec.name for spec in g] for g in groups],
               "moves": replica_set.moves}
     return write_run_summary(run.output_dir, records, run_tenants(run), fields, time.perf_counter() - started, 0.0,
@@ -146,6 +157,20 @@ def _replica_run(run: RunConfig, index: int, tenants: list[TenantSpec], root: Pa
                    replicas=1, control=False, max_tenants=capacity)
 
 
+def _write_records(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped: list[str], sub_runs: list[RunConfig],
+                   replica_set: ReplicaSet) -> list[dict[str, Any]]:
+    """Writes the run's metrics.jsonl (each tenant's records from the replica holding it last, then the driver's
+    own) and gathers the replicas' exported adapters into adapters/; returns the records."""
+    records = _stopped_records(run, resume, stopped)
+    for index, sub in enumerate(sub_runs):
+        held = {name for name, owner in replica_set.owner.items() if owner == index}
+        records += [record for record in _read_records(sub.output_dir / "metrics.jsonl") if record.get("tenant") in held]
+        _gather_adapters(sub.output_dir, run.output_dir, held)
+    records += replica_set.records
+    (run.output_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    return records
+
+
 def _stopped_records(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped: list[str]) -> list[dict[str, Any]]:
     """The records of tenants no replica ran (finished or stopped before), from their checkpoints."""
     return [record for spec in run.tenants if spec.name in resume and (resume[spec.name].finished or spec.name in stopped)
@@ -153,7 +178,9 @@ def _stopped_records(run: RunConfig, resume: dict[str, TenantCheckpoint], stoppe
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    """The records of a metrics log (a last line cut short by a replica ended mid-write left out)."""
+    text = path.read_text() if path.is_file() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
 def _gather_adapters(replica_dir: Path, output_dir: Path, held: set[str]) -> None:

@@ -28,17 +28,18 @@ TENANTS = [{"name": "a", "seed": 1, "lr": "1e-2"}, {"name": "b", "seed": 2, "lr"
 
 
 class DyingLetterEnv(LetterRewardEnv):
-    """``micro_letters`` whose process exits at its ``after``-th episode while ``marker`` does not exist (it is
-    made first: the replica running it dies once, mid-run), or every time with ``always``."""
+    """``micro_letters`` whose process exits at its ``after``-th episode of this environment, ``times`` times in
+    all: the k-th death makes the file ``marker`` (k = 1) or ``<marker>.<k>``, and none comes once they all exist."""
 
     episodes = 0
 
     def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None, marker: str = "",
-                 after: int = 0, always: bool = False) -> None:
+                 after: int = 0, times: int = 1) -> None:
         super().__init__(env_config, extras)
         DyingLetterEnv.episodes += 1
-        if DyingLetterEnv.episodes == after and (always or not os.path.exists(marker)):
-            Path(marker).touch()
+        deaths = [Path(marker if k == 1 else f"{marker}.{k}") for k in range(1, times + 1)]
+        if DyingLetterEnv.episodes == after and not all(death.exists() for death in deaths):
+            next(death for death in deaths if not death.exists()).touch()
             os._exit(1)
 
 
@@ -190,21 +191,26 @@ def test_a_lost_replica_resumes_its_tenants_from_their_last_checkpoints(learning
     _same_tenants(tmp_path / "two", tmp_path / "one")
 
 
-def test_a_replica_that_keeps_dying_fails_its_tenants_alone(learning_model_dir: Path, tmp_path: Path) -> None:
+def test_the_tenants_of_a_replica_lost_for_good_go_on_on_another(learning_model_dir: Path, tmp_path: Path,
+                                                                 one_replica: Path, capfd: pytest.CaptureFixture) -> None:
+    """b's replica dies within b's first step each time it runs, until it is given up: b goes on on replica 0 from
+    scratch (it has no checkpoint; two tenants a replica: once a tenant there has ended, if none has yet), and ends
+    as in a one-replica run."""
     skyrl_gym.register(id=DYING_ENV, entry_point=f"{__name__}:{DyingLetterEnv.__name__}",
-                       kwargs={"marker": str(tmp_path / "died"), "after": 40, "always": True})
+                       kwargs={"marker": str(tmp_path / "died"), "after": 40,
+                               "times": replicas.REPLICA_RESTARTS + 1})
     try:
         tenants = [dict(spec) for spec in TENANTS]
         tenants[1]["env_class"] = DYING_ENV
-        assert main(_args(learning_model_dir, tmp_path / "two", tenants, "clora.replicas=2")) == 1
+        assert main(_args(learning_model_dir, tmp_path, tenants, "clora.replicas=2", "clora.max_tenants=2")) == 0
     finally:
         skyrl_gym.envs.registration.registry.pop(DYING_ENV, None)
-    assert main(_args(learning_model_dir, tmp_path / "one", [TENANTS[0], TENANTS[2]])) == 0
-    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
-    assert {row["tenant"]: row["status"] for row in summary["per_tenant"]} == {"a": "ok", "b": "failed", "c": "ok"}
-    assert "replica lost 3 times" in next(row["error"] for row in summary["per_tenant"] if row["tenant"] == "b")
-    for name in "ac":
-        assert_same_records(tenant_records(tmp_path / "two", name), tenant_records(tmp_path / "one", name), name)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["replicas"] == [["a", "c"], ["b"]]
+    assert {row["tenant"]: row["status"] for row in summary["per_tenant"]} == {"a": "ok", "b": "ok", "c": "ok"}
+    assert summary["moves"] == [{"tenant": "b", "from": 1, "to": 0, "step": 0}]
+    assert "replica 1 was lost 3 times" in capfd.readouterr().err
+    _same_tenants(tmp_path, one_replica)
 
 
 @pytest.mark.parametrize("extra", ["clora.mode=serial", "backend=skyrl", "clora.replicas=0"])
