@@ -31,7 +31,11 @@ class TrainBatch:
     Optional per-token log-probs of the response tokens the update reads instead of computing them:
     ``old_logprobs``, the behaviour policy's (the PPO ratio's denominator; None: the trainer's own forward
     with the tenant's pre-update adapter, SkyRL's recomputed ``action_log_probs``), and ``ref_logprobs``,
-    the reference policy's for SkyRL's KL loss (None: the trainer's forward with the adapter disabled)."""
+    the reference policy's for SkyRL's KL loss (None: the trainer's forward with the adapter disabled).
+
+    ``advantages``: per response token, the advantages the policy loss reads, already scaled by SkyRL's loss
+    reduction for the optimizer step that trains them (what SkyRL's policy workers receive: the batch must then be
+    one mini-batch); None: computed by the trainer from ``rewards`` and ``group_ids``."""
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
@@ -41,10 +45,13 @@ class TrainBatch:
     rollout_logprobs: list[list[float]] | None
     old_logprobs: list[list[float]] | None = None
     ref_logprobs: list[list[float]] | None = None
+    advantages: list[list[float]] | None = None
 
 
 # The TrainBatch fields of per-token log-probs of the response tokens.
 PER_TOKEN_LOGPROBS = ("rollout_logprobs", "old_logprobs", "ref_logprobs")
+# Every per-token TrainBatch field (one value per response token).
+PER_TOKEN = (*PER_TOKEN_LOGPROBS, "advantages")
 
 
 def validate_batch(batch: TrainBatch) -> None:
@@ -54,7 +61,7 @@ def validate_batch(batch: TrainBatch) -> None:
         raise ValueError("train batch has no rows")
     lengths = {"response_ids": len(batch.response_ids), "loss_masks": len(batch.loss_masks),
                "rewards": len(batch.rewards), "group_ids": len(batch.group_ids)}
-    per_token = {name: getattr(batch, name) for name in PER_TOKEN_LOGPROBS if getattr(batch, name) is not None}
+    per_token = {name: getattr(batch, name) for name in PER_TOKEN if getattr(batch, name) is not None}
     lengths.update({name: len(values) for name, values in per_token.items()})
     for name, length in lengths.items():
         if length != rows:
@@ -98,9 +105,15 @@ def tenant_advantages(batch: TrainBatch, algorithm: AlgorithmConfig, reward_pena
     rows per mini-batch, :func:`mini_batch_rows`; None: the whole batch is one), and its response mask: both
     ``[N, Lr]`` fp32 on the CPU (SkyRL's GRPO estimator builds its group statistics there), ``Lr`` = the longest
     response. The token-level rewards are each row's reward on its last trained token, minus ``reward_penalty``
-    (``[N, >= Lr]``, SkyRL's KL penalty in the reward) when given."""
+    (``[N, >= Lr]``, SkyRL's KL penalty in the reward) when given. A batch with its own ``advantages`` (final, one
+    mini-batch) gets them as they are."""
     response_mask = _pad([[float(m) for m in mask] for mask in batch.loss_masks],
                          max(1, max(len(r) for r in batch.response_ids)))
+    if batch.advantages is not None:
+        if reward_penalty is not None or (mini_batches is not None and len(mini_batches) > 1):
+            raise ValueError("a batch with its own advantages is one mini-batch whose rewards are final; drop the "
+                             "reward penalty or the mini-batches")
+        return _pad(batch.advantages, response_mask.shape[1]) * response_mask, response_mask
     num_rows, response_len = response_mask.shape
     rewards = torch.zeros(num_rows, response_len)
     last = (response_mask.sum(dim=1) - 1).clamp(min=0).long()
