@@ -139,7 +139,8 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("generator.max_input_length", HONOURED, "prompt + history tokens before a turn"),
     KeyRule("generator.sampling_params.max_generate_length", HONOURED, "tokens per assistant turn"),
     KeyRule("generator.sampling_params.temperature", HONOURED,
-            "every tenant's sampling temperature (tenant override: temperature)"),
+            "every tenant's sampling temperature, and the one its policy log-probs are computed at (logits / T, as "
+            "SkyRL's; 0, greedy: untempered; tenant override: temperature)"),
     KeyRule("generator.sampling_params.top_p", HONOURED, "nucleus sampling"),
     KeyRule("generator.batched", IGNORED, "the engine batches every tenant's requests either way"),
     KeyRule("generator.inference_engine.*", IGNORED, "vLLM server settings: the embedded engine replaces the servers"),

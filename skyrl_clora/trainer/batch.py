@@ -21,6 +21,8 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import (
 )
 from skyrl.train.config import AlgorithmConfig
 
+from skyrl_clora.trainer.logprobs import training_temperature
+
 
 @dataclass
 class TrainBatch:
@@ -149,6 +151,8 @@ class PassRows:
     a device synchronisation. ``prompt_groups[r]``: an id shared by the rows of one tenant with the same
     prompt (a GRPO group), which the forward computes once per micro-batch. ``mini_batches[p]``: tenant ``p``'s
     policy mini-batches (local row indices each, :func:`mini_batch_rows`), one optimizer step each.
+    ``temperature [R]`` fp32: the temperature of each row's tenant (:func:`training_temperature`) its policy
+    log-probs are computed at; None when every tenant's is 1.
     """
 
     input_ids: torch.Tensor
@@ -171,6 +175,7 @@ class PassRows:
     has_old: list[bool] | None = None
     has_ref: list[bool] | None = None
     mini_batches: list[list[list[int]]] | None = None
+    temperature: torch.Tensor | None = None
 
 
 def build_pass_rows(
@@ -205,6 +210,7 @@ def build_pass_rows(
                           else torch.zeros(len(b.prompt_ids), response_len) for b in batches])
 
     has_old = [b.old_logprobs is not None for b in batches]
+    temperatures = [training_temperature(algo) for algo in algorithms]
     has_ref = [b.ref_logprobs is not None for b in batches]
     counts = [len(batch.prompt_ids) for batch in batches]
     host_row_slot = [slot for slot, count in zip(slots, counts) for _ in range(count)]
@@ -229,6 +235,8 @@ def build_pass_rows(
         old_logprobs=to_device(per_token("old_logprobs")) if any(has_old) else None,
         ref_logprobs=to_device(per_token("ref_logprobs")) if any(has_ref) else None,
         has_old=has_old, has_ref=has_ref, mini_batches=minis,
+        temperature=to_device(torch.tensor([t for t, count in zip(temperatures, counts) for _ in range(count)]))
+        if any(t != 1.0 for t in temperatures) else None,
     )
 
 
