@@ -135,8 +135,9 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
                               f"{', '.join(sorted(available))} (or register yours with SkyRL before the run)")
 
 
-SCHEDULERS = {"constant_with_warmup": "constant", "constant": "constant", "cosine": "cosine"}
-"""SkyRL's ``trainer.policy.optimizer_config.scheduler`` values the trainers implement, and their schedule."""
+SCHEDULERS = ("constant_with_warmup", "constant", "cosine")
+"""SkyRL's ``trainer.policy.optimizer_config.scheduler`` values the trainers implement, with SkyRL's (Hugging Face's
+``get_scheduler``) meaning: ``trainer.adapter_store.LRSchedule``."""
 
 # SkyRL's Tracking backends that trainer.logger takes (mlflow and swanlab need servers or accounts).
 LOGGERS = ("console", "tensorboard", "wandb")
@@ -205,7 +206,7 @@ class TrainerConfig:
             raise ConfigError(f"trainer.pack_policy={self.pack_policy} is unknown; use {' or '.join(PACK_POLICIES)}")
         if self.pack_size < 0:
             raise ConfigError(f"trainer.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
-        if self.lr_schedule not in SCHEDULERS.values():
+        if self.lr_schedule not in SCHEDULERS:
             raise ConfigError(f"trainer.policy.optimizer_config.scheduler={self.lr_schedule} is unknown; use "
                               f"{' or '.join(SCHEDULERS)}")
         if self.micro_batch_size < 1:

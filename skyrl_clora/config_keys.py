@@ -77,9 +77,11 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.policy.optimizer_config.weight_decay", HONOURED,
             "AdamW's decoupled weight decay (tenant override: weight_decay)"),
     KeyRule("trainer.policy.optimizer_config.max_grad_norm", HONOURED, "per-tenant gradient clipping"),
-    KeyRule("trainer.policy.optimizer_config.num_warmup_steps", HONOURED, "linear warm-up, in optimizer steps"),
+    KeyRule("trainer.policy.optimizer_config.num_warmup_steps", HONOURED,
+            "linear warm-up over optimizer steps, SkyRL's: step k at lr * k / num_warmup_steps (the first at 0)"),
     KeyRule("trainer.policy.optimizer_config.scheduler", HONOURED,
-            "constant_with_warmup (or constant) and cosine; other schedules are refused"),
+            "constant_with_warmup, constant (no warm-up) and cosine, each as SkyRL's (HF get_scheduler); others are "
+            "refused"),
     KeyRule("trainer.policy.optimizer_config.offload_after_step", IGNORED, "memory placement only"),
     KeyRule("trainer.seed", HONOURED, "tenant i's seed is seed + i (tenant override: seed)"),
     KeyRule("trainer.epochs", HONOURED, "RL steps = epochs * (training rows // train_batch_size), at most max_training_steps"),

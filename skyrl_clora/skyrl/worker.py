@@ -65,9 +65,6 @@ from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
 from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
 from skyrl_clora.trainer.trainer import OptimizerConfig, TrainBatch, Trainer
 
-# SkyRL scheduler names -> the embedded LRSchedule kinds (the translation writes these two).
-_SCHEDULES = {"constant_with_warmup": "constant", "constant": "constant", "cosine": "cosine"}
-
 
 # The model_id under which the policy worker answers ``forward`` with the reference policy: the frozen base,
 # i.e. a tenant's adapter disabled (SkyRL's KL loss). The embedded worker routes no adapter; on Megatron it is an
@@ -202,7 +199,7 @@ class EmbeddedPolicyWorker:
         spec = self.tenants[model_id]
         optimizer = self.cfg.policy.optimizer_config
         schedule = LRSchedule(float(spec["lr"]), optimizer.num_warmup_steps, self.total_steps,
-                              _SCHEDULES[optimizer.scheduler])
+                              optimizer.scheduler)
         generator = torch.Generator().manual_seed(int(spec["seed"]))
         weights = init_adapter(self.store.layers, int(spec["rank"]), float(spec["alpha"]), generator)
         self.store.register(model_id, weights, schedule, seed=int(spec["seed"]))
