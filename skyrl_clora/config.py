@@ -101,7 +101,8 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
     """``trainer.algorithm`` as SkyRL's ``AlgorithmConfig`` takes it, with an advantage estimator and a policy loss
     that SkyRL's registries hold (a custom one registered before the run counts) and KL options SkyRL accepts and
     the plugin honours (``use_kl_loss`` or ``use_kl_in_reward`` with a controller SkyRL's ``get_kl_controller``
-    builds, ``kl_loss_coef``, ``kl_estimator_type``); else a :class:`ConfigError`."""
+    builds, ``kl_loss_coef``, ``kl_estimator_type``) and a loss reduction SkyRL runs (``max_seq_len`` set for
+    ``seq_mean_token_sum_norm``); else a :class:`ConfigError`."""
     from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
     from skyrl.train.config import AlgorithmConfig
 
@@ -114,6 +115,11 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
         config = algorithm_config(algorithm)
     except (TypeError, ValueError, AssertionError) as error:
         raise ConfigError(f"trainer.algorithm: {str(error).splitlines()[0]}") from None
+    from skyrl_clora.trainer.loss_reduction import loss_reduction_problem
+
+    problem = loss_reduction_problem(config)
+    if problem is not None:
+        raise ConfigError(problem)
     if config.kl_estimator_type not in KL_ESTIMATORS:
         raise ConfigError(f"trainer.algorithm.kl_estimator_type={config.kl_estimator_type} is unknown; use one of "
                           f"{', '.join(KL_ESTIMATORS)}")

@@ -131,6 +131,11 @@ KEY_RULES: tuple[KeyRule, ...] = (
             _false),
     KeyRule("trainer.algorithm.kl_*", HONOURED, "kl_loss_coef, kl_estimator_type (k1, k2, k3, abs), kl_ctrl (fixed or "
             "adaptive: SkyRL's controller per tenant, its value in the tenant's checkpoint; tenant override: kl_loss_coef)"),
+    KeyRule("trainer.algorithm.loss_reduction", HONOURED,
+            "each of SkyRL's (token_mean, token_mean_legacy, sequence_mean, seq_mean_token_sum_norm, prompt_mean), "
+            "folded into each mini-batch's advantages as SkyRL's _normalize_advantages does"),
+    KeyRule("trainer.algorithm.max_seq_len", HONOURED,
+            "seq_mean_token_sum_norm's normalising length (required with it, as SkyRL requires)"),
     KeyRule("trainer.algorithm.entropy_loss_coef", IGNORED, "the entropy term is off (use_entropy_loss must be false)"),
     KeyRule("trainer.algorithm.value_*", IGNORED, "critic settings: the tenants' step has no critic"),
     KeyRule("trainer.algorithm.*", HONOURED, "SkyRL's advantage estimator and policy loss (its registries and their "

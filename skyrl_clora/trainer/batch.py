@@ -15,13 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from skyrl.backends.skyrl_train.utils.ppo_utils import (
-    apply_loss_reduction_to_advantages_minibatch,
-    compute_advantages_and_returns,
-)
+from skyrl.backends.skyrl_train.utils.ppo_utils import compute_advantages_and_returns
 from skyrl.train.config import AlgorithmConfig
 
 from skyrl_clora.trainer.logprobs import training_temperature
+from skyrl_clora.trainer.loss_reduction import reduce_advantages
 
 
 @dataclass
@@ -102,9 +100,12 @@ def mini_batch_rows(group_ids: list[str], prompts: int) -> list[list[int]]:
 
 
 def tenant_advantages(batch: TrainBatch, algorithm: AlgorithmConfig, reward_penalty: torch.Tensor | None = None,
-                      mini_batches: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's advantages, each mini-batch's scaled by that mini-batch's loss normaliser (``mini_batches``:
-    rows per mini-batch, :func:`mini_batch_rows`; None: the whole batch is one), and its response mask: both
+                      mini_batches: list[list[int]] | None = None, micro_batch_size: int = 1,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's advantages, each mini-batch's scaled by SkyRL's loss reduction of that mini-batch
+    (:func:`~skyrl_clora.trainer.loss_reduction.reduce_advantages`, with its prompts' boundaries, ``micro_batch_size``
+    for ``token_mean_legacy`` and ``algorithm.max_seq_len``; ``mini_batches``: rows per mini-batch,
+    :func:`mini_batch_rows`; None: the whole batch is one), and its response mask: both
     ``[N, Lr]`` fp32 on the CPU (SkyRL's GRPO estimator builds its group statistics there), ``Lr`` = the longest
     response. The token-level rewards are each row's reward on its last trained token, minus ``reward_penalty``
     (``[N, >= Lr]``, SkyRL's KL penalty in the reward) when given. A batch with its own ``advantages`` (final, one
@@ -127,14 +128,8 @@ def tenant_advantages(batch: TrainBatch, algorithm: AlgorithmConfig, reward_pena
         adv_estimator=algorithm.advantage_estimator, config=algorithm, grpo_norm_by_std=algorithm.grpo_norm_by_std,
         gamma=algorithm.gamma, lambd=algorithm.lambd,
     )
-    scaled = torch.zeros_like(advantages)
-    for rows in mini_batches or [list(range(num_rows))]:
-        index = torch.tensor(rows)
-        scaled[index] = apply_loss_reduction_to_advantages_minibatch(
-            advantages[index], response_mask[index], algorithm.loss_reduction, micro_batch_size=len(rows),
-            max_seq_len=response_len,
-        )
-    return scaled, response_mask
+    return reduce_advantages(advantages, response_mask, batch.group_ids, mini_batches or [list(range(num_rows))],
+                             algorithm, micro_batch_size), response_mask
 
 
 @dataclass
@@ -181,16 +176,18 @@ class PassRows:
 def build_pass_rows(
     batches: list[TrainBatch], slots: list[int], algorithm: AlgorithmConfig | list[AlgorithmConfig],
     device: torch.device, reward_penalties: list[torch.Tensor] | None = None, mini_batch_prompts: int = 0,
+    micro_batch_size: int = 1,
 ) -> PassRows:
     """Stacks the tenants' batches (each validated, cut into mini-batches of ``mini_batch_prompts`` prompts (<= 0:
-    one), advantages per tenant with its ``algorithm`` (one, or one per batch), with ``reward_penalties[p]`` taken
-    off tenant ``p``'s token-level rewards when given: see :func:`tenant_advantages`) into one :class:`PassRows`."""
+    one), advantages per tenant with its ``algorithm`` (one, or one per batch) and ``micro_batch_size`` (SkyRL's
+    ``micro_train_batch_size_per_gpu``, for ``token_mean_legacy``), with ``reward_penalties[p]`` taken off tenant
+    ``p``'s token-level rewards when given: see :func:`tenant_advantages`) into one :class:`PassRows`."""
     for batch in batches:
         validate_batch(batch)
     penalties = reward_penalties or [None] * len(batches)
     algorithms = algorithm if isinstance(algorithm, list) else [algorithm] * len(batches)
     minis = [mini_batch_rows(batch.group_ids, mini_batch_prompts) for batch in batches]
-    per_tenant = [tenant_advantages(batch, algo, penalty, mini)
+    per_tenant = [tenant_advantages(batch, algo, penalty, mini, micro_batch_size)
                   for batch, algo, penalty, mini in zip(batches, algorithms, penalties, minis)]
     response_len = max(advantages.shape[1] for advantages, _ in per_tenant)
     prompts = [p for batch in batches for p in batch.prompt_ids]

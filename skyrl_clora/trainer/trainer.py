@@ -197,7 +197,8 @@ class Trainer:
         step, the step's own forward (the weights are still the pre-update ones); else one scoring pass before the
         first step (SkyRL's ``action_log_probs``, computed once per batch)."""
         algorithms = [state.algorithm or self.algorithm for state in states]
-        rows = build_pass_rows(batches, slots, algorithms, self.device, mini_batch_prompts=self.mini_batch_prompts)
+        rows = build_pass_rows(batches, slots, algorithms, self.device, mini_batch_prompts=self.mini_batch_prompts,
+                               micro_batch_size=self.micro_batch_size)
         reward_kl, policy = None, None
         if self.algorithm.use_kl_in_reward:  # SkyRL's KL penalty in the reward, then the advantages again
             policy, base = self._pass_logprobs(rows, adapter=True), self._pass_logprobs(rows, adapter=False)
@@ -210,7 +211,7 @@ class Trainer:
                 state.kl_coef = float(controller.value)
             reward_kl = [kl_metrics for _, kl_metrics in penalties]
             rows = build_pass_rows(batches, slots, algorithms, self.device, [penalty for penalty, _ in penalties],
-                                   self.mini_batch_prompts)
+                                   self.mini_batch_prompts, self.micro_batch_size)
         minis = rows.mini_batches
         steps = [len(tenant_minis) * self.update_epochs for tenant_minis in minis]
         self._score_behaviour(rows, [count > 1 for count in steps], policy)
@@ -418,7 +419,7 @@ class Trainer:
         try:
             state = self.store.tenants[tenant] if tenant is not None else None
             algorithm = state.algorithm or self.algorithm if state is not None else self.algorithm
-            rows = build_pass_rows([batch], [slot], algorithm, self.device)
+            rows = build_pass_rows([batch], [slot], algorithm, self.device, micro_batch_size=self.micro_batch_size)
             return self._pass_logprobs(rows, adapter=tenant is not None)
         finally:
             if tenant is not None:
