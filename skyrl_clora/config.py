@@ -101,7 +101,8 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
     """``trainer.algorithm`` as SkyRL's ``AlgorithmConfig`` takes it, with an advantage estimator and a policy loss
     that SkyRL's registries hold (a custom one registered before the run counts) and KL options SkyRL accepts and
     the plugin honours (``use_kl_loss`` or ``use_kl_in_reward`` with a controller SkyRL's ``get_kl_controller``
-    builds, ``kl_loss_coef``, ``kl_estimator_type``); else a :class:`ConfigError`."""
+    builds, ``kl_loss_coef``, ``kl_estimator_type``) and a loss reduction SkyRL runs (``max_seq_len`` set for
+    ``seq_mean_token_sum_norm``); else a :class:`ConfigError`."""
     from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
     from skyrl.train.config import AlgorithmConfig
 
@@ -114,6 +115,11 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
         config = algorithm_config(algorithm)
     except (TypeError, ValueError, AssertionError) as error:
         raise ConfigError(f"trainer.algorithm: {str(error).splitlines()[0]}") from None
+    from skyrl_clora.trainer.loss_reduction import loss_reduction_problem
+
+    problem = loss_reduction_problem(config)
+    if problem is not None:
+        raise ConfigError(problem)
     if config.kl_estimator_type not in KL_ESTIMATORS:
         raise ConfigError(f"trainer.algorithm.kl_estimator_type={config.kl_estimator_type} is unknown; use one of "
                           f"{', '.join(KL_ESTIMATORS)}")
@@ -135,8 +141,9 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
                               f"{', '.join(sorted(available))} (or register yours with SkyRL before the run)")
 
 
-SCHEDULERS = {"constant_with_warmup": "constant", "constant": "constant", "cosine": "cosine"}
-"""SkyRL's ``trainer.policy.optimizer_config.scheduler`` values the trainers implement, and their schedule."""
+SCHEDULERS = ("constant_with_warmup", "constant", "cosine")
+"""SkyRL's ``trainer.policy.optimizer_config.scheduler`` values the trainers implement, with SkyRL's (Hugging Face's
+``get_scheduler``) meaning: ``trainer.adapter_store.LRSchedule``."""
 
 # SkyRL's Tracking backends that trainer.logger takes (mlflow and swanlab need servers or accounts).
 LOGGERS = ("console", "tensorboard", "wandb")
@@ -205,7 +212,7 @@ class TrainerConfig:
             raise ConfigError(f"trainer.pack_policy={self.pack_policy} is unknown; use {' or '.join(PACK_POLICIES)}")
         if self.pack_size < 0:
             raise ConfigError(f"trainer.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
-        if self.lr_schedule not in SCHEDULERS.values():
+        if self.lr_schedule not in SCHEDULERS:
             raise ConfigError(f"trainer.policy.optimizer_config.scheduler={self.lr_schedule} is unknown; use "
                               f"{' or '.join(SCHEDULERS)}")
         if self.micro_batch_size < 1:

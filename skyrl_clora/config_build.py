@@ -122,7 +122,6 @@ def trainer_config(cfg: DictConfig) -> TrainerConfig:
     if scheduler not in SCHEDULERS:
         raise ConfigError(f"trainer.policy.optimizer_config.scheduler={scheduler} is not implemented here; use "
                           f"{' or '.join(SCHEDULERS)}")
-    values["lr_schedule"] = SCHEDULERS[scheduler]
     temperature = cfg.generator.sampling_params.temperature
     if values["algorithm"].get("temperature") is None and isinstance(temperature, (int, float)):
         values["algorithm"]["temperature"] = temperature  # as SkyRL's SkyRLTrainConfig.__post_init__ does

@@ -77,9 +77,11 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.policy.optimizer_config.weight_decay", HONOURED,
             "AdamW's decoupled weight decay (tenant override: weight_decay)"),
     KeyRule("trainer.policy.optimizer_config.max_grad_norm", HONOURED, "per-tenant gradient clipping"),
-    KeyRule("trainer.policy.optimizer_config.num_warmup_steps", HONOURED, "linear warm-up, in optimizer steps"),
+    KeyRule("trainer.policy.optimizer_config.num_warmup_steps", HONOURED,
+            "linear warm-up over optimizer steps, SkyRL's: step k at lr * k / num_warmup_steps (the first at 0)"),
     KeyRule("trainer.policy.optimizer_config.scheduler", HONOURED,
-            "constant_with_warmup (or constant) and cosine; other schedules are refused"),
+            "constant_with_warmup, constant (no warm-up) and cosine, each as SkyRL's (HF get_scheduler); others are "
+            "refused"),
     KeyRule("trainer.policy.optimizer_config.offload_after_step", IGNORED, "memory placement only"),
     KeyRule("trainer.seed", HONOURED, "tenant i's seed is seed + i (tenant override: seed)"),
     KeyRule("trainer.epochs", HONOURED, "RL steps = epochs * (training rows // train_batch_size), at most max_training_steps"),
@@ -129,6 +131,11 @@ KEY_RULES: tuple[KeyRule, ...] = (
             _false),
     KeyRule("trainer.algorithm.kl_*", HONOURED, "kl_loss_coef, kl_estimator_type (k1, k2, k3, abs), kl_ctrl (fixed or "
             "adaptive: SkyRL's controller per tenant, its value in the tenant's checkpoint; tenant override: kl_loss_coef)"),
+    KeyRule("trainer.algorithm.loss_reduction", HONOURED,
+            "each of SkyRL's (token_mean, token_mean_legacy, sequence_mean, seq_mean_token_sum_norm, prompt_mean), "
+            "folded into each mini-batch's advantages as SkyRL's _normalize_advantages does"),
+    KeyRule("trainer.algorithm.max_seq_len", HONOURED,
+            "seq_mean_token_sum_norm's normalising length (required with it, as SkyRL requires)"),
     KeyRule("trainer.algorithm.entropy_loss_coef", IGNORED, "the entropy term is off (use_entropy_loss must be false)"),
     KeyRule("trainer.algorithm.value_*", IGNORED, "critic settings: the tenants' step has no critic"),
     KeyRule("trainer.algorithm.*", HONOURED, "SkyRL's advantage estimator and policy loss (its registries and their "
@@ -139,7 +146,8 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("generator.max_input_length", HONOURED, "prompt + history tokens before a turn"),
     KeyRule("generator.sampling_params.max_generate_length", HONOURED, "tokens per assistant turn"),
     KeyRule("generator.sampling_params.temperature", HONOURED,
-            "every tenant's sampling temperature (tenant override: temperature)"),
+            "every tenant's sampling temperature, and the one its policy log-probs are computed at (logits / T, as "
+            "SkyRL's; 0, greedy: untempered; tenant override: temperature)"),
     KeyRule("generator.sampling_params.top_p", HONOURED, "nucleus sampling"),
     KeyRule("generator.batched", IGNORED, "the engine batches every tenant's requests either way"),
     KeyRule("generator.inference_engine.*", IGNORED, "vLLM server settings: the embedded engine replaces the servers"),

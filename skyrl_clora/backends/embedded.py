@@ -58,6 +58,8 @@ class EmbeddedBackend:
         schedule = LRSchedule(spec.lr, run.trainer.warmup_steps, run.steps * run.optimizer_steps_per_rl_step,
                               run.trainer.lr_schedule)
         overrides = spec.algorithm_overrides()  # the tenant's own SkyRL algorithm keys (tenants.PER_TENANT_SKYRL)
+        if spec.temperature is not None and run.trainer.algorithm.get("temperature") == run.sampler.temperature:
+            overrides["temperature"] = spec.temperature  # the trainer's follows its sampling temperature, as SkyRL's
         algorithm = algorithm_config({**run.trainer.algorithm, **overrides}) if overrides else None
         services.store.register(spec.name, weights, schedule, seed=spec.seed, algorithm=algorithm,
                                 weight_decay=spec.weight_decay)

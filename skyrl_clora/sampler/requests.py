@@ -20,8 +20,9 @@ class SamplingParams:
 @dataclass
 class Completion:
     """What one request produced: ``token_ids`` (including a final stop token), the log-probability of
-    each under the model's (untempered) distribution, ``finish_reason`` ("stop" or "length") and the
-    version of the adapter the whole completion was sampled with (``-1`` for the base model)."""
+    each under the distribution it was drawn from (``logits / temperature``; greedy: untempered),
+    ``finish_reason`` ("stop" or "length") and the version of the adapter the whole completion was sampled with
+    (``-1`` for the base model)."""
 
     token_ids: list[int]
     logprobs: list[float]

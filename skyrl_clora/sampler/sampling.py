@@ -7,8 +7,11 @@ share its batch, on the device, or on how many steps ran before it (reproducible
 
 Sampling is inverse-CDF: with ``p = softmax(logits / temperature)`` and ``u`` the row's uniform number, the
 token is the first index whose cumulative probability exceeds ``u * sum(p)`` (never a token of probability 0).
-``temperature == 0`` is greedy (argmax). The returned log-probability is under the untempered distribution
-(what the trainer recomputes). These rows go through ``kernels.sample_tokens``: on a GPU one Triton launch
+``temperature == 0`` is greedy (argmax). The returned log-probability is the token's under the distribution it
+was drawn from, before top-p: ``log_softmax(logits / temperature)`` (what the trainer recomputes, as SkyRL's policy
+forward divides by the sampling temperature; vLLM's ``logprobs_mode=processed_logprobs`` less its top-p
+renormalisation), untempered for greedy rows. The kernels return untempered log-probs; rows at a temperature
+other than 0 and 1 get theirs again from their tempered logits. These rows go through ``kernels.sample_tokens``: on a GPU one Triton launch
 for the whole step (``kernels.sampling``), elsewhere the torch reference, whose cumulative sums run in two
 levels (blocks of ``kernels.reference.CDF_BLOCK`` tokens, then inside the chosen block). Top-p keeps the smallest set of
 most likely tokens whose mass reaches ``top_p`` and renormalises; those rows are drawn by a sort-based torch
@@ -77,8 +80,9 @@ def draw_rows(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequenc
               uniform: Sequence[float]) -> DrawnTokens:
     """Samples one token for each row of ``logits: [N, V]`` (any float dtype; computed in fp32), row ``i``
     with ``temperature[i]`` (0 = greedy), ``top_p[i]`` and RNG draw ``uniform[i]`` (from
-    :func:`request_uniforms`; all three of length ``N``): the tokens and their untempered log-probabilities,
-    without waiting for the device.
+    :func:`request_uniforms`; all three of length ``N``): the tokens and their log-probabilities under
+    ``logits / temperature[i]`` (untempered for greedy rows; see the module docstring), without waiting for the
+    device.
 
     Greedy and plain rows go through ``kernels.sample_tokens`` (one Triton launch for CUDA logits, the torch
     reference elsewhere); top-p rows are then drawn again by the sort-based nucleus path."""
@@ -101,12 +105,17 @@ def draw_rows(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequenc
         chosen = _inverse_cdf_top_p(probs, uniform_d[index], top_p_d)
         tokens[index] = chosen
         logprobs[index] = picked.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)
+    tempered = np.nonzero((host[0].numpy() > 0.0) & (host[0].numpy() != 1.0))[0].tolist()
+    if tempered:  # the log-probs of the distribution drawn from: log_softmax(logits / T)
+        index = lists_to_device([tempered], device)[0]
+        scaled = logits.index_select(0, index).float() / temperature_d[index, None]
+        logprobs[index] = scaled.gather(1, tokens[index, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
     return DrawnTokens(tokens, logprobs)
 
 
 def sample_rows(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float],
                 uniform: Sequence[float]) -> tuple[list[int], list[float]]:
-    """:func:`draw_rows`, waiting for its result: the tokens and their untempered log-probabilities as lists."""
+    """:func:`draw_rows`, waiting for its result: the tokens and their log-probabilities as lists."""
     tokens, logprobs = draw_rows(logits, temperature, top_p, uniform).result()
     return tokens.tolist(), logprobs.tolist()
 

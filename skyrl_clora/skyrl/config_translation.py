@@ -144,11 +144,12 @@ def check_multi_tenant_constraints(
     alpha = tenants[0].alpha
     if alpha != int(alpha):
         raise ConfigError(f"lora alpha {alpha:g} is not an integer; SkyRL's LoRA config takes an integer alpha")
-    if backend["strategy"] in ("megatron", "embedded", "auto") and trainer.lr_schedule != "constant":
+    if backend["strategy"] in ("megatron", "embedded", "auto") and (
+            trainer.lr_schedule == "cosine" or (trainer.lr_schedule == "constant" and trainer.warmup_steps > 0)):
         raise ConfigError(
             f"trainer.policy.optimizer_config.scheduler={tree['trainer']['policy']['optimizer_config']['scheduler']}: "
-            "SkyRL 0.4's Megatron scheduler is constant-only (lr_decay_style is fixed; backend.strategy=embedded "
-            "stands in for megatron and takes what it takes); use constant_with_warmup"
+            "SkyRL 0.4's Megatron scheduler is constant with linear warm-up whatever the name (lr_decay_style is fixed; "
+            "backend.strategy=embedded stands in for megatron and takes what it takes); use constant_with_warmup"
         )
 
 

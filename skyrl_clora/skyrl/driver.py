@@ -15,11 +15,15 @@ inference client) over one shared ``PPORayActorGroup`` of policy workers. A tena
      (``trainer.step_style=tinker``: the sampler's log-probs instead, as SkyRL's Tinker backend sends them) and,
      with ``use_kl_loss`` or ``use_kl_in_reward``, the reference's ``base_action_log_probs`` under
      ``REFERENCE_MODEL_ID`` (the frozen base; with ``use_kl_in_reward`` the rewards then lose SkyRL's KL penalty
-     and the advantages are computed again, as ``RayPPOTrainer.apply_reward_kl_penalty`` does); then ``dispatch.forward_backward`` and ``dispatch.optim_step`` with ``model_id=<tenant>`` (the
-     embedded worker swaps the tenant's adapter, LR schedule and RNG in; for Megatron the tenant's scheduled LR
-     is sent first with ``dispatch.set_lr(model_id=<tenant>)``, as SkyRL's Tinker backend does). The step fails
-     unless the LR the worker reports for it is the tenant's scheduled one (and, on the embedded worker, its
-     recorded gradient norm is the one ``optim_step`` returned);
+     and the advantages are computed again, as ``RayPPOTrainer.apply_reward_kl_penalty`` does); then, as
+     ``RayPPOTrainer._execute_training_step``: the advantages scaled per policy mini-batch by SkyRL's loss reduction
+     (``_normalize_advantages``), and for each of ``update_epochs_per_batch`` epochs, per mini-batch of
+     ``policy_mini_batch_size`` prompts (in batch order), ``dispatch.forward_backward`` and ``dispatch.optim_step``
+     with ``model_id=<tenant>`` (the embedded worker swaps the tenant's adapter, LR schedule and RNG in; for
+     Megatron the tenant's scheduled LR is sent first with ``dispatch.set_lr(model_id=<tenant>)``, as SkyRL's Tinker
+     backend does). The tenant's LR schedule counts optimizer steps. The step fails unless the LR the worker reports
+     for each optimizer step is the tenant's scheduled one (and, on the embedded worker, its recorded gradient norm
+     is the one ``optim_step`` returned); its metrics are SkyRL's mean over the optimizer steps;
   4. sync: ``dispatch.save_weights_for_sampler(model_id=<tenant>)``: the worker writes the adapter as a
      PEFT folder and loads it in place under the tenant's name (no pause, no prefix-cache reset), and
      the dispatch advances the view's version, which must equal the version the server now holds.
@@ -37,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from collections import defaultdict
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +53,9 @@ from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampli
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 from skyrl.backends.skyrl_train.utils.ppo_utils import compute_advantages_and_returns
+from skyrl.backends.skyrl_train.workers.worker_utils import reduce_metrics
 from skyrl.train.config import AlgorithmConfig
-from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
+from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries, convert_prompts_responses_to_batch_tensors
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
@@ -67,6 +73,7 @@ from skyrl_clora.tenant_loop import Rollout
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
 from skyrl_clora.trainer.kl import kl_reward_penalty
+from skyrl_clora.trainer.loss_reduction import reduce_advantages
 
 # Each tenant's dispatch tells the worker when its sync may skip the global prefix-cache reset (patch 0001).
 SALT_GATED_DISPATCH = with_salt_gated_lora_sync(WorkerDispatch)
@@ -102,7 +109,9 @@ class SkyRLBackend:
             await asyncio.to_thread(dispatch.init_weight_sync_state, self.stack.client)
         generator = SkyRLGymGenerator(config.generator, config.environment.skyrl_gym, view, self.stack.tokenizer,
                                       policy_model_name=spec.name)
-        schedule = LRSchedule(spec.lr, self.run.trainer.warmup_steps, self.run.steps, self.run.trainer.lr_schedule)
+        # SkyRL's scheduler counts optimizer steps: RL steps * mini-batches per step * update epochs
+        schedule = LRSchedule(spec.lr, self.run.trainer.warmup_steps, self.run.steps * self.run.optimizer_steps_per_rl_step,
+                              self.run.trainer.lr_schedule)
         self.tenants[spec.name] = Tenant(spec, dispatch, generator, view, schedule)
         async with self._update_lock:
             algorithm = config.trainer.algorithm
@@ -157,15 +166,30 @@ class SkyRLBackend:
             reward_kl["avg_kl"] = kl_metrics["avg_kl"]
             data["rewards"] = data["rewards"] - penalty
             data["advantages"], data["returns"] = _advantages(data, algorithm)
+        data["advantages"] = _mini_batch_advantages(data, dispatch.cfg)
+        boundaries = mini_batch_boundaries(data, dispatch.cfg)
+        steps: dict[str, list[float]] = defaultdict(list)
+        for _ in range(dispatch.cfg.trainer.update_epochs_per_batch):
+            for start, end in boundaries:  # as RayPPOTrainer._execute_training_step: one optimizer step each
+                for key, value in self._optimizer_step(tenant, _rows(data, start, end)).items():
+                    steps[key].append(value)
+        metrics = reduce_metrics(steps)  # SkyRL's reduction over a step's mini-batches and epochs: the mean
+        metrics["optimizer_steps"] = float(len(boundaries) * dispatch.cfg.trainer.update_epochs_per_batch)
+        return {**metrics, **reward_kl}
+
+    def _optimizer_step(self, tenant: Tenant, mini: TrainingInputBatch) -> dict[str, float]:
+        """``forward_backward`` + ``optim_step`` of one mini-batch with the tenant's ``model_id`` at its scheduled LR
+        (sent first on Megatron); the step's metrics, checked against the worker's reports."""
+        name, dispatch = tenant.spec.name, tenant.dispatch
         lr = tenant.schedule.lr(tenant.steps_done)
         if self.stack.strategy == "megatron":
             dispatch.set_lr("policy", lr, model_id=name)
-        output = dispatch.forward_backward("policy", data, model_id=name)
+        output = dispatch.forward_backward("policy", mini, model_id=name)
         grad_norm = dispatch.optim_step("policy", model_id=name)
         tenant.steps_done += 1
         metrics = self.stack.step_metrics(name, output.metrics, grad_norm)
         check_step_report(name, lr, grad_norm, output.metrics, metrics, self.stack.strategy)
-        return {**metrics, **reward_kl}
+        return metrics
 
     async def publish(self, tenant: str) -> int:
         """``save_weights_for_sampler`` (in a worker thread: the dispatch blocks on Ray), then the check that the
@@ -258,6 +282,42 @@ def _advantages(data: TrainingInputBatch, algorithm: AlgorithmConfig) -> tuple[t
         adv_estimator=algorithm.advantage_estimator, config=algorithm, values=None, gamma=algorithm.gamma,
         lambd=algorithm.lambd, grpo_norm_by_std=algorithm.grpo_norm_by_std,
     )
+
+
+def mini_batch_boundaries(data: TrainingInputBatch, cfg: Any) -> list[tuple[int, int]]:
+    """SkyRL's policy mini-batches of ``data`` (``compute_prompt_mini_batch_boundaries`` over ``metadata["uids"]``):
+    ``cfg.trainer.policy_mini_batch_size`` consecutive prompts each, in batch order. The batch's own prompt count
+    stands for ``train_batch_size`` (a tenant's step holds that many; the sanity checks stay SkyRL's)."""
+    uids = list(data.metadata["uids"])
+    prompts = len(dict.fromkeys(uids))
+    mini = min(cfg.trainer.policy_mini_batch_size, prompts)
+    if prompts % mini:
+        raise ValueError(f"trainer.policy_mini_batch_size={mini} must divide the step's {prompts} prompts; set it to "
+                         "a divisor of trainer.train_batch_size")
+    return compute_prompt_mini_batch_boundaries(uids, mini, prompts, cfg.generator.step_wise_trajectories,
+                                                cfg.generator.n_samples_per_prompt)
+
+
+def _mini_batch_advantages(data: TrainingInputBatch, cfg: Any) -> torch.Tensor:
+    """``data["advantages"]`` as ``RayPPOTrainer._normalize_advantages`` leaves them for the policy: with
+    ``advantage_batch_normalize`` z-scored over the batch, then each mini-batch's scaled by its loss reduction
+    (:func:`~skyrl_clora.trainer.loss_reduction.reduce_advantages`)."""
+    algorithm = cfg.trainer.algorithm
+    advantages, mask = data["advantages"], data["response_mask"]
+    if algorithm.advantage_batch_normalize:  # SkyRL's step 1, verbatim
+        mean = advantages.mean()
+        std = ((advantages - mean).pow(2) * mask).sum()
+        advantages = (advantages - mean) * (std / mask.sum()).clamp(min=1e-8).rsqrt()
+    minis = [list(range(start, end)) for start, end in mini_batch_boundaries(data, cfg)]
+    return reduce_advantages(advantages, data["loss_mask"], [str(u) for u in data.metadata["uids"]], minis,
+                             algorithm, cfg.trainer.micro_train_batch_size_per_gpu)
+
+
+def _rows(data: TrainingInputBatch, start: int, end: int) -> TrainingInputBatch:
+    """Rows ``start:end`` of ``data`` with their own ``metadata["uids"]`` (a slice shares the batch's metadata)."""
+    mini = data[start:end]
+    mini.metadata = {**data.metadata, "uids": list(data.metadata["uids"])[start:end]}
+    return mini
 
 
 async def _run_tenants(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource], stack: SkyRLStack,

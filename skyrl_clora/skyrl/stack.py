@@ -206,8 +206,8 @@ def _policy_group(run: RunConfig, plan: SkyRLPlan, model_path: str, pad_token_id
                                  colocate_all=False, sequence_parallel_size=1)
         tenants = {spec.name: {"seed": spec.seed, "lr": spec.lr, "rank": spec.rank, "alpha": spec.alpha}
                    for spec in plan.tenants}
-        ray.get(group.async_init_model(model_path, num_training_steps=run.steps, tenants=tenants,
-                                       max_rank=run.lora.max_rank))
+        ray.get(group.async_init_model(model_path, num_training_steps=run.steps * run.optimizer_steps_per_rl_step,
+                                       tenants=tenants, max_rank=run.lora.max_rank))
     else:
         from skyrl.backends.skyrl_train.workers.megatron.megatron_worker import MegatronPolicyWorkerBase
 

@@ -31,17 +31,18 @@ by SkyRL's own ``PPORayActorGroup`` with ``num_gpus_per_actor=0``) that answers 
 ===================================  ==============================================================
 
 Why ``forward_backward`` stages: the embedded Trainer fuses forward, backward and the optimizer step in
-``Trainer.train_step(tenant, batch)`` and computes GRPO advantages itself from rewards and group ids,
-so the gradient is taken at ``optim_step`` over the staged rows together. That is the update SkyRL's
-accumulate-then-step makes with one mini-batch per step (what the skyrl driver sends). The step's
-metrics (policy loss, LR, ...) are returned by :meth:`step_metrics`.
+``Trainer.train_step(tenant, batch)``, so the gradient is taken at ``optim_step`` over the rows staged since the
+tenant's last step together: SkyRL's accumulate-then-step over one mini-batch (the skyrl driver sends one
+``forward_backward`` per mini-batch, then ``optim_step``, as ``RayPPOTrainer._execute_training_step``). The
+step's metrics (policy loss, LR, ...) are returned by :meth:`step_metrics`.
 
 ``data`` is the batch SkyRL's ``RayPPOTrainer.convert_to_training_input`` builds (``sequences``,
 ``attention_mask``, ``response_mask``, ``loss_mask``, ``rewards``, ``rollout_logprobs``, right-aligned
 response tensors from ``convert_prompts_responses_to_batch_tensors``) with ``metadata["uids"]`` naming
-each row's GRPO group; advantages are not needed (the Trainer computes them). ``action_log_probs`` (the
-behaviour policy's: recomputed by :meth:`forward`, or the sampler's in the Tinker-style step) and
-``base_action_log_probs`` (the reference's, for SkyRL's KL loss), when present, are what the update reads.
+each row's GRPO group, and the ``advantages`` SkyRL's policy workers read (the driver's, already scaled by the loss
+reduction for this mini-batch; without them the Trainer computes them from rewards and groups).
+``action_log_probs`` (the behaviour policy's: recomputed by :meth:`forward`, or the sampler's in the Tinker-style
+step) and ``base_action_log_probs`` (the reference's, for SkyRL's KL loss), when present, are what the update reads.
 """
 
 from __future__ import annotations
@@ -64,9 +65,6 @@ from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
 from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
 from skyrl_clora.trainer.trainer import OptimizerConfig, TrainBatch, Trainer
 
-# SkyRL scheduler names -> the embedded LRSchedule kinds (the translation writes these two).
-_SCHEDULES = {"constant_with_warmup": "constant", "constant": "constant", "cosine": "cosine"}
-
 
 # The model_id under which the policy worker answers ``forward`` with the reference policy: the frozen base,
 # i.e. a tenant's adapter disabled (SkyRL's KL loss). The embedded worker routes no adapter; on Megatron it is an
@@ -76,7 +74,7 @@ REFERENCE_MODEL_ID = "clora:reference"
 
 # SkyRL's per-token tensors of a training batch -> the TrainBatch fields they fill (right-aligned, see below).
 _PER_TOKEN = {"rollout_logprobs": "rollout_logprobs", "action_log_probs": "old_logprobs",
-              "base_action_log_probs": "ref_logprobs"}
+              "base_action_log_probs": "ref_logprobs", "advantages": "advantages"}
 
 
 def training_batch_to_train_batch(data: TrainingInputBatch) -> TrainBatch:
@@ -84,9 +82,9 @@ def training_batch_to_train_batch(data: TrainingInputBatch) -> TrainBatch:
 
     Row ``i``: its real tokens are ``sequences[i][attention_mask[i] == 1]``, the last
     ``response_mask[i].sum()`` of them are the response; response tensors are right-aligned, so the
-    loss mask and the log-prob tensors present (``rollout_logprobs``; ``action_log_probs``, the behaviour
-    policy's, as ``old_logprobs``; ``base_action_log_probs``, the reference's, as ``ref_logprobs``) are their
-    last ``len(response)`` entries; the reward is the sum of the row's token-level rewards; its group is
+    loss mask and the per-token tensors present (``rollout_logprobs``; ``action_log_probs``, the behaviour
+    policy's, as ``old_logprobs``; ``base_action_log_probs``, the reference's, as ``ref_logprobs``;
+    ``advantages``, final) are their last ``len(response)`` entries; the reward is the sum of the row's token-level rewards; its group is
     ``metadata["uids"][i]``."""
     uids = (data.metadata or {}).get("uids")
     rows = data["sequences"].shape[0]
@@ -201,7 +199,7 @@ class EmbeddedPolicyWorker:
         spec = self.tenants[model_id]
         optimizer = self.cfg.policy.optimizer_config
         schedule = LRSchedule(float(spec["lr"]), optimizer.num_warmup_steps, self.total_steps,
-                              _SCHEDULES[optimizer.scheduler])
+                              optimizer.scheduler)
         generator = torch.Generator().manual_seed(int(spec["seed"]))
         weights = init_adapter(self.store.layers, int(spec["rank"]), float(spec["alpha"]), generator)
         self.store.register(model_id, weights, schedule, seed=int(spec["seed"]))

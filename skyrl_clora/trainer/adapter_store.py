@@ -32,7 +32,7 @@ Step counts, RNG states and schedules live only on the host and are read/written
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -44,29 +44,42 @@ from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear
 TABLES = ("master", "exp_avg", "exp_avg_sq", "grads")
 
 
+LR_SCHEDULES = ("constant_with_warmup", "constant", "cosine")
+"""The ``transformers.SchedulerType`` names (SkyRL's ``optimizer_config.scheduler``) :class:`LRSchedule` takes."""
+
+
+@functools.lru_cache(maxsize=256)
+def _hf_lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """The LR factor per optimizer step of ``transformers.get_scheduler(kind, ...)``: the scheduler SkyRL's FSDP
+    strategy builds from ``optimizer_config`` (``num_warmup_steps``, ``num_training_steps``), read off a throwaway
+    optimizer."""
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    return get_scheduler(kind, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps).lr_lambdas[0]
+
+
 @dataclass(frozen=True)
 class LRSchedule:
-    """``lr(step)``: linear warm-up over ``warmup_steps`` then ``kind`` ("constant" or "cosine" to 0 at
-    ``total_steps``)."""
+    """``lr(step)``: the learning rate of optimizer step ``step`` (0-based) under SkyRL's scheduler ``kind`` (a name of
+    :data:`LR_SCHEDULES`): ``base_lr`` times the factor of Hugging Face's ``get_scheduler(kind, num_warmup_steps=
+    warmup_steps, num_training_steps=total_steps)`` after ``step`` scheduler steps. So warm-up step ``k`` runs at
+    ``base_lr * k / warmup_steps`` (the first at 0), ``constant`` ignores the warm-up, and ``cosine`` decays to 0 at
+    ``total_steps``."""
 
     base_lr: float
     warmup_steps: int = 0
     total_steps: int = 1
-    kind: str = "constant"
+    kind: str = "constant_with_warmup"
 
     def __post_init__(self) -> None:
-        if self.kind not in ("constant", "cosine"):
-            raise ValueError(f"unknown lr schedule {self.kind!r}; use constant or cosine")
+        if self.kind not in LR_SCHEDULES:
+            raise ValueError(f"unknown lr schedule {self.kind!r}; use one of {', '.join(LR_SCHEDULES)}")
         if self.base_lr <= 0:
             raise ValueError(f"learning rate must be > 0, got {self.base_lr}")
 
     def lr(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.base_lr * (step + 1) / self.warmup_steps
-        if self.kind == "cosine":
-            progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-            return self.base_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.base_lr
+        return self.base_lr * _hf_lr_lambda(self.kind, self.warmup_steps, self.total_steps)(step)
 
 
 @dataclass

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from skyrl.backends.skyrl_train.utils.ppo_utils import (
-    apply_loss_reduction_to_advantages_minibatch,
-    compute_advantages_and_returns,
-)
+from skyrl.backends.skyrl_train.utils.ppo_utils import compute_advantages_and_returns
 from skyrl.train.config import AlgorithmConfig
+
+from skyrl_clora.trainer.logprobs import training_temperature
+from skyrl_clora.trainer.loss_reduction import reduce_advantages
 
 
 @dataclass
@@ -31,7 +31,11 @@ class TrainBatch:
     Optional per-token log-probs of the response tokens the update reads instead of computing them:
     ``old_logprobs``, the behaviour policy's (the PPO ratio's denominator; None: the trainer's own forward
     with the tenant's pre-update adapter, SkyRL's recomputed ``action_log_probs``), and ``ref_logprobs``,
-    the reference policy's for SkyRL's KL loss (None: the trainer's forward with the adapter disabled)."""
+    the reference policy's for SkyRL's KL loss (None: the trainer's forward with the adapter disabled).
+
+    ``advantages``: per response token, the advantages the policy loss reads, already scaled by SkyRL's loss
+    reduction for the optimizer step that trains them (what SkyRL's policy workers receive: the batch must then be
+    one mini-batch); None: computed by the trainer from ``rewards`` and ``group_ids``."""
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
@@ -41,10 +45,13 @@ class TrainBatch:
     rollout_logprobs: list[list[float]] | None
     old_logprobs: list[list[float]] | None = None
     ref_logprobs: list[list[float]] | None = None
+    advantages: list[list[float]] | None = None
 
 
 # The TrainBatch fields of per-token log-probs of the response tokens.
 PER_TOKEN_LOGPROBS = ("rollout_logprobs", "old_logprobs", "ref_logprobs")
+# Every per-token TrainBatch field (one value per response token).
+PER_TOKEN = (*PER_TOKEN_LOGPROBS, "advantages")
 
 
 def validate_batch(batch: TrainBatch) -> None:
@@ -54,7 +61,7 @@ def validate_batch(batch: TrainBatch) -> None:
         raise ValueError("train batch has no rows")
     lengths = {"response_ids": len(batch.response_ids), "loss_masks": len(batch.loss_masks),
                "rewards": len(batch.rewards), "group_ids": len(batch.group_ids)}
-    per_token = {name: getattr(batch, name) for name in PER_TOKEN_LOGPROBS if getattr(batch, name) is not None}
+    per_token = {name: getattr(batch, name) for name in PER_TOKEN if getattr(batch, name) is not None}
     lengths.update({name: len(values) for name, values in per_token.items()})
     for name, length in lengths.items():
         if length != rows:
@@ -93,14 +100,23 @@ def mini_batch_rows(group_ids: list[str], prompts: int) -> list[list[int]]:
 
 
 def tenant_advantages(batch: TrainBatch, algorithm: AlgorithmConfig, reward_penalty: torch.Tensor | None = None,
-                      mini_batches: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's advantages, each mini-batch's scaled by that mini-batch's loss normaliser (``mini_batches``:
-    rows per mini-batch, :func:`mini_batch_rows`; None: the whole batch is one), and its response mask: both
+                      mini_batches: list[list[int]] | None = None, micro_batch_size: int = 1,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's advantages, each mini-batch's scaled by SkyRL's loss reduction of that mini-batch
+    (:func:`~skyrl_clora.trainer.loss_reduction.reduce_advantages`, with its prompts' boundaries, ``micro_batch_size``
+    for ``token_mean_legacy`` and ``algorithm.max_seq_len``; ``mini_batches``: rows per mini-batch,
+    :func:`mini_batch_rows`; None: the whole batch is one), and its response mask: both
     ``[N, Lr]`` fp32 on the CPU (SkyRL's GRPO estimator builds its group statistics there), ``Lr`` = the longest
     response. The token-level rewards are each row's reward on its last trained token, minus ``reward_penalty``
-    (``[N, >= Lr]``, SkyRL's KL penalty in the reward) when given."""
+    (``[N, >= Lr]``, SkyRL's KL penalty in the reward) when given. A batch with its own ``advantages`` (final, one
+    mini-batch) gets them as they are."""
     response_mask = _pad([[float(m) for m in mask] for mask in batch.loss_masks],
                          max(1, max(len(r) for r in batch.response_ids)))
+    if batch.advantages is not None:
+        if reward_penalty is not None or (mini_batches is not None and len(mini_batches) > 1):
+            raise ValueError("a batch with its own advantages is one mini-batch whose rewards are final; drop the "
+                             "reward penalty or the mini-batches")
+        return _pad(batch.advantages, response_mask.shape[1]) * response_mask, response_mask
     num_rows, response_len = response_mask.shape
     rewards = torch.zeros(num_rows, response_len)
     last = (response_mask.sum(dim=1) - 1).clamp(min=0).long()
@@ -112,14 +128,8 @@ def tenant_advantages(batch: TrainBatch, algorithm: AlgorithmConfig, reward_pena
         adv_estimator=algorithm.advantage_estimator, config=algorithm, grpo_norm_by_std=algorithm.grpo_norm_by_std,
         gamma=algorithm.gamma, lambd=algorithm.lambd,
     )
-    scaled = torch.zeros_like(advantages)
-    for rows in mini_batches or [list(range(num_rows))]:
-        index = torch.tensor(rows)
-        scaled[index] = apply_loss_reduction_to_advantages_minibatch(
-            advantages[index], response_mask[index], algorithm.loss_reduction, micro_batch_size=len(rows),
-            max_seq_len=response_len,
-        )
-    return scaled, response_mask
+    return reduce_advantages(advantages, response_mask, batch.group_ids, mini_batches or [list(range(num_rows))],
+                             algorithm, micro_batch_size), response_mask
 
 
 @dataclass
@@ -136,6 +146,8 @@ class PassRows:
     a device synchronisation. ``prompt_groups[r]``: an id shared by the rows of one tenant with the same
     prompt (a GRPO group), which the forward computes once per micro-batch. ``mini_batches[p]``: tenant ``p``'s
     policy mini-batches (local row indices each, :func:`mini_batch_rows`), one optimizer step each.
+    ``temperature [R]`` fp32: the temperature of each row's tenant (:func:`training_temperature`) its policy
+    log-probs are computed at; None when every tenant's is 1.
     """
 
     input_ids: torch.Tensor
@@ -158,21 +170,24 @@ class PassRows:
     has_old: list[bool] | None = None
     has_ref: list[bool] | None = None
     mini_batches: list[list[list[int]]] | None = None
+    temperature: torch.Tensor | None = None
 
 
 def build_pass_rows(
     batches: list[TrainBatch], slots: list[int], algorithm: AlgorithmConfig | list[AlgorithmConfig],
     device: torch.device, reward_penalties: list[torch.Tensor] | None = None, mini_batch_prompts: int = 0,
+    micro_batch_size: int = 1,
 ) -> PassRows:
     """Stacks the tenants' batches (each validated, cut into mini-batches of ``mini_batch_prompts`` prompts (<= 0:
-    one), advantages per tenant with its ``algorithm`` (one, or one per batch), with ``reward_penalties[p]`` taken
-    off tenant ``p``'s token-level rewards when given: see :func:`tenant_advantages`) into one :class:`PassRows`."""
+    one), advantages per tenant with its ``algorithm`` (one, or one per batch) and ``micro_batch_size`` (SkyRL's
+    ``micro_train_batch_size_per_gpu``, for ``token_mean_legacy``), with ``reward_penalties[p]`` taken off tenant
+    ``p``'s token-level rewards when given: see :func:`tenant_advantages`) into one :class:`PassRows`."""
     for batch in batches:
         validate_batch(batch)
     penalties = reward_penalties or [None] * len(batches)
     algorithms = algorithm if isinstance(algorithm, list) else [algorithm] * len(batches)
     minis = [mini_batch_rows(batch.group_ids, mini_batch_prompts) for batch in batches]
-    per_tenant = [tenant_advantages(batch, algo, penalty, mini)
+    per_tenant = [tenant_advantages(batch, algo, penalty, mini, micro_batch_size)
                   for batch, algo, penalty, mini in zip(batches, algorithms, penalties, minis)]
     response_len = max(advantages.shape[1] for advantages, _ in per_tenant)
     prompts = [p for batch in batches for p in batch.prompt_ids]
@@ -192,6 +207,7 @@ def build_pass_rows(
                           else torch.zeros(len(b.prompt_ids), response_len) for b in batches])
 
     has_old = [b.old_logprobs is not None for b in batches]
+    temperatures = [training_temperature(algo) for algo in algorithms]
     has_ref = [b.ref_logprobs is not None for b in batches]
     counts = [len(batch.prompt_ids) for batch in batches]
     host_row_slot = [slot for slot, count in zip(slots, counts) for _ in range(count)]
@@ -216,6 +232,8 @@ def build_pass_rows(
         old_logprobs=to_device(per_token("old_logprobs")) if any(has_old) else None,
         ref_logprobs=to_device(per_token("ref_logprobs")) if any(has_ref) else None,
         has_old=has_old, has_ref=has_ref, mini_batches=minis,
+        temperature=to_device(torch.tensor([t for t, count in zip(temperatures, counts) for _ in range(count)]))
+        if any(t != 1.0 for t in temperatures) else None,
     )
 
 

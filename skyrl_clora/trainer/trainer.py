@@ -12,6 +12,10 @@ against the reference policy: the frozen base model, i.e. the tenant's adapter d
 With ``use_kl_in_reward`` the pass first scores every row under the tenant's adapter and the reference, and
 the advantages come from the rewards less SkyRL's KL penalty (``trainer.kl.kl_reward_penalty``) with the
 coefficient of the tenant's own SkyRL KL controller (fixed or adaptive), whose value the tenant's state keeps.
+Every policy log-prob (the update's, the behaviour scoring, the reward KL's policy side) is of the logits divided by
+the tenant's temperature (``trainer.algorithm.temperature``, the sampling temperature unless set; see
+``logprobs.training_temperature``), as SkyRL's policy forward computes them; the reference's are untempered, as
+SkyRL's reference worker computes them.
 
 A pass over ``P`` tenants in slots ``0..P-1``: every tenant's prompt groups are shuffled with the tenant's
 own RNG (a group's rows stay together: a micro-batch computes each shared prompt once, see
@@ -193,7 +197,8 @@ class Trainer:
         step, the step's own forward (the weights are still the pre-update ones); else one scoring pass before the
         first step (SkyRL's ``action_log_probs``, computed once per batch)."""
         algorithms = [state.algorithm or self.algorithm for state in states]
-        rows = build_pass_rows(batches, slots, algorithms, self.device, mini_batch_prompts=self.mini_batch_prompts)
+        rows = build_pass_rows(batches, slots, algorithms, self.device, mini_batch_prompts=self.mini_batch_prompts,
+                               micro_batch_size=self.micro_batch_size)
         reward_kl, policy = None, None
         if self.algorithm.use_kl_in_reward:  # SkyRL's KL penalty in the reward, then the advantages again
             policy, base = self._pass_logprobs(rows, adapter=True), self._pass_logprobs(rows, adapter=False)
@@ -206,7 +211,7 @@ class Trainer:
                 state.kl_coef = float(controller.value)
             reward_kl = [kl_metrics for _, kl_metrics in penalties]
             rows = build_pass_rows(batches, slots, algorithms, self.device, [penalty for penalty, _ in penalties],
-                                   self.mini_batch_prompts)
+                                   self.mini_batch_prompts, self.micro_batch_size)
         minis = rows.mini_batches
         steps = [len(tenant_minis) * self.update_epochs for tenant_minis in minis]
         self._score_behaviour(rows, [count > 1 for count in steps], policy)
@@ -348,9 +353,10 @@ class Trainer:
     def _logprobs(self, rows: PassRows, row_index: torch.Tensor, micro: MicroBatch, host_rows: list[int],
                   adapter: bool = True) -> torch.Tensor:
         """Log-probs ``[B, response_width]`` of the response tokens of rows ``row_index`` (``host_rows`` on the
-        host), each under its tenant's slot, or under the base model alone without ``adapter`` (positions past
-        a row's response hold a clamped token's log-prob; masks drop them). Rows that share a prompt compute
-        it once (see the class docstring)."""
+        host), each under its tenant's slot at its tenant's temperature (``rows.temperature``: logits / T, as SkyRL's
+        policy forward), or under the base model alone at temperature 1 without ``adapter`` (SkyRL's reference
+        forward; positions past a row's response hold a clamped token's log-prob; masks drop them). Rows that share a
+        prompt compute it once (see the class docstring)."""
         width = micro.width
         input_ids = rows.input_ids[row_index, :width]
         steps = torch.arange(micro.response_width, device=self.device)
@@ -382,7 +388,11 @@ class Trainer:
             index = (rows.prompt_lens[row_index, None] - 1 + steps[None]).clamp(0, max(width - 2, 0))
             hidden = full.gather(1, index[..., None].expand(-1, -1, full.shape[-1]))
         targets = input_ids.gather(1, (rows.prompt_lens[row_index, None] + steps[None]).clamp(max=width - 1))
-        log_probs = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.head, targets.reshape(-1), self.max_logits)
+        temperature = None  # the reference (no adapter) is untempered, as SkyRL's ref worker's forward
+        if adapter and rows.temperature is not None:
+            temperature = rows.temperature[row_index, None].expand(targets.shape).reshape(-1)
+        log_probs = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.head, targets.reshape(-1), self.max_logits,
+                                   temperature)
         return log_probs.view(targets.shape)
 
     def _route(self, token_slots: torch.Tensor, single_slot: int | None = None) -> contextlib.AbstractContextManager:
@@ -400,13 +410,16 @@ class Trainer:
     @torch.no_grad()
     def response_logprobs(self, tenant: str | None, batch: TrainBatch) -> torch.Tensor:
         """Log-probs ``[N, Lr]`` (fp32, device) of ``batch``'s response tokens under ``tenant``'s current
-        adapter, or under the base model alone (the adapter disabled) when ``tenant`` is None, in row order;
+        adapter at its temperature, or under the base model alone (the adapter disabled) at temperature 1 when
+        ``tenant`` is None, in row order;
         ``Lr`` = the longest response, 0 past each row's response. The tenant's state is left unchanged."""
         slot = self._free_slot(avoid=None)
         if tenant is not None:
             self.store.swap_in(tenant, slot)
         try:
-            rows = build_pass_rows([batch], [slot], self.algorithm, self.device)
+            state = self.store.tenants[tenant] if tenant is not None else None
+            algorithm = state.algorithm or self.algorithm if state is not None else self.algorithm
+            rows = build_pass_rows([batch], [slot], algorithm, self.device, micro_batch_size=self.micro_batch_size)
             return self._pass_logprobs(rows, adapter=tenant is not None)
         finally:
             if tenant is not None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
 from skyrl.backends.skyrl_train.utils.ppo_utils import compute_advantages_and_returns
-from skyrl.train.config import AlgorithmConfig
+from skyrl.train.config import AlgorithmConfig, SkyRLTrainConfig
 from transformers import AutoModelForCausalLM
 
 from skyrl_clora.config_build import build_run_config
@@ -23,7 +23,7 @@ from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate
 from skyrl_clora.skyrl.driver import SkyRLBackend, Tenant, training_input
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
-from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID
+from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID, EmbeddedPolicyWorker, training_batch_to_train_batch
 from skyrl_clora.trainer.adapter_store import LRSchedule
 
 pytestmark = pytest.mark.usefixtures("without_production_extras")
@@ -114,16 +114,21 @@ async def _close(stack) -> None:
 
 
 class _Dispatch:
-    """What ``SkyRLBackend._train`` calls on a ``WorkerDispatch``, recording the batch it trains on and answering
-    with the reports a worker would give (``policy_lr``: the LR its optimizer runs the step with)."""
+    """What ``SkyRLBackend._train`` calls on a ``WorkerDispatch``, recording the mini-batches it trains on and the
+    LRs it sets, and answering with the reports a worker would give (``policy_lr``: the LR its optimizer runs the
+    step with: the one set, unless ``reported_lr`` says otherwise)."""
 
     LOGPROB = {"t": -0.5, REFERENCE_MODEL_ID: -1.5}  # what the policy forward scores under each adapter
 
-    def __init__(self, reported_lr: float, **algorithm: object) -> None:
-        self.cfg = SimpleNamespace(trainer=SimpleNamespace(algorithm=AlgorithmConfig(**{"use_kl_loss": False,
-                                                                                       **algorithm})))
+    def __init__(self, reported_lr: float | None = None, mini_batch_prompts: int = 2, epochs: int = 1,
+                 **algorithm: object) -> None:
+        self.cfg = SkyRLTrainConfig()
+        self.cfg.trainer.algorithm = AlgorithmConfig(**{"use_kl_loss": False, **algorithm})
+        self.cfg.trainer.train_batch_size, self.cfg.generator.n_samples_per_prompt = 2, 2
+        self.cfg.trainer.policy_mini_batch_size, self.cfg.trainer.update_epochs_per_batch = mini_batch_prompts, epochs
         self.reported_lr = reported_lr
-        self.trained = None
+        self.trained: list = []
+        self.lrs: list[float] = []
         self.forwards: list[str] = []
 
     def forward(self, model: str, data, model_id: str) -> WorkerOutput:
@@ -133,11 +138,12 @@ class _Dispatch:
         return WorkerOutput(loss_fn_outputs=rows, metrics={})
 
     def set_lr(self, model: str, lr: float, model_id: str) -> None:
-        pass
+        self.lrs.append(lr)
 
     def forward_backward(self, model: str, data, model_id: str) -> WorkerOutput:
-        self.trained = data
-        return WorkerOutput(metrics={"policy_loss": 0.1, "policy_lr": self.reported_lr})
+        self.trained.append(data)
+        lr = self.lrs[-1] if self.reported_lr is None else self.reported_lr
+        return WorkerOutput(metrics={"policy_loss": 0.1, "policy_lr": lr})
 
     def optim_step(self, model: str, model_id: str) -> float:
         return 2.0
@@ -158,7 +164,7 @@ def test_step_style_picks_the_behaviour_log_probs(step_style: str, tmp_path: Pat
     data = training_input(*_output(rollout_shift=-9.0), 0, translate(compose_config(
         ["backend=skyrl", f"trainer.policy.model.path={tmp_path}"])).base.trainer.algorithm)
     metrics = backend._train(tenant, data)
-    sent = dispatch.trained["action_log_probs"][dispatch.trained["response_mask"].bool()]
+    sent = dispatch.trained[-1]["action_log_probs"][dispatch.trained[-1]["response_mask"].bool()]
     if step_style == "tinker":
         assert dispatch.forwards == [] and torch.all(sent == -9.0)
     else:
@@ -196,12 +202,113 @@ def test_kl_in_reward_penalises_the_rewards_before_the_advantages(tmp_path: Path
     data = training_input(output, groups, 0, algorithm)
     before = data["rewards"].clone()
     metrics = backend._train(tenant, data)
-    sent = dispatch.trained
+    sent = dispatch.trained[-1]
     assert dispatch.forwards == ["t", REFERENCE_MODEL_ID]
     assert torch.allclose(sent["rewards"], before - 0.25 * sent["loss_mask"])
     expected, _ = compute_advantages_and_returns(
         token_level_rewards=sent["rewards"], response_mask=sent["response_mask"], index=groups,
         adv_estimator=algorithm.advantage_estimator, config=algorithm, values=None, gamma=algorithm.gamma,
         lambd=algorithm.lambd, grpo_norm_by_std=algorithm.grpo_norm_by_std)
-    assert torch.equal(sent["advantages"], expected) and sent["advantages"].abs().sum() > 0
+    expected = expected / sent["loss_mask"].sum()  # token_mean over the step's one mini-batch
+    assert torch.allclose(sent["advantages"], expected) and sent["advantages"].abs().sum() > 0
     assert metrics["avg_kl"] == pytest.approx(1.0)
+
+
+def test_one_optimizer_step_per_mini_batch_and_epoch_with_the_lr_schedule_over_optimizer_steps(tmp_path: Path) -> None:
+    """SkyRL's ``_execute_training_step``: ``policy_mini_batch_size=1`` of 2 prompts and 2 epochs make 4
+    ``forward_backward`` + ``optim_step`` pairs over the prompts' rows in batch order, each mini-batch's advantages
+    scaled by its own token count (token_mean), the LR stepping per optimizer step."""
+    backend = _megatron_backend("skyrl", tmp_path)
+    dispatch = _Dispatch(mini_batch_prompts=1, epochs=2)
+    schedule = LRSchedule(1e-3, warmup_steps=4, total_steps=8, kind="cosine")
+    tenant = Tenant(spec=SimpleNamespace(name="t"), dispatch=dispatch, generator=None, view=None, schedule=schedule)
+    algorithm = dispatch.cfg.trainer.algorithm
+    data = training_input(*_output(rollout_shift=-9.0), 0, algorithm)
+    raw = data["advantages"].clone()
+    metrics = backend._train(tenant, data)
+    assert [mini.metadata["uids"] for mini in dispatch.trained] == [["g0", "g0"], ["g1", "g1"]] * 2
+    assert [mini["sequences"].shape[0] for mini in dispatch.trained] == [2, 2, 2, 2]
+    for mini, rows in zip(dispatch.trained, [slice(0, 2), slice(2, 4)] * 2):
+        assert torch.equal(mini["sequences"], data["sequences"][rows])
+        assert torch.allclose(mini["advantages"], raw[rows] / data["loss_mask"][rows].sum())
+    assert dispatch.lrs == [schedule.lr(k) for k in range(4)] and len(set(dispatch.lrs)) == 4
+    assert tenant.steps_done == 4 and metrics["optimizer_steps"] == 4.0
+    assert metrics["lr"] == pytest.approx(sum(dispatch.lrs) / 4)
+
+
+class _DirectDispatch:
+    """``WorkerDispatch``'s calls made on an :class:`EmbeddedPolicyWorker` in this process (no Ray)."""
+
+    def __init__(self, cfg: SkyRLTrainConfig, worker: EmbeddedPolicyWorker) -> None:
+        self.cfg, self.worker = cfg, worker
+
+    def forward(self, model: str, data, model_id: str) -> WorkerOutput:
+        self.worker.swap_to_adapter(model_id)
+        return self.worker.forward(data)
+
+    def forward_backward(self, model: str, data, model_id: str) -> WorkerOutput:
+        self.worker.swap_to_adapter(model_id)
+        return self.worker.forward_backward(data)
+
+    def optim_step(self, model: str, model_id: str) -> float:
+        self.worker.swap_to_adapter(model_id)
+        return self.worker.optim_step()
+
+
+def _worker(cfg: SkyRLTrainConfig, model_dir: Path) -> EmbeddedPolicyWorker:
+    worker = EmbeddedPolicyWorker(cfg.trainer, 1, 0, 0, None, None)
+    worker.init_model(str(model_dir), num_training_steps=8, tenants={"t": {"seed": 3, "lr": 5e-2, "rank": 8, "alpha": 16}},
+                      max_rank=8)
+    worker.register_adapter("t")
+    return worker
+
+
+def test_mini_batch_steps_on_the_embedded_worker_equal_the_embedded_trainers(micro_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """The driver's mini-batch steps through the stand-in worker update the tenant as the embedded trainer's own
+    ``policy_mini_batch_size`` / ``update_epochs_per_batch`` steps do (one scoring of the behaviour log-probs,
+    each mini-batch its own normaliser and LR step)."""
+    cfg = SkyRLTrainConfig()
+    cfg.trainer.algorithm = AlgorithmConfig(use_kl_loss=False)
+    cfg.trainer.train_batch_size, cfg.generator.n_samples_per_prompt = 2, 2
+    cfg.trainer.policy_mini_batch_size, cfg.trainer.update_epochs_per_batch = 1, 2
+    cfg.trainer.micro_train_batch_size_per_gpu = 2
+    cfg.trainer.policy.optimizer_config.scheduler, cfg.trainer.policy.optimizer_config.num_warmup_steps = "cosine", 1
+    driven, reference = _worker(cfg, micro_model_dir), _worker(cfg, micro_model_dir)
+    stack = SimpleNamespace(strategy="embedded", step_metrics=lambda name, output, grad_norm: driven.step_metrics(name))
+    backend = SkyRLBackend(SimpleNamespace(trainer=SimpleNamespace(step_style="skyrl")), plan=None, stack=stack)
+    schedule = driven.store.tenants["t"].schedule
+    tenant = Tenant(spec=SimpleNamespace(name="t"), dispatch=_DirectDispatch(cfg, driven), generator=None, view=None,
+                    schedule=schedule)
+    output, groups = _output(rollout_shift=-9.0)
+    output["rewards"] = [1.0, 0.0, 0.0, 1.0]
+    data = training_input(output, groups, 0, cfg.trainer.algorithm)
+    batch = training_batch_to_train_batch(data.select(["sequences", "attention_mask", "response_mask", "loss_mask",
+                                                       "rewards", "rollout_logprobs"], ["uids", "response_length"]))
+    initial = {key: value.clone() for key, value in driven.store.tenants["t"].master.items()}
+    metrics = backend._train(tenant, data)
+    reference.trainer.mini_batch_prompts, reference.trainer.update_epochs = 1, 2
+    _, expected = reference.trainer.train_step("t", batch)
+    assert metrics["optimizer_steps"] == expected["optimizer_steps"] == 4
+    assert metrics["lr"] == pytest.approx(expected["lr"])
+    assert metrics["policy_loss"] == pytest.approx(expected["policy_loss"], abs=1e-6)
+    for key, value in driven.store.tenants["t"].flat.items():
+        assert torch.allclose(value, reference.store.tenants["t"].flat[key], atol=1e-6), key
+    assert max((value - initial[key]).abs().max().item() for key, value in driven.store.tenants["t"].master.items()) > 1e-3
+    assert driven.store.tenants["t"].step == 4
+
+
+def test_the_embedded_worker_trains_on_the_advantages_it_is_sent(micro_model_dir: Path) -> None:
+    """As SkyRL's policy workers, the stand-in reads ``advantages`` (the driver's, scaled by the loss reduction)
+    rather than computing its own: all-zero advantages give a zero gradient whatever the rewards."""
+    cfg = SkyRLTrainConfig()
+    cfg.trainer.algorithm = AlgorithmConfig(use_kl_loss=False)
+    worker = _worker(cfg, micro_model_dir)
+    worker.swap_to_adapter("t")
+    data = training_input(*_output(rollout_shift=-9.0), 0, cfg.trainer.algorithm)
+    assert data["advantages"].abs().sum() > 0
+    worker.forward_backward(data)
+    assert worker.optim_step() > 0
+    data["advantages"] = torch.zeros_like(data["advantages"])
+    worker.forward_backward(data)
+    assert worker.optim_step() == 0.0

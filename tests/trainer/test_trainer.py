@@ -85,7 +85,7 @@ def test_store_rejects_bad_registrations(trainer: Trainer) -> None:
 
 def test_lr_schedule() -> None:
     schedule = LRSchedule(base_lr=1.0, warmup_steps=2, total_steps=10, kind="cosine")
-    assert schedule.lr(0) == 0.5 and schedule.lr(1) == 1.0
+    assert schedule.lr(0) == 0.0 and schedule.lr(1) == 0.5  # SkyRL's (HF's) warm-up: step k at k / warmup_steps
     assert schedule.lr(2) == pytest.approx(1.0) and schedule.lr(10) == pytest.approx(0.0)
     with pytest.raises(ValueError):
         LRSchedule(base_lr=1.0, kind="exotic")
