@@ -17,9 +17,11 @@ services are the production ones (``skyrl_clora.services.build_services``); only
 (a random model writes no parsable tool calls).
 
 Serial mode runs the experiments one after another, each paying its cold start; serial time for N is the
-sum of the first N experiments. Concurrent mode runs N experiments at once on one cold start.
+sum of the first N experiments. Concurrent mode runs N experiments at once on one cold start. With ``--serial K``
+only the first K serial experiments run (N=16 or 32 would take a serial hour), and an N above K compares
+experiments per hour with the K serial experiments' rate (the same workload, other seeds' lengths).
 
-One table, per mode and N: wall time, experiment throughput ratio vs serial, mean per-tenant step time and
+One table, per mode and N: wall time, experiments per hour, experiment throughput ratio vs serial, mean per-tenant step time and
 mean rollout time per tenant step, each with its ratio to the same mode's N=1 (serial's when that mode did not
 run N=1), train / sync split, decode tokens/s, the GPU busy fraction of the wall time (:func:`gpu_busy`) and
 peak GPU memory; above it, the per-turn lengths drawn (mean, p50, p90, max). Full numbers go to ``--out`` as
@@ -293,6 +295,37 @@ def combine(results: list[ModeResult], mode: str) -> ModeResult:
                       turn_lengths=[length for r in results for length in r.turn_lengths])
 
 
+def table_rows(serial: list[ModeResult], concurrent: dict[tuple[str, int], ModeResult], tenants: list[int],
+               labels: list[str]) -> list[dict]:
+    """The table's rows: per N of ``tenants``, the serial group of the first N ``serial`` experiments (when that many
+    ran) and each concurrent mode of ``labels`` at N, with its throughput vs serial (the same N experiments' serial
+    wall over its wall; for N above the serial experiments run, its experiments per hour over their rate, marked in
+    ``serial_basis``), experiments per hour and step / rollout times vs the same mode's N=1 (serial's when that mode
+    did not run N=1)."""
+    rows = []
+    serial_rate = len(serial) / sum(r.wall_s for r in serial)  # experiments per second, one after another
+    for n in tenants:
+        if n <= len(serial):  # the first n serial experiments: the same experiments as the concurrent n
+            serial_wall = sum(r.wall_s for r in serial[:n])
+            rows.append({**summarize(combine(serial[:n], "serial")), "throughput_vs_serial": 1.0,
+                         "serial_basis": f"the same {n}"})
+        for label in labels:
+            result = concurrent[(label, n)]
+            ratio = serial_wall / result.wall_s if n <= len(serial) else n / result.wall_s / serial_rate
+            rows.append({**summarize(result), "throughput_vs_serial": ratio,
+                         "serial_basis": f"the same {n}" if n <= len(serial) else f"the rate of {len(serial)}"})
+    for row in rows:
+        row["experiments_per_hour"] = row["tenants"] / row["wall_s"] * 3600
+    # Ratios to the same mode at N=1, or to serial N=1 (one swap experiment) when that mode did not run N=1.
+    one = {row["mode"]: row for row in rows if row["tenants"] == 1}
+    serial_one = summarize(combine(serial[:1], "serial"))
+    for row in rows:
+        base = one.get(row["mode"], serial_one)
+        row.update(vs_n1_base=f"{base['mode']} N=1", step_vs_n1=row["step_s"] / base["step_s"],
+                   rollout_vs_n1=row["rollout_s"] / base["rollout_s"])
+    return rows
+
+
 def profile_experiment(model_dir: Path, workload: Workload, mode: str, tenants: int, device: str, out: Path) -> None:
     """``tenants`` concurrent experiments of ``workload`` in train ``mode`` (after the warm-up) under
     ``torch.profiler``: writes the top GPU kernels and the top CPU entries to ``out`` with suffixes
@@ -343,6 +376,9 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                         help="also run every concurrent mode with these overrides, as mode+NAME (serial runs without), "
                              "e.g. carve32:trainer.sm_carveout=32")
+    parser.add_argument("--serial", type=int, metavar="K",
+                        help="run only the first K serial experiments (default: the largest --tenants); a larger N's "
+                             "'x serial' is then its experiments per hour over the K serial experiments' rate")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.lengths is not None and args.response is not None:
@@ -358,6 +394,9 @@ def main() -> None:
             parser.error(f"--variant {spec!r}: use NAME:KEY=VALUE[,KEY=VALUE]")
         variants[f"+{name}"] = tuple(overrides.split(","))
     labels = [mode + suffix for suffix in variants for mode in args.modes]
+    serial_count = max(args.tenants) if args.serial is None else args.serial
+    if not 1 <= serial_count <= max(args.tenants):
+        parser.error(f"--serial {args.serial}: give 1 to the largest --tenants ({max(args.tenants)})")
     workload = Workload(steps=args.steps, lengths=lengths, overrides=tuple(args.override))
     with tempfile.TemporaryDirectory() as folder:
         model_dir = Path(folder) / args.shape
@@ -377,7 +416,7 @@ def main() -> None:
             profile_experiment(model_dir, replace(workload, steps=1), args.modes[0], most, args.device, args.out)
             return
         serial: list[ModeResult] = []
-        for name, seed in zip(names, seeds):
+        for name, seed in zip(names[:serial_count], seeds[:serial_count]):
             serial.append(run_and_release(model_dir, workload, "swap", [name], [seed], args.device))
             write_partial(args.out, serial, {})
         # Largest N first: the headline ratio survives a run cut short by a time limit.
@@ -389,20 +428,7 @@ def main() -> None:
                     result = run_and_release(model_dir, variant, mode, names[:n], seeds[:n], args.device, mode + suffix)
                     concurrent[(result.mode, n)] = result
                     write_partial(args.out, serial, concurrent)
-    rows = []
-    for n in args.tenants:
-        serial_wall = sum(r.wall_s for r in serial[:n])
-        rows.append({**summarize(combine(serial[:n], "serial")), "throughput_vs_serial": 1.0})
-        for label in labels:
-            result = concurrent[(label, n)]
-            rows.append({**summarize(result), "throughput_vs_serial": serial_wall / result.wall_s})
-    # Ratios to the same mode at N=1, or to serial N=1 (one swap experiment) when that mode did not run N=1.
-    one = {row["mode"]: row for row in rows if row["tenants"] == 1}
-    serial_one = summarize(combine(serial[:1], "serial"))
-    for row in rows:
-        base = one.get(row["mode"], serial_one)
-        row.update(vs_n1_base=f"{base['mode']} N=1", step_vs_n1=row["step_s"] / base["step_s"],
-                   rollout_vs_n1=row["rollout_s"] / base["rollout_s"])
+    rows = table_rows(serial, concurrent, args.tenants, labels)
     drawn = length_summary(length for r in serial for length in r.turn_lengths)  # every tenant's draws, once
     short = sum(s.short_turns for r in [*serial, *concurrent.values()] for s in r.steps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -412,11 +438,14 @@ def main() -> None:
     print(f"{args.shape}: {workload}")
     print(f"lengths {lengths.spec}: {drawn['count']} turns drawn over {len(serial)} serial experiments, mean "
           f"{drawn['mean']:.0f}, p50 {drawn['p50']:.0f}, p90 {drawn['p90']:.0f}, max {drawn['max']:.0f}; turns cut "
-          f"short in all groups: {short}; GPU busy: upper bound (--out: both bounds)")
-    print(f"{'mode':14} {'N':>2} {'wall s':>7} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
+          f"short in all groups: {short}; GPU busy: upper bound (--out: both bounds)"
+          + ("" if all(n <= len(serial) for n in args.tenants) else
+             f"; *: experiments per hour over the rate of the {len(serial)} serial experiments"))
+    print(f"{'mode':14} {'N':>2} {'wall s':>7} {'exp/h':>6} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
           f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'GPU busy':>8} {'peak GiB':>8} {'rows':>5} {'preempt':>7}")
     for row in rows:
-        print(f"{row['mode']:14} {row['tenants']:2d} {row['wall_s']:7.1f} {row['throughput_vs_serial']:8.2f} "
+        print(f"{row['mode']:14} {row['tenants']:2d} {row['wall_s']:7.1f} {row['experiments_per_hour']:6.0f} "
+              f"{row['throughput_vs_serial']:7.2f}{'' if row['serial_basis'].startswith('the same') else '*'} "
               f"{row['step_s']:7.2f} {row['step_vs_n1']:6.2f} {row['rollout_s']:7.2f} {row['rollout_vs_n1']:6.2f} "
               f"{row['train_s']:6.2f} {row['sync_s']:5.2f} {row['decode_tokens_per_s']:12.0f} "
               f"{row['gpu_busy']['upper']:8.2f} {row['peak_memory_gib']:8.1f} {row['peak_running_rows']:5d} "

@@ -156,11 +156,27 @@ def test_gpu_busy_bounds():
     assert e2e.gpu_busy(result)["upper"] == 1.0  # the sum of overlapping spans is capped
 
 
+def _result(wall: float, lengths: list[int], tenants: int = 1, mode: str = "swap") -> e2e.ModeResult:
+    step = e2e.StepRecord("t", 1, 1.0, 2.0, 0.1, 3.1, sum(lengths))
+    return e2e.ModeResult(mode, tenants, wall, [0.5], [step], EngineStats(decode_gpu_seconds=1.0), 2.0,
+                          train_passes_s=2.0, turn_lengths=lengths)
+
+
+def test_table_rows_compare_the_same_experiments_or_else_the_serial_rate():
+    """N within the serial experiments run: their serial wall over the concurrent wall; above (``--serial K``):
+    experiments per hour over the K serial experiments' rate."""
+    serial = [_result(10.0, [1]), _result(12.0, [2])]
+    concurrent = {("swap", 2): _result(11.0, [1, 2], 2), ("swap", 4): _result(20.0, [1, 2, 3, 4], 4)}
+    rows = e2e.table_rows(serial, concurrent, [2, 4], ["swap"])
+    assert [(row["mode"], row["tenants"]) for row in rows] == [("serial", 2), ("swap", 2), ("swap", 4)]
+    assert rows[1]["throughput_vs_serial"] == pytest.approx(22.0 / 11.0)
+    assert rows[2]["throughput_vs_serial"] == pytest.approx((4 / 20.0) / (2 / 22.0))
+    assert rows[2]["serial_basis"] == "the rate of 2" and rows[1]["serial_basis"] == "the same 2"
+    assert rows[2]["experiments_per_hour"] == pytest.approx(4 / 20.0 * 3600)
+
+
 def test_serial_groups_add_up():
-    def one(wall: float, lengths: list[int]) -> e2e.ModeResult:
-        step = e2e.StepRecord("t", 1, 1.0, 2.0, 0.1, 3.1, sum(lengths))
-        return e2e.ModeResult("swap", 1, wall, [0.5], [step], EngineStats(decode_gpu_seconds=1.0), 2.0,
-                              train_passes_s=2.0, turn_lengths=lengths)
+    one = _result
 
     group = e2e.combine([one(10.0, [1, 2]), one(20.0, [3])], "serial")
     row = e2e.summarize(group)
