@@ -90,23 +90,24 @@ def check_swap_a_b_a(trainer: Trainer) -> None:
         _assert_tables_equal(_host_state(store.tenants[other]), host[other], f"{other} while {name} was swapped")
 
 
-def scheduler_trainer(model_dir: Path, slots: int) -> Trainer:
-    """``slots`` trainer slots; tenants A, B, C (rank 8, lr 1e-3, 2e-3, 3e-3) registered."""
+def scheduler_trainer(model_dir: Path, slots: int, names: str = "ABC") -> Trainer:
+    """``slots`` trainer slots; tenants ``names`` (default A, B, C; rank 8, lr 1e-3, 2e-3, 3e-3, ...) registered."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     routing, layers = attach_multi_lora(model, num_slots=slots, max_rank=8, trainable=True)
     store = AdapterStore(layers, num_slots=slots)
-    for index, name in enumerate("ABC"):
+    for index, name in enumerate(names):
         store.register(name, init_adapter(layers, 8, 16.0, torch.Generator().manual_seed(index)),
                        LRSchedule(base_lr=1e-3 * (index + 1)), seed=index)
     return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(), micro_batch_size=4)
 
 
-def scheduler_batch(seed: int, bad: bool = False) -> TrainBatch:
-    """Four rows in two groups; ``bad``: the first row's loss mask is one short."""
+def scheduler_batch(seed: int, bad: bool = False, response_len: int = 4) -> TrainBatch:
+    """Four rows in two groups, responses of ``response_len`` tokens; ``bad``: the first row's loss mask is one
+    short."""
     generator = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 300, (5,), generator=generator).tolist() for _ in range(4)]
-    responses = [torch.randint(0, 300, (4,), generator=generator).tolist() for _ in range(4)]
-    masks = [[1] * (3 if bad and i == 0 else 4) for i in range(4)]
+    responses = [torch.randint(0, 300, (response_len,), generator=generator).tolist() for _ in range(4)]
+    masks = [[1] * (response_len - 1 if bad and i == 0 else response_len) for i in range(4)]
     return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=masks, rewards=[1.0, 0.0, 0.0, 1.0],
                       group_ids=["g0", "g0", "g1", "g1"], rollout_logprobs=None)
 

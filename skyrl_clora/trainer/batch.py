@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -237,6 +238,17 @@ def build_pass_rows(
     )
 
 
+class RowLengths(Protocol):
+    """What micro-batch planning reads of a pass's rows (:class:`PassRows` has it; the pack planner's cost model
+    builds it from lengths alone): per global row its sequence and response lengths and prompt group, and each
+    tenant's first global row."""
+
+    host_seq_lens: list[int]
+    host_response_lens: list[int]
+    prompt_groups: list[int]
+    offsets: list[int]
+
+
 @dataclass(frozen=True)
 class MicroBatch:
     """Rows ``order[start:end]`` of a pass (global row indices, grouped by tenant); ``segments``: per
@@ -260,7 +272,7 @@ def group_order(groups: list[int], generator: torch.Generator) -> list[int]:
 
 
 def plan_micro_batches(
-    rows: PassRows, orders: list[list[int]], micro_batch_size: int, max_tokens: int = -1, shared_prompts: bool = False
+    rows: RowLengths, orders: list[list[int]], micro_batch_size: int, max_tokens: int = -1, shared_prompts: bool = False
 ) -> tuple[list[int], list[MicroBatch]]:
     """Interleaves the tenants' shuffled row orders (``orders[p]``: tenant ``p``'s local row order) round-robin
     by runs of one prompt group (every tenant's first run, then every tenant's second, ...: a group's rows stay
@@ -302,7 +314,7 @@ def plan_micro_batches(
 
 
 def _token_chunks(
-    rows: PassRows, sequence: list[tuple[int, int]], max_tokens: int, shared_prompts: bool
+    rows: RowLengths, sequence: list[tuple[int, int]], max_tokens: int, shared_prompts: bool
 ) -> list[list[tuple[int, int]]]:
     """Cuts ``sequence`` (``(tenant, global row)`` items) into consecutive chunks whose passes compute at most
     ``max_tokens`` token positions each (a row over it alone forms its own chunk). A pass computes, with

@@ -3,11 +3,13 @@ event loop.
 
 - swap mode: the waiting tenants train one at a time in arrival order; while one trains, the next waiting
   tenant's state is prefetched into the trainer's second slot (``Trainer.train_step(..., prefetch=)``).
-- packed mode: whenever the trainer is free, every waiting tenant (up to ``trainer.pack_size``, in arrival
-  order) trains in one packed pass (``Trainer.train_packed``); with ``lockstep``, a round of passes starts once
-  every member tenant (``join`` / ``leave``) has its batch waiting, packed in member order, ``pack_size`` a
-  pass: the passes' composition then depends on nothing but the members, so runs are reproducible (the CPU
-  rounds a GEMM's rows by the batch they are in) and a resumed run packs as the uninterrupted one did.
+- packed mode: whenever the trainer is free, the waiting tenants train in one packed pass
+  (``Trainer.train_packed``): all of them when they fit ``trainer.pack_size``; else the pass of the pack plan
+  (:func:`plan_packs` over every waiting batch, :func:`pack_cost_model`) that holds the longest-waiting one.
+  With ``lockstep``, a round of passes starts once every member tenant (``join`` / ``leave``) has its batch
+  waiting, and its passes are the pack plan's of the round's batches (the batches in member order): the
+  passes' composition then depends on nothing but the members and their batches, so runs are reproducible
+  (the CPU rounds a GEMM's rows by the batch they are in) and a resumed run packs as the uninterrupted one did.
 A tenant whose batch is invalid fails alone (its ``train`` call raises); if a pass itself raises, the
 tenants of that pass fail and the others keep going.
 
@@ -28,6 +30,7 @@ from typing import Protocol, TypeVar
 
 from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.trainer.batch import TrainBatch, validate_batch
+from skyrl_clora.trainer.pack_plan import PackCostModel, pack_load, plan_packs
 from skyrl_clora.trainer.trainer import Trainer
 
 TRAIN_MODES = ("swap", "packed")
@@ -103,22 +106,38 @@ class TrainScheduler:
         waiting = {request.tenant for request in self._waiting}
         return bool(waiting) and all(member in waiting for member in self._members)
 
-    def _next_passes(self) -> list[list[_Request]]:
-        """What trains next: lockstep, the whole round in member order cut into passes of ``pack_size``; else one
-        pass of the first waiting requests (``pack_size`` in packed mode, one in swap mode)."""
+    async def _next_passes(self) -> list[list[_Request]]:
+        """What trains next: lockstep, the whole round (in member order) as the pack plan's passes; swap mode, the
+        first waiting request; packed mode, every waiting request when they fit ``pack_size``, else the plan's pass
+        holding the first. The plan is made on a worker thread (a large round's takes up to about a second)."""
         size = self.trainer.pack_size if self.mode == "packed" else 1
-        if not self.lockstep:
+        if self.lockstep:
+            order = {name: index for index, name in enumerate(self._members)}
+            taken = sorted(self._waiting, key=lambda request: order.get(request.tenant, len(order)))
+            self._waiting = []
+            return await asyncio.to_thread(self._plan, taken, size)
+        if len(self._waiting) <= size or size == 1:
             taken, self._waiting = self._waiting[:size], self._waiting[size:]
             return [taken]
-        order = {name: index for index, name in enumerate(self._members)}
-        taken = sorted(self._waiting, key=lambda request: order.get(request.tenant, len(order)))
-        self._waiting = []
-        return [taken[first : first + size] for first in range(0, len(taken), size)]
+        waiting = list(self._waiting)
+        taken = next(group for group in await asyncio.to_thread(self._plan, waiting, size)
+                     if any(request is waiting[0] for request in group))
+        chosen = {id(request) for request in taken}
+        self._waiting = [request for request in self._waiting if id(request) not in chosen]
+        return [taken]
+
+    def _plan(self, requests: list[_Request], size: int) -> list[list[_Request]]:
+        """``requests`` as the pack plan's passes of at most ``size`` (deterministic given their order and batches)."""
+        store = self.trainer.store
+        loads = [pack_load(str(index), request.batch, getattr(store.tenants.get(request.tenant), "rank", store.max_rank),
+                           self.trainer.mini_batch_prompts, self.trainer.update_epochs)
+                 for index, request in enumerate(requests)]
+        return [[requests[int(name)] for name in names] for names in plan_packs(loads, size, pack_cost_model(self.trainer))]
 
     async def _drain(self) -> None:
         try:
             while self._ready():
-                for taken in self._next_passes():
+                for taken in await self._next_passes():
                     await self._train_pass(taken)
         finally:
             self._drainer = None
@@ -169,6 +188,14 @@ class TrainScheduler:
             if pause:
                 self.sampler.resume()
             self.pass_seconds += time.perf_counter() - started
+
+
+def pack_cost_model(trainer: Trainer) -> PackCostModel:
+    """The pack planner's cost model of ``trainer``'s passes: its micro-batch bounds, shared prompts, policy
+    mini-batches and epochs; every slot computes at the store's max rank."""
+    return PackCostModel(micro_batch_size=trainer.micro_batch_size, max_tokens=trainer.max_tokens_per_microbatch,
+                         shared_prompts=trainer.shared_prefix, mini_batch_prompts=trainer.mini_batch_prompts,
+                         update_epochs=trainer.update_epochs, slot_rank=trainer.store.max_rank)
 
 
 def _fail(request: _Request, error: Exception) -> None:

@@ -11,7 +11,8 @@ import pytest
 from micro_task import assert_learning, micro_tenants
 from skyrl_clora.config import ConfigError
 from skyrl_clora.main import main
-from skyrl_clora.trainer.scheduler import TrainScheduler
+from skyrl_clora.trainer.pack_plan import pack_load, plan_packs, round_seconds
+from skyrl_clora.trainer.scheduler import TrainScheduler, pack_cost_model
 from transport import check_scheduler_returns_stored_weights, scheduler_batch, scheduler_trainer, submit_all
 
 
@@ -32,10 +33,10 @@ def test_packed_scheduler_packs_waiting_tenants_and_fails_only_the_bad_one(micro
     assert all(slot.owner is None for slot in trainer.store.slots)
 
 
-def test_lockstep_rounds_wait_for_every_member_and_pack_in_member_order(micro_model_dir: Path) -> None:
-    """A round starts when every member's batch waits (not before), packs them in the order they joined whatever
-    order they arrived in (two slots: [A, B] then [C]), and trains the same bits as that packing arriving in
-    order; a member that leaves is no longer waited for."""
+def test_lockstep_rounds_wait_for_every_member_and_pack_whatever_the_arrival_order(micro_model_dir: Path) -> None:
+    """A round starts when every member's batch waits (not before), packs them as the plan of the batches in the
+    order the tenants joined, whatever order they arrived in (batches of one shape, two slots: [A, B] then [C]),
+    and trains the same bits as that packing arriving in order; a member that leaves is no longer waited for."""
     trainer, reference = scheduler_trainer(micro_model_dir, slots=2), scheduler_trainer(micro_model_dir, slots=2)
     scheduler = TrainScheduler(trainer, "packed", lockstep=True)
     for name in "ABC":
@@ -59,6 +60,35 @@ def test_lockstep_rounds_wait_for_every_member_and_pack_in_member_order(micro_mo
     assert [result[1]["pass_tenants"] for result in results] == [2.0, 2.0]
     with pytest.raises(ValueError, match="packed"):
         TrainScheduler(trainer, "swap", lockstep=True)
+
+
+def test_lockstep_passes_follow_the_pack_plan_and_train_as_each_tenant_alone(micro_model_dir: Path) -> None:
+    """Members A, B, C, D (joined in that order, two slots): A and C wait with long responses, B and D with short
+    ones. The plan trains [A, C] and [B, D] (member order, [A, B] and [C, D], would pad the short rows of each
+    micro-batch to the long ones: the model prices it higher), and each tenant's metrics are those of it trained
+    alone, up to float rounding."""
+    trainer, alone = scheduler_trainer(micro_model_dir, 2, "ABCD"), scheduler_trainer(micro_model_dir, 2, "ABCD")
+    batches = {name: scheduler_batch(seed, response_len=40 if name in "AC" else 3) for seed, name in enumerate("ABCD")}
+    loads = [pack_load(name, batches[name], 8) for name in "ABCD"]
+    model = pack_cost_model(trainer)
+    assert plan_packs(loads, 2, model) == [["A", "C"], ["B", "D"]]
+    assert round_seconds([["A", "B"], ["C", "D"]], loads, model) > round_seconds([["A", "C"], ["B", "D"]], loads, model)
+    passes: list[list[str]] = []
+    train_packed = trainer.train_packed
+    trainer.train_packed = lambda items: (passes.append([name for name, _ in items]), train_packed(items))[1]
+    scheduler = TrainScheduler(trainer, "packed", lockstep=True)
+    for name in "ABCD":
+        scheduler.join(name)
+    results = asyncio.run(submit_all(scheduler, [(name, batches[name]) for name in "DCBA"]))
+    assert passes == [["A", "C"], ["B", "D"]]
+    metrics = {name: result[1] for name, result in zip("DCBA", results)}
+    assert all(m["pass_tenants"] == 2.0 for m in metrics.values())
+    assert len({(metrics[name]["grad_norm"], metrics[name]["mean_token_logprob"]) for name in "ABCD"}) == 4, "the tenants' metrics differ, so the comparison below is not vacuous"
+    for name in "ABCD":
+        want = alone.train_packed([(name, batches[name])])[0][1]
+        got = {key: value for key, value in metrics[name].items() if key != "pass_tenants"}
+        assert got.keys() == want.keys()
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-6), name
 
 
 def test_swap_scheduler_trains_in_arrival_order_with_prefetch(micro_model_dir: Path) -> None:
