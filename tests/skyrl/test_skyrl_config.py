@@ -62,7 +62,7 @@ def test_serial_mode_needs_one_lora_slot_per_batch(tmp_path: Path) -> None:
         (["+tenants=[{rank:8,alpha:16},{}]"], "tenants differ in LoRA signature"),
         (["+tenants=[{alpha:8},{}]"], "tenants differ in LoRA signature"),
         (["+tenants=2", "trainer.policy.model.lora.max_cpu_loras=1"], "adapters would be evicted"),
-        (["trainer.policy.optimizer_config.scheduler=cosine"], "Megatron scheduler is constant-only"),
+        (["trainer.policy.optimizer_config.scheduler=cosine"], "Megatron scheduler is constant with linear warm-up"),
         (["trainer.policy.optimizer_config.scheduler=cosine", "backend.strategy=embedded"], "embedded stands in for megatron"),
         (["+tenants=2", "backend.strategy=fsdp"], "FSDP workers hold one LoRA adapter"),
         (["backend.strategy=deepspeed"], "backend.strategy=deepspeed is unknown"),

@@ -28,7 +28,7 @@ def _trainer(model_dir: Path, slots: int, micro_batch_size: int = 3) -> Trainer:
     store = AdapterStore(layers, num_slots=slots)
     for name, rank, alpha, lr, seed in TENANTS:
         weights = init_adapter(layers, rank, alpha, torch.Generator().manual_seed(seed))
-        store.register(name, weights, LRSchedule(base_lr=lr, warmup_steps=1, total_steps=4, kind="cosine"), seed=seed)
+        store.register(name, weights, LRSchedule(base_lr=lr, warmup_steps=0, total_steps=4, kind="cosine"), seed=seed)
     return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(),
                    micro_batch_size=micro_batch_size)
 
