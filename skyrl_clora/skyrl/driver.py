@@ -11,7 +11,8 @@ inference client) over one shared ``PPORayActorGroup`` of policy workers. A tena
      current adapter version, else the step fails: the version the embedded server reports per request, or,
      from vLLM, which reports none, the view's own version around the request (see ``tenant_client``);
   3. train: the episodes become SkyRL's ``TrainingInputBatch`` (:func:`training_input`); as SkyRL's trainer
-     does, ``dispatch.forward`` recomputes the behaviour policy's ``action_log_probs`` with the tenant's adapter
+     does, ``dispatch.forward`` (per mini-batch with ``recompute_old_logprobs_per_minibatch``: :func:`behaviour_logprobs`)
+     recomputes the behaviour policy's ``action_log_probs`` with the tenant's adapter
      (``trainer.step_style=tinker``: the sampler's log-probs instead, as SkyRL's Tinker backend sends them) and,
      with ``use_kl_loss`` or ``use_kl_in_reward``, the reference's ``base_action_log_probs`` under
      ``REFERENCE_MODEL_ID`` (the frozen base, at temperature 1 as SkyRL's reference worker: :func:`reference_logprobs`;
@@ -156,7 +157,7 @@ class SkyRLBackend:
                                    "generator returned none")
             data["action_log_probs"] = data["rollout_logprobs"]
         else:
-            data["action_log_probs"] = _response_logprobs(dispatch, scoring, name)
+            data["action_log_probs"] = behaviour_logprobs(dispatch, scoring, name, mini_batch_boundaries(data, dispatch.cfg))
         if algorithm.use_kl_loss or algorithm.use_kl_in_reward:
             data["base_action_log_probs"] = reference_logprobs(dispatch, scoring)
         reward_kl = {}
@@ -236,6 +237,21 @@ def _response_logprobs(dispatch: WorkerDispatch, scoring: TrainingInputBatch, mo
     right-aligned log-probs, as ``RayPPOTrainer.fwd_logprobs_values_reward`` stacks them."""
     output = dispatch.forward("policy", scoring, model_id=model_id)
     return loss_fn_outputs_to_tensor(output.loss_fn_outputs)[: scoring["sequences"].shape[0]]
+
+
+def behaviour_logprobs(dispatch: WorkerDispatch, scoring: TrainingInputBatch, model_id: str,
+                       boundaries: list[tuple[int, int]]) -> torch.Tensor:
+    """The behaviour policy's (``model_id``'s) response log-probs of ``scoring``'s rows, as
+    ``RayPPOTrainer._execute_forward_pass`` computes them: with ``trainer.recompute_old_logprobs_per_minibatch`` and
+    more than one policy mini-batch (``boundaries``), one forward per mini-batch over SkyRL's staged per-DP chunks
+    (``stage_data`` + ``forward_from_staged``: the partition each mini-batch's ``forward_backward`` sees), rows in
+    batch order; else one forward over the batch."""
+    if not (dispatch.cfg.trainer.recompute_old_logprobs_per_minibatch and len(boundaries) > 1):
+        return _response_logprobs(dispatch, scoring, model_id)
+    outputs: list[dict[str, Any]] = []
+    for chunk_refs in dispatch.stage_data("policy", scoring, boundaries):
+        outputs.extend(dispatch.forward_from_staged("policy", chunk_refs, model_id=model_id).loss_fn_outputs)
+    return loss_fn_outputs_to_tensor(outputs)[: scoring["sequences"].shape[0]]
 
 
 def reference_logprobs(dispatch: WorkerDispatch, scoring: TrainingInputBatch) -> torch.Tensor:

@@ -149,6 +149,7 @@ class _Dispatch:
         self.forward_temperatures: list[float | None] = []  # the workers' algorithm temperature at each forward
         self.worker_temperature = self.cfg.trainer.algorithm.temperature
         self.fail_forward_of: str | None = None
+        self.staged_forward_rows: list[int] = []
 
     def set_algorithm_config(self, model: str, **kwargs: object) -> None:
         """``WorkerDispatch.set_algorithm_config``: sets the workers' algorithm config (not the dispatch's cfg)."""
@@ -163,6 +164,14 @@ class _Dispatch:
         width = data.metadata["response_length"]
         rows = [{"logprobs": [self.LOGPROB[model_id]] * width}] * data["sequences"].shape[0]
         return WorkerOutput(loss_fn_outputs=rows, metrics={})
+
+    def stage_data(self, model: str, data, boundaries: list[tuple[int, int]]) -> list[list]:
+        """``WorkerDispatch.stage_data`` at DP size 1: each mini-batch one chunk."""
+        return [[data[start:end]] for start, end in boundaries]
+
+    def forward_from_staged(self, model: str, chunk_refs: list, model_id: str) -> WorkerOutput:
+        self.staged_forward_rows.append(chunk_refs[0]["sequences"].shape[0])
+        return self.forward(model, chunk_refs[0], model_id)
 
     def set_lr(self, model: str, lr: float, model_id: str) -> None:
         self.lrs.append(lr)
@@ -275,6 +284,12 @@ class _DirectDispatch:
 
     def set_algorithm_config(self, model: str, **kwargs: object) -> None:
         self.worker.set_algorithm_config(**kwargs)
+
+    def stage_data(self, model: str, data, boundaries: list[tuple[int, int]]) -> list[list]:
+        return [[data[start:end]] for start, end in boundaries]
+
+    def forward_from_staged(self, model: str, chunk_refs: list, model_id: str) -> WorkerOutput:
+        return self.forward(model, chunk_refs[0], model_id)
 
     def forward_backward(self, model: str, data, model_id: str) -> WorkerOutput:
         self.worker.swap_to_adapter(model_id)
@@ -391,3 +406,19 @@ def test_the_embedded_worker_scores_and_trains_at_its_algorithm_temperature(micr
     assert worker.step_metrics("t")["mean_token_logprob"] == pytest.approx(tempered[mask].mean().item(), abs=1e-4)
     with pytest.raises(ValueError, match="trainer.algorithm has no field 'temprature'"):
         worker.set_algorithm_config(temprature=1.0)
+
+
+@pytest.mark.parametrize("per_mini_batch", [True, False])
+def test_old_log_probs_are_recomputed_per_mini_batch_as_skyrl_does(tmp_path: Path, per_mini_batch: bool) -> None:
+    """SkyRL's ``trainer.recompute_old_logprobs_per_minibatch``: one forward per policy mini-batch over its staged
+    chunks (rows in batch order), else one forward over the batch."""
+    backend = _megatron_backend("skyrl", tmp_path)
+    dispatch = _Dispatch(mini_batch_prompts=1)
+    dispatch.cfg.trainer.recompute_old_logprobs_per_minibatch = per_mini_batch
+    tenant = Tenant(spec=SimpleNamespace(name="t"), dispatch=dispatch, generator=None, view=None, schedule=LRSchedule(1e-3))
+    data = training_input(*_output(rollout_shift=-9.0), 0, dispatch.cfg.trainer.algorithm)
+    backend._train(tenant, data)
+    assert dispatch.staged_forward_rows == ([2, 2] if per_mini_batch else [])
+    assert dispatch.forwards == (["t", "t"] if per_mini_batch else ["t"])
+    assert data["action_log_probs"].shape == data["response_mask"].shape
+    assert torch.all(data["action_log_probs"] == -0.5)
