@@ -164,6 +164,10 @@ SKYRL_SET: dict[str, str] = {
     "generator.inference_engine.backend": "vllm (the embedded stand-in speaks its protocol; other values are refused)",
     "generator.batched": "false: each request carries its tenant's adapter (true is refused)",
     "generator.sampling_params.logprobs": "1: the step needs the sampled tokens' log-probs",
+    "generator.inference_engine.engine_init_kwargs.logprobs_mode":
+        "processed_logprobs when the sampling temperature is not 1 or 0 (in both PD roles' kwargs when given): vLLM "
+        "then reports the log-probs of logits / T, as the trainer computes them (with top_p < 1 renormalised over the "
+        "nucleus, the trainer's not); another value given is refused",
     "trainer.seed": "per tenant: seed + i (or its override)",
     "trainer.policy.optimizer_config.lr": "per tenant: the tenant's lr",
     "generator.n_samples_per_prompt": "per tenant: the tenant's samples_per_prompt",

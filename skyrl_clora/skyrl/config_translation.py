@@ -7,6 +7,9 @@ translation is SkyRL's builder over them, as given, and then:
 - the keys of :data:`~skyrl_clora.config_keys.SKYRL_SET` set by the plugin (the tiny base's path, the LoRA
   adapter counts and sync folder when null, ``trainer.strategy`` from ``backend.strategy``, ...); a value given
   for one of them that the plugin cannot keep is refused;
+- vLLM's ``logprobs_mode=processed_logprobs`` when the sampling temperature is not 1 (or 0), so that the rollout
+  log-probs are of the tempered distribution the trainer scores (``trainer.algorithm.temperature``, which SkyRL's
+  ``SkyRLTrainConfig`` sets to the sampling temperature unless given);
 - one ``SkyRLTrainConfig`` per tenant: the base with that tenant's seed, learning rate, group size and
   environment, i.e. what its ``WorkerDispatch(model_id=<tenant>)`` calls and its generator use.
 
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from skyrl.train.config import SkyRLTrainConfig
+from skyrl.train.config import GeneratorConfig, SkyRLTrainConfig
 from skyrl.train.config.config import build_nested_dataclass
 from skyrl.train.utils.utils import validate_cfg
 
@@ -48,6 +51,10 @@ from skyrl_clora.recipes.plugin import load_recipe
 from skyrl_clora.tenants import TenantSpec
 
 _BACKEND_KEYS = {"name", "strategy", "inference_backend"}
+VLLM_LOGPROBS_MODE = "processed_logprobs"
+"""vLLM's ``logprobs_mode`` at a sampling temperature other than 1: the log-probs of the tempered logits the token
+was drawn from (after vLLM's top-k/top-p too: with ``top_p < 1`` they are renormalised over the nucleus, which the
+trainer's are not)."""
 _INFERENCE_BACKENDS = ("auto", "vllm", "embedded")
 _STRATEGIES = ("auto", "megatron", "fsdp", "embedded")
 
@@ -171,6 +178,7 @@ def _set_by_plugin(st: SkyRLTrainConfig, cfg: DictConfig, backend: dict[str, Any
     if gen.sampling_params.logprobs is None:
         raise ConfigError("generator.sampling_params.logprobs=null: the step needs the sampled tokens' log-probs; "
                           "set it to 1")
+    _set_vllm_logprobs_mode(gen)
     policy = tr.policy
     policy.model.path = os.path.expanduser(policy.model.path) if policy.model.path else model_path
     policy.model.lora.rank, policy.model.lora.alpha = tenants[0].rank, int(tenants[0].alpha)
@@ -187,6 +195,29 @@ def _set_by_plugin(st: SkyRLTrainConfig, cfg: DictConfig, backend: dict[str, Any
     for key in ("micro_train_batch_size_per_gpu", "micro_forward_batch_size_per_gpu"):
         if f"trainer.{key}" not in given:  # SkyRL's batch-size check: a divisor of the rows per GPU
             setattr(tr, key, math.gcd(getattr(tr, key), per_gpu))
+
+
+def _set_vllm_logprobs_mode(gen: GeneratorConfig) -> None:
+    """Sets vLLM's ``logprobs_mode=processed_logprobs`` (through SkyRL's pass-through ``engine_init_kwargs``, or both
+    PD roles' ``prefill_init_kwargs``/``decode_init_kwargs`` when those are given) when the sampling temperature is
+    neither 1 nor 0 (greedy): vLLM reports the raw model's log-probs by default, while the trainer's are of
+    ``logits / T`` (the Tinker-style step and the off-policy correction compare the two). A given other mode is
+    refused."""
+    temperature = gen.sampling_params.temperature
+    if temperature in (0, 1):
+        return
+    ie = gen.inference_engine
+    roles = ("prefill_init_kwargs", "decode_init_kwargs") if ie.prefill_init_kwargs or ie.decode_init_kwargs else (
+        "engine_init_kwargs",)
+    for role in roles:
+        kwargs = getattr(ie, role)
+        given = kwargs.get("logprobs_mode", VLLM_LOGPROBS_MODE)
+        if given != VLLM_LOGPROBS_MODE:
+            raise ConfigError(
+                f"generator.inference_engine.{role}.logprobs_mode={given} with generator.sampling_params.temperature="
+                f"{temperature}: vLLM would report log-probs of another distribution than the trainer's logits / T; "
+                f"drop it (the plugin sets {VLLM_LOGPROBS_MODE})")
+        kwargs["logprobs_mode"] = VLLM_LOGPROBS_MODE
 
 
 def _validated(st: SkyRLTrainConfig, who: str) -> SkyRLTrainConfig:

@@ -11,10 +11,12 @@ inference client) over one shared ``PPORayActorGroup`` of policy workers. A tena
      current adapter version, else the step fails: the version the embedded server reports per request, or,
      from vLLM, which reports none, the view's own version around the request (see ``tenant_client``);
   3. train: the episodes become SkyRL's ``TrainingInputBatch`` (:func:`training_input`); as SkyRL's trainer
-     does, ``dispatch.forward`` recomputes the behaviour policy's ``action_log_probs`` with the tenant's adapter
+     does, ``dispatch.forward`` (per mini-batch with ``recompute_old_logprobs_per_minibatch``: :func:`behaviour_logprobs`)
+     recomputes the behaviour policy's ``action_log_probs`` with the tenant's adapter
      (``trainer.step_style=tinker``: the sampler's log-probs instead, as SkyRL's Tinker backend sends them) and,
      with ``use_kl_loss`` or ``use_kl_in_reward``, the reference's ``base_action_log_probs`` under
-     ``REFERENCE_MODEL_ID`` (the frozen base; with ``use_kl_in_reward`` the rewards then lose SkyRL's KL penalty
+     ``REFERENCE_MODEL_ID`` (the frozen base, at temperature 1 as SkyRL's reference worker: :func:`reference_logprobs`;
+     with ``use_kl_in_reward`` the rewards then lose SkyRL's KL penalty
      and the advantages are computed again, as ``RayPPOTrainer.apply_reward_kl_penalty`` does); then, as
      ``RayPPOTrainer._execute_training_step``: the advantages scaled per policy mini-batch by SkyRL's loss reduction
      (``_normalize_advantages``), and for each of ``update_epochs_per_batch`` epochs, per mini-batch of
@@ -155,9 +157,9 @@ class SkyRLBackend:
                                    "generator returned none")
             data["action_log_probs"] = data["rollout_logprobs"]
         else:
-            data["action_log_probs"] = _response_logprobs(dispatch, scoring, name)
+            data["action_log_probs"] = behaviour_logprobs(dispatch, scoring, name, mini_batch_boundaries(data, dispatch.cfg))
         if algorithm.use_kl_loss or algorithm.use_kl_in_reward:
-            data["base_action_log_probs"] = _response_logprobs(dispatch, scoring, REFERENCE_MODEL_ID)
+            data["base_action_log_probs"] = reference_logprobs(dispatch, scoring)
         reward_kl = {}
         if algorithm.use_kl_in_reward:  # as RayPPOTrainer: penalise the rewards, then the advantages again
             policy = (data["action_log_probs"] if self.run.trainer.step_style == "skyrl"
@@ -235,6 +237,40 @@ def _response_logprobs(dispatch: WorkerDispatch, scoring: TrainingInputBatch, mo
     right-aligned log-probs, as ``RayPPOTrainer.fwd_logprobs_values_reward`` stacks them."""
     output = dispatch.forward("policy", scoring, model_id=model_id)
     return loss_fn_outputs_to_tensor(output.loss_fn_outputs)[: scoring["sequences"].shape[0]]
+
+
+def behaviour_logprobs(dispatch: WorkerDispatch, scoring: TrainingInputBatch, model_id: str,
+                       boundaries: list[tuple[int, int]]) -> torch.Tensor:
+    """The behaviour policy's (``model_id``'s) response log-probs of ``scoring``'s rows, as
+    ``RayPPOTrainer._execute_forward_pass`` computes them: with ``trainer.recompute_old_logprobs_per_minibatch`` and
+    more than one policy mini-batch (``boundaries``), one forward per mini-batch over SkyRL's staged per-DP chunks
+    (``stage_data`` + ``forward_from_staged``: the partition each mini-batch's ``forward_backward`` sees), rows in
+    batch order; else one forward over the batch."""
+    if not (dispatch.cfg.trainer.recompute_old_logprobs_per_minibatch and len(boundaries) > 1):
+        return _response_logprobs(dispatch, scoring, model_id)
+    outputs: list[dict[str, Any]] = []
+    for chunk_refs in dispatch.stage_data("policy", scoring, boundaries):
+        outputs.extend(dispatch.forward_from_staged("policy", chunk_refs, model_id=model_id).loss_fn_outputs)
+    return loss_fn_outputs_to_tensor(outputs)[: scoring["sequences"].shape[0]]
+
+
+def reference_logprobs(dispatch: WorkerDispatch, scoring: TrainingInputBatch) -> torch.Tensor:
+    """The KL reference's (``REFERENCE_MODEL_ID``: the frozen base) response log-probs of ``scoring``'s rows at the
+    temperature SkyRL's reference worker scores at (``RefWorkerBase._forward_micro_batch``: 1, or
+    ``trainer.algorithm.temperature`` with ``enable_sample_support_replay``), while the policy workers' ``forward``
+    divides the logits by ``trainer.algorithm.temperature``: when the two differ, the policy workers' algorithm
+    temperature is the reference's for the call (``WorkerDispatch.set_algorithm_config``) and the run's again after
+    it, also when it fails."""
+    algorithm = dispatch.cfg.trainer.algorithm
+    run_temperature = algorithm.temperature
+    temperature = run_temperature if algorithm.enable_sample_support_replay else 1.0
+    if temperature == run_temperature:
+        return _response_logprobs(dispatch, scoring, REFERENCE_MODEL_ID)
+    dispatch.set_algorithm_config("policy", temperature=temperature)
+    try:
+        return _response_logprobs(dispatch, scoring, REFERENCE_MODEL_ID)
+    finally:
+        dispatch.set_algorithm_config("policy", temperature=run_temperature)
 
 
 def check_step_report(tenant: str, lr: float, grad_norm: float | None, forward_backward: dict[str, float],

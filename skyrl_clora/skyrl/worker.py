@@ -19,7 +19,11 @@ by SkyRL's own ``PPORayActorGroup`` with ``num_gpus_per_actor=0``) that answers 
 ``swap_to_adapter(t)``               ``optim_step`` / sync act on
 ``forward(data)``                    the response log-probs of ``data``'s rows under the active
                                      adapter (SkyRL's recomputed ``action_log_probs``), or under the
-                                     base model alone for ``REFERENCE_MODEL_ID`` (the KL reference)
+                                     base model alone for ``REFERENCE_MODEL_ID`` (the KL reference),
+                                     at ``cfg.algorithm.temperature`` for either, as SkyRL's policy
+                                     workers (the driver sets 1 for the reference, as SkyRL's ref worker)
+``set_algorithm_config(**kw)``       SkyRL's ``Worker.set_algorithm_config``: sets ``cfg.algorithm``'s
+                                     fields, which the next forwards and updates use
 ``forward_backward(data)``           stages the ``TrainingInputBatch`` (see below) for the tenant
 ``optim_step()``                     one GRPO update of the tenant over everything staged since its
                                      last step (``Trainer.train_step``: forward, backward, AdamW at
@@ -62,6 +66,7 @@ from transformers import AutoModelForCausalLM
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.logprobs import training_temperature
 from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
 from skyrl_clora.trainer.trainer import OptimizerConfig, TrainBatch, Trainer
 
@@ -169,10 +174,8 @@ class EmbeddedPolicyWorker:
         routing, layers = attach_multi_lora(model, 1, max_rank, trainable=True)
         self.store = AdapterStore(layers, num_slots=1)
         optimizer = policy.optimizer_config
-        # The KL penalty in the reward is the driver's (SkyRL's trainer applies it before the workers' update).
-        algorithm = dataclasses.replace(self.cfg.algorithm, use_kl_in_reward=False)
         self.trainer = Trainer(
-            model, routing, layers, self.store, algorithm,
+            model, routing, layers, self.store, self._trainer_algorithm(),
             OptimizerConfig(betas=tuple(optimizer.adam_betas), weight_decay=optimizer.weight_decay,
                             max_grad_norm=optimizer.max_grad_norm),
             micro_batch_size=self.cfg.micro_train_batch_size_per_gpu,
@@ -180,6 +183,22 @@ class EmbeddedPolicyWorker:
         )
         self.tenants = dict(tenants or {})
         self.total_steps = max(1, num_training_steps or 1)
+
+    def set_algorithm_config(self, **kwargs: Any) -> None:
+        """SkyRL's ``Worker.set_algorithm_config`` (``WorkerDispatch.set_algorithm_config`` sends it through
+        ``pass_through``): sets each field of ``cfg.algorithm``; the next :meth:`forward`, :meth:`forward_backward`
+        and :meth:`optim_step` use the new values."""
+        for key, value in kwargs.items():
+            if not hasattr(self.cfg.algorithm, key):
+                raise ValueError(f"set_algorithm_config: trainer.algorithm has no field {key!r}")
+            setattr(self.cfg.algorithm, key, value)
+        if self.trainer is not None:
+            self.trainer.set_algorithm(self._trainer_algorithm())
+
+    def _trainer_algorithm(self) -> Any:
+        """``cfg.algorithm`` as the embedded Trainer takes it: without the KL penalty in the reward, which is the
+        driver's (SkyRL's trainer applies it before the workers' update)."""
+        return dataclasses.replace(self.cfg.algorithm, use_kl_in_reward=False)
 
     def _set_pad_token_id(self, pad_token_id: int) -> None:
         """SkyRL's trainer sets this after ``init_model``; padding never reaches the embedded Trainer
@@ -240,13 +259,15 @@ class EmbeddedPolicyWorker:
                 return_per_token_outputs: bool = True) -> WorkerOutput:
         """SkyRL's inference forward (``loss_fn`` None): per row, ``{"logprobs": [...]}`` of width
         ``metadata["response_length"]``, right-aligned as SkyRL's policy worker returns them, under the active
-        adapter (``REFERENCE_MODEL_ID``: the base model alone). See :func:`forward_batch`."""
+        adapter (``REFERENCE_MODEL_ID``: the base model alone), of the logits divided by ``cfg.algorithm.temperature``
+        (None or 0: 1) whichever the adapter, as SkyRL's policy workers. See :func:`forward_batch`."""
         if loss_fn is not None or loss_fn_config:
             raise ValueError(f"the embedded worker's forward scores log-probs only (got loss_fn={loss_fn!r})")
         tenant = self._active()
         width = int(data.metadata["response_length"])
         batch = forward_batch(data)
-        logprobs = self.trainer.response_logprobs(None if tenant == REFERENCE_MODEL_ID else tenant, batch).cpu()
+        logprobs = self.trainer.response_logprobs(None if tenant == REFERENCE_MODEL_ID else tenant, batch,
+                                                  temperature=training_temperature(self.cfg.algorithm)).cpu()
         rows = torch.zeros(len(batch.response_ids), width)
         for i, response in enumerate(batch.response_ids):
             rows[i, width - len(response):] = logprobs[i, : len(response)]

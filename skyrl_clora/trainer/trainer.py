@@ -120,6 +120,12 @@ class Trainer:
         flash = self.device.type == "cuda" and self.head.weight.dtype in (torch.float16, torch.bfloat16)
         self._prefix_hidden = segment_prefix_hidden if flash else shared_prefix_hidden
 
+    def set_algorithm(self, algorithm: AlgorithmConfig) -> None:
+        """Makes ``algorithm`` the config of the next steps and scorings (its policy loss, temperature, KL, ...) of
+        tenants without their own."""
+        self.algorithm = algorithm
+        self.policy_loss = PolicyLossRegistry.get(algorithm.policy_loss_type)
+
     @property
     def pack_size(self) -> int:
         """The most tenants one packed pass trains (the store's device slots)."""
@@ -351,12 +357,13 @@ class Trainer:
 
     @profiled("trainer.forward")
     def _logprobs(self, rows: PassRows, row_index: torch.Tensor, micro: MicroBatch, host_rows: list[int],
-                  adapter: bool = True) -> torch.Tensor:
+                  adapter: bool = True, tempered: bool | None = None) -> torch.Tensor:
         """Log-probs ``[B, response_width]`` of the response tokens of rows ``row_index`` (``host_rows`` on the
         host), each under its tenant's slot at its tenant's temperature (``rows.temperature``: logits / T, as SkyRL's
         policy forward), or under the base model alone at temperature 1 without ``adapter`` (SkyRL's reference
-        forward; positions past a row's response hold a clamped token's log-prob; masks drop them). Rows that share a
-        prompt compute it once (see the class docstring)."""
+        forward; positions past a row's response hold a clamped token's log-prob; masks drop them). ``tempered``
+        (None: ``adapter``) says whether ``rows.temperature`` applies. Rows that share a prompt compute it once (see
+        the class docstring)."""
         width = micro.width
         input_ids = rows.input_ids[row_index, :width]
         steps = torch.arange(micro.response_width, device=self.device)
@@ -389,7 +396,7 @@ class Trainer:
             hidden = full.gather(1, index[..., None].expand(-1, -1, full.shape[-1]))
         targets = input_ids.gather(1, (rows.prompt_lens[row_index, None] + steps[None]).clamp(max=width - 1))
         temperature = None  # the reference (no adapter) is untempered, as SkyRL's ref worker's forward
-        if adapter and rows.temperature is not None:
+        if (adapter if tempered is None else tempered) and rows.temperature is not None:
             temperature = rows.temperature[row_index, None].expand(targets.shape).reshape(-1)
         log_probs = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.head, targets.reshape(-1), self.max_logits,
                                    temperature)
@@ -408,34 +415,39 @@ class Trainer:
         return self.routing.route(token_slots, meta, single_slot)
 
     @torch.no_grad()
-    def response_logprobs(self, tenant: str | None, batch: TrainBatch) -> torch.Tensor:
+    def response_logprobs(self, tenant: str | None, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
         """Log-probs ``[N, Lr]`` (fp32, device) of ``batch``'s response tokens under ``tenant``'s current
-        adapter at its temperature, or under the base model alone (the adapter disabled) at temperature 1 when
-        ``tenant`` is None, in row order;
-        ``Lr`` = the longest response, 0 past each row's response. The tenant's state is left unchanged."""
+        adapter, or under the base model alone (the adapter disabled) when ``tenant`` is None, in row order;
+        ``Lr`` = the longest response, 0 past each row's response. The logits are divided by ``temperature`` when
+        given (1: none), else by the tenant's temperature (the base model: none). The tenant's state is left
+        unchanged."""
         slot = self._free_slot(avoid=None)
         if tenant is not None:
             self.store.swap_in(tenant, slot)
         try:
             state = self.store.tenants[tenant] if tenant is not None else None
             algorithm = state.algorithm or self.algorithm if state is not None else self.algorithm
+            if temperature is not None:
+                algorithm = dataclasses.replace(algorithm, temperature=temperature)
             rows = build_pass_rows([batch], [slot], algorithm, self.device, micro_batch_size=self.micro_batch_size)
-            return self._pass_logprobs(rows, adapter=tenant is not None)
+            return self._pass_logprobs(rows, adapter=tenant is not None,
+                                       tempered=tenant is not None or temperature is not None)
         finally:
             if tenant is not None:
                 self.store.swap_out(slot)
                 self.store.wait(tenant)
 
     @torch.no_grad()
-    def _pass_logprobs(self, rows: PassRows, adapter: bool) -> torch.Tensor:
+    def _pass_logprobs(self, rows: PassRows, adapter: bool, tempered: bool | None = None) -> torch.Tensor:
         """Log-probs ``[R, Lr]`` of every row's response tokens, in row order, each under its tenant's slot (the
-        tenants swapped in) or, without ``adapter``, under the base model alone; 0 past each row's response."""
+        tenants swapped in) or, without ``adapter``, under the base model alone; 0 past each row's response.
+        ``tempered``: at ``rows.temperature`` (None: when ``adapter``; see :meth:`_logprobs`)."""
         order, micro_batches = self._plan(rows, [list(range(count)) for count in rows.counts])
         order_device = lists_to_device([order], self.device)[0]
         out = torch.zeros_like(rows.response_mask)
         for micro in micro_batches:
             row_index = order_device[micro.start : micro.end]
             out[row_index, : micro.response_width] = self._logprobs(
-                rows, row_index, micro, order[micro.start : micro.end], adapter=adapter)
+                rows, row_index, micro, order[micro.start : micro.end], adapter=adapter, tempered=tempered)
         lengths = lists_to_device([rows.host_response_lens], self.device)[0]
         return out.masked_fill(torch.arange(out.shape[1], device=self.device)[None] >= lengths[:, None], 0.0)

@@ -108,3 +108,30 @@ def test_the_token_budget_of_micro_batches_reaches_skyrls_config(tmp_path: Path)
     assert plan.base.trainer.max_tokens_per_microbatch == 4096
     assert {c.trainer.max_tokens_per_microbatch for c in plan.tenant_configs.values()} == {4096}
     assert _translate(tmp_path).base.trainer.max_tokens_per_microbatch == -1
+
+
+def test_the_policy_temperature_is_the_sampling_temperature_unless_given(tmp_path: Path) -> None:
+    """SkyRL's rule (``SkyRLTrainConfig.__post_init__``): ``trainer.algorithm.temperature`` null takes
+    ``generator.sampling_params.temperature``; a given one is kept."""
+    plan = _translate(tmp_path, "+tenants=2", "generator.sampling_params.temperature=0.5")
+    assert {st.trainer.algorithm.temperature for st in [plan.base, *plan.tenant_configs.values()]} == {0.5}
+    given = _translate(tmp_path, "generator.sampling_params.temperature=0.5", "trainer.algorithm.temperature=0.7")
+    assert given.base.trainer.algorithm.temperature == 0.7
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 0.0])
+def test_vllm_reports_the_tempered_log_probs_away_from_temperature_1(tmp_path: Path, temperature: float) -> None:
+    """vLLM's default log-probs are the raw model's; at a temperature other than 1 (or greedy 0) the translation asks
+    for the tempered ones (``logprobs_mode=processed_logprobs``, which SkyRL passes to vLLM's engine args)."""
+    plan = _translate(tmp_path, "+tenants=2", f"generator.sampling_params.temperature={temperature}")
+    expected = {"logprobs_mode": "processed_logprobs"} if temperature == 0.5 else {}
+    for st in [plan.base, *plan.tenant_configs.values()]:
+        assert st.generator.inference_engine.engine_init_kwargs == expected
+
+
+def test_another_vllm_logprobs_mode_away_from_temperature_1_is_refused(tmp_path: Path) -> None:
+    raw = "+generator.inference_engine.engine_init_kwargs.logprobs_mode=raw_logprobs"
+    with pytest.raises(ConfigError, match=r"^generator.inference_engine.engine_init_kwargs.logprobs_mode=raw_logprobs "
+                                          r"with generator.sampling_params.temperature=0.5: .*drop it"):
+        _translate(tmp_path, "generator.sampling_params.temperature=0.5", raw)
+    assert _translate(tmp_path, raw).base.generator.inference_engine.engine_init_kwargs == {"logprobs_mode": "raw_logprobs"}

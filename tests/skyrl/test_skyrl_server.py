@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import torch
 from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampling_params_for_backend
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
 from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
@@ -117,6 +118,32 @@ def test_control_plane_and_tokenizer_endpoints(stack: Stack) -> None:
             await stack.close_sessions()
 
     asyncio.run(run())
+
+
+def test_rollout_log_probs_are_of_the_sampling_temperatures_distribution(stack: Stack, micro_model_dir: Path) -> None:
+    """SkyRL's sampling params reach the engine with their temperature: the log-probs returned are
+    ``log_softmax(logits / T)`` of the sampled tokens (vLLM's ``processed_logprobs``, what the trainer computes)."""
+    params = get_sampling_params_for_backend(
+        "vllm", SkyRLSamplingParams(max_generate_length=6, logprobs=1, temperature=0.5))
+
+    async def run() -> dict:
+        client = RemoteInferenceClient(proxy_url=stack.server.url, server_urls=[stack.server.url],
+                                       data_parallel_size=1, model_name=stack.model_dir)  # the base model: no adapter
+        try:
+            return await client.generate({"prompt_token_ids": [PROMPT], "sampling_params": params})
+        finally:
+            await client.teardown()
+
+    output = asyncio.run(run())
+    response, reported = output["response_ids"][0], torch.tensor(output["response_logprobs"][0])
+    model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROMPT + response])).logits[0, len(PROMPT) - 1 : -1].float()
+    targets = torch.tensor(response)[:, None]
+    tempered = (logits / 0.5).log_softmax(-1).gather(1, targets)[:, 0]
+    untempered = logits.log_softmax(-1).gather(1, targets)[:, 0]
+    assert (tempered - untempered).abs().max() > 1e-2
+    assert torch.allclose(reported, tempered, atol=1e-3)
 
 
 def test_generator_drives_four_tenants_concurrently(stack: Stack) -> None:

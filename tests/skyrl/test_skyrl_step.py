@@ -41,9 +41,10 @@ def _output(rollout_shift: float) -> tuple[dict, list[str]]:
     }, ["g0", "g0", "g1", "g1"]
 
 
-def _direct_logprobs(model_dir: Path, adapter_dir: Path | None, data) -> torch.Tensor:
+def _direct_logprobs(model_dir: Path, adapter_dir: Path | None, data, temperature: float = 1.0) -> torch.Tensor:
     """The response log-probs ``[B, R]`` (right-aligned) of a plain HF forward per row, the adapter (if any)
-    merged into the base weights: independent of the trainer's LoRA layers and batching."""
+    merged into the base weights, of ``log_softmax(logits / temperature)``: independent of the trainer's LoRA
+    layers and batching."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if adapter_dir is not None:
         adapter = load_peft_adapter(adapter_dir)
@@ -55,19 +56,24 @@ def _direct_logprobs(model_dir: Path, adapter_dir: Path | None, data) -> torch.T
     with torch.no_grad():
         for i in range(out.shape[0]):
             tokens = data["sequences"][i][data["attention_mask"][i].bool()]
-            logits = model(input_ids=tokens[None]).logits[0].float().log_softmax(-1)
+            logits = (model(input_ids=tokens[None]).logits[0].float() / temperature).log_softmax(-1)
             scored = logits[:-1].gather(1, tokens[1:, None])[:, 0]
             length = int(data["response_mask"][i].sum())
             out[i, width - length:] = scored[-length:]
     return out
 
 
-def test_driver_recomputes_log_probs_and_adds_the_base_as_kl_reference(micro_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_driver_recomputes_log_probs_and_adds_the_base_as_kl_reference(micro_model_dir: Path, tmp_path: Path,
+                                                                       temperature: float) -> None:
+    """Through the Ray stack: the behaviour log-probs are the tenant's at the sampling temperature (SkyRL's
+    ``trainer.algorithm.temperature``), the KL reference's the base's at temperature 1 (SkyRL's ref worker)."""
     cfg = compose_config([
         "backend=skyrl", f"trainer.policy.model.path={micro_model_dir}", f"clora.output_dir={tmp_path}",
         "clora.progress=false", "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2",
         "trainer.max_prompt_length=120", "trainer.policy.model.lora.rank=8", "trainer.policy.model.lora.alpha=16",
         "trainer.policy.optimizer_config.lr=5e-2", "trainer.algorithm.use_kl_loss=true", "trainer.algorithm.kl_loss_coef=0.5",
+        f"generator.sampling_params.temperature={temperature}",
     ])
     run, plan = build_run_config(cfg), translate(cfg)
     stack = build_stack(run, plan, str(micro_model_dir))
@@ -81,7 +87,7 @@ def test_driver_recomputes_log_probs_and_adds_the_base_as_kl_reference(micro_mod
         await backend.register(spec)
         results = []
         for step in range(2):
-            data = training_input(*_output(rollout_shift=-9.0), pad, algorithm)
+            data = training_input(*_output(rollout_shift=-50.0), pad, algorithm)
             metrics = await asyncio.to_thread(backend._train, backend.tenants[spec.name], data)
             await backend.publish(spec.name)
             results.append((data, metrics))
@@ -94,18 +100,28 @@ def test_driver_recomputes_log_probs_and_adds_the_base_as_kl_reference(micro_mod
     finally:
         asyncio.run(_close(stack))
         stack.shutdown()
+    assert plan.base.trainer.algorithm.temperature == temperature  # SkyRL's rule: the sampling temperature
     mask = second["response_mask"].bool()
     # Step 2 scores with the adapter published after step 1 (what the worker then holds): a direct forward agrees.
-    trained = _direct_logprobs(micro_model_dir, after_step_1, second)
+    trained = _direct_logprobs(micro_model_dir, after_step_1, second, temperature)
     base = _direct_logprobs(micro_model_dir, None, second)
     assert torch.allclose(second["action_log_probs"][mask], trained[mask], atol=1e-4)
     assert torch.allclose(second["base_action_log_probs"][mask], base[mask], atol=1e-4)
     assert (second["action_log_probs"][mask] - second["rollout_logprobs"][mask]).abs().min() > 1.0, \
         "the sampler's (corrupted) log-probs must not be the behaviour log-probs"
-    assert (trained[mask] - base[mask]).abs().max() > 1e-3, "after an update the policy is no longer the base"
-    # Step 1: a fresh adapter (B = 0) is the base, so no KL; step 2: the policy moved, KL > 0.
-    assert torch.allclose(first["action_log_probs"][mask], first["base_action_log_probs"][mask], atol=1e-6)
-    assert first_metrics["policy_kl"] == pytest.approx(0.0, abs=1e-7) and second_metrics["policy_kl"] > 1e-6
+    assert (trained[mask] - _direct_logprobs(micro_model_dir, None, second, temperature)[mask]).abs().max() > 1e-3, \
+        "after an update the policy is no longer the base"
+    # Step 1: a fresh adapter (B = 0) is the base at the sampling temperature; step 2: the policy moved, KL > 0.
+    tempered_base = _direct_logprobs(micro_model_dir, None, first, temperature)
+    assert torch.allclose(first["action_log_probs"][mask], tempered_base[mask], atol=1e-4)
+    assert torch.allclose(first["base_action_log_probs"][mask], _direct_logprobs(micro_model_dir, None, first)[mask],
+                          atol=1e-4)
+    if temperature == 1.0:  # the reference is the policy itself: no KL
+        assert first_metrics["policy_kl"] == pytest.approx(0.0, abs=1e-7)
+    else:  # SkyRL's KL of the tempered policy against the untempered reference
+        assert (tempered_base[mask] - first["base_action_log_probs"][mask]).abs().max() > 1e-2
+        assert first_metrics["policy_kl"] > 1e-4
+    assert second_metrics["policy_kl"] > 1e-6
 
 
 async def _close(stack) -> None:
@@ -130,12 +146,32 @@ class _Dispatch:
         self.trained: list = []
         self.lrs: list[float] = []
         self.forwards: list[str] = []
+        self.forward_temperatures: list[float | None] = []  # the workers' algorithm temperature at each forward
+        self.worker_temperature = self.cfg.trainer.algorithm.temperature
+        self.fail_forward_of: str | None = None
+        self.staged_forward_rows: list[int] = []
+
+    def set_algorithm_config(self, model: str, **kwargs: object) -> None:
+        """``WorkerDispatch.set_algorithm_config``: sets the workers' algorithm config (not the dispatch's cfg)."""
+        assert model == "policy" and set(kwargs) == {"temperature"}
+        self.worker_temperature = kwargs["temperature"]
 
     def forward(self, model: str, data, model_id: str) -> WorkerOutput:
         self.forwards.append(model_id)
+        self.forward_temperatures.append(self.worker_temperature)
+        if model_id == self.fail_forward_of:
+            raise RuntimeError(f"forward of {model_id} failed")
         width = data.metadata["response_length"]
         rows = [{"logprobs": [self.LOGPROB[model_id]] * width}] * data["sequences"].shape[0]
         return WorkerOutput(loss_fn_outputs=rows, metrics={})
+
+    def stage_data(self, model: str, data, boundaries: list[tuple[int, int]]) -> list[list]:
+        """``WorkerDispatch.stage_data`` at DP size 1: each mini-batch one chunk."""
+        return [[data[start:end]] for start, end in boundaries]
+
+    def forward_from_staged(self, model: str, chunk_refs: list, model_id: str) -> WorkerOutput:
+        self.staged_forward_rows.append(chunk_refs[0]["sequences"].shape[0])
+        return self.forward(model, chunk_refs[0], model_id)
 
     def set_lr(self, model: str, lr: float, model_id: str) -> None:
         self.lrs.append(lr)
@@ -246,6 +282,15 @@ class _DirectDispatch:
         self.worker.swap_to_adapter(model_id)
         return self.worker.forward(data)
 
+    def set_algorithm_config(self, model: str, **kwargs: object) -> None:
+        self.worker.set_algorithm_config(**kwargs)
+
+    def stage_data(self, model: str, data, boundaries: list[tuple[int, int]]) -> list[list]:
+        return [[data[start:end]] for start, end in boundaries]
+
+    def forward_from_staged(self, model: str, chunk_refs: list, model_id: str) -> WorkerOutput:
+        return self.forward(model, chunk_refs[0], model_id)
+
     def forward_backward(self, model: str, data, model_id: str) -> WorkerOutput:
         self.worker.swap_to_adapter(model_id)
         return self.worker.forward_backward(data)
@@ -312,3 +357,68 @@ def test_the_embedded_worker_trains_on_the_advantages_it_is_sent(micro_model_dir
     data["advantages"] = torch.zeros_like(data["advantages"])
     worker.forward_backward(data)
     assert worker.optim_step() == 0.0
+
+
+def test_the_kl_reference_is_scored_at_temperature_1_and_the_run_temperature_restored(tmp_path: Path) -> None:
+    """SkyRL's reference worker scores at temperature 1 while the policy workers' ``forward`` uses
+    ``trainer.algorithm.temperature``: the driver sets 1 on the workers for the reference's forward only, and the
+    run's temperature again after it, also when that forward fails."""
+    backend = _megatron_backend("skyrl", tmp_path)
+    dispatch = _Dispatch(reported_lr=1e-3, use_kl_loss=True, temperature=0.5)
+    tenant = Tenant(spec=SimpleNamespace(name="t"), dispatch=dispatch, generator=None, view=None, schedule=LRSchedule(1e-3))
+    data = training_input(*_output(rollout_shift=-9.0), 0, dispatch.cfg.trainer.algorithm)
+    backend._train(tenant, data)
+    assert dispatch.forwards == ["t", REFERENCE_MODEL_ID] and dispatch.forward_temperatures == [0.5, 1.0]
+    assert dispatch.worker_temperature == 0.5 and dispatch.cfg.trainer.algorithm.temperature == 0.5
+    dispatch.fail_forward_of = REFERENCE_MODEL_ID
+    with pytest.raises(RuntimeError, match="forward of clora:reference failed"):
+        backend._train(tenant, training_input(*_output(rollout_shift=-9.0), 0, dispatch.cfg.trainer.algorithm))
+    assert dispatch.forward_temperatures[-1] == 1.0 and dispatch.worker_temperature == 0.5
+
+
+def test_the_embedded_worker_scores_and_trains_at_its_algorithm_temperature(micro_model_dir: Path) -> None:
+    """As SkyRL's policy workers: ``forward`` (any model id, the reference included) and the update compute
+    ``log_softmax(logits / cfg.algorithm.temperature)``, and ``set_algorithm_config`` changes that temperature."""
+    cfg = SkyRLTrainConfig()
+    cfg.trainer.algorithm = AlgorithmConfig(use_kl_loss=False, temperature=0.5)
+    worker = _worker(cfg, micro_model_dir)  # a fresh adapter (B = 0): the tenant's policy is the base model
+    output, groups = _output(rollout_shift=-9.0)
+    data = training_input(output, groups, 0, cfg.trainer.algorithm)
+    mask = data["response_mask"].bool()
+    tempered = _direct_logprobs(micro_model_dir, None, data, temperature=0.5)
+    untempered = _direct_logprobs(micro_model_dir, None, data)
+    assert (tempered[mask] - untempered[mask]).abs().max() > 1e-2
+
+    def scored(model_id: str) -> torch.Tensor:
+        worker.swap_to_adapter(model_id)
+        rows = worker.forward(data.select(["sequences", "attention_mask"], ["response_length"])).loss_fn_outputs
+        return torch.tensor([row["logprobs"] for row in rows])
+
+    assert torch.allclose(scored("t")[mask], tempered[mask], atol=1e-4)
+    assert torch.allclose(scored(REFERENCE_MODEL_ID)[mask], tempered[mask], atol=1e-4)
+    worker.set_algorithm_config(temperature=1.0)
+    assert torch.allclose(scored(REFERENCE_MODEL_ID)[mask], untempered[mask], atol=1e-4)
+    assert torch.allclose(scored("t")[mask], untempered[mask], atol=1e-4)
+    worker.set_algorithm_config(temperature=0.5)
+    worker.swap_to_adapter("t")
+    worker.forward_backward(data)
+    worker.optim_step()  # one step: its forward runs with the pre-update adapter, the base at T=0.5
+    assert worker.step_metrics("t")["mean_token_logprob"] == pytest.approx(tempered[mask].mean().item(), abs=1e-4)
+    with pytest.raises(ValueError, match="trainer.algorithm has no field 'temprature'"):
+        worker.set_algorithm_config(temprature=1.0)
+
+
+@pytest.mark.parametrize("per_mini_batch", [True, False])
+def test_old_log_probs_are_recomputed_per_mini_batch_as_skyrl_does(tmp_path: Path, per_mini_batch: bool) -> None:
+    """SkyRL's ``trainer.recompute_old_logprobs_per_minibatch``: one forward per policy mini-batch over its staged
+    chunks (rows in batch order), else one forward over the batch."""
+    backend = _megatron_backend("skyrl", tmp_path)
+    dispatch = _Dispatch(mini_batch_prompts=1)
+    dispatch.cfg.trainer.recompute_old_logprobs_per_minibatch = per_mini_batch
+    tenant = Tenant(spec=SimpleNamespace(name="t"), dispatch=dispatch, generator=None, view=None, schedule=LRSchedule(1e-3))
+    data = training_input(*_output(rollout_shift=-9.0), 0, dispatch.cfg.trainer.algorithm)
+    backend._train(tenant, data)
+    assert dispatch.staged_forward_rows == ([2, 2] if per_mini_batch else [])
+    assert dispatch.forwards == (["t", "t"] if per_mini_batch else ["t"])
+    assert data["action_log_probs"].shape == data["response_mask"].shape
+    assert torch.all(data["action_log_probs"] == -0.5)
