@@ -76,7 +76,8 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.policy.optimizer_config.lr", HONOURED, "every tenant's peak AdamW learning rate (tenant override: lr)"),
     KeyRule("trainer.policy.optimizer_config.weight_decay", HONOURED,
             "AdamW's decoupled weight decay (tenant override: weight_decay)"),
-    KeyRule("trainer.policy.optimizer_config.max_grad_norm", HONOURED, "per-tenant gradient clipping"),
+    KeyRule("trainer.policy.optimizer_config.max_grad_norm", HONOURED,
+            "per-tenant gradient clipping (tenant override: max_grad_norm)"),
     KeyRule("trainer.policy.optimizer_config.num_warmup_steps", HONOURED,
             "linear warm-up over optimizer steps, SkyRL's: step k at lr * k / num_warmup_steps (the first at 0)"),
     KeyRule("trainer.policy.optimizer_config.scheduler", HONOURED,
@@ -140,7 +141,7 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.algorithm.value_*", IGNORED, "critic settings: the tenants' step has no critic"),
     KeyRule("trainer.algorithm.*", HONOURED, "SkyRL's advantage estimator and policy loss (its registries and their "
             "settings: loss_reduction, eps_clip_*, off_policy_correction, sapo, cispo, ...; tenant overrides: eps_clip_low, "
-            "eps_clip_high, advantage_estimator)"),
+            "eps_clip_high, advantage_estimator, policy_loss_type)"),
     KeyRule("generator.n_samples_per_prompt", HONOURED, "GRPO group size (tenant override: samples_per_prompt)"),
     KeyRule("generator.max_turns", HONOURED, "assistant turns per episode"),
     KeyRule("generator.max_input_length", HONOURED, "prompt + history tokens before a turn"),
@@ -148,7 +149,7 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("generator.sampling_params.temperature", HONOURED,
             "every tenant's sampling temperature, and the one its policy log-probs are computed at (logits / T, as "
             "SkyRL's; 0, greedy: untempered; tenant override: temperature)"),
-    KeyRule("generator.sampling_params.top_p", HONOURED, "nucleus sampling"),
+    KeyRule("generator.sampling_params.top_p", HONOURED, "nucleus sampling (tenant override: top_p)"),
     KeyRule("generator.batched", IGNORED, "the engine batches every tenant's requests either way"),
     KeyRule("generator.inference_engine.*", IGNORED, "vLLM server settings: the embedded engine replaces the servers"),
 )
@@ -271,7 +272,8 @@ DOC_HEADER = """# Configuration: SkyRL's keys on each backend
 `python -m skyrl_clora.main` takes SkyRL 0.4's own command line (`data.*`, `trainer.*`, `generator.*`,
 `environment.*`: every key of `SkyRLTrainConfig`, with SkyRL's meaning) plus `+tenants=N` (or a list of
 per-tenant overrides: name, seed, lr, rank, alpha, task_variant, samples_per_prompt, env_class, and on
-backend=embedded temperature, weight_decay, kl_loss_coef, eps_clip_low, eps_clip_high, advantage_estimator) and the
+backend=embedded temperature, top_p, weight_decay, max_grad_norm, kl_loss_coef, eps_clip_low, eps_clip_high,
+advantage_estimator, policy_loss_type) and the
 plugin's own keys (`clora.*`, `sampler.*`, `model.*`, `recipe.*`, `backend.*`, and `trainer.` pack_size,
 pack_policy, shared_prompts, sm_carveout, overlap_sampling, pause_sampling_rows); `--help` lists them.
 

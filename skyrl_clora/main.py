@@ -39,8 +39,9 @@ Tenants:
                                    (a tenant's trainer.seed, trainer.policy.optimizer_config.lr,
                                    trainer.policy.model.lora.rank/alpha, recipe.task_variant,
                                    generator.n_samples_per_prompt and environment.env_class; on
-                                   backend=embedded also its sampling temperature, weight_decay and
-                                   trainer.algorithm's kl_loss_coef, eps_clip_low/high, advantage_estimator)
+                                   backend=embedded also its sampling temperature and top_p, weight_decay,
+                                   max_grad_norm and trainer.algorithm's kl_loss_coef, eps_clip_low/high,
+                                   advantage_estimator, policy_loss_type)
 
 Config groups (choose one of each):
 {groups}

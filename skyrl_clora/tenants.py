@@ -14,11 +14,14 @@ from skyrl_clora.value_types import typed_value
 
 PER_TENANT_SKYRL = {
     "temperature": "generator.sampling_params.temperature",
+    "top_p": "generator.sampling_params.top_p",
     "weight_decay": "trainer.policy.optimizer_config.weight_decay",
+    "max_grad_norm": "trainer.policy.optimizer_config.max_grad_norm",
     "kl_loss_coef": "trainer.algorithm.kl_loss_coef",
     "eps_clip_low": "trainer.algorithm.eps_clip_low",
     "eps_clip_high": "trainer.algorithm.eps_clip_high",
     "advantage_estimator": "trainer.algorithm.advantage_estimator",
+    "policy_loss_type": "trainer.algorithm.policy_loss_type",
 }
 """Overrides of SkyRL keys that only change the tenant's own sampling or update (None in a spec: the run's value;
 backend=embedded only), with the key each overrides."""
@@ -42,11 +45,14 @@ class TenantSpec:
     samples_per_prompt: int
     env_class: str | None = None
     temperature: float | None = None
+    top_p: float | None = None
     weight_decay: float | None = None
+    max_grad_norm: float | None = None
     kl_loss_coef: float | None = None
     eps_clip_low: float | None = None
     eps_clip_high: float | None = None
     advantage_estimator: str | None = None
+    policy_loss_type: str | None = None
 
     def algorithm_overrides(self) -> dict[str, object]:
         """The tenant's ``trainer.algorithm`` keys that differ from the run's (``{key: value}``)."""
@@ -83,6 +89,10 @@ def expand_tenants(
         for field in ("temperature", "weight_decay", "kl_loss_coef", "eps_clip_low", "eps_clip_high"):
             if getattr(spec, field) is not None and getattr(spec, field) < 0:
                 raise ValueError(f"tenant {spec.name}: {field}={getattr(spec, field)} must be >= 0")
+        if spec.top_p is not None and not 0 < spec.top_p <= 1:
+            raise ValueError(f"tenant {spec.name}: top_p={spec.top_p} must be in (0, 1]")
+        if spec.max_grad_norm is not None and spec.max_grad_norm <= 0:
+            raise ValueError(f"tenant {spec.name}: max_grad_norm={spec.max_grad_norm} must be positive")
         for field, key in (("rank", "trainer.policy.model.lora.rank"), ("lr", "trainer.policy.optimizer_config.lr"),
                            ("alpha", "trainer.policy.model.lora.alpha"),
                            ("samples_per_prompt", "generator.n_samples_per_prompt")):

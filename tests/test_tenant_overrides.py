@@ -3,6 +3,7 @@ they reach the tenant's spec, its trainer state and its sampling requests, and n
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -15,24 +16,41 @@ from skyrl_clora.sampler.client import EmbeddedInferenceClient
 
 def test_overrides_reach_the_tenants_spec_and_only_its(tmp_path: Path) -> None:
     cfg = compose_config([f"clora.output_dir={tmp_path}", "+tenants=[{advantage_estimator:rloo,eps_clip_high:0.3,"
-                          "kl_loss_coef:0.2,weight_decay:0.1,temperature:0.5},{}]"])
+                          "kl_loss_coef:0.2,weight_decay:0.1,temperature:0.5,top_p:0.8,max_grad_norm:0.5,"
+                          "policy_loss_type:gspo},{}]"])
     first, second = build_run_config(cfg).tenants
-    assert first.algorithm_overrides() == {"advantage_estimator": "rloo", "eps_clip_high": 0.3, "kl_loss_coef": 0.2}
-    assert (first.weight_decay, first.temperature) == (0.1, 0.5)
-    assert second.algorithm_overrides() == {} and (second.weight_decay, second.temperature) == (None, None)
+    assert first.algorithm_overrides() == {"advantage_estimator": "rloo", "eps_clip_high": 0.3, "kl_loss_coef": 0.2,
+                                           "policy_loss_type": "gspo"}
+    assert (first.weight_decay, first.temperature, first.top_p, first.max_grad_norm) == (0.1, 0.5, 0.8, 0.5)
+    assert second.algorithm_overrides() == {}
+    assert (second.weight_decay, second.temperature, second.top_p, second.max_grad_norm) == (None,) * 4
 
 
-def test_a_tenants_temperature_is_its_requests_alone(learning_model_dir: Path, tmp_path: Path,
+@pytest.mark.parametrize("override, message", [
+    ("top_p:0", "top_p=0.0 must be in (0, 1]"), ("max_grad_norm:0", "max_grad_norm=0.0 must be positive"),
+    ("policy_loss_type:nope", "policy_loss_type"),
+])
+def test_a_bad_override_is_one_line_naming_it(override: str, message: str, tmp_path: Path) -> None:
+    from skyrl_clora.config import ConfigError
+
+    cfg = compose_config([f"clora.output_dir={tmp_path}", f"+tenants=[{{{override}}},{{}}]"])
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        build_run_config(cfg)
+    assert "\n" not in str(error.value)
+
+
+def test_a_tenants_temperature_and_top_p_are_its_requests_alone(learning_model_dir: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: dict[str | None, set[float]] = {}
+    seen: dict[str | None, set[tuple[float, float]]] = {}
     params = EmbeddedInferenceClient._params
 
     def recording(self, sampling, adapter, session, prompt_len):
         result = params(self, sampling, adapter, session, prompt_len)
-        seen.setdefault(adapter, set()).add(result.temperature)
+        seen.setdefault(adapter, set()).add((result.temperature, result.top_p))
         return result
 
     monkeypatch.setattr(EmbeddedInferenceClient, "_params", recording)
-    args = run_args(learning_model_dir, tmp_path / "run", micro_tenants({"temperature": 0.25}, {}), steps=1)
+    args = run_args(learning_model_dir, tmp_path / "run", micro_tenants({"temperature": 0.25}, {"top_p": 0.5}, {}),
+                    steps=1)
     assert main([*args, "generator.sampling_params.temperature=0.9", "trainer.eval_interval=0"]) == 0
-    assert seen == {"tenant-0": {0.25}, "tenant-1": {0.9}}
+    assert seen == {"tenant-0": {(0.25, 1.0)}, "tenant-1": {(0.9, 0.5)}, "tenant-2": {(0.9, 1.0)}}

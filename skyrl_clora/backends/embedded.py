@@ -62,7 +62,7 @@ class EmbeddedBackend:
             overrides["temperature"] = spec.temperature  # the trainer's follows its sampling temperature, as SkyRL's
         algorithm = algorithm_config({**run.trainer.algorithm, **overrides}) if overrides else None
         services.store.register(spec.name, weights, schedule, seed=spec.seed, algorithm=algorithm,
-                                weight_decay=spec.weight_decay)
+                                weight_decay=spec.weight_decay, max_grad_norm=spec.max_grad_norm)
         services.sync.register(spec.name, services.store.tenants[spec.name].weights)
         self.scheduler.join(spec.name)
         recipe = run.recipe
@@ -72,7 +72,7 @@ class EmbeddedBackend:
             sampling_params=SkyRLSamplingParams(
                 max_generate_length=recipe.max_generate_length,
                 temperature=run.sampler.temperature if spec.temperature is None else spec.temperature,
-                top_p=run.sampler.top_p, logprobs=1,
+                top_p=run.sampler.top_p if spec.top_p is None else spec.top_p, logprobs=1,
             ),
         )
         episode_env = load_recipe(recipe.name).episode_env(recipe, spec, self._base_model_chat)
@@ -90,10 +90,11 @@ class EmbeddedBackend:
         return response["choices"][0]["message"]["content"]
 
     async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
-        """The tenant's episodes; with its own ``temperature`` its requests carry its generator's sampling params
-        (else the engine client's, the run's)."""
+        """The tenant's episodes; with its own ``temperature`` or ``top_p`` its requests carry its generator's
+        sampling params (else the engine client's, the run's)."""
         generator = self._generators[spec.name]
-        sampling = asdict(generator.generator_cfg.sampling_params) if spec.temperature is not None else None
+        own = spec.temperature is not None or spec.top_p is not None
+        sampling = asdict(generator.generator_cfg.sampling_params) if own else None
         batch, trajectory_ids, groups = episode_batch(spec.seed, rows, samples, tag, self._env_args[spec.name],
                                                       sampling)
         output = await generator.generate(batch, disable_tqdm=True)

@@ -102,6 +102,7 @@ class TenantState:
     kl_coef: float | None = None  # its reward KL controller's value (SkyRL's; None: not used yet, kl_loss_coef)
     algorithm: AlgorithmConfig | None = None  # its own SkyRL algorithm settings (None: the trainer's)
     weight_decay: float | None = None  # its own AdamW weight decay (None: the trainer's)
+    max_grad_norm: float | None = None  # its own gradient clipping norm (None: the trainer's)
     pending: torch.cuda.Event | None = None  # set while a swap-out's copies into the host buffers are in flight
 
     @property
@@ -236,9 +237,10 @@ class AdapterStore:
 
     # ---- tenants ------------------------------------------------------------------------------------
     def register(self, name: str, weights: AdapterWeights, schedule: LRSchedule, seed: int,
-                 algorithm: AlgorithmConfig | None = None, weight_decay: float | None = None) -> None:
+                 algorithm: AlgorithmConfig | None = None, weight_decay: float | None = None,
+                 max_grad_norm: float | None = None) -> None:
         """Adds a tenant whose adapter starts at ``weights`` (fp32, PEFT layout), with its own SkyRL ``algorithm``
-        settings and AdamW ``weight_decay`` when given (None: the trainer's)."""
+        settings, AdamW ``weight_decay`` and gradient clipping ``max_grad_norm`` when given (None: the trainer's)."""
         if name in self.tenants:
             raise ValueError(f"tenant {name!r} is already registered")
         if weights.rank > self.max_rank:
@@ -259,6 +261,7 @@ class AdapterStore:
             name=name, rank=weights.rank, alpha=weights.alpha, schedule=schedule,
             weights=AdapterWeights(rank=weights.rank, alpha=weights.alpha), flat=flat, **views,
             rng_state=generator.get_state(), algorithm=algorithm, weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
         )
         host_weights = self._host_empty(numel, self.dtype)
         host_weights.copy_(flat["master"])

@@ -110,7 +110,6 @@ class Trainer:
         self.mini_batch_prompts = mini_batch_prompts
         self.update_epochs = update_epochs
         self.max_logits = max_logits
-        self.policy_loss = PolicyLossRegistry.get(algorithm.policy_loss_type)
         self.device = store.device
         self.decoder = model.base_model
         self.head = model.get_output_embeddings()
@@ -124,7 +123,6 @@ class Trainer:
         """Makes ``algorithm`` the config of the next steps and scorings (its policy loss, temperature, KL, ...) of
         tenants without their own."""
         self.algorithm = algorithm
-        self.policy_loss = PolicyLossRegistry.get(algorithm.policy_loss_type)
 
     @property
     def pack_size(self) -> int:
@@ -244,8 +242,7 @@ class Trainer:
                     state = states[p]
                     state.step += 1
                     lr = state.schedule.lr(state.step - 1)
-                    optimizer = self.optimizer if state.weight_decay is None else dataclasses.replace(
-                        self.optimizer, weight_decay=state.weight_decay)
+                    optimizer = self._tenant_optimizer(state)
                     totals[4, step, p] = adamw_slot(self.store, slots[p], lr, state.step, optimizer)
                     taken[p].append((step, lr))
                 step += 1
@@ -271,6 +268,11 @@ class Trainer:
                 metrics.update(reward_kl[p])
             results.append(metrics)
         return results
+
+    def _tenant_optimizer(self, state: TenantState) -> OptimizerConfig:
+        """The trainer's AdamW settings with the tenant's own ``weight_decay`` and ``max_grad_norm`` where it has them."""
+        own = {name: getattr(state, name) for name in ("weight_decay", "max_grad_norm") if getattr(state, name) is not None}
+        return dataclasses.replace(self.optimizer, **own) if own else self.optimizer
 
     def _score_behaviour(self, rows: PassRows, needed: list[bool], policy: torch.Tensor | None) -> None:
         """Makes ``rows.old_logprobs`` hold, for each tenant ``p`` with ``needed[p]`` and no log-probs of its own,
@@ -318,7 +320,7 @@ class Trainer:
                 # optimizer step per RL step: the weights are still the pre-update ones).
                 behaviour = old[part] if rows.has_old[tenant] else detached
                 algorithm = algorithms[tenant]
-                loss, _ = self.policy_loss(
+                loss, _ = PolicyLossRegistry.get(algorithm.policy_loss_type)(
                     log_probs[part], behaviour, advantages[part], config=algorithm,
                     loss_mask=mask[part], rollout_logprobs=rollout[part] if rows.has_rollout[tenant] else None,
                 )

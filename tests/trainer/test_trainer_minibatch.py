@@ -137,7 +137,8 @@ def test_a_tenant_resumed_between_mini_batch_steps_continues_bit_for_bit(micro_m
 
 
 def _single(model_dir: Path, algorithm: AlgorithmConfig, optimizer: OptimizerConfig, slots: int = 1,
-            tenant_algorithm: AlgorithmConfig | None = None, tenant_weight_decay: float | None = None) -> Trainer:
+            tenant_algorithm: AlgorithmConfig | None = None, tenant_weight_decay: float | None = None,
+            tenant_max_grad_norm: float | None = None) -> Trainer:
     """Tenant A (and B) under run-wide ``algorithm`` and ``optimizer``; A's own overrides when given."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     routing, layers = attach_multi_lora(model, num_slots=slots, max_rank=16, trainable=True)
@@ -146,25 +147,32 @@ def _single(model_dir: Path, algorithm: AlgorithmConfig, optimizer: OptimizerCon
         own = name == "A"
         store.register(name, init_adapter(layers, rank, alpha, torch.Generator().manual_seed(seed)), LRSchedule(lr),
                        seed=seed, algorithm=tenant_algorithm if own else None,
-                       weight_decay=tenant_weight_decay if own else None)
+                       weight_decay=tenant_weight_decay if own else None,
+                       max_grad_norm=tenant_max_grad_norm if own else None)
     return Trainer(model, routing, layers, store, algorithm, optimizer, micro_batch_size=3)
 
 
-def test_a_tenants_own_algorithm_and_weight_decay_are_its_alone(micro_model_dir: Path) -> None:
-    """Tenant A's overrides (RLOO advantages, a tighter clip, weight decay) in a packed pass with B (the run's
-    GRPO): A trains as in a run whose settings are A's, B as in the run's."""
-    run, own = AlgorithmConfig(use_kl_loss=False), AlgorithmConfig(use_kl_loss=False, advantage_estimator="rloo",
-                                                                   eps_clip_high=0.05)
+@pytest.mark.parametrize("policy_loss_type", ["regular", "gspo"])
+def test_a_tenants_own_algorithm_and_optimizer_settings_are_its_alone(micro_model_dir: Path,
+                                                                      policy_loss_type: str) -> None:
+    """Tenant A's overrides (RLOO advantages, a tighter clip, its policy loss, weight decay, gradient clipping) in a
+    packed pass with B (the run's GRPO, regular loss): A trains as in a run whose settings are A's, B as in the
+    run's."""
+    run = AlgorithmConfig(use_kl_loss=False)
+    own = AlgorithmConfig(use_kl_loss=False, advantage_estimator="rloo", eps_clip_high=0.05,
+                          policy_loss_type=policy_loss_type)
     batches = {"A": _batch(seed=11), "B": _batch(seed=12)}
-    packed = _single(micro_model_dir, run, OptimizerConfig(), slots=2, tenant_algorithm=own, tenant_weight_decay=0.5)
+    packed = _single(micro_model_dir, run, OptimizerConfig(), slots=2, tenant_algorithm=own, tenant_weight_decay=0.5,
+                     tenant_max_grad_norm=0.5)
     results = dict(zip(batches, (m for _, m in packed.train_packed(list(batches.items())))))
     for _ in range(2):  # a second step: the ratio leaves 1, so the clip acts
         results = dict(zip(batches, (m for _, m in packed.train_packed(list(batches.items())))))
-    as_a = _single(micro_model_dir, own, OptimizerConfig(weight_decay=0.5))
+    as_a = _single(micro_model_dir, own, OptimizerConfig(weight_decay=0.5, max_grad_norm=0.5))
     as_run = _single(micro_model_dir, run, OptimizerConfig())
     for _ in range(3):
         a_alone, b_alone = as_a.train_step("A", batches["A"])[1], as_run.train_step("B", batches["B"])[1]
         plain_a = as_run.train_step("A", batches["A"])[1]
+    assert results["A"]["grad_norm"] > 0.5, "A's clipping acts"
     assert results["A"]["policy_loss"] == pytest.approx(a_alone["policy_loss"], rel=1e-4, abs=1e-6)
     assert results["B"]["policy_loss"] == pytest.approx(b_alone["policy_loss"], rel=1e-4, abs=1e-6)
     for name, alone in (("A", as_a), ("B", as_run)):
