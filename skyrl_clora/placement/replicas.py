@@ -80,7 +80,10 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     adapters/; returns the summary."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
+    from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
     from skyrl_gym.envs.registration import registry
+
+    from skyrl_clora.skyrl.stack import forget_stale_registry_actors
 
     started = time.perf_counter()
     specs = [spec for spec in run.tenants if spec.name not in stopped
@@ -93,7 +96,11 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     gpu = resolve_device(run).type == "cuda"
     sub_runs = [_replica_run(run, index, group, root, capacity) for index, group in enumerate(groups)]
     if not ray.is_initialized():
+        forget_stale_registry_actors()
         ray.init(include_dashboard=False)
+    # As SkyRL's initialize_ray: the driver makes (and so owns) the loss / estimator registries' named actors,
+    # which replicas then sync with; made by a replica, they would die with it and fail the other replicas' steps.
+    sync_registries()
     STOP.reclaim()  # ray.init makes SIGTERM exit at once
     bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
     for resource in bundle:

@@ -227,7 +227,7 @@ def _policy_group(run: RunConfig, plan: SkyRLPlan, model_path: str, pad_token_id
     return group
 
 
-def _forget_stale_registry_actors() -> None:
+def forget_stale_registry_actors() -> None:
     """SkyRL's loss/estimator registries cache their Ray actor's handle per process and only drop it when no
     actor of that name exists; after a Ray restart in this process (tests, a second run) the new session's
     actor exists and the cached handle points into the old session. Drop the handles before Ray starts."""
@@ -285,7 +285,7 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
         raise ConfigError(f"trainer.policy.model.path={model_path}: tokenizer needs an eos token and a chat template")
     owns_ray = not ray.is_initialized()
     if owns_ray:
-        _forget_stale_registry_actors()
+        forget_stale_registry_actors()
     if owns_ray and plan.inference_backend == plan.strategy == "embedded":
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})

@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import functools
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry, compute_approx_kl
@@ -110,6 +111,7 @@ class Trainer:
         self.mini_batch_prompts = mini_batch_prompts
         self.update_epochs = update_epochs
         self.max_logits = max_logits
+        self._policy_losses: dict[str, Callable] = {}  # SkyRL's policy losses by name (:meth:`_policy_loss`)
         self.device = store.device
         self.decoder = model.base_model
         self.head = model.get_output_embeddings()
@@ -269,6 +271,13 @@ class Trainer:
             results.append(metrics)
         return results
 
+    def _policy_loss(self, name: str) -> Callable:
+        """SkyRL's policy loss ``name``, looked up in its registry once per trainer (with Ray running, a lookup
+        syncs with the registry's actor: a round trip per call)."""
+        if name not in self._policy_losses:
+            self._policy_losses[name] = PolicyLossRegistry.get(name)
+        return self._policy_losses[name]
+
     def _tenant_optimizer(self, state: TenantState) -> OptimizerConfig:
         """The trainer's AdamW settings with the tenant's own ``weight_decay`` and ``max_grad_norm`` where it has them."""
         own = {name: getattr(state, name) for name in ("weight_decay", "max_grad_norm") if getattr(state, name) is not None}
@@ -320,7 +329,7 @@ class Trainer:
                 # optimizer step per RL step: the weights are still the pre-update ones).
                 behaviour = old[part] if rows.has_old[tenant] else detached
                 algorithm = algorithms[tenant]
-                loss, _ = PolicyLossRegistry.get(algorithm.policy_loss_type)(
+                loss, _ = self._policy_loss(algorithm.policy_loss_type)(
                     log_probs[part], behaviour, advantages[part], config=algorithm,
                     loss_mask=mask[part], rollout_logprobs=rollout[part] if rows.has_rollout[tenant] else None,
                 )
