@@ -141,11 +141,13 @@ def test_a_replica_out_of_tenants_takes_one_from_a_busy_replica(learning_model_d
 
 def test_tenants_join_and_leave_a_replicated_run_through_ctl(learning_model_dir: Path, tmp_path: Path,
                                                              one_replica: Path, capsys: pytest.CaptureFixture) -> None:
-    """Started with a and b on two replicas; c joins and b is stopped through ``ctl`` as soon as the endpoint serves;
-    bad requests are refused. a and c end as in a one-replica run started with all three."""
+    """Started with a and b on two replicas; c joins and b is stopped through ``ctl`` as soon as the endpoint serves
+    (b holds still at its first step's first episode until its stop has been asked for); bad requests are refused.
+    a and c end as in a one-replica run started with all three."""
     from skyrl_clora import ctl
 
     answers: dict[str, int] = {}
+    gate = tmp_path / "b-stop-asked"
 
     def control() -> None:
         while not (tmp_path / "control.json").exists():
@@ -154,10 +156,18 @@ def test_tenants_join_and_leave_a_replicated_run_through_ctl(learning_model_dir:
         for name, args in {"add c": ["add", added], "add a": ["add", "{name: a}"], "stop b": ["stop", "b"],
                            "stop nobody": ["stop", "nobody"], "list": ["list"]}.items():
             answers[name] = ctl.main(["--dir", str(tmp_path), *args])
+            if name == "stop b":
+                gate.touch()
 
+    skyrl_gym.register(id=GATED_ENV, entry_point=f"{__name__}:{GatedLetterEnv.__name__}",
+                       kwargs={"gate": str(gate), "after": 9})  # b's 8 evaluation episodes, then its step 1's
     client = threading.Thread(target=control)
     client.start()
-    assert main(_args(learning_model_dir, tmp_path, TENANTS[:2], "trainer.ckpt_interval=0", "clora.replicas=2")) == 0
+    try:
+        started = [TENANTS[0], {**TENANTS[1], "env_class": GATED_ENV}]
+        assert main(_args(learning_model_dir, tmp_path, started, "trainer.ckpt_interval=0", "clora.replicas=2")) == 0
+    finally:
+        skyrl_gym.envs.registration.registry.pop(GATED_ENV, None)
     client.join()
     assert answers == {"add c": 0, "add a": 2, "stop b": 0, "stop nobody": 2, "list": 0}, answers
     err = capsys.readouterr().err
