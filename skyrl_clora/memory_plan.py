@@ -48,6 +48,14 @@ class MemoryPlan:
                 f"{self.kv_blocks * self.block_bytes / _GIB:.1f} = {self.kv_blocks:,} blocks x {self.block_size} tokens "
                 f"({self.kv_blocks * self.block_size:,} positions for {rows} rows)")
 
+    def engine_line(self, allocated: int) -> str:
+        """What the engine built on this plan took beside its KV blocks (its buffers, workspaces and decode CUDA
+        graphs; prefill graphs come on first use) against the reserve, given ``allocated`` bytes after it."""
+        taken = allocated - self.allocated - self.kv_blocks * self.block_bytes
+        verdict = "within" if taken <= self.reserve else "OVER"
+        return (f"[setup] engine built: buffers, workspaces and decode graphs {taken / _GIB:.2f} GiB, {verdict} the "
+                f"{self.reserve / _GIB:.1f} GiB reserved")
+
 
 def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block (K and V of ``block_size`` positions in every layer) of a model with ``config``."""

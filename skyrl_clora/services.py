@@ -141,20 +141,24 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     max_len = run.recipe.max_input_length + run.recipe.max_generate_length
     rows = -(-(run.sampler.max_rows or num_tenants * rows_per_tenant) // 16) * 16
     kv_blocks = run.sampler.kv_blocks or None
+    plan = None
     if kv_blocks is None and device.type == "cuda":
         tokens_per_micro = run.trainer.max_tokens_per_microbatch
         micro_rows = max(1, tokens_per_micro // max_len) if tokens_per_micro > 0 else run.trainer.micro_batch_size
         pack = trainer_slots if run.train_mode == "packed" else 1
-        kv_blocks = plan_kv_blocks(
+        plan = plan_kv_blocks(
             sampler_model, trainer, utilization=run.sampler.gpu_memory_utilization, block_size=run.sampler.prefill_block,
             rows=rows, max_len=max_len, micro_batch_rows=min(micro_rows, pack * rows_per_tenant), pack=pack,
-            rank=run.lora.max_rank).kv_blocks
+            rank=run.lora.max_rank)
+        kv_blocks = plan.kv_blocks
     engine = Engine(sampler_model, sampler_layers, num_rows=rows, max_len=max_len,
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
                     num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache, cuda_graphs=run.sampler.cuda_graphs,
                     reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
                     share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority,
                     prefill_wait_steps=prefill_wait_steps(run.sampler, device))
+    if plan is not None:
+        print(plan.engine_line(torch.cuda.memory_allocated(device)), file=sys.stderr, flush=True)
     client = EmbeddedInferenceClient(
         engine, tokenizer, model_name=model_path, seed=run.seed,
         default_sampling={"max_tokens": run.recipe.max_generate_length, "temperature": run.sampler.temperature,

@@ -97,6 +97,8 @@ class ModelRunner:
         config = model.config
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"the embedded engine runs SwiGLU MLPs (hidden_act=silu); this model has {config.hidden_act}")
+        if model.lm_head.bias is not None:
+            raise ValueError("the embedded engine runs LM heads without a bias")
         self.num_rows = num_rows
         self.max_len = max_len
         self.block_size = block_size
@@ -145,7 +147,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._attention_workspace = DecodeWorkspace(num_rows, self.num_heads, max_len,
                                                         self.head_dim, self.device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Every decode step's logits land in rows ``0..span-1`` of one buffer, whatever the span or graph: one
+        # output per captured graph would keep ``sum(buckets) x V`` elements alive (5.3 GiB at 1,024 rows).
+        self._decode_logits = torch.empty(num_rows, model.lm_head.weight.shape[0], dtype=self.dtype, device=self.device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_capture_seconds = 0.0  # decode graphs and, as they are captured, prefill graphs
         # Inputs of a prefill pass (written by _prefill_pass, read by eager passes and graph replays): the
         # flat batch's token ids, its (positions, cache rows, LoRA slots) and its jobs' (cache rows, first
@@ -157,8 +162,14 @@ class ModelRunner:
         # With prefill_graphs (turned on by capture_graphs), prefill passes replay CUDA graphs by flat-batch
         # size, each captured on its first use.
         self.prefill_graphs = False
-        self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Every prefill pass's logits (fp32, one row per job slot) land in one buffer, whatever its graph.
+        job_rows = -(-self.max_prefill_jobs // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
+        self._prefill_logits = torch.empty(job_rows, model.lm_head.weight.shape[0], dtype=torch.float32, device=self.device)
         self._prefill_pool = None
+        # One capture stream for every prefill graph: the caching allocator reuses a pool's freed blocks only on
+        # the stream that allocated them, so a stream per capture kept every graph's intermediates (9 GiB).
+        self._prefill_capture_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._projections = fused_layer_projections(self.decoder.layers)  # per layer: q/k/v, o, gate/up, down
 
     @torch.no_grad()
@@ -233,19 +244,18 @@ class ModelRunner:
         self._pass_tokens[:, :size].copy_(tokens.view(3, size))
         self._pass_jobs.copy_(jobs.view(4, -1))
         if not self.prefill_graphs:
-            return self._prefill_forward(size)[: len(chunks)]
+            return self._prefill_forward(size)[: len(chunks)].clone()  # the buffer is overwritten by the next pass
         if size not in self._prefill_graphs:
-            logits = self._prefill_forward(size)
+            logits = self._prefill_forward(size)[: len(chunks)].clone()
             self._capture_prefill(size)
-            return logits[: len(chunks)]
-        graph, logits = self._prefill_graphs[size]
-        graph.replay()
-        return logits[: len(chunks)].clone()  # the graph's output is overwritten by its next replay
+            return logits
+        self._prefill_graphs[size].replay()
+        return self._prefill_logits[: len(chunks)].clone()
 
     def _prefill_forward(self, size: int) -> torch.Tensor:
-        """The prefill pass over the first ``size`` positions of the pass buffers -> logits ``[J', V]`` (fp32)
-        of each job slot's last position (``J'``: the job slots rounded up to whole row quanta, so that a
-        row gets the same bits whatever the pass holds)."""
+        """The prefill pass over the first ``size`` positions of the pass buffers -> logits ``[J', V]`` (fp32,
+        a view of the pass logits buffer) of each job slot's last position (``J'``: the job slots rounded up to
+        whole row quanta, so that a row gets the same bits whatever the pass holds)."""
         ids = self._pass_ids[:size]
         positions, token_rows, token_slots = self._pass_tokens[:, :size]
         job_rows, job_starts, q_offsets, q_lens = self._pass_jobs
@@ -260,7 +270,7 @@ class ModelRunner:
         last = hidden.index_select(0, (q_offsets + q_lens - 1).clamp(min=0))  # [J, hidden]
         rows = -(-last.shape[0] // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
         last = torch.cat([last, last.new_zeros(rows - last.shape[0], last.shape[1])])
-        return self.model.lm_head(last).float()
+        return self._prefill_logits[:rows].copy_(self.model.lm_head(last))
 
     def _capture_prefill(self, size: int) -> None:
         """Captures the prefill pass of flat-batch size ``size`` (the pass buffers hold a real pass; capture
@@ -268,18 +278,18 @@ class ModelRunner:
         synchronisation of ``torch.cuda.graph``: other threads (the trainer) keep running meanwhile."""
         started = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(self.device)
+        side = self._prefill_capture_stream
         side.wait_stream(torch.cuda.current_stream())
         if self._prefill_pool is None:
             self._prefill_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(side):
             graph.capture_begin(pool=self._prefill_pool, capture_error_mode="thread_local")
             try:
-                logits = self._prefill_forward(size)
+                self._prefill_forward(size)
             finally:
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
-        self._prefill_graphs[size] = (graph, logits)
+        self._prefill_graphs[size] = graph
         self.graph_capture_seconds += time.perf_counter() - started
 
     def set_block_tables(self, tables: np.ndarray) -> None:
@@ -343,10 +353,10 @@ class ModelRunner:
         Callers keep ``span`` a multiple of :data:`DECODE_ROW_QUANTUM`: the base GEMMs then give each row
         the same bits for every such span (seen on the CPU, one thread), so a row's numbers still do not
         depend on how many other rows run. With captured graphs the smallest bucket ``>= span`` is replayed."""
-        for bucket, (graph, logits) in sorted(self._graphs.items()):
+        for bucket, graph in sorted(self._graphs.items()):
             if bucket >= span:
                 graph.replay()
-                return logits[:span]
+                return self._decode_logits[:span]
         return self._decode_eager(span)
 
     def capture_graphs(self) -> float:
@@ -365,8 +375,8 @@ class ModelRunner:
         for span in sorted(decode_buckets(self.num_rows), reverse=True):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._decode_eager(span)
-            self._graphs[span] = (graph, logits)
+                self._decode_eager(span)
+            self._graphs[span] = graph
         torch.cuda.synchronize()
         self.prefill_graphs = True
         seconds = time.perf_counter() - started
@@ -388,7 +398,7 @@ class ModelRunner:
                                     block_tables=self.block_tables)
 
         hidden = self._forward(tokens, positions, self.decode_slots[:span], rows, attend)
-        return self.model.lm_head(hidden)
+        return torch.mm(hidden, self.model.lm_head.weight.t(), out=self._decode_logits[:span])
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_slots: torch.Tensor,
                  cache_rows: torch.Tensor, attend) -> torch.Tensor:

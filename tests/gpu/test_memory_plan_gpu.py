@@ -38,3 +38,70 @@ def test_a_training_pass_of_the_planned_shape_fits_beside_the_planned_kv_blocks(
         assert torch.cuda.max_memory_allocated() <= plan.budget
     finally:
         engine.shutdown()
+
+
+def test_an_engine_of_2048_rows_keeps_its_graphs_and_workspaces_within_the_plans_reserve() -> None:
+    """Each captured decode graph (one per span bucket) once kept its own ``[span, V]`` logits: at 2,048 rows
+    and Qwen3's vocabulary that alone was ~10 GiB past the reserve, and N=16 runs died of CUDA OOM."""
+    from skyrl_clora.memory_plan import GRAPH_RESERVE_BYTES, kv_block_bytes
+    from skyrl_clora.sampler.engine import Engine
+    from skyrl_clora.services import share_base_weights
+
+    config = Qwen3Config(vocab_size=151936, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    sampler_layers, _, _, _ = share_base_weights(model, 4, 1, 8)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    blocks = 64
+    engine = Engine(model, sampler_layers, num_rows=2048, max_len=2048, block_size=128, num_blocks=blocks)
+    try:
+        torch.cuda.synchronize()
+        taken = torch.cuda.memory_allocated() - before - (blocks + 1) * kv_block_bytes(config, 128, torch.bfloat16)
+        assert engine.stats.graph_capture_seconds > 0
+        assert 0 < taken <= GRAPH_RESERVE_BYTES, f"{taken / 2**30:.2f} GiB"
+    finally:
+        engine.shutdown()
+
+
+def _prefill_pool_growth(prompt_lengths: list[int]) -> int:
+    """Bytes the allocator reserves while a fresh engine (expandable segments, as the run sets) prefills
+    ``prompt_lengths`` one prompt at a time, each pass of a new flat-batch size capturing its own graph."""
+    from skyrl_clora.gpu_settings import use_expandable_segments
+    from skyrl_clora.lora.layers import attach_multi_lora
+    from skyrl_clora.sampler.engine import Engine
+    from skyrl_clora.sampler.requests import SamplingParams
+
+    use_expandable_segments()
+    config = Qwen3Config(vocab_size=512, hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    _, layers = attach_multi_lora(model, num_slots=2, max_rank=8, trainable=False)
+    engine = Engine(model, layers, num_rows=16, max_len=4096, block_size=128, max_prefills_per_step=32)
+    try:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        for length in prompt_lengths:
+            prompt = torch.randint(512, (length,)).tolist()
+            engine.submit(prompt, None, SamplingParams(max_tokens=1, temperature=0.0)).result(timeout=300)
+        torch.cuda.synchronize()
+        graphs = len(engine.runner._prefill_graphs)
+        assert graphs >= min(len(prompt_lengths), 8), f"{graphs} prefill graphs"
+        return torch.cuda.memory_reserved() - before
+    finally:
+        engine.shutdown()
+        del engine, model, layers
+        torch.cuda.empty_cache()
+
+
+def test_prefill_graphs_of_every_size_take_about_what_the_largest_alone_takes() -> None:
+    """Prefill graphs share one pool; each capture once ran on a stream of its own, where the allocator could
+    not reuse the blocks the previous captures freed: 9.4 GiB of graphs at the 1.7B shape ran a run out of
+    memory. Sizes ascend, the pool's worst order."""
+    largest = _prefill_pool_growth([4000])
+    every = _prefill_pool_growth([20, 40, 100, 200, 400, 700, 1000, 1500, 2000, 2600, 3000, 3500, 4000])
+    assert every <= 1.5 * largest + (64 << 20), f"{every / 2**20:.0f} vs {largest / 2**20:.0f} MiB"
