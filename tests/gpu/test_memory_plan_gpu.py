@@ -10,6 +10,13 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _random_model(**config: int) -> Qwen3ForCausalLM:
+    """A bf16 Qwen3 model of ``config`` with random weights (seed 0) on the GPU."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return Qwen3ForCausalLM(Qwen3Config(**config)).to(torch.bfloat16).eval()
+
+
 def test_a_training_pass_of_the_planned_shape_fits_beside_the_planned_kv_blocks() -> None:
     from skyrl.train.config import AlgorithmConfig
 
@@ -19,11 +26,8 @@ def test_a_training_pass_of_the_planned_shape_fits_beside_the_planned_kv_blocks(
     from skyrl_clora.trainer.adapter_store import AdapterStore
     from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
 
-    config = Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    model = _random_model(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
     sampler_layers, trainer_model, routing, trainer_layers = share_base_weights(model, 2, 1, 8)
     store = AdapterStore(trainer_layers, num_slots=1)
     trainer = Trainer(trainer_model, routing, trainer_layers, store, AlgorithmConfig(), OptimizerConfig(),
@@ -47,11 +51,9 @@ def test_an_engine_of_2048_rows_keeps_its_graphs_and_workspaces_within_the_plans
     from skyrl_clora.sampler.engine import Engine
     from skyrl_clora.services import share_base_weights
 
-    config = Qwen3Config(vocab_size=151936, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    model = _random_model(vocab_size=151936, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
+    config = model.config
     sampler_layers, _, _, _ = share_base_weights(model, 4, 1, 8)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -75,11 +77,8 @@ def _prefill_pool_growth(prompt_lengths: list[int]) -> int:
     from skyrl_clora.sampler.requests import SamplingParams
 
     use_expandable_segments()
-    config = Qwen3Config(vocab_size=512, hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    model = _random_model(vocab_size=512, hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096)
     _, layers = attach_multi_lora(model, num_slots=2, max_rank=8, trainable=False)
     engine = Engine(model, layers, num_rows=16, max_len=4096, block_size=128, max_prefills_per_step=32)
     try:
