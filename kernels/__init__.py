@@ -11,6 +11,7 @@ imports nothing from the rest of the plugin.
 """
 
 from skyrl_clora.kernels.attention.decode import DecodeWorkspace
+from skyrl_clora.kernels.checks import FP8_CACHE_DTYPE
 from skyrl_clora.kernels.dispatch import (
     add_lora,
     chosen_logprobs_,
@@ -35,7 +36,7 @@ from skyrl_clora.kernels.qkv_dispatch import folded_qkv_rope, folded_qkv_rope_in
 from skyrl_clora.kernels.lora.qkv_rope import KVCacheWrite
 
 __all__ = [
-    "DecodeWorkspace", "FoldedWeights", "KVCacheWrite", "LoRAMeta", "add_lora", "chosen_logprobs_", "decode_attention",
+    "DecodeWorkspace", "FP8_CACHE_DTYPE", "FoldedWeights", "KVCacheWrite", "LoRAMeta", "add_lora", "chosen_logprobs_", "decode_attention",
     "dense_lora_linear", "fold_lora_weights", "folded_lora_linear", "folded_qkv_rope", "folded_qkv_rope_into_cache",
     "gather_rows", "lora_linear",
     "packed_lora",

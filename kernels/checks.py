@@ -10,6 +10,9 @@ from collections.abc import Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_CACHE_DTYPE = torch.float8_e4m3fn
+"""The one dtype a K/V cache may have besides its query's: float8 e4m3 with a scale of 1.0 (vLLM's
+``kv_cache_dtype=fp8`` without calibrated scales); the kernels convert loaded K/V to the query's dtype."""
 MAX_SLICES = 3
 PREFILL_METADATA = ("job_rows", "job_starts", "q_offsets", "q_lens")  # prefill_attention's per-job tensors
 
@@ -118,7 +121,8 @@ def _check_attention_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               block_tables: torch.Tensor | None = None) -> None:
     """``q: [rows, H, d]`` (``q_dims`` names its dims) and ``k_cache, v_cache`` alike, ``[S, KV, L, d]`` (slot
     layout) or, with ``block_tables``, ``[NB, KV, BS, d]`` (paged: ``block_tables`` a contiguous 2-D int32
-    ``[R, M]`` on ``q``'s device); one float dtype, ``H`` a multiple of ``KV``."""
+    ``[R, M]`` on ``q``'s device); the caches in ``q``'s dtype or both :data:`FP8_CACHE_DTYPE`, ``H`` a multiple of
+    ``KV``."""
     if q.dim() != 3 or q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q must be {q_dims} in one of {FLOAT_DTYPES}, got {tuple(q.shape)} {q.dtype}")
     layout = "[S, KV, L, d]" if block_tables is None else "[NB, KV, BS, d] (paged)"
@@ -138,8 +142,9 @@ def _check_attention_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError(f"the cache's head dim is {k_cache.shape[3]}, q's is {head_dim}")
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"k_cache/v_cache are {k_cache.dtype}/{v_cache.dtype}, q is {q.dtype}: use one dtype")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, FP8_CACHE_DTYPE):
+        raise ValueError(f"k_cache/v_cache are {k_cache.dtype}/{v_cache.dtype}, q is {q.dtype}: use one dtype "
+                         f"(or a {FP8_CACHE_DTYPE} cache for both)")
 
 
 def check_attention_head_dim(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, max_head_dim: int) -> None:

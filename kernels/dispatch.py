@@ -228,7 +228,8 @@ def decode_attention(
     Shapes: ``q: [B, H, d]``; ``k_cache, v_cache: [S, KV, L, d]`` with ``S >= B`` (row ``b`` of ``q`` reads
     cache row ``b``); ``lengths: [B]`` int32/int64 with ``1 <= lengths[b] <= L`` (a length of 0 gives
     zeros); ``H % KV == 0`` (GQA: head ``h`` reads kv head ``h // (H // KV)``); ``out: [B, H, d]``. One
-    dtype (bf16, fp16 or fp32) for ``q``, the caches and ``out``; fp32 accumulation. Torch pseudo-code::
+    dtype (bf16, fp16 or fp32) for ``q``, the caches and ``out``, or the caches ``torch.float8_e4m3fn`` (scale 1.0:
+    converted to ``q``'s dtype as they are read); fp32 accumulation. Torch pseudo-code::
 
         for b in range(B):
             for h in range(H):
@@ -295,7 +296,8 @@ def prefill_attention(
     q_lens[j]]`` (disjoint ranges in any order; ``q_lens[j] = 0``: an unused job slot); ``k_cache, v_cache:
     [S, KV, L, d]`` holding the pass's own K/V already; ``job_rows, job_starts, q_offsets, q_lens: [J]``
     int64; ``H % KV == 0`` (GQA: head ``h`` reads kv head ``h // (H // KV)``). One dtype (bf16, fp16 or fp32)
-    for ``q`` and the caches; fp32 softmax and accumulation, the output rounded once (the Triton path, like
+    for ``q`` and the caches, or the caches ``torch.float8_e4m3fn`` (scale 1.0: converted to ``q``'s dtype as they
+    are read); fp32 softmax and accumulation, the output rounded once (the Triton path, like
     flash attention, rounds the softmax weights to the model dtype for their product with V). Torch
     pseudo-code::
 

@@ -74,10 +74,11 @@ def folded_qkv_rope_into_cache(
     d]``. Torch pseudo-code::
 
         q, k, v = folded_qkv_rope(x, folded, lora_b, scales, token_slots, head_dim, cos, sin, q_weight, k_weight, eps)
-        cache.k_cache[cache.rows, :, cache.positions] = k
-        cache.v_cache[cache.rows, :, cache.positions] = v
+        cache.k_cache[cache.rows, :, cache.positions] = k.to(cache.k_cache.dtype)   # fp8: scale 1.0
+        cache.v_cache[cache.rows, :, cache.positions] = v.to(cache.v_cache.dtype)
 
-    On the Triton path the fused kernel stores k and v there itself (no scatter kernels after it)."""
+    On the Triton path the fused kernel stores k and v there itself (no scatter kernels after it), the same bits
+    (an fp8 cache: within e4m3's range, see :class:`KVCacheWrite`)."""
     lora_b = tuple(lora_b)
     if _fused_qkv_rope(x, token_slots, head_dim, backend):
         return folded_qkv_rope_triton(x, folded, lora_b, scales, token_slots, head_dim, cos, sin, q_weight, k_weight,
@@ -85,8 +86,8 @@ def folded_qkv_rope_into_cache(
     q, k, v = folded_qkv_rope(x, folded, lora_b, scales, token_slots, head_dim, cos, sin, q_weight, k_weight, eps,
                               meta=meta, backend=backend)
     check_cache_write(cache, x.shape[0], k.shape[1], head_dim, x)
-    cache.k_cache[cache.rows, :, cache.positions] = k
-    cache.v_cache[cache.rows, :, cache.positions] = v
+    cache.k_cache[cache.rows, :, cache.positions] = k.to(cache.k_cache.dtype)
+    cache.v_cache[cache.rows, :, cache.positions] = v.to(cache.v_cache.dtype)
     return q
 
 

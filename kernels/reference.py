@@ -151,7 +151,8 @@ def decode_attention_ref(
     whatever the other rows (gathering and attending over each row's blocks only is what keeps the CPU engine's
     paged decode close to its former slot cost). Reads the lengths on the host.
 
-    Computes in fp32 and writes ``out`` (allocated in ``q``'s dtype if not given); returns it. The slot
+    Computes in fp32 (an fp8 cache, ``torch.float8_e4m3fn`` with scale 1.0, is dequantised exactly) and writes
+    ``out`` (allocated in ``q``'s dtype if not given); returns it. The slot
     layout's positions past a row's length are masked, not skipped, so it reads all ``L`` positions of every
     row, with no host synchronisation.
     """
@@ -274,6 +275,8 @@ def prefill_attention_ref(
     are gathered into a contiguous ``[KV, L, d]`` (the entries past its last query's position are not
     dereferenced: they may hold anything), then the slot computation runs on it unchanged, so a paged call is
     bit-identical to a slot call over the gathered cache.
+
+    An fp8 cache (``torch.float8_e4m3fn``, scale 1.0) is dequantised to ``q``'s dtype (exactly) before the SDPA.
     """
     groups = q.shape[1] // k_cache.shape[1]
     L = k_cache.shape[2] if block_tables is None else block_tables.shape[1] * k_cache.shape[2]
@@ -283,13 +286,14 @@ def prefill_attention_ref(
     if block_tables is not None:  # every live job's blocks up to its last position, in one gather: [J', KV, L, d]
         ends = (job_starts + q_lens)[live].view(-1, 1)
         used = torch.arange(block_tables.shape[1], device=q.device)[None] * k_cache.shape[2] < ends
-        paged_keys, paged_values = (paged_view(cache, block_tables, job_rows[live], used) for cache in (k_cache, v_cache))
+        paged_keys, paged_values = (paged_view(cache, block_tables, job_rows[live], used, q.dtype)
+                                    for cache in (k_cache, v_cache))
     jobs = zip(job_rows[live].tolist(), job_starts[live].tolist(), q_offsets[live].tolist(), q_lens[live].tolist())
     for job, (row, start, offset, n) in enumerate(jobs):
         padded = -(-n // PREFILL_QUERY_QUANTUM) * PREFILL_QUERY_QUANTUM
         q_job = torch.nn.functional.pad(q[offset : offset + n], (0, 0, 0, 0, 0, padded - n)).transpose(0, 1)[None]
         if block_tables is None:
-            keys, values = k_cache[row][None], v_cache[row][None]  # [1, KV, L, d]
+            keys, values = k_cache[row][None].to(q.dtype), v_cache[row][None].to(q.dtype)  # [1, KV, L, d]
         else:
             keys, values = paged_keys[job : job + 1], paged_values[job : job + 1]
         if groups > 1:

@@ -221,6 +221,13 @@ class TrainerConfig:
             raise ConfigError(f"trainer.update_epochs_per_batch must be >= 1, got {self.update_epochs}")
 
 
+KV_CACHE_DTYPE_KEY = "generator.inference_engine.engine_init_kwargs.kv_cache_dtype"
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+"""The embedded engine's KV cache dtypes (SkyRL's pass-through of vLLM's ``kv_cache_dtype``): ``auto``, the model's
+dtype; ``fp8`` / ``fp8_e4m3``, ``torch.float8_e4m3fn`` with a scale of 1.0 (vLLM's default without calibrated
+scales: half the bytes per KV block and per decode read; values beyond +-448 are out of e4m3's range)."""
+
+
 @dataclass(frozen=True)
 class SamplerConfig:
     temperature: float
@@ -235,8 +242,12 @@ class SamplerConfig:
     reuse_decode_kv: bool | None
     prefill_wait_steps: int | None
     stream_priority: str = "high"
+    kv_cache_dtype: str = "auto"  # generator.inference_engine.engine_init_kwargs.kv_cache_dtype (KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"{KV_CACHE_DTYPE_KEY}={self.kv_cache_dtype} is not supported by the embedded engine; use "
+                              f"{', '.join(KV_CACHE_DTYPES)} (fp8 and fp8_e4m3: float8 e4m3, scale 1.0)")
         if self.stream_priority not in ("high", "normal"):
             raise ConfigError(f"sampler.stream_priority={self.stream_priority} is unknown; use high or normal")
         if not 0 < self.gpu_memory_utilization < 1:

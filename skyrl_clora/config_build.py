@@ -16,7 +16,7 @@ from typing import Any, get_type_hints
 from omegaconf import DictConfig, OmegaConf
 
 from skyrl_clora.config import (
-    RECIPE_KEYS, SCHEDULERS, ConfigError, LoraConfig, RecipeConfig, RunConfig, SamplerConfig, TrainerConfig, checked,
+    KV_CACHE_DTYPE_KEY, RECIPE_KEYS, SCHEDULERS, ConfigError, LoraConfig, RecipeConfig, RunConfig, SamplerConfig, TrainerConfig, checked,
     check_algorithm,
 )
 from skyrl_clora.tenants import PER_TENANT_SKYRL, TenantSpec, expand_tenants
@@ -136,7 +136,9 @@ def lora_config(cfg: DictConfig) -> LoraConfig:
 
 def sampler_config(cfg: DictConfig) -> SamplerConfig:
     keys = {"temperature": "generator.sampling_params.temperature", "top_p": "generator.sampling_params.top_p",
-            **{f.name: f"sampler.{f.name}" for f in fields(SamplerConfig) if f.name not in ("temperature", "top_p")}}
+            "kv_cache_dtype": KV_CACHE_DTYPE_KEY,
+            **{f.name: f"sampler.{f.name}" for f in fields(SamplerConfig)
+               if f.name not in ("temperature", "top_p", "kv_cache_dtype")}}
     own = set(OmegaConf.to_container(cfg.sampler)) - {key.split(".", 1)[1] for key in keys.values()} - {"max_lora_rank"}
     if own:
         raise ConfigError(f"unknown key sampler.{sorted(own)[0]}; see python -m skyrl_clora.main --help")

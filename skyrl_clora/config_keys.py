@@ -151,6 +151,9 @@ KEY_RULES: tuple[KeyRule, ...] = (
             "SkyRL's; 0, greedy: untempered; tenant override: temperature)"),
     KeyRule("generator.sampling_params.top_p", HONOURED, "nucleus sampling (tenant override: top_p)"),
     KeyRule("generator.batched", IGNORED, "the engine batches every tenant's requests either way"),
+    KeyRule("generator.inference_engine.engine_init_kwargs.kv_cache_dtype", HONOURED,
+            "the embedded engine's KV cache: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3, scale 1.0: "
+            "half the bytes per KV block and per decode read)"),
     KeyRule("generator.inference_engine.*", IGNORED, "vLLM server settings: the embedded engine replaces the servers"),
 )
 

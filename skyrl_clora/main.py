@@ -112,6 +112,10 @@ def _unknown_key_message(key: str, overrides: list[str]) -> str:
     return f"unknown key {key}; {hint} (a key the config does not have is added with +key=value)"
 
 
+PASS_THROUGH_KEYS = ("generator.inference_engine.engine_init_kwargs",)
+"""SkyRL's free-form dicts (vLLM's engine kwargs): any key under them is SkyRL's to take (``+key=value``)."""
+
+
 def check_known_keys(cfg: DictConfig, overrides: list[str]) -> None:
     """Raises :class:`UserError` for a key that ``+key=value`` added and nothing reads: every key of ``cfg`` but
     ``tenants`` must be in the config composed with the same group choices alone (``recipe=``, ``backend=``, ...),
@@ -127,7 +131,7 @@ def check_known_keys(cfg: DictConfig, overrides: list[str]) -> None:
             if key not in known:
                 valid = ", ".join(sorted(str(k) for k in known))
                 raise UserError(f"unknown key {path}; valid keys{' here' if prefix else ''}: {valid}")
-            if OmegaConf.is_dict(node[key]) and OmegaConf.is_dict(known[key]):
+            if OmegaConf.is_dict(node[key]) and OmegaConf.is_dict(known[key]) and path not in PASS_THROUGH_KEYS:
                 walk(node[key], known[key], f"{path}.")
 
     walk(cfg, defaults, "")

@@ -58,7 +58,8 @@ class MemoryPlan:
 
 
 def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block (K and V of ``block_size`` positions in every layer) of a model with ``config``."""
+    """Bytes of one KV block (K and V of ``block_size`` positions in every layer) of a model with ``config``, in the
+    cache's ``dtype`` (an fp8 cache's blocks take half a bf16 one's)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * block_size * head_dim * element
@@ -104,26 +105,28 @@ def measure_training_peak(trainer: Trainer, tenants: int, rows: int, seq_len: in
 
 
 def plan_kv_blocks(model: torch.nn.Module, trainer: Trainer, *, utilization: float, block_size: int, rows: int,
-                   max_len: int, micro_batch_rows: int, pack: int, rank: int) -> MemoryPlan:
-    """The plan for ``model`` (the sampler's, on a GPU) beside ``trainer`` (see module docstring); raises
-    ConfigError when the KV blocks left cannot hold one row of ``max_len`` positions."""
+                   max_len: int, micro_batch_rows: int, pack: int, rank: int,
+                   kv_dtype: torch.dtype | None = None) -> MemoryPlan:
+    """The plan for ``model`` (the sampler's, on a GPU) beside ``trainer`` (see module docstring), in KV blocks of
+    ``kv_dtype`` (None: the model's); raises ConfigError when the KV blocks left cannot hold one row of ``max_len``
+    positions."""
     peak = measure_training_peak(trainer, pack, micro_batch_rows, max_len, rank)
-    return _plan(model, utilization, block_size, rows, max_len, peak,
+    return _plan(model, utilization, block_size, rows, max_len, kv_dtype, peak,
                  f"measured: {pack} tenant(s), {micro_batch_rows} rows x {max_len} tokens",
                  "raise sampler.gpu_memory_utilization, lower trainer.micro_train_batch_size_per_gpu (or "
                  "trainer.max_tokens_per_microbatch) or shorten the recipe's lengths")
 
 
 def inference_only_blocks(model: torch.nn.Module, *, utilization: float, block_size: int, rows: int,
-                          max_len: int) -> int:
-    """KV blocks for an engine alone on its GPU (backend=skyrl's embedded server, whose trainer runs in other
-    processes on other GPUs): the plan without a training peak."""
-    return _plan(model, utilization, block_size, rows, max_len, 0, "none here: the trainer runs in other processes",
+                          max_len: int, kv_dtype: torch.dtype | None = None) -> int:
+    """KV blocks (of ``kv_dtype``, None: the model's) for an engine alone on its GPU (backend=skyrl's embedded server,
+    whose trainer runs in other processes on other GPUs): the plan without a training peak."""
+    return _plan(model, utilization, block_size, rows, max_len, kv_dtype, 0, "none here: the trainer runs in other processes",
                  "raise sampler.gpu_memory_utilization, set sampler.kv_blocks or shorten the recipe's lengths").kv_blocks
 
 
-def _plan(model: torch.nn.Module, utilization: float, block_size: int, rows: int, max_len: int, training_peak: int,
-          training_shape: str, fix: str) -> MemoryPlan:
+def _plan(model: torch.nn.Module, utilization: float, block_size: int, rows: int, max_len: int,
+          kv_dtype: torch.dtype | None, training_peak: int, training_shape: str, fix: str) -> MemoryPlan:
     """``utilization`` of the GPU's memory less what is allocated, ``training_peak`` and
     :data:`GRAPH_RESERVE_BYTES`, in KV blocks of ``block_size`` positions; printed in one line. ConfigError
     (naming ``fix``) when that cannot hold one row of ``max_len`` positions."""
@@ -131,7 +134,7 @@ def _plan(model: torch.nn.Module, utilization: float, block_size: int, rows: int
     _, total = torch.cuda.mem_get_info(param.device)
     budget = int(total * utilization)
     allocated = torch.cuda.memory_allocated(param.device)
-    block_bytes = kv_block_bytes(model.config, block_size, param.dtype)
+    block_bytes = kv_block_bytes(model.config, block_size, kv_dtype or param.dtype)
     blocks = (budget - allocated - training_peak - GRAPH_RESERVE_BYTES) // block_bytes
     plan = MemoryPlan(total, budget, allocated, training_peak, GRAPH_RESERVE_BYTES, block_bytes, max(0, blocks),
                       block_size, training_shape)

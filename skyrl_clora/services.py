@@ -149,14 +149,14 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         plan = plan_kv_blocks(
             sampler_model, trainer, utilization=run.sampler.gpu_memory_utilization, block_size=run.sampler.prefill_block,
             rows=rows, max_len=max_len, micro_batch_rows=min(micro_rows, pack * rows_per_tenant), pack=pack,
-            rank=run.lora.max_rank)
+            rank=run.lora.max_rank, kv_dtype=kv_cache_dtype(run.sampler))
         kv_blocks = plan.kv_blocks
     engine = Engine(sampler_model, sampler_layers, num_rows=rows, max_len=max_len,
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
                     num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache, cuda_graphs=run.sampler.cuda_graphs,
                     reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
                     share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority,
-                    prefill_wait_steps=prefill_wait_steps(run.sampler, device))
+                    prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_cache_dtype(run.sampler))
     if plan is not None:
         print(plan.engine_line(torch.cuda.memory_allocated(device)), file=sys.stderr, flush=True)
     client = EmbeddedInferenceClient(
@@ -168,6 +168,12 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         carve_gemm_sms(run.trainer.sm_carveout)
     return Services(model_path, tokenizer, engine, client, trainer, store, AdapterSync(engine),
                     cold_start_seconds=time.perf_counter() - started)
+
+
+def kv_cache_dtype(sampler: SamplerConfig) -> torch.dtype | None:
+    """The engine's KV cache dtype for ``sampler.kv_cache_dtype``: None (``auto``: the model's) or
+    ``torch.float8_e4m3fn`` (``fp8``, ``fp8_e4m3``; scale 1.0)."""
+    return None if sampler.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 def prefill_wait_steps(sampler: SamplerConfig, device: torch.device) -> int:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import pytest
 import torch
 
 from skyrl_clora.kernels.lora.folded import FoldedWeights, fold_lora_weights
@@ -210,10 +211,12 @@ def qkv_rope_ref_fp32(p: QKVRopeProblem) -> tuple[torch.Tensor, torch.Tensor, to
     return q, k, v
 
 
-def check_kv_cache_write(p: QKVRopeProblem, cache_rows: int, cache_len: int, backend: str | None = None) -> None:
-    """``folded_qkv_rope_into_cache`` on ``p`` into a random ``[cache_rows, KV, cache_len, d]`` cache, each token at a
-    distinct random (row, position): its q is ``folded_qkv_rope``'s, each token's cache entry holds that call's k
-    and v bit for bit, and every other entry is as it was."""
+def check_kv_cache_write(p: QKVRopeProblem, cache_rows: int, cache_len: int, backend: str | None = None,
+                         cache_dtype: torch.dtype | None = None) -> None:
+    """``folded_qkv_rope_into_cache`` on ``p`` into a random ``[cache_rows, KV, cache_len, d]`` cache (in
+    ``cache_dtype``, None: the model's), each token at a distinct random (row, position): its q is
+    ``folded_qkv_rope``'s, each token's cache entry holds that call's k and v cast to the cache dtype bit for
+    bit, and every other entry is as it was."""
     from skyrl_clora.kernels import KVCacheWrite, folded_qkv_rope, folded_qkv_rope_into_cache
 
     lora = p.lora
@@ -222,17 +225,22 @@ def check_kv_cache_write(p: QKVRopeProblem, cache_rows: int, cache_len: int, bac
     q, k, v = folded_qkv_rope(*args, backend=backend)
     gen = torch.Generator().manual_seed(cache_rows)
     shape = (cache_rows, k.shape[1], cache_len, p.head_dim)
-    before_k, before_v = (torch.randn(shape, generator=gen).to(k.device, k.dtype) for _ in range(2))
+    dtype = cache_dtype or k.dtype
+    before_k, before_v = (torch.randn(shape, generator=gen).to(k.device, dtype) for _ in range(2))
     entries = torch.randperm(cache_rows * cache_len, generator=gen)[: q.shape[0]].to(k.device)
     rows, positions = entries // cache_len, entries % cache_len
     cache = KVCacheWrite(before_k.clone(), before_v.clone(), rows, positions)
     got_q = folded_qkv_rope_into_cache(*args, cache, backend=backend)
     want_k, want_v = before_k.clone(), before_v.clone()
-    want_k[rows, :, positions] = k
-    want_v[rows, :, positions] = v
-    assert not torch.equal(want_k, before_k) and not torch.equal(want_k[rows], want_v[rows]), "vacuous cache check"
+    want_k[rows, :, positions] = k.to(dtype)
+    want_v[rows, :, positions] = v.to(dtype)
+    # As fp32 values (torch.equal has no fp8 kernel on the CPU): equal bits but for the sign of a zero, which the
+    # Triton interpreter's fp8 conversion drops.
+    values = lambda t: t.float()  # noqa: E731
+    assert not torch.equal(values(want_k), values(before_k)) and not torch.equal(values(want_k[rows]), values(want_v[rows])), \
+        "vacuous cache check"
     assert torch.equal(got_q, q)
-    assert torch.equal(cache.k_cache, want_k) and torch.equal(cache.v_cache, want_v)
+    assert torch.equal(values(cache.k_cache), values(want_k)) and torch.equal(values(cache.v_cache), values(want_v))
 
 
 @dataclass
@@ -257,6 +265,7 @@ def make_attention_problem(
     seed: int = 0,
     poison: bool = False,
     lengths: list[int] | None = None,
+    cache_values: torch.dtype | None = None,
 ) -> AttentionProblem:
     """Random q and caches; ``lengths`` as given, else drawn in ``[1, max_len]`` with the first row at 1 and
     the second at ``max_len`` (when there are two rows). Keys are scaled so the softmax is neither flat nor
@@ -264,6 +273,9 @@ def make_attention_problem(
 
     ``poison``: cache positions past each row's length, and cache rows past ``num_rows``, hold NaN (a
     kernel that reads them returns NaN; the reference must then be given the clean caches).
+
+    ``cache_values``: the caches' values are rounded through that dtype (e.g. ``FP8``), so the caches cast to it
+    are exact: a kernel on the cast caches is checked against the references on the problem's own.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     S = cache_rows or num_rows
@@ -283,7 +295,23 @@ def make_attention_problem(
         v[:num_rows].masked_fill_(past, float("nan"))
         k[num_rows:] = float("nan")
         v[num_rows:] = float("nan")
+    k, v = rounded_through(k, cache_values), rounded_through(v, cache_values)
     return AttentionProblem(q=q.to(dtype), k_cache=k.to(dtype), v_cache=v.to(dtype), lengths=drawn)
+
+
+FP8 = torch.float8_e4m3fn  # the K/V cache's fp8 dtype (scale 1.0)
+CACHE_DTYPES = [pytest.param(None, id="model-cache"), pytest.param(FP8, id="fp8-cache")]
+"""The attention tests' cache dtypes: the model's (None) or fp8."""
+
+
+def rounded_through(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` (fp32) with its values rounded to ``dtype`` and back (unchanged for None)."""
+    return t if dtype is None else t.to(dtype).to(t.dtype)
+
+
+def as_cache(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A cache tensor in ``dtype`` (None: as it is)."""
+    return t if dtype is None else t.to(dtype)
 
 
 def attention_loop_ref(p: AttentionProblem) -> torch.Tensor:
@@ -338,6 +366,7 @@ def make_prefill_problem(
     device: torch.device | str = "cpu",
     seed: int = 0,
     poison: bool = False,
+    cache_values: torch.dtype | None = None,
 ) -> PrefillProblem:
     """A ragged pass of ``jobs``, ``(row, start, q_len)`` per job slot (``q_len`` 0: an unused slot at offset
     0). The jobs' tokens are laid out in ``q`` in a shuffled order with 1 or 2 tokens of no job before each
@@ -346,7 +375,8 @@ def make_prefill_problem(
 
     ``poison``: each row's cache positions past its jobs' last position, the rows of no job and ``q``'s
     tokens of no job hold NaN (a kernel that reads them returns NaN; the torch reference, which reads every
-    position, must then be given the clean tensors: ``prefill_ref_fp32``).
+    position, must then be given the clean tensors: ``prefill_ref_fp32``). ``cache_values`` as for
+    :func:`make_attention_problem`.
     """
     order = random.Random(seed)
     offsets, token = [0] * len(jobs), 0
@@ -370,6 +400,7 @@ def make_prefill_problem(
         k.masked_fill_(past[:, None, :, None], float("nan"))
         v.masked_fill_(past[:, None, :, None], float("nan"))
         q[~covered] = float("nan")
+    k, v = rounded_through(k, cache_values), rounded_through(v, cache_values)
     rows, starts, lens = (torch.tensor([job[i] for job in jobs], dtype=torch.int64, device=device) for i in range(3))
     return PrefillProblem(q.to(dtype), k.to(dtype), v.to(dtype), rows, starts,
                           torch.tensor(offsets, dtype=torch.int64, device=device), lens, 1 / math.sqrt(head_dim))

@@ -102,11 +102,13 @@ class PagedDecodeProblem:
 
 
 def make_paged_decode_problem(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
-                              with_prefix: bool, device: torch.device | str = "cpu", seed: int = 0) -> PagedDecodeProblem:
+                              with_prefix: bool, device: torch.device | str = "cpu", seed: int = 0,
+                              cache_values: torch.dtype | None = None) -> PagedDecodeProblem:
     """``PAGED_LENGTHS`` rows over ``L = 192`` positions, the prompt row's blocks shared by rows 1, 3, 4 (each
-    whole prompt block), with ``PAGED_PREFIX_ROWS`` / ``PAGED_PREFIX_LENS`` if ``with_prefix``."""
+    whole prompt block), with ``PAGED_PREFIX_ROWS`` / ``PAGED_PREFIX_LENS`` if ``with_prefix``; ``cache_values``
+    as for ``make_attention_problem``."""
     p = make_attention_problem(len(PAGED_LENGTHS), heads, kv_heads, 192, head_dim, dtype, cache_rows=len(PAGED_LENGTHS) + 1,
-                               device=device, seed=seed, lengths=PAGED_LENGTHS)
+                               device=device, seed=seed, lengths=PAGED_LENGTHS, cache_values=cache_values)
     sharers = (1, 3, 4)
     for row, n in ((1, PROMPT_LEN), (2, 60), (3, PROMPT_LEN), (4, PROMPT_LEN)):  # row 2: the first 60 positions
         p.k_cache[row, :, :n] = p.k_cache[PROMPT_ROW, :, :n]

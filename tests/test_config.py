@@ -307,3 +307,40 @@ def test_skyrls_kl_options_and_the_step_style_reach_both_backends(backend: str, 
                  if backend == "skyrl" else AlgorithmConfig(**run.trainer.algorithm))
     assert (algorithm.use_kl_loss, algorithm.kl_loss_coef, algorithm.kl_estimator_type) == (True, 0.05, "k1")
     assert build_run_config(compose_config([*overrides, "trainer.step_style=tinker"])).trainer.step_style == "tinker"
+
+
+@pytest.mark.parametrize("value,expected", [(None, None), ("auto", None), ("fp8", "float8_e4m3fn"),
+                                            ("fp8_e4m3", "float8_e4m3fn")])
+def test_kv_cache_dtype_picks_the_engines_cache_dtype(value: str | None, expected: str | None, tmp_path: Path) -> None:
+    """SkyRL's ``engine_init_kwargs.kv_cache_dtype`` reaches the embedded engine (``services.kv_cache_dtype``, what
+    build_services and the backend=skyrl stack hand the Engine and the memory plan); absent, the model's dtype."""
+    import torch
+
+    from skyrl_clora.services import kv_cache_dtype
+
+    given = [] if value is None else [f"+generator.inference_engine.engine_init_kwargs.kv_cache_dtype={value}"]
+    run = build_run_config(compose_config([f"clora.output_dir={tmp_path}", *given]))
+    assert kv_cache_dtype(run.sampler) == (None if expected is None else getattr(torch, expected))
+
+
+def test_an_unsupported_kv_cache_dtype_is_one_line(tmp_path: Path) -> None:
+    from skyrl_clora.config import ConfigError
+
+    cfg = compose_config([f"clora.output_dir={tmp_path}", "+generator.inference_engine.engine_init_kwargs.kv_cache_dtype=fp8_e5m2"])
+    with pytest.raises(ConfigError, match=r"^generator.inference_engine.engine_init_kwargs.kv_cache_dtype=fp8_e5m2 is not "
+                                          r"supported by the embedded engine; use auto, fp8, fp8_e4m3 \(") as error:
+        build_run_config(cfg)
+    assert "\n" not in str(error.value)
+
+
+def test_an_fp8_kv_block_takes_half_the_bytes() -> None:
+    """The memory plan's block size follows the cache dtype: an fp8 cache gets twice the blocks."""
+    import torch
+    from transformers import Qwen3Config
+
+    from skyrl_clora.memory_plan import kv_block_bytes
+
+    config = Qwen3Config(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    wide = kv_block_bytes(config, 16, torch.bfloat16)
+    assert wide == 2 * 28 * 8 * 16 * 128 * 2
+    assert kv_block_bytes(config, 16, torch.float8_e4m3fn) * 2 == wide

@@ -32,13 +32,15 @@ class Sample:
     extra: tuple[str, ...] = ()
     embedded: Callable[[Any], Any] | None = None
     expected: Any = field(default=None)
+    added: bool = False  # a key of a SkyRL pass-through dict (engine_init_kwargs): given as +key=value
 
     def override(self, data: Path, model: Path) -> str:
         if isinstance(self.value, list):
             text = "[" + ",".join(f"'{item}'" for item in self.value) + "]"
         else:
             text = str(self.value).lower() if isinstance(self.value, bool) else str(self.value)
-        return f"{self.key}={text}".replace("{data}", str(data)).replace("{model}", str(model))
+        plus = "+" if self.added else ""
+        return f"{plus}{self.key}={text}".replace("{data}", str(data)).replace("{model}", str(model))
 
 
 SAMPLES = [
@@ -108,6 +110,8 @@ SAMPLES = [
     Sample("generator.sampling_params.temperature", 0.7, (), lambda run: run.sampler.temperature),
     Sample("generator.sampling_params.top_p", 0.9, (), lambda run: run.sampler.top_p),
     Sample("generator.batched", True),
+    Sample("generator.inference_engine.engine_init_kwargs.kv_cache_dtype", "fp8", (),
+           lambda run: run.sampler.kv_cache_dtype, added=True),
     Sample("generator.inference_engine.num_engines", 2),
 ]
 """One sample per rule of KEY_RULES (a prefix rule by one key under it)."""

@@ -33,6 +33,9 @@ layout compiles to its own code. A key tile loads its table entries once (one pe
 V loads; a tile of ``BLOCK_N`` keys spans ``BLOCK_N / BS`` blocks, or part of one), masked like its keys:
 the entries past what a row uses may hold anything and are never read.
 
+An fp8 cache (``torch.float8_e4m3fn``, scale 1.0, with a bf16/fp16/fp32 ``q``): each K/V tile is converted to
+``q``'s dtype right after its load, so only the bytes read change.
+
 Semantics: ``reference.decode_attention_ref``; entry point: ``dispatch.decode_attention``.
 """
 
@@ -224,8 +227,7 @@ def _row_partial(
                          mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
             vt = tl.load(v_base + row[:, None] * stride_vb + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :],
                          mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if UPCAST:
-            kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+        kt, vt = kt.to(q.dtype), vt.to(q.dtype)  # an fp8 cache dequantised (scale 1); under UPCAST, to fp32
         m, denom, acc = _softmax_block(q, kt, vt, n_mask[None, :], m, denom, acc, qk_scale, DOT_PRECISION)
     row_head = (b.to(tl.int64) * H + head) * NUM_SLOTS + slot
     _store_partial(o_ptr, lse_ptr, row_head, q_ok, acc, denom, m, offs_d, d_mask, D)
@@ -288,8 +290,7 @@ def _prefix_partial(
                              mask=n_mask[None, :] & d_mask[:, None], other=0.0)
                 vt = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vl + offs_d[None, :],
                              mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            if UPCAST:
-                kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+            kt, vt = kt.to(q.dtype), vt.to(q.dtype)  # as in _row_partial
             m, denom, acc = _softmax_block(q, kt, vt, pos[None, :] < hi[:, None], m, denom, acc, qk_scale,
                                            DOT_PRECISION)
         row_head = (m_row.to(tl.int64) * H + head) * NUM_SLOTS + slot

@@ -20,6 +20,9 @@ logical length ``L = M * BS``; a key tile loads its table entries once (shared b
 below the tile's last key. One constexpr (``PAGED``) picks the addressing: the slot layout compiles to its
 own code.
 
+An fp8 cache (``torch.float8_e4m3fn``, scale 1.0, with a bf16/fp16/fp32 ``q``): each K/V tile is converted to
+``q``'s dtype right after its load.
+
 Semantics: ``reference.prefill_attention_ref``; entry point: ``dispatch.prefill_attention``.
 """
 
@@ -90,8 +93,7 @@ def _attend_keys(q, k_base, v_base, table_ptr, row, key_lo, key_hi, q_pos, m, de
         else:
             kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-    if INTERPRETED:
-        kt, v = kt.to(tl.float32), v.to(tl.float32)
+    kt, v = kt.to(q.dtype), v.to(q.dtype)  # an fp8 cache dequantised (scale 1); INTERPRETED, to fp32
     scores = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # base-2 logits [BLOCK_M, BLOCK_N]
     if CAUSAL:
         scores = tl.where((pos[None, :] <= q_pos[:, None]) & n_ok[None, :], scores, float("-inf"))

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from skyrl_clora.kernels.checks import check_add_lora
+from skyrl_clora.kernels.checks import FP8_CACHE_DTYPE, check_add_lora
 from skyrl_clora.kernels.lora.folded import FoldedWeights, fold_pays, folded_meta
 from skyrl_clora.kernels.launch import cdiv, dot_flags, next_power_of_2, pdl_flags
 from skyrl_clora.kernels.layers.layer_ops import norm_rope, rope_tables
@@ -48,7 +48,9 @@ from skyrl_clora.kernels.lora.sgmv_kernels import segment_rows, tile_of
 class KVCacheWrite:
     """Where an attention block's new keys and values go: token ``t``'s to ``k_cache[rows[t], :, positions[t]]``
     (and ``v_cache``'s). ``k_cache, v_cache: [R, KV, L, d]`` (one layer of a slot K/V cache, unit stride along
-    ``d``); ``rows, positions: [T]`` int64."""
+    ``d``) in the model dtype or ``torch.float8_e4m3fn`` (k and v are rounded to the model dtype, then cast
+    with a scale of 1.0, as vLLM's ``kv_cache_dtype=fp8`` without calibrated scales: values beyond +-448 are out
+    of e4m3's range, NaN on the torch path, saturated by the GPU's conversion); ``rows, positions: [T]`` int64."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -81,11 +83,13 @@ def _qkv_rope_kernel(
         return
     sl = (head >= HQ).to(tl.int32) + (head >= HQ + HK).to(tl.int32)  # 0: q, 1: k, 2: v
     head_in = head - tl.where(sl == 0, 0, tl.where(sl == 1, HQ, HQ + HK))
-    b_ptr, slot_stride, w_ptr, out_ptr, heads = bq_ptr, ss_q, qw_ptr, q_out_ptr, HQ
+    b_ptr, slot_stride, w_ptr, heads = bq_ptr, ss_q, qw_ptr, HQ
+    kv_ptr = k_out_ptr  # k's or v's output: a pointer type of its own (an fp8 cache's), so never q's variable
     if sl == 1:
-        b_ptr, slot_stride, w_ptr, out_ptr, heads = bk_ptr, ss_k, kw_ptr, k_out_ptr, HK
+        b_ptr, slot_stride, w_ptr, heads = bk_ptr, ss_k, kw_ptr, HK
     if sl == 2:
-        b_ptr, slot_stride, out_ptr, heads = bv_ptr, ss_v, v_out_ptr, HK
+        b_ptr, slot_stride, heads = bv_ptr, ss_v, HK
+        kv_ptr = v_out_ptr
     rows, m_mask = segment_rows(sorted_ptr, seg_start, seg_len, m0, BLOCK_M)
     mask = m_mask[:, None]
     half = tl.arange(0, D // 2)
@@ -101,13 +105,13 @@ def _qkv_rope_kernel(
     if A_PER_SLICE:
         ws_ptrs += sl * stride_ws_slice
     y_ptrs = y_ptr + rows[:, None] * stride_yt + head * D + half[None, :]
-    dst = out_ptr + rows[:, None] * (heads * D) + head_in * D + half[None, :]
+    dst = rows[:, None] * (heads * D) + head_in * D + half[None, :]  # int64 offsets in q, k or v
     if TO_CACHE:
         if sl > 0:  # k or v: to the row's cache entry
             cache_row = tl.load(cache_row_ptr + rows, mask=m_mask, other=0)
             cache_pos = tl.load(cache_pos_ptr + rows, mask=m_mask, other=0)
             entry = cache_row * stride_c_row + cache_pos * stride_c_pos
-            dst = out_ptr + entry[:, None] + head_in * stride_c_head + half[None, :]
+            dst = entry[:, None] + head_in * stride_c_head + half[None, :]
     if PDL:
         gdc_wait()  # the GEMM's output and the partial sums are complete and visible from here on
     x1 = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -123,8 +127,27 @@ def _qkv_rope_kernel(
     x2 = (x2.to(tl.float32) + tl.dot(h, b2, input_precision=DOT_PRECISION)).to(x2.dtype).to(tl.float32)
     if sl < 2:
         x1, x2 = norm_rope(x1, x2, w_ptr, cos1, cos2, sin1, sin2, eps, D, HAS_NORM)
-    tl.store(dst, x1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + D // 2, x2.to(out_ptr.dtype.element_ty), mask=mask)
+    x1, x2 = x1.to(y_ptr.dtype.element_ty), x2.to(y_ptr.dtype.element_ty)  # the model dtype
+    if sl == 0:
+        tl.store(q_out_ptr + dst, x1, mask=mask)
+        tl.store(q_out_ptr + dst + D // 2, x2, mask=mask)
+    else:
+        if kv_ptr.dtype.element_ty == tl.float8e4nv:  # an fp8 cache: k.to(float8_e4m3fn) of the model-dtype k
+            x1, x2 = _e4m3_rounded(x1.to(tl.float32)), _e4m3_rounded(x2.to(tl.float32))
+        tl.store(kv_ptr + dst, x1.to(kv_ptr.dtype.element_ty), mask=mask)
+        tl.store(kv_ptr + dst + D // 2, x2.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _e4m3_rounded(x):
+    """fp32 ``x`` rounded to float8 e4m3's precision, to nearest even (3 mantissa bits; below 2**-6, e4m3's
+    subnormals, multiples of 2**-9), so that its cast to ``tl.float8e4nv`` is exact wherever it runs: the same bits
+    as torch's ``.to(torch.float8_e4m3fn)`` within e4m3's range (the Triton interpreter's own fp8 rounding rounds
+    ties away from zero and drops the carry into the exponent: 1.99 -> 1.0). Beyond +-448 the cast is out of range."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (tl.abs(x) + 24576.0) - 24576.0  # 1.5 * 2**14: the sum's ulp is 2**-9
+    return tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -subnormal, subnormal), normal)  # -0.0 stays signed
 
 
 def folded_qkv_rope_triton(
@@ -204,13 +227,17 @@ def folded_qkv_rope_triton(
 
 
 def check_cache_write(cache: KVCacheWrite, tokens: int, heads_kv: int, head_dim: int, x: torch.Tensor) -> None:
-    """``cache`` fits ``tokens`` tokens' k and v of ``heads_kv`` heads of ``head_dim`` in ``x``'s dtype and device."""
+    """``cache`` fits ``tokens`` tokens' k and v of ``heads_kv`` heads of ``head_dim`` on ``x``'s device, in ``x``'s
+    dtype or :data:`FP8_CACHE_DTYPE`."""
     k, v = cache.k_cache, cache.v_cache
     if k.shape != v.shape or k.stride() != v.stride() or k.dim() != 4 or k.shape[1:2] + k.shape[3:] != (heads_kv, head_dim):
         raise ValueError(f"the K/V cache must be two alike [rows, {heads_kv}, positions, {head_dim}] tensors, got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if k.stride(3) != 1 or k.dtype != x.dtype or k.device != x.device:
-        raise ValueError(f"the K/V cache must be {x.dtype} on {x.device} with unit stride along the head dim")
+    if k.dtype != v.dtype:
+        raise ValueError(f"the K/V cache must be two tensors of one dtype, got {k.dtype} and {v.dtype}")
+    if k.stride(3) != 1 or k.dtype not in (x.dtype, FP8_CACHE_DTYPE) or k.device != x.device:
+        raise ValueError(f"the K/V cache must be {x.dtype} or {FP8_CACHE_DTYPE} on {x.device} with unit stride along "
+                         "the head dim")
     if cache.rows.shape != (tokens,) or cache.positions.shape != (tokens,) or cache.rows.dtype != torch.long \
             or cache.positions.dtype != torch.long:
         raise ValueError(f"the K/V cache's rows and positions must be int64 [{tokens}], got {tuple(cache.rows.shape)} "

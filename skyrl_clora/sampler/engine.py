@@ -93,6 +93,9 @@ class Engine(EngineThread):
 
     ``prefill_wait_steps``: while rows decode, a waiting request is prefilled once ``max_prefills_per_step``
     requests wait or it has waited this many decode steps (:class:`Scheduler`); 0 prefills at every round.
+
+    ``kv_dtype``: the KV cache's dtype (None: the model's; ``torch.float8_e4m3fn``: half the bytes per block and
+    per decode read, scale 1.0, see :class:`ModelRunner`).
     """
 
     def __init__(
@@ -110,13 +113,14 @@ class Engine(EngineThread):
         share_prefix_reads: bool = False,
         stream_priority: str = "high",
         prefill_wait_steps: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         max_len = -(-max_len // block_size) * block_size  # whole prefill blocks
         num_rows = -(-num_rows // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
         num_blocks = num_blocks or 2 * num_rows * (max_len // block_size)
         self.runner = ModelRunner(model, num_rows=num_rows, max_len=max_len, block_size=block_size,
                                   prefill_tokens=max_prefills_per_step * block_size, num_blocks=num_blocks,
-                                  share_prefix_reads=share_prefix_reads)
+                                  share_prefix_reads=share_prefix_reads, kv_dtype=kv_dtype)
         self._shared_rows = SharedPrefixRows(num_rows) if share_prefix_reads else None
         self.blocks = BlockManager(num_blocks, block_size, num_rows, max_len // block_size, cache_prefixes)
         self.reuse_decode_kv = reuse_decode_kv and cache_prefixes

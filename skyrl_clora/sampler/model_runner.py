@@ -20,8 +20,9 @@ order):
   the LoRA slot buffers and the segment metadata live in fixed buffers, so in-place adapter publishes and
   new inputs are seen by the replay.
 
-KV cache: ``k_cache, v_cache: [layers, num_blocks + 1, kv_heads, block_size, head_dim]`` in the model dtype,
-blocks of ``block_size`` positions; cache row ``r``'s position ``p`` lives in block ``block_tables[r, p //
+KV cache: ``k_cache, v_cache: [layers, num_blocks + 1, kv_heads, block_size, head_dim]`` in the model dtype or
+``kv_dtype`` (``torch.float8_e4m3fn``: k and v stored with a scale of 1.0, converted back to the model dtype as the
+attention kernels read them; values beyond +-448 are out of e4m3's range, as in vLLM's ``kv_cache_dtype=fp8``), blocks of ``block_size`` positions; cache row ``r``'s position ``p`` lives in block ``block_tables[r, p //
 block_size]`` at offset ``p % block_size`` (``block_tables: [num_rows + 1, max_len // block_size]`` int32 on the
 device, written by :meth:`set_block_tables` from the engine's :class:`BlockManager`; a runner built without
 ``num_blocks`` gives each row a run of blocks of its own). The last block is scratch
@@ -42,6 +43,7 @@ from torch import nn
 
 from skyrl_clora.device_copy import lists_to_device
 from skyrl_clora.kernels import (
+    FP8_CACHE_DTYPE,
     DecodeWorkspace,
     KVCacheWrite,
     LoRAMeta,
@@ -87,7 +89,8 @@ class ModelRunner:
     """Forward passes of a causal LM over a slot-based KV cache (see module docstring)."""
 
     def __init__(self, model: nn.Module, num_rows: int, max_len: int, block_size: int,
-                 prefill_tokens: int, num_blocks: int | None = None, share_prefix_reads: bool = False) -> None:
+                 prefill_tokens: int, num_blocks: int | None = None, share_prefix_reads: bool = False,
+                 kv_dtype: torch.dtype | None = None) -> None:
         if max_len % block_size:
             raise ValueError(f"max_len {max_len} must be a multiple of the prefill block size {block_size}")
         if num_rows % DECODE_ROW_QUANTUM:
@@ -116,8 +119,11 @@ class ModelRunner:
         contiguous = num_blocks is None
         self.num_blocks = num_blocks = num_rows * per_row if contiguous else num_blocks
         shape = (len(self.decoder.layers), num_blocks + 1, self.num_kv_heads, block_size, self.head_dim)
-        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.kv_dtype = kv_dtype or self.dtype
+        if self.kv_dtype not in (self.dtype, FP8_CACHE_DTYPE):
+            raise ValueError(f"kv_dtype {self.kv_dtype} is neither the model's {self.dtype} nor {FP8_CACHE_DTYPE}")
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.kv_dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.kv_dtype)
         self.block_tables = torch.full((num_rows + 1, per_row), num_blocks, dtype=torch.int32, device=self.device)
         if contiguous:
             self.block_tables[:num_rows] = torch.arange(num_blocks, dtype=torch.int32, device=self.device).view(num_rows, per_row)
@@ -301,7 +307,7 @@ class ModelRunner:
 
     def read_kv(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of row ``row``'s K/V at positions ``start..end-1`` of every layer: ``(k, v)``, each
-        ``[layers, KV, end - start, d]``."""
+        ``[layers, KV, end - start, d]`` in the cache's dtype."""
         positions = torch.arange(start, end, device=self.device)
         blocks = self.block_tables[row, positions // self.block_size].long()
         offsets = positions % self.block_size
@@ -317,10 +323,11 @@ class ModelRunner:
             cache[:, blocks, :, offsets] = values.permute(2, 0, 1, 3)
 
     def copy_blocks(self, sources: Sequence[int], targets: Sequence[int]) -> None:
-        """Copies the K/V of blocks ``sources[i]`` into blocks ``targets[i]`` in every layer."""
+        """Copies the K/V of blocks ``sources[i]`` into blocks ``targets[i]`` (distinct) in every layer (an indexed
+        assignment: the CPU has no ``index_copy_`` for fp8)."""
         source, target = lists_to_device([list(sources), list(targets)], self.device)
-        self.k_cache.index_copy_(1, target, self.k_cache.index_select(1, source))
-        self.v_cache.index_copy_(1, target, self.v_cache.index_select(1, source))
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, target] = cache.index_select(1, source)
 
     def set_decode_inputs(self, tokens: Sequence[int], positions: Sequence[int], lora_slots: Sequence[int],
                           prefix_rows: Sequence[int] | None = None, prefix_lens: Sequence[int] | None = None,

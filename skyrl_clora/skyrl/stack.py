@@ -41,7 +41,7 @@ from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.memory_plan import inference_only_blocks
 from skyrl_clora.sampler.engine import Engine
-from skyrl_clora.services import prefill_wait_steps, resolve_device
+from skyrl_clora.services import kv_cache_dtype, prefill_wait_steps, resolve_device
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.megatron_seeding import with_seeded_tenant_adapters
 from skyrl_clora.skyrl.server import EmbeddedServer
@@ -183,11 +183,12 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
     kv_blocks = run.sampler.kv_blocks or None
     if kv_blocks is None and device.type == "cuda":
         kv_blocks = inference_only_blocks(model, utilization=run.sampler.gpu_memory_utilization,
-                                          block_size=run.sampler.prefill_block, rows=rows, max_len=max_len)
+                                          block_size=run.sampler.prefill_block, rows=rows, max_len=max_len,
+                                          kv_dtype=kv_cache_dtype(run.sampler))
     engine = Engine(model, layers, num_rows=rows, max_len=max_len,
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
                     num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache,
-                    prefill_wait_steps=prefill_wait_steps(run.sampler, device))
+                    prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_cache_dtype(run.sampler))
     server = EmbeddedServer(engine, tokenizer, model_name=model_path, seed=run.seed)
     try:
         url = server.start()

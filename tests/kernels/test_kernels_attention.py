@@ -21,7 +21,7 @@ from skyrl_clora.kernels.attention.decode import (
     reduce_warps,
 )
 from skyrl_clora.kernels.reference import decode_attention_ref
-from kernel_cases import TOLERANCE, attention_loop_ref, make_attention_problem, rel_error
+from kernel_cases import CACHE_DTYPES, FP8, TOLERANCE, as_cache, attention_loop_ref, make_attention_problem, rel_error
 from paged_cases import PROMPT_LEN, gather_cache, make_paged_decode_problem
 
 interpreted = pytest.mark.skipif(
@@ -53,26 +53,29 @@ def test_reference_writes_out_and_zeros_empty_rows() -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("cache", CACHE_DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
 @pytest.mark.parametrize("head_dim", [16, 32, 24])
-def test_triton_matches_reference(head_dim: int, kv_heads: int, dtype: torch.dtype) -> None:
+def test_triton_matches_reference(head_dim: int, kv_heads: int, dtype: torch.dtype, cache: torch.dtype | None) -> None:
     """Default config (three 512-key splits at L=1100); cache positions past each length and cache rows
-    past B hold NaN, so reading any of them would show."""
-    p = make_attention_problem(5, 4, kv_heads, 1100, head_dim, dtype, cache_rows=7, seed=head_dim + kv_heads, poison=True)
+    past B hold NaN, so reading any of them would show. An fp8 cache against the loop on its dequantised
+    values (exact in ``dtype``): the dtype's tolerance."""
+    p = make_attention_problem(5, 4, kv_heads, 1100, head_dim, dtype, cache_rows=7, seed=head_dim + kv_heads, poison=True,
+                               cache_values=cache)
     want = attention_loop_ref(p)
-    got = decode_attention(p.q, p.k_cache, p.v_cache, p.lengths, backend="triton")
+    got = decode_attention(p.q, as_cache(p.k_cache, cache), as_cache(p.v_cache, cache), p.lengths, backend="triton")
     assert got.dtype == dtype and got.shape == p.q.shape
     assert _err(got, want) < TOLERANCE[dtype], f"relative error {_err(got, want):.2e}"
 
 
-def _shared_prefix_problem(dtype: torch.dtype):
+def _shared_prefix_problem(dtype: torch.dtype, cache_values: torch.dtype | None = None):
     """Rows 1, 2 and 4 share row 0's first 37 positions (row 4 only 20 of them, row 3 none): returns the
     problem whose members' own prefix positions hold NaN, the prefix arguments, and the attention the
     members would get with row 0's prefix copied into their rows."""
     from dataclasses import replace
 
-    p = make_attention_problem(5, 4, 2, 70, 16, dtype, seed=11, lengths=[45, 60, 38, 50, 64])
+    p = make_attention_problem(5, 4, 2, 70, 16, dtype, seed=11, lengths=[45, 60, 38, 50, 64], cache_values=cache_values)
     prefix_rows = torch.tensor([0, 0, 0, 3, 0])
     prefix_lens = torch.tensor([37, 37, 37, 0, 20])
     copied_k, copied_v = p.k_cache.clone(), p.v_cache.clone()
@@ -86,16 +89,20 @@ def _shared_prefix_problem(dtype: torch.dtype):
     return p, prefix_rows, prefix_lens, want
 
 
+@pytest.mark.parametrize("cache", CACHE_DTYPES)
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_prefix_rows_read_the_shared_copy(backend: str, dtype: torch.dtype) -> None:
+def test_prefix_rows_read_the_shared_copy(backend: str, dtype: torch.dtype, cache: torch.dtype | None) -> None:
     """Members read their prefix from the shared row (their own prefix positions are NaN), across key blocks
-    and splits (37 keys: two 16-key blocks and part of a third; 32-key splits), and their own keys after it."""
-    p, prefix_rows, prefix_lens, want = _shared_prefix_problem(dtype)
+    and splits (37 keys: two 16-key blocks and part of a third; 32-key splits), and their own keys after it;
+    an fp8 cache gives what the model-dtype cache of its dequantised values gives."""
+    p, prefix_rows, prefix_lens, want = _shared_prefix_problem(dtype, cache)
     assert (want[1] - attention_loop_ref(p)[1]).isnan().all(), "the members' own prefix must be unusable"
     config = {"config": AttentionConfig(split_len=32, block_n=16)} if backend == "triton" else {}
     call = decode_attention_triton if backend == "triton" else decode_attention_ref
-    got = call(p.q, p.k_cache, p.v_cache, p.lengths, prefix_rows=prefix_rows, prefix_lens=prefix_lens, **config)
+    got = call(p.q, as_cache(p.k_cache, cache), as_cache(p.v_cache, cache), p.lengths, prefix_rows=prefix_rows,
+               prefix_lens=prefix_lens, **config)
+    assert got.dtype == dtype
     assert _err(got, want) < TOLERANCE[dtype], f"relative error {_err(got, want):.2e}"
 
 
@@ -184,6 +191,8 @@ def test_triton_rejects_bad_arguments() -> None:
     cases = [
         ((p.q, p.k_cache[:, :1].expand(2, 3, 16, 16), p.v_cache[:, :1].expand(2, 3, 16, 16), p.lengths), "multiple"),
         ((p.q.half(), p.k_cache, p.v_cache, p.lengths), "one dtype"),
+        ((p.q, p.k_cache.to(FP8), p.v_cache, p.lengths), "one dtype"),  # fp8 for both caches or neither
+        ((p.q, p.k_cache.to(torch.float8_e5m2), p.v_cache.to(torch.float8_e5m2), p.lengths), "one dtype"),
         ((p.q, p.k_cache, p.v_cache, p.lengths.float()), "int32/int64"),
         ((p.q, p.k_cache[:1], p.v_cache[:1], p.lengths), "cache has 1 rows"),
         ((p.q, p.k_cache.transpose(2, 3), p.v_cache.transpose(2, 3), p.lengths), "unit stride"),
@@ -277,12 +286,18 @@ def test_paged_triton_matches_reference(block_size: int, config: AttentionConfig
         assert workspace.groups[:5].tolist() == [0, 0, 0, 100, PROMPT_LEN], "rows 3 and 4 read their prefix in row 1's group"
 
 
-@interpreted
+@pytest.mark.parametrize("cache", CACHE_DTYPES)
+@pytest.mark.parametrize("with_prefix", [False, True], ids=["own-rows", "prefix-rows"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_paged_triton_half_precision(dtype: torch.dtype) -> None:
-    pp = make_paged_decode_problem(8, 2, 32, dtype, 32, with_prefix=True, seed=2)
-    got = decode_attention(pp.slot.q, pp.paged.k_cache, pp.paged.v_cache, pp.slot.lengths, prefix_rows=pp.prefix_rows,
-                           prefix_lens=pp.prefix_lens, block_tables=pp.paged.block_tables, backend="triton")
+def test_paged_half_precision(dtype: torch.dtype, backend: str, with_prefix: bool, cache: torch.dtype | None) -> None:
+    """Paged, with and without shared prefixes, in the half dtypes; an fp8 cache against the loop on its
+    dequantised values (the torch path reads the NaN-free cache, as it reads every gathered position)."""
+    pp = make_paged_decode_problem(8, 2, 32, dtype, 32, with_prefix=with_prefix, seed=2, cache_values=cache)
+    paged = pp.paged if backend == "triton" else pp.clean_paged()
+    got = decode_attention(pp.slot.q, as_cache(paged.k_cache, cache), as_cache(paged.v_cache, cache), pp.slot.lengths,
+                           prefix_rows=pp.prefix_rows, prefix_lens=pp.prefix_lens, block_tables=paged.block_tables,
+                           backend=backend)
     assert got.dtype == dtype
     assert _err(got, attention_loop_ref(pp.slot)) < TOLERANCE[dtype], f"relative error {_err(got, attention_loop_ref(pp.slot)):.2e}"
 

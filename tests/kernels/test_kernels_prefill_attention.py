@@ -15,7 +15,7 @@ import torch
 
 from skyrl_clora.kernels import prefill_attention
 from skyrl_clora.kernels.attention.prefill import PrefillConfig, default_prefill_config, prefill_attention_triton
-from kernel_cases import TOLERANCE, make_prefill_problem, prefill_loop_ref, rel_error
+from kernel_cases import CACHE_DTYPES, FP8, TOLERANCE, as_cache, make_prefill_problem, prefill_loop_ref, rel_error
 from paged_cases import gather_cache, page_prefill_problem
 
 interpreted = pytest.mark.skipif(
@@ -39,16 +39,18 @@ def _uncovered(p) -> torch.Tensor:
     return ~covered
 
 
+@pytest.mark.parametrize("cache", CACHE_DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
-def test_reference_matches_loop(kv_heads: int, dtype: torch.dtype) -> None:
-    p = make_prefill_problem(JOBS, 4, kv_heads, 160, 16, dtype, cache_rows=6, seed=kv_heads)
+def test_reference_matches_loop(kv_heads: int, dtype: torch.dtype, cache: torch.dtype | None) -> None:
+    """An fp8 cache against the loop on its dequantised values (exact in ``dtype``)."""
+    p = make_prefill_problem(JOBS, 4, kv_heads, 160, 16, dtype, cache_rows=6, seed=kv_heads, cache_values=cache)
     assert p.q_offsets.tolist() != sorted(p.q_offsets.tolist()), "the jobs' tokens must lie out of job order"
     want = prefill_loop_ref(p)
     firsts = [offset for offset, n in zip(p.q_offsets.tolist(), p.q_lens.tolist()) if n > 0]
     for a, b in zip(firsts, firsts[1:]):
         assert (want[a] - want[b]).abs().max() > 1e-2, "different jobs must give different outputs"
-    got = prefill_attention(*p.args())
+    got = prefill_attention(*replace(p, k_cache=as_cache(p.k_cache, cache), v_cache=as_cache(p.v_cache, cache)).args())
     assert got.dtype == dtype and got.shape == p.q.shape
     assert _uncovered(p).any() and not got[_uncovered(p)].any(), "tokens of no job must be zeros"
     assert _err(got, want) < (1e-6 if dtype == torch.float32 else TOLERANCE[dtype]), f"relative error {_err(got, want):.2e}"
@@ -71,16 +73,19 @@ def test_reference_bits_do_not_depend_on_the_pass(dtype: torch.dtype) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("cache", CACHE_DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
 @pytest.mark.parametrize("head_dim", [16, 24])
-def test_triton_matches_loop(head_dim: int, kv_heads: int, dtype: torch.dtype) -> None:
+def test_triton_matches_loop(head_dim: int, kv_heads: int, dtype: torch.dtype, cache: torch.dtype | None) -> None:
     """Default config (block_q 64/32/16 for 1/2/4 query heads per kv head, block_n 64). Each row's cache
     positions past its jobs' last one, the row of no job and q's tokens of no job hold NaN, so reading any
-    of them would show."""
-    p = make_prefill_problem(JOBS, 4, kv_heads, 160, head_dim, dtype, cache_rows=6, seed=head_dim + kv_heads, poison=True)
+    of them would show. An fp8 cache against the loop on its dequantised values."""
+    p = make_prefill_problem(JOBS, 4, kv_heads, 160, head_dim, dtype, cache_rows=6, seed=head_dim + kv_heads, poison=True,
+                             cache_values=cache)
     want = prefill_loop_ref(p)
-    got = prefill_attention(*p.args(), backend="triton")
+    got = prefill_attention(*replace(p, k_cache=as_cache(p.k_cache, cache), v_cache=as_cache(p.v_cache, cache)).args(),
+                            backend="triton")
     assert got.dtype == dtype and got.shape == p.q.shape
     assert not got[_uncovered(p)].any(), "tokens of no job must be zeros"
     assert _err(got, want) < TOLERANCE[dtype], f"relative error {_err(got, want):.2e}"
@@ -146,6 +151,8 @@ def test_rejects_bad_arguments(backend: str) -> None:
         ((p.q, p.k_cache[:, :1].expand(6, 3, 32, 16), p.v_cache[:, :1].expand(6, 3, 32, 16), *meta), "multiple"),
         ((p.q[:, :, :8], p.k_cache, p.v_cache, *meta), "head dim"),
         ((p.q.half(), p.k_cache, p.v_cache, *meta), "one dtype"),
+        ((p.q, p.k_cache.to(FP8), p.v_cache, *meta), "one dtype"),  # fp8 for both caches or neither
+        ((p.q, p.k_cache.to(torch.float8_e5m2), p.v_cache.to(torch.float8_e5m2), *meta), "one dtype"),
         ((p.q, p.k_cache, p.v_cache, meta[0].int(), *meta[1:]), "1-D int64 of one length"),
         ((p.q, p.k_cache, p.v_cache, *meta[:3], meta[3][:2]), "1-D int64 of one length"),
         ((p.q, p.k_cache, p.v_cache, *meta[:2], meta[2][None], meta[3]), "1-D int64 of one length"),
@@ -173,8 +180,10 @@ def test_triton_rejects_what_only_the_reference_takes() -> None:
 PAGED_LEN, PAGED_SHARED = 192, {4: 2}
 
 
-def _paged_problem(block_size: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
-    p = make_prefill_problem(JOBS, heads, kv_heads, PAGED_LEN, head_dim, dtype, cache_rows=6, seed=seed, poison=True)
+def _paged_problem(block_size: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
+                   cache_values: torch.dtype | None = None):
+    p = make_prefill_problem(JOBS, heads, kv_heads, PAGED_LEN, head_dim, dtype, cache_rows=6, seed=seed, poison=True,
+                             cache_values=cache_values)
     paged = page_prefill_problem(p, block_size, PAGED_SHARED, seed=seed)
     tables = paged.block_tables
     assert (tables < 0).any() and (tables >= paged.k_cache.shape[0]).any(), "garbage table entries"
@@ -218,12 +227,18 @@ def test_paged_triton_matches_loop(block_size: int, heads: int, kv_heads: int, c
     assert _err(got, prefill_loop_ref(p)) < TOLERANCE[torch.float32], f"relative error {_err(got, prefill_loop_ref(p)):.2e}"
 
 
-@interpreted
+@pytest.mark.parametrize("cache", CACHE_DTYPES)
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_paged_triton_half_precision(dtype: torch.dtype) -> None:
-    p, paged = _paged_problem(32, 4, 2, 24, dtype, seed=4)
-    got = prefill_attention(p.q, paged.k_cache, paged.v_cache, *p.args()[3:], block_tables=paged.block_tables,
-                            backend="triton")
+def test_paged_half_precision(dtype: torch.dtype, backend: str, cache: torch.dtype | None) -> None:
+    """Paged in the half dtypes; an fp8 cache against the loop on its dequantised values (the torch path reads
+    NaN-free tensors, as it attends over every gathered position)."""
+    p, paged = _paged_problem(32, 4, 2, 24, dtype, seed=4, cache_values=cache)
+    q, k, v = p.q, paged.k_cache, paged.v_cache
+    if backend == "torch":
+        q, k, v = q.nan_to_num(0.0), k.nan_to_num(0.0), v.nan_to_num(0.0)
+    got = prefill_attention(q, as_cache(k, cache), as_cache(v, cache), *p.args()[3:], block_tables=paged.block_tables,
+                            backend=backend)
     assert got.dtype == dtype and _err(got, prefill_loop_ref(p)) < TOLERANCE[dtype]
 
 

@@ -14,6 +14,7 @@ import torch
 import skyrl_clora.kernels.lora.qkv_rope as qkv_rope
 from skyrl_clora.kernels import KVCacheWrite, LoRAMeta, folded_qkv_rope, folded_qkv_rope_into_cache
 from kernel_cases import (
+    CACHE_DTYPES,
     LAYOUTS,
     TOLERANCE,
     QKVRopeProblem,
@@ -92,19 +93,23 @@ def test_an_empty_batch_gives_empty_heads(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @interpreted
+@pytest.mark.parametrize("cache", CACHE_DTYPES)
 @pytest.mark.parametrize("fold", [True, False], ids=["folded-gemm", "base-gemm-and-shrink"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_k_and_v_go_into_the_cache_as_the_fused_block_returns_them(dtype: torch.dtype, fold: bool,
+                                                                   cache: torch.dtype | None,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp8 cache holds exactly ``k.to(float8_e4m3fn)`` of the model-dtype k (rounded once more, not from fp32)."""
     p = make_qkv_rope_problem(24, 80, 4, 2, 32, num_slots=4, rank=16, dtype=dtype, layout="zipf", with_norm=True, seed=3)
     monkeypatch.setattr(qkv_rope, "fold_pays", lambda *shape: fold)
-    check_kv_cache_write(p, cache_rows=5, cache_len=12, backend="triton")
+    check_kv_cache_write(p, cache_rows=5, cache_len=12, backend="triton", cache_dtype=cache)
 
 
-def test_the_torch_path_scatters_k_and_v_into_the_cache() -> None:
+@pytest.mark.parametrize("cache", CACHE_DTYPES)
+def test_the_torch_path_scatters_k_and_v_into_the_cache(cache: torch.dtype | None) -> None:
     p = make_qkv_rope_problem(10, 48, 2, 1, 32, num_slots=3, rank=8, dtype=torch.float32, layout="uniform",
                               with_norm=True)
-    check_kv_cache_write(p, cache_rows=4, cache_len=8, backend="torch")
+    check_kv_cache_write(p, cache_rows=4, cache_len=8, backend="torch", cache_dtype=cache)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -151,6 +156,7 @@ def test_a_cache_that_does_not_fit_the_block_is_refused(backend: str) -> None:
     for bad, match in [
         (KVCacheWrite(cache, torch.zeros(8, 2, 16, 32), rows, positions), "two alike"),
         (KVCacheWrite(cache.half(), cache.half(), rows, positions), "must be torch.float32"),
+        (KVCacheWrite(*(cache.to(torch.float8_e5m2),) * 2, rows, positions), "or torch.float8_e4m3fn"),
         (KVCacheWrite(cache, cache, rows[:7], positions), "int64 \\[8\\]"),
     ]:
         with pytest.raises(ValueError, match=match):

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from skyrl_clora.lora.layers import attach_multi_lora
@@ -19,11 +20,12 @@ from helpers import random_adapter
 BLOCK = 16
 
 
-def _engine(model_dir: Path, num_blocks: int | None, reuse_decode_kv: bool = False) -> Engine:
+def _engine(model_dir: Path, num_blocks: int | None, reuse_decode_kv: bool = False,
+            kv_dtype: torch.dtype | None = None) -> Engine:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
     engine = Engine(model, layers, num_rows=16, max_len=160, block_size=BLOCK, num_blocks=num_blocks,
-                    reuse_decode_kv=reuse_decode_kv)
+                    reuse_decode_kv=reuse_decode_kv, kv_dtype=kv_dtype)
     for name, seed in (("a", 1), ("b", 2)):
         engine.register_adapter(name, random_adapter(layers, seed))
     return engine
@@ -116,3 +118,29 @@ def test_a_failed_prefill_fails_its_requests_and_gives_their_blocks_back(micro_m
         assert len(engine.submit(list(range(5, 45)), "b", SamplingParams(max_tokens=4, seed=2)).result(timeout=60).token_ids) == 4
     finally:
         engine.shutdown()
+
+
+def test_an_fp8_cache_serves_mixed_tenants_close_to_the_model_dtype_cache(micro_model_dir: Path) -> None:
+    """An fp8 (e4m3, scale 1.0) cache: the tenants' greedy samples differ; a small pool that preempts gives the
+    roomy pool's tokens and log-probs exactly (the fp8 engine is as reproducible as the model-dtype one); and each
+    request's first greedy token is the model-dtype engine's, its log-prob within 0.05 nats. The first token
+    comes from the prefill, whose attention reads K/V rounded to e4m3's 3 mantissa bits (relative error
+    <= 2**-4 per entry, vLLM's ``kv_cache_dtype=fp8`` without scales): the micro model's first log-probs move by
+    at most 0.034 nats under it (measured), so 0.05 leaves room for other seeds while a cache corrupted wholesale
+    (e.g. a wrong cast) moves them by whole nats."""
+    jobs = [(prompt, adapter, SamplingParams(max_tokens=params.max_tokens, temperature=0.0, seed=params.seed))
+            for prompt, adapter, params in _jobs()[:12]]
+    wide = _run(_engine(micro_model_dir, num_blocks=None), jobs)
+    roomy = _engine(micro_model_dir, num_blocks=None, kv_dtype=torch.float8_e4m3fn)
+    assert roomy.runner.k_cache.dtype == torch.float8_e4m3fn
+    expected = _run(roomy, jobs)
+    by_tenant = {adapter: tuple(c.token_ids) for (_, adapter, _), c in zip(jobs, expected)}
+    assert by_tenant["a"] != by_tenant["b"], "the tenants' outputs must differ"
+    small = _engine(micro_model_dir, num_blocks=12, kv_dtype=torch.float8_e4m3fn)
+    got = _run(small, jobs)
+    assert small.stats.preemptions > 0, "the small pool must have preempted to test anything"
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert [c.logprobs for c in got] == [c.logprobs for c in expected]
+    assert [c.token_ids[0] for c in expected] == [c.token_ids[0] for c in wide]
+    gaps = [abs(c.logprobs[0] - w.logprobs[0]) for c, w in zip(expected, wide)]
+    assert max(gaps) < 0.05, gaps
