@@ -236,11 +236,10 @@ def check_kv_cache_write(p: QKVRopeProblem, cache_rows: int, cache_len: int, bac
     want_v[rows, :, positions] = v.to(dtype)
     # As fp32 values (torch.equal has no fp8 kernel on the CPU): equal bits but for the sign of a zero, which the
     # Triton interpreter's fp8 conversion drops.
-    values = lambda t: t.float()  # noqa: E731
-    assert not torch.equal(values(want_k), values(before_k)) and not torch.equal(values(want_k[rows]), values(want_v[rows])), \
+    assert not torch.equal(want_k.float(), before_k.float()) and not torch.equal(want_k[rows].float(), want_v[rows].float()), \
         "vacuous cache check"
     assert torch.equal(got_q, q)
-    assert torch.equal(values(cache.k_cache), values(want_k)) and torch.equal(values(cache.v_cache), values(want_v))
+    assert torch.equal(cache.k_cache.float(), want_k.float()) and torch.equal(cache.v_cache.float(), want_v.float())
 
 
 @dataclass

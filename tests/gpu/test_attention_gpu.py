@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import DecodeWorkspace, decode_attention
-from kernel_cases import TOLERANCE, attention_ref_fp32, capture_graph, make_attention_problem, rel_error
+from kernel_cases import FP8, TOLERANCE, attention_ref_fp32, capture_graph, make_attention_problem, rel_error
 from paged_cases import page_cache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -130,6 +130,18 @@ def test_paged_real_sizes_match_reference(block_size: int, dtype: torch.dtype) -
     got = decode_attention(p.q, paged.k_cache, paged.v_cache, p.lengths, block_tables=paged.block_tables)
     assert _err(got, attention_ref_fp32(p)) < TOLERANCE[dtype], f"relative error {_err(got, attention_ref_fp32(p)):.2e}"
     assert torch.equal(got, decode_attention(p.q, p.k_cache, p.v_cache, p.lengths))
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_paged_fp8_cache_gives_the_bf16_cache_of_its_values(block_size: int) -> None:
+    """An fp8 (e4m3) paged cache, converted to the query's dtype as it is loaded on the GPU: bit-identical to the
+    bf16 cache holding the same (fp8-representable) values, and within bf16's tolerance of the fp32 reference."""
+    p = make_attention_problem(48, 16, 8, 2048, 128, torch.bfloat16, device="cuda", seed=block_size, poison=True,
+                               cache_values=FP8)
+    paged = _paged(p, block_size, seed=block_size)
+    got = decode_attention(p.q, paged.k_cache.to(FP8), paged.v_cache.to(FP8), p.lengths, block_tables=paged.block_tables)
+    assert torch.equal(got, decode_attention(p.q, paged.k_cache, paged.v_cache, p.lengths, block_tables=paged.block_tables))
+    assert _err(got, attention_ref_fp32(p)) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 128])

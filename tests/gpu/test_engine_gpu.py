@@ -29,11 +29,11 @@ def _model(dtype: torch.dtype) -> Qwen3ForCausalLM:
 
 
 def _engine(cuda_graphs: bool, tenants: dict[str, int], dtype: torch.dtype = torch.bfloat16,
-            reuse_decode_kv: bool = False) -> Engine:
+            reuse_decode_kv: bool = False, kv_dtype: torch.dtype | None = None) -> Engine:
     model = _model(dtype)
     routing, layers = attach_multi_lora(model, num_slots=4, max_rank=16, trainable=False)
     engine = Engine(model, layers, num_rows=32, max_len=128, block_size=32, cuda_graphs=cuda_graphs,
-                    reuse_decode_kv=reuse_decode_kv)
+                    reuse_decode_kv=reuse_decode_kv, kv_dtype=kv_dtype)
     for name, seed in tenants.items():
         engine.register_adapter(name, random_adapter(layers, seed, b_std=0.05))
     return engine
@@ -56,6 +56,32 @@ def test_graph_replay_matches_eager_decode_for_mixed_tenants() -> None:
     finally:
         graphed.shutdown()
         eager.shutdown()
+
+
+def test_an_fp8_kv_cache_replays_graphs_as_eager_steps_close_to_the_model_dtype_cache() -> None:
+    """An fp8 (e4m3, scale 1.0) cache on the GPU's own fp8 conversions: graph replays give eager decode's tokens
+    for mixed tenants, and each request's first greedy log-prob (from a prefill whose attention
+    reads the prompt's K/V back rounded to e4m3) is within 0.05 nats of the bf16-cache engine's (the CPU test's
+    bound, tests/sampler/test_paged_engine.py)."""
+    tenants = {"a": 1, "b": 2, "c": 3}
+    fp8 = torch.float8_e4m3fn
+    graphed, eager, plain = _engine(True, tenants, kv_dtype=fp8), _engine(False, tenants, kv_dtype=fp8), _engine(True, tenants)
+
+    def greedy(engine: Engine, adapter: str | None):
+        return engine.submit(PROMPT, adapter, SamplingParams(max_tokens=24, temperature=0.0)).result(timeout=120)
+
+    try:
+        assert graphed.runner.k_cache.dtype == fp8
+        jobs = [*tenants, None]
+        replayed = [greedy(graphed, name) for name in jobs]
+        assert len({tuple(c.token_ids) for c in replayed}) == len(jobs), "tenants' outputs must differ"
+        stepped = [greedy(eager, name) for name in jobs]
+        assert [c.token_ids for c in replayed] == [c.token_ids for c in stepped]
+        gaps = [abs(c.logprobs[0] - greedy(plain, name).logprobs[0]) for c, name in zip(replayed, jobs)]
+        assert max(gaps) < 0.05, gaps
+    finally:
+        for engine in (graphed, eager, plain):
+            engine.shutdown()
 
 
 def test_the_next_turn_reuses_the_decoded_history() -> None:

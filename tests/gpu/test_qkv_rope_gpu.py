@@ -61,6 +61,14 @@ def test_k_and_v_go_into_the_cache_as_the_fused_block_returns_them(num_tokens: i
     check_kv_cache_write(p, cache_rows=num_tokens + 1, cache_len=640)
 
 
+def test_k_and_v_go_into_an_fp8_cache_as_torch_casts_them() -> None:
+    """The same write into a float8 e4m3 cache on the GPU's own fp8 conversion: each entry is torch's cast of
+    the fused block's k and v."""
+    p = make_qkv_rope_problem(512, 2048, 16, 8, 128, 8, 16, torch.bfloat16, "uniform", with_norm=True,
+                              device="cuda", seed=3)
+    check_kv_cache_write(p, cache_rows=513, cache_len=640, cache_dtype=torch.float8_e4m3fn)
+
+
 def test_fused_qkv_rope_captured_in_cuda_graph_replays_new_batches_and_publishes() -> None:
     T, S = 64, 8
     p = make_qkv_rope_problem(T, 2560, 32, 8, 128, S, 16, torch.bfloat16, "uniform", with_norm=True, device="cuda")
