@@ -19,6 +19,7 @@ rows are mixed over the adapters. Cases:
 - ``sample``: the engine's sampler on ``[span, V]`` logits.
 - ``prefill attention``: one layer's attention kernel on the turn's jobs, at several launch configs.
 
+``--kv-dtype fp8``: the K/V cache in float8 e4m3 (half the bytes each decode step reads per cached position).
 Each case is also profiled (``--profile``): operator and kernel tables by GPU and by CPU time beside ``--out``.
 
 Usage (GPU): python -m benchmarks.runner --out $OUT/runner.json --profile
@@ -177,6 +178,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--attention-configs", nargs="+", default=["32/64/4/2", "64/64/8/2"],
                         help="prefill attention kernel configs timed alone on a turn: block_q/block_n/warps/stages")
+    parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
+                        help="the K/V cache's dtype: the model's (auto) or float8 e4m3 (scale 1.0)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -186,14 +189,16 @@ def main() -> None:
     model = build_random_model(qwen3_config(args.shape), "cuda")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     config = model.config
-    kv_token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else model.dtype
+    kv_token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * kv_dtype.itemsize
     routing, layers = attach_multi_lora(model, num_slots=args.tenants, max_rank=16, trainable=False)
     for slot in range(args.tenants):
         write_slot(layers, slot, random_adapter(layers, 16, seed=slot))
     num_rows = max(max(args.spans), args.jobs)
     max_len = -(-max(args.context, args.history + args.observation + 1) // 128) * 128
-    runner = ModelRunner(model, num_rows=num_rows, max_len=max_len, block_size=128, prefill_tokens=64 * 128)
-    results = {"shape": args.shape, "copy_bandwidth_GBps": bandwidth / 1e9, "cases": []}
+    runner = ModelRunner(model, num_rows=num_rows, max_len=max_len, block_size=128, prefill_tokens=64 * 128,
+                         kv_dtype=kv_dtype)
+    results = {"shape": args.shape, "kv_dtype": str(kv_dtype), "copy_bandwidth_GBps": bandwidth / 1e9, "cases": []}
     results["cases"] += run_decode(runner, args, weight_bytes, kv_token_bytes, bandwidth, rng)
 
     def tokens(n: int) -> torch.Tensor:
