@@ -36,10 +36,8 @@ from skyrl_clora.kernels.qkv_dispatch import folded_qkv_rope, folded_qkv_rope_in
 from skyrl_clora.kernels.lora.qkv_rope import KVCacheWrite
 
 __all__ = [
-    "DecodeWorkspace", "FP8_CACHE_DTYPE", "FoldedWeights", "KVCacheWrite", "LoRAMeta", "add_lora", "chosen_logprobs_", "decode_attention",
-    "dense_lora_linear", "fold_lora_weights", "folded_lora_linear", "folded_qkv_rope", "folded_qkv_rope_into_cache",
-    "gather_rows", "lora_linear",
-    "packed_lora",
-    "prefill_attention", "qk_norm_rope", "rms_norm", "rms_norm_with_grad", "rope_with_grad", "sample_tokens",
-    "silu_mul", "silu_mul_with_grad",
+    "DecodeWorkspace", "FP8_CACHE_DTYPE", "FoldedWeights", "KVCacheWrite", "LoRAMeta", "add_lora", "chosen_logprobs_",
+    "decode_attention", "dense_lora_linear", "fold_lora_weights", "folded_lora_linear", "folded_qkv_rope",
+    "folded_qkv_rope_into_cache", "gather_rows", "lora_linear", "packed_lora", "prefill_attention", "qk_norm_rope",
+    "rms_norm", "rms_norm_with_grad", "rope_with_grad", "sample_tokens", "silu_mul", "silu_mul_with_grad",
 ]
