@@ -105,6 +105,7 @@ class ModeResult:
     peak_reserved_gib: float = 0.0  # the caching allocator's peak reservation
     alloc_retries: int = 0  # allocations that had to free cached blocks and retry (each synchronises the device)
     train_passes_s: float = 0.0  # the trainer's passes (TrainScheduler.pass_seconds)
+    gpu_union_s: float | None = None  # the union of the engine's GPU intervals and the passes (CUDA; gpu_busy)
     train_overlaps_sampling: bool = False  # the engine kept sampling during training passes (no pause)
     turn_lengths: list[int] = field(default_factory=list)  # every turn's drawn length, in completion order
 
@@ -189,6 +190,8 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     rows_per_tenant = workload.prompts * workload.samples
     services = build_services(run, str(model_dir), len(names), rows_per_tenant)
     result = ModeResult(train_mode, len(names), 0.0, [services.cold_start_seconds])
+    timeline = services.engine.record_gpu_intervals() if cuda else None
+    passes: list[tuple[float, float]] = []
     try:
         for name, seed in zip(names, seeds):
             register(services, run, name, seed)
@@ -199,11 +202,14 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
             await asyncio.gather(*(experiment(services, scheduler, name, seed, workload, result)
                                    for name, seed in zip(names, seeds)))
             result.train_passes_s = scheduler.pass_seconds
+            passes.extend(scheduler.pass_intervals)
 
         asyncio.run(main())
     finally:
         services.shutdown()
     result.wall_s = time.perf_counter() - started
+    if timeline is not None:
+        result.gpu_union_s = union_seconds([*timeline.intervals, *passes], started, started + result.wall_s)
     result.engine = replace(services.engine.stats)
     if cuda:
         result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30
@@ -252,10 +258,11 @@ GPU_BUSY_METHOD = (
     "engine: EngineStats decode_gpu_seconds + prefill_gpu_seconds + prefill_copy_gpu_seconds (CUDA events around "
     "each forward pass and block copy; 0 off CUDA); trainer: TrainScheduler.pass_seconds (host time of each pass, "
     "which ends in a host sync: at least its GPU time, with its launch gaps). Adapter publishes are left out. "
-    "upper = min(1, (engine + trainer) / wall); lower = max(engine, trainer) / wall. When the engine pauses for "
-    "every pass (train_overlaps_sampling false, the GPU default) the two never overlap and upper is the estimate "
-    "(high by the passes' host gaps); when they overlap the union lies between lower and upper. "
-    "The table prints upper.")
+    "upper = min(1, (engine + trainer) / wall); lower = max(engine, trainer) / wall; union (CUDA): the measure of "
+    "the union of every engine GPU interval (each forward pass's and block copy's start and end events, set on "
+    "the host clock by Engine.record_gpu_intervals) and every pass's host interval (TrainScheduler.pass_intervals) "
+    "over the wall, between lower and upper; the cold start's GPU work (memory plan pass, graph capture) counts "
+    "as idle. The table prints union where measured, else upper.")
 
 
 def gpu_busy(result: ModeResult) -> dict[str, float]:
@@ -264,7 +271,25 @@ def gpu_busy(result: ModeResult) -> dict[str, float]:
     engine = stats.decode_gpu_seconds + stats.prefill_gpu_seconds + stats.prefill_copy_gpu_seconds
     train, wall = result.train_passes_s, max(result.wall_s, 1e-9)
     return {"engine_gpu_s": engine, "train_pass_s": train, "lower": min(1.0, max(engine, train) / wall),
-            "upper": min(1.0, (engine + train) / wall)}
+            "upper": min(1.0, (engine + train) / wall),
+            "union": None if result.gpu_union_s is None else result.gpu_union_s / wall}
+
+
+def busy(row: dict) -> float:
+    """A table row's GPU busy fraction: the union where measured, else the upper bound."""
+    union = row["gpu_busy"]["union"]
+    return row["gpu_busy"]["upper"] if union is None else union
+
+
+def union_seconds(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of ``[start, end]`` covered by at least one of ``intervals`` (``(start, end)`` pairs)."""
+    covered, reached = 0.0, start
+    for lo, hi in sorted(intervals):
+        lo, hi = max(lo, reached), min(hi, end)
+        if hi > lo:
+            covered += hi - lo
+            reached = hi
+    return covered
 
 
 def summarize(result: ModeResult) -> dict:
@@ -291,6 +316,8 @@ def combine(results: list[ModeResult], mode: str) -> ModeResult:
     return ModeResult(mode, len(results), sum(r.wall_s for r in results), [c for r in results for c in r.cold_start_s],
                       [s for r in results for s in r.steps], engine, max(r.peak_memory_gib for r in results),
                       train_passes_s=sum(r.train_passes_s for r in results),
+                      gpu_union_s=None if any(r.gpu_union_s is None for r in results)
+                      else sum(r.gpu_union_s for r in results),
                       train_overlaps_sampling=results[0].train_overlaps_sampling,
                       turn_lengths=[length for r in results for length in r.turn_lengths])
 
@@ -438,7 +465,8 @@ def main() -> None:
     print(f"{args.shape}: {workload}")
     print(f"lengths {lengths.spec}: {drawn['count']} turns drawn over {len(serial)} serial experiments, mean "
           f"{drawn['mean']:.0f}, p50 {drawn['p50']:.0f}, p90 {drawn['p90']:.0f}, max {drawn['max']:.0f}; turns cut "
-          f"short in all groups: {short}; GPU busy: upper bound (--out: both bounds)"
+          f"short in all groups: {short}; GPU busy: the union where measured (CUDA), else the upper bound (--out: the "
+          f"bounds too)"
           + ("" if all(n <= len(serial) for n in args.tenants) else
              f"; *: experiments per hour over the rate of the {len(serial)} serial experiments"))
     print(f"{'mode':14} {'N':>2} {'wall s':>7} {'exp/h':>6} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
@@ -448,7 +476,7 @@ def main() -> None:
               f"{row['throughput_vs_serial']:7.2f}{'' if row['serial_basis'].startswith('the same') else '*'} "
               f"{row['step_s']:7.2f} {row['step_vs_n1']:6.2f} {row['rollout_s']:7.2f} {row['rollout_vs_n1']:6.2f} "
               f"{row['train_s']:6.2f} {row['sync_s']:5.2f} {row['decode_tokens_per_s']:12.0f} "
-              f"{row['gpu_busy']['upper']:8.2f} {row['peak_memory_gib']:8.1f} {row['peak_running_rows']:5d} "
+              f"{busy(row):8.2f} {row['peak_memory_gib']:8.1f} {row['peak_running_rows']:5d} "
               f"{row['preemptions']:7d}")
 
 

@@ -154,6 +154,16 @@ def test_gpu_busy_bounds():
     assert busy["lower"] == pytest.approx(0.4) and busy["upper"] == pytest.approx(0.7)
     result.wall_s = 5.0
     assert e2e.gpu_busy(result)["upper"] == 1.0  # the sum of overlapping spans is capped
+    assert e2e.gpu_busy(result)["union"] is None  # not measured off CUDA
+    result.gpu_union_s = 4.5
+    assert e2e.gpu_busy(result)["union"] == pytest.approx(0.9)
+
+
+def test_union_seconds_counts_overlaps_once_within_the_window():
+    intervals = [(3.0, 5.0), (0.5, 2.0), (1.0, 1.5), (4.0, 7.0), (9.0, 12.0), (-2.0, -1.0)]
+    # covered: [1, 2] (from 0.5), [3, 7], [9, 10] within [1, 10]
+    assert e2e.union_seconds(intervals, 1.0, 10.0) == pytest.approx(1.0 + 4.0 + 1.0)
+    assert e2e.union_seconds([], 0.0, 1.0) == 0.0
 
 
 def _result(wall: float, lengths: list[int], tenants: int = 1, mode: str = "swap") -> e2e.ModeResult:

@@ -46,7 +46,7 @@ from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear
 from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.sampler.block_manager import BlockManager
 from skyrl_clora.profiling import profiled
-from skyrl_clora.sampler.engine_stats import EngineStats, GPUSpan
+from skyrl_clora.sampler.engine_stats import EngineStats, GPUSpan, GPUTimeline
 from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
 from skyrl_clora.sampler.requests import Completion, SamplingParams
@@ -129,6 +129,7 @@ class Engine(EngineThread):
         self.max_len = max_len
         self.max_prefills_per_step = max_prefills_per_step
         self.stats = EngineStats()
+        self.gpu_timeline: GPUTimeline | None = None  # see record_gpu_intervals
         if cuda_graphs and self.runner.device.type == "cuda":
             self.stats.graph_capture_seconds = self.runner.capture_graphs()
         self.scheduler = Scheduler(num_rows, self.adapters, self.blocks, max_prefills_per_step,
@@ -444,7 +445,19 @@ class Engine(EngineThread):
         self._accept(step.rows[held], tokens[held], logprobs[held])
         self.stats.decode_wait_seconds += received - started
         self.stats.decode_gpu_seconds += step.forward.seconds()
+        self._on_timeline(step.forward)
         self.stats.decode_seconds += time.perf_counter() - started
+
+    def record_gpu_intervals(self) -> GPUTimeline:
+        """From now on, the GPU interval of every decode step's forward pass and prefill round's copies and forward
+        pass, on the host clock, in the returned timeline (CUDA only)."""
+        self.gpu_timeline = GPUTimeline(self.runner.device)
+        return self.gpu_timeline
+
+    def _on_timeline(self, *spans: GPUSpan) -> None:
+        if self.gpu_timeline is not None:
+            for span in spans:
+                self.gpu_timeline.add(span)
 
     def _accept_prefilled(self) -> None:
         """Waits for this round's prefilled first tokens and accepts those of its rows that still hold their
@@ -455,6 +468,7 @@ class Engine(EngineThread):
         self._accept(prefill.rows[held], *(values[held] for values in prefill.drawn.result()))
         self.stats.prefill_gpu_seconds += prefill.forward.seconds()
         self.stats.prefill_copy_gpu_seconds += prefill.copied.seconds()
+        self._on_timeline(prefill.copied, prefill.forward)
         self.stats.prefill_seconds += time.perf_counter() - started
 
     def _draw(self, rows: np.ndarray, logits: torch.Tensor, pending: np.ndarray | None = None) -> DrawnTokens:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -77,3 +78,26 @@ class GPUSpan:
             return 0.0
         self._events[1].synchronize()
         return self._events[0].elapsed_time(self._events[1]) / 1e3
+
+    def offsets(self, base: torch.cuda.Event) -> tuple[float, float]:
+        """Seconds from ``base`` (a completed event) to the span's start and end on the GPU (waits for its end)."""
+        self._events[1].synchronize()
+        return base.elapsed_time(self._events[0]) / 1e3, base.elapsed_time(self._events[1]) / 1e3
+
+
+class GPUTimeline:
+    """The GPU intervals of the spans :meth:`add` is given, on the host clock (``time.perf_counter()`` seconds):
+    ``intervals[i] = (start, end)``. The clocks are tied by one event recorded with ``device`` idle (CUDA only)."""
+
+    def __init__(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+        self._base = torch.cuda.Event(enable_timing=True)
+        self._base.record()
+        self._base.synchronize()
+        self._host = time.perf_counter()
+        self.intervals: list[tuple[float, float]] = []
+
+    def add(self, span: GPUSpan) -> None:
+        """Appends ``span``'s interval (waits for its end)."""
+        start, end = span.offsets(self._base)
+        self.intervals.append((self._host + start, self._host + end))

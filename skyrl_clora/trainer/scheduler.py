@@ -57,8 +57,9 @@ class _Request:
 class TrainScheduler:
     """Queues ``(tenant, batch)`` requests and drains them through ``trainer`` in ``mode`` (swap or packed);
     with ``sampler``, sampling is paused for each pass that starts while at least ``pause_rows`` rows decode.
-    ``pass_seconds``: the passes' time so far (with the pauses around them); ``paused_passes``: how many
-    passes paused sampling."""
+    ``pass_seconds``: the passes' time so far (with the pauses around them); ``pass_intervals``: each pass's
+    ``(start, end)`` on the host clock (``time.perf_counter()``); ``paused_passes``: how many passes paused
+    sampling."""
 
     def __init__(self, trainer: Trainer, mode: str, sampler: PausableSampler | None = None, pause_rows: int = 0,
                  lockstep: bool = False) -> None:
@@ -73,6 +74,7 @@ class TrainScheduler:
         self.lockstep = lockstep
         self._members: list[str] = []  # lockstep: the tenants a round waits for, in the order they joined
         self.pass_seconds = 0.0
+        self.pass_intervals: list[tuple[float, float]] = []
         self.paused_passes = 0
         self._waiting: list[_Request] = []
         self._drainer: asyncio.Task | None = None
@@ -187,7 +189,9 @@ class TrainScheduler:
         finally:
             if pause:
                 self.sampler.resume()
-            self.pass_seconds += time.perf_counter() - started
+            finished = time.perf_counter()
+            self.pass_seconds += finished - started
+            self.pass_intervals.append((started, finished))
 
 
 def pack_cost_model(trainer: Trainer) -> PackCostModel:

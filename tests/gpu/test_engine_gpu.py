@@ -237,3 +237,23 @@ def test_a_small_block_pool_preempts_and_completes_every_request() -> None:
     assert [len(r.token_ids) for r in results] == lengths
     assert engine.stats.preemptions > 0
     assert engine.blocks.held_blocks() <= sum(len(h.blocks) for h in engine.blocks._histories.values())
+
+
+def test_gpu_intervals_are_ordered_host_clock_spans_of_the_engines_passes() -> None:
+    """``record_gpu_intervals``: every decode step's and prefill round's GPU interval, on the host clock, within
+    the calls that ran them, one engine stream's intervals never overlapping."""
+    import time
+
+    engine = _engine(True, {"a": 1})
+    try:
+        timeline = engine.record_gpu_intervals()
+        started = time.perf_counter()
+        _greedy(engine, "a")
+        finished = time.perf_counter()
+        spans = timeline.intervals
+        assert len(spans) >= 2 and engine.stats.decode_steps > 0
+        assert all(started - 1e-3 <= lo <= hi <= finished + 1e-3 for lo, hi in spans)
+        ordered = sorted(spans)
+        assert all(a_hi <= b_lo + 1e-5 for (_, a_hi), (b_lo, _) in zip(ordered, ordered[1:]))
+    finally:
+        engine.shutdown()

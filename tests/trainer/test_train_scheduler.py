@@ -153,6 +153,9 @@ def test_a_pass_pauses_sampling_only_while_enough_rows_decode(micro_model_dir: P
     sampler.rows = 16
     asyncio.run(submit_all(scheduler, [("B", scheduler_batch(1))]))
     assert events == ["pause", "resume"] and scheduler.paused_passes == 1
+    (first_start, first_end), (second_start, second_end) = scheduler.pass_intervals
+    assert first_start < first_end <= second_start < second_end  # each pass's host interval, in order
+    assert scheduler.pass_seconds == pytest.approx((first_end - first_start) + (second_end - second_start))
 
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
