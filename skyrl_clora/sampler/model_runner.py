@@ -22,7 +22,8 @@ order):
 
 KV cache: ``k_cache, v_cache: [layers, num_blocks + 1, kv_heads, block_size, head_dim]`` in the model dtype or
 ``kv_dtype`` (``torch.float8_e4m3fn``: k and v stored with a scale of 1.0, converted back to the model dtype as the
-attention kernels read them; values beyond +-448 are out of e4m3's range, as in vLLM's ``kv_cache_dtype=fp8``), blocks of ``block_size`` positions; cache row ``r``'s position ``p`` lives in block ``block_tables[r, p //
+attention kernels read them; values beyond +-448 are out of e4m3's range, as in vLLM's ``kv_cache_dtype=fp8``),
+blocks of ``block_size`` positions; cache row ``r``'s position ``p`` lives in block ``block_tables[r, p //
 block_size]`` at offset ``p % block_size`` (``block_tables: [num_rows + 1, max_len // block_size]`` int32 on the
 device, written by :meth:`set_block_tables` from the engine's :class:`BlockManager`; a runner built without
 ``num_blocks`` gives each row a run of blocks of its own). The last block is scratch
@@ -154,7 +155,7 @@ class ModelRunner:
             self._attention_workspace = DecodeWorkspace(num_rows, self.num_heads, max_len,
                                                         self.head_dim, self.device)
         # Every decode step's logits land in rows ``0..span-1`` of one buffer, whatever the span or graph: one
-        # output per captured graph would keep ``sum(buckets) x V`` elements alive (5.3 GiB at 1,024 rows).
+        # output per captured graph would keep ``sum(buckets) x V`` elements alive (9.6 GiB at 2,048 rows, Qwen3's V).
         self._decode_logits = torch.empty(num_rows, model.lm_head.weight.shape[0], dtype=self.dtype, device=self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_capture_seconds = 0.0  # decode graphs and, as they are captured, prefill graphs
