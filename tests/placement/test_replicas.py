@@ -142,12 +142,14 @@ def test_a_replica_out_of_tenants_takes_one_from_a_busy_replica(learning_model_d
 def test_tenants_join_and_leave_a_replicated_run_through_ctl(learning_model_dir: Path, tmp_path: Path,
                                                              one_replica: Path, capsys: pytest.CaptureFixture) -> None:
     """Started with a and b on two replicas; c joins and b is stopped through ``ctl`` as soon as the endpoint serves
-    (b holds still at its first step's first episode until its stop has been asked for); bad requests are refused.
-    a and c end as in a one-replica run started with all three."""
+    (b holds still at its first step's first episode until its stop is about to be asked for, so that it still has
+    steps left when the stop arrives; the gate opens before the request because b's replica serves a stop on the
+    event loop b's waiting episode holds); bad requests are refused. a and c end as in a one-replica run started
+    with all three."""
     from skyrl_clora import ctl
 
     answers: dict[str, int] = {}
-    gate = tmp_path / "b-stop-asked"
+    gate = tmp_path / "b-stop-coming"
 
     def control() -> None:
         while not (tmp_path / "control.json").exists():
@@ -155,9 +157,9 @@ def test_tenants_join_and_leave_a_replicated_run_through_ctl(learning_model_dir:
         added = "{name: c, seed: 3, lr: 0.005, alpha: 8, env_class: micro_letters}"  # TENANTS[2]
         for name, args in {"add c": ["add", added], "add a": ["add", "{name: a}"], "stop b": ["stop", "b"],
                            "stop nobody": ["stop", "nobody"], "list": ["list"]}.items():
-            answers[name] = ctl.main(["--dir", str(tmp_path), *args])
             if name == "stop b":
                 gate.touch()
+            answers[name] = ctl.main(["--dir", str(tmp_path), *args])
 
     skyrl_gym.register(id=GATED_ENV, entry_point=f"{__name__}:{GatedLetterEnv.__name__}",
                        kwargs={"gate": str(gate), "after": 9})  # b's 8 evaluation episodes, then its step 1's
