@@ -73,11 +73,15 @@ class TrainScheduler:
         self.pause_rows = pause_rows
         self.lockstep = lockstep
         self._members: list[str] = []  # lockstep: the tenants a round waits for, in the order they joined
-        self.pass_seconds = 0.0
         self.pass_intervals: list[tuple[float, float]] = []
         self.paused_passes = 0
         self._waiting: list[_Request] = []
         self._drainer: asyncio.Task | None = None
+
+    @property
+    def pass_seconds(self) -> float:
+        """The passes' time so far (with the pauses around them): the sum of :attr:`pass_intervals`."""
+        return sum(end - start for start, end in self.pass_intervals)
 
     def join(self, tenant: str) -> None:
         """Lockstep: rounds wait for ``tenant``'s batch from now on (call when it is registered)."""
@@ -189,9 +193,7 @@ class TrainScheduler:
         finally:
             if pause:
                 self.sampler.resume()
-            finished = time.perf_counter()
-            self.pass_seconds += finished - started
-            self.pass_intervals.append((started, finished))
+            self.pass_intervals.append((started, time.perf_counter()))
 
 
 def pack_cost_model(trainer: Trainer) -> PackCostModel:
