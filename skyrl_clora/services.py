@@ -141,6 +141,7 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     max_len = run.recipe.max_input_length + run.recipe.max_generate_length
     rows = -(-(run.sampler.max_rows or num_tenants * rows_per_tenant) // 16) * 16
     kv_blocks = run.sampler.kv_blocks or None
+    kv_dtype = kv_cache_dtype(run.sampler)
     plan = None
     if kv_blocks is None and device.type == "cuda":
         tokens_per_micro = run.trainer.max_tokens_per_microbatch
@@ -149,14 +150,14 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         plan = plan_kv_blocks(
             sampler_model, trainer, utilization=run.sampler.gpu_memory_utilization, block_size=run.sampler.prefill_block,
             rows=rows, max_len=max_len, micro_batch_rows=min(micro_rows, pack * rows_per_tenant), pack=pack,
-            rank=run.lora.max_rank, kv_dtype=kv_cache_dtype(run.sampler))
+            rank=run.lora.max_rank, kv_dtype=kv_dtype)
         kv_blocks = plan.kv_blocks
     engine = Engine(sampler_model, sampler_layers, num_rows=rows, max_len=max_len,
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
                     num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache, cuda_graphs=run.sampler.cuda_graphs,
                     reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
                     share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority,
-                    prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_cache_dtype(run.sampler))
+                    prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype)
     if plan is not None:
         print(plan.engine_line(torch.cuda.memory_allocated(device)), file=sys.stderr, flush=True)
     client = EmbeddedInferenceClient(
