@@ -175,7 +175,7 @@ class ModelRunner:
         self._prefill_logits = torch.empty(job_rows, model.lm_head.weight.shape[0], dtype=torch.float32, device=self.device)
         self._prefill_pool = None
         # One capture stream for every prefill graph: the caching allocator reuses a pool's freed blocks only on
-        # the stream that allocated them, so a stream per capture kept every graph's intermediates (9 GiB).
+        # the stream that allocated them, so a stream per capture would keep every graph's intermediates.
         self._prefill_capture_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._projections = fused_layer_projections(self.decoder.layers)  # per layer: q/k/v, o, gate/up, down
 

@@ -45,8 +45,8 @@ def test_a_training_pass_of_the_planned_shape_fits_beside_the_planned_kv_blocks(
 
 
 def test_an_engine_of_2048_rows_keeps_its_graphs_and_workspaces_within_the_plans_reserve() -> None:
-    """Each captured decode graph (one per span bucket) once kept its own ``[span, V]`` logits: at 2,048 rows
-    and Qwen3's vocabulary that alone was ~10 GiB past the reserve, and N=16 runs died of CUDA OOM."""
+    """The decode graphs (one per span bucket) share one logits buffer: a ``[span, V]`` output kept per graph
+    would alone be ~10 GiB past the reserve at 2,048 rows and Qwen3's vocabulary."""
     from skyrl_clora.memory_plan import GRAPH_RESERVE_BYTES, kv_block_bytes
     from skyrl_clora.sampler.engine import Engine
     from skyrl_clora.services import share_base_weights
@@ -98,9 +98,9 @@ def _prefill_pool_growth(prompt_lengths: list[int]) -> int:
 
 
 def test_prefill_graphs_of_every_size_take_about_what_the_largest_alone_takes() -> None:
-    """Prefill graphs share one pool; each capture once ran on a stream of its own, where the allocator could
-    not reuse the blocks the previous captures freed: 9.4 GiB of graphs at the 1.7B shape ran a run out of
-    memory. Sizes ascend, the pool's worst order."""
+    """Prefill graphs share one pool and one capture stream: on a stream per capture the allocator cannot
+    reuse the blocks earlier captures freed, and the pool grows with every size (about 4x the largest alone
+    here). Sizes ascend, the pool's worst order."""
     largest = _prefill_pool_growth([4000])
     every = _prefill_pool_growth([20, 40, 100, 200, 400, 700, 1000, 1500, 2000, 2600, 3000, 3500, 4000])
     assert every <= 1.5 * largest + (64 << 20), f"{every / 2**20:.0f} vs {largest / 2**20:.0f} MiB"
