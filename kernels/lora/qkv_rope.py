@@ -133,7 +133,9 @@ def _qkv_rope_kernel(
         tl.store(q_out_ptr + dst + D // 2, x2, mask=mask)
     else:
         if kv_ptr.dtype.element_ty == tl.float8e4nv:  # an fp8 cache: k.to(float8_e4m3fn) of the model-dtype k
-            x1, x2 = _e4m3_rounded(x1.to(tl.float32)), _e4m3_rounded(x2.to(tl.float32))
+            # e4m3's values are exact in the model dtype, so x1, x2 keep their type in both branches of `sl == 0`
+            x1 = _e4m3_rounded(x1.to(tl.float32)).to(x1.dtype)
+            x2 = _e4m3_rounded(x2.to(tl.float32)).to(x2.dtype)
         tl.store(kv_ptr + dst, x1.to(kv_ptr.dtype.element_ty), mask=mask)
         tl.store(kv_ptr + dst + D // 2, x2.to(kv_ptr.dtype.element_ty), mask=mask)
 
