@@ -55,8 +55,10 @@ MAX_LEN = 2048
 class KernelCase:
     """One GPU specialisation of ``module.kernel``: ``pointers`` maps every pointer parameter to its Triton
     type (``"*bf16"``, ``"*fp8e4nv"``, ...), ``constexprs`` every constexpr parameter to its value, ``floats``
-    names the fp32 scalars; every other parameter is an i32 scalar. ``options``: the launch's compile options
-    (``num_warps`` ...; what a launch leaves out takes Triton's default, as there)."""
+    names the fp32 scalars; every other parameter is an i32 scalar, unspecialised (a launch marks the integers
+    divisible by 16, which changes the generated code, e.g. vectorised loads, but not what the front end accepts).
+    ``options``: the launch's compile options (``num_warps`` ...; what a launch leaves out takes Triton's default,
+    as there)."""
 
     name: str
     module: str
