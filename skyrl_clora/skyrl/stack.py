@@ -181,14 +181,15 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
     max_len = run.recipe.max_input_length + run.recipe.max_generate_length
     rows = run.sampler.max_rows or len(names) * rows_per_tenant
     kv_blocks = run.sampler.kv_blocks or None
+    kv_dtype = kv_cache_dtype(run.sampler)
     if kv_blocks is None and device.type == "cuda":
         kv_blocks = inference_only_blocks(model, utilization=run.sampler.gpu_memory_utilization,
                                           block_size=run.sampler.prefill_block, rows=rows, max_len=max_len,
-                                          kv_dtype=kv_cache_dtype(run.sampler))
+                                          kv_dtype=kv_dtype)
     engine = Engine(model, layers, num_rows=rows, max_len=max_len,
                     max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
                     num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache,
-                    prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_cache_dtype(run.sampler))
+                    prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype)
     server = EmbeddedServer(engine, tokenizer, model_name=model_path, seed=run.seed)
     try:
         url = server.start()
