@@ -33,8 +33,9 @@ def test_triton_matches_reference(num_rows: int, dtype: torch.dtype) -> None:
 
 
 def test_sample_rows_on_cuda() -> None:
-    """Greedy, plain and top-p rows of bf16 logits: untempered log-probabilities, top-p rows inside their
-    nucleus, and the kernel's rows (no top-p) bit for bit the same alone as in the batch."""
+    """Greedy, plain, tempered and top-p rows of bf16 logits: each row's log-probability is its token's under the
+    distribution it was drawn from before top-p (``log_softmax(logits / T)``; greedy rows untempered), top-p rows
+    lie inside their nucleus, and the kernel's rows (no top-p) are bit for bit the same alone as in the batch."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(48, VOCAB, generator=generator, device="cuda", dtype=torch.bfloat16) * 3
     temperature = [[0.0, 1.0, 0.6][i % 3] for i in range(48)]
@@ -42,7 +43,12 @@ def test_sample_rows_on_cuda() -> None:
     uniform = request_uniforms(range(48), [7] * 48)
     tokens, logprobs = sample_rows(logits, temperature, top_p, uniform)
     assert len(set(tokens)) > 40, "rows must draw different tokens"
-    want = torch.log_softmax(logits.double(), dim=-1)[torch.arange(48), torch.tensor(tokens)].cpu()
+    rows, chosen = torch.arange(48, device="cuda"), torch.tensor(tokens, device="cuda")
+    scale = torch.tensor([t if t > 0.0 else 1.0 for t in temperature], dtype=torch.float64, device="cuda")
+    want = torch.log_softmax(logits.double() / scale[:, None], dim=-1)[rows, chosen].cpu()
+    untempered = torch.log_softmax(logits.double(), dim=-1)[rows, chosen].cpu()
+    tempered_rows = torch.tensor([t not in (0.0, 1.0) for t in temperature])
+    assert float((want - untempered)[tempered_rows].abs().min()) > 1e-2, "T=0.6 rows must tell the two apart"
     assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64), want, atol=1e-5, rtol=0.0)
     for row in range(48):
         if top_p[row] < 1.0 and temperature[row] > 0.0:
