@@ -1,9 +1,11 @@
 """The live run's control endpoint: tenants added and stopped while the others run.
 
-While a run goes, an HTTP server on loopback (an ephemeral port, written to ``<output_dir>/control.json``)
-answers ``GET /tenants`` (the running tenants), ``POST /tenants`` with a tenant's overrides as JSON (the keys of
-``+tenants=[...]``; ``name`` required) and ``POST /tenants/<name>/stop``. A bad request gets status 400 and a
-one-line ``error``; the run goes on. ``python -m skyrl_clora.ctl`` is its command line.
+While a run goes, an HTTP server on loopback (an ephemeral port) answers ``GET /tenants`` (the running tenants),
+``POST /tenants`` with a tenant's overrides as JSON (the keys of ``+tenants=[...]``; ``name`` required) and
+``POST /tenants/<name>/stop``. Every request must carry ``Authorization: Bearer <token>``, the token drawn when the
+endpoint starts; ``<output_dir>/control.json`` holds ``{"url", "token"}``, mode 0600 (its owner alone can use the
+endpoint). A request without the token gets status 401 and changes nothing; a bad request gets status 400; both
+with a one-line ``error``, and the run goes on. ``python -m skyrl_clora.ctl`` is its command line.
 
 Added and stopped tenants are recorded in ``<output_dir>/live_tenants.json``, so that a resumed run has them too:
 an added tenant resumes like the others, a stopped one stays stopped.
@@ -22,6 +24,7 @@ from aiohttp import web
 from skyrl_clora.checkpoints import TenantCheckpoint, read_live_tenants, write_live_tenants
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.config_build import check_tenant_overrides, tenant_defaults
+from skyrl_clora.endpoint_auth import bearer_auth, new_token, write_private
 from skyrl_clora.metrics import MetricsLog
 from skyrl_clora.recipes.plugin import TaskSource, build_task_sources
 from skyrl_clora.tenant_loop import PoolHost, TenantBackend, TenantPool
@@ -52,17 +55,25 @@ class ControlServer:
         self.added, self.stopped = read_live_tenants(run.output_dir)
         self._runner: web.AppRunner | None = None
 
-    async def start(self) -> str:
-        app = web.Application()
+    def app(self, token: str) -> web.Application:
+        """The aiohttp application of the endpoint, admitting requests that carry ``token``."""
+        hint = (f"the token in {self.run.output_dir / CONTROL_FILE}; "
+                f"python -m skyrl_clora.ctl --dir {self.run.output_dir} sends it")
+        app = web.Application(middlewares=[bearer_auth(token, lambda message: {"error": message}, hint)])
         app.add_routes([web.get("/tenants", self._list), web.post("/tenants", self._add),
                         web.post("/tenants/{name}/stop", self._stop)])
-        self._runner = web.AppRunner(app, access_log=None)
+        return app
+
+    async def start(self) -> str:
+        """Serves the endpoint with a new token, both written to ``control.json`` (mode 0600); returns its URL."""
+        token = new_token()
+        self._runner = web.AppRunner(self.app(token), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         port = self._runner.addresses[0][1]
         url = f"http://127.0.0.1:{port}"
-        (self.run.output_dir / CONTROL_FILE).write_text(json.dumps({"url": url}) + "\n")
+        write_private(self.run.output_dir / CONTROL_FILE, json.dumps({"url": url, "token": token}) + "\n")
         return url
 
     async def close(self) -> None:

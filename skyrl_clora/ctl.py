@@ -4,8 +4,10 @@
     python -m skyrl_clora.ctl [--dir OUTPUT_DIR] add '{name: t9, lr: 1e-3, seed: 9}'
     python -m skyrl_clora.ctl [--dir OUTPUT_DIR] stop t3
 
-``--dir`` is the run's ``clora.output_dir`` (default ``outputs/run``). Prints the endpoint's answer as JSON; a
-refused request prints its one-line error and exits with status 2, a run that is not going with status 1.
+``--dir`` is the run's ``clora.output_dir`` (default ``outputs/run``); the endpoint's URL and token are read from
+its ``control.json`` (mode 0600: only the run's owner can read them). Prints the endpoint's answer as JSON; a
+refused request prints its one-line error and exits with status 2, a run that is not going (or whose
+``control.json`` cannot be read) with status 1.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from typing import Any
 import yaml
 
 from skyrl_clora.control import CONTROL_FILE
+from skyrl_clora.endpoint_auth import authorization
 
 
-def request(output_dir: Path, method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:
-    """``method path`` on the control endpoint of the run in ``output_dir``: (HTTP status, JSON answer)."""
-    url = json.loads((output_dir / CONTROL_FILE).read_text())["url"]
+def request(endpoint: dict[str, str], method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:
+    """``method path`` on the control endpoint ``endpoint`` (``control.json``'s ``{"url", "token"}``), with its
+    token: (HTTP status, JSON answer)."""
     data = None if body is None else json.dumps(body).encode()
-    call = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+    call = urllib.request.Request(endpoint["url"] + path, data=data, method=method,
+                                  headers={"Content-Type": "application/json", **authorization(endpoint["token"])})
     try:
         with urllib.request.urlopen(call, timeout=120) as answer:
             return answer.status, json.loads(answer.read())
@@ -45,12 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     stop = commands.add_parser("stop", help="stop a tenant after its current step (checkpointed, exported)")
     stop.add_argument("name")
     args = parser.parse_args(argv)
-    if not (args.dir / CONTROL_FILE).is_file():
+    control_file = args.dir / CONTROL_FILE
+    if not control_file.is_file():
         print(f"error: no run is going in {args.dir} (no {CONTROL_FILE}); pass the run's clora.output_dir as --dir",
               file=sys.stderr)
         return 1
+    try:
+        endpoint = json.loads(control_file.read_text())
+    except OSError as error:
+        print(f"error: cannot read {control_file} ({error.strerror}); run ctl as the user who started the run",
+              file=sys.stderr)
+        return 1
     if args.command == "list":
-        status, answer = request(args.dir, "GET", "/tenants")
+        status, answer = request(endpoint, "GET", "/tenants")
     elif args.command == "add":
         try:
             spec = yaml.safe_load(args.spec)
@@ -58,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: the tenant spec is not YAML ({str(error).splitlines()[0]}); write e.g. '{{name: t9, lr: 1e-3}}'",
                   file=sys.stderr)
             return 2
-        status, answer = request(args.dir, "POST", "/tenants", spec)
+        status, answer = request(endpoint, "POST", "/tenants", spec)
     else:
-        status, answer = request(args.dir, "POST", f"/tenants/{args.name}/stop")
+        status, answer = request(endpoint, "POST", f"/tenants/{args.name}/stop")
     if status != 200:
         print(f"error: {answer['error']}", file=sys.stderr)
         return 2

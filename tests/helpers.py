@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
 import torch
 
 from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear
@@ -41,3 +46,22 @@ def record_built(monkeypatch, module, name: str) -> list:
 
     monkeypatch.setattr(module, name, recording)
     return built
+
+
+def http_call(url: str, method: str, body: Any = None, authorization: str | None = None) -> tuple[int, Any]:
+    """``method url`` with ``body`` as JSON and ``authorization`` as the Authorization header (none if None):
+    (HTTP status, the answer's JSON, or its text if it is not JSON)."""
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    call = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(call, timeout=120) as answer:
+            status, text = answer.status, answer.read().decode()
+    except urllib.error.HTTPError as error:
+        status, text = error.code, error.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
