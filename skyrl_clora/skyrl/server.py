@@ -31,6 +31,11 @@ bodies vLLM's server (plus SkyRL's custom endpoints in ``vllm_server_actor.py``)
                                        nothing is staged in memory here)
 =====================================  ===========================================================
 
+Every request must carry ``Authorization: Bearer <token>`` with the server's :attr:`EmbeddedServer.token` (drawn
+per server; its clients get it in memory with its URL, as a
+:class:`~skyrl_clora.skyrl.bearer_client.BearerInferenceClient`'s ``api_key``); any other request, on any path, is
+answered 401 before its handler runs.
+
 Errors are JSON ``{"error": {"message": ...}}`` with a 4xx status, which ``raise_for_status`` in SkyRL's
 client turns into an exception carrying the message.
 
@@ -50,6 +55,7 @@ from typing import Any
 
 from aiohttp import web
 
+from skyrl_clora.endpoint_auth import bearer_auth, new_token
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.requests import SamplingParams, derive_seed
@@ -84,7 +90,8 @@ class EmbeddedServer:
 
     :meth:`start` binds 127.0.0.1 on a free port and runs the server in a background thread with its own
     event loop; :attr:`url` is then the base URL to give ``RemoteInferenceClient`` as both ``proxy_url``
-    and its one ``server_urls`` entry. The engine is owned by the caller (``stop`` does not shut it down).
+    and its one ``server_urls`` entry, with :attr:`token` as its ``api_key``. The engine is owned by the caller
+    (``stop`` does not shut it down).
     """
 
     def __init__(self, engine: Engine, tokenizer: Any, model_name: str, seed: int = 0) -> None:
@@ -92,6 +99,7 @@ class EmbeddedServer:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.seed = seed
+        self.token = new_token()
         self.url: str | None = None
         self._in_flight: Counter[str] = Counter()
         self._load_locks: dict[str, asyncio.Lock] = {}
@@ -146,7 +154,9 @@ class EmbeddedServer:
 
     def app(self) -> web.Application:
         """The aiohttp application with every endpoint of the module docstring."""
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_json_errors])
+        auth = bearer_auth(self.token, lambda message: _error_body(message, 401),
+                           "the token of this EmbeddedServer, its clients' api_key")
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[auth, _json_errors])
         app.add_routes([
             web.post("/inference/v1/generate", self._generate),
             web.post("/skyrl/v1/generate", self._packed_generate),
@@ -326,5 +336,9 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
         return _error(f"bad request body: {type(error).__name__}: {error}", 400)
 
 
+def _error_body(message: str, status: int) -> dict[str, Any]:
+    return {"error": {"message": message, "code": status}}
+
+
 def _error(message: str, status: int) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+    return web.json_response(_error_body(message, status), status=status)

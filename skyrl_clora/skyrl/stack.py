@@ -3,8 +3,9 @@ and the policy worker group. Each half is production or its stand-in, per the pl
 
 - inference ``embedded``: one :class:`~skyrl_clora.sampler.engine.Engine` (one adapter slot per tenant)
   served by :class:`~skyrl_clora.skyrl.server.EmbeddedServer` on 127.0.0.1, SkyRL's
-  ``RemoteInferenceClient`` pointed at it. ``vllm``: SkyRL's ``build_new_inference_client`` starts the
-  vLLM servers and router from the translated config (LoRA on, ``max_loras`` >= tenants per batch).
+  ``RemoteInferenceClient`` pointed at it (a ``BearerInferenceClient``, with the server's token). ``vllm``:
+  SkyRL's ``build_new_inference_client`` starts the vLLM servers and router from the translated config (LoRA
+  on, ``max_loras`` >= tenants per batch).
 - training ``embedded``: SkyRL's ``PPORayActorGroup`` builds one
   :class:`~skyrl_clora.skyrl.worker.EmbeddedPolicyWorker` actor (``num_gpus_per_actor=0``) whose
   ``init_model`` loads the base model inside the actor, given every tenant's seed and learning rate.
@@ -42,6 +43,7 @@ from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.memory_plan import inference_only_blocks
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.services import kv_cache_dtype, prefill_wait_steps, resolve_device
+from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.megatron_seeding import with_seeded_tenant_adapters
 from skyrl_clora.skyrl.server import EmbeddedServer
@@ -196,8 +198,8 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
     except BaseException:
         engine.shutdown()
         raise
-    client = RemoteInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1, model_name=model_path,
-                                   uses_lora_weight_sync=True, tokenizer=tokenizer)
+    client = BearerInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1, model_name=model_path,
+                                   uses_lora_weight_sync=True, tokenizer=tokenizer, api_key=server.token)
     return client, engine, server
 
 

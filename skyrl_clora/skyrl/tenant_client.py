@@ -7,7 +7,8 @@ tenant's update changes every tenant's salt, so every tenant loses its cached pr
 generate semaphore (``SKYRL_GENERATE_CONCURRENCY_PER_ENGINE x engines`` permits, FIFO) is shared by all
 callers, so one tenant's big batch can hold every permit while the others wait.
 
-A :class:`TenantInferenceClient` is a ``RemoteInferenceClient`` for one tenant, pointed at the same servers:
+A :class:`TenantInferenceClient` is a ``RemoteInferenceClient`` for one tenant, pointed at the same servers (with
+the shared client's ``api_key`` when it is a :class:`~skyrl_clora.skyrl.bearer_client.BearerInferenceClient`):
 
 - ``weight_version`` is that tenant's adapter version (-1 until its adapter is first loaded): set from the server's answer to a LoRA load of the
   tenant's adapter (``version`` in the embedded server's body; one more per load with vLLM's), or advanced
@@ -46,6 +47,7 @@ from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import
 from skyrl.env_vars import SKYRL_GENERATE_CONCURRENCY_PER_ENGINE
 
 from skyrl_clora.lora.layers import AdapterWeights
+from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
 from skyrl_clora.lora.peft_export import save_peft_adapter
 
 
@@ -55,7 +57,7 @@ from skyrl_clora.lora.peft_export import save_peft_adapter
 UNKNOWN_VERSION = -2
 
 @dataclass
-class TenantInferenceClient(RemoteInferenceClient):
+class TenantInferenceClient(BearerInferenceClient):
     """``RemoteInferenceClient`` scoped to one tenant's adapter (see module docstring)."""
 
     tenant: str = ""
@@ -200,6 +202,7 @@ def tenant_views(
             enable_return_sample_support_set=shared.enable_return_sample_support_set,
             uses_lora_weight_sync=shared.uses_lora_weight_sync,
             tokenizer=shared.tokenizer,
+            api_key=shared.api_key if isinstance(shared, BearerInferenceClient) else None,
             tenant=tenant,
             max_in_flight=max_in_flight,
         )

@@ -1,13 +1,18 @@
 """SkyRL's own RemoteInferenceClient and SkyRLGymGenerator against the embedded engine served over HTTP.
 
 Four tenants share one engine behind :class:`EmbeddedServer`; each is a LoRA adapter loaded over HTTP from a
-PEFT folder and driven through its :class:`TenantInferenceClient` view.
+PEFT folder and driven through its :class:`TenantInferenceClient` view. Every route refuses a request without the
+server's token (status 401, nothing changed) and works with it; SkyRL's client sends it as a
+:class:`BearerInferenceClient`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import pickle
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -26,10 +31,11 @@ from skyrl_clora.lora.peft_export import save_peft_adapter
 from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.problems import make_dataset_rows
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
 from skyrl_clora.skyrl.server import EmbeddedServer
 from skyrl_clora.skyrl.tenant_client import TenantInferenceClient, tenant_views
 
-from helpers import random_adapter
+from helpers import http_call, random_adapter
 
 TENANTS = ["t0", "t1", "t2", "t3"]
 PROMPT = list(range(5, 25))
@@ -46,8 +52,9 @@ class Stack:
         self.model_dir = str(model_dir)
         self.server = EmbeddedServer(self.engine, self.tokenizer, model_name=self.model_dir, seed=0)
         url = self.server.start()
-        self.client = RemoteInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1,
-                                            model_name=self.model_dir, uses_lora_weight_sync=True)
+        self.client = BearerInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1,
+                                            model_name=self.model_dir, uses_lora_weight_sync=True,
+                                            api_key=self.server.token)
         self.views = tenant_views(self.client, TENANTS)
         self.sync_dir = tmp / "sync"
         self.peft = {}
@@ -89,8 +96,8 @@ async def _generate(view: TenantInferenceClient, session: str, max_tokens: int) 
 
 def test_control_plane_and_tokenizer_endpoints(stack: Stack) -> None:
     async def run():
-        client = RemoteInferenceClient(proxy_url=stack.server.url, server_urls=[stack.server.url],
-                                       data_parallel_size=1, model_name=stack.model_dir)
+        client = BearerInferenceClient(proxy_url=stack.server.url, server_urls=[stack.server.url],
+                                       data_parallel_size=1, model_name=stack.model_dir, api_key=stack.server.token)
         try:
             assert await client.get_world_size() == (1, 1)
             text = "calculator 12 + 7"
@@ -127,8 +134,8 @@ def test_rollout_log_probs_are_of_the_sampling_temperatures_distribution(stack: 
         "vllm", SkyRLSamplingParams(max_generate_length=6, logprobs=1, temperature=0.5))
 
     async def run() -> dict:
-        client = RemoteInferenceClient(proxy_url=stack.server.url, server_urls=[stack.server.url],
-                                       data_parallel_size=1, model_name=stack.model_dir)  # the base model: no adapter
+        client = BearerInferenceClient(proxy_url=stack.server.url, server_urls=[stack.server.url], data_parallel_size=1,
+                                       model_name=stack.model_dir, api_key=stack.server.token)  # the base model
         try:
             return await client.generate({"prompt_token_ids": [PROMPT], "sampling_params": params})
         finally:
@@ -237,3 +244,107 @@ def test_server_binds_a_fresh_loopback_port_each_time(stack: Stack) -> None:
         second.stop()
     with pytest.raises(RuntimeError, match="already started"):
         stack.server.start()
+
+
+def _routes(stack: Stack) -> list[tuple[str, str, str, Any, int]]:
+    """Every route of the server (method, pattern) with a request it answers with the token (path, body, status),
+    in an order in which each is answered so on a server without adapters."""
+    return [
+        ("POST", "/inference/v1/generate", "/inference/v1/generate",
+         {"token_ids": PROMPT, "model": stack.model_dir, "sampling_params": {"max_tokens": 3}}, 200),
+        ("POST", "/skyrl/v1/generate", "/skyrl/v1/generate", {"token_ids": PROMPT}, 400),  # not on this engine
+        ("POST", "/skyrl/v1/load_lora_adapter", "/skyrl/v1/load_lora_adapter",
+         {"lora_name": "t0", "lora_path": str(stack.peft["t1"])}, 200),
+        ("POST", "/v1/unload_lora_adapter", "/v1/unload_lora_adapter", {"lora_name": "t0"}, 200),
+        ("POST", "/tokenize", "/tokenize", {"prompt": "calculator 12"}, 200),
+        ("POST", "/detokenize", "/detokenize", {"tokens": [5, 6]}, 200),
+        ("POST", "/pause", "/pause?mode=keep", None, 200),
+        ("POST", "/resume", "/resume", None, 200),
+        ("POST", "/reset_prefix_cache", "/reset_prefix_cache", None, 200),
+        ("POST", "/sleep", "/sleep", None, 200),
+        ("POST", "/wake_up", "/wake_up", None, 200),
+        ("GET", "/is_sleeping", "/is_sleeping", None, 200),
+        ("GET", "/get_world_size", "/get_world_size", None, 200),
+        ("POST", "/finish_session", "/finish_session", None, 200),
+        ("POST", "/collective_rpc", "/collective_rpc", {"method": "skyrl_discard_in_memory_lora"}, 200),
+    ]
+
+
+def _engine_state(stack: Stack) -> tuple:
+    """What a request could change: each adapter's version (None: not loaded), the pauses, the engine's counters."""
+    versions = {}
+    for name in TENANTS:
+        try:
+            versions[name] = stack.engine.adapter_version(name)
+        except KeyError:
+            versions[name] = None
+    return versions, stack.engine._pauses, asdict(stack.engine.stats)
+
+
+def test_every_server_route_is_tested(stack: Stack) -> None:
+    served = {(route.method, route.resource.canonical) for route in stack.server.app().router.routes()}
+    gets = {("HEAD", pattern) for method, pattern, _, _, _ in _routes(stack) if method == "GET"}
+    assert served == {(method, pattern) for method, pattern, _, _, _ in _routes(stack)} | gets
+
+
+WRONG = {"no header": None, "a wrong token": "Bearer wrong", "another scheme": "Basic {token}",
+         "the token and more": "Bearer {token}x", "a non-ASCII token": "Bearer \u00e9", "no token": "Bearer "}
+
+
+@pytest.mark.parametrize("wrong", WRONG.values(), ids=WRONG.keys())
+def test_every_server_route_refuses_a_request_without_the_token_and_changes_nothing(stack: Stack,
+                                                                                    wrong: str | None) -> None:
+    async def load_all() -> None:
+        await stack.load_all()
+        await stack.close_sessions()
+
+    asyncio.run(load_all())  # a refused load of t0 would bump its version, a refused unload remove it
+    before = _engine_state(stack)
+    assert before[0] == dict.fromkeys(TENANTS, 0)
+    header = None if wrong is None else wrong.format(token=stack.server.token)
+    requests = [(method, path, body) for method, _, path, body, _ in _routes(stack)]
+    for method, path, body in [*requests, ("HEAD", "/is_sleeping", None), ("GET", "/no/such/route", None)]:
+        status, answer = http_call(stack.server.url + path, method, body, header)
+        assert status == 401, (method, path, status, answer)
+        if method != "HEAD":
+            message = answer["error"]["message"]
+            assert message.startswith("missing or wrong token: send the header 'Authorization: Bearer <token>'")
+            assert "\n" not in message and answer["error"]["code"] == 401
+    assert _engine_state(stack) == before
+
+
+def test_every_server_route_works_with_the_token(stack: Stack) -> None:
+    for method, _, path, body, expected in _routes(stack):
+        status, answer = http_call(stack.server.url + path, method, body, f"Bearer {stack.server.token}")
+        assert status == expected, (method, path, status, answer)
+    assert http_call(stack.server.url + "/no/such/route", "GET", None, f"Bearer {stack.server.token}")[0] == 404
+    versions, pauses, stats = _engine_state(stack)
+    assert versions == dict.fromkeys(TENANTS) and pauses == 0 and stats["generated_tokens"] > 0  # loaded, unloaded
+
+
+def test_skyrl_clients_send_the_token_and_a_client_without_it_is_refused(stack: Stack) -> None:
+    """The stock client is refused with the one-line reason; the bearer client, its tenant views and its pickled
+    copy (what SkyRL hands a Ray worker for the weight syncs) send the token."""
+    stock = RemoteInferenceClient(proxy_url=stack.server.url, server_urls=[stack.server.url], data_parallel_size=1,
+                                  model_name=stack.model_dir)
+    shipped = pickle.loads(pickle.dumps(stack.client))
+
+    async def run() -> None:
+        try:
+            with pytest.raises(aiohttp.ClientResponseError, match="missing or wrong token") as refused:
+                await stock.load_lora_adapter("t0", str(stack.peft["t0"]))
+            assert refused.value.status == 401
+            with pytest.raises(aiohttp.ClientResponseError, match="missing or wrong token"):
+                await stock.generate({"prompt_token_ids": [PROMPT], "sampling_params": _sampling(2)})
+            assert await shipped.get_world_size() == (1, 1)
+            await shipped.load_lora_adapter("t0", str(stack.peft["t0"]))
+            assert stack.views["t1"].api_key == stack.server.token
+            await stack.views["t1"].load_lora_adapter("t1", str(stack.peft["t1"]))
+            assert len((await _generate(stack.views["t1"], "t1-s", 3))["response_ids"][0]) >= 1
+        finally:
+            for client in (stock, shipped):
+                await client.teardown()
+            await stack.close_sessions()
+
+    asyncio.run(run())
+    assert stack.engine.adapter_version("t0") == 0 and stack.engine.adapter_version("t1") == 0

@@ -12,6 +12,7 @@ import pytest
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
 from skyrl.train.generators.base import TrajectoryID
 
+from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
 from skyrl_clora.skyrl.tenant_client import UNKNOWN_VERSION, tenant_views
 from skyrl_clora.tenant_loop import Rollout, check_sampled_versions
 
@@ -38,7 +39,7 @@ def _view_at(version: int):
 
 
 def _request(view, server: _Server, session: str) -> list[int]:
-    with patch.object(RemoteInferenceClient, "_get_generate_client", return_value=server):
+    with patch.object(BearerInferenceClient, "_get_generate_client", return_value=server):
         asyncio.run(view._get_generate_client().generate(session_id=session))
     return view.versions_for(session)
 
