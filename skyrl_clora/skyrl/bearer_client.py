@@ -4,7 +4,7 @@ SkyRL 0.4's client sends no credentials: every request it makes (data plane, con
 goes through the one ``aiohttp.ClientSession`` per event loop that ``RemoteGenerateClient._get_session`` opens, so
 the header is set there, as a default header of that session. ``api_key`` is a dataclass field: it travels with
 the client when SkyRL pickles it to a Ray worker (``init_weight_sync_state``). Upstream form:
-``integration/patches/0003-remote-inference-client-api-key.patch``.
+``integration/patches/0004-remote-inference-client-api-key.patch``.
 """
 
 from __future__ import annotations

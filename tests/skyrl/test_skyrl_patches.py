@@ -40,10 +40,12 @@ PATCH_DIR = HERE.parents[1] / "integration" / "patches"
 PATCHES = sorted(PATCH_DIR.glob("*.patch"))
 SALT_PATCH = PATCH_DIR / "0001-per-adapter-cache-salt-and-prefix-cache-reset.patch"
 SEED_PATCH = PATCH_DIR / "0002-megatron-seeded-lora-adapters.patch"
+API_KEY_PATCH = PATCH_DIR / "0004-remote-inference-client-api-key.patch"
 RUNTIME_CHECKS = "worker_patches_on_skyrl_workers.py"
 
 # The patch's tests that pass without it too: they guard what it must keep (single-model salts, duck-typed
-# clients, the reset for Tinker's unsalted samples and for adapters without salted requests).
+# clients, the reset for Tinker's unsalted samples and for adapters without salted requests, no credentials sent
+# by a client built without a key).
 COMPAT_GUARDS = {
     "test_adapter_cache_salt.py::test_single_model_salt_follows_every_sync",
     "test_adapter_cache_salt.py::test_clients_without_adapter_versions_keep_the_global_version",
@@ -51,6 +53,7 @@ COMPAT_GUARDS = {
     "test_adapter_sync_prefix_cache_reset.py::test_dispatch_keeps_the_reset_without_evidence_of_salting",
     "test_megatron_adapter_seed.py::test_without_a_seed_the_adapter_is_the_pristine_copy",
     "test_megatron_adapter_seed.py::test_dispatch_without_a_seed_sends_none",
+    "test_remote_client_api_key.py::test_without_a_key_no_authorization_header_is_sent",
 }
 
 CONFTEST = """import pathlib, skyrl, gpu_only_stubs
@@ -110,7 +113,7 @@ def patch_test_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[
 
 def test_every_patch_applies_to_the_installed_skyrl(tmp_path: Path) -> None:
     assert skyrl.__version__ == "0.4.0"
-    assert PATCHES == [SALT_PATCH, SEED_PATCH]
+    assert PATCHES == [SALT_PATCH, SEED_PATCH, API_KEY_PATCH]
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
     root = _skyrl_checkout(tmp_path)
