@@ -21,11 +21,12 @@ inference client) over one shared ``PPORayActorGroup`` of policy workers. A tena
      ``RayPPOTrainer._execute_training_step``: the advantages scaled per policy mini-batch by SkyRL's loss reduction
      (``_normalize_advantages``), and for each of ``update_epochs_per_batch`` epochs, per mini-batch of
      ``policy_mini_batch_size`` prompts (in batch order), ``dispatch.forward_backward`` and ``dispatch.optim_step``
-     with ``model_id=<tenant>`` (the embedded worker swaps the tenant's adapter, LR schedule and RNG in; for
-     Megatron the tenant's scheduled LR is sent first with ``dispatch.set_lr(model_id=<tenant>)``, as SkyRL's Tinker
-     backend does). The tenant's LR schedule counts optimizer steps. The step fails unless the LR the worker reports
-     for each optimizer step is the tenant's scheduled one (and, on the embedded worker, its recorded gradient norm
-     is the one ``optim_step`` returned); its metrics are SkyRL's mean over the optimizer steps;
+     with ``model_id=<tenant>`` (the embedded worker, and SkyRL's FSDP2 worker with its tenant store, swap the
+     tenant's adapter, optimizer state, LR schedule and RNG in; for Megatron the tenant's scheduled LR is sent first
+     with ``dispatch.set_lr(model_id=<tenant>)``, as SkyRL's Tinker backend does). The tenant's LR schedule counts
+     optimizer steps. The step fails unless the LR the worker reports for each optimizer step is the tenant's
+     scheduled one, to float32 rounding (and, on the embedded worker, its recorded gradient norm is the one
+     ``optim_step`` returned); its metrics are SkyRL's mean over the optimizer steps;
   4. sync: ``dispatch.save_weights_for_sampler(model_id=<tenant>)``: the worker writes the adapter as a
      PEFT folder and loads it in place under the tenant's name (no pause, no prefix-cache reset), and
      the dispatch advances the view's version, which must equal the version the server now holds.
@@ -41,6 +42,7 @@ Outputs are the embedded backend's: metrics.jsonl, summary.json, reward_curves.p
 from __future__ import annotations
 
 import asyncio
+import math
 import shutil
 import time
 from collections import defaultdict
@@ -273,17 +275,31 @@ def reference_logprobs(dispatch: WorkerDispatch, scoring: TrainingInputBatch) ->
         dispatch.set_algorithm_config("policy", temperature=run_temperature)
 
 
+LR_REPORT_REL_TOL = 1e-6
+"""How far (relative) a worker's reported LR may be from the tenant's scheduled one: SkyRL's FSDP and Megatron
+workers all-reduce their metrics as float32 tensors (``all_reduce_metrics``), so ``policy_lr`` comes back rounded to
+float32 (relative spacing 2**-23, about 1.2e-7), and a mean over data-parallel ranks may round once more. 1e-6
+covers that with room and still tells apart any two distinct LRs a schedule or two tenants would give."""
+
+
 def check_step_report(tenant: str, lr: float, grad_norm: float | None, forward_backward: dict[str, float],
                       metrics: dict[str, float], strategy: str) -> None:
     """Raises unless the worker's reports are of this step: the LR its ``forward_backward`` ran with
-    (``policy_lr``, SkyRL's metric) and the step metrics' ``lr`` are the tenant's scheduled ``lr``, and, on the
-    embedded worker, whose step metrics are its own record, their ``grad_norm`` is the one ``optim_step``
-    returned (Megatron reports a step's gradient norm once, as ``optim_step``'s result)."""
+    (``policy_lr``, SkyRL's metric) and the step metrics' ``lr`` are the tenant's scheduled ``lr`` (within
+    :data:`LR_REPORT_REL_TOL`: SkyRL reduces them as float32), and, on the embedded worker, whose step metrics are
+    its own record, their ``grad_norm`` is the one ``optim_step`` returned, exactly (SkyRL's FSDP and Megatron
+    workers report a step's gradient norm once, as ``optim_step``'s result)."""
     reported = {"policy_lr": forward_backward.get("policy_lr"), "lr": metrics.get("lr")}
     if strategy == "embedded":
         reported["grad_norm"] = metrics.get("grad_norm")
     expected = {"policy_lr": lr, "lr": lr, "grad_norm": grad_norm}
-    wrong = {key: value for key, value in reported.items() if value != expected[key]}
+
+    def agrees(key: str, value: float | None) -> bool:
+        if key == "grad_norm" or value is None or expected[key] is None:
+            return value == expected[key]
+        return math.isclose(value, expected[key], rel_tol=LR_REPORT_REL_TOL, abs_tol=0.0)
+
+    wrong = {key: value for key, value in reported.items() if not agrees(key, value)}
     if wrong:
         raise RuntimeError(f"tenant {tenant}: the worker reports {wrong} for this step; the driver expected "
                            f"{ {key: expected[key] for key in wrong} }")

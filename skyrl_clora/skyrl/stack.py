@@ -15,6 +15,10 @@ and the policy worker group. Each half is production or its stand-in, per the pl
   (:func:`~skyrl_clora.skyrl.megatron_seeding.with_seeded_tenant_adapters`, given every tenant's seed),
   initialised as SkyRL's Tinker backend does (LR driven through ``set_lr``, optimizer state primed, the
   pristine adapter snapshotted for ``register_adapter``).
+  ``fsdp2`` (SkyRL's ``trainer.strategy=fsdp``): SkyRL's FSDP2 policy worker, one GPU per actor, with patch 0001's
+  run-time form and a LoRA AdapterStore per worker (:func:`~skyrl_clora.skyrl.fsdp_tenants.with_fsdp_tenants`),
+  given every tenant's seed and LR; each tenant runs SkyRL's scheduler from its own LR over the run's optimizer
+  steps, and syncs through SkyRL's LoRA path (PEFT folder + ``load_lora_adapter``).
 
 Ray: with both halves embedded, a small local Ray (``num_cpus=2``, no dashboard); otherwise SkyRL's
 ``initialize_ray`` (its runtime environment for vLLM/Megatron). A Ray the caller started is reused.
@@ -45,6 +49,7 @@ from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.services import kv_cache_dtype, prefill_wait_steps, resolve_device
 from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
+from skyrl_clora.skyrl.fsdp_tenants import with_fsdp_tenants
 from skyrl_clora.skyrl.megatron_seeding import with_seeded_tenant_adapters
 from skyrl_clora.skyrl.server import EmbeddedServer
 from skyrl_clora.skyrl.tenant_client import TenantInferenceClient, tenant_views
@@ -52,6 +57,8 @@ from skyrl_clora.skyrl.worker import EmbeddedPolicyWorker
 from skyrl_clora.skyrl.worker_patches import with_per_tenant_lora_sync
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FSDP_STRATEGIES = ("fsdp2", "fsdp")
+"""The plan's names for SkyRL's FSDP2 policy workers (SkyRL 0.4's ``trainer.strategy=fsdp``)."""
 
 
 @dataclass
@@ -75,8 +82,8 @@ class SkyRLStack:
         return self.engine.adapter_version(tenant) if self.engine is not None else None
 
     def step_metrics(self, tenant: str, forward_backward: dict[str, float], grad_norm: float | None) -> dict[str, float]:
-        """The metrics of ``tenant``'s last step: the embedded worker's own (the Trainer's), or Megatron's
-        ``forward_backward`` metrics with ``optim_step``'s gradient norm and, as ``lr``, the LR the worker's
+        """The metrics of ``tenant``'s last step: the embedded worker's own (the Trainer's), or SkyRL's FSDP2/Megatron
+        workers' ``forward_backward`` metrics with ``optim_step``'s gradient norm and, as ``lr``, the LR the worker's
         optimizer ran the step with (its ``policy_lr``)."""
         if self.strategy == "embedded":
             return self.worker_call("step_metrics", tenant)
@@ -132,7 +139,8 @@ class SkyRLStack:
 
 def _gpus_needed(plan: SkyRLPlan) -> int:
     placement, ie = plan.base.trainer.placement, plan.base.generator.inference_engine
-    gpus = placement.policy_num_nodes * placement.policy_num_gpus_per_node if plan.strategy == "megatron" else 0
+    trained_on_gpus = plan.strategy == "megatron" or plan.strategy in FSDP_STRATEGIES
+    gpus = placement.policy_num_nodes * placement.policy_num_gpus_per_node if trained_on_gpus else 0
     if plan.inference_backend == "vllm":
         gpus += ie.num_engines * ie.tensor_parallel_size * ie.pipeline_parallel_size * ie.data_parallel_size
     return gpus
@@ -153,9 +161,8 @@ def check_buildable(plan: SkyRLPlan) -> None:
     if plan.strategy == "megatron":
         raise ConfigError("backend.strategy=megatron: per-tenant checkpoints (trainer.ckpt_interval) are written by "
                           "the embedded policy worker only so far; use backend.strategy=embedded (or auto)")
-    if plan.strategy == "fsdp":
-        raise ConfigError("backend.strategy=fsdp: SkyRL 0.4's FSDP workers have no AdapterStore for tenants; "
-                          "use backend.strategy=megatron (or embedded)")
+    if plan.strategy in FSDP_STRATEGIES:
+        check_fsdp_buildable(plan)
     placement = plan.base.trainer.placement
     if placement.colocate_all:
         raise ConfigError("trainer.placement.colocate_all=true pauses generation for every sync; tenants sync in place: "
@@ -169,6 +176,26 @@ def check_buildable(plan: SkyRLPlan) -> None:
                           f"{gpus} GPUs (not colocated); {torch.cuda.device_count()} visible: lower "
                           "trainer.placement.policy_num_gpus_per_node/generator.inference_engine.num_engines or use the "
                           "embedded stand-ins")
+
+
+def check_fsdp_buildable(plan: SkyRLPlan) -> None:
+    """Refuses, with the fix, what SkyRL's FSDP2 policy worker cannot run here (``check_buildable``'s FSDP part)."""
+    trainer = plan.base.trainer
+    if not torch.cuda.is_available():
+        raise ConfigError("backend.strategy=fsdp2 runs SkyRL's FSDP2 workers on CUDA GPUs and none is visible; use "
+                          "backend.strategy=embedded (or auto)")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError("backend.strategy=fsdp2: SkyRL's FSDP model wrapper imports flash_attn.bert_padding; install "
+                          "flash-attn or put benchmarks/device_stubs (its stand-in) on PYTHONPATH")
+    if trainer.flash_attn or trainer.remove_microbatch_padding:
+        from transformers.utils import is_flash_attn_2_available
+
+        if not is_flash_attn_2_available():
+            raise ConfigError("trainer.flash_attn/remove_microbatch_padding need flash-attn, which is not installed: "
+                              "set trainer.flash_attn=false trainer.remove_microbatch_padding=false")
+    if trainer.policy.model.lora.sync_mode != "disk":
+        raise ConfigError("backend.strategy=fsdp2 syncs each tenant's adapter through disk: set "
+                          "trainer.policy.model.lora.sync_mode=disk")
 
 
 def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokenizer: Any) -> tuple:
@@ -212,23 +239,39 @@ def _policy_group(run: RunConfig, plan: SkyRLPlan, model_path: str, pad_token_id
                    for spec in plan.tenants}
         ray.get(group.async_init_model(model_path, num_training_steps=run.steps * run.optimizer_steps_per_rl_step,
                                        tenants=tenants, max_rank=run.lora.max_rank))
+    elif plan.strategy in FSDP_STRATEGIES:
+        from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
+
+        worker = ray.remote(num_gpus=1)(with_fsdp_tenants(with_per_tenant_lora_sync(FSDPPolicyWorkerBase)))
+        group = _gpu_group(trainer_cfg, worker)
+        # SkyRL's scheduler per tenant, over the optimizer steps the driver's schedule counts
+        ray.get(group.async_init_model(model_path, num_training_steps=run.steps * run.optimizer_steps_per_rl_step))
     else:
         from skyrl.backends.skyrl_train.workers.megatron.megatron_worker import MegatronPolicyWorkerBase
 
         worker = ray.remote(num_gpus=1)(with_seeded_tenant_adapters(with_per_tenant_lora_sync(MegatronPolicyWorkerBase)))
-        placement = trainer_cfg.placement
-        group = PPORayActorGroup(trainer_cfg, placement.policy_num_nodes, placement.policy_num_gpus_per_node, worker,
-                                 pg=None, num_gpus_per_actor=1, colocate_all=False,
-                                 sequence_parallel_size=trainer_cfg.policy.sequence_parallel_size)
+        group = _gpu_group(trainer_cfg, worker)
         # As SkyRL's Tinker backend: a scheduler horizon that never decays (each tenant's LR is set per step).
         ray.get(group.async_init_model(model_path, num_training_steps=int(1e9)))
     ray.get(group.async_run_ray_method("pass_through", "_set_pad_token_id", pad_token_id))
-    if plan.strategy == "megatron":
+    if plan.strategy != "embedded":
         ray.get(group.async_run_ray_method("pass_through", "prime_optimizer_state"))
         ray.get(group.async_run_ray_method("pass_through", "register_pristine_adapter"))
+    if plan.strategy == "megatron":
         seeds = {spec.name: spec.seed for spec in plan.tenants}
         ray.get(group.async_run_ray_method("pass_through", "set_adapter_seeds", seeds))
+    elif plan.strategy in FSDP_STRATEGIES:
+        specs = {spec.name: {"seed": spec.seed, "lr": spec.lr} for spec in plan.tenants}
+        ray.get(group.async_run_ray_method("pass_through", "set_tenant_specs", specs))
     return group
+
+
+def _gpu_group(trainer_cfg: Any, worker: Any) -> PPORayActorGroup:
+    """SkyRL's actor group of ``worker`` on the placement's GPUs, one GPU per actor."""
+    placement = trainer_cfg.placement
+    return PPORayActorGroup(trainer_cfg, placement.policy_num_nodes, placement.policy_num_gpus_per_node, worker,
+                            pg=None, num_gpus_per_actor=1, colocate_all=False,
+                            sequence_parallel_size=trainer_cfg.policy.sequence_parallel_size)
 
 
 def forget_stale_registry_actors() -> None:
