@@ -1,6 +1,6 @@
 """Tenants on SkyRL 0.4's own FSDP2 policy worker (``skyrl_clora.skyrl.fsdp_tenants``), on the CPU.
 
-The worker runs in a subprocess (``fsdp_cpu_scenario.py``: SkyRL's real ``FSDPPolicyWorkerBase`` with patch
+The worker runs in a subprocess (``fsdp_scenario.py``: SkyRL's real ``FSDPPolicyWorkerBase`` with patch
 0001's form and the tenant mixin, ``fully_shard`` over a gloo group of one rank, SkyRL's bf16 mixed precision,
 SkyRL's PPO loss with its default KL loss against the reference policy). Tenant ``a`` trains 3 steps alone on one
 worker, and on another worker beside ``b`` (``b``'s ``forward_backward`` between ``a``'s ``forward_backward`` and
@@ -29,7 +29,7 @@ from skyrl_clora.skyrl.stack import check_buildable
 
 from skyrl_clora.trainer.adapter_store import LRSchedule
 
-SCENARIO = Path(__file__).with_name("fsdp_cpu_scenario.py")
+SCENARIO = Path(__file__).with_name("fsdp_scenario.py")
 
 
 def _free_port() -> int:

@@ -1,15 +1,18 @@
-"""SkyRL 0.4's real FSDP2 policy worker with the tenant mixin, on the CPU: one process, a gloo group of world
-size 1, ``fully_shard`` on CPU DTensors with SkyRL's bf16 mixed precision.
+"""SkyRL 0.4's real FSDP2 policy worker with the tenant mixin, in one process: on the CPU (a gloo group of world
+size 1, ``fully_shard`` on CPU DTensors with SkyRL's bf16 mixed precision) or on one CUDA GPU (SkyRL's own
+``cpu:gloo,cuda:nccl`` group, torch's deterministic algorithms on).
 
-Run as a script (``python fsdp_cpu_scenario.py MODEL_DIR OUT_DIR``) by ``test_fsdp_tenants.py``: it changes
-torch's CUDA device selection for the whole process (below), so it never runs inside the test process. It
-writes ``OUT_DIR/results.pt`` (what the test asserts on) and leaves the checkpoints it wrote in ``OUT_DIR``.
+Run as a script (``python fsdp_scenario.py MODEL_DIR OUT_DIR [cpu|cuda]``) by ``test_fsdp_tenants.py`` (cpu) and
+``tests/gpu/test_fsdp_tenants_gpu.py`` (cuda): on the CPU it changes torch's CUDA device selection for the whole
+process (below), so it never runs inside a test process. It writes ``OUT_DIR/results.pt`` (what the tests assert
+on) and leaves the checkpoints it wrote in ``OUT_DIR``.
 
 CPU stand-ins, this process only: ``torch.cuda.current_device`` answers ``"cpu"`` (SkyRL moves every batch to
 it), ``torch.cuda.set_device`` / ``synchronize`` do nothing, device meshes asked for ``"cuda"`` are built on
-``"cpu"``, the non-persistent buffers (rotary ``inv_freq``) are broadcast from a CPU tensor, the process group is gloo, and ``benchmarks/device_stubs`` (``flash_attn.bert_padding``) is appended to
-``sys.path``. SkyRL's ``torch.autocast(device_type="cuda")`` is inert without CUDA, so the compute is FSDP2's bf16
-parameter cast, as on a GPU without autocast.
+``"cpu"``, the non-persistent buffers (rotary ``inv_freq``) are broadcast from a CPU tensor, the process group is
+gloo. SkyRL's ``torch.autocast(device_type="cuda")`` is inert without CUDA, so the compute is FSDP2's bf16
+parameter cast. Both devices: ``benchmarks/device_stubs`` (``flash_attn.bert_padding``) is appended to
+``sys.path``, SkyRL runs with ``flash_attn=false``.
 """
 
 from __future__ import annotations
@@ -155,12 +158,15 @@ class Harness:
         return out
 
 
-def main(model_dir: str, out_dir: str) -> None:
+def main(model_dir: str, out_dir: str, device: str) -> None:
     sys.path.append(str(ROOT / "benchmarks" / "device_stubs"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"))
     torch.set_num_threads(1)
-    _cpu_device_selection()
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    if device == "cpu":
+        _cpu_device_selection()
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    else:  # bit-equal runs need SDPA's and cuBLAS's deterministic kernels (the workspace is set by the caller)
+        torch.use_deterministic_algorithms(True, warn_only=True)
     out = Path(out_dir)
     tenants = {"a": {"seed": 1, "lr": 1e-2}, "b": {"seed": 2, "lr": 3e-2}}
     batches = [_batch(100 + k, 0) for k in range(3)]
@@ -219,4 +225,4 @@ def main(model_dir: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "cpu")
