@@ -41,6 +41,7 @@ PATCHES = sorted(PATCH_DIR.glob("*.patch"))
 SALT_PATCH = PATCH_DIR / "0001-per-adapter-cache-salt-and-prefix-cache-reset.patch"
 SEED_PATCH = PATCH_DIR / "0002-megatron-seeded-lora-adapters.patch"
 API_KEY_PATCH = PATCH_DIR / "0004-remote-inference-client-api-key.patch"
+FSDP_STORE_PATCH = PATCH_DIR / "0005-fsdp-multi-lora-adapter-store.patch"
 RUNTIME_CHECKS = "worker_patches_on_skyrl_workers.py"
 
 # The patch's tests that pass without it too: they guard what it must keep (single-model salts, duck-typed
@@ -54,6 +55,7 @@ COMPAT_GUARDS = {
     "test_megatron_adapter_seed.py::test_without_a_seed_the_adapter_is_the_pristine_copy",
     "test_megatron_adapter_seed.py::test_dispatch_without_a_seed_sends_none",
     "test_remote_client_api_key.py::test_without_a_key_no_authorization_header_is_sent",
+    "test_fsdp_adapter_store.py::test_swapping_without_an_adapter_store_is_a_no_op",
 }
 
 CONFTEST = """import pathlib, skyrl, gpu_only_stubs
@@ -113,7 +115,7 @@ def patch_test_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[
 
 def test_every_patch_applies_to_the_installed_skyrl(tmp_path: Path) -> None:
     assert skyrl.__version__ == "0.4.0"
-    assert PATCHES == [SALT_PATCH, SEED_PATCH, API_KEY_PATCH]
+    assert PATCHES == [SALT_PATCH, SEED_PATCH, API_KEY_PATCH, FSDP_STORE_PATCH]
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
     root = _skyrl_checkout(tmp_path)
