@@ -1,7 +1,9 @@
-"""The GPU benchmarks (and ``concurrency``, which also runs on the CPU), one module per question, run from the
-repository root as ``python -m benchmarks.<name> --out <file or folder>``; each writes its full numbers as JSON
-there and prints a short table last. ``common`` holds what they share (graph timing, copy bandwidth, random
-Qwen3-shaped models and adapters). Current figures and their commands: RESULTS.md.
+"""The GPU benchmarks (and ``concurrency``, ``engine_host`` and ``planner``, which measure on the CPU), one module
+per question, run from the repository root as ``python -m benchmarks.<name> --out <file or folder>``; each writes
+its full numbers as JSON there and prints a short table last. ``common`` holds what they share (graph timing, copy
+bandwidth, random Qwen3-shaped models and adapters). Current figures and their commands: RESULTS.md. Without a
+CUDA device the GPU benchmarks run as smoke runs at tiny sizes (``common``; ``tests/test_benchmarks_smoke.py`` runs
+every module so).
 
 - ``kernels`` (with ``packed``): multi-LoRA ops against the base GEMM and the PEFT loop;
 - ``qkv_rope``: the q/k/v block with its fused LoRA expand; ``attention``: decode and prefill attention;

@@ -12,7 +12,9 @@ cache (blocks of ``BS`` positions in a random order, the table's entries past ea
 shared prompts the members' tables name the group's first row's whole prompt blocks, as the engine's block
 manager shares them), side by side with the slot layout.
 
-    python -m benchmarks.attention --out DIR [--sweep] [--shared-only] [--paged 32 ...]
+    python -m benchmarks.attention --out DIR [--sweep] [--shared-only] [--paged 32 ...] [--smoke]
+
+``--smoke``: the same cases at tiny sizes (:data:`SMOKE`), for a CPU run checking that the script runs.
 
 Writes DIR/bench_attention.json and DIR/bench_attention.md, and prints the table.
 """
@@ -20,19 +22,40 @@ Writes DIR/bench_attention.json and DIR/bench_attention.md, and prints the table
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from benchmarks.common import L2_BYTES, copy_bandwidth, graph_time, warm_up
+from benchmarks.common import DEVICE, L2_BYTES, copy_bandwidth, device_name, graph_time, require_kernels, warm_up
 
 from skyrl_clora.kernels import DecodeWorkspace, decode_attention
 from skyrl_clora.kernels.attention.decode import AttentionConfig, decode_attention_triton, default_attention_config
 
 DT = torch.bfloat16
-H, KV, D, L = 16, 8, 128, 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The cases: attention heads ``H``, key/value heads ``KV``, head dim ``D``, the plain cases' cache length
+    ``L``, rows ``rows`` and mean contexts ``means``; the shared-prompt cases' (rows, cache length) ``shared``,
+    their group size ``samples``, prompt length ``prompt`` and longest context ``context``."""
+
+    H: int = 16
+    KV: int = 8
+    D: int = 128
+    L: int = 2048
+    rows: tuple[int, ...] = (64, 256, 512)
+    means: tuple[int, ...] = (256, 1024)
+    shared: tuple[tuple[int, int], ...] = ((320, 640), (512, 640), (512, 5120))
+    samples: int = 8
+    prompt: int = 256
+    context: int = 520
+
+
+SMOKE = Sizes(H=2, KV=1, D=16, L=32, rows=(2,), means=(8,), shared=((4, 32),), samples=2, prompt=8, context=20)
 
 
 def paged_sets(sets: list[dict], lengths: torch.Tensor, block_size: int, seed: int = 0,
@@ -43,14 +66,14 @@ def paged_sets(sets: list[dict], lengths: torch.Tensor, block_size: int, seed: i
     blocks only), as the engine shares a GRPO group's prompt."""
     rows, kv_heads, max_len, head_dim = sets[0]["k"].shape
     per_row = max_len // block_size
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    place = torch.randperm(rows * per_row, device="cuda", generator=gen)  # logical block -> physical block
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    place = torch.randperm(rows * per_row, device=DEVICE, generator=gen)  # logical block -> physical block
     table = place.view(rows, per_row).int()
     if shared is not None:
         prefix_rows, prompt = shared
         whole = prompt // block_size
         table[:, :whole] = table[prefix_rows.long(), :whole]
-    table[torch.arange(per_row, device="cuda")[None, :] * block_size >= lengths[:, None]] = -1
+    table[torch.arange(per_row, device=DEVICE)[None, :] * block_size >= lengths[:, None]] = -1
     out = []
     for s in sets:
         paged = dict(s)
@@ -64,29 +87,30 @@ def paged_sets(sets: list[dict], lengths: torch.Tensor, block_size: int, seed: i
 
 
 class Case:
-    """Input sets of one (B, mean context) case."""
+    """Input sets of one (B, mean context) case at ``sizes``' heads and cache length."""
 
-    def __init__(self, rows: int, mean: int, seed: int = 0) -> None:
-        gen = torch.Generator(device="cuda").manual_seed(seed)
+    def __init__(self, sizes: Sizes, rows: int, mean: int, seed: int = 0) -> None:
+        H, KV, D, L = sizes.H, sizes.KV, sizes.D, sizes.L
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
         self.B = rows
-        self.lengths = torch.randint(1, 2 * mean, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+        self.lengths = torch.randint(1, 2 * mean, (rows,), device=DEVICE, generator=gen, dtype=torch.int32)
         kv_bytes = int(self.lengths.sum()) * KV * D * 2 * 2  # K and V, bf16
         self.bytes = kv_bytes + 2 * rows * H * D * 2  # + q read, out written
         n_sets = max(1, min(4, math.ceil(3 * L2_BYTES / kv_bytes)))
         self.sets = [
             {
-                "q": torch.randn(rows, H, D, device="cuda", dtype=DT, generator=gen),
-                "k": torch.randn(rows, KV, L, D, device="cuda", dtype=DT, generator=gen),
-                "v": torch.randn(rows, KV, L, D, device="cuda", dtype=DT, generator=gen),
-                "out": torch.empty(rows, H, D, device="cuda", dtype=DT),
+                "q": torch.randn(rows, H, D, device=DEVICE, dtype=DT, generator=gen),
+                "k": torch.randn(rows, KV, L, D, device=DEVICE, dtype=DT, generator=gen),
+                "v": torch.randn(rows, KV, L, D, device=DEVICE, dtype=DT, generator=gen),
+                "out": torch.empty(rows, H, D, device=DEVICE, dtype=DT),
             }
             for _ in range(n_sets)
         ]
-        self.ws = DecodeWorkspace(rows, H, L, D, device="cuda")
-        self.mask = (torch.arange(L, device="cuda").view(1, L) < self.lengths.view(-1, 1)).view(rows, 1, 1, L)
+        self.ws = DecodeWorkspace(rows, H, L, D, device=DEVICE)
+        self.mask = (torch.arange(L, device=DEVICE).view(1, L) < self.lengths.view(-1, 1)).view(rows, 1, 1, L)
         errs = []
         for s in self.sets[:1]:  # sanity: our kernel against the fp32 reference on this case
-            got = decode_attention(s["q"], s["k"], s["v"], self.lengths).float()
+            got = decode_attention(s["q"], s["k"], s["v"], self.lengths, backend="triton").float()
             want = decode_attention(s["q"].float(), s["k"].float(), s["v"].float(), self.lengths, backend="torch")
             errs.append(((got - want).norm() / want.norm()).item())
         self.max_rel_error = max(errs)
@@ -94,7 +118,8 @@ class Case:
     def ours(self, config: AttentionConfig | None = None) -> float:
         def call(s: dict) -> Callable[[], None]:
             if config is None:
-                return lambda: decode_attention(s["q"], s["k"], s["v"], self.lengths, out=s["out"], workspace=self.ws)
+                return lambda: decode_attention(s["q"], s["k"], s["v"], self.lengths, out=s["out"], workspace=self.ws,
+                                                backend="triton")
             return lambda: decode_attention_triton(
                 s["q"], s["k"], s["v"], self.lengths, out=s["out"], workspace=None, config=config
             )
@@ -105,8 +130,9 @@ class Case:
         """Seconds per call on a paged copy of the sets, and the largest relative difference from the slot call."""
         sets, table = paged_sets(self.sets, self.lengths, block_size)
         calls = [lambda s=s: decode_attention(s["q"], s["k"], s["v"], self.lengths, out=s["out"], workspace=self.ws,
-                                              block_tables=table) for s in sets]
-        return _paged_time(calls, sets, self.sets, lambda s: decode_attention(s["q"], s["k"], s["v"], self.lengths))
+                                              block_tables=table, backend="triton") for s in sets]
+        return _paged_time(calls, sets, self.sets,
+                           lambda s: decode_attention(s["q"], s["k"], s["v"], self.lengths, backend="triton"))
 
     def sdpa(self) -> float:
         def call(s: dict) -> Callable[[], None]:
@@ -118,31 +144,33 @@ class Case:
 
 
 class PrefixCase:
-    """The engine's decode shape (bench_runner's and bench_e2e's): ``rows`` rows in GRPO groups of
-    ``samples`` whose first ``prompt`` positions are the group's prompt, held by its first row (the members'
-    copies are never read: they hold NaN here), then each row's own positions up to a length drawn uniformly
-    from ``[prompt + 1, context]``; cache length ``max_len`` (bench_runner's for context 520)."""
+    """The engine's decode shape (benchmarks.runner's and benchmarks.e2e's): ``rows`` rows in GRPO groups of
+    ``sizes.samples`` whose first ``sizes.prompt`` positions are the group's prompt, held by its first row (the
+    members' copies are never read: they hold NaN here), then each row's own positions up to a length drawn
+    uniformly from ``[prompt + 1, sizes.context]``; cache length ``max_len`` (benchmarks.runner's for context
+    520)."""
 
-    def __init__(self, rows: int, samples: int = 8, prompt: int = 256, context: int = 520, max_len: int = 640,
-                 seed: int = 0) -> None:
-        gen = torch.Generator(device="cuda").manual_seed(seed)
+    def __init__(self, sizes: Sizes, rows: int, max_len: int, seed: int = 0) -> None:
+        H, KV, D, samples, prompt = sizes.H, sizes.KV, sizes.D, sizes.samples, sizes.prompt
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
         self.B, self.max_len = rows, max_len
-        self.lengths = torch.randint(prompt + 1, context + 1, (rows,), device="cuda", generator=gen, dtype=torch.int32)
-        self.prefix_rows = torch.arange(rows, device="cuda", dtype=torch.int32) // samples * samples
-        self.prefix_lens = torch.full((rows,), prompt, device="cuda", dtype=torch.int32)
-        is_member = self.prefix_rows != torch.arange(rows, device="cuda")  # rows that read a group's prompt
+        self.lengths = torch.randint(prompt + 1, sizes.context + 1, (rows,), device=DEVICE, generator=gen,
+                                     dtype=torch.int32)
+        self.prefix_rows = torch.arange(rows, device=DEVICE, dtype=torch.int32) // samples * samples
+        self.prefix_lens = torch.full((rows,), prompt, device=DEVICE, dtype=torch.int32)
+        is_member = self.prefix_rows != torch.arange(rows, device=DEVICE)  # rows that read a group's prompt
         kv_bytes = (int(self.lengths.sum()) - int(is_member.sum()) * prompt) * KV * D * 2 * 2  # what shared reads read
         self.bytes = kv_bytes + 2 * rows * H * D * 2
         n_sets = max(1, min(4, math.ceil(3 * L2_BYTES / kv_bytes)))
         self.sets = []
         for _ in range(n_sets):
-            k = torch.randn(rows, KV, max_len, D, device="cuda", dtype=DT, generator=gen)
-            v = torch.randn(rows, KV, max_len, D, device="cuda", dtype=DT, generator=gen)
+            k = torch.randn(rows, KV, max_len, D, device=DEVICE, dtype=DT, generator=gen)
+            v = torch.randn(rows, KV, max_len, D, device=DEVICE, dtype=DT, generator=gen)
             k[is_member, :, :prompt] = float("nan")
             v[is_member, :, :prompt] = float("nan")
-            self.sets.append({"q": torch.randn(rows, H, D, device="cuda", dtype=DT, generator=gen), "k": k, "v": v,
-                              "out": torch.empty(rows, H, D, device="cuda", dtype=DT)})
-        self.ws = DecodeWorkspace(rows, H, max_len, D, device="cuda")
+            self.sets.append({"q": torch.randn(rows, H, D, device=DEVICE, dtype=DT, generator=gen), "k": k, "v": v,
+                              "out": torch.empty(rows, H, D, device=DEVICE, dtype=DT)})
+        self.ws = DecodeWorkspace(rows, H, max_len, D, device=DEVICE)
         s = self.sets[0]
         self.call(s, None)()
         want = decode_attention(s["q"].float(), s["k"].float(), s["v"].float(), self.lengths, backend="torch",
@@ -162,7 +190,7 @@ class PrefixCase:
     def paged(self, block_size: int) -> tuple[float, float]:
         """As ``Case.paged``, the members' tables naming their group's prompt blocks."""
         sets, table = paged_sets(self.sets, self.lengths, block_size, shared=(self.prefix_rows, int(self.prefix_lens[0])))
-        prefix = {"prefix_rows": self.prefix_rows, "prefix_lens": self.prefix_lens}
+        prefix = {"prefix_rows": self.prefix_rows, "prefix_lens": self.prefix_lens, "backend": "triton"}
         calls = [lambda s=s: decode_attention(s["q"], s["k"], s["v"], self.lengths, out=s["out"], workspace=self.ws,
                                               block_tables=table, **prefix) for s in sets]
         return _paged_time(calls, sets, self.sets, lambda s: decode_attention(s["q"], s["k"], s["v"], self.lengths, **prefix))
@@ -182,21 +210,26 @@ def _paged_time(calls: list[Callable[[], None]], paged: list[dict], slot: list[d
     return seconds, diff
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: the arguments, default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_attention"))
     parser.add_argument("--sweep", action="store_true", help="time alternative launch configs on three cases")
     parser.add_argument("--shared-only", action="store_true", help="only the shared-prompt cases")
     parser.add_argument("--paged", type=int, nargs="+", default=[], metavar="BS",
                         help="also time each case on a paged cache of BS-position blocks")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="tiny cases (a CPU run checking that the script runs)")
+    args = parser.parse_args(argv)
+    require_kernels()
+    sizes = SMOKE if args.smoke else Sizes()
     args.out.mkdir(parents=True, exist_ok=True)
     warm_up()
     bandwidth = copy_bandwidth()
-    results: dict = {"device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bandwidth, "table": [], "sweep": []}
+    results: dict = {"device": device_name(), "copy_bandwidth_Bps": bandwidth, "sizes": dataclasses.asdict(sizes),
+                     "table": [], "sweep": []}
     lines = [
         f"device: {results['device']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
-        f"H={H} KV={KV} d={D} L={L} bf16",
+        f"H={sizes.H} KV={sizes.KV} d={sizes.D} L={sizes.L} bf16",
     ]
     paged_head = "".join(f" paged BS={bs} us | paged/slot |" for bs in args.paged)
     paged_rule = " --- | --- |" * len(args.paged)
@@ -207,11 +240,11 @@ def main() -> None:
             "| rel err vs fp32 |" + paged_head,
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + paged_rule,
         ]
-    for rows in () if args.shared_only else (64, 256, 512):
-        for mean in (256, 1024):
-            case = Case(rows, mean)
+    for rows in () if args.shared_only else sizes.rows:
+        for mean in sizes.means:
+            case = Case(sizes, rows, mean)
             r = {"B": rows, "mean": mean, "mean_measured": case.lengths.float().mean().item(), "bytes": case.bytes,
-                 "split_len": default_attention_config(L).split_len, "ours_s": case.ours(),
+                 "split_len": default_attention_config(sizes.L).split_len, "ours_s": case.ours(),
                  "sdpa_s": case.sdpa(), "roofline_s": case.bytes / bandwidth, "rel_error": case.max_rel_error}  # fmt: skip
             results["table"].append(r)
             lines.append(
@@ -232,11 +265,12 @@ def main() -> None:
                 lines.append(f"| sweep | best of {len(configs)}: {best} | | {timed[best] * 1e6:.1f} | | | | | |")
             del case
             torch.cuda.empty_cache()
-    lines += ["", "Shared prompts (groups of 8, 256-position prompt read once per group, lengths in [257, 520]):", "",
+    lines += ["", f"Shared prompts (groups of {sizes.samples}, {sizes.prompt}-position prompt read once per group, lengths "
+              f"in [{sizes.prompt + 1}, {sizes.context}]):", "",
               "| B | L | split_len | ours us | roofline us | ours/roofline | rel err vs fp32 |" + paged_head,
               "| --- | --- | --- | --- | --- | --- | --- |" + paged_rule]
-    for rows, max_len in ((320, 640), (512, 640), (512, 5120)):
-        case = PrefixCase(rows, max_len=max_len)
+    for rows, max_len in sizes.shared:
+        case = PrefixCase(sizes, rows, max_len)
         r = {"B": rows, "L": max_len, "case": "shared prompts", "split_len": default_attention_config(max_len).split_len,
              "bytes": case.bytes, "ours_s": case.ours(), "roofline_s": case.bytes / bandwidth, "rel_error": case.max_rel_error}
         results["table"].append(r)

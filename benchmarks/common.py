@@ -3,6 +3,11 @@ device's copy bandwidth (the rooflines' denominator); Qwen3-architecture models 
 models' shapes (no model can be downloaded on the GPU machine), in memory or written to disk with a tokenizer
 copied from an existing model folder.
 
+The benchmarks measure on CUDA. Without a CUDA device they run as smoke runs (``tests/test_benchmarks_smoke.py``):
+on :data:`DEVICE` "cpu", at the tiny sizes their options or ``--smoke`` give, Triton kernels through the Triton
+interpreter (``TRITON_INTERPRET=1``, :func:`require_kernels`), timed by the wall clock without graphs or L2
+rotation; their figures then say only that the script runs.
+
 ``python -m benchmarks.common --shape qwen3-0.6b --tokenizer-from <model dir> --out <dir>`` writes such a
 checkpoint (the vocabulary is the tokenizer's).
 """
@@ -11,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,12 +30,55 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 from skyrl_clora.lora.layers import AdapterWeights
 
 DT = torch.bfloat16  # the benchmarks' dtype
-L2_BYTES = 60 * 2**20  # an H200's L2 is 50 MiB: inputs rotated over 3x this miss it
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu": a smoke run (module docstring)
+# An H200's L2 is 50 MiB: inputs rotated over 3x this miss it. The CPU's smoke runs rotate nothing (0).
+L2_BYTES = 60 * 2**20 if DEVICE == "cuda" else 0
+
+
+def require_kernels() -> None:
+    """Exits with a one-line error (status 2) when the Triton kernels cannot run here: no CUDA device and no
+    ``TRITON_INTERPRET=1`` (which must be set before Python starts)."""
+    if DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("error: no CUDA device: run on a GPU, or set TRITON_INTERPRET=1 for a CPU smoke run at tiny sizes",
+              file=sys.stderr)
+        sys.exit(2)
+
+
+def sync() -> None:
+    """Waits for the device's queued work (nothing to wait for on the CPU)."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_name() -> str:
+    """The CUDA device's name, or "cpu"."""
+    return torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+
+
+def reset_peak_memory() -> None:
+    """Starts a new peak of allocated device memory (:func:`peak_memory_gib`)."""
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory_gib() -> float | None:
+    """GiB of device memory allocated at the peak since :func:`reset_peak_memory`; None on the CPU (not measured)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None
 
 
 def graph_time(calls: list[Callable[[], None]], min_calls: int = 20) -> float:
     """Seconds per call: the calls (one per input set, cycled to at least ``min_calls``, fewer for slow
-    calls) captured in one CUDA graph; median over replays."""
+    calls) captured in one CUDA graph; median over replays. On the CPU: each call once untimed, then the
+    median of one wall-clock run of each."""
+    if DEVICE != "cuda":
+        for c in calls:
+            c()
+        times = []
+        for c in calls:
+            started = time.perf_counter()
+            c()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
     for c in calls:
         c()
     torch.cuda.synchronize()
@@ -64,7 +114,10 @@ def graph_time(calls: list[Callable[[], None]], min_calls: int = 20) -> float:
 
 
 def warm_up(seconds: float = 2.0) -> None:
-    """Keeps the GPU busy with bf16 matrix products so its clocks are up before anything is timed."""
+    """Keeps the GPU busy with bf16 matrix products so its clocks are up before anything is timed (nothing on
+    the CPU)."""
+    if DEVICE != "cuda":
+        return
     a = torch.randn(8192, 8192, device="cuda", dtype=DT)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -76,9 +129,9 @@ def warm_up(seconds: float = 2.0) -> None:
 def copy_bandwidth() -> float:
     """Bytes per second of a 4 GiB device-to-device copy by a kernel (``torch.add(src, 0, out=dst)``),
     counting bytes read plus bytes written. Not ``dst.copy_(src)``: captured in a CUDA graph that becomes a
-    memcpy node, which the copy engines run at ~2.7 TB/s on the H200 against ~4.3 TB/s for a kernel
-    (RESULTS.md, Method), and kernels are what the rooflines compare."""
-    src = torch.randn(2**30, device="cuda")
+    memcpy node, which the copy engines run slower than a kernel does (RESULTS.md, Method), and kernels are what
+    the rooflines compare. On the CPU a 4 MiB copy."""
+    src = torch.randn(2**30 if DEVICE == "cuda" else 2**20, device=DEVICE)
     dst = torch.empty_like(src)
     t = graph_time([lambda: torch.add(src, 0.0, out=dst)], min_calls=5)
     return 2 * src.numel() * 4 / t
@@ -88,6 +141,7 @@ SHAPES = {  # hidden, layers, heads, kv heads, head dim, intermediate (from the 
     "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072),
     "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144),
     "qwen3-4b": (2560, 36, 32, 8, 128, 9728),
+    "tiny": (64, 2, 4, 2, 16, 128),  # for the CPU's smoke runs
 }
 QWEN3_VOCAB = 151936
 
@@ -132,15 +186,15 @@ def random_adapter(layers: dict, rank: int, seed: int) -> AdapterWeights:
     return adapter
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: the arguments, default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
     parser.add_argument("--tokenizer-from", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = write_random_model(args.shape, args.tokenizer_from, args.out, device, seed=args.seed)
+    args = parser.parse_args(argv)
+    model = write_random_model(args.shape, args.tokenizer_from, args.out, DEVICE, seed=args.seed)
     print(f"{args.shape}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters -> {args.out}")
 
 

@@ -38,10 +38,11 @@ def final_accuracies(summary: dict) -> list[float]:
     return [row["accuracy_final"] for row in summary["per_tenant"] if row["accuracy_final"] is not None]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: the arguments, default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_concurrency"))
-    args, overrides = parser.parse_known_args()
+    args, overrides = parser.parse_known_args(argv)
     results = {mode: run_mode(mode, args.out, overrides) for mode in ("concurrent", "serial")}
     rows = []
     for mode, summary in results.items():

@@ -28,6 +28,8 @@ peak GPU memory; above it, the per-turn lengths drawn (mean, p50, p90, max). Ful
 JSON (``rows``; ``lengths``: the spec and the drawn lengths' summary; ``gpu_busy_method``).
 
 Usage (GPU): python -m benchmarks.e2e --shape qwen3-1.7b --tokenizer <model dir with a chat template> --lengths longtail --out $OUT/e2e.json
+On the CPU (``--device cpu --shape tiny``, small sizes) it runs as a smoke run: its figures say only that the script
+runs.
 """
 
 from __future__ import annotations
@@ -379,7 +381,8 @@ def write_partial(path: Path, serial: list[ModeResult], concurrent: dict[tuple[s
     path.write_text(json.dumps({"partial": True, "groups": groups}, indent=2) + "\n")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: the arguments, default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog=next(line for line in __doc__.splitlines() if line.startswith("Usage")))
     parser.add_argument("--shape", default="qwen3-1.7b")
@@ -394,6 +397,9 @@ def main() -> None:
                              "lognormal:median=300,sigma=0.9,cap=1024); drawn per (tenant seed, step, episode, turn), "
                              "the same in serial and concurrent runs")
     parser.add_argument("--response", type=int, metavar="N", help="the same as --lengths fixed:N")
+    parser.add_argument("--prompts", type=int, default=Workload.prompts, help="prompts per tenant step")
+    parser.add_argument("--samples", type=int, default=Workload.samples, help="episodes per prompt")
+    parser.add_argument("--prompt", type=int, default=Workload.prompt, help="tokens per prompt")
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run of the script")
     parser.add_argument("--profile", action="store_true",
                         help="instead of the table: profile 1-step experiments after the warm-up (the largest --tenants "
@@ -407,7 +413,9 @@ def main() -> None:
                         help="run only the first K serial experiments (default: the largest --tenants); a larger N's "
                              "'x serial' is then its experiments per hour over the K serial experiments' rate")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if min(args.prompts, args.samples, args.prompt) < 1:
+        parser.error("--prompts, --samples and --prompt must be at least 1")
     if args.lengths is not None and args.response is not None:
         parser.error("--response N is --lengths fixed:N; give one of them")
     try:
@@ -424,7 +432,8 @@ def main() -> None:
     serial_count = max(args.tenants) if args.serial is None else args.serial
     if not 1 <= serial_count <= max(args.tenants):
         parser.error(f"--serial {args.serial}: give 1 to the largest --tenants ({max(args.tenants)})")
-    workload = Workload(steps=args.steps, lengths=lengths, overrides=tuple(args.override))
+    workload = Workload(prompt=args.prompt, lengths=lengths, prompts=args.prompts, samples=args.samples,
+                        steps=args.steps, overrides=tuple(args.override))
     with tempfile.TemporaryDirectory() as folder:
         model_dir = Path(folder) / args.shape
         write_random_model(args.shape, args.tokenizer, model_dir, args.device, vocab_size=QWEN3_VOCAB)

@@ -10,6 +10,7 @@ copy bandwidth measured in the same run. HF ``generate`` runs the same shapes on
 (base, PEFT with 1 adapter, PEFT with 8 adapters mixed via ``adapter_names``).
 
 Usage (GPU): python -m benchmarks.engine --shape qwen3-1.7b --out $OUT/bench_engine.json
+On the CPU (``--shape tiny``, small sizes) it runs as a smoke run: its figures say only that the script runs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import time
 from pathlib import Path
 
 import torch
-from benchmarks.common import QWEN3_VOCAB, SHAPES, build_random_model, copy_bandwidth, qwen3_config, random_adapter
+from benchmarks.common import (DEVICE, QWEN3_VOCAB, SHAPES, build_random_model, copy_bandwidth, qwen3_config,
+                               random_adapter, sync)
 from transformers import Qwen3ForCausalLM
 
 from skyrl_clora.lora.layers import attach_multi_lora
@@ -29,14 +31,14 @@ from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.requests import SamplingParams
 
 def build_model(shape: str) -> Qwen3ForCausalLM:
-    return build_random_model(qwen3_config(shape), "cuda").eval()
+    return build_random_model(qwen3_config(shape), DEVICE).eval()
 
 
 def run_engine_case(engine: Engine, batch: int, prompt: int, new: int, adapters: list[str | None], seed: int) -> dict:
     generator = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, QWEN3_VOCAB, (prompt,), generator=generator).tolist() for _ in range(batch)]
     before = dict(vars(engine.stats))
-    torch.cuda.synchronize()
+    sync()
     started = time.perf_counter()
     futures = [engine.submit(ids, adapters[i % len(adapters)], SamplingParams(max_tokens=new, temperature=1.0, seed=i))
                for i, ids in enumerate(prompts)]
@@ -53,50 +55,55 @@ def run_engine_case(engine: Engine, batch: int, prompt: int, new: int, adapters:
 
 def profile_case(engine: Engine, batch: int, prompt: int, new: int, table_path: Path) -> dict:
     """Runs one base-model case under ``torch.profiler``; writes the kernel table (by GPU time) to
-    ``table_path`` and returns the GPU kernels launched per decode step and the GPU-busy share of the wall."""
+    ``table_path`` and returns the GPU kernels launched per decode step and the GPU-busy share of the wall (on the
+    CPU: the table by CPU time, and zeros)."""
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = DEVICE == "cuda"
     steps_before = engine.stats.decode_steps
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         case = run_engine_case(engine, batch, prompt, new, [None], seed=7)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     steps = engine.stats.decode_steps - steps_before
-    table_path.write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+    table_path.write_text(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                                    row_limit=40))
     gpu_s = sum(e.device_time_total for e in events) / 1e6
     return {"gpu_kernels_per_decode_step": len(events) / max(1, steps), "gpu_busy_share": gpu_s / case["wall_s"]}
 
 
 def run_hf_case(model, batch: int, prompt: int, new: int, adapter_names: list[str] | None) -> dict:
-    input_ids = torch.randint(0, QWEN3_VOCAB, (batch, prompt), device="cuda")
+    input_ids = torch.randint(0, QWEN3_VOCAB, (batch, prompt), device=DEVICE)
     kwargs = {"adapter_names": adapter_names} if adapter_names is not None else {}
     generate = dict(max_new_tokens=new, min_new_tokens=new, do_sample=True, top_k=0, pad_token_id=0)
     attention_mask = torch.ones_like(input_ids)
     warm_up = {**generate, "max_new_tokens": min(new, 8), "min_new_tokens": min(new, 8)}
     model.generate(input_ids=input_ids, attention_mask=attention_mask, **warm_up, **kwargs)  # the measured batch and prompt
-    torch.cuda.synchronize()
+    sync()
     started = time.perf_counter()
     output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate, **kwargs)
-    torch.cuda.synchronize()
+    sync()
     wall = time.perf_counter() - started
     assert output.shape[1] == prompt + new
     return {"tokens_per_s": batch * new / wall, "wall_s": wall}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: the arguments, default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
-    # Medians over repeats: a timed repeat can still pay a one-time cost after the warm-up (with 2 repeats, a cold
-    # one put the base case's median prefill at 1.85 s and doubled its median decode step; RESULTS.md, Method).
+    # Medians over repeats: a timed repeat can still pay a one-time cost after the warm-up, which a median of two
+    # repeats does not leave out (RESULTS.md, Method).
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--profile", action="store_true",
                         help="also profile one base case at the smallest batch: kernels per decode step and the "
                              "top kernels by GPU time, written beside --out")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth()
     model = build_model(args.shape)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -129,7 +136,6 @@ def main() -> None:
                                           args.out.with_suffix(".profile.txt"))
         print(f"profile: {results['profile']}", flush=True)
     engine.shutdown()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")  # the engine's numbers survive a failing HF part
     del engine, model, layers, routing
     torch.cuda.empty_cache()
@@ -149,7 +155,6 @@ def main() -> None:
         results["hf"][f"PEFT 1 adapter @ {batch}"] = run_hf_case(peft_model, batch, args.prompt, args.new, None)
         mixed = [f"tenant-{i % 8}" for i in range(batch)]
         results["hf"][f"PEFT 8 tenants mixed @ {batch}"] = run_hf_case(peft_model, batch, args.prompt, args.new, mixed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"{args.shape}, {args.prompt} prompt + {args.new} new tokens per request, copy bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s, engine build {build_s:.1f} s (graph capture {results['graph_capture_s']:.1f} s)")

@@ -4,9 +4,9 @@ On the GPU a decode step is a graph replay plus the sampler's kernel, both queue
 is the engine thread's own Python (choosing the rows, staging the inputs, RNG draws, accepting tokens,
 stop and length checks), paid after every step's synchronisation and, in concurrent runs, while holding the
 GIL the trainer's thread also needs. This times that part alone: an Engine over a one-layer model whose
-``runner.decode`` returns fixed logits and whose ``draw_rows`` returns fixed tokens, every row running
-(GRPO groups of 8 rows sharing a prefix, as the engine's shared-prefix reads see them), nothing waiting,
-median of ``--repeats`` batches of ``--steps`` steps.
+``runner.prefill`` and ``runner.decode`` return fixed logits and whose ``draw_rows`` returns fixed tokens, every
+row running (GRPO groups of 8 rows sharing their prompt's blocks, as the engine's shared-prefix reads see them),
+nothing waiting, median of ``--repeats`` batches of ``--steps`` steps.
 
 Usage: python -m benchmarks.engine_host --rows 64 512 --out outputs/bench_engine_host.json
 """
@@ -32,30 +32,41 @@ from skyrl_clora.sampler.scheduler import QueuedRequest
 
 PROMPT = 300
 VOCAB = 512
+GROUP = 8  # rows per GRPO group: one prompt
 
 
 def step_ms(rows: int, steps: int, repeats: int) -> float:
     """Median milliseconds of one ``Engine.step`` (no publish or request waiting: launching a decode step,
-    accepting the one before) with ``rows`` running rows."""
+    accepting the one before) with ``rows`` running rows (a multiple of :data:`GROUP`)."""
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     model = Qwen3ForCausalLM(config)
     routing, layers = attach_multi_lora(model, num_slots=8, max_rank=8, trainable=False)
-    max_len = PROMPT + steps * (repeats + 1) + 16
-    engine = Engine(model, layers, num_rows=rows, max_len=max_len, block_size=16, cuda_graphs=False,
-                    share_prefix_reads=True)
+    admission_steps = 2  # the groups' first requests, then the others
+    max_len = PROMPT + admission_steps + steps * (repeats + 1) + 16
+    engine = Engine(model, layers, num_rows=rows, max_len=max_len, max_prefills_per_step=rows, block_size=16,
+                    cuda_graphs=False, share_prefix_reads=True)
     engine.shutdown()  # the benchmark drives the engine's step from this thread
     logits = torch.randn(rows, VOCAB)
+    engine.runner.prefill = lambda jobs: list(logits[: len(jobs)])
     engine.runner.decode = lambda span: logits[:span]
     tokens, logprobs = torch.full((rows,), 7), torch.full((rows,), -1.5)
     original = engine_module.draw_rows
     engine_module.draw_rows = lambda logits, temperature, top_p, uniform: DrawnTokens(tokens[: len(temperature)],
                                                                                        logprobs[: len(temperature)])
     try:
-        for row in range(rows):
-            params = SamplingParams(max_tokens=10**6, seed=row, stop_token_ids=(0,))
-            request = QueuedRequest(list(range(PROMPT)), None, params, concurrent.futures.Future(), row=row)
-            engine.start_row(request, ((row // 8,), PROMPT - PROMPT % 16))
+        prompts = [[(group + i) % VOCAB for i in range(PROMPT)] for group in range(rows // GROUP)]
+        # Each group's first request is prefilled (its prompt blocks keyed) before the others, which then adopt
+        # its whole prompt blocks, as a GRPO group's later samples do in the engine.
+        for first in (True, False):
+            for index in range(rows):
+                if (index % GROUP == 0) == first:
+                    params = SamplingParams(max_tokens=10**6, seed=index, stop_token_ids=(0,))
+                    engine.scheduler.enqueue(QueuedRequest(list(prompts[index // GROUP]), None, params,
+                                                           concurrent.futures.Future()))
+            engine.step()
+        if engine.running_rows() != rows:
+            raise RuntimeError(f"{engine.running_rows()} of {rows} rows running after admission")
         engine.step()
         times = []
         for _ in range(repeats):
@@ -68,13 +79,16 @@ def step_ms(rows: int, steps: int, repeats: int) -> float:
         engine_module.draw_rows = original
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: the arguments, default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[64, 512])
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 512], help=f"running rows (multiples of {GROUP})")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_engine_host.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if any(rows < GROUP or rows % GROUP for rows in args.rows):
+        parser.error(f"--rows: give multiples of {GROUP}")
     torch.set_num_threads(1)
     results = {}
     for rows in args.rows:

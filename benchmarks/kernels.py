@@ -13,6 +13,10 @@ LoRA part) against the adapters one after another. ``--sweep`` also times altern
     python -m benchmarks.kernels --out DIR [--sweep decode|prefill|all] [--quick] [--lean] [--tokens T ...]
         [--ranks R ...] [--adapters N ...]
     python -m benchmarks.kernels --out DIR --packed-sweep [--packed-configs JSON]
+    python -m benchmarks.kernels --out DIR --smoke --tokens 4 --ranks 8 --adapters 2
+
+``--smoke``: the main table, LoRAMeta.build and packed training at tiny sizes (``SMOKE_SHAPES``,
+``SMOKE_META_BUILD``, ``SMOKE_PACKED``), for a CPU run checking that the script runs.
 
 ``--lean`` leaves out the PEFT loop, gather + bmm and the no-PDL variant (the issue's targets need only ours,
 the folded layer and the base GEMM). ``--packed-sweep`` times packed training under launch configs of its
@@ -36,8 +40,8 @@ import torch
 
 import torch.nn.functional as F
 
-from benchmarks.common import DT, L2_BYTES, copy_bandwidth, graph_time, warm_up
-from benchmarks.packed import PACKED_SWEEP, packed_sweep, packed_training
+from benchmarks.common import DEVICE, DT, L2_BYTES, copy_bandwidth, device_name, graph_time, require_kernels, warm_up
+from benchmarks.packed import PACKED_SWEEP, SMOKE_PACKED, PackedCase, packed_sweep, packed_training
 from skyrl_clora.kernels import LoRAMeta, add_lora, fold_lora_weights
 from skyrl_clora.kernels.lora.folded import folded_lora_linear_triton
 from skyrl_clora.kernels.lora.meta import rank_pad
@@ -50,16 +54,20 @@ SHAPES = {  # name: (h_in, output slices, one A per slice)
     "4B.gate_up": (2560, (9728, 9728), True),
     "4B.down": (9728, (2560,), False),
 }
+SMOKE_SHAPES = {"tiny": (64, (128,), False), "tiny.qkv": (64, (64, 32, 32), True)}  # --smoke's
+META_BUILD = ("h4096", 32, 16, (16, 256, 4096))  # LoRAMeta.build's table: shape, N, rank, token counts
+SMOKE_META_BUILD = ("tiny", 2, 8, (16,))
 
 
 class Case:
-    """Input sets of one (shape, N, T, rank) case, rotated so each call misses the L2 cache."""
+    """Input sets of one (shape, N, T, rank) case, rotated so each call misses the L2 cache (``shape``: a key of
+    ``SHAPES`` or ``SMOKE_SHAPES``)."""
 
     def __init__(self, shape: str, n_adapters: int, tokens: int, rank: int, seed: int = 0):
-        self.h_in, self.widths, self.per_slice = SHAPES[shape]
+        self.h_in, self.widths, self.per_slice = {**SHAPES, **SMOKE_SHAPES}[shape]
         self.N, self.T, self.R = n_adapters, tokens, rank
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        self.slots = torch.randint(0, n_adapters, (tokens,), device="cuda", generator=gen)
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        self.slots = torch.randint(0, n_adapters, (tokens,), device=DEVICE, generator=gen)
         self.active = self.slots.unique().tolist()
         n_a = len(self.widths) if self.per_slice else 1
         width = sum(self.widths)
@@ -70,13 +78,13 @@ class Case:
         for _ in range(self.n_sets):
             a_shape = (n_a, n_adapters, rank, self.h_in) if self.per_slice else (n_adapters, rank, self.h_in)
             self.sets.append({
-                "x": torch.randn(tokens, self.h_in, device="cuda", dtype=DT, generator=gen),
-                "out": torch.randn(tokens, width, device="cuda", dtype=DT, generator=gen),
-                "a": torch.randn(a_shape, device="cuda", dtype=DT, generator=gen) / self.h_in**0.5,
-                "b": tuple(torch.randn(n_adapters, w, rank, device="cuda", dtype=DT, generator=gen) for w in self.widths),
+                "x": torch.randn(tokens, self.h_in, device=DEVICE, dtype=DT, generator=gen),
+                "out": torch.randn(tokens, width, device=DEVICE, dtype=DT, generator=gen),
+                "a": torch.randn(a_shape, device=DEVICE, dtype=DT, generator=gen) / self.h_in**0.5,
+                "b": tuple(torch.randn(n_adapters, w, rank, device=DEVICE, dtype=DT, generator=gen) for w in self.widths),
             })  # fmt: skip
-        self.scales = torch.full((n_adapters,), 2.0, device="cuda")
-        self.meta = LoRAMeta(max_tokens=tokens, num_slots=n_adapters, device="cuda", max_rank=rank)
+        self.scales = torch.full((n_adapters,), 2.0, device=DEVICE)
+        self.meta = LoRAMeta(max_tokens=tokens, num_slots=n_adapters, device=DEVICE, max_rank=rank)
         self.meta.build(self.slots)
         # what the op must move: x, the active adapters' weights, out read and written
         n_act = len(self.active)
@@ -90,7 +98,8 @@ class Case:
     def ours(self, config: SgmvConfig | None = None) -> float:
         def call(s: dict) -> Callable[[], None]:
             if config is None:
-                return lambda: add_lora(s["out"], s["x"], s["a"], s["b"], self.scales, self.slots, meta=self.meta)
+                return lambda: add_lora(s["out"], s["x"], s["a"], s["b"], self.scales, self.slots, meta=self.meta,
+                                    backend="triton")
             return lambda: add_lora_triton(
                 s["out"], s["x"], s["a"], s["b"], self.scales, self.slots, meta=self.meta, config=config
             )
@@ -148,7 +157,7 @@ class Case:
 
     def base_gemm(self) -> float:
         width = sum(self.widths)
-        ws = [torch.randn(width, self.h_in, device="cuda", dtype=DT) for _ in range(self.weight_sets())]
+        ws = [torch.randn(width, self.h_in, device=DEVICE, dtype=DT) for _ in range(self.weight_sets())]
         outs = [s["out"] for s in self.sets]
         xs = [s["x"] for s in self.sets]
         calls = [
@@ -165,7 +174,7 @@ class Case:
         for i in range(self.weight_sets()):
             s = self.sets[i % len(self.sets)]
             a = s["a"] if self.per_slice else s["a"].unsqueeze(0)
-            w = torch.randn(width, self.h_in, device="cuda", dtype=DT) / self.h_in**0.5
+            w = torch.randn(width, self.h_in, device=DEVICE, dtype=DT) / self.h_in**0.5
             layers.append((s, fold_lora_weights(w, None, a)))
         with_lora = graph_time([
             lambda s=s, f=f: folded_lora_linear_triton(s["x"], f, s["b"], self.scales, self.slots, self.meta)
@@ -238,7 +247,7 @@ def folded_sweep(results: dict) -> list[str]:
                 case = Case(shape, n, t, 16)
                 width, n_a = sum(case.widths), len(case.widths) if case.per_slice else 1
                 n_w = case.weight_sets()
-                weights = [torch.randn(width, case.h_in, device="cuda", dtype=DT) for _ in range(n_w)]
+                weights = [torch.randn(width, case.h_in, device=DEVICE, dtype=DT) for _ in range(n_w)]
                 sets = [case.sets[i % len(case.sets)] for i in range(n_w)]
                 base = graph_time([lambda s=s, w=w: F.linear(s["x"], w) for s, w in zip(sets, weights)])
                 gemms = []
@@ -249,7 +258,7 @@ def folded_sweep(results: dict) -> list[str]:
                            for s, w in zip(sets, weights)]
                     gemms.append(graph_time([lambda s=s, w=w: F.linear(s["x"], w) for s, w in zip(sets, ext)]))
                     del ext
-                ys = [torch.randn(t, width + n_a * n * 16, device="cuda", dtype=DT) for _ in case.sets]
+                ys = [torch.randn(t, width + n_a * n * 16, device=DEVICE, dtype=DT) for _ in case.sets]
                 default = default_config(t, case.h_in, n, n_a, 16)
 
                 def expand(cfg: SgmvConfig) -> float:
@@ -277,16 +286,17 @@ def folded_sweep(results: dict) -> list[str]:
 
 
 def main_table(
-    results: dict, bandwidth: float, quick: bool, lean: bool, tokens: tuple[int, ...], ranks: tuple[int, ...],
-    adapters: tuple[int, ...],
+    results: dict, bandwidth: float, shapes: tuple[str, ...], lean: bool, tokens: tuple[int, ...],
+    ranks: tuple[int, ...], adapters: tuple[int, ...], meta_build: tuple[str, int, int, tuple[int, ...]],
 ) -> list[str]:
+    """The main table over ``shapes`` x ``ranks`` x ``adapters`` x ``tokens``, then ``LoRAMeta.build`` alone at
+    ``meta_build`` (shape, N, rank, token counts); returns table lines."""
     lines = [
         "| shape | N | T | r | ours us | no-PDL us | base GEMM us | ours/base | folded layer us | its base us "
         "| folded add-on us | add-on/base | PEFT loop us | PEFT/ours | gather+bmm us | gather/ours | roofline us "
         "| ours/roofline |",
         "| --- " * 18 + "|",
     ]
-    shapes = ("h4096",) if quick else tuple(SHAPES)
     for shape in shapes:
         for rank in ranks:
             for n in adapters:
@@ -326,15 +336,17 @@ def main_table(
                     )
                     print(lines[-1], flush=True)
     lines += ["", "| T | N | LoRAMeta.build us (once per step) |", "| --- | --- | --- |"]
-    for t in (16, 256, 4096):
-        case = Case("h4096", 32, t, 16)
+    shape, n, rank, token_counts = meta_build
+    for t in token_counts:
+        case = Case(shape, n, t, rank)
         us = case.meta_build() * 1e6
-        results["meta_build"].append({"T": t, "N": 32, "s": us * 1e-6})
-        lines.append(f"| {t} | 32 | {us:.1f} |")
+        results["meta_build"].append({"T": t, "N": n, "s": us * 1e-6})
+        lines.append(f"| {t} | {n} | {us:.1f} |")
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: the arguments, default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_kernels"))
     parser.add_argument("--sweep", choices=["decode", "prefill", "all"], help="time alternative launch configs")
@@ -351,12 +363,16 @@ def main() -> None:
     parser.add_argument("--packed-configs", type=json.loads, metavar="JSON",
                         help="the packed sweep's configs (implies --packed-sweep): a JSON list of dicts of PackedConfig "
                              "fields to change (default: PACKED_SWEEP)")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes in the main table, LoRAMeta.build and packed training (a CPU run checking "
+                             "that the script runs)")
+    args = parser.parse_args(argv)
+    require_kernels()
     args.packed_sweep = args.packed_sweep or args.packed_configs is not None
     if args.packed_sweep:
         args.no_packed = args.no_table = True
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"device": torch.cuda.get_device_name(), "sweep": [], "folded_sweep": [], "table": [], "meta_build": []}
+    results: dict = {"device": device_name(), "sweep": [], "folded_sweep": [], "table": [], "meta_build": []}
     lines: list[str] = []
 
     def save() -> None:  # after every section, so a run cut short keeps what it measured
@@ -368,7 +384,7 @@ def main() -> None:
     results["copy_bandwidth_Bps"] = bandwidth
     lines += [f"device: {results['device']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", ""]
     if not args.no_packed:
-        lines += packed_training(results, bandwidth) + [""]
+        lines += packed_training(results, bandwidth, PackedCase(**SMOKE_PACKED) if args.smoke else PackedCase()) + [""]
         save()
     if args.packed_sweep:
         lines += packed_sweep(results, args.packed_configs or PACKED_SWEEP) + [""]
@@ -380,8 +396,9 @@ def main() -> None:
         lines += folded_sweep(results) + [""]
         save()
     if not args.no_table:
-        lines += main_table(results, bandwidth, args.quick, args.lean, tuple(args.tokens), tuple(args.ranks),
-                            tuple(args.adapters))
+        shapes = tuple(SMOKE_SHAPES) if args.smoke else ("h4096",) if args.quick else tuple(SHAPES)
+        lines += main_table(results, bandwidth, shapes, args.lean, tuple(args.tokens), tuple(args.ranks),
+                            tuple(args.adapters), SMOKE_META_BUILD if args.smoke else META_BUILD)
     results["copy_bandwidth_end_Bps"] = copy_bandwidth()
     lines += ["", f"copy bandwidth at the end: {results['copy_bandwidth_end_Bps'] / 1e12:.2f} TB/s"]
     save()

@@ -1,4 +1,4 @@
-"""Packed LoRA training for ``bench_kernels``: forward + backward of the LoRA part of N=8 adapters in one pass
+"""Packed LoRA training for ``benchmarks.kernels``: forward + backward of the LoRA part of N adapters in one pass
 against the adapters one after another, and the same under launch-config variants of the packed kernels
 (``--packed-sweep``)."""
 
@@ -11,29 +11,27 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import DT, graph_time
+from benchmarks.common import DEVICE, DT, graph_time, sync
 from skyrl_clora.kernels import LoRAMeta
 from skyrl_clora.kernels.lora.packed import PackedConfig, packed_lora_triton
 
 
 class PackedCase:
-    """Packed training's inputs: N=8 adapters, rank 16, 4096 tokens in all (512 each, contiguous), hidden 4096
-    in and out; forward + backward of the LoRA part, packed in one pass (``packed_lora_triton`` under a
-    launch config) or the adapters one after another (plain torch autograd)."""
+    """Packed training's inputs: ``n`` adapters of rank ``r``, ``t`` tokens in all (``t // n`` each, contiguous),
+    hidden ``h`` in and out; forward + backward of the LoRA part, packed in one pass (``packed_lora_triton``
+    under a launch config) or the adapters one after another (plain torch autograd)."""
 
-    N, R, T, H = 8, 16, 4096, 4096
-
-    def __init__(self) -> None:
-        n, r, t, h = self.N, self.R, self.T, self.H
+    def __init__(self, n: int = 8, r: int = 16, t: int = 4096, h: int = 4096) -> None:
+        self.N, self.R, self.T, self.H = n, r, t, h
         self.per = t // n
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        self.x = torch.randn(t, h, device="cuda", dtype=DT, generator=gen, requires_grad=True)
-        self.a = (torch.randn(n, r, h, device="cuda", dtype=DT, generator=gen) / h**0.5).requires_grad_()
-        self.b = torch.randn(n, h, r, device="cuda", dtype=DT, generator=gen).requires_grad_()
-        self.dy = torch.randn(t, h, device="cuda", dtype=DT, generator=gen)
-        self.scales = torch.full((n,), 2.0, device="cuda")
-        self.slots = torch.arange(n, device="cuda").repeat_interleave(self.per)
-        self.meta = LoRAMeta(max_tokens=t, num_slots=n, device="cuda", max_rank=r)
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+        self.x = torch.randn(t, h, device=DEVICE, dtype=DT, generator=gen, requires_grad=True)
+        self.a = (torch.randn(n, r, h, device=DEVICE, dtype=DT, generator=gen) / h**0.5).requires_grad_()
+        self.b = torch.randn(n, h, r, device=DEVICE, dtype=DT, generator=gen).requires_grad_()
+        self.dy = torch.randn(t, h, device=DEVICE, dtype=DT, generator=gen)
+        self.scales = torch.full((n,), 2.0, device=DEVICE)
+        self.slots = torch.arange(n, device=DEVICE).repeat_interleave(self.per)
+        self.meta = LoRAMeta(max_tokens=t, num_slots=n, device=DEVICE, max_rank=r)
         self.meta.build(self.slots)
         self.xs = [self.x.detach()[i * self.per : (i + 1) * self.per].clone().requires_grad_() for i in range(n)]
         self.as_ = [self.a.detach()[i].clone().requires_grad_() for i in range(n)]
@@ -64,21 +62,20 @@ class PackedCase:
                 (self.xs[i] @ self.as_[i].T) @ self.bs[i].T * 2.0
 
 
-def packed_training(results: dict, bandwidth: float) -> list[str]:
-    """``PackedCase``: packed vs the adapters one after another, in CUDA graphs and eagerly, and the memory
+def packed_training(results: dict, bandwidth: float, case: PackedCase) -> list[str]:
+    """``case``: packed vs the adapters one after another, in CUDA graphs and eagerly, and the memory
     floor: the bytes of forward + backward (``x`` read twice, ``y`` written, ``dy`` read, ``dx`` written:
     five ``[T, H]`` tensors) over ``bandwidth`` (the copy bandwidth, read + write)."""
-    case = PackedCase()
 
     def eager(fn: Callable[[], None]) -> float:
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
+        sync()
         times = []
-        for _ in range(20):
+        for _ in range(20 if DEVICE == "cuda" else 1):  # the CPU's smoke run times one call
             t0 = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
@@ -93,7 +90,8 @@ def packed_training(results: dict, bandwidth: float) -> list[str]:
     }
     results["packed"] = res
     return [
-        "| packed training, N=8 r=16 T=4096 hidden 4096 | packed us | 8 adapters one after another us | speed-up |",
+        f"| packed training, N={case.N} r={case.R} T={case.T} hidden {case.H} | packed us | {case.N} adapters one after "
+        "another us | speed-up |",
         "| --- | --- | --- | --- |",
         f"| CUDA graph replay | {res['packed_graph_s'] * 1e6:.1f} | {res['sequential_graph_s'] * 1e6:.1f} | "
         f"{res['sequential_graph_s'] / res['packed_graph_s']:.1f}x |",
@@ -106,6 +104,8 @@ def packed_training(results: dict, bandwidth: float) -> list[str]:
         f"packed at {res['packed_graph_s'] / res['floor_s']:.2f}x the floor |",
     ]
 
+
+SMOKE_PACKED = {"n": 2, "r": 8, "t": 32, "h": 64}  # ``benchmarks.kernels --smoke``'s case
 
 # ``--packed-sweep``'s configs, as changes to ``PackedConfig()``'s defaults (the defaults first): one kernel's
 # shape at a time, so that each config compiles one or two new kernels.

@@ -80,13 +80,20 @@ def pack_report(cases: int, rng: random.Random) -> dict[str, object]:
         "cases": cases, "slowest_plan_s": max(seconds)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: the arguments, default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--pack-cases", type=int, default=300)
+    parser.add_argument("--large", type=int, nargs="+", default=[16, 32, 64], metavar="N",
+                        help="the large cases' tenant counts (multiples of 8; one replica per 8 tenants)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.cases < 1 or args.pack_cases < 1:
+        parser.error("--cases and --pack-cases must be at least 1")
+    if any(count < 8 or count % 8 for count in args.large):
+        parser.error("--large: give multiples of 8")
     rng = random.Random(args.seed)
     ratios, seconds = [], []
     for _ in range(args.cases):
@@ -96,7 +103,7 @@ def main() -> None:
         seconds.append(time.perf_counter() - started)
         ratios.append(makespan(plan, {t.name: t.work for t in tenants}) / optimal_assignment(tenants, replicas, capacity)[0])
     large = []
-    for tenants_count, replicas in ((16, 2), (32, 4), (64, 8)):
+    for tenants_count, replicas in ((count, count // 8) for count in args.large):
         tenants = [TenantCost(f"t{i}", rng.lognormvariate(0.0, 0.8)) for i in range(tenants_count)]
         started = time.perf_counter()
         plan = plan_assignment(tenants, replicas, tenants_count)

@@ -1,11 +1,11 @@
 """The engine's forward passes at the end-to-end workload's shapes, timed and profiled on the calling thread.
 
-bench_e2e's engine runs on its own thread, where torch.profiler records kernels but no operators; this
+benchmarks.e2e's engine runs on its own thread, where torch.profiler records kernels but no operators; this
 script drives a :class:`ModelRunner` directly, so every kernel is attributed to the operator that launched
 it. Model: a Qwen3-shaped model with random bf16 weights and ``--tenants`` random rank-16 adapters; the
 rows are mixed over the adapters. Cases:
 
-- ``decode``: one CUDA-graph replay per step at ``--spans`` rows, each row a GRPO sample: rows in groups of
+- ``decode``: one CUDA-graph replay per step (an eager pass on the CPU) at ``--spans`` rows, each row a GRPO sample: rows in groups of
   ``--samples`` hold the same ``--prompt``-position prefix (copied K/V), then their own positions up to a
   length drawn uniformly from ``[prompt + 1, --context]``. Timed with decode attention reading each row's own
   copy (``share_prefix_reads`` off) and reading the group's prefix from its first row (on), side by side.
@@ -13,7 +13,7 @@ rows are mixed over the adapters. Cases:
   copy bandwidth measured in the same run.
 - ``prefill turn``: the next turn of ``--jobs`` episodes: each job's first ``--history`` positions are in
   its cache row, ``--observation`` + 1 new positions are computed (the engine's call after a tool result).
-  Both prefill cases are timed eager and replayed from CUDA graphs.
+  Both prefill cases are timed eager and (on CUDA) replayed from CUDA graphs.
 - ``prefill prompt``: the first turn of ``--jobs`` episodes in groups of ``--samples``: one job per group
   computes the whole prompt, the others its last position (the engine's call once the prompt is cached).
 - ``sample``: the engine's sampler on ``[span, V]`` logits.
@@ -23,6 +23,8 @@ rows are mixed over the adapters. Cases:
 Each case is also profiled (``--profile``): operator and kernel tables by GPU and by CPU time beside ``--out``.
 
 Usage (GPU): python -m benchmarks.runner --out $OUT/runner.json --profile
+On the CPU (``--shape tiny``, small sizes, ``TRITON_INTERPRET=1``) it runs as a smoke run: its times say only that
+the script runs.
 """
 
 from __future__ import annotations
@@ -35,18 +37,25 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from benchmarks.common import QWEN3_VOCAB, SHAPES, build_random_model, copy_bandwidth, qwen3_config, random_adapter
+from benchmarks.common import (DEVICE, QWEN3_VOCAB, SHAPES, build_random_model, copy_bandwidth, qwen3_config,
+                               random_adapter, require_kernels, sync)
 
 from skyrl_clora.lora.layers import attach_multi_lora, write_slot
 from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
 from skyrl_clora.sampler.sampling import sample_rows
 
 
-def gpu_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` calls, each between CUDA events (after one warm-up)."""
+def timed_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` calls, each between CUDA events (after one warm-up); on the
+    CPU by the wall clock."""
     fn()
     times = []
     for _ in range(repeats):
+        if DEVICE != "cuda":
+            started = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - started))
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -57,16 +66,18 @@ def gpu_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def profile_to(path: Path, fn: Callable[[], object], calls: int) -> None:
-    """Writes the operator tables (by self GPU time, then by self CPU time) of ``calls`` calls of ``fn`` to
-    ``path``."""
+    """Writes the operator tables (by self GPU time, then by self CPU time; on the CPU by self CPU time) of
+    ``calls`` calls of ``fn`` to ``path``."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = DEVICE == "cuda"
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
-    tables = [prof.key_averages().table(sort_by=key, row_limit=45) for key in ("self_cuda_time_total", "self_cpu_time_total")]
+        sync()
+    keys = ("self_cuda_time_total", "self_cpu_time_total") if cuda else ("self_cpu_time_total",)
+    tables = [prof.key_averages().table(sort_by=key, row_limit=45) for key in keys]
     path.write_text(f"{calls} calls\n" + "\n".join(tables))
 
 
@@ -87,13 +98,14 @@ def copy_group_prefixes(runner: ModelRunner, span: int, samples: int, prompt: in
 
 def run_decode(runner: ModelRunner, args: argparse.Namespace, weight_bytes: int, kv_token_bytes: int,
                bandwidth: float, rng: random.Random) -> list[dict]:
-    """Decode steps with and without shared-prefix reads at every span (graphs captured for both forms)."""
+    """Decode steps with and without shared-prefix reads at every span (on CUDA graphs captured for both forms)."""
     results = []
     forms = {}
     for share in (False, True):
         runner.share_prefix_reads = share
         runner._graphs.clear()
-        runner.capture_graphs()
+        if DEVICE == "cuda":
+            runner.capture_graphs()
         forms[share] = dict(runner._graphs)
     for span in args.spans:
         positions, sources, lens = decode_rows(span, args.samples, args.prompt, args.context, rng)
@@ -104,15 +116,15 @@ def run_decode(runner: ModelRunner, args: argparse.Namespace, weight_bytes: int,
         shared_kv = own_kv - sum(n for row, (s, n) in enumerate(zip(sources, lens)) if s != row) * kv_token_bytes
         row = {"case": "decode", "span": span, "mean_length": sum(p + 1 for p in positions) / span}
         for share in (False, True):
-            runner._graphs = forms[share]
+            runner.share_prefix_reads, runner._graphs = share, forms[share]
             name = "shared" if share else "own"
-            row[f"{name}_ms"] = gpu_ms(lambda: runner.decode(span), args.repeats)
+            row[f"{name}_ms"] = timed_ms(lambda: runner.decode(span), args.repeats)
             row[f"{name}_roofline_ms"] = 1e3 * (weight_bytes + (shared_kv if share else own_kv)) / bandwidth
             if args.profile:
                 profile_to(args.out.with_suffix(f".decode{span}.{name}.txt"), lambda: runner.decode(span), 10)
         logits = torch.randn(span, QWEN3_VOCAB, device=runner.device, dtype=runner.dtype)  # what decode returns
         uniform = [rng.random() for _ in range(span)]
-        row["sample_ms"] = gpu_ms(lambda: sample_rows(logits, [1.0] * span, [1.0] * span, uniform), args.repeats)
+        row["sample_ms"] = timed_ms(lambda: sample_rows(logits, [1.0] * span, [1.0] * span, uniform), args.repeats)
         results.append(row)
         print(json.dumps(row), flush=True)
     return results
@@ -120,14 +132,14 @@ def run_decode(runner: ModelRunner, args: argparse.Namespace, weight_bytes: int,
 
 def run_prefill(runner: ModelRunner, args: argparse.Namespace, name: str, jobs: list[PrefillJob]) -> dict:
     """Times (wall, synchronised: the engine waits for the logits) and profiles one ``runner.prefill(jobs)``,
-    eager and replayed from CUDA graphs, side by side."""
+    eager and (on CUDA) replayed from CUDA graphs, side by side."""
     def call() -> None:
         runner.prefill(jobs)
-        torch.cuda.synchronize()
+        sync()
 
     computed = sum(job.tokens.shape[0] - job.start for job in jobs)
     row = {"case": name, "jobs": len(jobs), "computed_positions": computed}
-    for graphs in (False, True):
+    for graphs in (False, True) if DEVICE == "cuda" else (False,):
         runner.prefill_graphs = graphs
         call()  # warm-up (with graphs: the capture)
         times = []
@@ -158,13 +170,14 @@ def run_prefill_attention(runner: ModelRunner, args: argparse.Namespace, jobs: l
     for name in args.attention_configs:
         block_q, block_n, warps, stages = (int(part) for part in name.split("/"))
         config = PrefillConfig(block_q=block_q, block_n=block_n, num_warps=warps, num_stages=stages)
-        row[f"{name}_us"] = 1e3 * gpu_ms(lambda: prefill_attention_triton(
+        row[f"{name}_us"] = 1e3 * timed_ms(lambda: prefill_attention_triton(
             q, k_cache, v_cache, rows, starts, q_offsets, q_lens, runner.head_dim ** -0.5, config), args.repeats)
     print(json.dumps(row), flush=True)
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: the arguments, default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
     parser.add_argument("--tenants", type=int, default=8)
@@ -182,11 +195,12 @@ def main() -> None:
                         help="the K/V cache's dtype: the model's (auto) or float8 e4m3 (scale 1.0)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    require_kernels()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     bandwidth = copy_bandwidth()
-    model = build_random_model(qwen3_config(args.shape), "cuda")
+    model = build_random_model(qwen3_config(args.shape), DEVICE)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     config = model.config
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else model.dtype

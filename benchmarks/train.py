@@ -1,4 +1,4 @@
-"""Trainer throughput for 8 tenants on a Qwen3-1.7B-shaped model: swap one by one (with and without
+"""Trainer throughput for 8 tenants on a Qwen3-shaped model (``--shape``, default Qwen3-1.7B): swap one by one (with and without
 prefetching the next tenant on the side stream, and with each GRPO group's prompt computed once per
 micro-batch: ``Trainer.shared_prefix``) vs one packed pass, side by side in one run. With ``--hf-baseline``,
 swap on Hugging Face's own RMSNorm / SwiGLU modules runs first (before the model's modules are fused), the
@@ -6,12 +6,13 @@ baseline of the trainer's fused element-wise ops.
 
 The model has random bf16 weights built on the GPU (no checkpoint), LoRA rank 16 on every linear layer of
 the decoder. Workloads (per tenant, per round): ``gsm8k`` -- 8 prompts x 8 samples, prompts ~256 tokens and
-responses ~300 tokens (the GSM8K-agentic shape of issue 5); ``small`` -- 8 sequences of 256 + 256 tokens.
+responses ~300 tokens (the GSM8K-agentic shape of issue 5); ``small`` -- 8 sequences of 256 + 256 tokens;
+``tiny`` -- 2 prompts x 2 samples of 8 + 8 tokens (with ``--shape tiny``: a CPU run checking that the script runs).
 A round trains every tenant once; each mode runs ``--warmup`` rounds, then ``--repeats`` timed rounds
 (medians reported). One more round per mode, with a device synchronisation around each phase, splits
 the time into phases (that round is not in the medians). Prints one table and writes bench_train.json.
 
-Usage: python -m benchmarks.train --out $OUT [--workloads gsm8k,small] [--hf-baseline] [--repeats 3]
+Usage: python -m benchmarks.train --out $OUT [--shape qwen3-1.7b] [--workloads gsm8k,small] [--hf-baseline] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import Callable, Iterator
 
 import torch
 from skyrl.train.config import AlgorithmConfig
-from benchmarks.common import build_random_model, qwen3_config
+from benchmarks.common import (DEVICE, SHAPES, build_random_model, device_name, peak_memory_gib, qwen3_config,
+                               reset_peak_memory, sync)
 
 import skyrl_clora.trainer.trainer as trainer_module
 from skyrl_clora.lora.layers import attach_multi_lora
@@ -43,6 +45,7 @@ RANK = 16
 HF_BASELINE = "swap, HF element-wise"  # swap mode on Hugging Face's own RMSNorm / SwiGLU modules
 SHARED = "swap, shared prompts"  # swap mode computing each GRPO group's prompt once per micro-batch
 MODES = ("swap", SHARED, "swap+prefetch", "packed")
+WORKLOADS = ("gsm8k", "small", "tiny")
 
 
 def make_batch(workload: str, generator: torch.Generator) -> TrainBatch:
@@ -59,10 +62,11 @@ def make_batch(workload: str, generator: torch.Generator) -> TrainBatch:
                 responses.append(torch.randint(0, 150000, (randint(200, 400),), generator=generator).tolist())
                 groups.append(f"p{prompt_index}")
     else:
-        for index in range(8):
-            prompts.append(torch.randint(0, 150000, (256,), generator=generator).tolist())
-            responses.append(torch.randint(0, 150000, (256,), generator=generator).tolist())
-            groups.append(f"p{index // 4}")
+        count, length = (8, 256) if workload == "small" else (4, 8)
+        for index in range(count):
+            prompts.append(torch.randint(0, 150000, (length,), generator=generator).tolist())
+            responses.append(torch.randint(0, 150000, (length,), generator=generator).tolist())
+            groups.append(f"p{index // (count // 2)}")
     rewards = [float(torch.rand(1, generator=generator) > 0.5) for _ in prompts]
     return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=[[1] * len(r) for r in responses],
                       rewards=rewards, group_ids=groups, rollout_logprobs=None)
@@ -78,10 +82,10 @@ def phase_timers(trainer: Trainer, totals: dict[str, float]) -> Iterator[None]:
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            torch.cuda.synchronize()
+            sync()
             started = time.perf_counter()
             result = original(*args, **kwargs)
-            torch.cuda.synchronize()
+            sync()
             totals[label] += time.perf_counter() - started
             return result
 
@@ -116,17 +120,19 @@ def run_round(trainer: Trainer, mode: str, names: list[str], batches: dict[str, 
 
 def profile_round(trainer: Trainer, mode: str, names: list[str], batches: dict[str, TrainBatch], path: Path) -> None:
     """One round of ``mode`` under ``torch.profiler``: writes its top GPU kernels, CPU ops and GPU ops by input
-    shapes to ``path``."""
+    shapes to ``path`` (on the CPU: CPU ops, and CPU ops by input shapes)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+    cuda = DEVICE == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), record_shapes=True) as prof:
         run_round(trainer, mode, names, batches)
-        torch.cuda.synchronize()
+        sync()
     averages = prof.key_averages()
     by_shape = prof.key_averages(group_by_input_shape=True)
-    path.write_text(averages.table(sort_by="self_cuda_time_total", row_limit=40) + "\n"
+    device_key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    path.write_text((averages.table(sort_by="self_cuda_time_total", row_limit=40) + "\n" if cuda else "")
                     + averages.table(sort_by="self_cpu_time_total", row_limit=25) + "\n"
-                    + by_shape.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=40,
+                    + by_shape.table(sort_by=device_key, row_limit=60, max_name_column_width=40,
                                      max_shapes_column_width=120))
 
 
@@ -138,10 +144,10 @@ def host_profile_round(trainer: Trainer, mode: str, names: list[str], batches: d
     import pstats
 
     profiler = cProfile.Profile()
-    torch.cuda.synchronize()
+    sync()
     profiler.enable()
     run_round(trainer, mode, names, batches)
-    torch.cuda.synchronize()
+    sync()
     profiler.disable()
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
@@ -150,10 +156,17 @@ def host_profile_round(trainer: Trainer, mode: str, names: list[str], batches: d
     path.write_text(text.getvalue())
 
 
-def main() -> None:
+def gib(value: float | None) -> str:
+    """A peak memory in GiB for the tables ("-": not measured)."""
+    return "-" if value is None else f"{value:.1f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: the arguments, default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_train"))
-    parser.add_argument("--workloads", default="gsm8k,small")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    parser.add_argument("--workloads", default="gsm8k,small", help=f"comma-separated, of {', '.join(WORKLOADS)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--micro-batch-size", type=int, default=32)
@@ -167,10 +180,13 @@ def main() -> None:
                         help="also profile one round per mode (after its timed rounds): writes <workload>.<mode>.kernels.txt (mode without spaces, commas as dashes)")
     parser.add_argument("--host-profile", action="store_true",
                         help="also run one round per mode under cProfile: writes <workload>.<mode>.host.txt")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    workloads = args.workloads.split(",")
+    if not set(workloads) <= set(WORKLOADS):
+        parser.error(f"--workloads {args.workloads}: choose from {', '.join(WORKLOADS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    model = build_random_model(qwen3_config("qwen3-1.7b"), "cuda")
+    model = build_random_model(qwen3_config(args.shape), DEVICE)
     model.train()
     routing, layers = attach_multi_lora(model, num_slots=TENANTS, max_rank=RANK, trainable=True)
     store = AdapterStore(layers, num_slots=TENANTS)
@@ -183,10 +199,9 @@ def main() -> None:
                       micro_batch_size=args.micro_batch_size, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
                       fused_elementwise=not args.hf_baseline)
     print(f"model built in {time.perf_counter() - started:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
-          f"parameters, {len(layers)} LoRA layers, rank {RANK}, {torch.cuda.get_device_name()}", flush=True)
+          f"parameters, {len(layers)} LoRA layers, rank {RANK}, {device_name()}", flush=True)
 
     results = []
-    workloads = args.workloads.split(",")
     # The baseline on Hugging Face's own modules for every workload first, then the fused modules for the rest.
     plan = [(workload, HF_BASELINE) for workload in workloads if args.hf_baseline]
     modes = ["swap"] + [mode for mode in args.modes if mode != "swap"]
@@ -200,18 +215,18 @@ def main() -> None:
         tokens = sum(len(p) + len(r) for b in batches.values() for p, r in zip(b.prompt_ids, b.response_ids))
         for _ in range(args.warmup):
             run_round(trainer, mode, names, batches)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        sync()
+        reset_peak_memory()
         seconds = []
         for _ in range(args.repeats):
             round_started = time.perf_counter()
             run_round(trainer, mode, names, batches)
-            torch.cuda.synchronize()
+            sync()
             seconds.append(time.perf_counter() - round_started)
-        peak = torch.cuda.max_memory_allocated() / 2**30
+        peak = peak_memory_gib()
         phases: dict[str, float] = defaultdict(float)
         with phase_timers(trainer, phases):
-            torch.cuda.synchronize()
+            sync()
             phase_started = time.perf_counter()
             run_round(trainer, mode, names, batches)
             phases["round (synchronised phases)"] = time.perf_counter() - phase_started
@@ -226,20 +241,20 @@ def main() -> None:
                "phases_s": dict(phases)}
         results.append(row)
         print(f"{workload:>6} {mode:>21}: {median:.3f}s/round ({seconds}), {tokens / median:,.0f} tok/s, "
-              f"peak {peak:.1f} GiB; phases {json.dumps({k: round(v, 3) for k, v in phases.items()})}", flush=True)
+              f"peak {gib(peak)} GiB; phases {json.dumps({k: round(v, 3) for k, v in phases.items()})}", flush=True)
 
     print(f"\n{'workload':>8} {'mode':>21} {'s/round':>8} {'tokens/s':>10} {'vs swap':>8} {'peak GiB':>9}")
     for row in results:
         swap = next(r for r in results if r["workload"] == row["workload"] and r["mode"] == "swap")
         row["speedup_vs_swap"] = swap["round_s"] / row["round_s"]
         print(f"{row['workload']:>8} {row['mode']:>21} {row['round_s']:>8.3f} {row['tokens_per_s']:>10,.0f} "
-              f"{row['speedup_vs_swap']:>7.2f}x {row['peak_gib']:>9.1f}")
+              f"{row['speedup_vs_swap']:>7.2f}x {gib(row['peak_gib']):>9}")
     for workload in workloads:
         if args.hf_baseline:
             row = next(r for r in results if r["workload"] == workload and r["mode"] == HF_BASELINE)
             print(f"{workload}: swap with the fused element-wise ops runs {row['speedup_vs_swap'] ** -1:.2f}x the "
                   "throughput of swap on Hugging Face's modules")
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tenants": TENANTS, "rank": RANK,
+    report = {"device": device_name(), "torch": torch.__version__, "tenants": TENANTS, "rank": RANK,
               "micro_batch_size": args.micro_batch_size, "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
               "repeats": args.repeats, "warmup": args.warmup, "rows": results}
     (args.out / "bench_train.json").write_text(json.dumps(report, indent=2) + "\n")

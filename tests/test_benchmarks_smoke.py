@@ -1,0 +1,130 @@
+"""Every benchmark module runs: each ``benchmarks.<name>`` command line (its ``main(argv)``) at its smallest size on
+the CPU, where the GPU benchmarks take tiny shapes (``--smoke``, ``--shape tiny``) and their Triton kernels run
+through the Triton interpreter (``TRITON_INTERPRET=1``, set by scripts/test.sh). Each run must end normally and
+write its output; its figures are not checked (they say nothing on a CPU). ``benchmarks.workloads`` is a helper
+(its code runs in the e2e run; ``tests/test_bench_e2e.py`` tests it and e2e's parts)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from benchmarks import (attention, common, concurrency, e2e, engine, engine_host, kernels, planner, qkv_rope, runner,
+                        train)
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+HELPERS = {"workloads", "packed"}  # imported by the runnable modules (packed: by kernels, run there)
+RUNS = {"attention", "common", "concurrency", "e2e", "engine", "engine_host", "kernels", "planner", "qkv_rope",
+        "runner", "train"}
+interpreted = pytest.mark.skipif(common.DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)")
+
+
+def test_every_benchmark_module_has_a_run_here():
+    modules = {path.stem for path in BENCHMARKS.glob("*.py")} - {"__init__"}
+    assert modules == RUNS | HELPERS
+
+
+def read_json(path: Path) -> dict:
+    assert path.is_file(), f"{path} was not written"
+    return json.loads(path.read_text())
+
+
+@interpreted
+def test_attention(tmp_path):
+    attention.main(["--smoke", "--paged", "16", "--out", str(tmp_path)])
+    results = read_json(tmp_path / "bench_attention.json")
+    assert len(results["table"]) == 2 and all("paged_s" in row for row in results["table"])
+    assert (tmp_path / "bench_attention.md").is_file()
+
+
+@interpreted
+def test_kernels_and_packed_training(tmp_path):
+    kernels.main(["--smoke", "--tokens", "4", "--ranks", "8", "--adapters", "2", "--out", str(tmp_path)])
+    results = read_json(tmp_path / "bench_kernels.json")
+    assert [row["shape"] for row in results["table"]] == ["tiny", "tiny.qkv"]
+    assert not [row for row in results["table"] if "error" in row]  # a failed row is only reported by the script
+    assert "packed_graph_s" in results["packed"] and len(results["meta_build"]) == 1
+
+
+@interpreted
+def test_qkv_rope(tmp_path):
+    qkv_rope.main(["--smoke", "--adapters", "2", "--tokens", "4", "--out", str(tmp_path)])
+    assert len(read_json(tmp_path / "bench_qkv_rope.json")["rows"]) == 1
+
+
+@interpreted
+def test_runner(tmp_path):
+    out = tmp_path / "runner.json"
+    runner.main(["--shape", "tiny", "--tenants", "2", "--spans", "16", "--samples", "4", "--prompt", "16", "--context",
+                 "40", "--jobs", "4", "--history", "24", "--observation", "7", "--repeats", "1",
+                 "--attention-configs", "16/16/1/1", "--profile", "--out", str(out)])
+    cases = [case["case"] for case in read_json(out)["cases"]]
+    assert cases == ["decode", "prefill turn", "prefill attention, one layer", "prefill prompt"]
+    assert (tmp_path / "runner.decode16.shared.txt").is_file()
+
+
+def test_engine(tmp_path):
+    out = tmp_path / "engine.json"
+    engine.main(["--shape", "tiny", "--batches", "2", "--prompt", "8", "--new", "3", "--repeats", "1", "--profile",
+                 "--out", str(out)])
+    results = read_json(out)
+    assert len(results["engine"]) == 4 and len(results["hf"]) == 3 and "profile" in results
+
+
+def test_engine_host(tmp_path):
+    out = tmp_path / "engine_host.json"
+    engine_host.main(["--rows", "16", "--steps", "2", "--repeats", "1", "--out", str(out)])
+    assert list(read_json(out)["host_ms_per_decode_step"]) == ["16"]
+
+
+def test_train(tmp_path):
+    train.main(["--shape", "tiny", "--workloads", "tiny", "--repeats", "1", "--warmup", "0", "--modes", "packed",
+                "--out", str(tmp_path)])
+    assert [row["mode"] for row in read_json(tmp_path / "bench_train.json")["rows"]] == ["swap", "packed"]
+
+
+def test_e2e(tmp_path, micro_model_dir):
+    out = tmp_path / "e2e.json"
+    e2e.main(["--shape", "tiny", "--tokenizer", str(micro_model_dir), "--device", "cpu", "--tenants", "1",
+              "--modes", "swap", "--steps", "1", "--response", "1", "--prompts", "1", "--samples", "2",
+              "--prompt", "16", "--out", str(out)])
+    rows = read_json(out)["rows"]
+    assert [(row["mode"], row["tenants"]) for row in rows] == [("serial", 1), ("swap", 1)]
+    assert all(row["short_turns"] == 0 for row in rows)
+
+
+def test_concurrency(tmp_path, micro_model_dir):
+    concurrency.main(["--out", str(tmp_path), f"trainer.policy.model.path={micro_model_dir}", "+tenants=2",
+                      "trainer.max_training_steps=1", "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2",
+                      "recipe.eval_prompts=2", "generator.sampling_params.max_generate_length=4",
+                      "generator.max_turns=1", "trainer.max_prompt_length=400", "clora.progress=false"])
+    rows = read_json(tmp_path / "bench_concurrency.json")["rows"]
+    assert [(row["mode"], row["tenants"]) for row in rows] == [("concurrent", 2), ("serial", 2)]
+
+
+def test_planner(tmp_path):
+    out = tmp_path / "planner.json"
+    planner.main(["--cases", "5", "--pack-cases", "3", "--large", "16", "--out", str(out)])
+    report = read_json(out)
+    assert report["small_cases"] == 5 and report["packs"]["cases"] == 3 and len(report["large"]) == 1
+
+
+def test_common_writes_a_random_checkpoint(tmp_path, micro_model_dir):
+    common.main(["--shape", "tiny", "--tokenizer-from", str(micro_model_dir), "--out", str(tmp_path / "model")])
+    assert (tmp_path / "model" / "config.json").is_file() and (tmp_path / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.skipif(common.DEVICE == "cuda", reason="a CUDA device runs the kernels")
+def test_without_cuda_or_the_interpreter_a_kernel_benchmark_says_what_to_do(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for module in (attention, kernels, qkv_rope):
+        with pytest.raises(SystemExit) as raised:
+            module.main(["--smoke", "--out", str(tmp_path)])
+        assert raised.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "TRITON_INTERPRET=1" in err
+    assert not any(tmp_path.iterdir())
