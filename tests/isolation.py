@@ -28,15 +28,20 @@ _RUN_DEPENDENT = ("rollout_s", "train_s", "sync_s", "train/pass_tenants")
 # The sampler's log-probs match across batch compositions only to float rounding on the CPU (its GEMMs
 # take other kernels for other row counts), so the trainer's gap to them is compared approximately.
 _SAMPLER_GAP = "train/logprob_abs_diff_vs_sampler"
+# How far rounding may move a packed tenant's weights from its weights alone, as a share of its learning rate
+# (see assert_same_tenants): measured at most 0.3% of lr after 3 steps on the micro task; a leak moves them ~100%.
+WEIGHT_LR_SHARE = 0.02
 
 
 @dataclass
 class TenantResult:
     """One tenant at the end of a run: its metrics records (run-dependent keys dropped), its trainer state
-    (``tables``: master, exp_avg, exp_avg_sq, grads as flat fp32 host tensors; ``step``; ``rng_state``),
-    the weights the trainer publishes, the adapter the sampler serves, and the PEFT export."""
+    (``tables``: master, exp_avg, exp_avg_sq, grads as flat fp32 host tensors; ``step``; ``rng_state``; its
+    base learning rate ``lr``), the weights the trainer publishes, the adapter the sampler serves, and the PEFT
+    export."""
 
     records: list[dict[str, Any]]
+    lr: float
     tables: dict[str, torch.Tensor]
     step: int
     rng_state: torch.Tensor
@@ -59,7 +64,7 @@ def run_recorded(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> dict[str, 
         for name, state in services.store.tenants.items():
             services.store.wait(name)
             results[name] = TenantResult(
-                records=tenant_records(out, name),
+                records=tenant_records(out, name), lr=state.schedule.base_lr,
                 tables={table: state.flat[table].clone() for table in TABLES},
                 step=state.step, rng_state=state.rng_state.clone(), weights=_cloned(state.weights),
                 served=services.engine.adapters.read(name, state.rank, state.alpha),
@@ -128,23 +133,32 @@ def tenant_records(out: Path, name: str) -> list[dict[str, Any]]:
 
 def assert_same_tenants(got: dict[str, TenantResult], want: dict[str, TenantResult], exact: bool = True) -> None:
     """Per tenant: metrics, optimizer state (masters, both moments, gradients, step, RNG), published, served
-    and exported A and B; bit for bit when ``exact``, else to float rounding (a packed pass computes its
-    tenants' rows in one batch, whose CPU GEMMs round differently from a batch of one tenant's rows)."""
+    and exported A and B; bit for bit when ``exact``, else to float rounding as AdamW carries it (a packed pass
+    computes its tenants' rows in one batch, whose CPU GEMMs round differently from a batch of one tenant's rows):
+
+    - moments and gradients within ``1e-3`` of their table's largest entry (rounding leaves them ~1e-5 apart);
+    - weights (masters, A, B) within ``WEIGHT_LR_SHARE`` of the tenant's learning rate. AdamW moves every weight by
+      about ``lr`` a step whatever its gradient's size, so an entry whose gradient is near zero (of the order of
+      Adam's ``eps``) moves by a rounding-sensitive fraction of ``lr``, and a tensor whose entries all moved that
+      way can differ by that fraction of ``lr`` relative to its own largest entry. Anything of another tenant
+      reaching a pack changes gradients at their own scale and weights by about ``lr`` a step."""
     assert sorted(got) == sorted(want)
 
-    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    def same(a: torch.Tensor, b: torch.Tensor, atol: float = 0.0) -> bool:
         if exact:
             return torch.equal(a, b)
-        # Adam's normalised steps turn rounding-level gradient differences into ~1e-4 of the largest entry.
-        return a.shape == b.shape and float((a - b).abs().max()) <= 1e-3 * float(b.abs().max()) + 1e-12
+        return a.shape == b.shape and float((a - b).abs().max()) <= max(1e-3 * float(b.abs().max()), atol)
 
     for name in want:
         x, y = got[name], want[name]
+        weight_atol = WEIGHT_LR_SHARE * y.lr
         assert_same_records(x.records, y.records, name, exact)
         assert x.step == y.step and torch.equal(x.rng_state, y.rng_state), name
         for table in TABLES:
-            assert same(x.tables[table], y.tables[table]), f"{name}'s {table} differs"
+            assert same(x.tables[table], y.tables[table], weight_atol if table == "master" else 0.0), \
+                f"{name}'s {table} differs"
         for label in ("weights", "served", "exported"):
             a, b = getattr(x, label), getattr(y, label)
             for path in b.a:
-                assert same(a.a[path], b.a[path]) and same(a.b[path], b.b[path]), (name, label, path)
+                assert same(a.a[path], b.a[path], weight_atol) and same(a.b[path], b.b[path], weight_atol), \
+                    (name, label, path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -76,6 +77,33 @@ def test_packed_training_equals_each_tenant_trained_alone(micro_model_dir: Path)
         masters[name] = torch.cat([v.flatten() for k, v in a.master.items() if k.endswith(".b")])
     assert all(masters[x].abs().sum() > 0 for x in masters)
     assert not torch.allclose(masters["A"][: masters["C"].numel()], masters["C"][: masters["A"].numel()])
+
+
+def test_every_pack_the_ready_policy_can_form_trains_each_tenant_as_alone(micro_model_dir: Path) -> None:
+    """``trainer.pack_policy=ready`` packs whichever tenants wait, in the order they came, which depends on timing:
+    every such pack (each set of two or three tenants, in every order) trains each of its tenants as it trains
+    alone. Gradients and moments agree to rounding; weights within 2% of the tenant's lr, since AdamW moves every
+    weight by about lr a step whatever its gradient's size, so a gradient near Adam's eps turns rounding into a
+    share of lr (``isolation.assert_same_tenants``); another tenant's rows in the pass would move them by ~lr."""
+    lrs = {name: lr for name, _, _, lr, _ in TENANTS}
+    batches = _batches(0)
+    swap = _trainer(micro_model_dir, slots=1)
+    alone = {name: swap.train_step(name, batch)[1] for name, batch in batches.items()}
+    grads = [swap.store.tenants[name].flat["grads"] for name in batches]
+    assert not any(torch.equal(x[: y.numel()], y[: x.numel()]) for x, y in itertools.combinations(grads, 2))
+    for size in (2, 3):
+        for pack in itertools.permutations(batches, size):
+            packed = _trainer(micro_model_dir, slots=3)
+            results = packed.train_packed([(name, batches[name]) for name in pack])
+            for name, (_, metrics) in zip(pack, results):
+                for key, value in alone[name].items():
+                    assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (pack, name, key)
+                a, b = swap.store.tenants[name].flat, packed.store.tenants[name].flat
+                for table in ("grads", "exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(b[table], a[table], rtol=1e-4, atol=1e-4 * float(a[table].abs().max()),
+                                               msg=lambda m: f"{pack} {name} {table}: {m}")
+                torch.testing.assert_close(b["master"], a["master"], rtol=0.0, atol=0.02 * lrs[name],
+                                           msg=lambda m: f"{pack} {name} master: {m}")
 
 
 def test_packed_slots_are_zero_padded_and_scaled_per_tenant(micro_model_dir: Path) -> None:
