@@ -255,11 +255,43 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
     return RunConfig(
         mode=str(clora.mode), train_mode=str(clora.train_mode), output_dir=Path(os.path.expanduser(str(clora.output_dir))),
         device=str(clora.device), backend=str(cfg.backend.name),
-        model_path=None if model_path is None else os.path.expanduser(str(model_path)),
+        model_path=None if model_path is None else resolve_model_path(str(model_path)),
         model_dtype=str(cfg.model.dtype), model_corpus=model_corpus(cfg.model.corpus, recipe), recipe=recipe,
         lora=lora, trainer=trainer, sampler=sampler, tenants=tuple(tenants), identity=run_identity(cfg, tenants),
         **scalars,
     )
+
+
+def resolve_model_path(value: str) -> str:
+    """``trainer.policy.model.path`` as a local folder, as SkyRL's ``from_pretrained`` reads it: a path that exists
+    (``~`` expanded) as it is; else a Hugging Face hub id (``Qwen/Qwen3-0.6B``): its snapshot in huggingface_hub's
+    cache, downloaded first unless the hub is offline (``HF_HUB_OFFLINE=1``). An id that cannot be had is a
+    :class:`ConfigError` naming it and the fix; a value that is no hub id is returned expanded (``RunConfig`` then
+    says it is not a model folder)."""
+    path = os.path.expanduser(value)
+    if os.path.exists(path):
+        return path
+    import httpx
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(value, local_files_only=True)
+    except HFValidationError:
+        return path
+    except LocalEntryNotFoundError:
+        pass
+    fix = (f"download it where the hub is reachable (hf download {value}, with HF_HUB_CACHE pointing at this "
+           "machine's cache) or set trainer.policy.model.path to a local model folder")
+    if constants.is_offline_mode():
+        raise ConfigError(f"trainer.policy.model.path={value} is neither a local folder nor in the Hugging Face cache "
+                          f"({constants.HF_HUB_CACHE}) and the hub is offline; {fix}")
+    try:
+        return snapshot_download(value)
+    except (OSError, httpx.HTTPError) as error:  # hub errors are both; a missing repo, a network failure, ...
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        raise ConfigError(f"trainer.policy.model.path={value}: not a local folder, and downloading it from the "
+                          f"Hugging Face hub failed ({reason}); {fix}") from None
 
 
 def model_corpus(corpus: str | None, recipe: RecipeConfig) -> str:

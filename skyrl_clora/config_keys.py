@@ -66,7 +66,8 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("data.train_data", HONOURED, "the recipe's training rows (every file, concatenated); []: synthetic"),
     KeyRule("data.val_data", HONOURED, "evaluation rows (the first recipe.eval_prompts); []: synthetic"),
     KeyRule("environment.env_class", HONOURED, "picks the recipe serving that env, and every tenant's env"),
-    KeyRule("trainer.policy.model.path", HONOURED, "the shared base model (null: the tiny base)"),
+    KeyRule("trainer.policy.model.path", HONOURED, "the shared base model: a folder, or a hub id resolved in the Hugging "
+            "Face cache (downloaded unless offline; null: the tiny base)"),
     KeyRule("trainer.policy.model.lora.rank", HONOURED, "every tenant's LoRA rank (tenant override: rank)"),
     KeyRule("trainer.policy.model.lora.alpha", HONOURED, "every tenant's LoRA alpha (tenant override: alpha)"),
     KeyRule("trainer.policy.model.lora.target_modules", REFUSED,
@@ -106,7 +107,8 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.project_name", HONOURED, "the trackers' project"),
     KeyRule("trainer.run_name", HONOURED, "the trackers' run prefix (<run_name>/<tenant>)"),
     KeyRule("trainer.log_path", IGNORED, "SkyRL's inference-server logs: no server runs"),
-    KeyRule("trainer.strategy", IGNORED, "the embedded trainer replaces FSDP/Megatron"),
+    KeyRule("trainer.strategy", IGNORED, "the embedded trainer replaces FSDP2/Megatron (SkyRL's values: fsdp, fsdp2, "
+            "megatron)"),
     KeyRule("trainer.placement.*", IGNORED, _PLACEMENT),
     KeyRule("trainer.bf16", IGNORED, "precision is model.dtype"),
     KeyRule("trainer.gradient_checkpointing", IGNORED, "memory only"),
@@ -158,13 +160,15 @@ KEY_RULES: tuple[KeyRule, ...] = (
 )
 
 SKYRL_SET: dict[str, str] = {
-    "trainer.policy.model.path": "null: the tiny base's folder",
+    "trainer.policy.model.path": "null: the tiny base's folder; a hub id: its snapshot folder in the Hugging Face cache",
     "trainer.policy.model.lora.rank": "the tenants' common rank (as given unless every tenant overrides it)",
     "trainer.policy.model.lora.alpha": "the tenants' common alpha (as given unless every tenant overrides it)",
     "trainer.policy.model.lora.max_loras": "null: the tenants sampling at once",
     "trainer.policy.model.lora.max_cpu_loras": "null: every tenant",
     "trainer.policy.model.lora.lora_sync_path": "null: <clora.output_dir>/lora_sync",
-    "trainer.strategy": "megatron or fsdp from backend.strategy (a different value given is refused)",
+    "trainer.strategy": "as given (fsdp2 written fsdp, as SkyRL reads it); it names the policy workers backend.strategy=auto "
+                        "runs (their embedded stand-in where this machine cannot); a backend.strategy naming others is "
+                        "refused",
     "generator.inference_engine.backend": "vllm (the embedded stand-in speaks its protocol; other values are refused)",
     "generator.batched": "false: each request carries its tenant's adapter (true is refused)",
     "generator.sampling_params.logprobs": "1: the step needs the sampled tokens' log-probs",

@@ -1,10 +1,15 @@
-"""SkyRL's own GSM8K example (examples/train/gsm8k/run_gsm8k.sh: its keys and values) plus ``+tenants=4`` on the
-CPU, on both backends, with the data made by ``skyrl_clora.recipes.skyrl_gsm8k.data`` and a tiny base pre-trained on
-the skyrl_gsm8k corpus; and SkyRL's ``gsm8k`` env learning on it."""
+"""SkyRL's own GSM8K example (examples/train/gsm8k/run_gsm8k.sh) run verbatim plus ``+tenants=4`` on the CPU, on both
+backends: its command's overrides exactly as its shell passes them, with the script's own variables set (``DATA_DIR``
+to data made by ``skyrl_clora.recipes.skyrl_gsm8k.data``, ``NUM_GPUS=1``, ``LOGGER=console``, ``HOME`` a temporary
+folder) and its hub id ``Qwen/Qwen2.5-1.5B-Instruct`` resolved in a Hugging Face cache that holds a tiny base
+pre-trained on the skyrl_gsm8k corpus under that id; and SkyRL's ``gsm8k`` env learning on it."""
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,33 +18,65 @@ from skyrl_clora.main import main
 from skyrl_clora.recipes.skyrl_gsm8k.data import write_skyrl_gsm8k
 from skyrl_clora.tiny_base.pretrain import TinyBaseRecipe, ensure_tiny_base
 
-# SkyRL's run_gsm8k.sh with NUM_GPUS=1, LOGGER=console, INFERENCE_BACKEND=vllm; {data}, {model}, {ckpt} filled in.
-SKYRL_EXAMPLE = (
-    "data.train_data=['{data}/train.parquet']", "data.val_data=['{data}/validation.parquet']",
-    "trainer.algorithm.advantage_estimator=grpo", "trainer.policy.model.path={model}",
-    "trainer.placement.colocate_all=true", "trainer.strategy=fsdp", "trainer.placement.policy_num_gpus_per_node=1",
-    "trainer.placement.critic_num_gpus_per_node=1", "trainer.placement.ref_num_gpus_per_node=1",
-    "generator.inference_engine.num_engines=1", "generator.inference_engine.tensor_parallel_size=1",
-    "trainer.epochs=20", "trainer.eval_batch_size=1024", "trainer.eval_before_train=true", "trainer.eval_interval=5",
-    "trainer.update_epochs_per_batch=1", "trainer.train_batch_size=1024", "trainer.policy_mini_batch_size=256",
-    "trainer.micro_forward_batch_size_per_gpu=64", "trainer.micro_train_batch_size_per_gpu=64",
-    "trainer.ckpt_interval=10", "trainer.max_prompt_length=512", "generator.sampling_params.max_generate_length=1024",
-    "trainer.policy.optimizer_config.lr=1.0e-6", "trainer.algorithm.use_kl_loss=true",
-    "generator.inference_engine.backend=vllm", "generator.inference_engine.run_engines_locally=true",
-    "generator.inference_engine.weight_sync_backend=nccl", "generator.batched=true", "environment.env_class=gsm8k",
-    "generator.n_samples_per_prompt=5", "generator.inference_engine.gpu_memory_utilization=0.8",
-    "trainer.logger=console", "trainer.project_name=gsm8k", "trainer.run_name=gsm8k_test", "trainer.resume_mode=null",
-    "trainer.log_path=/tmp/skyrl-logs", "trainer.ckpt_path={ckpt}",
-)
-# Sized for 2 CPU cores (the script's `$@` overrides, appended after it as SkyRL's own script allows).
+RUN_GSM8K = r"""
+  data.train_data="['$DATA_DIR/train.parquet']" \
+  data.val_data="['$DATA_DIR/validation.parquet']" \
+  trainer.algorithm.advantage_estimator="grpo" \
+  trainer.policy.model.path="Qwen/Qwen2.5-1.5B-Instruct" \
+  trainer.placement.colocate_all=true \
+  trainer.strategy=fsdp \
+  trainer.placement.policy_num_gpus_per_node=$NUM_GPUS \
+  trainer.placement.critic_num_gpus_per_node=$NUM_GPUS \
+  trainer.placement.ref_num_gpus_per_node=$NUM_GPUS \
+  generator.inference_engine.num_engines=$NUM_GPUS \
+  generator.inference_engine.tensor_parallel_size=1 \
+  trainer.epochs=20 \
+  trainer.eval_batch_size=1024 \
+  trainer.eval_before_train=true \
+  trainer.eval_interval=5 \
+  trainer.update_epochs_per_batch=1 \
+  trainer.train_batch_size=1024 \
+  trainer.policy_mini_batch_size=256 \
+  trainer.micro_forward_batch_size_per_gpu=64 \
+  trainer.micro_train_batch_size_per_gpu=64 \
+  trainer.ckpt_interval=10 \
+  trainer.max_prompt_length=512 \
+  generator.sampling_params.max_generate_length=1024 \
+  trainer.policy.optimizer_config.lr=1.0e-6 \
+  trainer.algorithm.use_kl_loss=true \
+  generator.inference_engine.backend=$INFERENCE_BACKEND \
+  generator.inference_engine.run_engines_locally=true \
+  generator.inference_engine.weight_sync_backend=nccl \
+  generator.batched=true \
+  environment.env_class=gsm8k \
+  generator.n_samples_per_prompt=5 \
+  generator.inference_engine.gpu_memory_utilization=0.8 \
+  trainer.logger="$LOGGER" \
+  trainer.project_name="gsm8k" \
+  trainer.run_name="gsm8k_test" \
+  trainer.resume_mode=null \
+  trainer.log_path="/tmp/skyrl-logs" \
+  trainer.ckpt_path="$HOME/ckpts/gsm8k_1.5B_ckpt" \
+"""
+"""The overrides of run_gsm8k.sh's command, verbatim (its final ``$@`` is the test's own overrides): NovaSky-AI/SkyRL
+examples/train/gsm8k/run_gsm8k.sh, blob 43a5180114bc, as of commit 19b0e1328 (2026-07-01) and unchanged through the
+skyrl 0.4.0 release (the wheel ships no examples/)."""
+HUB_ID = "Qwen/Qwen2.5-1.5B-Instruct"
+
+# Sized for 2 CPU cores: the script's `$@`, overrides appended after its own, as its comment invites.
 CPU_SIZE = (
     "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=4", "trainer.micro_forward_batch_size_per_gpu=4",
     "trainer.micro_train_batch_size_per_gpu=4", "generator.sampling_params.max_generate_length=24",
     "trainer.max_training_steps=2", "recipe.eval_prompts=4",
 )
-# backend=skyrl's multi-tenant constraints: in-place syncs need separate placement, each request its adapter, and
-# several tenants Megatron's AdapterStore (here its embedded stand-in).
-SKYRL_MULTI_TENANT = ("trainer.placement.colocate_all=false", "generator.batched=false", "trainer.strategy=megatron")
+
+
+def run_gsm8k_overrides(variables: dict[str, str]) -> list[str]:
+    """:data:`RUN_GSM8K` as bash passes it to SkyRL's entry point: lines joined at their ``\\``, each ``$NAME`` read
+    from ``variables``, quotes removed."""
+    text = re.sub(r"\$(\w+)", lambda match: variables[match.group(1)], RUN_GSM8K.replace("\\\n", " "))
+    return shlex.split(text)
+
 
 SMALL_BASE = TinyBaseRecipe(corpus="skyrl_gsm8k", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                             head_dim=32, intermediate_size=192, vocab_size=512, num_traces=1500, steps=400,
@@ -59,29 +96,48 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def example(data: Path, model: Path, out: Path, *more: str) -> list[str]:
-    keys = [arg.format(data=data, model=model, ckpt=out / "ckpts") for arg in SKYRL_EXAMPLE]
-    return [*keys, *CPU_SIZE, *more, "+tenants=4", f"clora.output_dir={out}", "clora.progress=false"]
+@pytest.fixture
+def hub_cache(small_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A Hugging Face hub cache holding ``small_base`` as the snapshot of :data:`HUB_ID`, the hub offline."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-hub"
+    revision = "0" * 40
+    repo = cache / ("models--" + HUB_ID.replace("/", "--"))
+    shutil.copytree(small_base, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return repo / "snapshots" / revision
 
 
-def test_the_example_needs_only_documented_changes(data: Path, small_base: Path, tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture, without_production_extras: None) -> None:
-    """On backend=skyrl each of the example's single-adapter settings is refused in one line naming it (on the
-    embedded backend it runs as SkyRL writes it: the next test)."""
-    for left_out in SKYRL_MULTI_TENANT:
-        kept = [fix for fix in SKYRL_MULTI_TENANT if fix != left_out]
-        assert main(example(data, small_base, tmp_path / "s", "backend=skyrl", *kept)) == 2
-        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-        key = left_out.split("=")[0]
-        assert len(errors) == 1 and f"{key}=" in errors[0], (left_out, errors)
+def script_line(data: Path, home: Path) -> list[str]:
+    """run_gsm8k.sh's overrides with ``NUM_GPUS=1 LOGGER=console`` (the script's own switches) and its paths."""
+    return run_gsm8k_overrides({"DATA_DIR": str(data), "NUM_GPUS": "1", "LOGGER": "console", "INFERENCE_BACKEND": "vllm",
+                                "HOME": str(home)})
 
 
-@pytest.mark.parametrize("backend", ["embedded", "skyrl"])
-def test_skyrls_gsm8k_example_runs_four_tenants(backend: str, data: Path, small_base: Path, tmp_path: Path,
-                                                 without_production_extras: None) -> None:
+def test_an_uncached_hub_id_offline_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert main([f"trainer.policy.model.path={HUB_ID}", f"clora.output_dir={tmp_path / 'out'}"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"error: trainer.policy.model.path={HUB_ID} is neither a local "
+                                                     "folder nor in the Hugging Face cache"), errors
+    assert f"hf download {HUB_ID}" in errors[0] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("backend", ["embedded"])
+def test_skyrls_gsm8k_script_runs_four_tenants(backend: str, data: Path, hub_cache: Path, tmp_path: Path,
+                                               without_production_extras: None) -> None:
     out = tmp_path / "run"
-    extra = (f"backend={backend}", *(SKYRL_MULTI_TENANT if backend == "skyrl" else ()))
-    assert main(example(data, small_base, out, *extra)) == 0
+    args = [*script_line(data, tmp_path), *CPU_SIZE, "+tenants=4", f"backend={backend}", f"clora.output_dir={out}",
+            "clora.progress=false"]
+    assert main(args) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = sorted((r["tenant"], r["step"]) for r in records if r["event"] == "step")
     assert steps == [(f"tenant-{i}", s) for i in range(4) for s in (1, 2)]
@@ -92,7 +148,9 @@ def test_skyrls_gsm8k_example_runs_four_tenants(backend: str, data: Path, small_
     assert 0 < max(rewards), "skyrl-gym's gsm8k env never rewarded an answer: the '####' format is not reaching it"
     summary = json.loads((out / "summary.json").read_text())
     assert summary.get("backend", "embedded") == backend and [row["status"] for row in summary["per_tenant"]] == ["ok"] * 4
-    assert (out / "ckpts" / "tenant-0").is_dir()  # trainer.ckpt_path as given
+    assert (tmp_path / "ckpts" / "gsm8k_1.5B_ckpt" / "tenant-0").is_dir()  # trainer.ckpt_path as given
+    adapter = json.loads((out / "adapters" / "tenant-0" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] in (HUB_ID, str(hub_cache))
 
 
 def test_skyrls_gsm8k_env_learns_on_a_tiny_base(data: Path, small_base: Path, tmp_path: Path) -> None:

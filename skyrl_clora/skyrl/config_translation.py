@@ -4,9 +4,11 @@ SkyRL's CLI parser rejects ``+`` keys (``+tenants=8``), so the composed config i
 ``data``, ``trainer``, ``generator`` and ``environment`` trees are SkyRL's own key tree (``config_keys``), so the
 translation is SkyRL's builder over them, as given, and then:
 
+- ``trainer.strategy`` (SkyRL's ``fsdp``, its default, or its alias ``fsdp2``; or ``megatron``) names the policy
+  workers, ``backend.strategy`` (``fsdp2``, ``megatron``) may name them too (:func:`production_strategy`);
 - the keys of :data:`~skyrl_clora.config_keys.SKYRL_SET` set by the plugin (the tiny base's path, the LoRA
-  adapter counts and sync folder when null, ``trainer.strategy`` from ``backend.strategy``, ...); a value given
-  for one of them that the plugin cannot keep is refused;
+  adapter counts and sync folder when null, ...); a value given for one of them that the plugin cannot keep is
+  refused; a hub id as the model path is resolved in huggingface_hub's cache;
 - vLLM's ``logprobs_mode=processed_logprobs`` when the sampling temperature is not 1 (or 0), so that the rollout
   log-probs are of the tempered distribution the trainer scores (``trainer.algorithm.temperature``, which SkyRL's
   ``SkyRLTrainConfig`` sets to the sampling temperature unless given);
@@ -16,17 +18,16 @@ translation is SkyRL's builder over them, as given, and then:
 Every config passes SkyRL's own ``validate_cfg``. Before that, the multi-tenant constraints SkyRL does not
 check itself are enforced with one-line :class:`~skyrl_clora.config.ConfigError` messages: LoRA on, the
 vLLM inference backend, ``merge_lora=false``, ``max_loras >=`` the tenants sampling in one batch, one LoRA
-signature (rank, alpha, targets) across tenants (the Megatron ``AdapterStore`` freezes it), an adapter
-store on the trainer side (Megatron's; SkyRL 0.4's FSDP workers hold one adapter) and a learning rate
-schedule the chosen strategy honours.
+signature (rank, alpha, targets) across tenants (the Megatron ``AdapterStore`` freezes it) and a learning rate
+schedule the chosen workers honour.
 
 Stand-ins: ``backend.inference_backend=embedded`` (the project's engine behind SkyRL's HTTP protocol,
 :mod:`skyrl_clora.skyrl.server`) takes the place of vLLM and ``backend.strategy=embedded`` (Ray workers
-over the embedded trainer, :mod:`skyrl_clora.skyrl.worker`) the place of Megatron; ``auto`` (the default)
-picks vLLM / Megatron when they are importable and the stand-ins otherwise. The SkyRL configs keep the
-production values (``vllm``, ``megatron``) so that SkyRL's ``validate_cfg`` checks exactly what a GPU
-cluster would run, and a stand-in accepts only what production accepts; :attr:`SkyRLPlan.substitutions`
-spells out what is replaced.
+over the embedded trainer, :mod:`skyrl_clora.skyrl.worker`) the place of the FSDP2 or Megatron workers; ``auto``
+(the default) picks vLLM when importable and the named workers when this machine runs them (:func:`resolve_stack`),
+the stand-ins otherwise. The SkyRL configs keep the production values (``vllm``, ``fsdp`` or ``megatron``) so that
+SkyRL's ``validate_cfg`` checks exactly what a GPU cluster would run, and a stand-in accepts only what production
+accepts; :attr:`SkyRLPlan.substitutions` spells out what is replaced.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from skyrl.train.config import GeneratorConfig, SkyRLTrainConfig
 from skyrl.train.config.config import build_nested_dataclass
 from skyrl.train.utils.utils import validate_cfg
 
 from skyrl_clora.config import ConfigError, TrainerConfig
-from skyrl_clora.config_build import lora_config, recipe_config, tenant_specs, trainer_config
+from skyrl_clora.config_build import lora_config, recipe_config, resolve_model_path, tenant_specs, trainer_config
 from skyrl_clora.config_keys import PLUGIN_TRAINER_KEYS, SKYRL_GROUPS
 from skyrl_clora.recipes.plugin import load_recipe
 from skyrl_clora.tenants import TenantSpec
@@ -56,18 +58,40 @@ VLLM_LOGPROBS_MODE = "processed_logprobs"
 was drawn from (after vLLM's top-k/top-p too: with ``top_p < 1`` they are renormalised over the nucleus, which the
 trainer's are not)."""
 _INFERENCE_BACKENDS = ("auto", "vllm", "embedded")
-_STRATEGIES = ("auto", "megatron", "fsdp", "embedded")
+_STRATEGIES = ("auto", "fsdp2", "megatron", "embedded")
+SKYRL_STRATEGIES = {"fsdp": "fsdp2", "fsdp2": "fsdp2", "megatron": "megatron"}
+"""SkyRL 0.4's ``trainer.strategy`` values and the policy workers each names (``backend.strategy``): SkyRL reads
+``fsdp2`` as ``fsdp``, its FSDP2 workers."""
+SKYRL_STRATEGY_NAMES = {"fsdp2": "fsdp", "megatron": "megatron"}
+"""The ``trainer.strategy`` SkyRL's config gets for each production ``backend.strategy``."""
 
 
-def resolve_stack(backend: dict[str, Any]) -> tuple[str, str]:
-    """``(inference_backend, strategy)`` with ``auto`` resolved: vLLM / Megatron when importable, else
-    the embedded stand-ins."""
+def production_strategy(backend: dict[str, Any], trainer_strategy: str, given: Collection[str]) -> str:
+    """The SkyRL policy workers the run means (``fsdp2`` or ``megatron``): ``backend.strategy`` when it names them,
+    else SkyRL's ``trainer.strategy`` (its default ``fsdp``: fsdp2). A value SkyRL does not know, or a given
+    ``trainer.strategy`` that names other workers than a given ``backend.strategy``, is a :class:`ConfigError`."""
+    if trainer_strategy not in SKYRL_STRATEGIES:
+        raise ConfigError(f"trainer.strategy={trainer_strategy} is not one of SkyRL 0.4's: use fsdp (fsdp2) or megatron")
+    named = SKYRL_STRATEGIES[trainer_strategy]
+    if backend["strategy"] in SKYRL_STRATEGY_NAMES:
+        if "trainer.strategy" in given and named != backend["strategy"]:
+            raise ConfigError(f"trainer.strategy={trainer_strategy} names other workers than backend.strategy="
+                              f"{backend['strategy']}; drop one of them (backend.strategy=auto follows trainer.strategy)")
+        return backend["strategy"]
+    return named
+
+
+def resolve_stack(backend: dict[str, Any], production: str) -> tuple[str, str]:
+    """``(inference_backend, strategy)`` with ``auto`` resolved: vLLM when importable, the ``production`` workers
+    when this machine runs them (Megatron: importable; FSDP2: a CUDA GPU), else the embedded stand-ins."""
     inference = backend["inference_backend"]
     if inference == "auto":
         inference = "vllm" if importlib.util.find_spec("vllm") is not None else "embedded"
     strategy = backend["strategy"]
     if strategy == "auto":
-        strategy = "megatron" if importlib.util.find_spec("megatron") is not None else "embedded"
+        runs_here = (importlib.util.find_spec("megatron") is not None if production == "megatron"
+                     else torch.cuda.is_available())
+        strategy = production if runs_here else "embedded"
     return inference, strategy
 
 
@@ -82,7 +106,7 @@ class SkyRLPlan:
     inference_backend: str
     """What serves the tenants: ``vllm`` or ``embedded`` (``auto`` resolved)."""
     strategy: str
-    """What trains them: ``megatron``, ``fsdp`` or ``embedded`` (``auto`` resolved)."""
+    """What trains them: ``fsdp2``, ``megatron`` or ``embedded`` (``auto`` resolved)."""
     substitutions: tuple[str, ...]
     """One line per production component replaced by a stand-in (empty on a GPU cluster)."""
 
@@ -109,10 +133,10 @@ def skyrl_tree(cfg: DictConfig) -> dict[str, Any]:
 
 def check_multi_tenant_constraints(
     backend: dict[str, Any], tree: dict[str, Any], trainer: TrainerConfig, tenants: list[TenantSpec],
-    tenants_per_batch: int,
+    tenants_per_batch: int, production: str,
 ) -> None:
     """Raises :class:`ConfigError` (one line) for a combination SkyRL cannot run with tenants (``tree``: SkyRL's key
-    tree as given)."""
+    tree as given; ``production``: the policy workers meant, :func:`production_strategy`)."""
     if backend["inference_backend"] not in _INFERENCE_BACKENDS:
         raise ConfigError(
             f"backend.inference_backend={backend['inference_backend']}: SkyRL serves LoRA adapters with vllm only; "
@@ -120,11 +144,6 @@ def check_multi_tenant_constraints(
         )
     if backend["strategy"] not in _STRATEGIES:
         raise ConfigError(f"backend.strategy={backend['strategy']} is unknown; choose one of {', '.join(_STRATEGIES)}")
-    if backend["strategy"] == "fsdp" and len(tenants) > 1:
-        raise ConfigError(
-            f"backend.strategy=fsdp with {len(tenants)} tenants: SkyRL 0.4's FSDP workers hold one LoRA adapter "
-            "(no AdapterStore); use backend.strategy=megatron (or embedded, its CPU stand-in)"
-        )
     if tree["trainer"]["policy"]["megatron_config"]["lora_config"]["merge_lora"]:
         raise ConfigError(
             "trainer.policy.megatron_config.lora_config.merge_lora=true merges one adapter into the shared base "
@@ -151,24 +170,21 @@ def check_multi_tenant_constraints(
     alpha = tenants[0].alpha
     if alpha != int(alpha):
         raise ConfigError(f"lora alpha {alpha:g} is not an integer; SkyRL's LoRA config takes an integer alpha")
-    if backend["strategy"] in ("megatron", "embedded", "auto") and (
+    if production == "megatron" and (
             trainer.lr_schedule == "cosine" or (trainer.lr_schedule == "constant" and trainer.warmup_steps > 0)):
         raise ConfigError(
             f"trainer.policy.optimizer_config.scheduler={tree['trainer']['policy']['optimizer_config']['scheduler']}: "
             "SkyRL 0.4's Megatron scheduler is constant with linear warm-up whatever the name (lr_decay_style is fixed; "
-            "backend.strategy=embedded stands in for megatron and takes what it takes); use constant_with_warmup"
+            "backend.strategy=embedded stands in for megatron and takes what it takes); use constant_with_warmup or "
+            "trainer.strategy=fsdp"
         )
 
 
-def _set_by_plugin(st: SkyRLTrainConfig, cfg: DictConfig, backend: dict[str, Any], tenants: list[TenantSpec],
-                   tenants_per_batch: int, model_path: str, given: Collection[str]) -> None:
-    """Sets the keys of ``config_keys.SKYRL_SET`` on ``st``, refusing a given value the plugin cannot keep."""
+def _set_by_plugin(st: SkyRLTrainConfig, cfg: DictConfig, tenants: list[TenantSpec], tenants_per_batch: int,
+                   model_path: str, given: Collection[str]) -> None:
+    """Sets the keys of ``config_keys.SKYRL_SET`` on ``st`` (``trainer.strategy`` is set before SkyRL's builder
+    runs), refusing a given value the plugin cannot keep."""
     tr, gen = st.trainer, st.generator
-    strategy = "fsdp" if backend["strategy"] == "fsdp" else "megatron"  # embedded stands in for megatron
-    if "trainer.strategy" in given and tr.strategy != strategy:
-        raise ConfigError(f"trainer.strategy={tr.strategy} disagrees with backend.strategy={backend['strategy']} "
-                          f"({strategy}); set backend.strategy={tr.strategy} (SkyRL's trainer.strategy follows it)")
-    tr.strategy = strategy
     if gen.inference_engine.backend != "vllm":
         raise ConfigError(f"generator.inference_engine.backend={gen.inference_engine.backend}: tenants' adapters are "
                           "served by vLLM (or its embedded stand-in); set it to vllm")
@@ -180,7 +196,7 @@ def _set_by_plugin(st: SkyRLTrainConfig, cfg: DictConfig, backend: dict[str, Any
                           "set it to 1")
     _set_vllm_logprobs_mode(gen)
     policy = tr.policy
-    policy.model.path = os.path.expanduser(policy.model.path) if policy.model.path else model_path
+    policy.model.path = resolve_model_path(policy.model.path) if policy.model.path else model_path
     policy.model.lora.rank, policy.model.lora.alpha = tenants[0].rank, int(tenants[0].alpha)
     lora = policy.model.lora
     lora.max_loras = lora.max_loras if lora.max_loras is not None else tenants_per_batch
@@ -259,9 +275,11 @@ def translate(cfg: DictConfig, model_path: str | None = None, given: Collection[
         raise ConfigError("backend=skyrl needs a base model folder: set trainer.policy.model.path=/path/to/hf-checkpoint")
     tenants_per_batch = len(tenants) if str(cfg.clora.mode) == "concurrent" else 1
     tree = skyrl_tree(cfg)
-    check_multi_tenant_constraints(backend, tree, trainer, tenants, tenants_per_batch)
+    production = production_strategy(backend, str(tree["trainer"]["strategy"]), given)
+    tree["trainer"]["strategy"] = SKYRL_STRATEGY_NAMES[production]  # the embedded stand-in keeps what it stands in for
+    check_multi_tenant_constraints(backend, tree, trainer, tenants, tenants_per_batch, production)
     base = _built(tree)
-    _set_by_plugin(base, cfg, backend, tenants, tenants_per_batch, os.path.expanduser(str(model_path or "")), given)
+    _set_by_plugin(base, cfg, tenants, tenants_per_batch, os.path.expanduser(str(model_path or "")), given)
     base = _validated(base, "shared")
     per_tenant = {}
     for spec in tenants:
@@ -272,14 +290,14 @@ def translate(cfg: DictConfig, model_path: str | None = None, given: Collection[
         if spec.env_class is not None:
             st.environment.env_class = spec.env_class
         per_tenant[spec.name] = _validated(st, f"tenant {spec.name}")
-    inference, strategy = resolve_stack(backend)
+    inference, strategy = resolve_stack(backend, production)
     substitutions = []
     if inference == "embedded":
         substitutions.append("generator.inference_engine.backend=vllm -> the embedded engine behind SkyRL's HTTP "
                              "protocol (skyrl_clora.skyrl.server), one server")
     if strategy == "embedded":
-        substitutions.append("trainer.strategy=megatron -> Ray workers over the embedded trainer "
-                             "(skyrl_clora.skyrl.worker.EmbeddedPolicyWorker), one worker")
+        substitutions.append(f"trainer.strategy={SKYRL_STRATEGY_NAMES[production]} -> Ray workers over the embedded "
+                             "trainer (skyrl_clora.skyrl.worker.EmbeddedPolicyWorker), one worker")
     return SkyRLPlan(base=base, tenant_configs=per_tenant, tenants=tuple(tenants), tenants_per_batch=tenants_per_batch,
                      inference_backend=inference, strategy=strategy, substitutions=tuple(substitutions))
 

@@ -9,6 +9,7 @@ import pytest
 from skyrl.train.utils.utils import validate_cfg
 
 from skyrl_clora.config import ConfigError
+from skyrl_clora.config_keys import given_keys
 from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate
 
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.usefixtures("without_production_extras")
 
 
 def _translate(tmp_path: Path, *overrides: str):
-    return translate(compose_config(["backend=skyrl", f"trainer.policy.model.path={tmp_path}", *overrides]))
+    args = ["backend=skyrl", f"trainer.policy.model.path={tmp_path}", *overrides]
+    return translate(compose_config(args), given=given_keys(args))
 
 
 @pytest.mark.parametrize("tenants", [1, 2, 8])
@@ -24,7 +26,7 @@ def test_gsm8k_translation_passes_skyrls_validate_cfg(tmp_path: Path, tenants: i
     plan = _translate(tmp_path, f"+tenants={tenants}", "recipe=gsm8k")
     base = plan.base
     assert len(plan.tenant_configs) == tenants == len(plan.tenants)
-    assert base.trainer.strategy == "megatron" and base.generator.inference_engine.backend == "vllm"
+    assert base.trainer.strategy == "fsdp" and base.generator.inference_engine.backend == "vllm"  # SkyRL's default
     lora = base.trainer.policy.model.lora
     assert lora.rank == 16 and lora.alpha == 32 and lora.max_loras == tenants and lora.max_cpu_loras == tenants
     assert base.trainer.policy.megatron_config.lora_config.merge_lora is False
@@ -62,9 +64,15 @@ def test_serial_mode_needs_one_lora_slot_per_batch(tmp_path: Path) -> None:
         (["+tenants=[{rank:8,alpha:16},{}]"], "tenants differ in LoRA signature"),
         (["+tenants=[{alpha:8},{}]"], "tenants differ in LoRA signature"),
         (["+tenants=2", "trainer.policy.model.lora.max_cpu_loras=1"], "adapters would be evicted"),
-        (["trainer.policy.optimizer_config.scheduler=cosine"], "Megatron scheduler is constant with linear warm-up"),
-        (["trainer.policy.optimizer_config.scheduler=cosine", "backend.strategy=embedded"], "embedded stands in for megatron"),
-        (["+tenants=2", "backend.strategy=fsdp"], "FSDP workers hold one LoRA adapter"),
+        (["trainer.policy.optimizer_config.scheduler=cosine", "trainer.strategy=megatron"],
+         "Megatron scheduler is constant with linear warm-up"),
+        (["trainer.policy.optimizer_config.scheduler=cosine", "backend.strategy=embedded", "trainer.strategy=megatron"],
+         "embedded stands in for megatron"),
+        (["trainer.policy.optimizer_config.scheduler=cosine", "backend.strategy=megatron"], "Megatron scheduler"),
+        (["backend.strategy=megatron", "trainer.strategy=fsdp"],
+         "trainer.strategy=fsdp names other workers than backend.strategy=megatron"),
+        (["backend.strategy=fsdp2", "trainer.strategy=megatron"], "names other workers than backend.strategy=fsdp2"),
+        (["trainer.strategy=deepspeed"], "trainer.strategy=deepspeed is not one of SkyRL 0.4's"),
         (["backend.strategy=deepspeed"], "backend.strategy=deepspeed is unknown"),
         (["backend=embedded"], "use backend=skyrl"),
         (["recipe=taubench", "recipe.user=llm"], "use recipe.user=scripted with backend=skyrl"),
@@ -79,14 +87,31 @@ def test_invalid_combinations_fail_with_one_line_reasons(tmp_path: Path, overrid
     assert reason in message and "\n" not in message
 
 
-def test_fsdp_takes_the_cosine_schedule(tmp_path: Path) -> None:
-    plan = _translate(tmp_path, "backend.strategy=fsdp", "trainer.policy.optimizer_config.scheduler=cosine")
-    assert plan.base.trainer.policy.optimizer_config.scheduler == "cosine"
+@pytest.mark.parametrize("strategy", ["backend.strategy=fsdp2", "trainer.strategy=fsdp", "trainer.strategy=fsdp2"])
+def test_fsdp_takes_the_cosine_schedule(tmp_path: Path, strategy: str) -> None:
+    plan = _translate(tmp_path, strategy, "trainer.policy.optimizer_config.scheduler=cosine")
+    assert plan.base.trainer.policy.optimizer_config.scheduler == "cosine" and plan.base.trainer.strategy == "fsdp"
+
+
+@pytest.mark.parametrize(("given", "production"), [
+    ((), "fsdp2"), (("trainer.strategy=fsdp",), "fsdp2"), (("trainer.strategy=fsdp2",), "fsdp2"),
+    (("trainer.strategy=megatron",), "megatron"), (("backend.strategy=fsdp2",), "fsdp2"),
+    (("backend.strategy=megatron", "trainer.strategy=megatron"), "megatron"),
+])
+def test_trainer_strategy_names_the_workers(tmp_path: Path, given: tuple[str, ...], production: str) -> None:
+    """SkyRL's trainer.strategy (fsdp by default; fsdp2 its alias) names the policy workers: backend.strategy=auto
+    runs them where this machine can (here, no GPU and no megatron: the embedded stand-in, which keeps SkyRL's
+    value in the config it validates); backend.strategy may name the same workers."""
+    plan = _translate(tmp_path, "+tenants=2", *given)
+    assert plan.base.trainer.strategy == {"fsdp2": "fsdp", "megatron": "megatron"}[production]
+    explicit = any(g.startswith("backend.strategy=") for g in given)
+    assert plan.strategy == (production if explicit else "embedded")
 
 
 def test_stand_ins_keep_the_production_values_in_skyrls_config(tmp_path: Path) -> None:
-    """auto picks the embedded stand-ins here (no vllm, no megatron); SkyRL still validates vllm + megatron."""
-    plan = _translate(tmp_path, "+tenants=2")
+    """auto picks the embedded stand-ins here (no vllm, no megatron, no GPU); SkyRL still validates vllm and the
+    workers trainer.strategy names."""
+    plan = _translate(tmp_path, "+tenants=2", "trainer.strategy=megatron")
     assert (plan.inference_backend, plan.strategy) == ("embedded", "embedded")
     assert plan.base.generator.inference_engine.backend == "vllm" and plan.base.trainer.strategy == "megatron"
     assert [line.split(" -> ")[0] for line in plan.substitutions] == [

@@ -56,7 +56,8 @@ def test_the_scheduler_name_reaches_both_backends_as_skyrl_spells_it(tmp_path: P
     keys = ["trainer.policy.optimizer_config.scheduler=constant", "trainer.policy.optimizer_config.num_warmup_steps=3",
             f"clora.output_dir={tmp_path}"]
     assert build_run_config(compose_config(keys)).trainer.lr_schedule == "constant"
-    skyrl = ["backend=skyrl", f"trainer.policy.model.path={tmp_path}", "backend.strategy=fsdp", *keys]
+    skyrl = ["backend=skyrl", f"trainer.policy.model.path={tmp_path}", "backend.strategy=fsdp2", *keys]
     assert translate(compose_config(skyrl)).base.trainer.policy.optimizer_config.scheduler == "constant"
     with pytest.raises(ConfigError, match="Megatron scheduler is constant with linear warm-up"):
-        translate(compose_config(["backend=skyrl", f"trainer.policy.model.path={tmp_path}", *keys]))
+        translate(compose_config(["backend=skyrl", f"trainer.policy.model.path={tmp_path}", "trainer.strategy=megatron",
+                                  *keys]))

@@ -1,0 +1,68 @@
+"""SkyRL 0.4's command-line rewrites, applied to the overrides before the config is composed.
+
+SkyRL's entry point (``SkyRLTrainConfig.from_cli_overrides``) does more than set keys: it drops
+``generator.inference_engine.async_engine=true`` (the async HTTP path is the only one; ``false`` or any other value
+is refused), renames the deprecated ``trainer.use_sample_packing`` to ``trainer.remove_microbatch_padding``, and
+refuses the keys it removed with the replacement to use. :func:`skyrl_cli_overrides` does the same to the plugin's
+command line, with SkyRL's reasons, so that a SkyRL command means here what it means there.
+"""
+
+from __future__ import annotations
+
+from skyrl_clora.config import ConfigError
+
+ASYNC_ENGINE = "generator.inference_engine.async_engine"
+SAMPLE_PACKING, MICROBATCH_PADDING = "trainer.use_sample_packing", "trainer.remove_microbatch_padding"
+
+_ROPE = ("`rope_scaling`, `rope_theta`, and `rope_parameters` are no longer supported as native config overrides (SkyRL "
+         "0.4); use generator.inference_engine.engine_init_kwargs.hf_overrides.rope_parameters and "
+         "trainer.policy.model_config_kwargs.rope_parameters instead")
+REMOVED = {
+    "generator.inference_engine.enable_http_endpoint":
+        "enable_http_endpoint is no longer supported (SkyRL 0.4 always uses the HTTP/vLLM inference path); remove it",
+    "generator.inference_engine.override_existing_update_group":
+        "override_existing_update_group is no longer supported (SkyRL 0.4 manages update groups); remove it",
+    "generator.inference_engine.remote_urls":
+        "remote_urls is no longer supported (SkyRL 0.4); use generator.inference_engine.external_proxy_url and "
+        "external_server_urls",
+    **{f"{prefix}.{name}": _ROPE
+       for prefix in ("trainer", "generator", "generator.inference_engine",
+                      "generator.inference_engine.engine_init_kwargs")
+       for name in ("rope_scaling", "rope_theta", "rope_parameters")},
+    **{f"generator.inference_engine.engine_init_kwargs.hf_overrides.{name}": _ROPE
+       for name in ("rope_scaling", "rope_theta")},
+}
+"""Keys SkyRL 0.4's entry point refuses (``from_cli_overrides``), with its reason and fix."""
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def skyrl_cli_overrides(overrides: list[str]) -> list[str]:
+    """``overrides`` (Hydra's ``key=value``, ``+key=value``, ``~key``) as SkyRL 0.4's entry point reads them: an
+    ``async_engine=true`` (any case) left out, ``use_sample_packing`` renamed ``remove_microbatch_padding``; a
+    :class:`ConfigError` (one line per problem, SkyRL's reason) for ``async_engine`` with another value, both
+    packing keys together, or a key SkyRL removed (:data:`REMOVED`)."""
+    kept, problems = [], []
+    keys = {_key(override) for override in overrides}
+    for override in overrides:
+        key = _key(override)
+        value = override.split("=", 1)[1].strip() if "=" in override else ""
+        if key == ASYNC_ENGINE:
+            if value.lower() == "true":
+                continue
+            problems.append(f"{ASYNC_ENGINE}={value}: SkyRL 0.4 always uses the async HTTP/vLLM inference path "
+                            f"({'async_engine=false is no longer supported' if value.lower() == 'false' else 'the key is gone'}); "
+                            "remove the override")
+        elif key in REMOVED:
+            problems.append(f"{key}: {REMOVED[key]}")
+        elif key == SAMPLE_PACKING:
+            if MICROBATCH_PADDING in keys:
+                problems.append(f"give only one of {SAMPLE_PACKING} (deprecated) and {MICROBATCH_PADDING} (SkyRL's rule)")
+            kept.append(override.replace(SAMPLE_PACKING, MICROBATCH_PADDING, 1))
+        else:
+            kept.append(override)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return kept

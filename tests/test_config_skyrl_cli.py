@@ -1,0 +1,72 @@
+"""SkyRL 0.4's own command-line rewrites (``SkyRLTrainConfig.from_cli_overrides``) hold here: what SkyRL's entry point
+drops or renames is accepted with its meaning, what it refuses is refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from skyrl.train.config import SkyRLTrainConfig
+
+from skyrl_clora.config import ConfigError
+from skyrl_clora.config_build import build_run_config
+from skyrl_clora.config_keys import given_keys
+from skyrl_clora.main import compose_config, main
+from skyrl_clora.skyrl.config_translation import translate
+from skyrl_clora.skyrl_cli import skyrl_cli_overrides
+
+pytestmark = pytest.mark.usefixtures("without_production_extras")
+
+
+@pytest.mark.parametrize("value", ["true", "True", "TRUE"])
+def test_async_engine_true_is_dropped_as_skyrl_drops_it(value: str) -> None:
+    override = f"generator.inference_engine.async_engine={value}"
+    SkyRLTrainConfig.from_cli_overrides([override])  # SkyRL's entry point takes it
+    assert skyrl_cli_overrides(["trainer.seed=3", override]) == ["trainer.seed=3"]
+
+
+@pytest.mark.parametrize("override", [
+    "generator.inference_engine.async_engine=false",
+    "generator.inference_engine.async_engine=sometimes",
+    "generator.inference_engine.enable_http_endpoint=true",
+    "generator.inference_engine.override_existing_update_group=true",
+    "generator.inference_engine.remote_urls=[127.0.0.1:8000]",
+    "trainer.rope_theta=10000",
+    "generator.inference_engine.engine_init_kwargs.hf_overrides.rope_scaling=2",
+    "trainer.use_sample_packing=true trainer.remove_microbatch_padding=true",
+])
+def test_what_skyrl_refuses_is_refused_in_one_line(override: str) -> None:
+    overrides = override.split()
+    with pytest.raises(ValueError):
+        SkyRLTrainConfig.from_cli_overrides(overrides)
+    with pytest.raises(ConfigError) as caught:
+        skyrl_cli_overrides(overrides)
+    message = str(caught.value)
+    assert "\n" not in message and overrides[0].split("=")[0].rsplit(".", 1)[-1] in message
+
+
+@pytest.mark.parametrize("value", [False, True])
+def test_use_sample_packing_is_renamed_as_skyrl_renames_it(value: bool) -> None:
+    override = f"trainer.use_sample_packing={str(value).lower()}"
+    with pytest.warns(DeprecationWarning):
+        assert SkyRLTrainConfig.from_cli_overrides([override]).trainer.remove_microbatch_padding is value
+    assert compose_config(skyrl_cli_overrides([override])).trainer.remove_microbatch_padding is value
+
+
+def test_an_older_skyrl_scripts_lines_mean_what_skyrl_0_4_reads(tmp_path: Path) -> None:
+    """``async_engine=true`` and ``trainer.strategy=fsdp2`` (run_gsm8k.sh before SkyRL dropped them) run: the first
+    dropped, the second SkyRL's FSDP2 workers (``fsdp`` in SkyRL's config)."""
+    args = skyrl_cli_overrides(["backend=skyrl", f"trainer.policy.model.path={tmp_path}", "trainer.strategy=fsdp2",
+                                "generator.inference_engine.async_engine=true", f"clora.output_dir={tmp_path / 'o'}"])
+    (tmp_path / "config.json").write_text("{}")
+    cfg = compose_config(args)
+    assert build_run_config(cfg).backend == "skyrl"
+    assert translate(cfg, given=given_keys(args)).base.trainer.strategy == "fsdp"
+
+
+def test_the_entry_point_refuses_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    assert main(["generator.inference_engine.async_engine=false", f"clora.output_dir={out}"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: generator.inference_engine.async_engine=false: ")
+    assert "remove the override" in errors[0] and not out.exists()
