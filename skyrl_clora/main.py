@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -153,9 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_clora.recipes.plugin import build_task_sources, drop_long_prompts, load_recipe
 
     try:
-        from skyrl_clora.skyrl_cli import skyrl_cli_overrides
-
-        argv = skyrl_cli_overrides(argv)  # SkyRL's own rewrites of its command line (async_engine=true, ...)
         cfg = compose_config(argv)
         check_known_keys(cfg, argv)
         run = build_run_config(cfg)
@@ -180,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
 
             check_model_folder(run.model_path)
         sources = build_task_sources(run.recipe, list(run.tenants), run.max_training_steps, run.seed)  # before the model
-        from skyrl_clora.services import prompt_tokenizer
+        from skyrl_clora.services import prompt_tokenizer, resolve_model_path
 
+        base_started = time.perf_counter()
+        resolve_model_path(run)  # the tiny base is built here on first use: the summary reports this command's build
+        base_model_s = time.perf_counter() - base_started
         tokenizer = prompt_tokenizer(run)  # SkyRL drops prompts over trainer.max_prompt_length at load: so do we
         sources = {name: drop_long_prompts(source, tokenizer, run.recipe.max_prompt_length, name)
                    for name, source in sources.items()}
@@ -192,13 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ConfigError) as error:
         return _refused(error)
     with STOP.installed():
-        return _run(run, plan, sources, resume, stopped)
+        return _run(run, plan, sources, resume, stopped, base_model_s)
 
 
 def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
-         resume: dict[str, TenantCheckpoint], stopped: list[str]) -> int:
-    """Runs the validated ``run`` on its backend (the base model built first if needed); the exit status (see
-    :func:`_exit_status`)."""
+         resume: dict[str, TenantCheckpoint], stopped: list[str], base_model_s: float) -> int:
+    """Runs the validated ``run`` on its backend (its base model built already, in ``base_model_s`` seconds: 0 when
+    given or cached); the exit status (see :func:`_exit_status`)."""
     from skyrl_clora.checkpoints import checkpoint_root, export_finished
     from skyrl_clora.config import ConfigError
 
@@ -208,15 +209,15 @@ def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
             if run.backend == "skyrl":
                 from skyrl_clora.skyrl.driver import run_skyrl
 
-                summary = run_skyrl(run, plan, sources, resume, stopped)
+                summary = run_skyrl(run, plan, sources, resume, stopped, base_model_s)
             elif run.replicas > 1:
                 from skyrl_clora.placement.replicas import run_replicated
 
-                summary = run_replicated(run, resume, stopped)
+                summary = run_replicated(run, resume, stopped, base_model_s)
             else:
                 from skyrl_clora.backends.embedded import run_experiments
 
-                summary = run_experiments(run, sources, resume, stopped)
+                summary = run_experiments(run, sources, resume, stopped, base_model_s)
         except ConfigError as error:
             return _refused(error)
         return _exit_status(summary, run.output_dir)

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from matplotlib.colors import to_rgba
+from micro_task import micro_tenants, run_args
 
+from skyrl_clora.main import main
 from skyrl_clora.metrics import MetricsLog, reward_figure, write_run_summary
+from skyrl_clora.tiny_base import pretrain
 
 
 def _records(tenants: list[str], steps: int) -> list[dict]:
@@ -44,6 +50,33 @@ def test_the_summary_gives_experiments_per_hour_with_and_without_the_base_models
                                 base_model_s=3600.0, label="test")
     assert summary["experiments_per_hour"] == 2.0 and summary["experiments_per_hour_with_base_model"] == 1.0
     assert json.loads((tmp_path / "summary.json").read_text())["experiments_per_hour_with_base_model"] == 1.0
+
+
+def test_the_summary_counts_the_base_models_build_when_this_command_built_it(
+        tmp_path: Path, micro_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The tiny base is built before the run starts (main counts prompt tokens with its tokenizer), yet the
+    summary reports that build: here a stand-in build that copies the micro model and takes at least
+    ``build_s`` seconds."""
+    build_s = 0.5
+    built: list[Path] = []
+
+    def build(cache_root: Path | None, recipe: pretrain.TinyBaseRecipe, force: bool = False) -> Path:
+        final = pretrain.tiny_base_path(cache_root, recipe)
+        if not final.is_dir():
+            time.sleep(build_s)
+            shutil.copytree(micro_model_dir, final)
+            built.append(final)
+        return final
+
+    monkeypatch.setattr(pretrain, "ensure_tiny_base", build)
+    monkeypatch.setenv("SKYRL_CLORA_CACHE", str(tmp_path / "cache"))
+    args = [arg for arg in run_args(micro_model_dir, tmp_path / "out", micro_tenants({"name": "a"}), steps=1)
+            if not arg.startswith("trainer.policy.model.path=")]
+    assert main(args) == 0
+    assert len(built) == 1
+    seconds = json.loads((tmp_path / "out" / "summary.json").read_text())["base_model_seconds"]
+    assert seconds >= build_s
+    assert f"(+ base model {seconds:.1f}s)" in capsys.readouterr().out
 
 
 class _Terminal(io.StringIO):

@@ -151,17 +151,16 @@ class EmbeddedBackend:
 
 
 def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict[str, TenantCheckpoint],
-                    stopped: list[str], host: PoolHost | None = None) -> dict[str, Any]:
+                    stopped: list[str], base_model_s: float, host: PoolHost | None = None) -> dict[str, Any]:
     """Runs every tenant in ``run.mode`` on its task data ``sources`` (by tenant name,
     ``recipes.plugin.build_task_sources``), those in ``resume`` from their checkpoints, those in ``stopped`` not
     (stopped through the control endpoint); writes metrics.jsonl, summary.json, reward_curves.png, adapters/
     and checkpoints (into ``run.output_dir``, which ``checkpoints.claim_output_dir`` made). In concurrent mode
     tenants can be added while the run goes (``control``), and with ``host`` the run's pool stays open while
-    ``host.serve`` runs (concurrent mode; a run with unfinished tenants)."""
+    ``host.serve`` runs (concurrent mode; a run with unfinished tenants). ``base_model_s``: the seconds the command
+    spent building the base model (summary.json's ``base_model_seconds``)."""
     specs = list(run.tenants)
-    base_started = time.perf_counter()
     model_path = resolve_model_path(run)
-    base_model_s = time.perf_counter() - base_started
     started = time.perf_counter()
     metrics = MetricsLog.for_run(run, resumed_records(resume, specs))
     rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in specs)

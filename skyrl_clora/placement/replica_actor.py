@@ -119,7 +119,7 @@ class ReplicaRunner:
         try:
             sources = build_task_sources(self.run.recipe, list(self.run.tenants), self.run.max_training_steps,
                                          self.run.seed, prompt_tokenizer(self.run))
-            self._summary = run_experiments(self.run, sources, resume, [], host=self._host)
+            self._summary = run_experiments(self.run, sources, resume, [], 0.0, host=self._host)  # nothing built here
         except BaseException as error:  # noqa: BLE001 - handed to the driver by wait_ended and close
             self._error = error
         finally:

@@ -72,12 +72,12 @@ def plan_replicas(run: RunConfig, specs: list[TenantSpec], resume: dict[str, Ten
     return [[by_name[name] for name in group] for group in names]
 
 
-def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped: list[str],
+def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped: list[str], base_model_s: float,
                    moves: Sequence[Move] = ()) -> dict[str, Any]:
     """Runs the tenants of ``run`` not finished nor ``stopped`` on ``run.replicas`` replicas (see the module
     docstring), moving tenants as ``moves`` ask (replica indices in the plan's order: summary.json's
-    ``replicas``) and where a replica runs out of tenants; writes the run's metrics.jsonl, summary.json and
-    adapters/; returns the summary."""
+    ``replicas``) and where a replica runs out of tenants; writes the run's metrics.jsonl, summary.json (with
+    ``base_model_s``, the seconds the command spent building the base model) and adapters/; returns the summary."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
@@ -140,8 +140,8 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     records = _write_records(run, resume, stopped, sub_runs, replica_set)
     fields = {"mode": run.mode, "steps": run.steps, "replicas": [[spec.name for spec in g] for g in groups],
               "moves": replica_set.moves}
-    return write_run_summary(run.output_dir, records, run_tenants(run), fields, time.perf_counter() - started, 0.0,
-                             f"replicas={run.replicas}")
+    return write_run_summary(run.output_dir, records, run_tenants(run), fields, time.perf_counter() - started,
+                             base_model_s, f"replicas={run.replicas}")
 
 
 def _launch(actor_class: Any, group_pg: Any, index: int, gpu: bool, sub: RunConfig,

@@ -131,6 +131,8 @@ class SkyRLBackend:
         generator_cfg = tenant.dispatch.cfg.generator
         sampling = get_sampling_params_for_backend(generator_cfg.inference_engine.backend, generator_cfg.sampling_params)
         batch, trajectory_ids, groups = episode_batch(spec.seed, rows, samples, tag, sampling_params=sampling)
+        if generator_cfg.batched:  # SkyRL's batched generate sends no session ids: the trajectories' go with it
+            tenant.view.expect_batch([t.to_string() for t in trajectory_ids])
         output = await tenant.generator.generate(batch, disable_tqdm=True)
         versions = [tenant.view.versions_for(t.to_string()) for t in trajectory_ids]
         return Rollout(output, groups, trajectory_ids, versions)
@@ -385,13 +387,12 @@ async def _run_tenants(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskS
 
 
 def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource],
-              resume: dict[str, TenantCheckpoint], stopped: list[str]) -> dict[str, Any]:
-    """Builds the base model if needed (the path the plan names), then runs every tenant concurrently through
-    SkyRL's stack on its task data ``sources`` (by tenant name, ``recipes.plugin.build_task_sources``), those in
-    ``resume`` from their checkpoints; writes the embedded backend's outputs."""
-    base_started = time.perf_counter()
+              resume: dict[str, TenantCheckpoint], stopped: list[str], base_model_s: float) -> dict[str, Any]:
+    """Runs every tenant concurrently through SkyRL's stack on the base model the plan names (``base_model_s``: the
+    seconds the command spent building it, for the summary) on its task data ``sources`` (by tenant name,
+    ``recipes.plugin.build_task_sources``), those in ``resume`` from their checkpoints; writes the embedded
+    backend's outputs."""
     model_path = resolve_model_path(run)
-    base_model_s = time.perf_counter() - base_started
     for line in plan.substitutions:
         print(f"[skyrl] stand-in: {line}", flush=True)
     started = time.perf_counter()
