@@ -2,9 +2,9 @@
 precision flags by dtype and device, and integer grid helpers.
 
 Triton 3.5+ makes ``triton.cdiv`` and ``triton.next_power_of_2`` constexpr functions whose calls from Python
-unwrap every argument (~3 us each); the host wrappers of one training micro-batch called them ~9,000 times
-(cProfile of a bench_train round, RESULTS.md, Training: packed vs swap), hence ``cdiv`` and ``next_power_of_2``
-here. Kernels keep using ``tl.cdiv``.
+unwrap every argument, and the host wrappers of one training micro-batch call them thousands of times (a
+cProfile of a ``benchmarks.train`` round: RESULTS.md, Training: packed vs swap), hence ``cdiv`` and
+``next_power_of_2`` here. Kernels keep using ``tl.cdiv``.
 """
 
 from __future__ import annotations

@@ -53,5 +53,6 @@ editable_log=$(mktemp)
 rm -f "$editable_log"
 export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
 # One OpenMP thread per torch thread: the engine and trainer threads each take one of the two cores;
-# more threads oversubscribe the cores and OpenMP spin-waits then make steps 10-20x slower (measured).
+# more threads oversubscribe the cores and OpenMP spin-waits then make steps many times slower
+# (RESULTS.md, Engine and trainer settings and why).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -4,8 +4,8 @@
 before such a copy: the host waits for every kernel already queued, so it can no longer run ahead of the
 GPU (in an eager forward of a few thousand kernel launches, the device then idles while the host
 launches). :func:`lists_to_device` stages all lists in one pinned buffer and copies it asynchronously.
-The buffer is built by numpy (``torch.tensor`` of a Python list costs ~70 ns per element; numpy arrays are
-taken as they are).
+The buffer is built by numpy (cheaper per element than ``torch.tensor`` of a Python list; numpy arrays are taken
+as they are).
 """
 
 from __future__ import annotations

@@ -188,11 +188,10 @@ def prefill_wait_steps(sampler: SamplerConfig, device: torch.device) -> int:
 def carve_gemm_sms(count: int) -> None:
     """Makes the process's eager cuBLAS GEMMs (the trainer's) target all but ``count`` SMs (0: all), process-wide.
 
-    cuBLAS's Hopper GEMMs are persistent kernels that hold every SM until they finish (0.3-0.7 ms for a
-    training micro-batch's projections), so each kernel of a decode step launched meanwhile waits that long
-    for an SM, however high its stream's priority. Routed through cuBLASLt (the path that honours PyTorch's
-    SM carve-out); the engine's decode graphs, captured before this runs, keep all SMs (its prefill graphs,
-    captured on first use, are carved too)."""
+    cuBLAS's Hopper GEMMs are persistent kernels that hold every SM until they finish, so each kernel of a decode
+    step launched meanwhile waits that long for an SM, however high its stream's priority. Routed through
+    cuBLASLt (the path that honours PyTorch's SM carve-out); the engine's decode graphs, captured before this
+    runs, keep all SMs (its prefill graphs, captured on first use, are carved too)."""
     torch.backends.cuda.preferred_blas_library("cublaslt" if count else _DEFAULT_BLAS_LIBRARY)
     torch._C._set_sm_carveout_experimental(count or None)
 

@@ -8,12 +8,12 @@ normalised partial output and its log-sum-exp, visiting only the key blocks of i
 programs whose split starts at or past the row's length return at once (their launch still costs: hence few,
 long splits, see ``default_attention_config``). Row programs (a row's own keys) and prefix programs (below)
 run code of their own, each loading and computing only what its kind needs: one body for both, choosing per
-query row, had taken 25-38% longer at the engine's shared-prompt shape (RESULTS.md, Engine decode: tenants mixed
-vs the base model). A second small kernel combines the partials of each (row, head); on Hopper it is launched
-with programmatic dependent launch (it starts while the first finishes, and waits with ``gdc_wait`` before reading the
-partials). The grids depend only on ``B``, ``H``, ``KV`` and ``L``, the lengths are read on the device, and
-with ``out`` and a :class:`DecodeWorkspace` given nothing is allocated: a decode step is capturable in a CUDA
-graph and replayable with new lengths.
+query row, was slower at the engine's shared-prompt shape (RESULTS.md, Tried and did not pay). A second small
+kernel combines the partials of each (row, head); on Hopper it is launched with programmatic dependent launch
+(it starts while the first finishes, and waits with ``gdc_wait`` before reading the partials). The grids depend
+only on ``B``, ``H``, ``KV`` and ``L``, the lengths are read on the device, and with ``out`` and a
+:class:`DecodeWorkspace` given nothing is allocated: a decode step is capturable in a CUDA graph and replayable
+with new lengths.
 
 Shared prefixes (``prefix_rows`` / ``prefix_lens``: row ``b`` reads its first ``prefix_lens[b]`` positions
 from cache row ``prefix_rows[b]``, e.g. the samples of a GRPO group that copied one cached prompt): the
@@ -64,10 +64,9 @@ PREFIX_GROUP_ROWS = 8
 # Query rows of one program at most (members x query heads per kv head) when prefixes are shared.
 _MAX_QUERY_TILE = 64
 _LOG2E = 1.4426950408889634
-# The partials kernel's register cap with shared prefixes (head dim <= 128): the compiler's 156 registers
-# allow 3 programs per SM (18.75% occupancy, DRAM at 45% under ncu); 96 ran the engine's shared-prompt shape
-# 6% faster on the H200; with row and prefix programs compiled apart, the compiler's choice and 96 run within a
-# few percent of each other (RESULTS.md, Engine decode: tenants mixed vs the base model).
+# The partials kernel's register cap with shared prefixes (head dim <= 128): the compiler's own register count
+# allows fewer programs per SM, and 96 ran the engine's shared-prompt shape faster on the H200 (RESULTS.md, Engine
+# decode: tenants mixed vs the base model); with row and prefix programs compiled apart the two are close.
 PREFIX_MAXNREG = 96
 
 
@@ -84,7 +83,7 @@ class AttentionConfig:
     # prefixes at head dims up to 128, the compiler's choice otherwise; 0: the compiler's choice.
     maxnreg: int | None = None
     # Warps of a reduce program (one per row and query head); 0: one per 1,024 floats of its [slots, d] tile
-    # (``reduce_warps``): 4 per program ran the shared-prompt shape 10% slower than 1 (RESULTS.md, Engine decode:
+    # (``reduce_warps``): 4 per program ran the shared-prompt shape slower than 1 (RESULTS.md, Engine decode:
     # tenants mixed vs the base model).
     reduce_warps: int = 0
 
@@ -94,11 +93,10 @@ def default_attention_config(max_len: int) -> AttentionConfig:
     ``_MAX_SPLITS`` splits per row. Never by the number of rows or the lengths' values, so a row's result is
     bit-identical whatever the batch around it (the engine's runs stay reproducible when the number of
     decoded rows changes). Every program launched costs, even one whose split holds no key of its row: at
-    the engine's shared-prompt shape (512 rows of up to 620 positions) the earlier 256-key splits took
-    233-235 us at ``L`` = 2048 and 416-422 us at 5120, these 150 and 158 us (RESULTS.md, Engine decode: tenants
-    mixed vs the base model). The price is paid by a batch of one long row: 46 us at
-    9,000-12,800 keys and ``L`` = 12,800 against 15 us with 256-key splits; 8 such rows or more take the same
-    with either."""
+    the engine's shared-prompt shape (512 rows of up to 620 positions) 256-key splits were slower than these,
+    the more so the longer ``L`` (RESULTS.md, Engine decode: tenants mixed vs the base model). The price is paid
+    by a batch of one long row, which fewer, longer splits spread over fewer programs; 8 such rows or more take
+    the same with either."""
     return AttentionConfig(split_len=max(_MIN_SPLIT_LEN, next_power_of_2(cdiv(max_len, _MAX_SPLITS))))
 
 
@@ -214,9 +212,8 @@ def _row_partial(
         if PAGED:
             blk, off = _paged_keys(table_ptr, tl.where(pos < split_at, low_row, b).to(tl.int64), pos, n_mask, stride_t,
                                    BLOCK_SIZE)
-            # K read as [BLOCK_N, BLOCK_D] like V (the keys' addresses in one layout), then transposed: at the
-            # engine's shape on the H200, paged steps took 6.8-7.3% longer than slot ones, against 8.9-11.4% with K
-            # read transposed.
+            # K read as [BLOCK_N, BLOCK_D] like V (the keys' addresses in one layout), then transposed: paged steps
+            # lose less time to slot ones than with K read transposed (RESULTS.md, Tried and did not pay).
             kt = tl.trans(tl.load(k_base + (blk * stride_kb + off * stride_kl)[:, None] + offs_d[None, :],
                                   mask=n_mask[:, None] & d_mask[None, :], other=0.0))  # [BLOCK_D, BLOCK_N]
             vt = tl.load(v_base + (blk * stride_vb + off * stride_vl)[:, None] + offs_d[None, :],

@@ -71,8 +71,8 @@ def _attend_keys(q, k_base, v_base, table_ptr, row, key_lo, key_hi, q_pos, m, de
     of block 0; else ``k_base``/``v_base`` point at the kv head of the job's cache row."""
     pos = key_lo + offs_n
     if PAGED:
-        # K read as [BLOCK_N, BLOCK_D] like V (the keys' addresses in one layout), then transposed: 64-job passes
-        # at the engine's shape took 12-14% longer than slot ones on the H200, against 17-19% with K read transposed.
+        # K read as [BLOCK_N, BLOCK_D] like V (the keys' addresses in one layout), then transposed: paged passes
+        # lose less time to slot ones than with K read transposed (RESULTS.md, Tried and did not pay).
         blk, off = _paged_keys(table_ptr, row, pos, pos < key_hi, stride_t, BLOCK_SIZE)
         k_ptrs = k_base + (blk * stride_kb + off * stride_kl)[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
         v_ptrs = v_base + (blk * stride_vb + off * stride_vl)[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]

@@ -2,8 +2,8 @@
 
 The trainer's shared-prompt pass gathers each attention segment's keys and values (a response segment's keys
 are its prompt's tokens, then its own), so a prompt token is gathered once per row of its group. Torch's
-``index_select`` backward is ``index_add_``, whose bf16 atomics took 159 us per call on the H200 for a
-micro-batch's ~21k gathered keys (0.145 s of a 3.3 s GPU round, RESULTS.md, Training: packed vs swap). Given the
+``index_select`` backward is ``index_add_``, whose bf16 atomics on a micro-batch's gathered keys were a visible
+share of a GPU round (RESULTS.md, Training: packed vs swap). Given the
 inverse of ``index`` (which positions gathered each row, built once per micro-batch on the host), the backward
 here reads every gathered row once and writes every source row once::
 

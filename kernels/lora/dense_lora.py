@@ -1,9 +1,9 @@
 """One adapter slot applied to every row of a batch: a dense LoRA linear layer on the GEMM library.
 
 The trainer's pass of one tenant (swap mode) routes every row to one slot, so the segmented kernels'
-grouping buys nothing there, and their host side did cost: a bench_train round in which the GPU worked
-3.4 s took 5.5-5.8 s, most of the host's time going to the Triton launches of the LoRA layers
-(RESULTS.md, Training: packed vs swap). Here the layer is plain torch GEMMs, each launched through torch's
+grouping buys nothing there, and their host side did cost: a ``benchmarks.train`` round took well over its GPU
+time, most of the host's time going to the Triton launches of the LoRA layers (RESULTS.md, Training: packed vs
+swap). Here the layer is plain torch GEMMs, each launched through torch's
 dispatcher. For ``x: [T, H_in]``, ``A = lora_a[slot]: [R, H_in]``, ``B = lora_b[slot]: [H_out, R]``,
 ``s = scales[slot]``::
 

@@ -7,8 +7,8 @@ its weight. Appending every slot's A below the base weight, ``W' = [W; A_0; ...;
 (``sgmv.expand_folded``) then adds each row's own slot's term. The shrink's cost becomes the extra columns'
 share of the GEMM: the A bytes it must read anyway at decode sizes, and ``T * S * R`` multiply-adds per
 input feature at prefill sizes, where reading x once more is cheaper for many slots (``fold_pays``).
-Measured on the H200 (Qwen3-4B shapes, rank 16, 8 slots): the LoRA add-on at 16-256 rows falls to 0.11-0.34x
-the base GEMM except for q/k/v (0.43x), against 0.28-0.72x for base GEMM + shrink + expand.
+The LoRA add-on over the base GEMM, folded and unfolded, on the H200: RESULTS.md, Multi-LoRA kernels vs the base
+GEMM.
 
 The folded weight is the storage: the base weight and each slot's A are views of it, so in-place adapter
 publishes (``copy_`` into ``lora_a``) land in the GEMM's weight and captured CUDA graphs stay valid.
@@ -29,8 +29,8 @@ from skyrl_clora.kernels.lora.sgmv import check_meta, default_config, expand_fol
 # their bytes: the A bytes the shrink would read anyway; the fold saved a launch in every measured row up to a
 # quarter of the base columns (Qwen3-4B q/k/v at 32 slots of rank 16). Beyond, the GEMM is compute-bound: an
 # extra column costs 2 * T * H_in flops where the shrink reads x's 2 * T * H_in bytes once, which break even
-# near 175 columns on an H200 (~700 TFLOP/s, ~4 TB/s); measured at 4096 rows, 128 and 256 extra columns
-# folded faster, 384 and more slower (RESULTS.md, Multi-LoRA kernels vs the base GEMM).
+# where the device's flops per byte of bandwidth say (a couple of hundred columns on an H200); at 4096 rows 128 and
+# 256 extra columns folded faster, 384 and more slower (RESULTS.md, Multi-LoRA kernels vs the base GEMM).
 _DECODE_TOKENS = 256
 _DECODE_EXTRA_FRACTION = 1 / 4
 _PREFILL_EXTRA_COLUMNS = 256

@@ -230,9 +230,8 @@ class PackedLoRAFunction(torch.autograd.Function):
 
     Bytes at the benchmark's shape (bf16): forward 64 MB (x read, y written) plus h (256 KB); backward 96 MB
     (dy and x read, dx written) plus 8 MB of ``g`` partials written and read back and 4 MB of dA partials.
-    Measured on an H200 (CUDA graph replay; RESULTS.md, Training: packed vs swap): forward 26 us, forward +
-    backward 70-73 us (75 with a second finishing launch for dA and no PDL; 114 with the split-K shrink/expand
-    path), 1.8x the memory floor of ``bench_packed`` (the five ``[T, H]`` tensors at the copy bandwidth, 40 us).
+    Times on an H200, against the memory floor (the five ``[T, H]`` tensors at the copy bandwidth), a second
+    finishing launch for dA without PDL and the split-K shrink/expand path: RESULTS.md, Training: packed vs swap.
 
     ``scales``, ``weight`` and ``bias`` get no gradient. Forward keeps a snapshot of the meta's index
     buffers, so a later ``meta.build`` (the next micro-batch) cannot change what backward reads.

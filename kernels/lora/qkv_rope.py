@@ -14,9 +14,9 @@ The LoRA partial sums ``h`` come from the folded GEMM's extra columns (one split
 the fold does not pay, from ``sgmv_shrink``'s split-K partials over the base GEMM; either way they are
 addressed ``split * s_split + a * s_slice + row * s_row + slot * s_slot + r`` as in ``sgmv_kernels``.
 
-Measured on the H200 (Qwen3-4B's attention, rank 16; RESULTS.md, Multi-LoRA kernels vs the base GEMM): the LoRA adds
-0.26-0.34x the base GEMM to the q/k/v block at 16-256 rows and 8 slots (0.43-0.48x unfused), but at 32 slots and
-64-256 rows 0.68-0.79x, no better than unfused: each program's chain of dependent loads then sets the pace.
+On the H200 (Qwen3-4B's attention, rank 16; RESULTS.md, Multi-LoRA kernels vs the base GEMM) the fused block adds
+less to the q/k/v block than the unfused one at decode sizes and 8 slots, but at 32 slots and 64-256 rows no less:
+each program's chain of dependent loads then sets the pace.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def tile_of(pid_m, count_ptr, S, T, S_P2: tl.constexpr, BLOCK_M: tl.constexpr, W
     the null segment (rows with no adapter, ``LoRAMeta``) as slot ``S``; it needs ``S_P2 > S`` and the
     batch size ``T``. Past the last tile the returned slot is ``>= S`` (``> S`` WITH_NULL). Keep ``S_P2``
     as small as allowed: every program sums an ``S_P2 x S_P2`` triangle, and doubling it (64 for 32
-    slots) made decode-sized launches about 25% slower on the H200 (RESULTS.md, Multi-LoRA kernels vs the base GEMM).
+    slots) made decode-sized launches slower on the H200 (RESULTS.md, Multi-LoRA kernels vs the base GEMM).
     The segment's start and length come from the counts already loaded (no second dependent load).
     """
     sid = tl.arange(0, S_P2)

@@ -100,8 +100,8 @@ class EngineThread:
         default stream of another thread) then overlap with decode steps instead of queueing before them, and
         a step's host synchronisation waits for the engine's own work only. At ``stream_priority="high"`` the
         GPU schedules a decode step's blocks ahead of waiting training blocks (a tenant's rollout is slowed as
-        little as possible by another tenant's training; RESULTS.md, Engine and trainer settings and why: N=8 swap 31.4 s
-        at high, 34.1 s at normal); at ``"normal"`` neither goes first. The engine shares only read-only base
+        little as possible by another tenant's training; RESULTS.md, Engine and trainer settings and why); at
+        ``"normal"`` neither goes first. The engine shares only read-only base
         weights with the trainer; adapters arrive as host tensors.
 
         The thread also lowers the interpreter's GIL switch interval (process-wide) to

@@ -1,9 +1,9 @@
 """The engine's per-cache-row state of running requests, as numpy tables.
 
 A decode step samples every running row at once; what the host then does per row (draw its RNG number,
-append the sampled token, check stop tokens and length limits, set the next input) was a Python loop of a
-few microseconds per row: about 1.7 ms per 512-row step on the development CPU, host time between two GPU
-steps (and GIL time taken from the trainer's thread). Here those are a handful of vectorised operations per
+append the sampled token, check stop tokens and length limits, set the next input) would be a Python loop of
+a few microseconds per row: host time between two GPU steps that grows with the rows (and GIL time taken from
+the trainer's thread; ``benchmarks.engine_host`` times it). Here those are a handful of vectorised operations per
 step; only the rows that finish go through Python, to hand their outputs back.
 """
 

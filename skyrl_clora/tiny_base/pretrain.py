@@ -12,13 +12,12 @@ probability ``skill_solve_rate`` (so most of the data teaches the skill), then `
 
 With the default corpus (``gsm8k``: use the calculator, copy its result into ``final_answer``; otherwise guess)
 the pre-trained model answers right about as often as it calls the calculator, and nearly always when it does
-(measured with scripts/build_tiny_base.py, 200 episodes at temperature 1.0: standard variant 30% accurate,
-calculator used 30% of the time, 97% accurate when used; hard variant 27% / 32% / 81%). GRPO only has to raise
-the probability of one token (the tool name at the start of the first assistant turn) to lift accuracy towards
-90%.
+(``python scripts/build_tiny_base.py`` measures both: RESULTS.md, CPU default run). GRPO only has to raise the
+probability of one token (the tool name at the start of the first assistant turn) to lift accuracy towards the
+calculator's.
 
-Cost: the default settings' 600 steps take ~0.26 s each on 2 idle cores (~3 minutes with data preparation);
-much longer when other processes compete for the cores.
+Cost: the default settings' 600 pre-training steps take minutes on 2 CPU cores (README, The two commands), much
+longer when other processes compete for the cores.
 
 The model is cached on disk in HF format (config.json, model.safetensors, generation_config.json,
 tokenizer files, recipe.json) under ``${SKYRL_CLORA_CACHE:-~/.cache/skyrl-clora}/models/tiny-qwen3-<hash>``

@@ -18,15 +18,15 @@ micro-batch counts and padding are estimates of the trainer's. ``rank``: the slo
 every slot at one rank (the embedded trainer: its store's max rank; the plan is then blind to ranks), else the
 pass's largest tenant rank (kernels that pad a pass to its largest rank). KL passes are not modelled.
 
-Constants (bench_train, RESULTS.md "Training: packed vs swap", H200, Qwen3-1.7B shape, rank 16): ``PASS_S``,
-``MICRO_BATCH_S`` and ``TOKEN_S`` are the least-squares fit (relative error) of the model to that table's six
-rounds of 8 tenants -- swap and packed on the small workload (2.577, 0.834 s), swap and packed on gsm8k with
-whole sequences (5.405, 5.586 s), swap with shared prompts at 32- and 64-row micro-batches (4.546, 3.320 s) --
-with each round's micro-batches and tokens counted from its workload's lengths; the fit gives those rounds
-within -17% .. +10%. The trainer is host-bound there: a micro-batch's launches cost as much as ~34k tokens.
-``LORA_SHARE`` is an estimate, not a measurement: the packed LoRA op's forward + backward of 4096 tokens at
-rank 16, hidden 4096 (73 us, the kernel table) against that layer's base GEMMs (6 * 4096^3 FLOPs, ~0.6 ms on
-an H200). ``FORWARD_SHARE``: a forward is about a third of a forward and backward (2 of 6 FLOPs per weight).
+Constants (``benchmarks.train``, RESULTS.md "Training: packed vs swap", H200, Qwen3-1.7B shape, rank 16):
+``PASS_S``, ``MICRO_BATCH_S`` and ``TOKEN_S`` are the least-squares fit (relative error) of the model to that
+table's six rounds of 8 tenants -- swap and packed on the small workload, swap and packed on gsm8k with whole
+sequences, swap with shared prompts at 32- and 64-row micro-batches -- with each round's micro-batches and tokens
+counted from its workload's lengths. The trainer is host-bound there: a micro-batch's launches cost as much as
+``MICRO_BATCH_S / TOKEN_S`` tokens. ``LORA_SHARE`` is an estimate, not a measurement: the packed LoRA op's
+forward and backward of 4096 tokens at rank 16, hidden 4096 (RESULTS.md, Training: packed vs swap, the kernel's
+graph replay) against that layer's base GEMMs (6 * 4096^3 FLOPs at the H200's bf16 peak). ``FORWARD_SHARE``: a forward is
+about a third of a forward and backward (2 of 6 FLOPs per weight).
 
 :func:`plan_packs` partitions a round's tenants into passes minimizing the round's summed pass seconds: two
 greedy starts (like lengths cut into full passes; best fit by marginal cost), exchanges of up to two tenants
@@ -51,7 +51,7 @@ LORA_SHARE = 0.1  # the LoRA part of TOKEN_S at REFERENCE_RANK; it scales with t
 REFERENCE_RANK = 16
 FORWARD_SHARE = 1 / 3  # a scoring forward's cost relative to a forward and backward
 SEARCH_STEPS = 150_000  # the exact search runs when its subset transitions stay within this (about 10 tenants)
-IMPROVE_EVALUATIONS = 1_500  # the exchanges stop after pricing this many distinct passes (~1 s at 64 rows a tenant)
+IMPROVE_EVALUATIONS = 1_500  # the exchanges stop after pricing this many distinct passes (bounds the plan's time)
 SEARCHES = ("exact", "repartition", "exchanges")  # plan_packs's search levels, most thorough first
 _MARGIN = 1e-9
 
