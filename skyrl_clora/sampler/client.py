@@ -1,8 +1,9 @@
 """SkyRL's ``InferenceEngineInterface`` over the embedded engine, so ``SkyRLGymGenerator`` drives it unchanged.
 
 The tenant rides in SkyRL's own ``model=`` argument (the adapter name), as with vLLM's multi-LoRA serving.
-Each request's RNG seed is derived from (client seed, adapter, session id, prompt length), so a rollout is
-reproducible whatever the interleaving of tenants. Every request's adapter version is recorded per
+Each request's RNG seed is derived from (client seed, session id, prompt length) (``requests.derive_seed``), so a
+rollout is reproducible whatever the interleaving of tenants; the adapter name does not enter it (a tenant's
+sessions are named after its seed, ``episodes.episode_batch``), so renaming a tenant changes nothing. Every request's adapter version is recorded per
 (adapter, session id): :meth:`EmbeddedInferenceClient.versions_for` tells which adapter version(s) a
 trajectory was sampled with.
 """
@@ -167,7 +168,10 @@ class EmbeddedInferenceClient(InferenceEngineInterface):
         await asyncio.to_thread(self.engine.shutdown)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
-        """The embedded engine keeps no cross-request prefix cache: nothing to reset."""
+        """Does nothing, as no reset is needed: the engine's prefix cache (``BlockManager``'s keyed prompt blocks and
+        finished-turn histories) is keyed by (adapter, published version), and each publish or load of an adapter
+        drops that adapter's entries, so no entry serves a request other weights than its own. Running requests
+        finish with the version they were admitted under (``reset_running_requests`` changes nothing)."""
 
     async def pause_generation(self) -> None:
         self.engine.pause()
