@@ -170,7 +170,6 @@ SKYRL_SET: dict[str, str] = {
                         "runs (their embedded stand-in where this machine cannot); a backend.strategy naming others is "
                         "refused",
     "generator.inference_engine.backend": "vllm (the embedded stand-in speaks its protocol; other values are refused)",
-    "generator.batched": "false: each request carries its tenant's adapter (true is refused)",
     "generator.sampling_params.logprobs": "1: the step needs the sampled tokens' log-probs",
     "generator.inference_engine.engine_init_kwargs.logprobs_mode":
         "processed_logprobs when the sampling temperature is not 1 or 0 (in both PD roles' kwargs when given): vLLM "

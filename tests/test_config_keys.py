@@ -121,7 +121,7 @@ SKYRL_REFUSES = {"trainer.algorithm.advantage_estimator": "trainer.critic.model.
                  "trainer.algorithm.enable_sample_support_replay": "enable_return_sample_support_set"}
 
 # Keys SkyRL's config receives from the plugin instead (config_keys.SKYRL_SET), with the value each sample gives.
-SET_BY_PLUGIN = {"trainer.strategy", "generator.batched", "trainer.policy_mini_batch_size"}
+SET_BY_PLUGIN = {"trainer.strategy", "trainer.policy_mini_batch_size"}
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +150,6 @@ def test_skyrl_key_reaches_skyrls_config_as_given(sample: Sample, data: Path, mi
     cfg = compose_config(overrides)
     check_known_keys(cfg, overrides)
     given = [o.lstrip("+").split("=", 1)[0] for o in overrides]
-    if sample.key == "generator.batched":
-        with pytest.raises(ConfigError):  # the tenants' requests each carry their adapter (config_keys.SKYRL_SET)
-            translate(cfg, model_path=str(tmp_path), given=given)
-        return
     if sample.key in SKYRL_REFUSES:  # the value reaches SkyRL's config, whose own checks reject it alone
         with pytest.raises(ConfigError, match=f"SkyRL rejects the .*config.*: .*{SKYRL_REFUSES[sample.key]}"):
             translate(cfg, model_path=str(tmp_path), given=given)

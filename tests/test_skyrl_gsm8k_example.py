@@ -131,7 +131,7 @@ def test_an_uncached_hub_id_offline_is_one_line(tmp_path: Path, capsys: pytest.C
     assert f"hf download {HUB_ID}" in errors[0] and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("backend", ["embedded"])
+@pytest.mark.parametrize("backend", ["embedded", "skyrl"])
 def test_skyrls_gsm8k_script_runs_four_tenants(backend: str, data: Path, hub_cache: Path, tmp_path: Path,
                                                without_production_extras: None) -> None:
     out = tmp_path / "run"

@@ -188,9 +188,6 @@ def _set_by_plugin(st: SkyRLTrainConfig, cfg: DictConfig, tenants: list[TenantSp
     if gen.inference_engine.backend != "vllm":
         raise ConfigError(f"generator.inference_engine.backend={gen.inference_engine.backend}: tenants' adapters are "
                           "served by vLLM (or its embedded stand-in); set it to vllm")
-    if gen.batched:
-        raise ConfigError("generator.batched=true sends one batch without per-request adapters; set "
-                          "generator.batched=false (each tenant's requests carry its adapter)")
     if gen.sampling_params.logprobs is None:
         raise ConfigError("generator.sampling_params.logprobs=null: the step needs the sampled tokens' log-probs; "
                           "set it to 1")
@@ -298,6 +295,11 @@ def translate(cfg: DictConfig, model_path: str | None = None, given: Collection[
     if strategy == "embedded":
         substitutions.append(f"trainer.strategy={SKYRL_STRATEGY_NAMES[production]} -> Ray workers over the embedded "
                              "trainer (skyrl_clora.skyrl.worker.EmbeddedPolicyWorker), one worker")
+    if inference == "embedded" and base.trainer.placement.colocate_all:
+        for st in [base, *per_tenant.values()]:  # what the workers' WorkerDispatch reads: no sleep/offload cycle
+            st.trainer.placement.colocate_all = False
+        substitutions.append("trainer.placement.colocate_all=true -> the embedded server shares the devices with the "
+                             "workers, awake: no sleep/wake of the servers or offload of the workers around a sync")
     return SkyRLPlan(base=base, tenant_configs=per_tenant, tenants=tuple(tenants), tenants_per_batch=tenants_per_batch,
                      inference_backend=inference, strategy=strategy, substitutions=tuple(substitutions))
 

@@ -164,9 +164,9 @@ def check_buildable(plan: SkyRLPlan) -> None:
     if plan.strategy in FSDP_STRATEGIES:
         check_fsdp_buildable(plan)
     placement = plan.base.trainer.placement
-    if placement.colocate_all:
-        raise ConfigError("trainer.placement.colocate_all=true pauses generation for every sync; tenants sync in place: "
-                          "set trainer.placement.colocate_all=false")
+    if placement.colocate_all:  # kept by the translation with vLLM only (the embedded server shares the GPUs awake)
+        raise ConfigError("trainer.placement.colocate_all=true sleeps the vLLM servers for every sync; tenants sync in "
+                          "place: set trainer.placement.colocate_all=false (or backend.inference_backend=embedded)")
     if plan.strategy == "embedded" and placement.policy_num_nodes * placement.policy_num_gpus_per_node != 1:
         raise ConfigError("backend.strategy=embedded runs one worker: set trainer.placement.policy_num_nodes=1 "
                           "trainer.placement.policy_num_gpus_per_node=1")

@@ -71,6 +71,7 @@ class TenantInferenceClient(BearerInferenceClient):
     _recorder: Optional["_VersionRecorder"] = field(default=None, repr=False)
     _clora_salted: bool = field(default=False, repr=False)
     _clora_unsalted: bool = field(default=False, repr=False)
+    _batch_sessions: Optional[list] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,6 +95,12 @@ class TenantInferenceClient(BearerInferenceClient):
     def prefix_cache_salted(self, model: str) -> bool:
         """Whether every request of the tenant so far carried a cache salt, and at least one did."""
         return model == self.tenant and self._clora_salted and not self._clora_unsalted
+
+    def expect_batch(self, session_ids: list[str]) -> None:
+        """The session ids of the next generate batch that carries none (SkyRL's batched generator sends its
+        single-turn prompts without them), one per prompt in order: its requests are sent and recorded under them, as
+        the agent loop's are (the embedded server also derives each request's sampling seed from its session)."""
+        self._batch_sessions = list(session_ids)
 
     def versions_for(self, session_id: str) -> list[int]:
         """The adapter version each request of ``session_id`` was sampled with so far (one per turn; see the
@@ -119,6 +126,12 @@ class TenantInferenceClient(BearerInferenceClient):
                              "max_tokens; SkyRL's trainer passes generator.sampling_params): without them vLLM "
                              "stops after 16 tokens")
         self._resolve_model(model, "generate")
+        if input_batch.get("session_ids") is None and self._batch_sessions is not None:
+            sessions, self._batch_sessions = self._batch_sessions, None
+            if len(sessions) != len(input_batch["prompt_token_ids"]):
+                raise ValueError(f"tenant {self.tenant!r} expected a batch of {len(sessions)} prompts, got "
+                                 f"{len(input_batch['prompt_token_ids'])}")
+            input_batch = InferenceEngineInput(**input_batch, session_ids=sessions)
         if input_batch.get("cache_salt") is None:
             self._clora_unsalted = True
         else:
