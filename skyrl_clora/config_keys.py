@@ -32,6 +32,17 @@ PLUGIN_TRAINER_KEYS = ("pack_size", "pack_policy", "shared_prompts", "sm_carveou
                        "pause_sampling_rows", "step_style")
 """The plugin's own keys under ``trainer.`` (SkyRL has none of them; they never reach SkyRL's config)."""
 
+FREE_FORM_KEYS = (
+    "generator.chat_template_kwargs", "generator.sampling_params.additional_kwargs",
+    "generator.eval_sampling_params.additional_kwargs", "generator.inference_engine.engine_init_kwargs",
+    "generator.inference_engine.prefill_init_kwargs", "generator.inference_engine.decode_init_kwargs",
+    "generator.inference_engine.router_init_kwargs", "trainer.policy.model_config_kwargs",
+    "trainer.ref.model_config_kwargs", "trainer.critic.model_config_kwargs",
+    "trainer.policy.megatron_config.model_config_kwargs", "trainer.ref.megatron_config.model_config_kwargs",
+)
+"""SkyRL's free-form dicts (``dict`` fields, empty or null by default): any key under them is SkyRL's to take, set as
+SkyRL's command line sets it (``generator.chat_template_kwargs.enable_thinking=false``)."""
+
 HONOURED, IGNORED, REFUSED = "honoured", "ignored", "refused"
 
 

@@ -113,14 +113,12 @@ def _unknown_key_message(key: str, overrides: list[str]) -> str:
     return f"unknown key {key}; {hint} (a key the config does not have is added with +key=value)"
 
 
-PASS_THROUGH_KEYS = ("generator.inference_engine.engine_init_kwargs",)
-"""SkyRL's free-form dicts (vLLM's engine kwargs): any key under them is SkyRL's to take (``+key=value``)."""
-
-
 def check_known_keys(cfg: DictConfig, overrides: list[str]) -> None:
     """Raises :class:`UserError` for a key that ``+key=value`` added and nothing reads: every key of ``cfg`` but
     ``tenants`` must be in the config composed with the same group choices alone (``recipe=``, ``backend=``, ...),
     which holds SkyRL's whole key tree."""
+    from skyrl_clora.config_keys import FREE_FORM_KEYS
+
     groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
     defaults = compose_config([o for o in overrides if o.split("=", 1)[0] in groups])
 
@@ -132,7 +130,7 @@ def check_known_keys(cfg: DictConfig, overrides: list[str]) -> None:
             if key not in known:
                 valid = ", ".join(sorted(str(k) for k in known))
                 raise UserError(f"unknown key {path}; valid keys{' here' if prefix else ''}: {valid}")
-            if OmegaConf.is_dict(node[key]) and OmegaConf.is_dict(known[key]) and path not in PASS_THROUGH_KEYS:
+            if OmegaConf.is_dict(node[key]) and OmegaConf.is_dict(known[key]) and path not in FREE_FORM_KEYS:
                 walk(node[key], known[key], f"{path}.")
 
     walk(cfg, defaults, "")

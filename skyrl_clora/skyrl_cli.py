@@ -3,13 +3,15 @@
 SkyRL's entry point (``SkyRLTrainConfig.from_cli_overrides``) does more than set keys: it drops
 ``generator.inference_engine.async_engine=true`` (the async HTTP path is the only one; ``false`` or any other value
 is refused), renames the deprecated ``trainer.use_sample_packing`` to ``trainer.remove_microbatch_padding``, and
-refuses the keys it removed with the replacement to use. :func:`skyrl_cli_overrides` does the same to the plugin's
-command line, with SkyRL's reasons, so that a SkyRL command means here what it means there.
+refuses the keys it removed with the replacement to use; and, parsing with ``OmegaConf.from_cli``, it takes any key
+under its free-form dicts (``config_keys.FREE_FORM_KEYS``) without Hydra's ``+``. :func:`skyrl_cli_overrides` does the
+same to the plugin's command line, with SkyRL's reasons, so that a SkyRL command means here what it means there.
 """
 
 from __future__ import annotations
 
 from skyrl_clora.config import ConfigError
+from skyrl_clora.config_keys import FREE_FORM_KEYS
 
 ASYNC_ENGINE = "generator.inference_engine.async_engine"
 SAMPLE_PACKING, MICROBATCH_PADDING = "trainer.use_sample_packing", "trainer.remove_microbatch_padding"
@@ -41,7 +43,8 @@ def _key(override: str) -> str:
 
 def skyrl_cli_overrides(overrides: list[str]) -> list[str]:
     """``overrides`` (Hydra's ``key=value``, ``+key=value``, ``~key``) as SkyRL 0.4's entry point reads them: an
-    ``async_engine=true`` (any case) left out, ``use_sample_packing`` renamed ``remove_microbatch_padding``; a
+    ``async_engine=true`` (any case) left out, ``use_sample_packing`` renamed ``remove_microbatch_padding``, a key
+    under a free-form dict set with Hydra's ``++`` (added, or replaced if the config has it); a
     :class:`ConfigError` (one line per problem, SkyRL's reason) for ``async_engine`` with another value, both
     packing keys together, or a key SkyRL removed (:data:`REMOVED`)."""
     kept, problems = [], []
@@ -61,6 +64,8 @@ def skyrl_cli_overrides(overrides: list[str]) -> list[str]:
             if MICROBATCH_PADDING in keys:
                 problems.append(f"give only one of {SAMPLE_PACKING} (deprecated) and {MICROBATCH_PADDING} (SkyRL's rule)")
             kept.append(override.replace(SAMPLE_PACKING, MICROBATCH_PADDING, 1))
+        elif not override.startswith(("+", "~")) and any(key.startswith(f"{d}.") for d in FREE_FORM_KEYS):
+            kept.append(f"++{override}")
         else:
             kept.append(override)
     if problems:

@@ -11,7 +11,7 @@ from skyrl.train.config import SkyRLTrainConfig
 from skyrl_clora.config import ConfigError
 from skyrl_clora.config_build import build_run_config
 from skyrl_clora.config_keys import given_keys
-from skyrl_clora.main import compose_config, main
+from skyrl_clora.main import check_known_keys, compose_config, main
 from skyrl_clora.skyrl.config_translation import translate
 from skyrl_clora.skyrl_cli import skyrl_cli_overrides
 
@@ -70,3 +70,31 @@ def test_the_entry_point_refuses_before_any_work(tmp_path: Path, capsys: pytest.
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("error: generator.inference_engine.async_engine=false: ")
     assert "remove the override" in errors[0] and not out.exists()
+
+
+@pytest.mark.parametrize("override", [
+    "generator.chat_template_kwargs.enable_thinking=false",
+    "trainer.policy.model_config_kwargs.attn_implementation=eager",
+    "generator.sampling_params.additional_kwargs.min_p=0.1",
+    "+generator.inference_engine.engine_init_kwargs.enforce_eager=true",
+])
+def test_free_form_dict_keys_are_set_as_skyrls_command_line_sets_them(override: str, tmp_path: Path) -> None:
+    """A key under SkyRL's free-form dicts needs no ``+`` (SkyRL parses with ``OmegaConf.from_cli``) and reaches
+    SkyRL's translated config on backend=skyrl."""
+    key, value = override.lstrip("+").split("=")
+    expected = SkyRLTrainConfig.from_cli_overrides([override.lstrip("+")])
+    args = skyrl_cli_overrides(["backend=skyrl", f"trainer.policy.model.path={tmp_path}", override])
+    cfg = compose_config(args)
+    check_known_keys(cfg, args)
+    plan = translate(cfg, given=given_keys(args))
+    parent, name = key.rsplit(".", 1)
+    got, want = plan.base, expected
+    for part in parent.split("."):
+        got, want = getattr(got, part), getattr(want, part)
+    assert got[name] == want[name] and str(got[name]).lower() == value
+
+
+def test_a_free_form_key_on_backend_embedded_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["generator.chat_template_kwargs.enable_thinking=false", f"clora.output_dir={tmp_path}"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and "generator.chat_template_kwargs.enable_thinking" in errors[0] and "backend=skyrl" in errors[0]
