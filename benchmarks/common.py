@@ -8,6 +8,9 @@ on :data:`DEVICE` "cpu", at the tiny sizes their options or ``--smoke`` give, Tr
 interpreter (``TRITON_INTERPRET=1``, :func:`require_kernels`), timed by the wall clock without graphs or L2
 rotation; their figures then say only that the script runs.
 
+Training MFU (:func:`train_pass_flop`) is over :data:`H200_BF16_TFLOPS`, the H200's dense bf16 matrix peak, unless a
+benchmark's ``--peak-tflops`` says otherwise.
+
 ``python -m benchmarks.common --shape qwen3-0.6b --tokenizer-from <model dir> --out <dir>`` writes such a
 checkpoint (the vocabulary is the tokenizer's).
 """
@@ -20,7 +23,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +147,7 @@ SHAPES = {  # hidden, layers, heads, kv heads, head dim, intermediate (from the 
     "tiny": (64, 2, 4, 2, 16, 128),  # for the CPU's smoke runs
 }
 QWEN3_VOCAB = 151936
+H200_BF16_TFLOPS = 790.0  # the H200's dense bf16 matrix peak, TFLOP/s (GPU.md): training MFU's denominator by default
 
 
 def qwen3_config(shape: str, vocab_size: int = QWEN3_VOCAB, **extra: Any) -> Qwen3Config:
@@ -174,6 +178,50 @@ def write_random_model(shape: str, tokenizer_dir: Path, out: Path, device: str, 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return model
+
+
+def train_pass_flop(config: Any, rank: int, prompt_lens: Sequence[int], response_lens: Sequence[int],
+                    groups: Sequence[object], shared_prompts: bool) -> float:
+    """Model FLOP of one LoRA training pass (forward and backward, no recomputation) over rows of
+    ``prompt_lens[i] + response_lens[i]`` positions on a decoder of ``config`` (a Hugging Face Qwen3-style config:
+    ``hidden_size`` H, ``num_hidden_layers`` L, ``num_attention_heads`` n, ``num_key_value_heads`` k,
+    ``head_dim`` d, ``intermediate_size`` I, ``vocab_size`` V) with rank-``rank`` LoRA on its seven projections:
+
+        F = 4 * W * T + 6 * rank * S * T + 4 * V * H * R + 12 * L * n * d * A
+
+    - ``T``: positions the decoder computes: every row's, where ``shared_prompts`` each group's prompt (rows with equal
+      ``groups[i]``, as the trainer groups them in a micro-batch) once;
+    - ``W = L * (H*n*d + 2*H*k*d + n*d*H + 3*H*I)``: the decoder's projection weights. They are frozen, so the
+      backward computes only their input gradients: 2 FLOP per weight and position forward, 2 backward (4, not the 6
+      of full fine-tuning);
+    - ``S = L * sum(in + out)`` over the projections: each LoRA product ``x A^T B^T`` costs ``2 * rank * (in + out)``
+      forward, as much for its input gradient and as much for A's and B's weight gradients (6x; ~1% of F at rank 16);
+    - ``R``: response positions scored by the (frozen, tied) LM head, forward and input gradient: ``4 * V * H`` each;
+    - ``A``: causal query-key pairs per layer: ``p * (p + 1) / 2`` per prompt computed (per row without
+      ``shared_prompts``) plus ``r * p + r * (r + 1) / 2`` per row's ``r`` response positions over its ``p``-token
+      prompt;
+      each pair costs ``4 * n * d`` forward (``Q K^T`` and ``P V``) and twice that backward.
+
+    Element-wise work (norms, rotary, softmax, the loss), the optimizer and padding are not counted; the first layer's
+    input gradient is (a trainer with frozen embeddings skips it)."""
+    hidden, layers, heads, kv_heads = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+                                       config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    q, kv, inter = heads * head_dim, kv_heads * head_dim, config.intermediate_size
+    shapes = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
+    weights = layers * sum(i * o for i, o in shapes)
+    lora = layers * sum(i + o for i, o in shapes)
+    prompts = {}  # the prompt length of each distinct group (shared) or of each row
+    positions, responses, pairs = 0, 0, 0
+    for index, (p, r, group) in enumerate(zip(prompt_lens, response_lens, groups, strict=True)):
+        prompts.setdefault(group if shared_prompts else index, p)
+        positions += r
+        responses += r
+        pairs += r * p + r * (r + 1) // 2
+    positions += sum(prompts.values())
+    pairs += sum(p * (p + 1) // 2 for p in prompts.values())
+    return float(4 * weights * positions + 6 * rank * lora * positions + 4 * config.vocab_size * hidden * responses
+                 + 12 * layers * heads * head_dim * pairs)
 
 
 def random_adapter(layers: dict, rank: int, seed: int) -> AdapterWeights:

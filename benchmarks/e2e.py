@@ -23,9 +23,10 @@ experiments per hour with the K serial experiments' rate (the same workload, oth
 
 One table, per mode and N: wall time, experiments per hour, experiment throughput ratio vs serial, mean per-tenant step time and
 mean rollout time per tenant step, each with its ratio to the same mode's N=1 (serial's when that mode did not
-run N=1), train / sync split, decode tokens/s, the GPU busy fraction of the wall time (:func:`gpu_busy`) and
-peak GPU memory; above it, the per-turn lengths drawn (mean, p50, p90, max). Full numbers go to ``--out`` as
-JSON (``rows``; ``lengths``: the spec and the drawn lengths' summary; ``gpu_busy_method``).
+run N=1), train / sync split, decode tokens/s, the GPU busy fraction of the wall time (:func:`gpu_busy`), training
+MFU (the model FLOP of the batches trained, :func:`benchmarks.common.train_pass_flop`, over the passes' time and
+``--peak-tflops``) and peak GPU memory; above it, the per-turn lengths drawn (mean, p50, p90, max). Full numbers go to
+``--out`` as JSON (``rows``; ``lengths``: the spec and the drawn lengths' summary; ``gpu_busy_method``).
 
 Usage (GPU): python -m benchmarks.e2e --shape qwen3-1.7b --tokenizer <model dir with a chat template> --lengths longtail --out $OUT/e2e.json
 On the CPU (``--device cpu --shape tiny``, small sizes) it runs as a smoke run: its figures say only that the script
@@ -45,7 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from benchmarks.common import QWEN3_VOCAB, write_random_model
+from benchmarks.common import H200_BF16_TFLOPS, QWEN3_VOCAB, train_pass_flop, write_random_model
 from benchmarks.workloads import Lengths, counter_rng, length_summary, parse_lengths
 
 from skyrl_clora.config_build import build_run_config, plan_steps
@@ -93,6 +94,7 @@ class StepRecord:
     step_s: float
     generated_tokens: int
     short_turns: int = 0  # turns whose completion came back shorter than the drawn length (none expected)
+    train_flop: float = 0.0  # the model FLOP of training the step's batch (train_pass_flop)
 
 
 @dataclass
@@ -166,12 +168,14 @@ async def experiment(services: Services, scheduler: TrainScheduler, tenant: str,
             loss_masks=[m for _, m, _ in results], rewards=torch.rand(len(rows), generator=generator).round().tolist(),
             group_ids=[f"{tenant}-{step}-{index}" for index, _ in rows], rollout_logprobs=None,
         )
+        flop = train_pass_flop(services.trainer.model.config, 16, [len(p) for p in batch.prompt_ids],
+                               [len(r) for r in batch.response_ids], batch.group_ids, services.trainer.shared_prefix)
         trained = time.perf_counter()
         weights, _ = await scheduler.train(tenant, batch)
         train_s = time.perf_counter() - trained
         _, sync_s = await services.sync.publish(tenant, weights)
         result.steps.append(StepRecord(tenant, step, rollout_s, train_s, sync_s, time.perf_counter() - started,
-                                       sum(sum(m) for _, m, _ in results), sum(s for _, _, s in results)))
+                                       sum(sum(m) for _, m, _ in results), sum(s for _, _, s in results), flop))
 
 
 def register(services: Services, run, tenant: str, seed: int) -> None:
@@ -303,6 +307,7 @@ def summarize(result: ModeResult) -> dict:
         "train_s": statistics.mean(s.train_s for s in steps), "sync_s": statistics.mean(s.sync_s for s in steps),
         "decode_tokens_per_s": result.engine.generated_tokens / max(result.engine.decode_seconds, 1e-9),
         "peak_memory_gib": result.peak_memory_gib, "gpu_busy": gpu_busy(result),
+        "train_tflops_per_s": sum(s.train_flop for s in steps) / 1e12 / max(result.train_passes_s, 1e-9),
         "train_overlaps_sampling": result.train_overlaps_sampling,
         "turn_lengths": length_summary(result.turn_lengths), "short_turns": sum(s.short_turns for s in steps),
         "peak_running_rows": result.engine.peak_running_rows, "preemptions": result.engine.preemptions,
@@ -412,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--serial", type=int, metavar="K",
                         help="run only the first K serial experiments (default: the largest --tenants); a larger N's "
                              "'x serial' is then its experiments per hour over the K serial experiments' rate")
+    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS, help="training MFU's denominator")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if min(args.prompts, args.samples, args.prompt) < 1:
@@ -469,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
     short = sum(s.short_turns for r in [*serial, *concurrent.values()] for s in r.steps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"shape": args.shape, "workload": asdict(workload), "lengths": {"spec": lengths.spec, "drawn": drawn},
-              "gpu_busy_method": GPU_BUSY_METHOD, "rows": rows}
+              "gpu_busy_method": GPU_BUSY_METHOD, "peak_tflops": args.peak_tflops, "rows": rows}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{args.shape}: {workload}")
     print(f"lengths {lengths.spec}: {drawn['count']} turns drawn over {len(serial)} serial experiments, mean "
@@ -479,13 +485,14 @@ def main(argv: list[str] | None = None) -> None:
           + ("" if all(n <= len(serial) for n in args.tenants) else
              f"; *: experiments per hour over the rate of the {len(serial)} serial experiments"))
     print(f"{'mode':14} {'N':>2} {'wall s':>7} {'exp/h':>6} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
-          f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'GPU busy':>8} {'peak GiB':>8} {'rows':>5} {'preempt':>7}")
+          f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'GPU busy':>8} {'MFU':>6} {'peak GiB':>8} {'rows':>5} {'preempt':>7}")
     for row in rows:
         print(f"{row['mode']:14} {row['tenants']:2d} {row['wall_s']:7.1f} {row['experiments_per_hour']:6.0f} "
               f"{row['throughput_vs_serial']:7.2f}{'' if row['serial_basis'].startswith('the same') else '*'} "
               f"{row['step_s']:7.2f} {row['step_vs_n1']:6.2f} {row['rollout_s']:7.2f} {row['rollout_vs_n1']:6.2f} "
               f"{row['train_s']:6.2f} {row['sync_s']:5.2f} {row['decode_tokens_per_s']:12.0f} "
-              f"{busy(row):8.2f} {row['peak_memory_gib']:8.1f} {row['peak_running_rows']:5d} "
+              f"{busy(row):8.2f} {row['train_tflops_per_s'] / args.peak_tflops:6.1%} {row['peak_memory_gib']:8.1f} "
+              f"{row['peak_running_rows']:5d} "
               f"{row['preemptions']:7d}")
 
 

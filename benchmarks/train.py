@@ -10,7 +10,9 @@ responses ~300 tokens (the GSM8K-agentic shape of issue 5); ``small`` -- 8 seque
 ``tiny`` -- 2 prompts x 2 samples of 8 + 8 tokens (with ``--shape tiny``: a CPU run checking that the script runs).
 A round trains every tenant once; each mode runs ``--warmup`` rounds, then ``--repeats`` timed rounds
 (medians reported). One more round per mode, with a device synchronisation around each phase, splits
-the time into phases (that round is not in the medians). Prints one table and writes bench_train.json.
+the time into phases (that round is not in the medians). MFU: a round's FLOP (:func:`benchmarks.common.train_pass_flop`
+of each tenant's batch, prompts once per group in the shared-prompts mode) over its median time and
+``--peak-tflops``. Prints one table and writes bench_train.json.
 
 Usage: python -m benchmarks.train --out $OUT [--shape qwen3-1.7b] [--workloads gsm8k,small] [--hf-baseline] [--repeats 3]
 """
@@ -28,8 +30,8 @@ from typing import Callable, Iterator
 
 import torch
 from skyrl.train.config import AlgorithmConfig
-from benchmarks.common import (DEVICE, SHAPES, build_random_model, device_name, peak_memory_gib, qwen3_config,
-                               reset_peak_memory, sync)
+from benchmarks.common import (DEVICE, H200_BF16_TFLOPS, SHAPES, build_random_model, device_name, peak_memory_gib,
+                               qwen3_config, reset_peak_memory, sync, train_pass_flop)
 
 import skyrl_clora.trainer.trainer as trainer_module
 from skyrl_clora.lora.layers import attach_multi_lora
@@ -178,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="modes to measure (swap always, as the baseline; the profiles cover only the modes named)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one round per mode (after its timed rounds): writes <workload>.<mode>.kernels.txt (mode without spaces, commas as dashes)")
+    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS, help="the MFU's denominator")
     parser.add_argument("--host-profile", action="store_true",
                         help="also run one round per mode under cProfile: writes <workload>.<mode>.host.txt")
     args = parser.parse_args(argv)
@@ -213,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         generator = torch.Generator().manual_seed(1)
         batches = {name: make_batch(workload, generator) for name in names}
         tokens = sum(len(p) + len(r) for b in batches.values() for p, r in zip(b.prompt_ids, b.response_ids))
+        flop = sum(train_pass_flop(model.config, RANK, [len(p) for p in b.prompt_ids], [len(r) for r in b.response_ids],
+                                   b.group_ids, trainer.shared_prefix) for b in batches.values())
         for _ in range(args.warmup):
             run_round(trainer, mode, names, batches)
         sync()
@@ -237,24 +242,26 @@ def main(argv: list[str] | None = None) -> None:
             host_profile_round(trainer, mode, names, batches, args.out / f"{stem}.host.txt")
         median = statistics.median(seconds)
         row = {"workload": workload, "mode": mode, "round_s": median, "round_s_all": seconds,
-               "tokens_per_round": tokens, "tokens_per_s": tokens / median, "peak_gib": peak,
+               "tokens_per_round": tokens, "tokens_per_s": tokens / median, "flop_per_round": flop,
+               "mfu": flop / median / (args.peak_tflops * 1e12), "peak_gib": peak,
                "phases_s": dict(phases)}
         results.append(row)
         print(f"{workload:>6} {mode:>21}: {median:.3f}s/round ({seconds}), {tokens / median:,.0f} tok/s, "
               f"peak {gib(peak)} GiB; phases {json.dumps({k: round(v, 3) for k, v in phases.items()})}", flush=True)
 
-    print(f"\n{'workload':>8} {'mode':>21} {'s/round':>8} {'tokens/s':>10} {'vs swap':>8} {'peak GiB':>9}")
+    print(f"\n{'workload':>8} {'mode':>21} {'s/round':>8} {'tokens/s':>10} {'vs swap':>8} {'MFU':>6} {'peak GiB':>9}")
     for row in results:
         swap = next(r for r in results if r["workload"] == row["workload"] and r["mode"] == "swap")
         row["speedup_vs_swap"] = swap["round_s"] / row["round_s"]
         print(f"{row['workload']:>8} {row['mode']:>21} {row['round_s']:>8.3f} {row['tokens_per_s']:>10,.0f} "
-              f"{row['speedup_vs_swap']:>7.2f}x {gib(row['peak_gib']):>9}")
+              f"{row['speedup_vs_swap']:>7.2f}x {row['mfu']:>6.1%} {gib(row['peak_gib']):>9}")
     for workload in workloads:
         if args.hf_baseline:
             row = next(r for r in results if r["workload"] == workload and r["mode"] == HF_BASELINE)
             print(f"{workload}: swap with the fused element-wise ops runs {row['speedup_vs_swap'] ** -1:.2f}x the "
                   "throughput of swap on Hugging Face's modules")
     report = {"device": device_name(), "torch": torch.__version__, "tenants": TENANTS, "rank": RANK,
+              "peak_tflops": args.peak_tflops,
               "micro_batch_size": args.micro_batch_size, "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
               "repeats": args.repeats, "warmup": args.warmup, "rows": results}
     (args.out / "bench_train.json").write_text(json.dumps(report, indent=2) + "\n")
