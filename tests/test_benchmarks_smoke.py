@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import (attention, common, concurrency, e2e, engine, engine_host, kernels, planner, qkv_rope, runner,
-                        train)
+from benchmarks import (attention, common, concurrency, e2e, engine, engine_host, interference, kernels, planner,
+                        qkv_rope, runner, train)
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 HELPERS = {"workloads", "packed"}  # imported by the runnable modules (packed: by kernels, run there)
-RUNS = {"attention", "common", "concurrency", "e2e", "engine", "engine_host", "kernels", "planner", "qkv_rope",
-        "runner", "train"}
+RUNS = {"attention", "common", "concurrency", "e2e", "engine", "engine_host", "interference", "kernels", "planner",
+        "qkv_rope", "runner", "train"}
 interpreted = pytest.mark.skipif(common.DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)")
 
@@ -65,6 +65,16 @@ def test_runner(tmp_path):
     cases = [case["case"] for case in read_json(out)["cases"]]
     assert cases == ["decode", "prefill turn", "prefill attention, one layer", "prefill prompt"]
     assert (tmp_path / "runner.decode16.shared.txt").is_file()
+
+
+@interpreted
+def test_interference(tmp_path):
+    interference.main(["--shape", "tiny", "--rows", "16", "--prompt", "8", "--lengths", "fixed:4", "--turns", "2",
+                       "--observation", "2", "--prompts", "2", "--samples", "2", "--tenants", "2", "--steps", "3",
+                       "--passes", "2", "--out", str(tmp_path)])
+    report = read_json(tmp_path / "interference.json")
+    assert list(report["rows"]) == ["decode alone", "decode beside training", "pass alone", "pass beside decoding"]
+    assert len(report["steps_alone"]) == 3 and len(report["rows"]["pass beside decoding"]["passes_s"]) == 2
 
 
 def test_engine(tmp_path):
