@@ -11,8 +11,9 @@ and the policy worker group. Each half is production or its stand-in, per the pl
   ``init_model`` loads the base model inside the actor, given every tenant's seed and learning rate.
   ``megatron``: SkyRL's Megatron policy worker with patch 0001's run-time form
   (:func:`~skyrl_clora.skyrl.worker_patches.with_per_tenant_lora_sync`: no prefix-cache reset on a
-  tenant's sync whose requests were all salted) and per-tenant initial adapters
-  (:func:`~skyrl_clora.skyrl.megatron_seeding.with_seeded_tenant_adapters`, given every tenant's seed),
+  tenant's sync whose requests were all salted) and per-tenant initial adapters, RNG, step counts and
+  checkpoints over SkyRL's AdapterStore
+  (:func:`~skyrl_clora.skyrl.megatron_checkpoints.with_megatron_tenant_checkpoints`, given every tenant's seed),
   initialised as SkyRL's Tinker backend does (LR driven through ``set_lr``, optimizer state primed, the
   pristine adapter snapshotted for ``register_adapter``).
   ``fsdp2`` (SkyRL's ``trainer.strategy=fsdp``): SkyRL's FSDP2 policy worker, one GPU per actor, with patch 0001's
@@ -50,7 +51,7 @@ from skyrl_clora.services import kv_cache_dtype, prefill_wait_steps, resolve_dev
 from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.fsdp_tenants import with_fsdp_tenants
-from skyrl_clora.skyrl.megatron_seeding import with_seeded_tenant_adapters
+from skyrl_clora.skyrl.megatron_checkpoints import with_megatron_tenant_checkpoints
 from skyrl_clora.skyrl.server import EmbeddedServer
 from skyrl_clora.skyrl.tenant_client import TenantInferenceClient, tenant_views
 from skyrl_clora.skyrl.worker import EmbeddedPolicyWorker
@@ -158,9 +159,6 @@ def check_buildable(plan: SkyRLPlan) -> None:
     if plan.strategy == "megatron" and importlib.util.find_spec("megatron") is None:
         raise ConfigError("backend.strategy=megatron but megatron-core is not installed; install megatron-core or set "
                           "backend.strategy=embedded (or auto)")
-    if plan.strategy == "megatron":
-        raise ConfigError("backend.strategy=megatron: per-tenant checkpoints (trainer.ckpt_interval) are written by "
-                          "the embedded policy worker only so far; use backend.strategy=embedded (or auto)")
     if plan.strategy in FSDP_STRATEGIES:
         check_fsdp_buildable(plan)
     placement = plan.base.trainer.placement
@@ -249,7 +247,8 @@ def _policy_group(run: RunConfig, plan: SkyRLPlan, model_path: str, pad_token_id
     else:
         from skyrl.backends.skyrl_train.workers.megatron.megatron_worker import MegatronPolicyWorkerBase
 
-        worker = ray.remote(num_gpus=1)(with_seeded_tenant_adapters(with_per_tenant_lora_sync(MegatronPolicyWorkerBase)))
+        worker_cls = with_megatron_tenant_checkpoints(with_per_tenant_lora_sync(MegatronPolicyWorkerBase))
+        worker = ray.remote(num_gpus=1)(worker_cls)
         group = _gpu_group(trainer_cfg, worker)
         # As SkyRL's Tinker backend: a scheduler horizon that never decays (each tenant's LR is set per step).
         ray.get(group.async_init_model(model_path, num_training_steps=int(1e9)))
