@@ -14,7 +14,8 @@ per tenant, and a vLLM server (Megatron's ``init_weight_sync_state`` imports vLL
 trained one; each tenant's step changes only its own adapter (the other's log-probs are bit equal before and
 after); a tenant's sync changes only its own greedy completion on vLLM; a deleted tenant is gone from the
 AdapterStore; tenants start from their own seeded adapters (SkyRL 0.4's AdapterStore seeds every tenant from
-one pristine slot; the stack's worker re-draws each tenant's LoRA A from its seed: ``with_seeded_tenant_adapters``).
+one pristine slot; the stack's worker re-draws each tenant's LoRA A from its seed: ``SeededTenantAdaptersMixin``, in
+``with_megatron_tenant_checkpoints``).
 """
 
 from __future__ import annotations
