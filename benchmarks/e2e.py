@@ -13,7 +13,7 @@ allows, so no turn is cut short (the line above the table counts turns that came
 Observation tokens come from the same counters; prompts and rewards from a per-tenant generator in program
 order. Training is the production GRPO step (SkyRL's advantage estimator and policy loss) on random rewards;
 after it the tenant's adapter is published into the sampler in place. ``steps`` steps per experiment. The
-services are the production ones (``skyrl_clora.services.build_services``); only the episodes are synthetic
+services are the production ones (``skyrl_clora.backends.embedded.services.build_services``); only the episodes are synthetic
 (a random model writes no parsable tool calls).
 
 Serial mode runs the experiments one after another, each paying its cold start; serial time for N is the
@@ -49,12 +49,12 @@ import torch
 from benchmarks.common import H200_BF16_TFLOPS, QWEN3_VOCAB, train_pass_flop, write_random_model
 from benchmarks.workloads import Lengths, counter_rng, length_summary, parse_lengths
 
+from skyrl_clora.backends.embedded.services import Services, build_services
 from skyrl_clora.config_build import build_run_config, plan_steps
-from skyrl_clora.main import compose_config
 from skyrl_clora.lora.peft_export import init_adapter
+from skyrl_clora.main import compose_config
 from skyrl_clora.sampler.engine_stats import EngineStats
 from skyrl_clora.sampler.requests import SamplingParams, derive_seed
-from skyrl_clora.services import Services, build_services
 from skyrl_clora.trainer.adapter_store import LRSchedule
 from skyrl_clora.trainer.scheduler import TrainScheduler
 from skyrl_clora.trainer.trainer import TrainBatch

@@ -1,7 +1,7 @@
 """Decode and training on one GPU, each alone and side by side: how much each slows the other, and training MFU.
 
 One model (a Qwen3 ``--shape`` with random bf16 weights) is built as the embedded backend builds it
-(``services.share_base_weights``: the engine's fused projections with ``--tenants`` inference LoRA slots, the
+(``backends.embedded.services.share_base_weights``: the engine's fused projections with ``--tenants`` inference LoRA slots, the
 trainer's module tree on the same weight tensors with two trainable slots, swap mode). Measured in one run, in order:
 
 - (a) decode alone: ``--steps`` decode steps of ``--rows`` rows (the engine's CUDA-graph decode, its sampler, the
@@ -54,12 +54,12 @@ from benchmarks.common import (DEVICE, H200_BF16_TFLOPS, SHAPES, build_random_mo
                                random_adapter, require_kernels, sync, train_pass_flop, warm_up)
 from benchmarks.workloads import Lengths, counter_rng, parse_lengths
 
+from skyrl_clora.backends.embedded.services import carve_gemm_sms, share_base_weights
 from skyrl_clora.lora.layers import write_slot
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.sampler.engine_thread import GIL_SWITCH_SECONDS, STREAM_PRIORITIES
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner
 from skyrl_clora.sampler.sampling import DrawnTokens, draw_rows
-from skyrl_clora.services import carve_gemm_sms, share_base_weights
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.optim import OptimizerConfig

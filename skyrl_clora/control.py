@@ -101,7 +101,7 @@ class ControlServer:
 
     def _task_source(self, spec: TenantSpec) -> TaskSource:
         """The added tenant's task data, its prompts over ``trainer.max_prompt_length`` dropped as at the start."""
-        from skyrl_clora.services import prompt_tokenizer
+        from skyrl_clora.base_model import prompt_tokenizer
 
         return build_task_sources(self.run.recipe, [spec], self.run.max_training_steps, self.run.seed,
                                   prompt_tokenizer(self.run))[spec.name]

@@ -175,11 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             plan = translate(cfg, model_path=run.model_path or str(tiny_base), given=given_keys(argv))
             check_buildable(plan)
         if run.model_path is not None:
-            from skyrl_clora.services import check_model_folder
+            from skyrl_clora.base_model import check_model_folder
 
             check_model_folder(run.model_path)
         sources = build_task_sources(run.recipe, list(run.tenants), run.max_training_steps, run.seed)  # before the model
-        from skyrl_clora.services import prompt_tokenizer, resolve_model_path
+        from skyrl_clora.base_model import prompt_tokenizer, resolve_model_path
 
         base_started = time.perf_counter()
         resolve_model_path(run)  # the tiny base is built here on first use: the summary reports this command's build
@@ -216,7 +216,7 @@ def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
 
                 summary = run_replicated(run, resume, stopped, base_model_s)
             else:
-                from skyrl_clora.backends.embedded import run_experiments
+                from skyrl_clora.backends.embedded.backend import run_experiments
 
                 summary = run_experiments(run, sources, resume, stopped, base_model_s)
         except ConfigError as error:

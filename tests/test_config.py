@@ -316,7 +316,7 @@ def test_kv_cache_dtype_picks_the_engines_cache_dtype(value: str | None, expecte
     build_services and the backend=skyrl stack hand the Engine and the memory plan); absent, the model's dtype."""
     import torch
 
-    from skyrl_clora.services import kv_cache_dtype
+    from skyrl_clora.backends.embedded.services import kv_cache_dtype
 
     given = [] if value is None else [f"+generator.inference_engine.engine_init_kwargs.kv_cache_dtype={value}"]
     run = build_run_config(compose_config([f"clora.output_dir={tmp_path}", *given]))
@@ -338,7 +338,7 @@ def test_an_fp8_kv_block_takes_half_the_bytes() -> None:
     import torch
     from transformers import Qwen3Config
 
-    from skyrl_clora.memory_plan import kv_block_bytes
+    from skyrl_clora.backends.embedded.memory_plan import kv_block_bytes
 
     config = Qwen3Config(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
     wide = kv_block_bytes(config, 16, torch.bfloat16)

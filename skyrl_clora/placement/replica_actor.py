@@ -1,6 +1,6 @@
 """One live replica: the body of a Ray actor that runs a one-replica run while the driver talks to it.
 
-The actor runs :func:`skyrl_clora.backends.embedded.run_experiments` in a thread of its own, with itself as the
+The actor runs :func:`skyrl_clora.backends.embedded.backend.run_experiments` in a thread of its own, with itself as the
 run's :class:`~skyrl_clora.tenant_loop.PoolHost`: the tenant pool stays open until the driver closes the replica,
 so tenants move in (:meth:`ReplicaRunner.add`, resuming from a checkpoint) and out (:meth:`ReplicaRunner.stop`
 at a step boundary, checkpointed) while the others run. The driver's calls run on Ray's threads (the actor is
@@ -112,9 +112,9 @@ class ReplicaRunner:
         self._thread.start()
 
     def _main(self, resume: dict[str, TenantCheckpoint]) -> None:
-        from skyrl_clora.backends.embedded import run_experiments
+        from skyrl_clora.backends.embedded.backend import run_experiments
         from skyrl_clora.recipes.plugin import build_task_sources
-        from skyrl_clora.services import prompt_tokenizer
+        from skyrl_clora.base_model import prompt_tokenizer
 
         try:
             sources = build_task_sources(self.run.recipe, list(self.run.tenants), self.run.max_training_steps,
@@ -140,7 +140,7 @@ class ReplicaRunner:
     def add(self, spec: TenantSpec, resume: TenantCheckpoint | None) -> None:
         """Starts tenant ``spec`` here, from its checkpoint ``resume`` when given (a tenant moved in)."""
         from skyrl_clora.recipes.plugin import build_task_sources
-        from skyrl_clora.services import prompt_tokenizer
+        from skyrl_clora.base_model import prompt_tokenizer
 
         source = build_task_sources(self.run.recipe, [spec], self.run.max_training_steps, self.run.seed,
                                     prompt_tokenizer(self.run))[spec.name]

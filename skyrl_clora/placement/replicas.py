@@ -1,7 +1,7 @@
 """Tenants spread over several replicas of the base model (``clora.replicas=K``), one Ray actor each.
 
 A replica is what a one-replica run is: one base model with its engine, trainer and AdapterStore, running its
-tenants concurrently (:func:`skyrl_clora.backends.embedded.run_experiments`), kept open while the run goes so
+tenants concurrently (:func:`skyrl_clora.backends.embedded.backend.run_experiments`), kept open while the run goes so
 that tenants move in and out of it (:mod:`.replica_actor`). The driver plans which replica starts which tenant
 (:mod:`.planner`, by each tenant's work left: :func:`plan_replicas`), reserves one bundle per replica in a
 Ray placement group (a GPU each on CUDA, a CPU each otherwise; a multi-node Ray cluster works the same way),
@@ -38,6 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from skyrl_clora.base_model import resolve_device
 from skyrl_clora.checkpoints import TenantCheckpoint, checkpoint_root, run_tenants
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.interrupts import STOP
@@ -46,7 +47,6 @@ from skyrl_clora.placement.planner import estimated_cost, measured_costs, plan_a
 from skyrl_clora.placement.replica_actor import ACTOR_CONCURRENCY, ReplicaRunner
 from skyrl_clora.placement.replica_control import ReplicaControl
 from skyrl_clora.placement.replica_set import REPLICA_RESTARTS, Move, ReplicaSet
-from skyrl_clora.services import resolve_device
 from skyrl_clora.tenants import TenantSpec
 
 __all__ = ["REPLICA_RESTARTS", "Move", "plan_replicas", "run_replicated"]

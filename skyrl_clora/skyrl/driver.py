@@ -62,13 +62,13 @@ from skyrl.train.config import AlgorithmConfig
 from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries, convert_prompts_responses_to_batch_tensors
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
+from skyrl_clora.base_model import resolve_model_path
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
 from skyrl_clora.config import RunConfig
 from skyrl_clora.control import run_tenant_pool
 from skyrl_clora.episodes import episode_batch
 from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.recipes.plugin import TaskSource
-from skyrl_clora.services import resolve_model_path
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
 from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID

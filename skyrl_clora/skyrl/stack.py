@@ -42,12 +42,13 @@ from skyrl.backends.skyrl_train.workers.worker import PPORayActorGroup
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from skyrl_clora.backends.embedded.memory_plan import inference_only_blocks
+from skyrl_clora.backends.embedded.services import kv_cache_dtype, prefill_wait_steps
+from skyrl_clora.base_model import resolve_device
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import load_peft_adapter
-from skyrl_clora.memory_plan import inference_only_blocks
 from skyrl_clora.sampler.engine import Engine
-from skyrl_clora.services import kv_cache_dtype, prefill_wait_steps, resolve_device
 from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.fsdp_tenants import with_fsdp_tenants

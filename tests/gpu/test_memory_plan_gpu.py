@@ -20,9 +20,9 @@ def _random_model(**config: int) -> Qwen3ForCausalLM:
 def test_a_training_pass_of_the_planned_shape_fits_beside_the_planned_kv_blocks() -> None:
     from skyrl.train.config import AlgorithmConfig
 
-    from skyrl_clora.memory_plan import measure_training_peak, plan_kv_blocks
+    from skyrl_clora.backends.embedded.memory_plan import measure_training_peak, plan_kv_blocks
     from skyrl_clora.sampler.engine import Engine
-    from skyrl_clora.services import share_base_weights
+    from skyrl_clora.backends.embedded.services import share_base_weights
     from skyrl_clora.trainer.adapter_store import AdapterStore
     from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
 
@@ -47,9 +47,9 @@ def test_a_training_pass_of_the_planned_shape_fits_beside_the_planned_kv_blocks(
 def test_an_engine_of_2048_rows_keeps_its_graphs_and_workspaces_within_the_plans_reserve() -> None:
     """The decode graphs (one per span bucket) share one logits buffer: a ``[span, V]`` output kept per graph
     would alone be ~10 GiB past the reserve at 2,048 rows and Qwen3's vocabulary."""
-    from skyrl_clora.memory_plan import GRAPH_RESERVE_BYTES, kv_block_bytes
+    from skyrl_clora.backends.embedded.memory_plan import GRAPH_RESERVE_BYTES, kv_block_bytes
     from skyrl_clora.sampler.engine import Engine
-    from skyrl_clora.services import share_base_weights
+    from skyrl_clora.backends.embedded.services import share_base_weights
 
     model = _random_model(vocab_size=151936, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)

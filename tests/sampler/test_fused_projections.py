@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from skyrl_clora.backends.embedded.services import _twin_sharing_weights
 from skyrl_clora.lora.layers import attach_multi_lora, write_slot
 from skyrl_clora.sampler.fused_projections import fuse_base_projections, fused_layer_projections
 from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
-from skyrl_clora.services import _twin_sharing_weights
 
 from helpers import random_adapter
 

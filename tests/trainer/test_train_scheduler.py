@@ -186,7 +186,7 @@ def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: 
                                                               paused: bool) -> None:
     from skyrl_clora.config_build import build_run_config
     from skyrl_clora.main import compose_config
-    from skyrl_clora.services import build_services
+    from skyrl_clora.backends.embedded.services import build_services
 
     run = build_run_config(compose_config(_args(micro_model_dir, tmp_path, f"trainer.overlap_sampling={overlap}")))
     services = build_services(run, str(micro_model_dir), num_tenants=1, rows_per_tenant=2)

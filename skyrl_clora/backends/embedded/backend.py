@@ -4,7 +4,7 @@ one set of services) or serial mode (one tenant after another, each with its own
 A tenant's episodes run through SkyRL's ``SkyRLGymGenerator`` (``model=`` its adapter) against the shared
 sampler; its updates go through the :class:`~skyrl_clora.trainer.scheduler.TrainScheduler` (swap or packed
 passes over the AdapterStore, with SkyRL's GRPO advantage and policy loss); the sync publishes each new
-version in place (:class:`~skyrl_clora.sync.AdapterSync`).
+version in place (:class:`~skyrl_clora.backends.embedded.sync.AdapterSync`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
 from skyrl.train.config import SamplingParams as SkyRLSamplingParams
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
+from skyrl_clora.backends.embedded.services import Services, build_services
+from skyrl_clora.base_model import resolve_model_path
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
 from skyrl_clora.config import RunConfig, algorithm_config
 from skyrl_clora.control import run_tenant_pool
@@ -31,7 +33,6 @@ from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
 from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.recipes.plugin import TaskSource, load_recipe
-from skyrl_clora.services import Services, build_services, resolve_model_path
 from skyrl_clora.tenant_loop import PoolHost, Rollout
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
