@@ -28,10 +28,10 @@ import aiohttp
 from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 
 from gpu_node import requires
+from skyrl_clora.backends.skyrl import training_input
 from skyrl_clora.config_build import build_run_config
 from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate
-from skyrl_clora.skyrl.driver import training_input
 from skyrl_clora.skyrl.stack import build_stack
 
 pytestmark = requires(gpus=1, modules=("vllm", "ray"))

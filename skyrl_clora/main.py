@@ -208,7 +208,7 @@ def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
     try:
         try:
             if run.backend == "skyrl":
-                from skyrl_clora.skyrl.driver import run_skyrl
+                from skyrl_clora.backends.skyrl import run_skyrl
 
                 summary = run_skyrl(run, plan, sources, resume, stopped, base_model_s)
             elif run.replicas > 1:

@@ -10,7 +10,7 @@ its last checkpointed step; a finished one is not run again. When the run is ask
 and removed; the other tenants run on.
 
 The loop talks to the shared services through a :class:`TenantBackend`: ``backends.embedded`` (the
-project's engine, AdapterStore trainer and in-place sync) and ``skyrl.driver`` (SkyRL's generator,
+project's engine, AdapterStore trainer and in-place sync) and ``backends.skyrl`` (SkyRL's generator,
 ``WorkerDispatch`` and policy workers) implement it. Everything a tenant's life needs (checkpoints, joining
 and leaving, trackers) is written here once.
 """

@@ -1,1 +1,1 @@
-"""The tenant loop's backends: ``embedded`` (the project's own services); SkyRL's stack is ``skyrl.driver``."""
+"""The tenant loop's backends: ``embedded`` (the project's own services) and ``skyrl`` (SkyRL's stack)."""

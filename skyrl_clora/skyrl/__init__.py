@@ -1,6 +1,6 @@
 """SkyRL glue: the embedded engine behind SkyRL's HTTP inference protocol, per-tenant client views, the
 translation of the plugin's Hydra config into SkyRL's ``SkyRLTrainConfig``, Ray policy workers over the
-embedded trainer and the ``backend=skyrl`` driver."""
+embedded trainer and the stack builder, for the ``backend=skyrl`` backend (``backends.skyrl``)."""
 
 import importlib.util
 import sys

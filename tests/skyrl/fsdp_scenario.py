@@ -77,7 +77,7 @@ def _batch(seed: int, pad_token_id: int):
     """A GRPO-shaped ``TrainingInputBatch`` of 4 rows (2 groups), as the skyrl driver builds it."""
     from skyrl.train.config import AlgorithmConfig
 
-    from skyrl_clora.skyrl.driver import training_input
+    from skyrl_clora.backends.skyrl import training_input
 
     generator = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(5, 300, (n,), generator=generator).tolist() for n in (9, 9, 6, 6)]

@@ -22,8 +22,8 @@ import pytest
 import torch
 from skyrl.train.config import SkyRLTrainConfig
 
+from skyrl_clora.backends.skyrl import check_step_report
 from skyrl_clora.config import ConfigError
-from skyrl_clora.skyrl.driver import check_step_report
 from skyrl_clora.skyrl.fsdp_store import FSDPAdapterStore, FSDPLoraSignature, lora_a_initializer
 from skyrl_clora.skyrl.stack import check_buildable
 
