@@ -21,13 +21,11 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from skyrl_clora.checkpoints import TenantCheckpoint, read_live_tenants, write_live_tenants
+from skyrl_clora.checkpoints import read_live_tenants, write_live_tenants
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.config_build import check_tenant_overrides, tenant_defaults
 from skyrl_clora.endpoint_auth import bearer_auth, new_token, write_private
-from skyrl_clora.metrics import MetricsLog
 from skyrl_clora.recipes.plugin import TaskSource, build_task_sources
-from skyrl_clora.tenant_loop import PoolHost, TenantBackend, TenantPool
 from skyrl_clora.tenants import TenantSpec, expand_tenants
 
 CONTROL_FILE = "control.json"
@@ -130,23 +128,3 @@ class ControlServer:
             raise ConfigError(f"tenant {spec.name} has lora rank {spec.rank} > sampler.max_lora_rank={run.lora.max_rank}; "
                               "lower its rank")
         return spec
-
-
-async def run_tenant_pool(run: RunConfig, backend: TenantBackend, specs: list[TenantSpec],
-                          sources: dict[str, TaskSource], metrics: MetricsLog, resume: dict[str, TenantCheckpoint],
-                          stopped: list[str], refuse_adds: str | None, host: PoolHost | None = None) -> None:
-    """Runs ``specs`` over ``backend`` as a :class:`TenantPool` (those in ``stopped`` stay stopped), with the
-    control endpoint while they run (``run.control``); returns when every tenant's loop has ended, or with
-    ``host`` when ``host.serve`` returns (it keeps the pool open for tenants it adds)."""
-    pool = TenantPool(run, backend, metrics, resume, refuse_adds)
-    server = ControlServer(run, pool, [spec.name for spec in run.tenants]) if run.control else None
-    await pool.start([spec for spec in specs if spec.name not in stopped], sources)
-    for name in [spec.name for spec in specs if spec.name in stopped]:
-        metrics.write({"event": "stopped", "tenant": name, "step": resume[name].step if name in resume else 0})
-    if server is not None:
-        await server.start()
-    try:
-        await (host.serve(pool) if host is not None else pool.join())
-    finally:
-        if server is not None:
-            await server.close()

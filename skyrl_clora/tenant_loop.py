@@ -12,7 +12,8 @@ and removed; the other tenants run on.
 The loop talks to the shared services through a :class:`TenantBackend`: ``backends.embedded`` (the
 project's engine, AdapterStore trainer and in-place sync) and ``backends.skyrl`` (SkyRL's generator,
 ``WorkerDispatch`` and policy workers) implement it. Everything a tenant's life needs (checkpoints, joining
-and leaving, trackers) is written here once.
+and leaving, trackers) is written here once. A :class:`TenantPool` runs the tenants of one set of services, and
+:func:`run_tenant_pool` runs a pool with the control endpoint (``control``) for the backends.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from skyrl.train.generators.base import TrajectoryID
 
 from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints, checkpoint_root
 from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.control import ControlServer
 from skyrl_clora.episodes import eval_record, log_orphaned_task_error, step_record
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.metrics import MetricsLog
@@ -289,3 +291,23 @@ class PoolHost(Protocol):
     async def serve(self, pool: TenantPool) -> None:
         """Runs on the pool's event loop once its start-time tenants' loops began; returns when the host is
         closed and every tenant's loop has ended."""
+
+
+async def run_tenant_pool(run: RunConfig, backend: TenantBackend, specs: list[TenantSpec],
+                          sources: dict[str, TaskSource], metrics: MetricsLog, resume: dict[str, TenantCheckpoint],
+                          stopped: list[str], refuse_adds: str | None, host: PoolHost | None = None) -> None:
+    """Runs ``specs`` over ``backend`` as a :class:`TenantPool` (those in ``stopped`` stay stopped), with the
+    control endpoint while they run (``run.control``); returns when every tenant's loop has ended, or with
+    ``host`` when ``host.serve`` returns (it keeps the pool open for tenants it adds)."""
+    pool = TenantPool(run, backend, metrics, resume, refuse_adds)
+    server = ControlServer(run, pool, [spec.name for spec in run.tenants]) if run.control else None
+    await pool.start([spec for spec in specs if spec.name not in stopped], sources)
+    for name in [spec.name for spec in specs if spec.name in stopped]:
+        metrics.write({"event": "stopped", "tenant": name, "step": resume[name].step if name in resume else 0})
+    if server is not None:
+        await server.start()
+    try:
+        await (host.serve(pool) if host is not None else pool.join())
+    finally:
+        if server is not None:
+            await server.close()

@@ -65,7 +65,6 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 from skyrl_clora.base_model import resolve_model_path
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
 from skyrl_clora.config import RunConfig
-from skyrl_clora.control import run_tenant_pool
 from skyrl_clora.episodes import episode_batch
 from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.recipes.plugin import TaskSource
@@ -73,7 +72,7 @@ from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
 from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID
 from skyrl_clora.skyrl.worker_patches import with_salt_gated_lora_sync
-from skyrl_clora.tenant_loop import Rollout
+from skyrl_clora.tenant_loop import Rollout, run_tenant_pool
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
 from skyrl_clora.trainer.kl import kl_reward_penalty
