@@ -52,6 +52,17 @@ class Rollout:
     versions: list[list[int]]
 
 
+@dataclass
+class Update:
+    """A tenant's policy update, as :meth:`TenantBackend.train` returns it and :meth:`TenantBackend.publish` takes
+    it: the trainer's metrics and the backend's handle on the trained adapter (the embedded trainer's
+    :class:`~skyrl_clora.lora.layers.AdapterWeights`; None on backend=skyrl, whose workers hold the weights and
+    write them out when told to sync)."""
+
+    metrics: dict[str, float]
+    weights: Any = None
+
+
 class TenantBackend(Protocol):
     """The shared sampler, trainer and sync as one tenant loop sees them (every call names its tenant)."""
 
@@ -67,11 +78,12 @@ class TenantBackend(Protocol):
     def exclusive_update(self, tenant: str) -> AbstractAsyncContextManager:
         """Held around a tenant's train + publish when the backend cannot interleave other tenants' updates."""
 
-    async def train(self, tenant: str, rollout: Rollout) -> dict[str, float]:
-        """One policy update of the tenant on ``rollout``; returns the trainer's metrics."""
+    async def train(self, tenant: str, rollout: Rollout) -> Update:
+        """One policy update of the tenant on ``rollout``: its metrics and trained adapter."""
 
-    async def publish(self, tenant: str) -> int:
-        """Publishes the tenant's trained adapter into the sampler in place; returns the new version."""
+    async def publish(self, tenant: str, update: Update) -> int:
+        """Publishes ``update``'s adapter (the tenant's last :meth:`train`) into the sampler in place; returns the
+        new version."""
 
     async def export(self, tenant: str, out_dir: Path) -> None:
         """Writes the tenant's adapter to ``out_dir`` in PEFT format."""
@@ -186,13 +198,13 @@ class TenantLoop:
         rollout_s = time.perf_counter() - started
         async with self.backend.exclusive_update(name):
             started = time.perf_counter()
-            train_metrics = await self.backend.train(name, rollout)
+            update = await self.backend.train(name, rollout)
             train_s = time.perf_counter() - started
             started = time.perf_counter()
-            version = await self.backend.publish(name)
+            version = await self.backend.publish(name, update)
             sync_s = time.perf_counter() - started
         timings = {"rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s}
-        self.metrics.write(step_record(name, step, version, rollout.output, timings, train_metrics))
+        self.metrics.write(step_record(name, step, version, rollout.output, timings, update.metrics))
         self.step = step
 
 

@@ -17,7 +17,7 @@ import torch
 
 from helpers import record_built
 from micro_task import assert_learning, read_records
-from skyrl_clora.backends import embedded
+from skyrl_clora.backends.embedded import backend as embedded_backend
 from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import main
@@ -54,10 +54,10 @@ class TenantResult:
 def run_recorded(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> dict[str, TenantResult]:
     """Runs ``main(args)`` (exit status 0 asserted), keeping the services every group of tenants ran on, and
     returns each finished tenant's :class:`TenantResult`."""
-    original = embedded.build_services
-    built = record_built(monkeypatch, embedded, "build_services")
+    original = embedded_backend.build_services
+    built = record_built(monkeypatch, embedded_backend, "build_services")
     assert main(args) == 0
-    monkeypatch.setattr(embedded, "build_services", original)
+    monkeypatch.setattr(embedded_backend, "build_services", original)
     out = Path(next(arg.split("=", 1)[1] for arg in args if arg.startswith("clora.output_dir=")))
     results = {}
     for services in built:

@@ -14,7 +14,7 @@ import test_isolation
 import test_stale_versions
 import transport
 from skyrl_clora import tenant_loop
-from skyrl_clora.backends import embedded
+from skyrl_clora.backends.embedded import backend as embedded_backend
 from skyrl_clora.trainer.adapter_store import AdapterStore
 from skyrl_clora.trainer.trainer import Trainer
 
@@ -61,14 +61,14 @@ def test_packed_tenants_handed_the_first_tenants_weights(micro_model_dir: Path, 
 
 def test_every_tenant_exporting_the_first_exported_adapter(learning_model_dir: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    save = embedded.save_peft_adapter
+    save = embedded_backend.save_peft_adapter
     first = []
 
     def save_first(adapter, out_dir, base_model_path):
         first.append(adapter)
         save(first[0], out_dir, base_model_path)
 
-    monkeypatch.setattr(embedded, "save_peft_adapter", save_first)
+    monkeypatch.setattr(embedded_backend, "save_peft_adapter", save_first)
     _isolation_fails("swap", learning_model_dir, tmp_path, monkeypatch)
 
 

@@ -11,9 +11,9 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from helpers import record_built
 from micro_task import micro_tenants, read_records, run_args
-from skyrl_clora.backends import embedded
+from skyrl_clora.backends import skyrl as skyrl_backend
+from skyrl_clora.backends.embedded import backend as embedded_backend
 from skyrl_clora.main import main
-from skyrl_clora.skyrl import driver
 
 TENANTS = micro_tenants({"name": "a", "seed": 1}, {"name": "stale", "seed": 2})
 
@@ -32,7 +32,7 @@ def _assert_only_stale_failed(out: Path, expected: str) -> None:
 def run_with_stale_rollout(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> int:
     """Runs ``main(args)`` on the embedded backend with one extra publish of tenant ``stale``'s adapter landing
     after its first training rollout is sampled and before that rollout is checked; returns the exit status."""
-    built = record_built(monkeypatch, embedded, "build_services")
+    built = record_built(monkeypatch, embedded_backend, "build_services")
     original_generate = SkyRLGymGenerator.generate
     calls: dict[str, int] = {}
 
@@ -60,7 +60,7 @@ def test_skyrl_stale_trajectory_fails_its_tenant(micro_model_dir: Path, tmp_path
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """backend=skyrl: the tenant's adapter is loaded again on the server (a sync from elsewhere) after its
     step fixed the version its rollout must be sampled with, so the rollout reports a newer version."""
-    stacks = record_built(monkeypatch, driver, "build_stack")
+    stacks = record_built(monkeypatch, skyrl_backend, "build_stack")
     original_generate = SkyRLGymGenerator.generate
     calls: dict[str, int] = {}
 

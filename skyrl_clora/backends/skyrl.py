@@ -72,7 +72,7 @@ from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
 from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID
 from skyrl_clora.skyrl.worker_patches import with_salt_gated_lora_sync
-from skyrl_clora.tenant_loop import Rollout, run_tenant_pool
+from skyrl_clora.tenant_loop import Rollout, Update, run_tenant_pool
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
 from skyrl_clora.trainer.kl import kl_reward_penalty
@@ -121,7 +121,7 @@ class SkyRLBackend:
             if first and (algorithm.use_kl_loss or algorithm.use_kl_in_reward):  # the KL reference, shared: the base
                 await asyncio.to_thread(dispatch.register_adapter, "policy", REFERENCE_MODEL_ID)
             await asyncio.to_thread(dispatch.register_adapter, "policy", spec.name)
-            await self.publish(spec.name)
+            await self._sync(spec.name)
 
     async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
         """The episodes with the run's sampling params, as SkyRL's trainer sends them (a vLLM server would
@@ -143,10 +143,11 @@ class SkyRLBackend:
         """The worker group trains one tenant at a time: a tenant's train + sync hold it."""
         return self._update_lock
 
-    async def train(self, tenant: str, rollout: Rollout) -> dict[str, float]:
+    async def train(self, tenant: str, rollout: Rollout) -> Update:
+        """The step's update on the workers, which keep the trained adapter (the update carries no weights)."""
         data = training_input(rollout.output, rollout.groups, self.stack.tokenizer.pad_token_id,
                               self.tenants[tenant].dispatch.cfg.trainer.algorithm)
-        return await asyncio.to_thread(self._train, self.tenants[tenant], data)
+        return Update(await asyncio.to_thread(self._train, self.tenants[tenant], data))
 
     def _train(self, tenant: Tenant, data: TrainingInputBatch) -> dict[str, float]:
         """The behaviour (and, with KL, reference) log-probs into ``data``, then ``forward_backward`` +
@@ -196,9 +197,13 @@ class SkyRLBackend:
         check_step_report(name, lr, grad_norm, output.metrics, metrics, self.stack.strategy)
         return metrics
 
-    async def publish(self, tenant: str) -> int:
+    async def publish(self, tenant: str, update: Update) -> int:
+        """The workers' adapter of the tenant (``update``'s, which they hold) to the servers: :meth:`_sync`."""
+        return await self._sync(tenant)
+
+    async def _sync(self, tenant: str) -> int:
         """``save_weights_for_sampler`` (in a worker thread: the dispatch blocks on Ray), then the check that the
-        servers hold the version the dispatch counted."""
+        servers hold the version the dispatch counted; returns that version."""
         handles = self.tenants[tenant]
         await asyncio.to_thread(asyncio.run, handles.dispatch.save_weights_for_sampler(model_id=tenant))
         held = self.stack.server_version(tenant)

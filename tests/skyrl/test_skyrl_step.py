@@ -24,6 +24,7 @@ from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
 from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID, EmbeddedPolicyWorker, training_batch_to_train_batch
+from skyrl_clora.tenant_loop import Update
 from skyrl_clora.trainer.adapter_store import LRSchedule
 
 pytestmark = pytest.mark.usefixtures("without_production_extras")
@@ -89,7 +90,7 @@ def test_driver_recomputes_log_probs_and_adds_the_base_as_kl_reference(micro_mod
         for step in range(2):
             data = training_input(*_output(rollout_shift=-50.0), pad, algorithm)
             metrics = await asyncio.to_thread(backend._train, backend.tenants[spec.name], data)
-            await backend.publish(spec.name)
+            await backend.publish(spec.name, Update(metrics))
             results.append((data, metrics))
             if step == 0:  # the adapter the worker holds for step 2
                 shutil.copytree(Path(stack.sync_path) / spec.name, after_step_1)

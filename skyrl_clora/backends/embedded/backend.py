@@ -28,11 +28,10 @@ from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenan
 from skyrl_clora.config import RunConfig, algorithm_config
 from skyrl_clora.episodes import episode_batch, scalar_reward
 from skyrl_clora.interrupts import STOP
-from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
 from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.recipes.plugin import TaskSource, load_recipe
-from skyrl_clora.tenant_loop import PoolHost, Rollout, run_tenant_pool
+from skyrl_clora.tenant_loop import PoolHost, Rollout, Update, run_tenant_pool
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.adapter_store import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
@@ -48,7 +47,6 @@ class EmbeddedBackend:
         self.scheduler = services.train_scheduler(run)
         self._generators: dict[str, SkyRLGymGenerator] = {}
         self._env_args: dict[str, dict[str, Any]] = {}
-        self._trained: dict[str, AdapterWeights] = {}
 
     async def register(self, spec: TenantSpec) -> None:
         """Seeded PEFT init into the trainer's store and the sampler (version 0); the tenant's generator."""
@@ -108,7 +106,7 @@ class EmbeddedBackend:
         """Nothing to hold: the train scheduler orders (or packs) the tenants' passes itself."""
         return contextlib.nullcontext()
 
-    async def train(self, tenant: str, rollout: Rollout) -> dict[str, float]:
+    async def train(self, tenant: str, rollout: Rollout) -> Update:
         """The tenant's update on its episodes; with ``trainer.step_style=tinker`` the PPO ratio's behaviour
         log-probs are the sampler's, else the trainer recomputes them (see ``trainer.trainer``)."""
         output = rollout.output
@@ -122,11 +120,11 @@ class EmbeddedBackend:
             rollout_logprobs=sampler_logprobs,
             old_logprobs=sampler_logprobs if self.run.trainer.step_style == "tinker" else None,
         )
-        self._trained[tenant], metrics = await self.scheduler.train(tenant, batch)
-        return metrics
+        weights, metrics = await self.scheduler.train(tenant, batch)
+        return Update(metrics, weights)
 
-    async def publish(self, tenant: str) -> int:
-        version, _ = await self.services.sync.publish(tenant, self._trained.pop(tenant))
+    async def publish(self, tenant: str, update: Update) -> int:
+        version, _ = await self.services.sync.publish(tenant, update.weights)
         return version
 
     async def export(self, tenant: str, out_dir: Path) -> None:
@@ -145,7 +143,6 @@ class EmbeddedBackend:
 
     async def remove(self, tenant: str) -> None:
         self.scheduler.leave(tenant)
-        self._trained.pop(tenant, None)
         await self.services.sync.unregister(tenant)
         self.services.store.remove(tenant)
 
