@@ -7,7 +7,9 @@ entry point is accepted with SkyRL's meaning. The plugin's own keys live beside 
 
 - ``backend=skyrl``: the SkyRL tree, as given, is the translated ``SkyRLTrainConfig``
   (``skyrl.config_translation``); only the keys of :data:`SKYRL_SET` are set by the plugin, and a value given
-  for one of them that the plugin cannot keep is refused there.
+  for one of them that the plugin cannot keep is refused there. The keys only SkyRL's trainer loop reads
+  (:data:`SKYRL_RULES`), given on the command line, are refused unless their value is what the tenant loop does,
+  or ignored with a line saying so (:func:`check_skyrl_keys`).
 - ``backend=embedded``: a SkyRL key given on the command line must be one of :data:`KEY_RULES`: honoured
   (it acts where the rule says), ignored (it only places work on machines, which one process replaces) or
   accepted only with the values the embedded trainer implements. Any other SkyRL key is refused with a
@@ -18,7 +20,7 @@ entry point is accepted with SkyRL's meaning. The plugin's own keys live beside 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, fields
 from functools import cache
 from typing import Any
@@ -170,6 +172,45 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("generator.inference_engine.*", IGNORED, "vLLM server settings: the embedded engine replaces the servers"),
 )
 
+_DRIVER = "SkyRL's trainer loop (RayPPOTrainer) does this; the tenant loop replacing it does not"
+SKYRL_RULES: tuple[KeyRule, ...] = (
+    KeyRule("trainer.algorithm.dynamic_sampling.*", REFUSED,
+            "each tenant's step trains the one batch it sampled (no dynamic sampling): leave dynamic_sampling.type null",
+            lambda value, cfg: cfg.trainer.algorithm.dynamic_sampling.type is None),
+    KeyRule("trainer.algorithm.zero_variance_filter", REFUSED,
+            "no zero-variance groups are masked (every group trains): set it to false", _false),
+    KeyRule("generator.step_wise_trajectories", REFUSED,
+            "each trajectory trains as one row (no step-wise rows): set it to false", _false),
+    KeyRule("generator.merge_stepwise_output", REFUSED,
+            "each trajectory trains as one row (no step-wise rows): set it to false", _false),
+    KeyRule("generator.eval_n_samples_per_prompt", REFUSED, "evaluation samples each row once: set it to 1",
+            _equals(1)),
+    KeyRule("generator.eval_sampling_params.*", REFUSED,
+            "evaluation samples with generator.sampling_params (the training ones), not eval_sampling_params: drop it"),
+    KeyRule("trainer.hf_save_interval", REFUSED, "no Hugging Face model exports during a run (each tenant's adapter is "
+            "exported in PEFT format to <clora.output_dir>/adapters/<tenant> when it finishes): set it to -1",
+            lambda value, cfg: value is None or value <= 0),
+    KeyRule("trainer.dump_data_batch", REFUSED, "no training batches are dumped: set it to false", _false),
+    KeyRule("trainer.update_ref_every_epoch", REFUSED,
+            "the KL reference is the frozen base (each tenant's adapter disabled): set it to false", _false),
+    KeyRule("trainer.critic.model.path", REFUSED,
+            "the tenants' step has no critic: leave it null and use a critic-free estimator (grpo, rloo, ...)",
+            lambda value, cfg: value is None),
+    KeyRule("trainer.export_path", IGNORED, "nothing is written there: no Hugging Face exports (hf_save_interval) and no "
+            "evaluation dumps; adapters go to <clora.output_dir>/adapters, evaluations to metrics.jsonl"),
+    KeyRule("trainer.dump_eval_results", IGNORED, "evaluation records go to <clora.output_dir>/metrics.jsonl"),
+    KeyRule("trainer.eval_batch_size", IGNORED, "batching only: every evaluation row is sent to the servers at once"),
+    KeyRule("trainer.print_example_interval", IGNORED, f"example printing: {_DRIVER}"),
+    KeyRule("trainer.log_example_interval", IGNORED, f"example logging: {_DRIVER}"),
+    KeyRule("trainer.num_logger_*", IGNORED, f"example logging: {_DRIVER}"),
+    KeyRule("trainer.enable_ray_gpu_monitor", IGNORED, f"GPU monitoring: {_DRIVER}"),
+    KeyRule("trainer.tags", IGNORED, "the trackers are given no tags"),
+    KeyRule("data.dataloader.*", IGNORED, "the recipe reads each tenant's rows at start (no dataloader workers)"),
+)
+"""``backend=skyrl``: the SkyRL keys its driver (the tenant loop, in place of SkyRL's ``RayPPOTrainer``) does not act
+on, given on the command line: refused (one line) unless the value is what the driver does (``accepts``), or
+ignored (logged once). Every other SkyRL key reaches SkyRL's config, where its generator and workers read it."""
+
 SKYRL_SET: dict[str, str] = {
     "trainer.policy.model.path": "null: the tiny base's folder; a hub id: its snapshot folder in the Hugging Face cache",
     "trainer.policy.model.lora.rank": "the tenants' common rank (as given unless every tenant overrides it)",
@@ -217,9 +258,9 @@ def register_skyrl_defaults() -> None:
     ConfigStore.instance().store(name="skyrl_defaults", node=OmegaConf.create(skyrl_defaults()))
 
 
-def rule_for(key: str) -> KeyRule | None:
-    """The first rule of :data:`KEY_RULES` matching SkyRL key ``key``."""
-    return next((rule for rule in KEY_RULES if rule.matches(key)), None)
+def rule_for(key: str, rules: tuple[KeyRule, ...] = KEY_RULES) -> KeyRule | None:
+    """The first rule of ``rules`` (:data:`KEY_RULES` or :data:`SKYRL_RULES`) matching SkyRL key ``key``."""
+    return next((rule for rule in rules if rule.matches(key)), None)
 
 
 def given_keys(overrides: list[str]) -> list[str]:
@@ -261,27 +302,55 @@ def check_embedded_keys(cfg: DictConfig, overrides: list[str]) -> list[str]:
     return problems
 
 
+def check_skyrl_keys(cfg: DictConfig, keys: Collection[str]) -> list[str]:
+    """``backend=skyrl``: the one-line refusals of the given SkyRL ``keys`` that its driver does not act on
+    (:data:`SKYRL_RULES`) with their values in ``cfg``; the ignored ones are logged once."""
+    problems, ignored = [], []
+    for key in dict.fromkeys(keys):
+        rule = rule_for(key, SKYRL_RULES) if is_skyrl_key(key) else None
+        if rule is None:
+            continue
+        if rule.action == IGNORED:
+            ignored.append(key)
+        elif not (rule.accepts and rule.accepts(OmegaConf.select(cfg, key), cfg)):
+            problems.append(f"{key}={OmegaConf.select(cfg, key)} on backend=skyrl: {rule.detail}")
+    if ignored and not problems:
+        print(f"[config] backend=skyrl ignores {', '.join(ignored)} (docs/config.md says why)", file=sys.stderr)
+    return problems
+
+
 def mapping_table() -> str:
-    """docs/config.md's body: one row per rule of :data:`KEY_RULES` and per key of :data:`SKYRL_SET`."""
+    """docs/config.md's body: one row per rule of :data:`KEY_RULES`, :data:`SKYRL_RULES` and key of :data:`SKYRL_SET`."""
     lines = ["| SkyRL key | backend=embedded | backend=skyrl |", "| --- | --- | --- |"]
     for rule in KEY_RULES:
-        on_skyrl = SKYRL_SET.get(rule.key, "as given")
-        lines.append(f"| `{rule.key}` | {embedded_refusal_summary(rule.key)} | {on_skyrl} |")
-    for key, what in SKYRL_SET.items():
+        lines.append(f"| `{rule.key}` | {embedded_refusal_summary(rule.key)} | {skyrl_summary(rule.key)} |")
+    for key in dict.fromkeys([*(rule.key for rule in SKYRL_RULES), *SKYRL_SET]):
         if rule_for(key) is None or rule_for(key).key != key:
-            lines.append(f"| `{key}` | {embedded_refusal_summary(key)} | {what} |")
+            lines.append(f"| `{key}` | {embedded_refusal_summary(key)} | {skyrl_summary(key)} |")
     lines.append("| any other SkyRL key | refused (one line naming the key) | as given |")
     return "\n".join(lines)
 
 
-def embedded_refusal_summary(key: str) -> str:
-    """The backend=embedded cell of ``key``'s row in docs/config.md."""
-    rule = rule_for(key)
+def rule_summary(rule: KeyRule | None) -> str:
+    """A rule's cell in docs/config.md (None: no rule, refused)."""
     if rule is None:
         return "refused"
     if rule.action == REFUSED and rule.accepts is not None:
         return f"only as it runs here, else refused: {rule.detail}"
     return f"{rule.action}: {rule.detail}"
+
+
+def embedded_refusal_summary(key: str) -> str:
+    """The backend=embedded cell of ``key``'s row in docs/config.md."""
+    return rule_summary(rule_for(key))
+
+
+def skyrl_summary(key: str) -> str:
+    """The backend=skyrl cell of ``key``'s row in docs/config.md."""
+    if key in SKYRL_SET:
+        return SKYRL_SET[key]
+    rule = rule_for(key, SKYRL_RULES)
+    return "as given" if rule is None else rule_summary(rule)
 
 
 DOC_HEADER = """# Configuration: SkyRL's keys on each backend
@@ -295,7 +364,9 @@ plugin's own keys (`clora.*`, `sampler.*`, `model.*`, `recipe.*`, `backend.*`, a
 pack_policy, shared_prompts, sm_carveout, overlap_sampling, pause_sampling_rows); `--help` lists them.
 
 On `backend=skyrl` every SkyRL key reaches SkyRL's `SkyRLTrainConfig` as given, except the ones the right-hand
-column names. On `backend=embedded` a SkyRL key given on the command line is honoured, ignored (it only places
+column names: the few the plugin sets, and those only SkyRL's trainer loop reads, which the tenant loop replaces
+(given on the command line, such a key is refused with a one-line reason unless its value is what runs, or ignored
+with a line saying so). On `backend=embedded` a SkyRL key given on the command line is honoured, ignored (it only places
 work on machines) or refused with a one-line reason (exit status 2). This table is generated by
 `python -m skyrl_clora.config_keys > docs/config.md` from `skyrl_clora/config_keys.py`.
 

@@ -3,7 +3,9 @@
 The descriptions are the comments beside the keys in ``conf/`` (a key's comment, with the comment lines under
 it that continue it), so the config files and the help cannot disagree. Sections: the base config's top-level
 groups (``clora``, ``trainer``, ``data``, ``generator``, ``sampler``), then each option of each config group
-(``recipe=gsm8k``, ``backend=skyrl``, ...; a ``_global_`` option's keys are written in full).
+(``recipe=gsm8k``, ``backend=skyrl``, ...; a ``_global_`` option's keys are written in full), then, per backend, the
+SkyRL keys it accepts without acting on them and those it runs with one value only, each with why
+(``config_keys``' rules: :func:`skyrl_key_rules_text`).
 """
 
 from __future__ import annotations
@@ -74,4 +76,22 @@ def help_text(conf_dir: Path) -> str:
             head = f"  {key.path}={key.default}"
             text = textwrap.fill(key.description, width=116, initial_indent=" " * 6, subsequent_indent=" " * 6)
             lines.append(head if not key.description else f"{head}\n{text}")
+    return "\n".join([*lines, skyrl_key_rules_text()])
+
+
+def skyrl_key_rules_text() -> str:
+    """The SkyRL keys each backend ignores (accepted, acting on nothing: a line says so when one is given) and those
+    it runs with one value only (another is refused in one line), each with its reason; docs/config.md has all."""
+    from skyrl_clora.config_keys import IGNORED, KEY_RULES, REFUSED, SKYRL_RULES
+
+    lines = []
+    for title, action in (("ignored (given, a line says so)", IGNORED),
+                          ("run with the value the backend implements only (else refused in one line)", REFUSED)):
+        lines.append(f"SkyRL keys {title}:")
+        for backend, rules in (("embedded", KEY_RULES), ("skyrl", SKYRL_RULES)):
+            lines.append(f"  backend={backend}:")
+            for rule in rules:
+                if rule.action == action:
+                    lines.append(textwrap.fill(f"{rule.key}: {rule.detail}", width=116, initial_indent=" " * 4,
+                                               subsequent_indent=" " * 6))
     return "\n".join(lines)

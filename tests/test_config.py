@@ -102,6 +102,20 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
             assert lines[at + 1].strip().startswith(key.description.split()[0]), head
 
 
+def test_help_lists_each_skyrl_key_a_backend_ignores_or_runs_with_one_value_only(capsys: pytest.CaptureFixture) -> None:
+    """Every ignored or one-value rule of both backends is in --help, under its backend, with its reason."""
+    from skyrl_clora.config_keys import HONOURED, KEY_RULES, SKYRL_RULES
+
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for backend, rules in (("embedded", KEY_RULES), ("skyrl", SKYRL_RULES)):
+        listed = [rule for rule in rules if rule.action != HONOURED]
+        assert listed
+        for rule in listed:
+            start = text.index(f"backend={backend}: ", text.index(f"SkyRL keys {'ignored' if rule.action == 'ignored' else 'run with'}"))
+            assert f"{rule.key}: {' '.join(rule.detail.split())}" in text[start:], rule.key
+
+
 @pytest.mark.parametrize("args, needle", [
     (["recipe=nope"], "choose recipe= one of"),
     (["backend=nope"], "choose backend= one of"),

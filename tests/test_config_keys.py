@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 from skyrl_clora.config import ConfigError
 from skyrl_clora.config_build import build_run_config
 from skyrl_clora.config_keys import (
-    DOC_HEADER, HONOURED, IGNORED, KEY_RULES, REFUSED, SKYRL_SET, check_embedded_keys, mapping_table, rule_for,
+    DOC_HEADER, HONOURED, IGNORED, KEY_RULES, REFUSED, SKYRL_RULES, SKYRL_SET, check_embedded_keys, given_keys,
+    mapping_table, rule_for,
 )
 from skyrl_clora.main import check_known_keys, compose_config
 from skyrl_clora.skyrl.config_translation import translate
@@ -150,6 +151,10 @@ def test_skyrl_key_reaches_skyrls_config_as_given(sample: Sample, data: Path, mi
     cfg = compose_config(overrides)
     check_known_keys(cfg, overrides)
     given = [o.lstrip("+").split("=", 1)[0] for o in overrides]
+    if getattr(rule_for(sample.key, SKYRL_RULES), "action", None) == REFUSED:  # see test_skyrl_driver_refuses_...
+        with pytest.raises(ConfigError, match=f"^{sample.key}=.* on backend=skyrl: "):
+            translate(cfg, model_path=str(tmp_path), given=given)
+        return
     if sample.key in SKYRL_REFUSES:  # the value reaches SkyRL's config, whose own checks reject it alone
         with pytest.raises(ConfigError, match=f"SkyRL rejects the .*config.*: .*{SKYRL_REFUSES[sample.key]}"):
             translate(cfg, model_path=str(tmp_path), given=given)
@@ -208,3 +213,46 @@ def test_embedded_runs_a_refusable_key_with_the_value_it_implements(override: st
 
 def test_the_plugin_sets_only_what_it_documents() -> None:
     assert SET_BY_PLUGIN - {"trainer.policy_mini_batch_size"} <= set(SKYRL_SET)
+
+
+SKYRL_DRIVER_SAMPLES = [
+    "trainer.algorithm.dynamic_sampling.type=filter", "trainer.algorithm.zero_variance_filter=true",
+    "generator.step_wise_trajectories=true", "generator.merge_stepwise_output=true",
+    "generator.eval_n_samples_per_prompt=4", "generator.eval_sampling_params.temperature=0.6",
+    "trainer.hf_save_interval=5", "trainer.dump_data_batch=true", "trainer.update_ref_every_epoch=true",
+    "trainer.critic.model.path=/models/critic", "trainer.export_path=/tmp/exports", "trainer.dump_eval_results=false",
+    "trainer.eval_batch_size=16", "trainer.print_example_interval=5", "trainer.log_example_interval=3",
+    "trainer.num_logger_eval_samples=2", "trainer.enable_ray_gpu_monitor=false", "trainer.tags=[a]",
+    "data.dataloader.num_workers=2",
+]
+"""One override per rule of SKYRL_RULES, with a value the tenant loop does not run (refused) or any (ignored)."""
+
+
+def test_every_skyrl_driver_rule_has_a_sample() -> None:
+    assert {rule_for(key, SKYRL_RULES).key for key in given_keys(SKYRL_DRIVER_SAMPLES)} == {r.key for r in SKYRL_RULES}
+
+
+@pytest.mark.parametrize("override", SKYRL_DRIVER_SAMPLES)
+def test_skyrl_driver_refuses_or_lists_each_key_it_does_not_act_on(override: str, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    overrides = ["backend=skyrl", f"clora.output_dir={tmp_path}", "+tenants=2", override]
+    cfg = compose_config(overrides)
+    check_known_keys(cfg, overrides)
+    key = given_keys([override])[0]
+    if rule_for(key, SKYRL_RULES).action == IGNORED:
+        translate(cfg, model_path=str(tmp_path), given=given_keys(overrides))
+        assert f"backend=skyrl ignores {key}" in capsys.readouterr().err
+        return
+    with pytest.raises(ConfigError) as refused:
+        translate(cfg, model_path=str(tmp_path), given=given_keys(overrides))
+    assert str(refused.value).startswith(f"{key}=") and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("override", [
+    "trainer.algorithm.dynamic_sampling.max_sample_batches=10", "trainer.algorithm.zero_variance_filter=false",
+    "generator.step_wise_trajectories=false", "generator.eval_n_samples_per_prompt=1", "trainer.hf_save_interval=-1",
+    "trainer.critic.model.path=null",
+])
+def test_skyrl_driver_runs_a_refusable_key_with_the_value_it_implements(override: str, tmp_path: Path) -> None:
+    overrides = ["backend=skyrl", f"clora.output_dir={tmp_path}", override]
+    translate(compose_config(overrides), model_path=str(tmp_path), given=given_keys(overrides))

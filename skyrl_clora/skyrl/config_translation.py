@@ -48,7 +48,7 @@ from skyrl.train.utils.utils import validate_cfg
 
 from skyrl_clora.config import ConfigError, TrainerConfig
 from skyrl_clora.config_build import lora_config, recipe_config, resolve_model_path, tenant_specs, trainer_config
-from skyrl_clora.config_keys import PLUGIN_TRAINER_KEYS, SKYRL_GROUPS
+from skyrl_clora.config_keys import PLUGIN_TRAINER_KEYS, SKYRL_GROUPS, check_skyrl_keys
 from skyrl_clora.recipes.plugin import load_recipe
 from skyrl_clora.tenants import TenantSpec
 
@@ -257,8 +257,12 @@ def translate(cfg: DictConfig, model_path: str | None = None, given: Collection[
 
     ``model_path`` is the base model folder when ``trainer.policy.model.path`` is null (e.g. the tiny base,
     resolved by the caller); the vLLM servers and the workers all load it. ``given`` is the keys the command
-    line set (a given ``trainer.strategy`` must agree with ``backend.strategy``; given micro-batch sizes are kept)."""
+    line set (a given ``trainer.strategy`` must agree with ``backend.strategy``; given micro-batch sizes are kept; a
+    given key only SkyRL's trainer loop reads is refused or logged as ignored: ``config_keys.check_skyrl_keys``)."""
     backend = _backend(cfg)
+    refusals = check_skyrl_keys(cfg, given)
+    if refusals:
+        raise ConfigError("\n".join(refusals))
     if lora_rank_off(cfg):
         raise ConfigError("trainer.policy.model.lora.rank=0 turns LoRA off; backend=skyrl runs each tenant as a LoRA "
                           "adapter: set it >= 1")
