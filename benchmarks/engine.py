@@ -26,8 +26,8 @@ from benchmarks.common import (DEVICE, QWEN3_VOCAB, SHAPES, build_random_model, 
                                random_adapter, sync)
 from transformers import Qwen3ForCausalLM
 
-from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 
 def build_model(shape: str) -> Qwen3ForCausalLM:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     config = model.config
     kv_token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
-    routing, layers = attach_multi_lora(model, num_slots=32, max_rank=16, trainable=False)
+    routing, layers = attach_engine_lora(model, num_slots=32, max_rank=16)
     rows = max(args.batches)
     started = time.perf_counter()
     engine = Engine(model, layers, num_rows=rows, max_len=args.prompt + args.new, block_size=128,

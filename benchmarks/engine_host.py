@@ -24,8 +24,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import skyrl_clora.sampler.engine as engine_module
-from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.sampler.sampling import DrawnTokens
 from skyrl_clora.sampler.scheduler import QueuedRequest
@@ -41,7 +41,7 @@ def step_ms(rows: int, steps: int, repeats: int) -> float:
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     model = Qwen3ForCausalLM(config)
-    routing, layers = attach_multi_lora(model, num_slots=8, max_rank=8, trainable=False)
+    routing, layers = attach_engine_lora(model, num_slots=8, max_rank=8)
     admission_steps = 2  # the groups' first requests, then the others
     max_len = PROMPT + admission_steps + steps * (repeats + 1) + 16
     engine = Engine(model, layers, num_rows=rows, max_len=max_len, max_prefills_per_step=rows, block_size=16,

@@ -40,7 +40,8 @@ import torch
 from benchmarks.common import (DEVICE, QWEN3_VOCAB, SHAPES, build_random_model, copy_bandwidth, qwen3_config,
                                random_adapter, require_kernels, sync)
 
-from skyrl_clora.lora.layers import attach_multi_lora, write_slot
+from skyrl_clora.lora.layers import write_slot
+from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
 from skyrl_clora.sampler.sampling import sample_rows
 
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     config = model.config
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else model.dtype
     kv_token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * kv_dtype.itemsize
-    routing, layers = attach_multi_lora(model, num_slots=args.tenants, max_rank=16, trainable=False)
+    routing, layers = attach_engine_lora(model, num_slots=args.tenants, max_rank=16)
     for slot in range(args.tenants):
         write_slot(layers, slot, random_adapter(layers, 16, seed=slot))
     num_rows = max(max(args.spans), args.jobs)

@@ -10,10 +10,13 @@ over a :class:`~skyrl_clora.kernels.FoldedWeights` (``kernels.lora.folded``) and
   them. Each module's own weight becomes a view of the folded matrix: no base weight is duplicated, and a
   model that shares these tensors (the trainer's twin, built afterwards from the state dict) keeps sharing
   them.
-- :func:`fused_layer_projections` makes each inference :class:`MultiLoRALinear` layer's ``lora_a`` a view of
-  its folded matrix's A rows (keeping the values; in-place publishes land in the GEMM's weight) and shares
-  one ``scales`` buffer per group, so each group is one ``kernels.folded_lora_linear`` call (q/k/v: one
-  ``kernels.folded_qkv_rope`` call, its expand inside the q/k norm + rotary kernel; the model runner makes it).
+- :func:`attach_engine_lora` makes a model's projections the engine's in one call: it folds them, attaches
+  inference :class:`MultiLoRALinear` layers and makes each layer's ``lora_a`` a view of its folded matrix's A
+  rows (so in-place publishes into a layer's slot land in the GEMM's weight), with one ``scales`` buffer per
+  group.
+- :func:`fused_layer_projections` reads those layers as one :class:`FusedProjection` per group, each one
+  ``kernels.folded_lora_linear`` call (q/k/v: one ``kernels.folded_qkv_rope`` call, its expand inside the q/k
+  norm + rotary kernel; the model runner makes it); it refuses layers that :func:`attach_engine_lora` did not make.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from torch import nn
 
 from skyrl_clora.kernels import FoldedWeights, LoRAMeta, fold_lora_weights, folded_lora_linear
-from skyrl_clora.lora.layers import MultiLoRALinear
+from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear, attach_multi_lora
 
 # (owner module, projections reading one input, attribute holding their FoldedWeights on the owner)
 GROUPS = (
@@ -100,13 +103,37 @@ def fuse_base_projections(decoder_layers: nn.ModuleList, num_slots: int, max_ran
                 setattr(owner, attribute, folded)
 
 
+def attach_engine_lora(model: nn.Module, num_slots: int, max_rank: int) -> tuple[LoRARouting, dict[str, MultiLoRALinear]]:
+    """Makes ``model``'s decoder projections the engine's, in place, in this order:
+
+    1. their base weights are folded with zeroed A rows for ``num_slots`` slots of rank ``max_rank``
+       (:func:`fuse_base_projections`; nothing to do when they are folded for these already);
+    2. inference :class:`MultiLoRALinear` layers are attached (``attach_multi_lora(trainable=False)``);
+    3. each layer's ``lora_a`` (``[S, R, H_in]``) becomes the view of its folded A rows, and each group's layers
+       share one ``scales`` buffer.
+    Returns ``attach_multi_lora``'s (routing, layers): a write into a layer's slot (``write_slot``, the engine's
+    publishes) changes the weight the engine's GEMM reads."""
+    fuse_base_projections(model.model.layers, num_slots, max_rank)
+    routing, layers = attach_multi_lora(model, num_slots, max_rank, trainable=False)
+    for layer in model.model.layers:
+        for owner_name, names, attribute in GROUPS:
+            owner = getattr(layer, owner_name)
+            modules = [getattr(owner, name) for name in names]
+            for view, module in zip(_a_views(getattr(owner, attribute), len(modules)), modules):
+                module.lora_a = view  # both zero: the slots are empty
+                module.scales = modules[0].scales
+    return routing, layers
+
+
+def _a_views(folded: FoldedWeights, slices: int) -> list[torch.Tensor]:
+    """The folded matrix's A rows per projection of its group, each ``[S, R, H_in]``."""
+    return list(folded.lora_a) if slices > 1 else [folded.lora_a]
+
+
 def fused_layer_projections(decoder_layers: nn.ModuleList) -> list[LayerProjections]:
-    """Per layer, its four :class:`FusedProjection` (folding the base weights first if needed). The projections
-    must be inference :class:`MultiLoRALinear` layers (``trainable=False``); their LoRA A buffers become views
-    of the folded weights and their scales one shared buffer per group, keeping their values."""
-    first = getattr(decoder_layers[0].self_attn, "q_proj", None) if len(decoder_layers) else None
-    if isinstance(first, MultiLoRALinear):
-        fuse_base_projections(decoder_layers, *first.lora_a.shape[:2])
+    """Per layer, its four :class:`FusedProjection` over the layers :func:`attach_engine_lora` made. Raises
+    ValueError for a group whose layers are not inference :class:`MultiLoRALinear` layers with ``lora_a`` views of
+    its folded A rows and one shared ``scales``."""
     fused = []
     for layer in decoder_layers:
         group = []
@@ -114,19 +141,14 @@ def fused_layer_projections(decoder_layers: nn.ModuleList) -> list[LayerProjecti
             owner = getattr(layer, owner_name)
             layers = [getattr(owner, name) for name in names]
             if not all(isinstance(m, MultiLoRALinear) and not m.trainable for m in layers):
-                raise ValueError(f"{owner_name}.{'/'.join(names)} must be inference MultiLoRALinear layers (attach_multi_lora "
-                                 "with trainable=False) before the engine fuses them")
-            folded: FoldedWeights = getattr(owner, attribute)
-            if (folded.num_slots, folded.rank) != tuple(layers[0].lora_a.shape[:2]):
-                raise ValueError(f"{owner_name} was folded for {folded.num_slots} slots of rank {folded.rank}, its "
-                                 f"LoRA layers have {tuple(layers[0].lora_a.shape[:2])}")
-            views = list(folded.lora_a) if len(layers) > 1 else [folded.lora_a]  # each [S, R, H_in]
-            with torch.no_grad():
-                for view, module in zip(views, layers):
-                    if module.lora_a.data_ptr() != view.data_ptr():
-                        view.copy_(module.lora_a)
-                        module.lora_a = view
-                    module.scales = layers[0].scales
+                raise ValueError(f"{owner_name}.{'/'.join(names)} must be inference MultiLoRALinear layers (attach_engine_lora) "
+                                 "before the engine runs them")
+            folded: FoldedWeights | None = getattr(owner, attribute, None)
+            views = _a_views(folded, len(layers)) if folded is not None else []
+            if folded is None or any(m.lora_a.data_ptr() != view.data_ptr() or m.lora_a.shape != view.shape
+                                     or m.scales is not layers[0].scales for view, m in zip(views, layers)):
+                raise ValueError(f"{owner_name}.{'/'.join(names)}: the LoRA A buffers are not views of the folded weight; "
+                                 "attach the engine's LoRA layers with attach_engine_lora")
             group.append(FusedProjection(folded, [m.out_features for m in layers], tuple(m.lora_b for m in layers),
                                          layers[0].scales))
         fused.append(LayerProjections(*group))

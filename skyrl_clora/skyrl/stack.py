@@ -46,9 +46,9 @@ from skyrl_clora.backends.embedded.memory_plan import inference_only_blocks
 from skyrl_clora.backends.embedded.services import kv_cache_dtype, prefill_wait_steps
 from skyrl_clora.base_model import resolve_device
 from skyrl_clora.config import ConfigError, RunConfig
-from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.fsdp_tenants import with_fsdp_tenants
@@ -204,7 +204,7 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
         torch.bfloat16 if device.type == "cuda" else torch.float32
     )
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-    routing, layers = attach_multi_lora(model, len(names), run.lora.max_rank, trainable=False)
+    routing, layers = attach_engine_lora(model, len(names), run.lora.max_rank)
     rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in plan.tenants)
     max_len = run.recipe.max_input_length + run.recipe.max_generate_length
     rows = run.sampler.max_rows or len(names) * rows_per_tenant

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from skyrl_clora.lora.layers import attach_multi_lora, write_slot
+from skyrl_clora.lora.layers import write_slot
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.model_runner import PrefillJob
 from skyrl_clora.sampler.requests import SamplingParams
 
@@ -31,7 +32,7 @@ def _model(dtype: torch.dtype) -> Qwen3ForCausalLM:
 def _engine(cuda_graphs: bool, tenants: dict[str, int], dtype: torch.dtype = torch.bfloat16,
             reuse_decode_kv: bool = False, kv_dtype: torch.dtype | None = None) -> Engine:
     model = _model(dtype)
-    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=16, trainable=False)
+    routing, layers = attach_engine_lora(model, num_slots=4, max_rank=16)
     engine = Engine(model, layers, num_rows=32, max_len=128, block_size=32, cuda_graphs=cuda_graphs,
                     reuse_decode_kv=reuse_decode_kv, kv_dtype=kv_dtype)
     for name, seed in tenants.items():
@@ -134,7 +135,7 @@ def test_requests_that_stop_early_match_the_hf_forward() -> None:
         for param in model.parameters():
             if param.dim() == 2:
                 param.normal_(0.0, 0.05, generator=generator)
-    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=16, trainable=False)
+    routing, layers = attach_engine_lora(model, num_slots=4, max_rank=16)
     engine = Engine(model, layers, num_rows=32, max_len=128, block_size=32, share_prefix_reads=True, reuse_decode_kv=True)
     stops = tuple(range(3, 512, 5))  # one token in five stops a completion
     jobs = [(name, seed) for seed in range(20) for name in ("a", "b", "c", None)]
@@ -191,7 +192,7 @@ def test_graphed_prefill_passes_match_eager_ones() -> None:
     from skyrl_clora.sampler.model_runner import ModelRunner
 
     model = _model(torch.float32)
-    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=16, trainable=False)
+    routing, layers = attach_engine_lora(model, num_slots=4, max_rank=16)
     for slot, seed in ((0, 1), (1, 2)):
         write_slot(layers, slot, random_adapter(layers, seed, b_std=0.05))
     runners = [ModelRunner(model, num_rows=16, max_len=128, block_size=16, prefill_tokens=128) for _ in range(2)]
@@ -222,7 +223,7 @@ def test_a_small_block_pool_preempts_and_completes_every_request() -> None:
     once: some are preempted and start over, every one completes with its full length, and every block goes
     back to the pool."""
     model = _model(torch.bfloat16)
-    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=16, trainable=False)
+    routing, layers = attach_engine_lora(model, num_slots=4, max_rank=16)
     engine = Engine(model, layers, num_rows=32, max_len=256, block_size=32, num_blocks=12, reuse_decode_kv=True,
                     share_prefix_reads=True)
     for name, seed in (("a", 1), ("b", 2)):

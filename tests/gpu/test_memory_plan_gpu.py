@@ -72,14 +72,14 @@ def _prefill_pool_growth(prompt_lengths: list[int]) -> int:
     """Bytes the allocator reserves while a fresh engine (expandable segments, as the run sets) prefills
     ``prompt_lengths`` one prompt at a time, each pass of a new flat-batch size capturing its own graph."""
     from skyrl_clora.gpu_settings import use_expandable_segments
-    from skyrl_clora.lora.layers import attach_multi_lora
+    from skyrl_clora.sampler.fused_projections import attach_engine_lora
     from skyrl_clora.sampler.engine import Engine
     from skyrl_clora.sampler.requests import SamplingParams
 
     use_expandable_segments()
     model = _random_model(vocab_size=512, hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096)
-    _, layers = attach_multi_lora(model, num_slots=2, max_rank=8, trainable=False)
+    _, layers = attach_engine_lora(model, num_slots=2, max_rank=8)
     engine = Engine(model, layers, num_rows=16, max_len=4096, block_size=128, max_prefills_per_step=32)
     try:
         torch.cuda.synchronize()

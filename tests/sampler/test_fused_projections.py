@@ -11,7 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 
 from skyrl_clora.backends.embedded.services import _twin_sharing_weights
 from skyrl_clora.lora.layers import attach_multi_lora, write_slot
-from skyrl_clora.sampler.fused_projections import fuse_base_projections, fused_layer_projections
+from skyrl_clora.sampler.fused_projections import attach_engine_lora, fuse_base_projections, fused_layer_projections
 from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
 
 from helpers import random_adapter
@@ -54,30 +54,33 @@ def test_fused_weights_are_views_shared_with_the_twin() -> None:
     assert twin.model.layers[1].mlp.down_proj.weight.data_ptr() == model.model.layers[1].mlp.down_proj.weight.data_ptr()
 
 
-def test_lora_buffers_are_views_of_the_folded_weights_that_publishes_reach() -> None:
+def test_engine_lora_buffers_are_views_of_the_folded_weights_that_publishes_reach() -> None:
     model = _model("qwen3")
-    routing, layers = attach_multi_lora(model, num_slots=3, max_rank=8, trainable=False)
-    write_slot(layers, 2, random_adapter(layers, seed=3))  # before folding: the values must survive it
-    kept = model.model.layers[0].mlp.down_proj.lora_a.clone()
+    routing, layers = attach_engine_lora(model, num_slots=3, max_rank=8)
+    write_slot(layers, 2, random_adapter(layers, seed=3))
     projections = fused_layer_projections(model.model.layers)[0]
     write_slot(layers, 1, random_adapter(layers, seed=4))
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert torch.equal(projections.qkv.folded.lora_a[2], attn.v_proj.lora_a) and attn.v_proj.lora_a[1].abs().sum() > 0
     assert attn.v_proj.lora_a.data_ptr() == projections.qkv.folded.lora_a[2].data_ptr()
-    assert torch.equal(projections.down.folded.lora_a[2], kept[2]) and kept[2].abs().sum() > 0
+    assert torch.equal(projections.down.folded.lora_a, mlp.down_proj.lora_a) and mlp.down_proj.lora_a[2].abs().sum() > 0
     assert mlp.down_proj.lora_a.data_ptr() == projections.down.folded.lora_a.data_ptr()
     assert attn.k_proj.scales is attn.q_proj.scales and float(projections.qkv.scales[1]) == 2.0
     assert projections.gate_up.lora_b[1] is mlp.up_proj.lora_b
-    with pytest.raises(ValueError, match="inference MultiLoRALinear"):
-        trainable = _model("qwen3")
-        attach_multi_lora(trainable, num_slots=2, max_rank=8, trainable=True)
-        fused_layer_projections(trainable.model.layers)
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_the_engine_refuses_lora_layers_that_attach_engine_lora_did_not_make(trainable: bool) -> None:
+    model = _model("qwen3")
+    attach_multi_lora(model, num_slots=2, max_rank=8, trainable=trainable)
+    with pytest.raises(ValueError, match="attach_engine_lora"):
+        fused_layer_projections(model.model.layers)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
 def test_runner_logits_with_adapters_equal_the_unfused_hf_forward(kind: str) -> None:
     model = _model(kind)
-    routing, layers = attach_multi_lora(model, num_slots=2, max_rank=8, trainable=False)
+    routing, layers = attach_engine_lora(model, num_slots=2, max_rank=8)
     runner = ModelRunner(model, num_rows=16, max_len=64, block_size=16, prefill_tokens=64)
     write_slot(layers, 1, random_adapter(layers, seed=1))
     tokens = torch.tensor([5, 9, 31, 7, 200, 11, 3, 42, 17, 8])

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 
 from helpers import random_adapter
@@ -23,7 +23,7 @@ BLOCK = 16
 def _engine(model_dir: Path, num_blocks: int | None, reuse_decode_kv: bool = False,
             kv_dtype: torch.dtype | None = None) -> Engine:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
+    routing, layers = attach_engine_lora(model, num_slots=4, max_rank=8)
     engine = Engine(model, layers, num_rows=16, max_len=160, block_size=BLOCK, num_blocks=num_blocks,
                     reuse_decode_kv=reuse_decode_kv, kv_dtype=kv_dtype)
     for name, seed in (("a", 1), ("b", 2)):

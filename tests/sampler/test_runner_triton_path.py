@@ -13,7 +13,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import skyrl_clora.kernels.dispatch as dispatch
 from skyrl_clora.kernels import DecodeWorkspace, LoRAMeta
-from skyrl_clora.lora.layers import attach_multi_lora, write_slot
+from skyrl_clora.lora.layers import write_slot
+from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
 
 from helpers import random_adapter
@@ -54,7 +55,7 @@ def test_triton_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch, fol
     config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # the fused q/k/v kernel's least
     model = Qwen3ForCausalLM(config).eval()
-    _, layers = attach_multi_lora(model, num_slots=2, max_rank=16, trainable=False)
+    _, layers = attach_engine_lora(model, num_slots=2, max_rank=16)
     write_slot(layers, 0, random_adapter(layers, 1, rank=8))
     want_prefill, want_decode, torch_runner = _logits(model, triton_path=False, kv_dtype=kv_dtype)
     model_dtype_runner = _logits(model, triton_path=False)[2]

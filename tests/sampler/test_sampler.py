@@ -16,11 +16,11 @@ from skyrl.train.generators.base import GeneratorInput, TrajectoryID
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.problems import make_dataset_rows
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 
 from helpers import random_adapter
@@ -31,7 +31,7 @@ PROMPT = list(range(5, 25))
 def _engine(model_dir: Path, num_rows: int, adapters: dict[str, int], max_len: int = 96,
             reuse_decode_kv: bool = False, share_prefix_reads: bool = False, **options) -> tuple[Engine, dict]:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
+    routing, layers = attach_engine_lora(model, num_slots=4, max_rank=8)
     engine = Engine(model, layers, num_rows=num_rows, max_len=max_len, reuse_decode_kv=reuse_decode_kv,
                     share_prefix_reads=share_prefix_reads, **options)
     weights = {name: random_adapter(layers, seed) for name, seed in adapters.items()}
@@ -106,7 +106,7 @@ def test_requests_that_stop_early_and_those_taking_their_rows_match_the_hf_forwa
         return SamplingParams(max_tokens=1 if seed == 4 else 10, temperature=1.0, seed=seed, stop_token_ids=stops)
 
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
-    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
+    routing, layers = attach_engine_lora(model, num_slots=4, max_rank=8)
     engine = Engine(model, layers, num_rows=16, max_len=96, share_prefix_reads=True)
     try:
         for name, seed in {"a": 1, "b": 2, "c": 3}.items():
@@ -268,7 +268,7 @@ def test_prefix_cache_reuses_blocks_bit_identically(micro_model_dir: Path) -> No
     long_prompt = [(7 * i) % 300 + 5 for i in range(150)]
     engine, weights = _engine(micro_model_dir, num_rows=4, adapters={"a": 1, "b": 2}, max_len=256)
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
-    routing, layers = attach_multi_lora(model, num_slots=4, max_rank=8, trainable=False)
+    routing, layers = attach_engine_lora(model, num_slots=4, max_rank=8)
     uncached = Engine(model, layers, num_rows=4, max_len=256, cache_prefixes=False)
     uncached.register_adapter("a", weights["a"])
     try:
@@ -500,7 +500,7 @@ def test_prefill_and_decode_logits_match_the_hf_forward(micro_model_dir: Path) -
     from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
 
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
-    routing, _ = attach_multi_lora(model, num_slots=2, max_rank=8, trainable=False)
+    routing, _ = attach_engine_lora(model, num_slots=2, max_rank=8)
     runner = ModelRunner(model, num_rows=16, max_len=64, block_size=16, prefill_tokens=64)
     tokens = torch.tensor(PROMPT + [3, 4, 5])
     prefill_logits = runner.prefill([PrefillJob(row=2, tokens=tokens[:-1], lora_slot=-1)])[0]

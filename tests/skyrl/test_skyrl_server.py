@@ -26,11 +26,11 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 from skyrl.train.generators.utils import build_vllm_cache_salt
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import save_peft_adapter
 from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.problems import make_dataset_rows
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
 from skyrl_clora.skyrl.server import EmbeddedServer
 from skyrl_clora.skyrl.tenant_client import TenantInferenceClient, tenant_views
@@ -46,7 +46,7 @@ class Stack:
 
     def __init__(self, model_dir: Path, tmp: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        routing, self.layers = attach_multi_lora(model, num_slots=len(TENANTS), max_rank=8, trainable=False)
+        routing, self.layers = attach_engine_lora(model, num_slots=len(TENANTS), max_rank=8)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.engine = Engine(model, self.layers, num_rows=12, max_len=112)
         self.model_dir = str(model_dir)

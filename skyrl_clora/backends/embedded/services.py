@@ -26,7 +26,7 @@ from skyrl_clora.gpu_settings import use_expandable_segments
 from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear, attach_multi_lora
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
 from skyrl_clora.sampler.engine import Engine
-from skyrl_clora.sampler.fused_projections import fuse_base_projections
+from skyrl_clora.sampler.fused_projections import attach_engine_lora, fuse_base_projections
 from skyrl_clora.trainer.adapter_store import AdapterStore
 from skyrl_clora.trainer.scheduler import TrainScheduler
 from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
@@ -107,12 +107,7 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
             rows=rows, max_len=max_len, micro_batch_rows=min(micro_rows, pack * rows_per_tenant), pack=pack,
             rank=run.lora.max_rank, kv_dtype=kv_dtype)
         kv_blocks = plan.kv_blocks
-    engine = Engine(sampler_model, sampler_layers, num_rows=rows, max_len=max_len,
-                    max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
-                    num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache, cuda_graphs=run.sampler.cuda_graphs,
-                    reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
-                    share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority,
-                    prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype)
+    engine = build_engine_beside_trainer(run, sampler_model, sampler_layers, device, rows, max_len, kv_blocks, kv_dtype)
     if plan is not None:
         print(plan.engine_line(torch.cuda.memory_allocated(device)), file=sys.stderr, flush=True)
     client = EmbeddedInferenceClient(
@@ -120,10 +115,26 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         default_sampling={"max_tokens": run.recipe.max_generate_length, "temperature": run.sampler.temperature,
                           "top_p": run.sampler.top_p, "logprobs": 1},
     )
-    if device.type == "cuda":
-        carve_gemm_sms(run.trainer.sm_carveout)
     return Services(model_path, tokenizer, engine, client, trainer, store, AdapterSync(engine),
                     cold_start_seconds=time.perf_counter() - started)
+
+
+def build_engine_beside_trainer(run: RunConfig, model: torch.nn.Module, layers: dict[str, MultiLoRALinear],
+                                device: torch.device, rows: int, max_len: int, kv_blocks: int | None,
+                                kv_dtype: torch.dtype | None) -> Engine:
+    """The sampler's engine (``sampler.*``) on ``model`` and its engine LoRA ``layers`` (``share_base_weights``), of
+    ``rows`` rows of ``max_len`` positions in ``kv_blocks`` KV blocks (None: every row at full length), then, on a
+    GPU, the trainer's eager GEMMs carved (``trainer.sm_carveout``, :func:`carve_gemm_sms`): in that order, so that
+    the decode graphs, captured while the engine is built, keep every SM."""
+    engine = Engine(model, layers, num_rows=rows, max_len=max_len,
+                    max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
+                    num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache, cuda_graphs=run.sampler.cuda_graphs,
+                    reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
+                    share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority,
+                    prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype)
+    if device.type == "cuda":
+        carve_gemm_sms(run.trainer.sm_carveout)
+    return engine
 
 
 def kv_cache_dtype(sampler: SamplerConfig) -> torch.dtype | None:
@@ -146,7 +157,8 @@ def carve_gemm_sms(count: int) -> None:
     cuBLAS's Hopper GEMMs are persistent kernels that hold every SM until they finish, so each kernel of a decode
     step launched meanwhile waits that long for an SM, however high its stream's priority. Routed through
     cuBLASLt (the path that honours PyTorch's SM carve-out); the engine's decode graphs, captured before this
-    runs, keep all SMs (its prefill graphs, captured on first use, are carved too)."""
+    runs (:func:`build_engine_beside_trainer`), keep all SMs (its prefill graphs, captured on first use, are carved
+    too)."""
     torch.backends.cuda.preferred_blas_library("cublaslt" if count else _DEFAULT_BLAS_LIBRARY)
     torch._C._set_sm_carveout_experimental(count or None)
 
@@ -168,13 +180,14 @@ def share_base_weights(
        room for every slot's LoRA A folded below it).
     2. The trainer's model is a second module tree whose parameters and buffers *are* the sampler's tensors
        (aliases, no copy), taken after step 1 so that it reads the fused weights.
-    3. Each tree gets its multi-LoRA layers: ``sampler_slots`` inference slots (read-only, the engine's) and
-       ``trainer_slots`` trainable slots (the AdapterStore's).
+    3. Each tree gets its multi-LoRA layers: ``sampler_slots`` inference slots (the engine's:
+       ``attach_engine_lora``, their LoRA A the folded weights' rows) and ``trainer_slots`` trainable slots (the
+       AdapterStore's).
     Returns (sampler LoRA layers, trainer model, trainer routing, trainer LoRA layers). The base weights stay
     frozen in both trees: only LoRA slots are written."""
     fuse_base_projections(sampler_model.model.layers, sampler_slots, max_rank)
     trainer_model = _twin_sharing_weights(sampler_model)
-    _, sampler_layers = attach_multi_lora(sampler_model, sampler_slots, max_rank, trainable=False)
+    _, sampler_layers = attach_engine_lora(sampler_model, sampler_slots, max_rank)
     trainer_routing, trainer_layers = attach_multi_lora(trainer_model, trainer_slots, max_rank, trainable=True)
     return sampler_layers, trainer_model, trainer_routing, trainer_layers
 
