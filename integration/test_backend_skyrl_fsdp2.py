@@ -28,8 +28,8 @@ TENANTS = [f"tenant-{t}" for t in range(4)]
 def _args(model_path: str, out: Path) -> list[str]:
     return [
         "backend=skyrl", "backend.inference_backend=embedded", "backend.strategy=fsdp2",
-        f"trainer.policy.model.path={model_path}", f"clora.output_dir={out}", "+tenants=4", "clora.progress=false",
-        "trainer.max_training_steps=3", "trainer.ckpt_interval=2", "trainer.train_batch_size=2",
+        f"trainer.policy.model.path={model_path}", "preset=demo", f"clora.output_dir={out}", "+tenants=4",
+        "clora.progress=false", "trainer.max_training_steps=3", "trainer.ckpt_interval=2", "trainer.train_batch_size=2",
         "generator.n_samples_per_prompt=4", "recipe.eval_prompts=8", "trainer.policy.model.lora.rank=8",
         "trainer.policy.model.lora.alpha=16", "trainer.flash_attn=false", "trainer.remove_microbatch_padding=false",
         "trainer.algorithm.use_kl_loss=true", "trainer.algorithm.kl_loss_coef=0.01", "sampler.gpu_memory_utilization=0.4",

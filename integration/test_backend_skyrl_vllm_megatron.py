@@ -29,7 +29,8 @@ def test_backend_skyrl_with_vllm_and_megatron(model_path: str, tmp_path: Path) -
     out = tmp_path / "run"
     assert main([
         "backend=skyrl", "backend.inference_backend=vllm", "backend.strategy=megatron", f"trainer.policy.model.path={model_path}",
-        f"clora.output_dir={out}", "+tenants=2", "trainer.max_training_steps=3", "clora.progress=false", "trainer.train_batch_size=2",
+        "preset=demo", f"clora.output_dir={out}", "+tenants=2", "trainer.max_training_steps=3", "clora.progress=false",
+        "trainer.train_batch_size=2",
         "generator.n_samples_per_prompt=4", "recipe.eval_prompts=8", "trainer.policy.model.lora.rank=8", "trainer.policy.model.lora.alpha=16",
         "trainer.algorithm.use_kl_loss=true", "trainer.algorithm.kl_loss_coef=0.01",
     ]) == 0

@@ -6,7 +6,7 @@ set -u
 export PYTHONPATH=/tmp/site
 [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -1
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
-ARGS="+tenants=8 trainer.policy.model.path=.carry/tiny-base clora.device=cuda clora.progress=false trainer.max_training_steps=10 trainer.ckpt_interval=2"
+ARGS="+tenants=8 trainer.policy.model.path=.carry/tiny-base preset=demo clora.device=cuda clora.progress=false trainer.max_training_steps=10 trainer.ckpt_interval=2"
 for run in a b; do
   /usr/bin/time -f "$run wall %e s" python3 -m skyrl_clora.main $ARGS clora.output_dir=$OUT/$run 2>&1 | tail -2
 done

@@ -356,7 +356,9 @@ def skyrl_summary(key: str) -> str:
 DOC_HEADER = """# Configuration: SkyRL's keys on each backend
 
 `python -m skyrl_clora.main` takes SkyRL 0.4's own command line (`data.*`, `trainer.*`, `generator.*`,
-`environment.*`: every key of `SkyRLTrainConfig`, with SkyRL's meaning) plus `+tenants=N` (or a list of
+`environment.*`: every key of `SkyRLTrainConfig`, with SkyRL's meaning and, under `preset=skyrl` (the default
+when the command names `trainer.policy.model.path`), SkyRL's default; `preset=demo`, the default without one, is the
+tiny demo's values) plus `+tenants=N` (or a list of
 per-tenant overrides: name, seed, lr, rank, alpha, task_variant, samples_per_prompt, env_class, and on
 backend=embedded temperature, top_p, weight_decay, max_grad_norm, kl_loss_coef, eps_clip_low, eps_clip_high,
 advantage_estimator, policy_loss_type) and the

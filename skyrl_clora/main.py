@@ -152,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_clora.recipes.plugin import build_task_sources, drop_long_prompts, load_recipe
 
     try:
-        from skyrl_clora.skyrl_cli import skyrl_cli_overrides
+        from skyrl_clora.skyrl_cli import preset_overrides, skyrl_cli_overrides
 
         argv = skyrl_cli_overrides(argv)  # SkyRL's own rewrites of its command line (async_engine=true, ...)
+        argv = preset_overrides(argv)  # a command naming its model: SkyRL's defaults (preset=skyrl)
         cfg = compose_config(argv)
         check_known_keys(cfg, argv)
         run = build_run_config(cfg)

@@ -6,6 +6,7 @@ is refused), renames the deprecated ``trainer.use_sample_packing`` to ``trainer.
 refuses the keys it removed with the replacement to use; and, parsing with ``OmegaConf.from_cli``, it takes any key
 under its free-form dicts (``config_keys.FREE_FORM_KEYS``) without Hydra's ``+``. :func:`skyrl_cli_overrides` does the
 same to the plugin's command line, with SkyRL's reasons, so that a SkyRL command means here what it means there.
+:func:`preset_overrides` picks the preset a command means: SkyRL's defaults for a command naming its model.
 """
 
 from __future__ import annotations
@@ -71,3 +72,18 @@ def skyrl_cli_overrides(overrides: list[str]) -> list[str]:
     if problems:
         raise ConfigError("\n".join(problems))
     return kept
+
+
+MODEL_PATH = "trainer.policy.model.path"
+
+
+def preset_overrides(overrides: list[str]) -> list[str]:
+    """``overrides`` with ``preset=skyrl`` (SkyRL's defaults: conf/preset/skyrl.yaml) added when they name a
+    ``trainer.policy.model.path`` (not null) and choose no ``preset``: a command for a model of its own means what
+    it means to SkyRL. Without a model path the config's default preset, ``demo`` (the tiny demo), holds."""
+    keys = {_key(override) for override in overrides}
+    named = [override.split("=", 1)[1].strip() for override in overrides
+             if _key(override) == MODEL_PATH and "=" in override and not override.startswith("~")]
+    if "preset" in keys or not named or named[-1].lower() in ("", "null", "none", "~"):
+        return overrides
+    return [*overrides, "preset=skyrl"]

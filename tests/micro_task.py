@@ -61,7 +61,8 @@ def micro_tenants(*tenants: dict[str, Any]) -> str:
 def run_args(model_dir: Path, out: Path, *extra: str, steps: int = 3) -> list[str]:
     """``main`` arguments for a short run on the micro task (tenants come in ``extra``, see :func:`micro_tenants`)."""
     return [
-        f"trainer.policy.model.path={model_dir}", f"clora.output_dir={out}", f"trainer.max_training_steps={steps}", "clora.progress=false",
+        f"trainer.policy.model.path={model_dir}", "preset=demo", f"clora.output_dir={out}",
+        f"trainer.max_training_steps={steps}", "clora.progress=false",
         "trainer.train_batch_size=4", "generator.n_samples_per_prompt=8", "recipe.eval_prompts=8",
         "generator.sampling_params.max_generate_length=8", "generator.max_turns=1", "trainer.max_prompt_length=200", "trainer.policy.model.lora.rank=8",
         "trainer.policy.model.lora.alpha=16", "sampler.max_lora_rank=8", *extra,

@@ -108,7 +108,7 @@ def test_e2e(tmp_path, micro_model_dir):
 
 
 def test_concurrency(tmp_path, micro_model_dir):
-    concurrency.main(["--out", str(tmp_path), f"trainer.policy.model.path={micro_model_dir}", "+tenants=2",
+    concurrency.main(["--out", str(tmp_path), f"trainer.policy.model.path={micro_model_dir}", "preset=demo", "+tenants=2",
                       "trainer.max_training_steps=1", "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2",
                       "recipe.eval_prompts=2", "generator.sampling_params.max_generate_length=4",
                       "generator.max_turns=1", "trainer.max_prompt_length=400", "clora.progress=false"])

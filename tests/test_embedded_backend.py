@@ -19,8 +19,8 @@ from skyrl_clora.main import main
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return [
-        f"trainer.policy.model.path={model_dir}", f"clora.output_dir={out}", "trainer.max_training_steps=2", "clora.progress=false",
-        "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2", "recipe.eval_prompts=2",
+        f"trainer.policy.model.path={model_dir}", "preset=demo", f"clora.output_dir={out}", "trainer.max_training_steps=2",
+        "clora.progress=false", "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2", "recipe.eval_prompts=2",
         "generator.sampling_params.max_generate_length=8", "generator.max_turns=2", "trainer.max_prompt_length=120", *extra,
     ]
 
@@ -117,8 +117,8 @@ def test_taubench_recipe_end_to_end(user: str, micro_model_dir: Path, tmp_path: 
     out = tmp_path / f"tau-{user}"
     tenants = "+tenants=2" if user == "scripted" else "+tenants=1"
     assert main([
-        f"trainer.policy.model.path={micro_model_dir}", f"clora.output_dir={out}", "trainer.max_training_steps=1", "clora.progress=false",
-        "recipe=taubench", f"recipe.user={user}", tenants, "trainer.train_batch_size=1", "recipe.eval_prompts=1",
+        f"trainer.policy.model.path={micro_model_dir}", "preset=demo", f"clora.output_dir={out}", "trainer.max_training_steps=1",
+        "clora.progress=false", "recipe=taubench", f"recipe.user={user}", tenants, "trainer.train_batch_size=1", "recipe.eval_prompts=1",
         "generator.max_turns=2", "generator.sampling_params.max_generate_length=8",
     ]) == 0
     summary = json.loads((out / "summary.json").read_text())

@@ -157,7 +157,7 @@ def test_skyrls_gsm8k_env_learns_on_a_tiny_base(data: Path, small_base: Path, tm
     """Ten GRPO steps lift the held-out accuracy of SkyRL's gsm8k env (the tiny base answers in the '####' format
     about a third of the time before RL)."""
     out = tmp_path / "learn"
-    args = [f"trainer.policy.model.path={small_base}", "environment.env_class=gsm8k", f"clora.output_dir={out}",
+    args = [f"trainer.policy.model.path={small_base}", "preset=demo", "environment.env_class=gsm8k", f"clora.output_dir={out}",
             f"data.train_data=['{data}/train.parquet']", f"data.val_data=['{data}/validation.parquet']",
             "recipe.eval_prompts=16", "trainer.max_training_steps=10", "+tenants=2", "clora.progress=false"]
     assert main(args) == 0

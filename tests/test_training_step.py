@@ -18,7 +18,7 @@ from skyrl_clora.trainer.batch import TrainBatch
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return [
-        f"trainer.policy.model.path={model_dir}", f"clora.output_dir={out}", "trainer.max_training_steps=2",
+        f"trainer.policy.model.path={model_dir}", "preset=demo", f"clora.output_dir={out}", "trainer.max_training_steps=2",
         "clora.progress=false", "trainer.train_batch_size=2", "generator.n_samples_per_prompt=4", "recipe.eval_prompts=0",
         "generator.sampling_params.max_generate_length=8", "generator.max_turns=1", "trainer.max_prompt_length=120",
         "trainer.policy.optimizer_config.lr=1e-2", micro_tenants({}), *extra,

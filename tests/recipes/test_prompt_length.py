@@ -54,7 +54,7 @@ def test_a_run_plans_its_steps_on_the_rows_left(micro_model_dir: Path, tmp_path:
     save_rows_parquet(_rows(2, long_rows=(), split="test"), tmp_path / "validation.parquet")
     out = tmp_path / "run"
     assert main([
-        f"trainer.policy.model.path={micro_model_dir}", f"clora.output_dir={out}", "clora.progress=false",
+        f"trainer.policy.model.path={micro_model_dir}", "preset=demo", f"clora.output_dir={out}", "clora.progress=false",
         "environment.env_class=gsm8k", f"data.train_data=['{tmp_path}/train.parquet']",
         f"data.val_data=['{tmp_path}/validation.parquet']", f"trainer.max_prompt_length={limit}",
         "generator.max_input_length=2048", "trainer.max_training_steps=null", "trainer.train_batch_size=2",

@@ -37,8 +37,8 @@ LRS = {"tenant-0": 1e-2, "tenant-1": 3e-3}
 
 def _overrides(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "backend=skyrl", f"trainer.policy.model.path={model_dir}", f"clora.output_dir={out}", "clora.progress=false",
-        "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2", "recipe.eval_prompts=2",
+        "backend=skyrl", f"trainer.policy.model.path={model_dir}", "preset=demo", f"clora.output_dir={out}",
+        "clora.progress=false", "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2", "recipe.eval_prompts=2",
         "generator.sampling_params.max_generate_length=8", "generator.max_turns=2", "trainer.max_prompt_length=120", "trainer.policy.model.lora.rank=8",
         "trainer.policy.model.lora.alpha=16", *extra,
     ]

@@ -159,8 +159,8 @@ def test_a_pass_pauses_sampling_only_while_enough_rows_decode(micro_model_dir: P
 
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
-    return [f"trainer.policy.model.path={model_dir}", f"clora.output_dir={out}", "trainer.max_training_steps=2", "clora.progress=false",
-            "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2", "recipe.eval_prompts=1",
+    return [f"trainer.policy.model.path={model_dir}", "preset=demo", f"clora.output_dir={out}", "trainer.max_training_steps=2",
+            "clora.progress=false", "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2", "recipe.eval_prompts=1",
             "generator.sampling_params.max_generate_length=8", "generator.max_turns=1", "trainer.max_prompt_length=120", *extra]
 
 
