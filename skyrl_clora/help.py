@@ -58,20 +58,33 @@ def is_global(path: Path) -> bool:
     return path.read_text().startswith("# @package _global_")
 
 
+def header(path: Path) -> str:
+    """The comment lines that open conf file ``path`` (its ``@package`` line left out), as one text."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if not line.startswith("# @package"):
+            lines.append(line.lstrip("#").strip())
+    return " ".join(lines)
+
+
 def help_text(conf_dir: Path) -> str:
-    """The grouped key listing (see the module docstring)."""
-    sections: list[tuple[str, list[KeyHelp]]] = []
+    """The grouped key listing (see the module docstring); a group option's section opens with its file's header."""
+    sections: list[tuple[str, str, list[KeyHelp]]] = []
     base = conf_keys(conf_dir / "config.yaml")
     for group in dict.fromkeys(key.path.split(".")[0] for key in base):
-        sections.append((f"{group}.*", [k for k in base if k.path.split(".")[0] == group]))
+        sections.append((f"{group}.*", "", [k for k in base if k.path.split(".")[0] == group]))
     for folder in sorted(p for p in conf_dir.iterdir() if p.is_dir()):
         for option in sorted(folder.glob("*.yaml")):
             prefix = "" if is_global(option) else f"{folder.name}."
             keys = [KeyHelp(f"{prefix}{k.path}", k.default, k.description) for k in conf_keys(option)]
-            sections.append((f"with {folder.name}={option.stem}", keys))
+            sections.append((f"with {folder.name}={option.stem}", header(option), keys))
     lines = []
-    for title, keys in sections:
+    for title, about, keys in sections:
         lines.append(f"{title}:")
+        if about:
+            lines.append(textwrap.fill(about, width=116, initial_indent="  ", subsequent_indent="  "))
         for key in keys:
             head = f"  {key.path}={key.default}"
             text = textwrap.fill(key.description, width=116, initial_indent=" " * 6, subsequent_indent=" " * 6)

@@ -102,6 +102,19 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
             assert lines[at + 1].strip().startswith(key.description.split()[0]), head
 
 
+def test_help_opens_each_group_options_section_with_its_files_header(capsys: pytest.CaptureFixture) -> None:
+    from skyrl_clora.help import header
+    from skyrl_clora.main import CONF_DIR
+
+    assert main(["--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for path in sorted(CONF_DIR.glob("*/*.yaml")):
+        about = header(path)
+        assert about, f"{path} has no header comment to describe it"
+        start = lines.index(f"with {path.parent.name}={path.stem}:") + 1
+        assert " ".join(line.strip() for line in lines[start:start + 8]).startswith(about[:60]), path
+
+
 def test_help_lists_each_skyrl_key_a_backend_ignores_or_runs_with_one_value_only(capsys: pytest.CaptureFixture) -> None:
     """Every ignored or one-value rule of both backends is in --help, under its backend, with its reason."""
     from skyrl_clora.config_keys import HONOURED, KEY_RULES, SKYRL_RULES
