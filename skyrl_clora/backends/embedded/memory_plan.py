@@ -5,12 +5,14 @@ the engine's workspaces take, and how many KV blocks the rest holds.
 base weights, shared by sampler and trainer, and the AdapterStore's device slots), the trainer's peak above
 that for one pass at the configured micro-batch and the longest sequence (measured by running one such pass
 on throwaway tenants), and a fixed reserve for the engine's CUDA graph pools and workspaces
-(:data:`GRAPH_RESERVE_BYTES`); the KV blocks get what is left. Printed in one line. Off a GPU there is no
-plan (the engine's CPU default holds every row at full length).
+(:data:`GRAPH_RESERVE_BYTES`); the KV blocks get what is left. Printed in one line. Off a GPU the engine holds
+every row at full length when that fits in :data:`HOST_KV_SHARE` of the host memory available at start-up, else
+as many KV blocks as that share holds (:func:`host_kv_blocks`; rows beyond them wait or are preempted).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -23,6 +25,8 @@ from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.trainer import Trainer
 
 GRAPH_RESERVE_BYTES = 3 << 30  # decode and prefill CUDA graph pools, attention and LoRA workspaces, sampling
+HOST_KV_SHARE = 0.5  # off a GPU, the KV cache's share of the host memory available at start-up (the rest: the
+# weights, the trainer's activations and the process)
 _GIB = float(1 << 30)
 
 
@@ -123,6 +127,39 @@ def inference_only_blocks(model: torch.nn.Module, *, utilization: float, block_s
     whose trainer runs in other processes on other GPUs): the plan without a training peak."""
     return _plan(model, utilization, block_size, rows, max_len, kv_dtype, 0, "none here: the trainer runs in other processes",
                  "raise sampler.gpu_memory_utilization, set sampler.kv_blocks or shorten the recipe's lengths").kv_blocks
+
+
+def host_kv_blocks(config, *, dtype: torch.dtype, block_size: int, rows: int, max_len: int,
+                   available: int) -> int | None:
+    """Off a GPU: None (every one of ``rows`` rows at its full ``max_len`` positions) when that fits in
+    :data:`HOST_KV_SHARE` of ``available`` bytes of host memory, else the KV blocks of ``block_size`` positions that
+    share holds (printed in one line). ConfigError when it cannot hold one sequence of ``max_len`` positions."""
+    block_bytes = kv_block_bytes(config, block_size, dtype)
+    budget = int(available * HOST_KV_SHARE)
+    per_row = -(-max_len // block_size)
+    if rows * per_row * block_bytes <= budget:
+        return None
+    blocks = budget // block_bytes
+    if blocks < per_row:
+        raise ConfigError(f"{HOST_KV_SHARE:.0%} of the {available / _GIB:.1f} GiB of host memory available holds {blocks} KV "
+                          f"blocks, fewer than the {per_row} one sequence of {max_len} tokens needs; shorten the recipe's "
+                          "lengths or free memory")
+    print(f"[setup] host memory plan: {rows} rows x {max_len} tokens need {rows * per_row * block_bytes / _GIB:.1f} GiB "
+          f"of KV cache, more than {HOST_KV_SHARE:.0%} of the {available / _GIB:.1f} GiB available: {blocks:,} blocks x "
+          f"{block_size} tokens ({blocks * block_size:,} positions; rows beyond them wait)", file=sys.stderr, flush=True)
+    return blocks
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available now (Linux: the kernel's MemAvailable; elsewhere the free pages)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _plan(model: torch.nn.Module, utilization: float, block_size: int, rows: int, max_len: int,

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from skyrl_clora.backends.embedded.memory_plan import plan_kv_blocks
+from skyrl_clora.backends.embedded.memory_plan import available_host_memory, host_kv_blocks, plan_kv_blocks
 from skyrl_clora.backends.embedded.sync import AdapterSync
 from skyrl_clora.base_model import resolve_device
 from skyrl_clora.config import ConfigError, RunConfig, SamplerConfig, algorithm_config
@@ -107,6 +107,9 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
             rows=rows, max_len=max_len, micro_batch_rows=min(micro_rows, pack * rows_per_tenant), pack=pack,
             rank=run.lora.max_rank, kv_dtype=kv_dtype)
         kv_blocks = plan.kv_blocks
+    elif kv_blocks is None:
+        kv_blocks = host_kv_blocks(sampler_model.config, dtype=kv_dtype or dtype, block_size=run.sampler.prefill_block,
+                                   rows=rows, max_len=max_len, available=available_host_memory())
     engine = build_engine_beside_trainer(run, sampler_model, sampler_layers, device, rows, max_len, kv_blocks, kv_dtype)
     if plan is not None:
         print(plan.engine_line(torch.cuda.memory_allocated(device)), file=sys.stderr, flush=True)
