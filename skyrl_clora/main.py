@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_clora.config_build import build_run_config, plan_steps
     from skyrl_clora.config_keys import check_embedded_keys
     from skyrl_clora.recipes.plugin import build_task_sources, drop_long_prompts, load_recipe
+    from skyrl_clora.trackers import check_trackers
 
     try:
         from skyrl_clora.skyrl_cli import preset_overrides, skyrl_cli_overrides
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_config(argv)
         check_known_keys(cfg, argv)
         run = build_run_config(cfg)
+        check_trackers(run)
         refusals = check_embedded_keys(cfg, argv) if run.backend == "embedded" else []
         refusal = load_recipe(run.recipe.name).refuses(run.recipe, run.backend)
         if refusals or refusal:

@@ -14,15 +14,33 @@ values under their own names (``reward_mean``, ``train/policy_loss``, ...), each
 from __future__ import annotations
 
 import contextlib
+import netrc
 import os
 import threading
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlparse
 
-from skyrl_clora.config import RunConfig
+from skyrl_clora.config import ConfigError, RunConfig
 
 # SkyRL's tensorboard adapter reads its folder from this variable when it is built.
 _TENSORBOARD_DIR = "TENSORBOARD_DIR"
+
+
+def check_trackers(run: RunConfig) -> None:
+    """Refuses, before anything is loaded, a ``trainer.logger`` with wandb (SkyRL's default) that wandb could not start:
+    no ``WANDB_API_KEY``, no netrc entry for the wandb host (``WANDB_BASE_URL``'s, else api.wandb.ai) and a
+    ``WANDB_MODE`` other than offline or disabled."""
+    if "wandb" not in run.trainer.logger:
+        return
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    with contextlib.suppress(OSError, netrc.NetrcParseError):
+        if netrc.netrc().authenticators(host):
+            return
+    raise ConfigError("trainer.logger includes wandb (SkyRL's default) but wandb has no API key: run `wandb login`, set "
+                      "WANDB_API_KEY or WANDB_MODE=offline, or pass trainer.logger=[console]")
 
 
 class TenantTrackers:
