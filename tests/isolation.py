@@ -29,7 +29,7 @@ _RUN_DEPENDENT = ("rollout_s", "train_s", "sync_s", "train/pass_tenants")
 # take other kernels for other row counts), so the trainer's gap to them is compared approximately.
 _SAMPLER_GAP = "train/logprob_abs_diff_vs_sampler"
 # How far rounding may move a packed tenant's weights from its weights alone, as a share of its learning rate
-# (see assert_same_tenants): measured at most 0.3% of lr after 3 steps on the micro task; a leak moves them ~100%.
+# (see assert_same_tenants): rounding moves them by a small fraction of lr, a leak between tenants by about lr a step.
 WEIGHT_LR_SHARE = 0.02
 
 
