@@ -112,11 +112,11 @@ class ReplicaRunner:
         self._thread.start()
 
     def _main(self, resume: dict[str, TenantCheckpoint]) -> None:
-        from skyrl_clora.backends.embedded.backend import run_experiments
-        from skyrl_clora.recipes.plugin import build_task_sources
-        from skyrl_clora.base_model import prompt_tokenizer
+        try:  # whatever fails here, the imports included, ends the run with its error: served and done are set below
+            from skyrl_clora.backends.embedded.backend import run_experiments
+            from skyrl_clora.base_model import prompt_tokenizer
+            from skyrl_clora.recipes.plugin import build_task_sources
 
-        try:
             sources = build_task_sources(self.run.recipe, list(self.run.tenants), self.run.max_training_steps,
                                          self.run.seed, prompt_tokenizer(self.run))
             self._summary = run_experiments(self.run, sources, resume, [], 0.0, host=self._host)  # nothing built here
@@ -138,9 +138,12 @@ class ReplicaRunner:
         return asyncio.run_coroutine_threadsafe(coroutine, host.loop).result()
 
     def add(self, spec: TenantSpec, resume: TenantCheckpoint | None) -> None:
-        """Starts tenant ``spec`` here, from its checkpoint ``resume`` when given (a tenant moved in)."""
-        from skyrl_clora.recipes.plugin import build_task_sources
+        """Starts tenant ``spec`` here, from its checkpoint ``resume`` when given (a tenant moved in). Waits until the
+        replica's run serves its pool first, so that this thread imports and builds nothing while the run's thread
+        is still importing the same modules."""
+        self._host.served.wait()
         from skyrl_clora.base_model import prompt_tokenizer
+        from skyrl_clora.recipes.plugin import build_task_sources
 
         source = build_task_sources(self.run.recipe, [spec], self.run.max_training_steps, self.run.seed,
                                     prompt_tokenizer(self.run))[spec.name]
