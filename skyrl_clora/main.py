@@ -160,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_config(argv)
         check_known_keys(cfg, argv)
         run = build_run_config(cfg)
-        check_trackers(run)
         refusals = check_embedded_keys(cfg, argv) if run.backend == "embedded" else []
         refusal = load_recipe(run.recipe.name).refuses(run.recipe, run.backend)
         if refusals or refusal:
@@ -182,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
             check_model_folder(run.model_path)
         sources = build_task_sources(run.recipe, list(run.tenants), run.max_training_steps, run.seed)  # before the model
+        check_trackers(run)  # after the input checks, before the model is built or loaded
         from skyrl_clora.base_model import prompt_tokenizer, resolve_model_path
 
         base_started = time.perf_counter()
