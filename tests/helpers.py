@@ -65,3 +65,9 @@ def http_call(url: str, method: str, body: Any = None, authorization: str | None
         return status, json.loads(text)
     except ValueError:
         return status, text
+
+
+def differing_keys(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> list[str]:
+    """The keys whose tensors differ bit for bit (or exist on one side only), sorted."""
+    return sorted(key for key in left.keys() | right.keys()
+                  if key not in left or key not in right or not torch.equal(left[key], right[key]))

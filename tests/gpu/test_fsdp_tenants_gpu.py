@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import differing_keys
+
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(importlib.util.find_spec("skyrl") is None, reason="needs skyrl (carried as wheels)"),
@@ -40,16 +42,11 @@ def results(micro_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return torch.load(out / "results.pt", weights_only=False)
 
 
-def _differing(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> list[str]:
-    return sorted(key for key in left.keys() | right.keys()
-                  if key not in left or key not in right or not torch.equal(left[key], right[key]))
-
-
 def test_fsdp2_tenant_beside_another_ends_bit_equal_to_alone_on_the_gpu(results: dict) -> None:
-    assert _differing(results["alone_final"], results["beside_final"]) == []
+    assert differing_keys(results["alone_final"], results["beside_final"]) == []
     assert results["alone_metrics"] == results["beside_metrics"]
     assert results["alone_grad_norms"] == results["beside_grad_norms"]
-    assert _differing(results["alone_initial"], results["alone_final"]) != []
+    assert differing_keys(results["alone_initial"], results["alone_final"]) != []
 
 
 def test_fsdp2_tenants_differ_and_the_reference_is_the_base_on_the_gpu(results: dict) -> None:
@@ -59,6 +56,6 @@ def test_fsdp2_tenants_differ_and_the_reference_is_the_base_on_the_gpu(results: 
 
 def test_fsdp2_swap_round_trip_and_checkpoint_are_exact_on_the_gpu(results: dict) -> None:
     before, after = results["round_trip"]["before"], results["round_trip"]["after"]
-    assert any(key.startswith("grad.") for key in before) and _differing(before, after) == []
+    assert any(key.startswith("grad.") for key in before) and differing_keys(before, after) == []
     assert results["ckpt_first_grad_norm"] == results["ckpt_second_grad_norm"]
-    assert _differing(results["ckpt_first"], results["ckpt_second"]) == []
+    assert differing_keys(results["ckpt_first"], results["ckpt_second"]) == []

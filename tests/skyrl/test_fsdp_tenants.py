@@ -22,6 +22,7 @@ import pytest
 import torch
 from skyrl.train.config import SkyRLTrainConfig
 
+from helpers import differing_keys
 from skyrl_clora.backends.skyrl import check_step_report
 from skyrl_clora.config import ConfigError
 from skyrl_clora.skyrl.fsdp_store import FSDPAdapterStore, FSDPLoraSignature, lora_a_initializer
@@ -50,18 +51,12 @@ def results(micro_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return loaded
 
 
-def _equal(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> list[str]:
-    """The keys whose tensors differ (or exist on one side only)."""
-    return sorted(key for key in left.keys() | right.keys()
-                  if key not in left or key not in right or not torch.equal(left[key], right[key]))
-
-
 def test_a_tenant_trained_beside_another_ends_bit_equal_to_alone(results: dict) -> None:
-    assert _equal(results["alone_final"], results["beside_final"]) == []
+    assert differing_keys(results["alone_final"], results["beside_final"]) == []
     assert results["alone_metrics"] == results["beside_metrics"]
     assert results["alone_grad_norms"] == results["beside_grad_norms"]
     assert torch.equal(results["alone_logprobs"], results["beside_logprobs_a"])
-    assert _equal(results["alone_initial"], results["alone_final"]) != []  # it trained
+    assert differing_keys(results["alone_initial"], results["alone_final"]) != []  # it trained
 
 
 def test_tenants_start_from_their_own_seed_and_their_outputs_differ(results: dict) -> None:
@@ -92,15 +87,15 @@ def test_each_tenant_runs_its_own_lr_schedule_and_the_driver_accepts_the_reports
 def test_a_swap_out_and_back_restores_every_live_tensor_bit_for_bit(results: dict) -> None:
     before, after = results["round_trip"]["before"], results["round_trip"]["after"]
     assert any(key.startswith("grad.") for key in before)  # a's pending gradients went through b's turn
-    assert _equal(before, after) == []
+    assert differing_keys(before, after) == []
 
 
 def test_a_checkpoint_round_trips(results: dict) -> None:
     """Save a, step it, load the save (while b is live), step it again on the same batch: the same step twice."""
     assert results["ckpt_loaded_step"] == 3
     assert results["ckpt_first_grad_norm"] == results["ckpt_second_grad_norm"]
-    assert _equal(results["ckpt_first"], results["ckpt_second"]) == []
-    assert _equal(results["ckpt_loaded"], results["beside_final"]) == []
+    assert differing_keys(results["ckpt_first"], results["ckpt_second"]) == []
+    assert differing_keys(results["ckpt_loaded"], results["beside_final"]) == []
     saved = sorted(path.name for path in (results["out"] / "ckpt-a").iterdir())
     assert saved == ["fsdp_tenant_state.json", "fsdp_tenant_state.rank0.safetensors"]
 
