@@ -11,6 +11,8 @@ call (``pass_through`` to every rank)  what the worker does
                                       then the store over its LoRA parameters
 ``prime_optimizer_state()``           AdamW's state for every LoRA parameter (zero moments, step 0)
 ``register_pristine_adapter()``       fixes the LoRA signature and the scheduler new tenants start from
+``measure_training_peak(batch)``      one ``forward_backward`` on a throwaway tenant: the GPU's uuid, the
+                                      allocator's peak and current reservation (before any tenant exists)
 ``set_tenant_specs({t: {seed, lr}})`` each tenant's seed (its initial adapter and RNG) and LR (its schedule's
                                       base LR); ids without a spec cannot be registered
 ``register_adapter(t)``               a slot for ``t`` (``REFERENCE_MODEL_ID``: no state, the base model)
@@ -47,6 +49,7 @@ from skyrl_clora.skyrl.fsdp_store import FSDPAdapterStore, FSDPLoraSignature, Te
 from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID
 
 STATE_META = "fsdp_tenant_state.json"
+PEAK_TENANT = "clora-memory-plan"  # the throwaway tenant of measure_training_peak
 
 
 def _rank_file(rank: int) -> str:
@@ -139,6 +142,28 @@ class FSDPTenantsMixin:
     def set_tenant_specs(self, specs: dict[str, dict[str, float]]) -> None:
         """Each tenant's ``{"seed", "lr"}`` (from its translated SkyRL config)."""
         self._clora_specs = {name: {"seed": int(spec["seed"]), "lr": float(spec["lr"])} for name, spec in specs.items()}
+
+    def measure_training_peak(self, data: Any) -> dict[str, Any]:
+        """One SkyRL ``forward_backward`` of ``data`` on a throwaway tenant (created, trained without an optimizer
+        step, its gradients dropped, deleted), before any tenant is registered: this GPU's uuid and the allocator's
+        peak and current reservation in bytes (the cache is kept), for an engine sharing the GPU to plan around."""
+        store = self._store()
+        if store.slots:
+            raise RuntimeError(f"measure_training_peak runs before tenants are registered; {sorted(store.slots)} are")
+        device = torch.cuda.current_device()
+        store.create(PEAK_TENANT, 0, 1e-6, self._clora_signature())
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            store.swap_to(PEAK_TENANT)
+            super().forward_backward(data)  # type: ignore[misc]
+            torch.cuda.synchronize(device)
+        finally:
+            for param in store.params:
+                param.grad = None
+            store.delete(PEAK_TENANT)
+        return {"uuid": str(torch.cuda.get_device_properties(device).uuid),
+                "peak_reserved": torch.cuda.max_memory_reserved(device), "reserved": torch.cuda.memory_reserved(device)}
 
     # ---- the adapter-store API --------------------------------------------------------------------
 

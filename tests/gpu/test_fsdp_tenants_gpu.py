@@ -59,3 +59,12 @@ def test_fsdp2_swap_round_trip_and_checkpoint_are_exact_on_the_gpu(results: dict
     assert any(key.startswith("grad.") for key in before) and differing_keys(before, after) == []
     assert results["ckpt_first_grad_norm"] == results["ckpt_second_grad_norm"]
     assert differing_keys(results["ckpt_first"], results["ckpt_second"]) == []
+
+
+def test_fsdp2_training_peak_is_measured_without_a_trace_in_the_tenants(results: dict) -> None:
+    """The "beside" worker ran ``measure_training_peak`` before its tenants existed; tenant a still ends bit-equal
+    to the worker that never measured (the test above), and the report names this GPU and a peak reservation
+    no lower than the one the worker keeps."""
+    report = results["peak_report"]
+    assert report["uuid"] == str(torch.cuda.get_device_properties(0).uuid)
+    assert report["peak_reserved"] >= report["reserved"] > 0

@@ -90,7 +90,8 @@ def _batch(seed: int, pad_token_id: int):
 class Harness:
     """One worker (SkyRL's ``FSDPPolicyWorkerBase`` + patch 0001's form + the tenant mixin) and its tenants."""
 
-    def __init__(self, model_dir: str, sync_dir: str, tenants: dict[str, dict[str, float]], steps: int) -> None:
+    def __init__(self, model_dir: str, sync_dir: str, tenants: dict[str, dict[str, float]], steps: int,
+                 measure_peak: bool = False) -> None:
         from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
 
         from skyrl_clora.skyrl.fsdp_tenants import with_fsdp_tenants
@@ -104,6 +105,11 @@ class Harness:
         self.worker._set_pad_token_id(0)
         self.worker.prime_optimizer_state()
         self.worker.register_pristine_adapter()
+        self.peak_report = None
+        if measure_peak:  # a throwaway tenant's pass before the tenants exist: it must leave no trace in them
+            from skyrl_clora.skyrl.shared_gpu import peak_pass_batch
+
+            self.peak_report = self.worker.measure_training_peak(peak_pass_batch(2, 24, 300, 0, with_reference=True))
         self.worker.set_tenant_specs(tenants)
         self.worker.register_adapter(REFERENCE)  # SkyRL's use_kl_loss (its default): the base as the reference
         for name in tenants:
@@ -183,7 +189,8 @@ def main(model_dir: str, out_dir: str, device: str) -> None:
     results["alone_logprobs"] = alone.logprobs("a", batches[0])
     del alone
 
-    beside = Harness(model_dir, str(out / "sync-beside"), tenants, steps=3)
+    beside = Harness(model_dir, str(out / "sync-beside"), tenants, steps=3, measure_peak=device == "cuda")
+    results["peak_report"] = beside.peak_report
     results["beside_initial_b"] = beside.state("b")
     results["beside_metrics"], results["beside_grad_norms"] = [], []
     for k in range(3):  # b's forward_backward lands between a's forward_backward and a's optim_step

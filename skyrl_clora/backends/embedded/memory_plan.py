@@ -122,11 +122,16 @@ def plan_kv_blocks(model: torch.nn.Module, trainer: Trainer, *, utilization: flo
 
 
 def inference_only_blocks(model: torch.nn.Module, *, utilization: float, block_size: int, rows: int,
-                          max_len: int, kv_dtype: torch.dtype | None = None) -> int:
-    """KV blocks (of ``kv_dtype``, None: the model's) for an engine alone on its GPU (backend=skyrl's embedded server,
-    whose trainer runs in other processes on other GPUs): the plan without a training peak."""
-    return _plan(model, utilization, block_size, rows, max_len, kv_dtype, 0, "none here: the trainer runs in other processes",
-                 "raise sampler.gpu_memory_utilization, set sampler.kv_blocks or shorten the recipe's lengths").kv_blocks
+                          max_len: int, kv_dtype: torch.dtype | None = None, held_elsewhere: int = 0) -> int:
+    """KV blocks (of ``kv_dtype``, None: the model's) for an engine whose trainer runs in other processes
+    (backend=skyrl's embedded server): the plan with ``held_elsewhere`` bytes (what those processes take of this GPU
+    at their training peak: :func:`skyrl_clora.skyrl.shared_gpu.held_by_other_processes`) in place of a training
+    peak."""
+    shape = ("SkyRL's policy workers on this GPU at their measured peak" if held_elsewhere
+             else "none here: the trainer runs in other processes")
+    return _plan(model, utilization, block_size, rows, max_len, kv_dtype, held_elsewhere, shape,
+                 "raise sampler.gpu_memory_utilization, set sampler.kv_blocks, lower "
+                 "trainer.micro_train_batch_size_per_gpu or shorten the recipe's lengths").kv_blocks
 
 
 def host_kv_blocks(config, *, dtype: torch.dtype, block_size: int, rows: int, max_len: int,
