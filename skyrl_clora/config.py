@@ -29,6 +29,7 @@ def checked(value: Any, hint: Any, key: str) -> Any:
 
 
 PACK_POLICIES = ("ready", "lockstep")  # trainer.pack_policy: see conf/config.yaml
+TRAIN_PRIORITIES = ("arrival", "fewest_updates")  # trainer.train_priority: see conf/config.yaml
 STEP_STYLES = ("skyrl", "tinker")  # trainer.step_style: see conf/config.yaml
 
 
@@ -170,6 +171,7 @@ class TrainerConfig:
     sm_carveout: int = 0
     overlap_sampling: bool | None = None
     pause_sampling_rows: int = 256
+    train_priority: str = "arrival"
     max_tokens_per_microbatch: int = -1
     step_style: str = "skyrl"
     ckpt_interval: int = 10
@@ -210,6 +212,9 @@ class TrainerConfig:
             raise ConfigError(f"trainer.sm_carveout={self.sm_carveout} must be in [0, 128) (SMs left free; 0: none)")
         if self.pack_policy not in PACK_POLICIES:
             raise ConfigError(f"trainer.pack_policy={self.pack_policy} is unknown; use {' or '.join(PACK_POLICIES)}")
+        if self.train_priority not in TRAIN_PRIORITIES:
+            raise ConfigError(f"trainer.train_priority={self.train_priority} is unknown; use "
+                              f"{' or '.join(TRAIN_PRIORITIES)}")
         if self.pack_size < 0:
             raise ConfigError(f"trainer.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
         if self.lr_schedule not in SCHEDULERS:
@@ -310,6 +315,9 @@ class RunConfig:
         if self.trainer.overlap_sampling is False and self.backend != "embedded":
             raise ConfigError("trainer.overlap_sampling=false needs backend=embedded (backend=skyrl's servers keep sampling); "
                               "remove the override")
+        if self.trainer.train_priority != "arrival" and self.backend != "embedded":
+            raise ConfigError(f"trainer.train_priority={self.trainer.train_priority} needs backend=embedded (backend=skyrl's "
+                              "workers train in arrival order); remove the override")
         if self.epochs < 1:
             raise ConfigError(f"trainer.epochs must be >= 1, got {self.epochs}")
         batch, mini = self.recipe.prompts_per_step, self.trainer.mini_batch_size

@@ -31,7 +31,7 @@ SKYRL_GROUPS = ("data", "trainer", "generator", "environment")
 """The top-level keys of SkyRL's ``SkyRLTrainConfig``."""
 
 PLUGIN_TRAINER_KEYS = ("pack_size", "pack_policy", "shared_prompts", "sm_carveout", "overlap_sampling",
-                       "pause_sampling_rows", "step_style")
+                       "pause_sampling_rows", "train_priority", "step_style")
 """The plugin's own keys under ``trainer.`` (SkyRL has none of them; they never reach SkyRL's config)."""
 
 FREE_FORM_KEYS = (
@@ -363,7 +363,7 @@ per-tenant overrides: name, seed, lr, rank, alpha, task_variant, samples_per_pro
 backend=embedded temperature, top_p, weight_decay, max_grad_norm, kl_loss_coef, eps_clip_low, eps_clip_high,
 advantage_estimator, policy_loss_type) and the
 plugin's own keys (`clora.*`, `sampler.*`, `model.*`, `recipe.*`, `backend.*`, and `trainer.` pack_size,
-pack_policy, shared_prompts, sm_carveout, overlap_sampling, pause_sampling_rows); `--help` lists them.
+pack_policy, shared_prompts, sm_carveout, overlap_sampling, pause_sampling_rows, train_priority); `--help` lists them.
 
 On `backend=skyrl` every SkyRL key reaches SkyRL's `SkyRLTrainConfig` as given, except the ones the right-hand
 column names: the few the plugin sets, and those only SkyRL's trainer loop reads, which the tenant loop replaces

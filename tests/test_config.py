@@ -161,6 +161,8 @@ def test_help_lists_each_skyrl_key_a_backend_ignores_or_runs_with_one_value_only
     (["sampler.max_prefills_per_step=0"], "sampler.max_prefills_per_step=0 must be >= 1"),
     (["sampler.kv_blocks=-5"], "sampler.kv_blocks=-5 must be >= 0"),
     (["trainer.pack_policy=fifo"], "trainer.pack_policy=fifo is unknown; use ready or lockstep"),
+    (["trainer.train_priority=shortest"], "trainer.train_priority=shortest is unknown; use arrival or fewest_updates"),
+    (["backend=skyrl", "trainer.train_priority=fewest_updates"], "trainer.train_priority=fewest_updates needs backend=embedded"),
     (["trainer.pack_policy=lockstep"], "trainer.pack_policy=lockstep forms packed passes; it needs clora.train_mode=packed"),
     (["sampler.gpu_memory_utilization=1.5"], "sampler.gpu_memory_utilization=1.5 must be in (0, 1)"),
     (["+tenants=[{},{env_class:nope}]"], "tenant tenant-1: env_class=nope is not a registered skyrl-gym environment"),

@@ -105,6 +105,24 @@ def test_swap_scheduler_trains_in_arrival_order_with_prefetch(micro_model_dir: P
         TrainScheduler(trainer, "fused")
 
 
+@pytest.mark.parametrize("priority, order", [("arrival", ["A", "A", "B", "C"]), ("fewest_updates", ["A", "B", "C", "A"])])
+def test_fewest_updates_trains_the_tenant_with_the_fewest_passes_first(micro_model_dir: Path, priority: str,
+                                                                        order: list[str]) -> None:
+    """A has trained once; then A, B and C wait together: by arrival A goes first again, by fewest updates B and C
+    (no pass yet, in arrival order) go before A. Each pass records its tenant and its request's arrival."""
+    trainer = scheduler_trainer(micro_model_dir, slots=2)
+    scheduler = TrainScheduler(trainer, "swap", priority=priority)
+    asyncio.run(submit_all(scheduler, [("A", scheduler_batch(0))]))
+    results = asyncio.run(submit_all(scheduler, [("A", scheduler_batch(1)), ("B", scheduler_batch(2)),
+                                                 ("C", scheduler_batch(3))]))
+    assert not [r for r in results if isinstance(r, Exception)]
+    assert [p.tenants for p in scheduler.passes] == [(name,) for name in order]
+    assert all(p.arrived[0] <= p.start < p.end and not p.paused and p.rows_decoding is None for p in scheduler.passes)
+    assert [trainer.store.tenants[name].step for name in "ABC"] == [2, 1, 1]
+    with pytest.raises(ValueError, match="use arrival or fewest_updates"):
+        TrainScheduler(trainer, "swap", priority="shortest")
+
+
 @pytest.mark.parametrize("mode", ["swap", "packed"])
 def test_the_scheduler_returns_each_tenants_stored_weights(micro_model_dir: Path, mode: str) -> None:
     check_scheduler_returns_stored_weights(micro_model_dir, mode)
@@ -153,6 +171,7 @@ def test_a_pass_pauses_sampling_only_while_enough_rows_decode(micro_model_dir: P
     sampler.rows = 16
     asyncio.run(submit_all(scheduler, [("B", scheduler_batch(1))]))
     assert events == ["pause", "resume"] and scheduler.paused_passes == 1
+    assert [(p.paused, p.rows_decoding) for p in scheduler.passes] == [(False, 12), (True, 16)]
     (first_start, first_end), (second_start, second_end) = scheduler.pass_intervals
     assert first_start < first_end <= second_start < second_end  # each pass's host interval, in order
     assert scheduler.pass_seconds == pytest.approx((first_end - first_start) + (second_end - second_start))

@@ -53,13 +53,15 @@ class Services:
         """The scheduler the tenants of one run share: ``clora.train_mode`` passes, run beside sampling or with the
         engine paused (``trainer.overlap_sampling``: true never pauses, false pauses for every pass; null: never on
         the CPU, where the trainer and the engine each keep a core busy; on a GPU, pause while at least
-        ``trainer.pause_sampling_rows`` rows decode: RESULTS.md, Engine and trainer settings and why)."""
+        ``trainer.pause_sampling_rows`` rows decode: RESULTS.md, Engine and trainer settings and why), the waiting
+        tenants ranked by ``trainer.train_priority``."""
         overlap = run.trainer.overlap_sampling
-        lockstep = run.trainer.pack_policy == "lockstep"
+        lockstep, priority = run.trainer.pack_policy == "lockstep", run.trainer.train_priority
         if overlap is None and self.trainer.device.type != "cuda" or overlap is True:
-            return TrainScheduler(self.trainer, run.train_mode, lockstep=lockstep)
+            return TrainScheduler(self.trainer, run.train_mode, lockstep=lockstep, priority=priority)
         pause_rows = 0 if overlap is False else run.trainer.pause_sampling_rows
-        return TrainScheduler(self.trainer, run.train_mode, sampler=self.engine, pause_rows=pause_rows, lockstep=lockstep)
+        return TrainScheduler(self.trainer, run.train_mode, sampler=self.engine, pause_rows=pause_rows, lockstep=lockstep,
+                              priority=priority)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
