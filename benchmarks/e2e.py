@@ -25,8 +25,10 @@ One table, per mode and N: wall time, experiments per hour, experiment throughpu
 mean rollout time per tenant step, each with its ratio to the same mode's N=1 (serial's when that mode did not
 run N=1), train / sync split, decode tokens/s, the GPU busy fraction of the wall time (:func:`gpu_busy`), training
 MFU (the model FLOP of the batches trained, :func:`benchmarks.common.train_pass_flop`, over the passes' time and
-``--peak-tflops``) and peak GPU memory; above it, the per-turn lengths drawn (mean, p50, p90, max). Full numbers go to
-``--out`` as JSON (``rows``; ``lengths``: the spec and the drawn lengths' summary; ``gpu_busy_method``).
+``--peak-tflops``) and peak GPU memory; above it, the per-turn lengths drawn (mean, p50, p90, max). After each group,
+its wall account (:func:`benchmarks.wall.wall_account`: the engine thread's, the trainer's and each tenant's time).
+Full numbers go to ``--out`` as JSON (``rows``, each with its ``wall_account``; ``lengths``: the spec and the drawn
+lengths' summary; ``gpu_busy_method``).
 
 Usage (GPU): python -m benchmarks.e2e --shape qwen3-1.7b --tokenizer <model dir with a chat template> --lengths longtail --out $OUT/e2e.json
 On the CPU (``--device cpu --shape tiny``, small sizes) it runs as a smoke run: its figures say only that the script
@@ -47,6 +49,7 @@ from pathlib import Path
 
 import torch
 from benchmarks.common import H200_BF16_TFLOPS, QWEN3_VOCAB, train_pass_flop, write_random_model
+from benchmarks.wall import GPU_BUSY_METHOD, busy, describe, gpu_busy, union_seconds, wall_account
 from benchmarks.workloads import Lengths, counter_rng, length_summary, parse_lengths
 
 from skyrl_clora.backends.embedded.services import Services, build_services
@@ -56,7 +59,7 @@ from skyrl_clora.main import compose_config
 from skyrl_clora.sampler.engine_stats import EngineStats
 from skyrl_clora.sampler.requests import SamplingParams, derive_seed
 from skyrl_clora.trainer.adapter_store import LRSchedule
-from skyrl_clora.trainer.scheduler import TrainScheduler
+from skyrl_clora.trainer.scheduler import TrainPass, TrainScheduler
 from skyrl_clora.trainer.trainer import TrainBatch
 
 
@@ -95,6 +98,8 @@ class StepRecord:
     generated_tokens: int
     short_turns: int = 0  # turns whose completion came back shorter than the drawn length (none expected)
     train_flop: float = 0.0  # the model FLOP of training the step's batch (train_pass_flop)
+    started: float = 0.0  # time.perf_counter() at the step's start
+    trained: float = 0.0  # time.perf_counter() when its train call was made
 
 
 @dataclass
@@ -112,6 +117,8 @@ class ModeResult:
     gpu_union_s: float | None = None  # the union of the engine's GPU intervals and the passes (CUDA; gpu_busy)
     train_overlaps_sampling: bool = False  # the engine kept sampling during training passes (no pause)
     turn_lengths: list[int] = field(default_factory=list)  # every turn's drawn length, in completion order
+    passes: list[TrainPass] = field(default_factory=list)  # the scheduler's passes
+    account: dict | None = None  # the wall account (benchmarks.wall.wall_account); None for combined serial groups
 
 
 def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: int, device: str):
@@ -175,7 +182,8 @@ async def experiment(services: Services, scheduler: TrainScheduler, tenant: str,
         train_s = time.perf_counter() - trained
         _, sync_s = await services.sync.publish(tenant, weights)
         result.steps.append(StepRecord(tenant, step, rollout_s, train_s, sync_s, time.perf_counter() - started,
-                                       sum(sum(m) for _, m, _ in results), sum(s for _, _, s in results), flop))
+                                       sum(sum(m) for _, m, _ in results), sum(s for _, _, s in results), flop,
+                                       started, trained))
 
 
 def register(services: Services, run, tenant: str, seed: int) -> None:
@@ -195,9 +203,9 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     run = run_config(model_dir, workload, train_mode, len(names), device)
     rows_per_tenant = workload.prompts * workload.samples
     services = build_services(run, str(model_dir), len(names), rows_per_tenant)
+    built = time.perf_counter()
     result = ModeResult(train_mode, len(names), 0.0, [services.cold_start_seconds])
     timeline = services.engine.record_gpu_intervals() if cuda else None
-    passes: list[tuple[float, float]] = []
     try:
         for name, seed in zip(names, seeds):
             register(services, run, name, seed)
@@ -208,15 +216,19 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
             await asyncio.gather(*(experiment(services, scheduler, name, seed, workload, result)
                                    for name, seed in zip(names, seeds)))
             result.train_passes_s = scheduler.pass_seconds
-            passes.extend(scheduler.pass_intervals)
+            result.passes = list(scheduler.passes)
 
         asyncio.run(main())
     finally:
         services.shutdown()
-    result.wall_s = time.perf_counter() - started
+    stopped = time.perf_counter()
+    result.wall_s = stopped - started
     if timeline is not None:
-        result.gpu_union_s = union_seconds([*timeline.intervals, *passes], started, started + result.wall_s)
+        result.gpu_union_s = union_seconds([*timeline.intervals, *((p.start, p.end) for p in result.passes)], started,
+                                           stopped)
     result.engine = replace(services.engine.stats)
+    result.account = wall_account((started, built, stopped), result.engine, result.passes, result.steps,
+                                  len(result.turn_lengths))
     if cuda:
         result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30
         result.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
@@ -253,49 +265,11 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
           f"{result.peak_memory_gib:.1f} GiB allocated, {result.peak_reserved_gib:.1f} GiB reserved, "
           f"{result.alloc_retries} retries; rows running at once: at most {stats.peak_running_rows}, "
           f"{stats.preemptions} preempted", flush=True)
+    print(describe(f"{result.mode} x{len(names)}", result.account), flush=True)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
-
-
-GPU_BUSY_METHOD = (
-    "GPU busy = union of the engine's GPU time and the trainer's passes over the wall time (cold starts included). "
-    "engine: EngineStats decode_gpu_seconds + prefill_gpu_seconds + prefill_copy_gpu_seconds (CUDA events around "
-    "each forward pass and block copy; 0 off CUDA); trainer: TrainScheduler.pass_seconds (host time of each pass, "
-    "which ends in a host sync: at least its GPU time, with its launch gaps). Adapter publishes are left out. "
-    "upper = min(1, (engine + trainer) / wall); lower = max(engine, trainer) / wall; union (CUDA): the measure of "
-    "the union of every engine GPU interval (each forward pass's and block copy's start and end events, set on "
-    "the host clock by Engine.record_gpu_intervals) and every pass's host interval (TrainScheduler.pass_intervals) "
-    "over the wall, between lower and upper; the cold start's GPU work (memory plan pass, graph capture) counts "
-    "as idle. The table prints union where measured, else upper.")
-
-
-def gpu_busy(result: ModeResult) -> dict[str, float]:
-    """The GPU busy fraction's bounds over ``result.wall_s`` and their inputs (:data:`GPU_BUSY_METHOD`)."""
-    stats = result.engine
-    engine = stats.decode_gpu_seconds + stats.prefill_gpu_seconds + stats.prefill_copy_gpu_seconds
-    train, wall = result.train_passes_s, max(result.wall_s, 1e-9)
-    return {"engine_gpu_s": engine, "train_pass_s": train, "lower": min(1.0, max(engine, train) / wall),
-            "upper": min(1.0, (engine + train) / wall),
-            "union": None if result.gpu_union_s is None else result.gpu_union_s / wall}
-
-
-def busy(row: dict) -> float:
-    """A table row's GPU busy fraction: the union where measured, else the upper bound."""
-    union = row["gpu_busy"]["union"]
-    return row["gpu_busy"]["upper"] if union is None else union
-
-
-def union_seconds(intervals: list[tuple[float, float]], start: float, end: float) -> float:
-    """Seconds of ``[start, end]`` covered by at least one of ``intervals`` (``(start, end)`` pairs)."""
-    covered, reached = 0.0, start
-    for lo, hi in sorted(intervals):
-        lo, hi = max(lo, reached), min(hi, end)
-        if hi > lo:
-            covered += hi - lo
-            reached = hi
-    return covered
 
 
 def summarize(result: ModeResult) -> dict:
@@ -311,6 +285,7 @@ def summarize(result: ModeResult) -> dict:
         "train_overlaps_sampling": result.train_overlaps_sampling,
         "turn_lengths": length_summary(result.turn_lengths), "short_turns": sum(s.short_turns for s in steps),
         "peak_running_rows": result.engine.peak_running_rows, "preemptions": result.engine.preemptions,
+        "wall_account": result.account,
     }
 
 

@@ -12,10 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import e2e
+from benchmarks import e2e, wall
+from benchmarks.common import write_random_model
 from benchmarks.workloads import PRESETS, Lengths, length_summary, parse_lengths
 from skyrl_clora.sampler.requests import Completion
 from skyrl_clora.sampler.engine_stats import EngineStats
+from skyrl_clora.trainer.scheduler import TrainPass
 
 KEYS = [(seed, step, episode, turn)
         for seed in (0, 1, 7) for step in (1, 2) for episode in range(64) for turn in range(3)]
@@ -149,21 +151,21 @@ def test_episodes_fit_the_run_configs_lengths_and_repeat_in_any_order(spec, tmp_
 def test_gpu_busy_bounds():
     stats = EngineStats(decode_gpu_seconds=2.0, prefill_gpu_seconds=0.5, prefill_copy_gpu_seconds=0.5)
     result = e2e.ModeResult("swap", 2, 10.0, [1.0], engine=stats, train_passes_s=4.0)
-    busy = e2e.gpu_busy(result)
+    busy = wall.gpu_busy(result)
     assert busy["engine_gpu_s"] == 3.0 and busy["train_pass_s"] == 4.0
     assert busy["lower"] == pytest.approx(0.4) and busy["upper"] == pytest.approx(0.7)
     result.wall_s = 5.0
-    assert e2e.gpu_busy(result)["upper"] == 1.0  # the sum of overlapping spans is capped
-    assert e2e.gpu_busy(result)["union"] is None  # not measured off CUDA
+    assert wall.gpu_busy(result)["upper"] == 1.0  # the sum of overlapping spans is capped
+    assert wall.gpu_busy(result)["union"] is None  # not measured off CUDA
     result.gpu_union_s = 4.5
-    assert e2e.gpu_busy(result)["union"] == pytest.approx(0.9)
+    assert wall.gpu_busy(result)["union"] == pytest.approx(0.9)
 
 
 def test_union_seconds_counts_overlaps_once_within_the_window():
     intervals = [(3.0, 5.0), (0.5, 2.0), (1.0, 1.5), (4.0, 7.0), (9.0, 12.0), (-2.0, -1.0)]
     # covered: [1, 2] (from 0.5), [3, 7], [9, 10] within [1, 10]
-    assert e2e.union_seconds(intervals, 1.0, 10.0) == pytest.approx(1.0 + 4.0 + 1.0)
-    assert e2e.union_seconds([], 0.0, 1.0) == 0.0
+    assert wall.union_seconds(intervals, 1.0, 10.0) == pytest.approx(1.0 + 4.0 + 1.0)
+    assert wall.union_seconds([], 0.0, 1.0) == 0.0
 
 
 def _result(wall: float, lengths: list[int], tenants: int = 1, mode: str = "swap") -> e2e.ModeResult:
@@ -192,3 +194,73 @@ def test_serial_groups_add_up():
     row = e2e.summarize(group)
     assert (row["wall_s"], row["tenants"], row["cold_start_s"]) == (30.0, 2, [0.5, 0.5])
     assert row["gpu_busy"]["upper"] == pytest.approx(6.0 / 30.0) and row["turn_lengths"]["count"] == 3
+
+
+def test_overlap_splits_the_window_by_what_covers_it():
+    rollouts, passes = [(0.0, 4.0), (3.0, 6.0)], [(5.0, 7.0), (8.0, 9.0)]
+    shares = wall.overlap(rollouts, passes, 0.0, 10.0)
+    assert shares == pytest.approx({"both": 1.0, "first_only": 5.0, "second_only": 2.0, "neither": 2.0})
+
+
+def _step(tenant: str, step: int, started: float, rollout: float, train: float, sync: float, host: float):
+    trained = started + rollout + host
+    return e2e.StepRecord(tenant, step, rollout, train, sync, rollout + host + train + sync, 0, started=started,
+                          trained=trained)
+
+
+def test_tenant_phases_match_each_step_to_its_pass_and_add_up_to_the_wall():
+    """B waited 0.55 s behind A's pass, A's second pass 1 s; a pass outside its step's train call is refused."""
+    steps = [_step("A", 1, 0.0, 2.0, 1.0, 0.1, 0.05), _step("B", 1, 0.0, 2.5, 1.0, 0.1, 0.0),
+             _step("A", 2, 3.15, 2.0, 2.0, 0.1, 0.05)]
+    passes = [TrainPass(("A",), (2.05,), 2.05, 3.05, False, None), TrainPass(("B",), (2.5,), 3.05, 3.5, False, None),
+              TrainPass(("A",), (5.2,), 6.2, 7.2, False, None)]
+    phases = wall.tenant_phases(steps, passes)
+    a = phases["A"]
+    assert a["steps"] == 2 and a["wall_s"] == pytest.approx(3.15 + 4.15)
+    assert (a["rollout_s"], a["training_s"], a["trainer_queue_s"], a["publish_s"]) == pytest.approx((4.0, 2.0, 1.0, 0.2))
+    assert a["host_s"] == pytest.approx(0.1)
+    assert phases["B"]["training_s"] == pytest.approx(0.45) and phases["B"]["trainer_queue_s"] == pytest.approx(0.55)
+    with pytest.raises(ValueError, match="outside its train call"):
+        wall.tenant_phases(steps, [*passes[:2], TrainPass(("A",), (5.2,), 4.0, 5.0, False, None)])
+    with pytest.raises(ValueError, match="2 steps but 1 training passes"):
+        wall.tenant_phases(steps, passes[:2])
+
+
+@pytest.mark.parametrize("overlap", ["true", "false"])
+def test_a_concurrent_groups_wall_account_adds_up(micro_model_dir, tmp_path, overlap):
+    """Two tenants, two steps at the smallest CPU size. Each tenant's phases cover its wall (the host work between
+    them, building a batch, is at most a tenth of it); the tenants' passes are the trainer's; the engine thread's
+    counters cover its life but for its loop's bookkeeping (at most a tenth); sampling paused only for passes that
+    paused it (trainer.overlap_sampling=false: every pass; true: none), and for no longer than they ran."""
+    model_dir = tmp_path / "tiny"
+    write_random_model("tiny", micro_model_dir, model_dir, "cpu", vocab_size=1024)
+    workload = e2e.Workload(prompt=16, lengths=parse_lengths("fixed:4"), turns=2, prompts=1, samples=2, steps=2,
+                            overrides=(f"trainer.overlap_sampling={overlap}",))
+    result = e2e.run_group(model_dir, workload, "swap", ["a", "b"], [1, 2], "cpu")
+    account = result.account
+    assert account["wall_s"] == pytest.approx(result.wall_s)
+    assert account["setup_s"] + account["engine_life_s"] == pytest.approx(account["wall_s"])
+    for name, tenant in account["tenants"].items():
+        phases = [tenant[f"{phase}_s"] for phase in wall.TENANT_PHASES]
+        assert sum(phases) == pytest.approx(tenant["wall_s"]) and tenant["steps"] == 2, name
+        assert min(phases) >= -1e-6 and tenant["host_s"] <= 0.1 * tenant["wall_s"], (name, tenant)
+        assert tenant["wall_s"] <= account["engine_life_s"]
+    trainer, engine = account["trainer"], account["engine"]
+    assert trainer["passes"] == 4 and sum(t["training_s"] for t in account["tenants"].values()) == pytest.approx(
+        trainer["pass_s"])
+    life = account["engine_life_s"]
+    counted = sum(engine[key] for key in ("decode_s", "prefill_s", "other_busy_s", "paused_s", "idle_s"))
+    assert counted + engine["unaccounted_s"] == pytest.approx(life)
+    assert abs(engine["unaccounted_s"]) <= 0.1 * life, engine
+    # 2 tenants x 2 steps x 2 episodes x 2 turns of 4 tokens: the first of each by prefill, the other 3 by decode
+    # steps of at most 4 rows (2 tenants x 2 episodes)
+    assert result.engine.generated_tokens == 64 and result.engine.preemptions == 0
+    assert 1 <= engine["rows_per_step"] <= 4 and engine["rows_per_step"] * engine["decode_steps"] == pytest.approx(48)
+    assert trainer["paused_passes"] == (4 if overlap == "false" else 0)
+    if overlap == "false":
+        assert 0 < engine["paused_s"] <= trainer["paused_pass_s"] + 0.05 * trainer["passes"]
+    else:
+        assert engine["paused_s"] == 0
+    run = account["run_window"]
+    assert sum(run[key] for key in run if key != "window_s") == pytest.approx(run["window_s"])
+    assert "wall account" in wall.describe("swap x2", account)

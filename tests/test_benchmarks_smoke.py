@@ -16,7 +16,7 @@ from benchmarks import (attention, common, concurrency, e2e, engine, engine_host
                         qkv_rope, runner, train)
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-HELPERS = {"workloads", "packed"}  # imported by the runnable modules (packed: by kernels, run there)
+HELPERS = {"workloads", "packed", "wall"}  # imported by the runnable modules (packed: by kernels, wall: by e2e)
 RUNS = {"attention", "common", "concurrency", "e2e", "engine", "engine_host", "interference", "kernels", "planner",
         "qkv_rope", "runner", "train"}
 interpreted = pytest.mark.skipif(common.DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1",
