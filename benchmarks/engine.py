@@ -27,6 +27,8 @@ from benchmarks.common import (DEVICE, QWEN3_VOCAB, SHAPES, build_random_model, 
 from transformers import Qwen3ForCausalLM
 
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_config import EngineConfig
+from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 
@@ -34,7 +36,7 @@ def build_model(shape: str) -> Qwen3ForCausalLM:
     return build_random_model(qwen3_config(shape), DEVICE).eval()
 
 
-def run_engine_case(engine: Engine, batch: int, prompt: int, new: int, adapters: list[str | None], seed: int) -> dict:
+def run_engine_case(engine: EngineThread, batch: int, prompt: int, new: int, adapters: list[str | None], seed: int) -> dict:
     generator = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, QWEN3_VOCAB, (prompt,), generator=generator).tolist() for _ in range(batch)]
     before = dict(vars(engine.stats))
@@ -53,7 +55,7 @@ def run_engine_case(engine: Engine, batch: int, prompt: int, new: int, adapters:
             "wall_s": wall}
 
 
-def profile_case(engine: Engine, batch: int, prompt: int, new: int, table_path: Path) -> dict:
+def profile_case(engine: EngineThread, batch: int, prompt: int, new: int, table_path: Path) -> dict:
     """Runs one base-model case under ``torch.profiler``; writes the kernel table (by GPU time) to
     ``table_path`` and returns the GPU kernels launched per decode step and the GPU-busy share of the wall (on the
     CPU: the table by CPU time, and zeros)."""
@@ -112,8 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     routing, layers = attach_engine_lora(model, num_slots=32, max_rank=16)
     rows = max(args.batches)
     started = time.perf_counter()
-    engine = Engine(model, layers, num_rows=rows, max_len=args.prompt + args.new, block_size=128,
-                    max_prefills_per_step=64, cache_prefixes=False)
+    engine = EngineThread(Engine(model, layers, EngineConfig(num_rows=rows, max_len=args.prompt + args.new, block_size=128,
+                                                             max_prefills_per_step=64, cache_prefixes=False)))
     build_s = time.perf_counter() - started
     names = [f"tenant-{i}" for i in range(32)]
     for i, name in enumerate(names):

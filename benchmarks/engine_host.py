@@ -3,7 +3,7 @@
 On the GPU a decode step is a graph replay plus the sampler's kernel, both queued in microseconds; the rest
 is the engine thread's own Python (choosing the rows, staging the inputs, RNG draws, accepting tokens,
 stop and length checks), paid after every step's synchronisation and, in concurrent runs, while holding the
-GIL the trainer's thread also needs. This times that part alone: an Engine over a one-layer model whose
+GIL the trainer's thread also needs. This times that part alone: an Engine (no thread: this one drives its rounds) over a one-layer model whose
 ``runner.prefill`` and ``runner.decode`` return fixed logits and whose ``draw_rows`` returns fixed tokens, every
 row running (GRPO groups of 8 rows sharing their prompt's blocks, as the engine's shared-prefix reads see them),
 nothing waiting, median of ``--repeats`` batches of ``--steps`` steps.
@@ -25,6 +25,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import skyrl_clora.sampler.engine as engine_module
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.sampler.sampling import DrawnTokens
@@ -44,9 +45,8 @@ def step_ms(rows: int, steps: int, repeats: int) -> float:
     routing, layers = attach_engine_lora(model, num_slots=8, max_rank=8)
     admission_steps = 2  # the groups' first requests, then the others
     max_len = PROMPT + admission_steps + steps * (repeats + 1) + 16
-    engine = Engine(model, layers, num_rows=rows, max_len=max_len, max_prefills_per_step=rows, block_size=16,
-                    cuda_graphs=False, share_prefix_reads=True)
-    engine.shutdown()  # the benchmark drives the engine's step from this thread
+    engine = Engine(model, layers, EngineConfig(num_rows=rows, max_len=max_len, max_prefills_per_step=rows, block_size=16,
+                                                cuda_graphs=False, share_prefix_reads=True))
     logits = torch.randn(rows, VOCAB)
     engine.runner.prefill = lambda jobs: list(logits[: len(jobs)])
     engine.runner.decode = lambda span: logits[:span]

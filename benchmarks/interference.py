@@ -57,7 +57,8 @@ from benchmarks.workloads import Lengths, counter_rng, parse_lengths
 from skyrl_clora.backends.embedded.services import carve_gemm_sms, share_base_weights
 from skyrl_clora.lora.layers import write_slot
 from skyrl_clora.lora.peft_export import init_adapter
-from skyrl_clora.sampler.engine_thread import GIL_SWITCH_SECONDS, STREAM_PRIORITIES
+from skyrl_clora.sampler.engine_config import STREAM_PRIORITIES
+from skyrl_clora.sampler.engine_thread import GIL_SWITCH_SECONDS
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner
 from skyrl_clora.sampler.sampling import DrawnTokens, draw_rows
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule

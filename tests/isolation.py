@@ -67,7 +67,7 @@ def run_recorded(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> dict[str, 
                 records=tenant_records(out, name), lr=state.schedule.base_lr,
                 tables={table: state.flat[table].clone() for table in TABLES},
                 step=state.step, rng_state=state.rng_state.clone(), weights=_cloned(state.weights),
-                served=services.engine.adapters.read(name, state.rank, state.alpha),
+                served=services.engine.engine.adapters.read(name, state.rank, state.alpha),
                 served_version=services.engine.adapter_version(name),
                 exported=load_peft_adapter(out / "adapters" / name),
             )

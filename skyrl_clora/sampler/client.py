@@ -21,16 +21,16 @@ from skyrl.backends.skyrl_train.inference_servers.base import (
 )
 
 from skyrl_clora.lora.peft_export import load_peft_adapter
-from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.requests import SamplingParams, derive_seed
 
 
 class EmbeddedInferenceClient(InferenceEngineInterface):
-    """``InferenceEngineInterface`` backed by an in-process :class:`Engine`."""
+    """``InferenceEngineInterface`` backed by an in-process engine (:class:`EngineThread`)."""
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineThread,
         tokenizer: Any,
         model_name: str,
         default_sampling: dict[str, Any],

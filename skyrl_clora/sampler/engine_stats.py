@@ -1,4 +1,5 @@
-"""The sampling engine's counters (``Engine.stats``): where its thread's time and tokens went."""
+"""The sampling engine's counters (``Engine.stats``): where its thread's time and tokens went, and the recorder
+(:class:`StatsRecorder`) that the engine and its thread report their events to."""
 
 from __future__ import annotations
 
@@ -101,3 +102,88 @@ class GPUTimeline:
         """Appends ``span``'s interval (waits for its end)."""
         start, end = span.offsets(self._base)
         self.intervals.append((self._host + start, self._host + end))
+
+
+class StatsRecorder:
+    """Turns the engine's and its thread's events into the counters of ``stats`` (an :class:`EngineStats`) and,
+    from :meth:`record_gpu_intervals` on, the GPU spans of its passes into ``timeline``. The timer arguments are
+    ``time.perf_counter()`` readings taken by the caller; a method reads the clock itself only for the end of
+    the span it records. Called on the engine thread (or the thread driving :meth:`Engine.step`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stats = EngineStats()
+        self.timeline: GPUTimeline | None = None
+        self._device = device
+
+    def record_gpu_intervals(self) -> GPUTimeline:
+        """From now on, the GPU interval of every decode step's forward pass and prefill round's copies and forward
+        pass, on the host clock, in the returned timeline (CUDA only)."""
+        self.timeline = GPUTimeline(self._device)
+        return self.timeline
+
+    def graphs_captured(self, seconds: float) -> None:
+        self.stats.graph_capture_seconds = seconds
+
+    def row_started(self, running_rows: int) -> None:
+        """A request started running; ``running_rows`` run now."""
+        self.stats.peak_running_rows = max(self.stats.peak_running_rows, running_rows)
+
+    def prefill_launched(self, started: float, computed: int, cached: int, held_blocks: int) -> None:
+        """A prefill round (begun at ``started``) launched: ``computed`` prompt tokens computed, ``cached`` taken
+        from the prefix cache or histories; ``held_blocks`` KV blocks held after it."""
+        stats = self.stats
+        stats.prefill_rounds += 1
+        stats.prefill_tokens += computed
+        stats.cached_prompt_tokens += cached
+        stats.peak_blocks_held = max(stats.peak_blocks_held, held_blocks)
+        stats.prefill_seconds += time.perf_counter() - started
+
+    def prefill_accepted(self, started: float, forward: GPUSpan, copied: GPUSpan) -> None:
+        """A prefill round's first tokens (waited for from ``started``) accepted; its GPU spans."""
+        self.stats.prefill_gpu_seconds += forward.seconds()
+        self.stats.prefill_copy_gpu_seconds += copied.seconds()
+        self._on_timeline(copied, forward)
+        self.stats.prefill_seconds += time.perf_counter() - started
+
+    def decode_launched(self, started: float, staged: float, launched: float, shared_positions: int) -> None:
+        """A decode step launched: begun at ``started``, its inputs staged at ``staged``, its forward pass and
+        sampling queued at ``launched``; ``shared_positions`` key positions read through another row's blocks."""
+        stats = self.stats
+        stats.shared_prefix_positions += shared_positions
+        stats.decode_input_seconds += staged - started
+        stats.decode_launch_seconds += launched - staged
+        stats.decode_steps += 1
+        stats.decode_seconds += launched - started
+
+    def decode_accepted(self, started: float, received: float, forward: GPUSpan) -> None:
+        """A decode step's tokens, waited for from ``started`` until ``received``, accepted; its forward pass's span."""
+        self.stats.decode_wait_seconds += received - started
+        self.stats.decode_gpu_seconds += forward.seconds()
+        self._on_timeline(forward)
+        self.stats.decode_seconds += time.perf_counter() - started
+
+    def tokens_accepted(self, count: int, retiring: float) -> None:
+        """``count`` tokens accepted, the finished requests retired from ``retiring`` until now."""
+        self.stats.generated_tokens += count
+        self.stats.retire_seconds += time.perf_counter() - retiring
+
+    def preempted(self, count: int) -> None:
+        self.stats.preemptions += count
+
+    def waited(self, seconds: float, paused: bool, idle: bool) -> None:
+        """The engine thread waited ``seconds`` for its inbox, while ``paused`` or ``idle`` (else neither: busy)."""
+        if paused:
+            self.stats.paused_seconds += seconds
+        elif idle:
+            self.stats.idle_seconds += seconds
+            self.stats.idle_waits += seconds >= 1e-3
+            self.stats.longest_idle_seconds = max(self.stats.longest_idle_seconds, seconds)
+
+    def busy(self, seconds: float) -> None:
+        """The engine thread worked ``seconds`` (a round, or the end of the step in flight before a pause)."""
+        self.stats.busy_seconds += seconds
+
+    def _on_timeline(self, *spans: GPUSpan) -> None:
+        if self.timeline is not None:
+            for span in spans:
+                self.timeline.add(span)

@@ -1,72 +1,107 @@
-"""The sampling engine's background thread: its inbox, nesting pauses and the time it counts busy, idle or paused.
+"""The sampling engine's background thread: the engine's thread-safe API, its inbox, nesting pauses and the time
+it counts busy, idle or paused.
 
-:class:`EngineThread` runs a subclass's rounds (:meth:`EngineThread.step`) on one thread of its own, which alone
-touches the model and the engine's state; other threads talk to it through the inbox (requests, publishes,
-unregisters; ``None`` only wakes it) and :meth:`~EngineThread.pause` / :meth:`~EngineThread.resume`.
+:class:`EngineThread` holds an :class:`~skyrl_clora.sampler.engine.Engine` and runs its rounds
+(:meth:`Engine.step`) on one thread of its own, which alone touches the model and the engine's state; other
+threads talk to it through the inbox (requests, publishes, unregisters; ``None`` only wakes it) and
+:meth:`~EngineThread.pause` / :meth:`~EngineThread.resume`. Building an :class:`EngineThread` starts the thread:
+there is no engine thread that is built but not started.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import queue
 import sys
 import threading
 import time
-from typing import Any
 
 import torch
 
-from skyrl_clora.sampler.engine_stats import EngineStats
+from skyrl_clora.lora.layers import AdapterWeights
+from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_config import STREAM_PRIORITIES
+from skyrl_clora.sampler.engine_stats import EngineStats, GPUTimeline
+from skyrl_clora.sampler.requests import SamplingParams
+from skyrl_clora.sampler.scheduler import Publish, QueuedRequest, Unregister
 
 GIL_SWITCH_SECONDS = 0.0005  # the GIL switch interval while the engine runs on a GPU (Python's default: 5 ms)
-# The engine stream's CUDA priority by name (lower is higher; the trainer's default streams are at 0).
-STREAM_PRIORITIES = {"high": -1, "normal": 0}
 
 
 class EngineThread:
-    """The engine's thread and its inbox. A subclass sets ``stats`` and calls :meth:`start_thread` last in its
-    ``__init__``; it implements :meth:`step` (one round of work), :meth:`_enqueue` (takes an inbox item),
-    :meth:`_idle` (nothing waits and nothing runs), :meth:`_has_step_in_flight` (a launched step's tokens are not
-    accepted yet), :meth:`_finish_step_in_flight` (accepts them) and :meth:`_fail_steps` (fails what a broken
-    round leaves running); all run on the engine thread."""
+    """Runs ``engine`` on a thread started here (on a GPU, on a CUDA stream of its own at the engine's
+    ``config.stream_priority``) until :meth:`shutdown`. Thread-safe: every public method may be called from any
+    thread; ``submit`` and ``publish`` return ``concurrent.futures.Future`` objects. ``engine`` is for reading
+    (``adapters``, ``recorder``) and for tests; its rounds belong to the thread."""
 
-    stats: EngineStats
-
-    def start_thread(self, device: torch.device, stream_priority: str) -> None:
-        """Starts the engine thread on ``device`` (on a GPU, on a CUDA stream of its own at ``stream_priority``,
-        a key of :data:`STREAM_PRIORITIES`)."""
-        if stream_priority not in STREAM_PRIORITIES:
-            raise ValueError(f"stream_priority={stream_priority!r} is unknown; use one of {sorted(STREAM_PRIORITIES)}")
-        self.stream_priority = stream_priority
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.max_len = engine.max_len  # positions per request (prompt and completion)
         self._inbox: queue.Queue = queue.Queue()
         self._paused = threading.Event()  # set while _pauses > 0
         self._pauses = 0
         self._pause_lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(device,), name="clora-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="clora-engine", daemon=True)
         self._thread.start()
 
-    # ---- subclass hooks (engine thread) -------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters (a live view)."""
+        return self.engine.stats
 
-    def step(self) -> None:
-        raise NotImplementedError
+    def register_adapter(self, name: str, weights: AdapterWeights, version: int = 0) -> None:
+        """Gives ``name`` a LoRA slot holding ``weights`` (before any request of it is submitted)."""
+        self.engine.adapters.reserve(name)
+        self.publish(name, weights, version).result()
 
-    def _enqueue(self, item: Any) -> None:
-        raise NotImplementedError
+    def unregister_adapter(self, name: str) -> concurrent.futures.Future:
+        """Frees ``name``'s slot once none of its requests is running; its waiting requests fail.
+        Resolves when the slot is free."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if name not in self.engine.adapters:
+            future.set_exception(ValueError(f"unknown adapter {name!r}"))
+            return future
+        self._inbox.put(Unregister(name, future))
+        return future
 
-    def _idle(self) -> bool:
-        raise NotImplementedError
+    def adapter_version(self, name: str) -> int:
+        """The published version of ``name`` (``AdapterSlots.version``)."""
+        return self.engine.adapters.version(name)
 
-    def _has_step_in_flight(self) -> bool:
-        raise NotImplementedError
+    def submit(self, prompt_ids: list[int], adapter: str | None, params: SamplingParams) -> concurrent.futures.Future:
+        """Queues one generation request; the future resolves to a :class:`~skyrl_clora.sampler.requests.Completion`."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        adapters = self.engine.adapters
+        if adapter is not None and adapter not in adapters:
+            future.set_exception(ValueError(f"unknown adapter {adapter!r}; registered: {adapters.names()}"))
+            return future
+        if not prompt_ids or len(prompt_ids) >= self.max_len:
+            future.set_exception(
+                ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the engine's max_len {self.max_len}")
+            )
+            return future
+        self._inbox.put(QueuedRequest(list(prompt_ids), adapter, params, future))
+        return future
 
-    def _finish_step_in_flight(self) -> None:
-        raise NotImplementedError
+    def publish(self, adapter: str, weights: AdapterWeights, version: int) -> concurrent.futures.Future:
+        """Queues an in-place update of ``adapter``'s slot to ``weights`` at ``version``; resolves once applied."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if adapter not in self.engine.adapters:
+            future.set_exception(ValueError(f"unknown adapter {adapter!r}"))
+            return future
+        self._inbox.put(Publish(adapter, weights, version, future))
+        return future
 
-    def _fail_steps(self, error: Exception) -> None:
-        raise NotImplementedError
+    def running_rows(self) -> int:
+        """How many requests hold a row now (a snapshot)."""
+        return self.engine.running_rows()
 
-    # ---- any thread -----------------------------------------------------------------------------
+    def record_gpu_intervals(self) -> GPUTimeline:
+        """From now on, the GPU intervals of the engine's passes in the returned timeline
+        (:meth:`~skyrl_clora.sampler.engine_stats.StatsRecorder.record_gpu_intervals`; CUDA only)."""
+        return self.engine.recorder.record_gpu_intervals()
 
     def pause(self) -> None:
         """Stops stepping after the step in flight (requests keep their state) until :meth:`resume`. Pauses
@@ -79,9 +114,10 @@ class EngineThread:
                 self._inbox.put(None)
 
     def resume(self) -> None:
+        """Ends one :meth:`pause`."""
         with self._pause_lock:
             if self._pauses == 0:
-                raise RuntimeError("Engine.resume() without a pause()")
+                raise RuntimeError("EngineThread.resume() without a pause()")
             self._pauses -= 1
             if self._pauses == 0:
                 self._paused.clear()
@@ -95,7 +131,7 @@ class EngineThread:
 
     # ---- engine thread -----------------------------------------------------------------------
 
-    def _loop(self, device: torch.device) -> None:
+    def _loop(self) -> None:
         """The engine thread. On a GPU all its work runs on its own CUDA stream: the trainer's kernels (on the
         default stream of another thread) then overlap with decode steps instead of queueing before them, and
         a step's host synchronisation waits for the engine's own work only. At ``stream_priority="high"`` the
@@ -109,39 +145,35 @@ class EngineThread:
         Python's default of 5 ms a decode step of about that length could wait as long again behind the
         trainer's (Python-heavy, eager) thread."""
         stream = None
+        device = self.engine.runner.device
         if device.type == "cuda":
             sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_SECONDS))
             torch.cuda.synchronize(device)  # the buffers built on the default stream are ready
-            stream = torch.cuda.Stream(device, priority=STREAM_PRIORITIES[self.stream_priority])
+            stream = torch.cuda.Stream(device, priority=STREAM_PRIORITIES[self.engine.config.stream_priority])
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self._serve()
 
     def _serve(self) -> None:
+        engine, recorder = self.engine, self.engine.recorder
         while not self._stop.is_set():
-            in_flight = self._has_step_in_flight()
-            idle = not in_flight and self._idle()
+            in_flight = engine.has_step_in_flight()
+            idle = not in_flight and engine.scheduler.idle()
             paused = self._paused.is_set()
             began = time.perf_counter()
             self._drain_inbox(block=(idle or paused) and not in_flight)
-            waited = time.perf_counter() - began
-            if paused:
-                self.stats.paused_seconds += waited
-            elif idle:
-                self.stats.idle_seconds += waited
-                self.stats.idle_waits += waited >= 1e-3
-                self.stats.longest_idle_seconds = max(self.stats.longest_idle_seconds, waited)
+            recorder.waited(time.perf_counter() - began, paused, idle)
             stepping = not (self._paused.is_set() or self._stop.is_set())
-            if not stepping and not self._has_step_in_flight():
+            if not stepping and not engine.has_step_in_flight():
                 continue
             started = time.perf_counter()
             try:
                 if stepping:
-                    self.step()
+                    engine.step()
                 else:  # the step in flight ends before the pause
-                    self._finish_step_in_flight()
+                    engine.finish_step_in_flight()
             except Exception as error:  # a broken step fails its requests, not the engine thread
-                self._fail_steps(error)
-            self.stats.busy_seconds += time.perf_counter() - started
+                engine.fail(error)
+            recorder.busy(time.perf_counter() - started)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -150,7 +182,7 @@ class EngineThread:
             return
         while True:
             if item is not None:  # None only wakes the thread
-                self._enqueue(item)
+                self.engine.scheduler.enqueue(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.sampler.sampling import request_uniforms
 
 
@@ -42,21 +43,22 @@ class RunningRows:
         self.out_tokens = np.zeros((num_rows, max_len), dtype=np.int64)
         self.out_logprobs = np.zeros((num_rows, max_len), dtype=np.float64)
 
-    def start(self, row: int, prompt_len: int, lora_slot: int, seed: int, temperature: float, top_p: float,
-              max_tokens: int, stop_token_ids: tuple[int, ...]) -> None:
-        """Row ``row`` now runs a request with a ``prompt_len``-token prompt (its first token not drawn yet)."""
+    def start(self, row: int, prompt_len: int, lora_slot: int, params: SamplingParams) -> None:
+        """Row ``row`` now runs a request with a ``prompt_len``-token prompt in LoRA slot ``lora_slot`` (-1: none),
+        sampled with ``params`` (its first token not drawn yet)."""
+        stop_token_ids = params.stop_token_ids
         if len(stop_token_ids) > self.stop.shape[1]:
             wider = np.full((self.stop.shape[0], len(stop_token_ids)), -1, dtype=np.int64)
             wider[:, : self.stop.shape[1]] = self.stop
             self.stop = wider
         self.active[row] = True
         self.lora[row] = lora_slot
-        self.seed[row] = seed & 0xFFFFFFFFFFFFFFFF
-        self.temperature[row] = temperature
-        self.top_p[row] = top_p
+        self.seed[row] = params.seed & 0xFFFFFFFFFFFFFFFF
+        self.temperature[row] = params.temperature
+        self.top_p[row] = params.top_p
         self.prompt_len[row] = prompt_len
         self.drawn[row] = 0
-        self.limit[row] = min(max_tokens, self.max_len - prompt_len)
+        self.limit[row] = min(params.max_tokens, self.max_len - prompt_len)
         self.stop[row] = -1
         self.stop[row, : len(stop_token_ids)] = stop_token_ids
 

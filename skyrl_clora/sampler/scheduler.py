@@ -1,10 +1,13 @@
-"""The sampling engine's scheduling: which waiting request takes which free cache row and when, and when a
-queued adapter publish or unregister may land.
+"""The sampling engine's scheduling: which waiting request takes which free cache row and which KV blocks, when,
+which running request is preempted when the pool runs out, and when a queued adapter publish or unregister may
+land.
 
-Plain host bookkeeping over the engine's row table, driven by the engine thread alone (the engine keeps the
-thread, its inbox and every tensor). It reads the adapters' published versions (:class:`AdapterSlots`) and
-the KV block pool (:class:`BlockManager`: which prompt blocks are keyed, how many blocks are available), and
-takes the finished-turn histories it admits a request with from that pool.
+Plain host bookkeeping over the row table and the KV block pool (:class:`BlockManager`), driven by the engine
+thread alone (the engine keeps the thread's work, the model and every tensor). The scheduler is the only writer
+of the pool's state: it hands the engine a :class:`PrefillPlan` (rows, blocks and the block copies to make
+before the pass), grows the running rows' blocks before each decode step (:meth:`Scheduler.make_room`,
+preempting when short), keys the prompts the engine has prefilled and frees the rows it retires. It reads the
+adapters' published versions (:class:`AdapterSlots`).
 
 Prefill batching: while rows decode, waiting requests are admitted only once ``max_prefills_per_step`` of
 them wait or the oldest has waited ``prefill_wait_steps`` decode steps, so that a prefill pass (whose cost on a GPU
@@ -13,6 +16,11 @@ hardly grows with its tokens) serves several requests; with no row running they 
 Admission by free blocks: a request is admitted only while the pool keeps :attr:`Scheduler.watermark` blocks
 available after it (room for the running rows to grow); the first request that does not fit stops the round
 (first come, first served), and a request whose prompt could not fit the whole pool fails alone.
+
+Preemption: when a running row needs a block for its next decode step and the pool has none (after evicting
+unreferenced prefix blocks and histories), the most recently admitted running request is preempted: its blocks
+go back to the pool and it waits first in the queue, to start over; a request that cannot fit even alone fails
+with a MemoryError.
 
 The version fence: a request is sampled entirely with the adapter version it was admitted under, so a
 publish (or unregister) of an adapter lands only once none of its requests holds a row; new requests of an
@@ -23,6 +31,8 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.sampler.adapter_slots import AdapterSlots
@@ -35,7 +45,7 @@ class QueuedRequest:
     """One generation request, from submission until its future resolves. :meth:`Scheduler.admit` sets its cache
     ``row``, the adapter ``version`` it is sampled with and the finished turn its prompt extends (``history``:
     ``(length, blocks)`` from :meth:`BlockManager.take_history`, whose references the request holds until its
-    row adopts them); the engine sets ``lora_slot`` at its prefill and ``output`` / ``logprobs`` when it
+    row adopts them) and its adapter's ``lora_slot``; the engine sets ``output`` / ``logprobs`` when it
     finishes."""
 
     prompt_ids: list[int]
@@ -69,6 +79,18 @@ class Unregister:
     future: concurrent.futures.Future
 
 
+@dataclass
+class PrefillPlan:
+    """The requests to prefill in one pass, in admission order, each holding its row and the blocks of its
+    prompt; ``starts[i]``: the first position the pass computes for ``requests[i]`` (the positions before it are
+    in blocks its row adopted); ``copies``: ``(sources, targets)``, the shared blocks whose K/V the engine copies
+    before the pass (a row's own copy of a block it writes into)."""
+
+    requests: list[QueuedRequest] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    copies: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+
+
 def _unregistered(adapter: str) -> ValueError:
     """The error a request of ``adapter`` fails with when the adapter was unregistered before it ran."""
     return ValueError(f"adapter {adapter!r} was unregistered")
@@ -76,8 +98,8 @@ def _unregistered(adapter: str) -> ValueError:
 
 class Scheduler:
     """The waiting requests (in arrival order), the pending publishes and unregisters (in arrival order) and the
-    row table: ``rows[r]`` is the request running in cache row ``r`` (between :meth:`place` and :meth:`release`)
-    or None.
+    row table: ``rows[r]`` is the request running in cache row ``r`` (between :meth:`place` and :meth:`release`
+    or :meth:`finish`) or None, and the KV block pool ``blocks``, whose state only this scheduler changes.
 
     ``reuse_decode_kv``: admission takes a stored history the prompt extends from the block pool (the request's
     row then starts with its blocks instead of computing those positions). ``prefill_wait_steps``: the most
@@ -94,6 +116,8 @@ class Scheduler:
         self.prefill_wait_steps = prefill_wait_steps
         self.decode_steps = 0  # decode steps launched so far (the engine counts them with :meth:`decode_launched`)
         self.rows: list[QueuedRequest | None] = [None] * num_rows
+        self._admitted_at = np.zeros(num_rows, dtype=np.int64)  # per row: when its request was placed (1, 2, ...)
+        self._admissions = 0
         self._waiting: list[QueuedRequest] = []
         self._pending: list[Publish | Unregister] = []
 
@@ -106,8 +130,10 @@ class Scheduler:
             self._pending.append(item)
 
     def requeue(self, request: QueuedRequest) -> None:
-        """Puts ``request`` (preempted: its row and blocks were released) first in the queue, to start over."""
+        """Puts ``request`` (preempted, or short of blocks at its prefill: its row and blocks were released) first
+        in the queue, to start over (its output so far dropped)."""
         request.row, request.history = -1, None
+        request.output, request.logprobs = [], []
         self._waiting.insert(0, request)
 
     def decode_launched(self) -> None:
@@ -125,20 +151,42 @@ class Scheduler:
     def place(self, request: QueuedRequest) -> None:
         """``request`` now runs in its row ``request.row`` (set by :meth:`admit`), which must be free."""
         self.rows[request.row] = request
+        self._admissions += 1
+        self._admitted_at[request.row] = self._admissions
 
     def release(self, row: int) -> None:
-        """Frees cache row ``row``."""
+        """Frees cache row ``row`` and gives its blocks back to the pool."""
+        self.blocks.release(row)
         self.rows[row] = None
+
+    def finish(self, request: QueuedRequest) -> None:
+        """``request`` (running, its ``output`` set) finished: with ``reuse_decode_kv`` its row's blocks holding its
+        prompt and every sampled token but the last (whose K/V no step computed) stay as a history; its row is
+        freed."""
+        if self.reuse_decode_kv:
+            self.blocks.keep_history(request.row, request.adapter, request.version,
+                                     request.prompt_ids + request.output[:-1])
+        self.release(request.row)
+
+    def changed_tables(self) -> np.ndarray | None:
+        """The block tables (``BlockManager.tables``) if they changed since the last call, else None: the engine
+        copies them to the device before its next pass."""
+        if not self.blocks.dirty:
+            return None
+        self.blocks.dirty = False
+        return self.blocks.tables
 
     def ready_publishes(self) -> list[Publish | Unregister]:
         """Removes and returns (in arrival order) the pending publishes and unregisters whose adapter has no
-        running row: the caller applies them now, before admitting; the others stay pending and keep their
-        adapter's waiting requests fenced."""
+        running row, their adapters' cached prefixes and histories dropped from the pool: the caller applies them
+        now, before admitting; the others stay pending and keep their adapter's waiting requests fenced."""
         if not self._pending:
             return []
         busy = {req.adapter for req in self.rows if req is not None}
         ready = [item for item in self._pending if item.adapter not in busy]
         self._pending = [item for item in self._pending if item.adapter in busy]
+        for item in ready:
+            self.blocks.drop_adapter(item.adapter)
         return ready
 
     def _gathering(self) -> bool:
@@ -159,8 +207,8 @@ class Scheduler:
         """Admits waiting requests (FIFO over all tenants) into the free rows, lowest first, at most
         ``max_prefills_per_step`` of them and while the block pool keeps :attr:`watermark` blocks available
         after each (dropping stored histories, oldest first, to make room): sets each one's ``row``,
-        ``version`` and ``history`` and returns them in admission order, for the caller to prefill together and
-        :meth:`place`. Cancelled requests are dropped; requests whose adapter is no longer registered fail, and
+        ``version`` and ``history`` and returns them in admission order (:meth:`schedule_prefill` then gives them
+        their blocks; they run once :meth:`prefilled`). Cancelled requests are dropped; requests whose adapter is no longer registered fail, and
         so does a request whose prompt needs more blocks than the pool has; requests of an adapter with a
         pending publish or unregister wait (the version fence).
 
@@ -223,3 +271,78 @@ class Scheduler:
             admitted.append(req)
         self._waiting = remaining
         return admitted
+
+    def schedule_prefill(self) -> PrefillPlan:
+        """This round's prefill: the requests :meth:`admit` admits, each given its adapter's ``lora_slot`` and the
+        blocks of its prompt (:meth:`_take_blocks`), in admission order. A request the pool cannot give its blocks
+        now (they were counted, but the copy of a shared block or eviction order may need one more) gives them
+        back and waits first in the queue (those requests in their order)."""
+        plan, short = PrefillPlan(), []
+        for req in self.admit():
+            req.lora_slot = -1 if req.adapter is None else self.adapters.slot(req.adapter)
+            try:
+                plan.starts.append(self._take_blocks(req, plan.copies))
+                plan.requests.append(req)
+            except MemoryError:
+                self.blocks.release(req.row)
+                short.append(req)
+        for req in reversed(short):
+            self.requeue(req)
+        return plan
+
+    def _take_blocks(self, req: QueuedRequest, copies: tuple[list[int], list[int]]) -> int:
+        """Gives ``req``'s row the blocks of its prompt: its history's, or the keyed ones of its leading whole
+        blocks, then a copy of the block it writes into first if that one is shared (appended to ``copies`` as
+        source and target), then new blocks for the rest. Returns the first position the prefill computes (the
+        last prompt token always: its logits are needed). Raises MemoryError when the pool is short."""
+        block = self.blocks.block_size
+        if req.history is not None:
+            length, held = req.history
+            self.blocks.adopt(req.row, held, owned=True)
+            start = min(length, len(req.prompt_ids) - 1)
+        else:
+            cached = self.blocks.lookup(req.adapter, req.version, req.prompt_ids)
+            self.blocks.adopt(req.row, cached, owned=False)
+            start = min(len(cached) * block, len(req.prompt_ids) - 1)
+        if start < self.blocks.row_counts[req.row] * block:
+            copy = self.blocks.make_writable(req.row, start // block)
+            if copy is not None:
+                copies[0].append(copy[0])
+                copies[1].append(copy[1])
+        if not self.blocks.grow(req.row, -(-len(req.prompt_ids) // block)):
+            raise MemoryError(f"no KV block is free for a prompt of {len(req.prompt_ids)} tokens")
+        return start
+
+    def prefilled(self, req: QueuedRequest, start: int) -> None:
+        """The engine computed ``req``'s prompt from position ``start`` on: its whole blocks from there are keyed
+        for later prompts (unless it started from a history, whose positions decode steps partly computed), and
+        it runs in its row (:meth:`place`)."""
+        if req.history is None:
+            self.blocks.key_prompt(req.row, req.adapter, req.version, req.prompt_ids, start // self.blocks.block_size)
+        req.history = None
+        self.place(req)
+
+    def make_room(self, rows: np.ndarray, needed: np.ndarray) -> tuple[list[int], list[int]]:
+        """Gives each running row ``rows[i]`` at least ``needed[i]`` blocks (what its next decode step writes into),
+        preempting the most recently placed running request (:meth:`requeue`) while the pool has none; a request
+        that is alone and still short fails with a MemoryError and its row is freed. Returns the rows preempted
+        and the rows failed, for the engine to stop."""
+        preempted: list[int] = []
+        failed: list[int] = []
+        short = needed > self.blocks.row_counts[rows]
+        for row, count in zip(rows[short].tolist(), needed[short].tolist()):
+            while self.rows[row] is not None and not self.blocks.grow(row, count):
+                running = np.array([r for r, req in enumerate(self.rows) if req is not None], dtype=np.int64)
+                victim = int(running[np.argmax(self._admitted_at[running])])
+                req = self.rows[row] if running.size == 1 else self.rows[victim]
+                self.release(req.row)
+                if running.size == 1:
+                    failed.append(row)
+                    req.future.set_exception(MemoryError(
+                        f"a request of {len(req.prompt_ids)} prompt tokens needs more than the {self.blocks.num_blocks} "
+                        f"KV blocks of {self.blocks.block_size} tokens the pool holds: raise "
+                        "sampler.gpu_memory_utilization (or sampler.kv_blocks) or lower its max_tokens"))
+                else:
+                    preempted.append(victim)
+                    self.requeue(req)
+        return preempted, failed

@@ -57,7 +57,7 @@ from aiohttp import web
 
 from skyrl_clora.endpoint_auth import bearer_auth, new_token
 from skyrl_clora.lora.peft_export import load_peft_adapter
-from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.requests import SamplingParams, derive_seed
 
 # Sampling keys SkyRL's vLLM params carry that the engine honours, or that are no-ops at these values.
@@ -86,7 +86,7 @@ class RequestError(Exception):
 
 
 class EmbeddedServer:
-    """Serves one :class:`Engine` over SkyRL's inference HTTP protocol (see module docstring).
+    """Serves one :class:`EngineThread` over SkyRL's inference HTTP protocol (see module docstring).
 
     :meth:`start` binds 127.0.0.1 on a free port and runs the server in a background thread with its own
     event loop; :attr:`url` is then the base URL to give ``RemoteInferenceClient`` as both ``proxy_url``
@@ -94,7 +94,7 @@ class EmbeddedServer:
     (``stop`` does not shut it down).
     """
 
-    def __init__(self, engine: Engine, tokenizer: Any, model_name: str, seed: int = 0) -> None:
+    def __init__(self, engine: EngineThread, tokenizer: Any, model_name: str, seed: int = 0) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name

@@ -48,6 +48,8 @@ from skyrl_clora.base_model import resolve_device
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_config import EngineConfig
+from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
 from skyrl_clora.skyrl.config_translation import SkyRLPlan
@@ -74,7 +76,7 @@ class SkyRLStack:
     strategy: str
     sync_path: str
     owns_ray: bool
-    engine: Engine | None = None
+    engine: EngineThread | None = None
     server: EmbeddedServer | None = None
     server_setup: Any = None
     _stopped: bool = field(default=False, repr=False)
@@ -214,10 +216,10 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
         kv_blocks = inference_only_blocks(model, utilization=run.sampler.gpu_memory_utilization,
                                           block_size=run.sampler.prefill_block, rows=rows, max_len=max_len,
                                           kv_dtype=kv_dtype)
-    engine = Engine(model, layers, num_rows=rows, max_len=max_len,
-                    max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
-                    num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache,
-                    prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype)
+    engine = EngineThread(Engine(model, layers, EngineConfig(
+        num_rows=rows, max_len=max_len, max_prefills_per_step=run.sampler.max_prefills_per_step,
+        block_size=run.sampler.prefill_block, num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache,
+        prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype)))
     server = EmbeddedServer(engine, tokenizer, model_name=model_path, seed=run.seed)
     try:
         url = server.start()

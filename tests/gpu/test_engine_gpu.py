@@ -10,6 +10,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from skyrl_clora.lora.layers import write_slot
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_config import EngineConfig
+from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.model_runner import PrefillJob
 from skyrl_clora.sampler.requests import SamplingParams
@@ -30,17 +32,18 @@ def _model(dtype: torch.dtype) -> Qwen3ForCausalLM:
 
 
 def _engine(cuda_graphs: bool, tenants: dict[str, int], dtype: torch.dtype = torch.bfloat16,
-            reuse_decode_kv: bool = False, kv_dtype: torch.dtype | None = None) -> Engine:
+            reuse_decode_kv: bool = False, kv_dtype: torch.dtype | None = None) -> EngineThread:
     model = _model(dtype)
     routing, layers = attach_engine_lora(model, num_slots=4, max_rank=16)
-    engine = Engine(model, layers, num_rows=32, max_len=128, block_size=32, cuda_graphs=cuda_graphs,
-                    reuse_decode_kv=reuse_decode_kv, kv_dtype=kv_dtype)
+    config = EngineConfig(num_rows=32, max_len=128, block_size=32, cuda_graphs=cuda_graphs,
+                          reuse_decode_kv=reuse_decode_kv, kv_dtype=kv_dtype)
+    engine = EngineThread(Engine(model, layers, config))
     for name, seed in tenants.items():
         engine.register_adapter(name, random_adapter(layers, seed, b_std=0.05))
     return engine
 
 
-def _greedy(engine: Engine, adapter: str | None, max_tokens: int = 24) -> list[int]:
+def _greedy(engine: EngineThread, adapter: str | None, max_tokens: int = 24) -> list[int]:
     return engine.submit(PROMPT, adapter, SamplingParams(max_tokens=max_tokens, temperature=0.0)).result(timeout=120).token_ids
 
 
@@ -115,7 +118,7 @@ def test_publish_in_place_is_seen_by_graph_replays() -> None:
     reference = _engine(True, {"a": 2})
     try:
         before = _greedy(engine, "a")
-        new_weights = random_adapter(engine.lora_layers, 2, b_std=0.05)
+        new_weights = random_adapter(engine.engine.lora_layers, 2, b_std=0.05)
         engine.publish("a", new_weights, version=1).result(timeout=60)
         after = _greedy(engine, "a")
         assert after != before and after == _greedy(reference, "a")
@@ -136,7 +139,8 @@ def test_requests_that_stop_early_match_the_hf_forward() -> None:
             if param.dim() == 2:
                 param.normal_(0.0, 0.05, generator=generator)
     routing, layers = attach_engine_lora(model, num_slots=4, max_rank=16)
-    engine = Engine(model, layers, num_rows=32, max_len=128, block_size=32, share_prefix_reads=True, reuse_decode_kv=True)
+    engine = EngineThread(Engine(model, layers, EngineConfig(num_rows=32, max_len=128, block_size=32, share_prefix_reads=True,
+                                                             reuse_decode_kv=True)))
     stops = tuple(range(3, 512, 5))  # one token in five stops a completion
     jobs = [(name, seed) for seed in range(20) for name in ("a", "b", "c", None)]
 
@@ -151,7 +155,7 @@ def test_requests_that_stop_early_match_the_hf_forward() -> None:
     try:
         for name, seed in {"a": 1, "b": 2, "c": 3}.items():
             engine.register_adapter(name, random_adapter(layers, seed, b_std=0.05))
-        slots = {name: engine.adapters.slot(name) for name in "abc"} | {None: -1}
+        slots = {name: engine.engine.adapters.slot(name) for name in "abc"} | {None: -1}
         firsts_prompts = [PROMPT[: 34 + seed % 3 * 3] for _, seed in jobs]  # one cached block shared by all
         firsts = run(firsts_prompts)
         seconds_prompts = [prompt + first.token_ids + [300, 301] for prompt, first in zip(firsts_prompts, firsts)]
@@ -174,9 +178,9 @@ def test_requests_that_stop_early_match_the_hf_forward() -> None:
 def test_decode_logits_match_the_hf_forward() -> None:
     engine = _engine(True, {}, dtype=torch.float32)
     engine.shutdown()  # drive the runner directly, row 0 holding the blocks of the prompt's positions
-    runner = engine.runner
-    engine.blocks.grow(0, -(-len(PROMPT) // runner.block_size))
-    runner.set_block_tables(engine.blocks.tables)
+    runner, blocks = engine.engine.runner, engine.engine.scheduler.blocks
+    blocks.grow(0, -(-len(PROMPT) // runner.block_size))
+    runner.set_block_tables(blocks.tables)
     tokens = torch.tensor(PROMPT, device="cuda")
     runner.prefill([PrefillJob(row=0, tokens=tokens[:-1], lora_slot=-1)])
     runner.set_decode_inputs([PROMPT[-1]] + [0] * 15, [len(PROMPT) - 1] + [0] * 15, [-1] * 16)
@@ -224,8 +228,8 @@ def test_a_small_block_pool_preempts_and_completes_every_request() -> None:
     back to the pool."""
     model = _model(torch.bfloat16)
     routing, layers = attach_engine_lora(model, num_slots=4, max_rank=16)
-    engine = Engine(model, layers, num_rows=32, max_len=256, block_size=32, num_blocks=12, reuse_decode_kv=True,
-                    share_prefix_reads=True)
+    engine = EngineThread(Engine(model, layers, EngineConfig(num_rows=32, max_len=256, block_size=32, num_blocks=12,
+                                                             reuse_decode_kv=True, share_prefix_reads=True)))
     for name, seed in (("a", 1), ("b", 2)):
         engine.register_adapter(name, random_adapter(layers, seed, b_std=0.05))
     lengths = [min(200, 8 * (1 + i % 7) ** 2 // 3) for i in range(24)]
@@ -237,7 +241,8 @@ def test_a_small_block_pool_preempts_and_completes_every_request() -> None:
         engine.shutdown()
     assert [len(r.token_ids) for r in results] == lengths
     assert engine.stats.preemptions > 0
-    assert engine.blocks.held_blocks() <= sum(len(h.blocks) for h in engine.blocks._histories.values())
+    blocks = engine.engine.scheduler.blocks
+    assert blocks.held_blocks() <= sum(len(h.blocks) for h in blocks._histories.values())
 
 
 def test_gpu_intervals_are_ordered_host_clock_spans_of_the_engines_passes() -> None:

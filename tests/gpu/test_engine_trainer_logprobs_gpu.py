@@ -20,6 +20,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from helpers import random_adapter
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_config import EngineConfig
+from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
@@ -73,7 +75,8 @@ def _sample(model_dir: Path, device: str) -> dict[str, list[tuple[list[int], lis
     """Every tenant's requests submitted at once (one mixed decode batch): per tenant, (prompt, tokens, log-probs)."""
     model = _load(model_dir, device).eval()
     _, layers = attach_engine_lora(model, num_slots=len(TENANTS), max_rank=16)
-    engine = Engine(model, layers, num_rows=32, max_len=128, block_size=32, cuda_graphs=device == "cuda")
+    engine = EngineThread(Engine(model, layers, EngineConfig(num_rows=32, max_len=128, block_size=32,
+                                                             cuda_graphs=device == "cuda")))
     try:
         for name, (seed, *_) in TENANTS.items():
             engine.register_adapter(name, random_adapter(layers, seed, b_std=0.05))

@@ -22,6 +22,8 @@ def test_a_training_pass_of_the_planned_shape_fits_beside_the_planned_kv_blocks(
 
     from skyrl_clora.backends.embedded.memory_plan import measure_training_peak, plan_kv_blocks
     from skyrl_clora.sampler.engine import Engine
+    from skyrl_clora.sampler.engine_config import EngineConfig
+    from skyrl_clora.sampler.engine_thread import EngineThread
     from skyrl_clora.backends.embedded.services import share_base_weights
     from skyrl_clora.trainer.adapter_store import AdapterStore
     from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
@@ -35,7 +37,8 @@ def test_a_training_pass_of_the_planned_shape_fits_beside_the_planned_kv_blocks(
     plan = plan_kv_blocks(model, trainer, utilization=0.3, block_size=32, rows=32, max_len=1024, micro_batch_rows=8,
                           pack=1, rank=8)
     assert plan.training_peak > 0 and plan.kv_blocks > 32
-    engine = Engine(model, sampler_layers, num_rows=32, max_len=1024, block_size=32, num_blocks=plan.kv_blocks)
+    engine = EngineThread(Engine(model, sampler_layers,
+                                 EngineConfig(num_rows=32, max_len=1024, block_size=32, num_blocks=plan.kv_blocks)))
     try:
         torch.cuda.reset_peak_memory_stats()
         measure_training_peak(trainer, 1, 8, 1024, 8)
@@ -49,6 +52,8 @@ def test_an_engine_of_2048_rows_keeps_its_graphs_and_workspaces_within_the_plans
     would alone be ~10 GiB past the reserve at 2,048 rows and Qwen3's vocabulary."""
     from skyrl_clora.backends.embedded.memory_plan import GRAPH_RESERVE_BYTES, kv_block_bytes
     from skyrl_clora.sampler.engine import Engine
+    from skyrl_clora.sampler.engine_config import EngineConfig
+    from skyrl_clora.sampler.engine_thread import EngineThread
     from skyrl_clora.backends.embedded.services import share_base_weights
 
     model = _random_model(vocab_size=151936, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -58,7 +63,8 @@ def test_an_engine_of_2048_rows_keeps_its_graphs_and_workspaces_within_the_plans
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     blocks = 64
-    engine = Engine(model, sampler_layers, num_rows=2048, max_len=2048, block_size=128, num_blocks=blocks)
+    engine = EngineThread(Engine(model, sampler_layers,
+                                 EngineConfig(num_rows=2048, max_len=2048, block_size=128, num_blocks=blocks)))
     try:
         torch.cuda.synchronize()
         taken = torch.cuda.memory_allocated() - before - (blocks + 1) * kv_block_bytes(config, 128, torch.bfloat16)
@@ -74,13 +80,16 @@ def _prefill_pool_growth(prompt_lengths: list[int]) -> int:
     from skyrl_clora.gpu_settings import use_expandable_segments
     from skyrl_clora.sampler.fused_projections import attach_engine_lora
     from skyrl_clora.sampler.engine import Engine
+    from skyrl_clora.sampler.engine_config import EngineConfig
+    from skyrl_clora.sampler.engine_thread import EngineThread
     from skyrl_clora.sampler.requests import SamplingParams
 
     use_expandable_segments()
     model = _random_model(vocab_size=512, hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096)
     _, layers = attach_engine_lora(model, num_slots=2, max_rank=8)
-    engine = Engine(model, layers, num_rows=16, max_len=4096, block_size=128, max_prefills_per_step=32)
+    engine = EngineThread(Engine(model, layers,
+                                 EngineConfig(num_rows=16, max_len=4096, block_size=128, max_prefills_per_step=32)))
     try:
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
@@ -88,7 +97,7 @@ def _prefill_pool_growth(prompt_lengths: list[int]) -> int:
             prompt = torch.randint(512, (length,)).tolist()
             engine.submit(prompt, None, SamplingParams(max_tokens=1, temperature=0.0)).result(timeout=300)
         torch.cuda.synchronize()
-        graphs = len(engine.runner._prefill_graphs)
+        graphs = len(engine.engine.runner._prefill_graphs)
         assert graphs >= min(len(prompt_lengths), 8), f"{graphs} prefill graphs"
         return torch.cuda.memory_reserved() - before
     finally:

@@ -12,6 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_config import EngineConfig
+from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 
@@ -21,11 +23,12 @@ BLOCK = 16
 
 
 def _engine(model_dir: Path, num_blocks: int | None, reuse_decode_kv: bool = False,
-            kv_dtype: torch.dtype | None = None) -> Engine:
+            kv_dtype: torch.dtype | None = None) -> EngineThread:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     routing, layers = attach_engine_lora(model, num_slots=4, max_rank=8)
-    engine = Engine(model, layers, num_rows=16, max_len=160, block_size=BLOCK, num_blocks=num_blocks,
-                    reuse_decode_kv=reuse_decode_kv, kv_dtype=kv_dtype)
+    config = EngineConfig(num_rows=16, max_len=160, block_size=BLOCK, num_blocks=num_blocks,
+                          reuse_decode_kv=reuse_decode_kv, kv_dtype=kv_dtype)
+    engine = EngineThread(Engine(model, layers, config))
     for name, seed in (("a", 1), ("b", 2)):
         engine.register_adapter(name, random_adapter(layers, seed))
     return engine
@@ -43,7 +46,7 @@ def _jobs() -> list[tuple[list[int], str, SamplingParams]]:
     return jobs
 
 
-def _run(engine: Engine, jobs: list) -> list:
+def _run(engine: EngineThread, jobs: list) -> list:
     try:
         futures = [engine.submit(prompt, adapter, params) for prompt, adapter, params in jobs]
         return [future.result(timeout=120) for future in futures]
@@ -63,7 +66,7 @@ def test_a_small_pool_preempts_and_completes_exactly_as_a_large_one(micro_model_
     assert small.stats.preemptions > 0, "the small pool must have preempted to test anything"
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     assert [c.logprobs for c in got] == [c.logprobs for c in expected]
-    assert small.blocks.held_blocks() == 0, "every block went back to the pool"
+    assert small.engine.scheduler.blocks.held_blocks() == 0, "every block went back to the pool"
 
 
 def test_shared_prompt_blocks_are_held_by_reference(micro_model_dir: Path) -> None:
@@ -72,8 +75,8 @@ def test_shared_prompt_blocks_are_held_by_reference(micro_model_dir: Path) -> No
     try:
         first = engine.submit(prompt, "a", SamplingParams(max_tokens=4, seed=1)).result(timeout=60)
         assert first.token_ids
-        blocks = engine.blocks.lookup("a", 0, prompt)
-        assert len(blocks) == 3 and engine.blocks.held_blocks() == 0, "keyed, held by nothing once it finished"
+        blocks = engine.engine.scheduler.blocks.lookup("a", 0, prompt)
+        assert len(blocks) == 3 and engine.engine.scheduler.blocks.held_blocks() == 0, "keyed, held by nothing once it finished"
         futures = [engine.submit(prompt + [7], "a", SamplingParams(max_tokens=30, seed=s)) for s in range(4)]
         results = [f.result(timeout=60) for f in futures]
         assert len({tuple(r.token_ids) for r in results}) == 4
@@ -100,7 +103,7 @@ def test_a_request_longer_than_the_pool_fails_alone(micro_model_dir: Path) -> No
 
 def test_a_failed_prefill_fails_its_requests_and_gives_their_blocks_back(micro_model_dir: Path) -> None:
     engine = _engine(micro_model_dir, num_blocks=None)
-    prefill = engine.runner.prefill
+    prefill = engine.engine.runner.prefill
     calls = []
 
     def fails_once(jobs):
@@ -109,12 +112,12 @@ def test_a_failed_prefill_fails_its_requests_and_gives_their_blocks_back(micro_m
             raise RuntimeError("prefill broke")
         return prefill(jobs)
 
-    engine.runner.prefill = fails_once
+    engine.engine.runner.prefill = fails_once
     try:
         broken = engine.submit(list(range(5, 45)), "a", SamplingParams(max_tokens=4, seed=1))
         with pytest.raises(RuntimeError, match="prefill broke"):
             broken.result(timeout=60)
-        assert engine.blocks.held_blocks() == 0, "the failed request's blocks went back to the pool"
+        assert engine.engine.scheduler.blocks.held_blocks() == 0, "the failed request's blocks went back to the pool"
         assert len(engine.submit(list(range(5, 45)), "b", SamplingParams(max_tokens=4, seed=2)).result(timeout=60).token_ids) == 4
     finally:
         engine.shutdown()
@@ -132,7 +135,7 @@ def test_an_fp8_cache_serves_mixed_tenants_close_to_the_model_dtype_cache(micro_
             for prompt, adapter, params in _jobs()[:12]]
     wide = _run(_engine(micro_model_dir, num_blocks=None), jobs)
     roomy = _engine(micro_model_dir, num_blocks=None, kv_dtype=torch.float8_e4m3fn)
-    assert roomy.runner.k_cache.dtype == torch.float8_e4m3fn
+    assert roomy.engine.runner.k_cache.dtype == torch.float8_e4m3fn
     expected = _run(roomy, jobs)
     by_tenant = {adapter: tuple(c.token_ids) for (_, adapter, _), c in zip(jobs, expected)}
     assert by_tenant["a"] != by_tenant["b"], "the tenants' outputs must differ"

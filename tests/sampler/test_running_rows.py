@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.sampler.running_rows import RunningRows
 from skyrl_clora.sampler.sampling import request_uniforms
 
@@ -13,10 +14,10 @@ NONE_PENDING = np.zeros(4, dtype=bool)
 
 def test_accept_appends_sets_next_inputs_and_finishes_by_stop_or_length() -> None:
     rows = RunningRows(num_rows=4, max_len=12)
-    rows.start(0, prompt_len=5, lora_slot=2, seed=11, temperature=1.0, top_p=1.0, max_tokens=10, stop_token_ids=(99,))
-    rows.start(1, prompt_len=9, lora_slot=-1, seed=12, temperature=0.0, top_p=1.0, max_tokens=10, stop_token_ids=())
-    rows.start(3, prompt_len=3, lora_slot=0, seed=13, temperature=0.7, top_p=0.9, max_tokens=2,
-               stop_token_ids=(98, 99, 97))  # widens the stop table
+    rows.start(0, prompt_len=5, lora_slot=2, params=SamplingParams(max_tokens=10, stop_token_ids=(99,), seed=11))
+    rows.start(1, prompt_len=9, lora_slot=-1, params=SamplingParams(max_tokens=10, temperature=0.0, seed=12))
+    widening = SamplingParams(max_tokens=2, temperature=0.7, top_p=0.9, stop_token_ids=(98, 99, 97), seed=13)
+    rows.start(3, prompt_len=3, lora_slot=0, params=widening)  # widens the stop table
     assert rows.active_below(4).tolist() == [0, 1, 3] and not rows.ending(NONE_PENDING).any()
     assert rows.uniforms(np.array([0, 3])).tolist() == request_uniforms([11, 13], [0, 0]).tolist()
 
@@ -42,9 +43,9 @@ def test_accept_appends_sets_next_inputs_and_finishes_by_stop_or_length() -> Non
 
 def test_a_row_with_a_token_in_flight_runs_one_position_further() -> None:
     rows = RunningRows(num_rows=4, max_len=32)
-    rows.start(0, prompt_len=5, lora_slot=1, seed=21, temperature=1.0, top_p=1.0, max_tokens=10, stop_token_ids=(99,))
-    rows.start(1, prompt_len=7, lora_slot=2, seed=22, temperature=1.0, top_p=1.0, max_tokens=2, stop_token_ids=())
-    rows.start(2, prompt_len=6, lora_slot=3, seed=23, temperature=1.0, top_p=1.0, max_tokens=10, stop_token_ids=())
+    rows.start(0, prompt_len=5, lora_slot=1, params=SamplingParams(max_tokens=10, stop_token_ids=(99,), seed=21))
+    rows.start(1, prompt_len=7, lora_slot=2, params=SamplingParams(max_tokens=2, seed=22))
+    rows.start(2, prompt_len=6, lora_slot=3, params=SamplingParams(max_tokens=10, seed=23))
     rows.accept(np.array([0, 1, 2]), np.array([40, 41, 42]), np.array([-1.0, -1.0, -1.0]))  # first tokens (prefill)
     # A step drawing each row's second token is in flight for rows 0 and 1; row 2 was just prefilled (not pending).
     pending = np.array([True, True, False, False])

@@ -20,6 +20,8 @@ from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.problems import make_dataset_rows
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_config import EngineConfig
+from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 
@@ -29,11 +31,12 @@ PROMPT = list(range(5, 25))
 
 
 def _engine(model_dir: Path, num_rows: int, adapters: dict[str, int], max_len: int = 96,
-            reuse_decode_kv: bool = False, share_prefix_reads: bool = False, **options) -> tuple[Engine, dict]:
+            reuse_decode_kv: bool = False, share_prefix_reads: bool = False, **options) -> tuple[EngineThread, dict]:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     routing, layers = attach_engine_lora(model, num_slots=4, max_rank=8)
-    engine = Engine(model, layers, num_rows=num_rows, max_len=max_len, reuse_decode_kv=reuse_decode_kv,
-                    share_prefix_reads=share_prefix_reads, **options)
+    config = EngineConfig(num_rows=num_rows, max_len=max_len, reuse_decode_kv=reuse_decode_kv,
+                          share_prefix_reads=share_prefix_reads, **options)
+    engine = EngineThread(Engine(model, layers, config))
     weights = {name: random_adapter(layers, seed) for name, seed in adapters.items()}
     for name, adapter in weights.items():
         engine.register_adapter(name, adapter)
@@ -107,7 +110,7 @@ def test_requests_that_stop_early_and_those_taking_their_rows_match_the_hf_forwa
 
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
     routing, layers = attach_engine_lora(model, num_slots=4, max_rank=8)
-    engine = Engine(model, layers, num_rows=16, max_len=96, share_prefix_reads=True)
+    engine = EngineThread(Engine(model, layers, EngineConfig(num_rows=16, max_len=96, share_prefix_reads=True)))
     try:
         for name, seed in {"a": 1, "b": 2, "c": 3}.items():
             engine.register_adapter(name, random_adapter(layers, seed))
@@ -115,7 +118,7 @@ def test_requests_that_stop_early_and_those_taking_their_rows_match_the_hf_forwa
         futures = [engine.submit(prompts[seed], name, params(seed)) for name, seed in jobs]
         engine.resume()
         mixed = [future.result(timeout=60) for future in futures]
-        slots = {name: engine.adapters.slot(name) for name in "abc"} | {None: -1}
+        slots = {name: engine.engine.adapters.slot(name) for name in "abc"} | {None: -1}
     finally:
         engine.shutdown()
     assert len({tuple(c.token_ids) for c, (_, seed) in zip(mixed, jobs) if seed == 0}) == 4, "tenants' samples must differ"
@@ -139,10 +142,10 @@ def test_requests_that_stop_early_and_those_taking_their_rows_match_the_hf_forwa
         alone_engine.shutdown()
 
 
-def _pause_after_first_decode_step(engine, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+def _pause_after_first_decode_step(engine: EngineThread, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Makes the engine thread pause itself right after its first decode step; returns an event set then."""
     paused = threading.Event()
-    decode = engine._decode
+    decode = engine.engine._decode
 
     def decode_then_pause() -> None:
         decode()
@@ -150,7 +153,7 @@ def _pause_after_first_decode_step(engine, monkeypatch: pytest.MonkeyPatch) -> t
             engine.pause()
             paused.set()
 
-    monkeypatch.setattr(engine, "_decode", decode_then_pause)
+    monkeypatch.setattr(engine.engine, "_decode", decode_then_pause)
     return paused
 
 
@@ -185,7 +188,7 @@ def test_publish_is_fenced_by_the_tenants_own_requests(micro_model_dir: Path) ->
         running = engine.submit(PROMPT, "a", _params(3, max_tokens=60))
         while engine.stats.prefill_tokens + engine.stats.cached_prompt_tokens < 2 * len(PROMPT):
             time.sleep(0.001)
-        publish = engine.publish("a", random_adapter(engine.lora_layers, 9), version=1)
+        publish = engine.publish("a", random_adapter(engine.engine.lora_layers, 9), version=1)
         queued = engine.submit(PROMPT, "a", _params(4))
         done = running.result(timeout=60)
         assert done.adapter_version == 0 and done.token_ids == reference.token_ids
@@ -269,13 +272,14 @@ def test_prefix_cache_reuses_blocks_bit_identically(micro_model_dir: Path) -> No
     engine, weights = _engine(micro_model_dir, num_rows=4, adapters={"a": 1, "b": 2}, max_len=256)
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
     routing, layers = attach_engine_lora(model, num_slots=4, max_rank=8)
-    uncached = Engine(model, layers, num_rows=4, max_len=256, cache_prefixes=False)
+    uncached = EngineThread(Engine(model, layers, EngineConfig(num_rows=4, max_len=256, cache_prefixes=False)))
     uncached.register_adapter("a", weights["a"])
     try:
         first = engine.submit(long_prompt, "a", _params(1, max_tokens=16)).result(timeout=60)
         assert engine.stats.cached_prompt_tokens == 0
         again = engine.submit(long_prompt, "a", _params(2, max_tokens=16)).result(timeout=60)
-        cacheable = (len(long_prompt) - 1) // engine.runner.block_size * engine.runner.block_size
+        block = engine.engine.runner.block_size
+        cacheable = (len(long_prompt) - 1) // block * block
         assert engine.stats.cached_prompt_tokens == cacheable, "every whole block but the last comes from the cache"
         other = engine.submit(long_prompt, "b", _params(2, max_tokens=16)).result(timeout=60)
         assert engine.stats.cached_prompt_tokens == cacheable, "another adapter never reuses a's blocks"
@@ -298,7 +302,7 @@ def test_the_next_turn_computes_only_its_new_tokens_with_reuse_decode_kv(micro_m
     reusing, weights = _engine(micro_model_dir, num_rows=4, adapters={"a": 1, "b": 2}, reuse_decode_kv=True)
     plain, _ = _engine(micro_model_dir, num_rows=4, adapters={"a": 1, "b": 2})
     try:
-        def episode(engine: Engine, adapter: str) -> list:
+        def episode(engine: EngineThread, adapter: str) -> list:
             first = engine.submit(PROMPT, adapter, _params(1)).result(timeout=60)
             computed = engine.stats.prefill_tokens
             second = engine.submit(PROMPT + first.token_ids + observation, adapter, _params(2)).result(timeout=60)
@@ -392,7 +396,7 @@ def test_a_pause_mid_decode_accepts_the_step_in_flight_and_launches_nothing(micr
         steps, tokens = engine.stats.decode_steps, engine.stats.generated_tokens
         time.sleep(0.3)
         assert (engine.stats.decode_steps, engine.stats.generated_tokens) == (steps, tokens), "it stepped while paused"
-        assert engine._in_flight is None, "the step in flight was not accepted before the pause"
+        assert not engine.engine.has_step_in_flight(), "the step in flight was not accepted before the pause"
         assert 5 <= steps < 300 and not any(future.done() for future in futures)
         engine.resume()
         paused = [future.result(timeout=60).token_ids for future in futures]
@@ -464,9 +468,9 @@ def test_a_request_that_reaches_the_engine_after_its_adapter_left_fails_alone(mi
         running = engine.submit(PROMPT, "b", _params(1, max_tokens=40))
         engine.unregister_adapter("a").result(timeout=60)
         engine.pause()  # the request sits in the inbox, accepted by submit, as if it raced the unregister
-        engine.adapters.reserve("a")
+        engine.engine.adapters.reserve("a")
         late = engine.submit(PROMPT, "a", _params(2))
-        engine.adapters.clear("a")
+        engine.engine.adapters.clear("a")
         engine.resume()
         with pytest.raises(ValueError, match="was unregistered"):
             late.result(timeout=60)
@@ -485,7 +489,7 @@ def test_a_failing_prefill_fails_only_its_own_requests(micro_model_dir: Path, mo
         def broken_prefill(jobs):
             raise RuntimeError("prefill broke")
 
-        monkeypatch.setattr(engine.runner, "prefill", broken_prefill)
+        monkeypatch.setattr(engine.engine.runner, "prefill", broken_prefill)
         with pytest.raises(RuntimeError, match="prefill broke"):
             engine.submit(PROMPT, "b", _params(2)).result(timeout=60)
         assert len(running.result(timeout=60).token_ids) == 40

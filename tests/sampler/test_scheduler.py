@@ -1,11 +1,13 @@
 """The engine's scheduler on its own (no model): FIFO admission into free rows, the per-round prefill cap, prefill
-batching while rows decode, the version fence, the one-round wait of requests sharing a first uncached prefix block, cancelled and unregistered
-requests."""
+batching while rows decode, the version fence, the one-round wait of requests sharing a first uncached prefix block,
+cancelled and unregistered requests, the blocks a prefill plan gives its rows, preemption when the pool runs out,
+histories kept at a finish and prefixes dropped at a publish."""
 
 from __future__ import annotations
 
 import concurrent.futures
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -38,17 +40,12 @@ def _request(prompt: list[int], adapter: str | None = "a") -> QueuedRequest:
 
 
 def _admit_and_place(scheduler: Scheduler) -> list[QueuedRequest]:
-    """One admission round, the admitted requests then running in their rows (as the engine's prefill does)."""
-    admitted = scheduler.admit()
-    for req in admitted:
-        scheduler.place(req)
-    return admitted
-
-
-def _prefilled(scheduler: Scheduler, req: QueuedRequest, first_block: int = 0) -> None:
-    """What the engine's prefill does to ``req``'s row: blocks for its prompt, its whole blocks keyed."""
-    scheduler.blocks.grow(req.row, -(-len(req.prompt_ids) // BLOCK))
-    scheduler.blocks.key_prompt(req.row, req.adapter, req.version, req.prompt_ids, first_block)
+    """One round as the engine runs it: the prefill plan's requests, each then reported prefilled (its whole prompt
+    blocks keyed) and running in its row."""
+    plan = scheduler.schedule_prefill()
+    for req, start in zip(plan.requests, plan.starts):
+        scheduler.prefilled(req, start)
+    return plan.requests
 
 
 def test_requests_take_the_lowest_free_rows_in_arrival_order() -> None:
@@ -160,14 +157,12 @@ def test_requests_sharing_a_first_missing_block_wait_a_round_and_cached_sharers_
     assert _admit_and_place(scheduler) == [group[0], other_prompt, other_adapter], \
         "the group's later samples wait for its first; another prompt or adapter does not"
     assert [group[0].row, other_prompt.row, other_adapter.row] == [0, 1, 2]
-    _prefilled(scheduler, group[0])  # the first sample's prefill keys the blocks
     assert _admit_and_place(scheduler) == group[1:] and [req.row for req in group[1:]] == [3, 4]
     turns = [_request(prompt[:8] + [i] * 6, "a") for i in (1, 2)]  # the cached blocks, then a block each of their own
     same = [_request(prompt[:8] + [9] * 6, "a") for _ in range(2)]  # the cached blocks, then one block both compute
     for req in (*turns, *same):
         scheduler.enqueue(req)
     assert _admit_and_place(scheduler) == [*turns, same[0]], "same[1] waits a round though rows are free"
-    _prefilled(scheduler, same[0], first_block=2)
     assert _admit_and_place(scheduler) == [same[1]] and same[1].row == 8
 
 
@@ -175,12 +170,14 @@ def test_a_request_extending_a_stored_history_takes_it_and_is_not_held_back() ->
     scheduler = _scheduler(num_rows=4, versions={"a": 2}, cache_prefixes=True, reuse_decode_kv=True)
     history = list(range(100, 110))
     scheduler.blocks.grow(3, 3)
+    history_blocks = list(scheduler.blocks.row_blocks[3])
     scheduler.blocks.keep_history(3, "a", 2, history)
     fresh, extending = _request(history + [1, 2, 3]), _request(history + [1, 2, 3])
     scheduler.enqueue(fresh)
     scheduler.enqueue(extending)
-    assert _admit_and_place(scheduler) == [fresh, extending], "the first takes the history, the second computes"
-    assert fresh.history is not None and fresh.history[0] == len(history) and extending.history is None
+    plan = scheduler.schedule_prefill()
+    assert plan.requests == [fresh, extending], "the first takes the history, the second computes"
+    assert plan.starts == [len(history), 0] and scheduler.blocks.row_blocks[fresh.row][:3] == history_blocks
 
 
 def test_cancelled_requests_are_dropped() -> None:
@@ -237,7 +234,59 @@ def test_admission_stops_at_the_first_request_the_block_pool_cannot_take() -> No
     assert isinstance(huge.future.exception(timeout=0), MemoryError)
     assert "sampler.gpu_memory_utilization" in str(huge.future.exception(timeout=0))
     assert scheduler.admit() == [], "5 blocks available cannot take 6 more: the small request waits behind"
-    scheduler.blocks.release(big[0].row)
     scheduler.release(big[0].row)
     scheduler.requeue(big[0])
     assert scheduler.admit() == [big[0]], "the preempted request goes first (the next one would leave no watermark)"
+
+
+def test_make_room_preempts_the_latest_placed_request_and_fails_one_that_is_alone() -> None:
+    """A pool of 7 blocks: three 4-token prompts take one block each. Row 0 growing to 6 blocks preempts the
+    request placed last (C, its output dropped); growing to 8 then preempts B and, alone and still short, fails A.
+    The preempted requests wait first, in arrival order."""
+    scheduler = _scheduler(num_rows=4, versions={"a": 0}, num_blocks=7)
+    a, b, c = (_request([i, i, i, i]) for i in (1, 2, 3))
+    for req in (a, b, c):
+        scheduler.enqueue(req)
+    assert _admit_and_place(scheduler) == [a, b, c]
+    c.output = [5, 6]
+    assert scheduler.make_room(np.array([0, 1, 2]), np.array([6, 1, 1])) == ([2], [])
+    assert scheduler.running() == [a, b] and scheduler.blocks.row_counts[0] == 6
+    assert c.row == -1 and c.output == [] and not c.future.done()
+    assert scheduler.make_room(np.array([0, 1]), np.array([8, 1])) == ([1], [0])
+    with pytest.raises(MemoryError, match="sampler.gpu_memory_utilization"):
+        a.future.result(timeout=0)
+    assert scheduler.running() == [] and scheduler.blocks.held_blocks() == 0
+    assert scheduler.schedule_prefill().requests == [b, c]
+
+
+def test_a_prefill_plan_copies_the_keyed_block_its_row_writes_into() -> None:
+    """A prompt of two whole blocks, cached: the next request with it adopts both but writes its last token's K/V
+    into the second, so the plan gives its row a copy of that block (and the copy's source)."""
+    scheduler = _scheduler(num_rows=4, versions={"a": 0}, cache_prefixes=True)
+    prompt = list(range(100, 108))
+    first, second = _request(prompt), _request(prompt)
+    scheduler.enqueue(first)
+    scheduler.enqueue(second)
+    assert _admit_and_place(scheduler) == [first], "the second waits for the first's keyed blocks"
+    keyed = list(scheduler.blocks.row_blocks[first.row])
+    plan = scheduler.schedule_prefill()
+    assert plan.requests == [second] and plan.starts == [7]
+    own = scheduler.blocks.row_blocks[second.row]
+    assert own[0] == keyed[0] and own[1] != keyed[1] and plan.copies == ([keyed[1]], [own[1]])
+    assert scheduler.changed_tables() is scheduler.blocks.tables and scheduler.changed_tables() is None
+
+
+def test_a_landing_publish_drops_its_adapters_prefixes_and_a_finish_keeps_a_history() -> None:
+    scheduler = _scheduler(num_rows=4, versions={"a": 0, "b": 0}, cache_prefixes=True, reuse_decode_kv=True)
+    prompt = list(range(100, 108))
+    reqs = [_request(prompt, "a"), _request(prompt, "b")]
+    for req in reqs:
+        scheduler.enqueue(req)
+    assert _admit_and_place(scheduler) == reqs
+    reqs[0].output = [7, 8, 9]
+    scheduler.finish(reqs[0])
+    assert scheduler.rows[0] is None
+    assert scheduler.blocks.take_history("a", 0, prompt + [7, 8, 9])[0] == len(prompt) + 2, "every token but the last"
+    scheduler.enqueue(Publish("a", None, 1, concurrent.futures.Future()))
+    assert len(scheduler.ready_publishes()) == 1
+    assert scheduler.blocks.lookup("a", 0, prompt) == [] and len(scheduler.blocks.lookup("b", 0, prompt)) == 2

@@ -30,6 +30,8 @@ from skyrl_clora.lora.peft_export import save_peft_adapter
 from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.problems import make_dataset_rows
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_config import EngineConfig
+from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
 from skyrl_clora.skyrl.server import EmbeddedServer
@@ -48,7 +50,7 @@ class Stack:
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         routing, self.layers = attach_engine_lora(model, num_slots=len(TENANTS), max_rank=8)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.engine = Engine(model, self.layers, num_rows=12, max_len=112)
+        self.engine = EngineThread(Engine(model, self.layers, EngineConfig(num_rows=12, max_len=112)))
         self.model_dir = str(model_dir)
         self.server = EmbeddedServer(self.engine, self.tokenizer, model_name=self.model_dir, seed=0)
         url = self.server.start()

@@ -1,6 +1,7 @@
 """Builds the three shared services of the embedded backend over one frozen base model.
 
-- sampler: :class:`~skyrl_clora.sampler.engine.Engine` (+ SkyRL client) on the base model with one
+- sampler: :class:`~skyrl_clora.sampler.engine.Engine` run by its
+  :class:`~skyrl_clora.sampler.engine_thread.EngineThread` (+ SkyRL client) on the base model with one
   inference adapter slot per tenant;
 - trainer: :class:`~skyrl_clora.trainer.trainer.Trainer` on a second module tree that shares the base
   model's weight tensors (no copy) and trainable device slots fed by the AdapterStore (several tenants
@@ -26,6 +27,8 @@ from skyrl_clora.gpu_settings import use_expandable_segments
 from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear, attach_multi_lora
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
 from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_config import EngineConfig
+from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora, fuse_base_projections
 from skyrl_clora.trainer.adapter_store import AdapterStore
 from skyrl_clora.trainer.scheduler import TrainScheduler
@@ -42,7 +45,7 @@ class Services:
 
     model_path: str
     tokenizer: object
-    engine: Engine
+    engine: EngineThread
     client: EmbeddedInferenceClient
     trainer: Trainer
     store: AdapterStore
@@ -126,20 +129,22 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
 
 def build_engine_beside_trainer(run: RunConfig, model: torch.nn.Module, layers: dict[str, MultiLoRALinear],
                                 device: torch.device, rows: int, max_len: int, kv_blocks: int | None,
-                                kv_dtype: torch.dtype | None) -> Engine:
+                                kv_dtype: torch.dtype | None) -> EngineThread:
     """The sampler's engine (``sampler.*``) on ``model`` and its engine LoRA ``layers`` (``share_base_weights``), of
     ``rows`` rows of ``max_len`` positions in ``kv_blocks`` KV blocks (None: every row at full length), then, on a
     GPU, the trainer's eager GEMMs carved (``trainer.sm_carveout``, :func:`carve_gemm_sms`): in that order, so that
-    the decode graphs, captured while the engine is built, keep every SM."""
-    engine = Engine(model, layers, num_rows=rows, max_len=max_len,
-                    max_prefills_per_step=run.sampler.max_prefills_per_step, block_size=run.sampler.prefill_block,
-                    num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache, cuda_graphs=run.sampler.cuda_graphs,
-                    reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
-                    share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority,
-                    prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype)
+    the decode graphs, captured while the engine is built, keep every SM. The engine's thread is started last."""
+    config = EngineConfig(
+        num_rows=rows, max_len=max_len, max_prefills_per_step=run.sampler.max_prefills_per_step,
+        block_size=run.sampler.prefill_block, num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache,
+        cuda_graphs=run.sampler.cuda_graphs,
+        reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
+        share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority,
+        prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype)
+    engine = Engine(model, layers, config)
     if device.type == "cuda":
         carve_gemm_sms(run.trainer.sm_carveout)
-    return engine
+    return EngineThread(engine)
 
 
 def kv_cache_dtype(sampler: SamplerConfig) -> torch.dtype | None:

@@ -12,13 +12,13 @@ import asyncio
 import time
 
 from skyrl_clora.lora.layers import AdapterWeights
-from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_thread import EngineThread
 
 
 class AdapterSync:
     """Publishes tenants' adapters into the engine in place; the engine's ``AdapterSlots`` own the versions."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineThread) -> None:
         self.engine = engine
 
     def register(self, tenant: str, weights: AdapterWeights) -> None:
