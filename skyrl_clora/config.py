@@ -52,6 +52,8 @@ class RecipeConfig:
     max_input_length: int
     options: Any
     max_prompt_length: int = 512
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    batched: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "samples_per_prompt", "max_turns", "max_generate_length", "max_input_length",
@@ -60,6 +62,9 @@ class RecipeConfig:
                 raise ConfigError(f"{RECIPE_KEYS[name]} must be >= 1, got {getattr(self, name)}")
         if self.eval_prompts < 0:
             raise ConfigError(f"recipe.eval_prompts must be >= 0, got {self.eval_prompts}")
+        if self.chat_template_kwargs and self.batched:
+            raise ConfigError("generator.chat_template_kwargs needs generator.batched=false (SkyRL's rule: batched "
+                              "generation leaves the chat template to the engine); set generator.batched=false")
         for name in ("train_data", "val_data"):
             for path in getattr(self, name):
                 if not Path(path).exists():
@@ -72,6 +77,7 @@ RECIPE_KEYS = {
     "samples_per_prompt": "generator.n_samples_per_prompt", "eval_prompts": "recipe.eval_prompts",
     "max_turns": "generator.max_turns", "max_generate_length": "generator.sampling_params.max_generate_length",
     "max_input_length": "generator.max_input_length", "max_prompt_length": "trainer.max_prompt_length",
+    "chat_template_kwargs": "generator.chat_template_kwargs", "batched": "generator.batched",
 }
 """:class:`RecipeConfig`'s fields and the keys they are read from."""
 
@@ -272,6 +278,32 @@ class SamplerConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """SkyRL's evaluation: ``sampling_params``, the fields of SkyRL's ``SamplingParams`` that
+    ``generator.eval_sampling_params`` builds (SkyRL's default when none is given: greedy, at the training
+    ``max_generate_length``), and ``samples_per_prompt`` episodes of each evaluation row
+    (``generator.eval_n_samples_per_prompt``)."""
+
+    sampling_params: dict[str, Any]
+    samples_per_prompt: int = 1
+
+    def __post_init__(self) -> None:
+        if self.samples_per_prompt < 1:
+            raise ConfigError(f"generator.eval_n_samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+        params = self.sampling_params
+        if params["max_generate_length"] < 1:
+            raise ConfigError("generator.eval_sampling_params.max_generate_length must be >= 1, got "
+                              f"{params['max_generate_length']}")
+        if params["temperature"] < 0 or not 0 < params["top_p"] <= 1:
+            raise ConfigError("generator.eval_sampling_params.temperature must be >= 0 and "
+                              "generator.eval_sampling_params.top_p in (0, 1]")
+
+    @property
+    def max_generate_length(self) -> int:
+        return int(self.sampling_params["max_generate_length"])
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything one run needs. ``tenants`` is expanded from ``+tenants=N`` or a list of overrides. ``steps`` (RL
     steps per tenant) is 0 until :func:`plan_steps` derives it from the training data, as SkyRL does from
@@ -293,6 +325,7 @@ class RunConfig:
     lora: LoraConfig
     trainer: TrainerConfig
     sampler: SamplerConfig
+    evaluation: EvalConfig
     tenants: tuple[TenantSpec, ...]
     identity: dict[str, Any]
     max_tenants: int = 0
@@ -365,6 +398,13 @@ class RunConfig:
         """A tenant's optimizer (and LR-schedule) steps per RL step: SkyRL's ``policy_steps_per_train_batch``,
         ``train_batch_size // policy_mini_batch_size * update_epochs_per_batch``."""
         return self.recipe.prompts_per_step // self.trainer.mini_batch_size * self.trainer.update_epochs
+
+    @property
+    def max_sequence_length(self) -> int:
+        """The most tokens one engine row holds: the longest input before a turn (``generator.max_input_length``)
+        plus the longest turn, training's or evaluation's (``max_generate_length`` of ``generator.sampling_params``
+        and ``generator.eval_sampling_params``)."""
+        return self.recipe.max_input_length + max(self.recipe.max_generate_length, self.evaluation.max_generate_length)
 
     @property
     def tenant_capacity(self) -> int:

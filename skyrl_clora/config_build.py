@@ -16,8 +16,8 @@ from typing import Any, get_type_hints
 from omegaconf import DictConfig, OmegaConf
 
 from skyrl_clora.config import (
-    KV_CACHE_DTYPE_KEY, RECIPE_KEYS, SCHEDULERS, ConfigError, LoraConfig, RecipeConfig, RunConfig, SamplerConfig, TrainerConfig, checked,
-    check_algorithm,
+    KV_CACHE_DTYPE_KEY, RECIPE_KEYS, SCHEDULERS, ConfigError, EvalConfig, LoraConfig, RecipeConfig, RunConfig, SamplerConfig,
+    TrainerConfig, checked, check_algorithm,
 )
 from skyrl_clora.tenants import PER_TENANT_SKYRL, TenantSpec, expand_tenants
 
@@ -145,6 +145,28 @@ def sampler_config(cfg: DictConfig) -> SamplerConfig:
     return typed_fields(SamplerConfig, read_keys(cfg, keys), keys)
 
 
+EVAL_SAMPLING_KEY = "generator.eval_sampling_params"
+
+
+def eval_config(cfg: DictConfig) -> EvalConfig:
+    """SkyRL's evaluation keys as an :class:`EvalConfig`: ``generator.eval_sampling_params`` built as SkyRL's
+    ``SamplingParams`` (null: SkyRL's default, greedy at ``generator.sampling_params.max_generate_length``; the
+    composed config's default says the same) and ``generator.eval_n_samples_per_prompt``."""
+    from skyrl.train.config import SamplingParams
+
+    node = OmegaConf.select(cfg, EVAL_SAMPLING_KEY)
+    if node is None:
+        values = {"temperature": 0.0, "max_generate_length": cfg.generator.sampling_params.max_generate_length}
+    else:
+        values = OmegaConf.to_container(node, resolve=True)
+    hints = get_type_hints(SamplingParams)
+    for name in ("max_generate_length", "temperature", "top_p"):
+        if name in values:
+            values[name] = checked(values[name], hints[name], f"{EVAL_SAMPLING_KEY}.{name}")
+    samples = checked(cfg.generator.eval_n_samples_per_prompt, int, "generator.eval_n_samples_per_prompt")
+    return EvalConfig(asdict(SamplingParams(**values)), samples)
+
+
 def tenant_specs(cfg: DictConfig, lora: LoraConfig, trainer: TrainerConfig, recipe: RecipeConfig) -> list[TenantSpec]:
     """The run's tenants from ``tenants`` (absent: 1), with the config's seed, lr, LoRA and recipe defaults."""
     value = cfg.get("tenants", 1)
@@ -239,6 +261,7 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
     trainer = section(lambda: trainer_config(cfg))
     recipe = section(lambda: recipe_config(cfg))
     sampler = section(lambda: sampler_config(cfg))
+    evaluation = section(lambda: eval_config(cfg))
     scalars = section(lambda: {
         "epochs": checked(cfg.trainer.epochs, int, "trainer.epochs"),
         "max_training_steps": checked(cfg.trainer.max_training_steps, int | None, "trainer.max_training_steps"),
@@ -257,7 +280,8 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         device=str(clora.device), backend=str(cfg.backend.name),
         model_path=None if model_path is None else resolve_model_path(str(model_path)),
         model_dtype=str(cfg.model.dtype), model_corpus=model_corpus(cfg.model.corpus, recipe), recipe=recipe,
-        lora=lora, trainer=trainer, sampler=sampler, tenants=tuple(tenants), identity=run_identity(cfg, tenants),
+        lora=lora, trainer=trainer, sampler=sampler, evaluation=evaluation, tenants=tuple(tenants),
+        identity=run_identity(cfg, tenants),
         **scalars,
     )
 

@@ -74,11 +74,17 @@ def _false(value: Any, cfg: DictConfig) -> bool:
     return value in (False, None)
 
 
+def _empty(value: Any, cfg: DictConfig) -> bool:
+    return value is None or (OmegaConf.is_dict(value) or isinstance(value, dict)) and len(value) == 0
+
+
 _PLACEMENT = "placement only: one process runs the engine and the trainer"
 KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("data.train_data", HONOURED, "the recipe's training rows (every file, concatenated); []: synthetic"),
-    KeyRule("data.val_data", HONOURED, "evaluation rows (the first recipe.eval_prompts); []: synthetic"),
-    KeyRule("environment.env_class", HONOURED, "picks the recipe serving that env, and every tenant's env"),
+    KeyRule("data.val_data", HONOURED, "evaluation rows: every row, as SkyRL ([]: recipe.eval_prompts synthetic "
+            "held-out problems)"),
+    KeyRule("environment.env_class", HONOURED, "picks the recipe serving that env (any env registered with skyrl-gym: "
+            "rows from data.train_data), and the env of every row without an env_class of its own (SkyRL's rule)"),
     KeyRule("trainer.policy.model.path", HONOURED, "the shared base model: a folder, or a hub id resolved in the Hugging "
             "Face cache (downloaded unless offline; null: the tiny base)"),
     KeyRule("trainer.policy.model.lora.rank", HONOURED, "every tenant's LoRA rank (tenant override: rank)"),
@@ -108,7 +114,8 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.micro_train_batch_size_per_gpu", HONOURED, "sequences per forward/backward micro-batch"),
     KeyRule("trainer.max_tokens_per_microbatch", HONOURED, "token-bounded micro-batches"),
     KeyRule("trainer.micro_forward_batch_size_per_gpu", IGNORED, "batching only: the step recomputes no forward pass"),
-    KeyRule("trainer.eval_batch_size", IGNORED, "batching only: the engine samples every evaluation row at once"),
+    KeyRule("trainer.eval_batch_size", IGNORED, "batching only: every evaluation row is sent to the engine at once "
+            "(each request's sampling is seeded by its trajectory, not its batch)"),
     KeyRule("trainer.eval_interval", HONOURED, "evaluate every k RL steps and after the last (<= 0: never)"),
     KeyRule("trainer.eval_before_train", HONOURED, "evaluate before step 1 (with eval_interval > 0)"),
     KeyRule("trainer.ckpt_interval", HONOURED, "a checkpoint per tenant every k steps and at its end"),
@@ -165,7 +172,29 @@ KEY_RULES: tuple[KeyRule, ...] = (
             "every tenant's sampling temperature, and the one its policy log-probs are computed at (logits / T, as "
             "SkyRL's; 0, greedy: untempered; tenant override: temperature)"),
     KeyRule("generator.sampling_params.top_p", HONOURED, "nucleus sampling (tenant override: top_p)"),
-    KeyRule("generator.batched", IGNORED, "the engine batches every tenant's requests either way"),
+    KeyRule("generator.batched", IGNORED, "the engine batches every tenant's requests either way (true refuses "
+            "chat_template_kwargs, SkyRL's rule)"),
+    KeyRule("generator.chat_template_kwargs*", HONOURED,
+            "passed to the tokenizer's apply_chat_template by SkyRL's generator (with generator.batched=false)"),
+    *(KeyRule(f"{group}.additional_kwargs*", REFUSED, f"the embedded engine samples with temperature, top_p and max "
+              f"tokens only: drop {group}.additional_kwargs (backend=skyrl passes it to vLLM)", _empty)
+      for group in ("generator.sampling_params", "generator.eval_sampling_params")),
+    *(KeyRule(f"{group}.{name}", REFUSED, f"the embedded engine samples without {name}: leave it "
+              f"{'null' if default is None else default}",
+              _equals(default))
+      for group in ("generator.sampling_params", "generator.eval_sampling_params")
+      for name, default in (("top_k", -1), ("min_p", 0.0), ("repetition_penalty", 1.0), ("stop", None))),
+    KeyRule("generator.eval_n_samples_per_prompt", HONOURED, "evaluation episodes per row (SkyRL's pass@n is over them)"),
+    KeyRule("generator.eval_sampling_params.max_generate_length", HONOURED,
+            "tokens per evaluation turn (SkyRL's rule: training's when no eval_sampling_params key is given, else "
+            "SamplingParams' 1024 unless given)"),
+    KeyRule("generator.eval_sampling_params.temperature", HONOURED,
+            "evaluation's temperature (SkyRL's rule: 0, greedy, when no eval_sampling_params key is given, else "
+            "SamplingParams' 1.0 unless given)"),
+    KeyRule("generator.eval_sampling_params.top_p", HONOURED, "evaluation's nucleus sampling"),
+    KeyRule("generator.eval_sampling_params.logprobs", IGNORED, "evaluation trains nothing: no log-probs are read"),
+    KeyRule("trainer.policy.model_config_kwargs*", REFUSED, "the embedded engine and trainer build the model from its "
+            "folder's config as it is: drop it (backend=skyrl's policy workers apply it)", _empty),
     KeyRule("generator.inference_engine.engine_init_kwargs.kv_cache_dtype", HONOURED,
             "the embedded engine's KV cache: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3, scale 1.0: "
             "half the bytes per KV block and per decode read)"),
@@ -183,10 +212,6 @@ SKYRL_RULES: tuple[KeyRule, ...] = (
             "each trajectory trains as one row (no step-wise rows): set it to false", _false),
     KeyRule("generator.merge_stepwise_output", REFUSED,
             "each trajectory trains as one row (no step-wise rows): set it to false", _false),
-    KeyRule("generator.eval_n_samples_per_prompt", REFUSED, "evaluation samples each row once: set it to 1",
-            _equals(1)),
-    KeyRule("generator.eval_sampling_params.*", REFUSED,
-            "evaluation samples with generator.sampling_params (the training ones), not eval_sampling_params: drop it"),
     KeyRule("trainer.hf_save_interval", REFUSED, "no Hugging Face model exports during a run (each tenant's adapter is "
             "exported in PEFT format to <clora.output_dir>/adapters/<tenant> when it finishes): set it to -1",
             lambda value, cfg: value is None or value <= 0),
@@ -252,10 +277,14 @@ def skyrl_defaults() -> dict[str, Any]:
 
 def register_skyrl_defaults() -> None:
     """Stores :func:`skyrl_defaults` in Hydra's ConfigStore as ``skyrl_defaults`` (conf/config.yaml's first
-    default), so that every SkyRL key can be overridden."""
+    default), so that every SkyRL key can be overridden. ``generator.eval_sampling_params.max_generate_length`` is
+    ``${generator.sampling_params.max_generate_length}``: SkyRL's ``GeneratorConfig.__post_init__`` gives evaluation
+    the training length when no ``eval_sampling_params`` is given (``skyrl_cli`` keeps SkyRL's rule when some are)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="skyrl_defaults", node=OmegaConf.create(skyrl_defaults()))
+    node = OmegaConf.create(skyrl_defaults())
+    node.generator.eval_sampling_params.max_generate_length = "${generator.sampling_params.max_generate_length}"
+    ConfigStore.instance().store(name="skyrl_defaults", node=node)
 
 
 def rule_for(key: str, rules: tuple[KeyRule, ...] = KEY_RULES) -> KeyRule | None:

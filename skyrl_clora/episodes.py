@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from skyrl.train.generators.base import GeneratorInput, TrajectoryID
+from skyrl.train.generators.utils import get_metrics_from_generator_output
 
 logger = logging.getLogger("skyrl_clora")
 
@@ -40,11 +41,38 @@ def scalar_reward(reward: float | list[float]) -> float:
     return float(sum(reward)) if isinstance(reward, list) else float(reward)
 
 
-def eval_record(tenant: str, step: int, output: dict[str, Any]) -> dict[str, Any]:
-    """The metrics record of an evaluation: accuracy = share of episodes with reward >= 1."""
+def eval_record(tenant: str, step: int, output: dict[str, Any], groups: list[str], rows: list[dict[str, Any]],
+                samples: int) -> dict[str, Any]:
+    """The metrics record of an evaluation of ``rows``, ``samples`` episodes each (``groups``: each episode's row id):
+    accuracy = share of episodes with reward >= 1, and SkyRL's evaluation metrics as ``skyrl.train.evaluate`` names
+    them: ``avg_score``, ``pass_at_<samples>`` and ``mean_positive_reward`` (SkyRL's
+    ``get_metrics_from_generator_output``) over all rows (``eval/all/``) and per data source (a row's ``data_source``:
+    ``eval/<data_source>/``, ``/`` written ``_``, none ``unknown``, as SkyRL's ``calculate_per_dataset_metrics``, whose
+    module needs torchdata, which the plugin does not), and the rollout metrics under ``eval/all/``."""
     rewards = [scalar_reward(r) for r in output["rewards"]]
+    sources = [str(row.get("data_source") or "unknown").replace("/", "_") for row in rows for _ in range(samples)]
+    metrics: dict[str, float] = {}
+    for source, indices in _indices_by(sources).items():
+        scored = {key: [value[i] for i in indices] for key, value in output.items() if isinstance(value, list)}
+        scored_groups = [groups[i] for i in indices]
+        metrics |= _skyrl_eval_metrics(f"eval/{source}", get_metrics_from_generator_output(scored, scored_groups), samples)
+    metrics |= _skyrl_eval_metrics("eval/all", get_metrics_from_generator_output(output, groups), samples)
+    rollout = output.get("rollout_metrics") or {}
+    metrics |= {f"eval/all/{k}": v for k, v in rollout.items() if isinstance(v, (int, float))}
     return {"event": "eval", "tenant": tenant, "step": step,
-            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards), "episodes": len(rewards)}
+            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards), "episodes": len(rewards), **metrics}
+
+
+def _indices_by(keys: list[str]) -> dict[str, list[int]]:
+    indices: dict[str, list[int]] = {}
+    for index, key in enumerate(keys):
+        indices.setdefault(key, []).append(index)
+    return indices
+
+
+def _skyrl_eval_metrics(prefix: str, metrics: Any, samples: int) -> dict[str, float]:
+    return {f"{prefix}/avg_score": metrics["avg_score"], f"{prefix}/pass_at_{samples}": metrics["pass_at_n"],
+            f"{prefix}/mean_positive_reward": metrics["mean_positive_reward"]}
 
 
 def step_record(tenant: str, step: int, version: int, output: dict[str, Any], timings: dict[str, float],

@@ -155,12 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from skyrl_clora.skyrl_cli import preset_overrides, skyrl_cli_overrides
 
+        given = argv  # the user's own overrides: backend=embedded judges these, not what the rewrites add
         argv = skyrl_cli_overrides(argv)  # SkyRL's own rewrites of its command line (async_engine=true, ...)
         argv = preset_overrides(argv)  # a command naming its model: SkyRL's defaults (preset=skyrl)
         cfg = compose_config(argv)
         check_known_keys(cfg, argv)
         run = build_run_config(cfg)
-        refusals = check_embedded_keys(cfg, argv) if run.backend == "embedded" else []
+        refusals = check_embedded_keys(cfg, given) if run.backend == "embedded" else []
         refusal = load_recipe(run.recipe.name).refuses(run.recipe, run.backend)
         if refusals or refusal:
             raise ConfigError("\n".join(refusals + ([refusal] if refusal else [])))

@@ -3,13 +3,17 @@
 SkyRL's entry point (``SkyRLTrainConfig.from_cli_overrides``) does more than set keys: it drops
 ``generator.inference_engine.async_engine=true`` (the async HTTP path is the only one; ``false`` or any other value
 is refused), renames the deprecated ``trainer.use_sample_packing`` to ``trainer.remove_microbatch_padding``, and
-refuses the keys it removed with the replacement to use; and, parsing with ``OmegaConf.from_cli``, it takes any key
-under its free-form dicts (``config_keys.FREE_FORM_KEYS``) without Hydra's ``+``. :func:`skyrl_cli_overrides` does the
-same to the plugin's command line, with SkyRL's reasons, so that a SkyRL command means here what it means there.
+refuses the keys it removed with the replacement to use; parsing with ``OmegaConf.from_cli``, it takes any key
+under its free-form dicts (``config_keys.FREE_FORM_KEYS``) without Hydra's ``+``; and it builds
+``generator.eval_sampling_params`` from the keys given under it alone (:func:`eval_sampling_defaults`).
+:func:`skyrl_cli_overrides` does the same to the plugin's command line, with SkyRL's reasons, so that a SkyRL command
+means here what it means there.
 :func:`preset_overrides` picks the preset a command means: SkyRL's defaults for a command naming its model.
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict
 
 from skyrl_clora.config import ConfigError
 from skyrl_clora.config_keys import FREE_FORM_KEYS
@@ -47,7 +51,7 @@ def skyrl_cli_overrides(overrides: list[str]) -> list[str]:
     ``async_engine=true`` (any case) left out, ``use_sample_packing`` renamed ``remove_microbatch_padding``, a key
     under a free-form dict set with Hydra's ``++`` (added, or replaced if the config has it); a
     :class:`ConfigError` (one line per problem, SkyRL's reason) for ``async_engine`` with another value, both
-    packing keys together, or a key SkyRL removed (:data:`REMOVED`)."""
+    packing keys together, or a key SkyRL removed (:data:`REMOVED`); :func:`eval_sampling_defaults` first."""
     kept, problems = [], []
     keys = {_key(override) for override in overrides}
     for override in overrides:
@@ -71,7 +75,25 @@ def skyrl_cli_overrides(overrides: list[str]) -> list[str]:
             kept.append(override)
     if problems:
         raise ConfigError("\n".join(problems))
-    return kept
+    return [*eval_sampling_defaults(keys), *kept]
+
+
+EVAL_SAMPLING = "generator.eval_sampling_params"
+
+
+def eval_sampling_defaults(keys: set[str]) -> list[str]:
+    """SkyRL's rule for ``generator.eval_sampling_params``, as overrides to put first: with no key under it given,
+    none (the config's default is SkyRL's: greedy at the training length); with some given, SkyRL builds its
+    ``SamplingParams`` from those alone, so every field not given is set to ``SamplingParams``' own default
+    (temperature 1.0, max_generate_length 1024, ...)."""
+    from skyrl.train.config import SamplingParams
+
+    given = {key[len(EVAL_SAMPLING) + 1:].split(".")[0] for key in keys if key.startswith(f"{EVAL_SAMPLING}.")}
+    if not given:
+        return []
+    defaults = asdict(SamplingParams())
+    return [f"{EVAL_SAMPLING}.{name}={'null' if value is None else value}" for name, value in defaults.items()
+            if name not in given]
 
 
 MODEL_PATH = "trainer.policy.model.path"

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampling_params_for_backend
+from skyrl.train.config import SamplingParams
 from skyrl.train.generators.base import TrajectoryID
 
 from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints, checkpoint_root
@@ -69,8 +71,11 @@ class TenantBackend(Protocol):
     async def register(self, spec: TenantSpec) -> None:
         """Creates the tenant's adapter (seeded init, its LR schedule and RNG) and publishes it as version 0."""
 
-    async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
-        """Runs ``samples`` episodes of each dataset row with the tenant's adapter (GRPO groups ``<tenant>-<tag>-p<i>``)."""
+    async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str,
+                     sampling_params: dict[str, Any] | None = None) -> Rollout:
+        """Runs ``samples`` episodes of each dataset row with the tenant's adapter (GRPO groups ``<tenant>-<tag>-p<i>``)
+        with ``sampling_params`` (vLLM's format, as SkyRL's ``get_sampling_params_for_backend`` makes them) or, when
+        None, the tenant's training sampling params."""
 
     def version(self, tenant: str) -> int:
         """The tenant's published adapter version (0 after registration, one more per publish)."""
@@ -101,6 +106,12 @@ class TenantBackend(Protocol):
 
     async def remove(self, tenant: str) -> None:
         """Frees everything the tenant holds in the services (after a failure)."""
+
+
+def eval_sampling_params(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` (SkyRL's ``SamplingParams`` fields) in the format SkyRL's evaluation sends them: its
+    ``get_sampling_params_for_backend`` for vLLM, the protocol both backends' inference speaks."""
+    return get_sampling_params_for_backend("vllm", SamplingParams(**params))
 
 
 def check_sampled_versions(tenant: str, rollout: Rollout, began_at: int, now: int) -> None:
@@ -178,17 +189,24 @@ class TenantLoop:
                                      lambda folder: self.backend.save(name, folder))
         self.checkpointed = step
 
-    async def _sample(self, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
+    async def _sample(self, rows: list[dict[str, Any]], samples: int, tag: str,
+                      sampling_params: dict[str, Any] | None = None) -> Rollout:
         began_at = self.backend.version(self.spec.name)
-        rollout = await self.backend.sample(self.spec, rows, samples, tag)
+        rollout = await self.backend.sample(self.spec, rows, samples, tag, sampling_params)
         check_sampled_versions(self.spec.name, rollout, began_at, self.backend.version(self.spec.name))
         return rollout
 
     async def _evaluate(self, step: int) -> None:
+        """SkyRL's evaluation (``skyrl.train.evaluate``): every evaluation row, ``generator.eval_n_samples_per_prompt``
+        episodes each, sampled with ``generator.eval_sampling_params``; the record holds SkyRL's metrics
+        (``eval/all/avg_score``, ``eval/all/pass_at_<n>``, per data source, ...) beside the accuracy."""
         rows = self.source.evaluation_rows()
         if rows:
-            rollout = await self._sample(rows, samples=1, tag=f"eval{step}")
-            self.metrics.write(eval_record(self.spec.name, step, rollout.output))
+            evaluation = self.run.evaluation
+            rollout = await self._sample(rows, evaluation.samples_per_prompt, f"eval{step}",
+                                         eval_sampling_params(evaluation.sampling_params))
+            self.metrics.write(eval_record(self.spec.name, step, rollout.output, rollout.groups, rows,
+                                           evaluation.samples_per_prompt))
 
     async def _rl_step(self, step: int) -> None:
         name = self.spec.name

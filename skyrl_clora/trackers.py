@@ -7,8 +7,9 @@ tenants' curves of one metric overlay. wandb keeps one run per process (its ``wa
 run), so the run ``<trainer.run_name>`` holds every tenant, each in its own namespace ``<tenant>/...`` with its
 own step axis ``<tenant>/step`` (tenants reach their steps in any order); ``WANDB_MODE=offline`` writes it
 under ``<output_dir>/wandb`` without a network. Each step record is logged at its RL step with its numeric
-values under their own names (``reward_mean``, ``train/policy_loss``, ...), each evaluation as
-``eval/accuracy``. Records carried over from checkpoints on resume were logged by the run that made them.
+values under their own names (``reward_mean``, ``train/policy_loss``, ...), each evaluation's SkyRL metrics under
+their SkyRL names (``eval/all/avg_score``, ``eval/all/pass_at_<n>``, ...) and its other values as ``eval/<name>``
+(``eval/accuracy``). Records carried over from checkpoints on resume were logged by the run that made them.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class TenantTrackers:
         values = {key: float(value) for key, value in record.items()
                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}
         if event == "eval":
-            values = {f"eval/{key}": value for key, value in values.items()}
+            values = {key if key.startswith("eval/") else f"eval/{key}": value for key, value in values.items()}
         tenant = record["tenant"]
         with self._lock:
             for tracker in self._for(tenant):

@@ -214,7 +214,9 @@ def test_a_used_output_folder_takes_only_its_own_run(learning_model_dir: Path, t
     capsys.readouterr()
     assert main([*args, "generator.sampling_params.max_generate_length=9"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: clora.output_dir={tmp_path} holds a run whose config differs in generator.sampling_params.max_generate_length; ")
+    assert err.startswith(f"error: clora.output_dir={tmp_path} holds a run whose config differs in "
+                          # evaluation's follows training's (SkyRL's default eval_sampling_params)
+                          "generator.eval_sampling_params.max_generate_length, generator.sampling_params.max_generate_length; ")
     assert len(err.splitlines()) == 1
     assert main([*args, "trainer.resume_mode=none"]) == 2
     assert "holds a run; resume it (trainer.resume_mode=latest) or choose a new clora.output_dir" in capsys.readouterr().err

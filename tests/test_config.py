@@ -148,8 +148,10 @@ def test_help_lists_each_skyrl_key_a_backend_ignores_or_runs_with_one_value_only
     (["sampler.max_lora_rank=abc"], "sampler.max_lora_rank=abc must be an integer"),
     (["recipe.task_variant=[a,b]"], "recipe.task_variant=['a', 'b'] must be a single value"),
     (["trainer.seed=abc"], "trainer.seed=abc must be an integer"),
-    (["environment.env_class=null"], "environment.env_class=None has no recipe here; use one of gsm8k (skyrl_gsm8k)"),
-    (["environment.env_class=aime"], "environment.env_class=aime has no recipe here"),
+    (["environment.env_class=null"], "environment.env_class=None has no recipe here and is not registered with "
+                                     "skyrl-gym; use one of gsm8k (skyrl_gsm8k)"),
+    (["environment.env_class=aime"], "environment.env_class=aime has no recipe with synthetic problems here; give "
+                                     "data.train_data="),
     (["trainer.max_training_steps=2.5"], "trainer.max_training_steps=2.5 must be an integer"),
     (["trainer.epochs=0"], "trainer.epochs must be >= 1, got 0"),
     (["clora.progress=maybe"], "clora.progress=maybe must be true or false"),

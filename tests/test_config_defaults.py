@@ -64,7 +64,8 @@ def test_the_demo_differs_from_skyrl_only_where_its_files_say() -> None:
     """No model path: the demo preset; each key it moves off SkyRL's default is one of its files' (the preset's and
     its recipe's) or an exception; and it moves some (the check can fail)."""
     own = {key.path for name in ("preset/demo.yaml", "recipe/gsm8k.yaml") for key in conf_keys(CONF_DIR / name)}
-    derived = {"generator.max_input_length"}  # SkyRL's __post_init__: trainer.max_prompt_length, which the demo sets
+    # SkyRL's __post_init__s: trainer.max_prompt_length and the training max_generate_length, which the demo sets
+    derived = {"generator.max_input_length", "generator.eval_sampling_params.max_generate_length"}
     differences = _differences([])
     assert set(differences) - set(EXCEPTIONS) - derived <= own
     assert {"trainer.policy.optimizer_config.lr", "trainer.train_batch_size", "environment.env_class"} <= set(differences)

@@ -33,14 +33,14 @@ class Sample:
     extra: tuple[str, ...] = ()
     embedded: Callable[[Any], Any] | None = None
     expected: Any = field(default=None)
-    added: bool = False  # a key of a SkyRL pass-through dict (engine_init_kwargs): given as +key=value
+    added: bool = False  # a key of a SkyRL free-form dict (engine_init_kwargs, ...): given as ++key=value
 
     def override(self, data: Path, model: Path) -> str:
         if isinstance(self.value, list):
             text = "[" + ",".join(f"'{item}'" for item in self.value) + "]"
         else:
             text = str(self.value).lower() if isinstance(self.value, bool) else str(self.value)
-        plus = "+" if self.added else ""
+        plus = "++" if self.added else ""
         return f"{plus}{self.key}={text}".replace("{data}", str(data)).replace("{model}", str(model))
 
 
@@ -111,6 +111,19 @@ SAMPLES = [
     Sample("generator.sampling_params.temperature", 0.7, (), lambda run: run.sampler.temperature),
     Sample("generator.sampling_params.top_p", 0.9, (), lambda run: run.sampler.top_p),
     Sample("generator.batched", True),
+    Sample("generator.chat_template_kwargs.enable_thinking", False, (),
+           lambda run: run.recipe.chat_template_kwargs["enable_thinking"], added=True),
+    *(Sample(f"{group}.additional_kwargs.min_p", 0.1, added=True)
+      for group in ("generator.sampling_params", "generator.eval_sampling_params")),
+    *(Sample(f"{group}.{name}", value) for group in ("generator.sampling_params", "generator.eval_sampling_params")
+      for name, value in (("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.1), ("stop", ["</s>"]))),
+    Sample("generator.eval_n_samples_per_prompt", 3, (), lambda run: run.evaluation.samples_per_prompt),
+    Sample("generator.eval_sampling_params.max_generate_length", 64, (), lambda run: run.evaluation.max_generate_length),
+    Sample("generator.eval_sampling_params.temperature", 0.6, (),
+           lambda run: run.evaluation.sampling_params["temperature"]),
+    Sample("generator.eval_sampling_params.top_p", 0.9, (), lambda run: run.evaluation.sampling_params["top_p"]),
+    Sample("generator.eval_sampling_params.logprobs", 0),
+    Sample("trainer.policy.model_config_kwargs.attn_implementation", "eager", added=True),
     Sample("generator.inference_engine.engine_init_kwargs.kv_cache_dtype", "fp8", (),
            lambda run: run.sampler.kv_cache_dtype, added=True),
     Sample("generator.inference_engine.num_engines", 2),
@@ -218,7 +231,6 @@ def test_the_plugin_sets_only_what_it_documents() -> None:
 SKYRL_DRIVER_SAMPLES = [
     "trainer.algorithm.dynamic_sampling.type=filter", "trainer.algorithm.zero_variance_filter=true",
     "generator.step_wise_trajectories=true", "generator.merge_stepwise_output=true",
-    "generator.eval_n_samples_per_prompt=4", "generator.eval_sampling_params.temperature=0.6",
     "trainer.hf_save_interval=5", "trainer.dump_data_batch=true", "trainer.update_ref_every_epoch=true",
     "trainer.critic.model.path=/models/critic", "trainer.export_path=/tmp/exports", "trainer.dump_eval_results=false",
     "trainer.eval_batch_size=16", "trainer.print_example_interval=5", "trainer.log_example_interval=3",
@@ -250,7 +262,7 @@ def test_skyrl_driver_refuses_or_lists_each_key_it_does_not_act_on(override: str
 
 @pytest.mark.parametrize("override", [
     "trainer.algorithm.dynamic_sampling.max_sample_batches=10", "trainer.algorithm.zero_variance_filter=false",
-    "generator.step_wise_trajectories=false", "generator.eval_n_samples_per_prompt=1", "trainer.hf_save_interval=-1",
+    "generator.step_wise_trajectories=false", "trainer.hf_save_interval=-1",
     "trainer.critic.model.path=null",
 ])
 def test_skyrl_driver_runs_a_refusable_key_with_the_value_it_implements(override: str, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from skyrl.train.config import SkyRLTrainConfig
 
 from skyrl_clora.config import ConfigError
 from skyrl_clora.config_build import build_run_config
-from skyrl_clora.config_keys import given_keys
+from skyrl_clora.config_keys import check_embedded_keys, given_keys
 from skyrl_clora.main import check_known_keys, compose_config, main
 from skyrl_clora.skyrl.config_translation import translate
 from skyrl_clora.skyrl_cli import skyrl_cli_overrides
@@ -94,7 +94,44 @@ def test_free_form_dict_keys_are_set_as_skyrls_command_line_sets_them(override: 
     assert got[name] == want[name] and str(got[name]).lower() == value
 
 
-def test_a_free_form_key_on_backend_embedded_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["generator.chat_template_kwargs.enable_thinking=false", f"clora.output_dir={tmp_path}"]) == 2
+@pytest.mark.parametrize("override", [
+    "trainer.policy.model_config_kwargs.attn_implementation=eager",
+    "generator.sampling_params.additional_kwargs.min_p=0.1",
+    "generator.eval_sampling_params.additional_kwargs.min_p=0.1",
+])
+def test_a_free_form_key_backend_embedded_cannot_honour_is_refused_in_one_line(override: str, tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture) -> None:
+    assert main([override, f"clora.output_dir={tmp_path}"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 1 and "generator.chat_template_kwargs.enable_thinking" in errors[0] and "backend=skyrl" in errors[0]
+    assert len(errors) == 1 and override.split("=")[0] in errors[0] and "backend=skyrl" in errors[0], errors
+
+
+def test_chat_template_kwargs_reach_apply_chat_template_on_backend_embedded(micro_model_dir: Path, tmp_path: Path) -> None:
+    """SkyRL's generator, as the embedded backend builds it, renders every prompt with the run's chat_template_kwargs:
+    a template that reads ``enable_thinking`` renders differently with it."""
+    from skyrl.train.config import SkyRLGymConfig
+    from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
+    from transformers import AutoTokenizer
+
+    from skyrl_clora.backends.embedded.backend import generator_config
+
+    tokenizer = AutoTokenizer.from_pretrained(micro_model_dir)
+    tokenizer.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}nothink {% endif %}"
+                               + tokenizer.chat_template)
+    rendered = []
+    for extra in ([], ["generator.chat_template_kwargs.enable_thinking=false"]):
+        args = skyrl_cli_overrides([*extra, f"clora.output_dir={tmp_path}"])
+        cfg = compose_config(args)
+        check_known_keys(cfg, args)
+        run = build_run_config(cfg)
+        assert check_embedded_keys(cfg, extra) == []
+        generator = SkyRLGymGenerator(generator_config(run, run.tenants[0]), SkyRLGymConfig(), None, tokenizer)
+        rendered.append(tokenizer.decode(generator.base_conversation_token_ids))
+    assert "nothink" not in rendered[0] and rendered[1].startswith("nothink") and rendered[1] != rendered[0]
+
+
+def test_chat_template_kwargs_with_batched_generation_is_refused_as_skyrl_refuses_it(tmp_path: Path) -> None:
+    args = skyrl_cli_overrides(["generator.chat_template_kwargs.enable_thinking=false", "generator.batched=true",
+                                f"clora.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="needs generator.batched=false"):
+        build_run_config(compose_config(args))

@@ -67,7 +67,7 @@ HUB_ID = "Qwen/Qwen2.5-1.5B-Instruct"
 CPU_SIZE = (
     "trainer.train_batch_size=4", "trainer.policy_mini_batch_size=4", "trainer.micro_forward_batch_size_per_gpu=4",
     "trainer.micro_train_batch_size_per_gpu=4", "generator.sampling_params.max_generate_length=24",
-    "trainer.max_training_steps=2", "recipe.eval_prompts=4",
+    "trainer.max_training_steps=2",
 )
 
 
@@ -159,7 +159,7 @@ def test_skyrls_gsm8k_env_learns_on_a_tiny_base(data: Path, small_base: Path, tm
     out = tmp_path / "learn"
     args = [f"trainer.policy.model.path={small_base}", "preset=demo", "environment.env_class=gsm8k", f"clora.output_dir={out}",
             f"data.train_data=['{data}/train.parquet']", f"data.val_data=['{data}/validation.parquet']",
-            "recipe.eval_prompts=16", "trainer.max_training_steps=10", "+tenants=2", "clora.progress=false"]
+            "trainer.max_training_steps=10", "+tenants=2", "clora.progress=false"]
     assert main(args) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     accuracy = {(r["tenant"], r["step"]): r["accuracy"] for r in records if r["event"] == "eval"}

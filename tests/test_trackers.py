@@ -23,7 +23,8 @@ def test_each_tenants_metrics_reach_tensorboard_and_wandb_offline(learning_model
         events = EventAccumulator(str(tmp_path / "tensorboard" / name))
         events.Reload()
         scalars = events.Tags()["scalars"]
-        for tag in ("reward_mean", "train/policy_loss", "train/grad_norm", "rollout_s", "eval/accuracy"):
+        for tag in ("reward_mean", "train/policy_loss", "train/grad_norm", "rollout_s", "eval/accuracy",
+                    "eval/all/avg_score", "eval/all/pass_at_1"):
             assert tag in scalars, (name, tag)
         steps = [r for r in records if r["tenant"] == name and r["event"] == "step"]
         logged = events.Scalars("reward_mean")

@@ -123,12 +123,14 @@ class SkyRLBackend:
             await asyncio.to_thread(dispatch.register_adapter, "policy", spec.name)
             await self._sync(spec.name)
 
-    async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
-        """The episodes with the run's sampling params, as SkyRL's trainer sends them (a vLLM server would
-        otherwise apply vLLM's own defaults, e.g. 16 tokens)."""
+    async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str,
+                     sampling_params: dict[str, Any] | None = None) -> Rollout:
+        """The episodes with ``sampling_params`` (evaluation's) or else the run's training ones, as SkyRL's trainer
+        sends them (a vLLM server would otherwise apply vLLM's own defaults, e.g. 16 tokens)."""
         tenant = self.tenants[spec.name]
         generator_cfg = tenant.dispatch.cfg.generator
-        sampling = get_sampling_params_for_backend(generator_cfg.inference_engine.backend, generator_cfg.sampling_params)
+        sampling = sampling_params or get_sampling_params_for_backend(generator_cfg.inference_engine.backend,
+                                                                      generator_cfg.sampling_params)
         batch, trajectory_ids, groups = episode_batch(spec.seed, rows, samples, tag, sampling_params=sampling)
         if generator_cfg.batched:  # SkyRL's batched generate sends no session ids: the trajectories' go with it
             tenant.view.expect_batch([t.to_string() for t in trajectory_ids])

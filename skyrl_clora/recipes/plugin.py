@@ -5,9 +5,13 @@ file ``conf/recipe/<name>.yaml`` of defaults (``recipe=<name>`` picks them); Sky
 selects the recipe that serves it. Nothing outside a recipe's folder names it. A recipe may also be a
 :class:`PretrainingCorpus`: the synthetic episodes a base model is pre-trained on (``model.corpus`` names it).
 
+A recipe whose ``env_classes`` hold :data:`ANY_REGISTERED_ENV` serves every env class registered with skyrl-gym
+that no other recipe serves.
+
 Task data is per tenant: SkyRL dataset rows for each RL step and for evaluation. A row is what SkyRL's prompt
-dataset yields: ``{"prompt": [messages], "env_class": str, ...extras}``; every key other than ``prompt`` and
-``env_class`` is passed to the environment as its ``extras``.
+dataset yields: ``{"prompt": [messages], "env_class": str | None, ...extras}``; every key other than ``prompt`` and
+``env_class`` is passed to the environment as its ``extras``. A row runs in the env its tenant's ``env_class``
+override names, else (SkyRL's rule) in its own ``env_class`` when it has one, else in ``environment.env_class``.
 """
 
 from __future__ import annotations
@@ -24,18 +28,23 @@ from skyrl_clora.config import ConfigError, RecipeConfig
 from skyrl_clora.tenants import TenantSpec
 
 EVAL_SEED_OFFSET = 1_000_003
+ANY_REGISTERED_ENV = "*"
+"""In a recipe's ``env_classes``: every env class registered with skyrl-gym that no other recipe serves."""
 logger = logging.getLogger("skyrl_clora")
 
 
 @dataclass
 class TaskSource:
     """Training rows drawn per step with the tenant's seed (without replacement, reshuffled per epoch) and a
-    fixed evaluation set shared by all tenants of a run."""
+    fixed evaluation set shared by all tenants of a run. Each row runs in :meth:`env_of` it: ``tenant_env_class``
+    (the tenant's ``env_class`` override) when set, else the row's own ``env_class``, else ``env_class``
+    (``environment.env_class``)."""
 
     env_class: str
     train_rows: list[dict[str, Any]]
     eval_rows: list[dict[str, Any]]
     seed: int
+    tenant_env_class: str | None = None
 
     def step_rows(self, step: int, n: int) -> list[dict[str, Any]]:
         """The ``n`` training rows of RL step ``step`` (0-based)."""
@@ -50,8 +59,18 @@ class TaskSource:
     def evaluation_rows(self) -> list[dict[str, Any]]:
         return [self._with_env(row) for row in self.eval_rows]
 
+    def env_of(self, row: dict[str, Any]) -> str:
+        """The env class ``row`` runs in (see the class docstring; SkyRL's ``prepare_generator_input`` rule)."""
+        if self.tenant_env_class is not None:
+            return self.tenant_env_class
+        return row["env_class"] if row.get("env_class") is not None else self.env_class
+
+    def env_classes(self) -> set[str]:
+        """Every env class the training and evaluation rows run in."""
+        return {self.env_of(row) for row in [*self.train_rows, *self.eval_rows]}
+
     def _with_env(self, row: dict[str, Any]) -> dict[str, Any]:
-        return {**row, "env_class": self.env_class}
+        return {**row, "env_class": self.env_of(row)}
 
 
 # The sampler's base model (no adapter) answering a chat: (messages, max_tokens, user id) -> reply text.
@@ -125,12 +144,18 @@ def load_recipe(name: str) -> Recipe:
 
 
 def recipe_for_env(env_class: str) -> str:
-    """The recipe folder whose ``env_classes`` hold ``env_class``; none is a :class:`ConfigError` listing them."""
+    """The recipe folder whose ``env_classes`` hold ``env_class``, else, for an env class registered with skyrl-gym,
+    the one holding :data:`ANY_REGISTERED_ENV`; else a :class:`ConfigError` listing the recipes' env classes."""
+    import skyrl_gym
+
     served = {env: folder for folder in recipe_folders() for env in load_recipe(folder).env_classes}
-    if env_class not in served:
-        raise ConfigError(f"environment.env_class={env_class} has no recipe here; use one of "
-                          f"{', '.join(f'{env} ({folder})' for env, folder in sorted(served.items()))}")
-    return served[env_class]
+    if env_class in served:
+        return served[env_class]
+    if ANY_REGISTERED_ENV in served and isinstance(env_class, str) and env_class in skyrl_gym.registry:
+        return served[ANY_REGISTERED_ENV]
+    named = ", ".join(f"{env} ({folder})" for env, folder in sorted(served.items()) if env != ANY_REGISTERED_ENV)
+    raise ConfigError(f"environment.env_class={env_class} has no recipe here and is not registered with skyrl-gym; use "
+                      f"one of {named}, or an env registered with skyrl_gym.register before the run")
 
 
 def load_corpus(name: str) -> PretrainingCorpus:
@@ -140,6 +165,23 @@ def load_corpus(name: str) -> PretrainingCorpus:
     if name not in offering:
         raise ConfigError(f"model.corpus={name} is no recipe with a pre-training corpus; use one of {', '.join(offering)}")
     return load_recipe(name)
+
+
+def read_parquet_files(paths: tuple[str, ...], key: str,
+                       load: Callable[[str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The rows of every file of ``paths`` (config key ``key``: ``data.train_data`` or ``data.val_data``) read by
+    ``load``, concatenated; a file ``load`` cannot read, or files that hold no row, are a :class:`ConfigError`
+    naming ``key``."""
+    rows = []
+    for path in paths:
+        try:
+            rows.extend(load(path))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{key}: {path}: {error}; point it at a parquet file in SkyRL's dataset schema (e.g. from "
+                              "SkyRL's example dataset scripts)") from None
+    if paths and not rows:
+        raise ConfigError(f"{key}={list(paths)} holds no rows; check the files")
+    return rows
 
 
 def drop_long_prompts(source: TaskSource, tokenizer: Any, max_prompt_length: int, tenant: str) -> TaskSource:
@@ -178,8 +220,9 @@ def build_task_sources(recipe: RecipeConfig, specs: list[TenantSpec], max_steps:
             source = plugin.task_source(recipe, spec, max_steps, run_seed)
         except ValueError as error:  # a ConfigError, or e.g. an unknown task variant
             raise ConfigError(f"tenant {spec.name}: {error}") from None
-        if source.env_class not in skyrl_gym.registry:
-            raise ConfigError(f"tenant {spec.name}: env_class={source.env_class} is not a registered skyrl-gym "
+        unknown = sorted(env for env in source.env_classes() if env not in skyrl_gym.registry)
+        if unknown:
+            raise ConfigError(f"tenant {spec.name}: env_class={unknown[0]} is not a registered skyrl-gym "
                               f"environment; register it before the run, or leave env_class to the recipe")
         if tokenizer is not None:
             source = drop_long_prompts(source, tokenizer, recipe.max_prompt_length, spec.name)

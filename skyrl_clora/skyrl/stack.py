@@ -208,7 +208,7 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     routing, layers = attach_engine_lora(model, len(names), run.lora.max_rank)
     rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in plan.tenants)
-    max_len = run.recipe.max_input_length + run.recipe.max_generate_length
+    max_len = run.max_sequence_length
     rows = run.sampler.max_rows or len(names) * rows_per_tenant
     kv_blocks = run.sampler.kv_blocks or None
     kv_dtype = kv_cache_dtype(run.sampler)

@@ -63,21 +63,11 @@ class EmbeddedBackend:
                                 weight_decay=spec.weight_decay, max_grad_norm=spec.max_grad_norm)
         services.sync.register(spec.name, services.store.tenants[spec.name].weights)
         self.scheduler.join(spec.name)
-        recipe = run.recipe
-        generator_cfg = GeneratorConfig(
-            max_turns=recipe.max_turns, batched=False, max_input_length=recipe.max_input_length,
-            n_samples_per_prompt=spec.samples_per_prompt, use_conversation_multi_turn=True,
-            sampling_params=SkyRLSamplingParams(
-                max_generate_length=recipe.max_generate_length,
-                temperature=run.sampler.temperature if spec.temperature is None else spec.temperature,
-                top_p=run.sampler.top_p if spec.top_p is None else spec.top_p, logprobs=1,
-            ),
-        )
-        episode_env = load_recipe(recipe.name).episode_env(recipe, spec, self._base_model_chat)
+        episode_env = load_recipe(run.recipe.name).episode_env(run.recipe, spec, self._base_model_chat)
         self._env_args[spec.name] = episode_env.args
         self._generators[spec.name] = SkyRLGymGenerator(
-            generator_cfg, SkyRLGymConfig(max_env_workers=episode_env.workers), services.client, services.tokenizer,
-            policy_model_name=spec.name,
+            generator_config(run, spec), SkyRLGymConfig(max_env_workers=episode_env.workers), services.client,
+            services.tokenizer, policy_model_name=spec.name,
         )
 
     async def _base_model_chat(self, messages: list[dict[str, str]], max_tokens: int, user: str) -> str:
@@ -87,12 +77,13 @@ class EmbeddedBackend:
         response = await self.services.client.chat_completion({"json": body})
         return response["choices"][0]["message"]["content"]
 
-    async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str) -> Rollout:
-        """The tenant's episodes; with its own ``temperature`` or ``top_p`` its requests carry its generator's
-        sampling params (else the engine client's, the run's)."""
+    async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str,
+                     sampling_params: dict[str, Any] | None = None) -> Rollout:
+        """The tenant's episodes; its requests carry ``sampling_params`` when given (evaluation's), else, with its
+        own ``temperature`` or ``top_p``, its generator's sampling params (else the engine client's, the run's)."""
         generator = self._generators[spec.name]
         own = spec.temperature is not None or spec.top_p is not None
-        sampling = asdict(generator.generator_cfg.sampling_params) if own else None
+        sampling = sampling_params or (asdict(generator.generator_cfg.sampling_params) if own else None)
         batch, trajectory_ids, groups = episode_batch(spec.seed, rows, samples, tag, self._env_args[spec.name],
                                                       sampling)
         output = await generator.generate(batch, disable_tqdm=True)
@@ -145,6 +136,23 @@ class EmbeddedBackend:
         self.scheduler.leave(tenant)
         await self.services.sync.unregister(tenant)
         self.services.store.remove(tenant)
+
+
+def generator_config(run: RunConfig, spec: TenantSpec) -> GeneratorConfig:
+    """The SkyRL ``GeneratorConfig`` of tenant ``spec``'s episodes: the run's generator keys (``max_turns``,
+    ``max_input_length``, ``chat_template_kwargs``, which SkyRL's generator passes to every ``apply_chat_template``),
+    non-batched, and the tenant's sampling params (its temperature and top_p overrides, else the run's)."""
+    recipe = run.recipe
+    return GeneratorConfig(
+        max_turns=recipe.max_turns, batched=False, max_input_length=recipe.max_input_length,
+        n_samples_per_prompt=spec.samples_per_prompt, use_conversation_multi_turn=True,
+        chat_template_kwargs=dict(recipe.chat_template_kwargs),
+        sampling_params=SkyRLSamplingParams(
+            max_generate_length=recipe.max_generate_length,
+            temperature=run.sampler.temperature if spec.temperature is None else spec.temperature,
+            top_p=run.sampler.top_p if spec.top_p is None else spec.top_p, logprobs=1,
+        ),
+    )
 
 
 def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict[str, TenantCheckpoint],

@@ -98,7 +98,7 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
         shared_prefix=run.trainer.shared_prompts, mini_batch_prompts=run.trainer.mini_batch_size,
         update_epochs=run.trainer.update_epochs,
     )
-    max_len = run.recipe.max_input_length + run.recipe.max_generate_length
+    max_len = run.max_sequence_length
     rows = -(-(run.sampler.max_rows or num_tenants * rows_per_tenant) // 16) * 16
     kv_blocks = run.sampler.kv_blocks or None
     kv_dtype = kv_cache_dtype(run.sampler)

@@ -7,11 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from skyrl_clora.config import ConfigError, RecipeConfig
+from skyrl_clora.config import RecipeConfig
 from skyrl_clora.recipes.gsm8k import corpus
 from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.problems import load_gsm8k_parquet, make_dataset_rows
-from skyrl_clora.recipes.plugin import EVAL_SEED_OFFSET, ChatFunction, CorpusSettings, Episode, EpisodeEnv, TaskSource
+from skyrl_clora.recipes.plugin import (
+    EVAL_SEED_OFFSET, ChatFunction, CorpusSettings, Episode, EpisodeEnv, TaskSource, read_parquet_files,
+)
 from skyrl_clora.tenants import TenantSpec
 
 
@@ -31,8 +33,8 @@ class GSM8KRecipe:
 
     def task_source(self, config: RecipeConfig, spec: TenantSpec, max_steps: int | None, run_seed: int) -> TaskSource:
         register_gsm8k_env()
-        return TaskSource(spec.env_class or config.env_class, *task_rows(config, spec, max_steps, run_seed,
-                                                                          load_gsm8k_parquet, make_dataset_rows), spec.seed)
+        train, evaluation = task_rows(config, spec, max_steps, run_seed, load_gsm8k_parquet, make_dataset_rows)
+        return TaskSource(config.env_class, train, evaluation, spec.seed, spec.env_class)
 
     def episode_env(self, config: RecipeConfig, spec: TenantSpec, chat: ChatFunction | None) -> EpisodeEnv:
         return EpisodeEnv()
@@ -52,33 +54,19 @@ def task_rows(config: RecipeConfig, spec: TenantSpec, max_steps: int | None, run
               load: Callable[[str], list[dict[str, Any]]],
               make: Callable[..., list[dict[str, Any]]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(training rows, evaluation rows) of a GSM8K-format recipe: the rows of ``data.train_data`` /
-    ``data.val_data`` read by ``load`` (every file, concatenated; the first ``recipe.eval_prompts`` evaluated), or
-    synthetic ones made by ``make(n, seed=, variant=, split=)``: seeded by the tenant for training, by the run
-    for evaluation (every tenant is evaluated on the same problems)."""
+    ``data.val_data`` read by ``load`` (every file, concatenated; every validation row evaluated, as SkyRL does), or
+    synthetic ones made by ``make(n, seed=, variant=, split=)``: seeded by the tenant for training, by the run for
+    evaluation (``recipe.eval_prompts`` problems; every tenant is evaluated on the same ones)."""
     if config.train_data:
-        train = [row for path in config.train_data for row in _parquet(path, "data.train_data", load)]
-        if not train:
-            raise ConfigError(f"data.train_data={list(config.train_data)} holds no rows; check the files")
+        train = read_parquet_files(config.train_data, "data.train_data", load)
     else:
         needed = (max_steps or 0) * config.prompts_per_step
         train = make(max(needed, SYNTHETIC_TRAIN_ROWS), seed=spec.seed, variant=spec.task_variant, split="train")
     if config.val_data:
-        evaluation = [row for path in config.val_data for row in _parquet(path, "data.val_data", load)]
-        evaluation = evaluation[: config.eval_prompts]
-        if not evaluation and config.eval_prompts:
-            raise ConfigError(f"data.val_data={list(config.val_data)} holds no rows; check the files, or set "
-                              "recipe.eval_prompts=0 to run without evaluation")
+        evaluation = read_parquet_files(config.val_data, "data.val_data", load)
     else:
         evaluation = make(config.eval_prompts, seed=run_seed + EVAL_SEED_OFFSET, variant=spec.task_variant, split="test")
     return train, evaluation
-
-
-def _parquet(path: str, key: str, load: Callable[[str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """``load(path)``; a file it cannot read is a :class:`ConfigError` naming ``key``."""
-    try:
-        return load(path)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{key}: {path}: {error}; point it at a parquet file from SkyRL's gsm8k_dataset.py") from None
 
 
 RECIPE = GSM8KRecipe()

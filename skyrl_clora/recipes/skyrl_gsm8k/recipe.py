@@ -32,7 +32,7 @@ class SkyRLGSM8KRecipe:
         if ENV_CLASS not in skyrl_gym.registry:  # skyrl-gym registers its envs on import; be loud if it stops
             raise RuntimeError(f"skyrl-gym no longer registers {ENV_CLASS!r}; this recipe reuses its env class")
         train, evaluation = task_rows(config, spec, max_steps, run_seed, load_skyrl_parquet, make_skyrl_rows)
-        return TaskSource(spec.env_class or config.env_class, train, evaluation, spec.seed)
+        return TaskSource(config.env_class, train, evaluation, spec.seed, spec.env_class)
 
     def episode_env(self, config: RecipeConfig, spec: TenantSpec, chat: ChatFunction | None) -> EpisodeEnv:
         return EpisodeEnv()

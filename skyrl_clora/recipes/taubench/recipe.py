@@ -52,7 +52,7 @@ class TauBenchRecipe:
             evaluation = dataset_rows(data_path, "test")[: config.eval_prompts]
         except (OSError, ValueError) as error:
             raise ConfigError(f"recipe.data_path={data_path}: {error}; point it at a tau-bench retail data folder") from None
-        return TaskSource(spec.env_class or config.env_class, train, evaluation, spec.seed)
+        return TaskSource(config.env_class, train, evaluation, spec.seed, spec.env_class)
 
     def episode_env(self, config: RecipeConfig, spec: TenantSpec, chat: ChatFunction | None) -> EpisodeEnv:
         """With ``recipe.user=llm``, each episode's customer is an :class:`LLMUser` over ``chat`` (user ids
