@@ -56,6 +56,7 @@ from skyrl_clora.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.skyrl.fsdp_tenants import with_fsdp_tenants
 from skyrl_clora.skyrl.megatron_checkpoints import with_megatron_tenant_checkpoints
 from skyrl_clora.skyrl.server import EmbeddedServer
+from skyrl_clora.skyrl.shared_gpu import held_by_other_processes, peak_pass_batch
 from skyrl_clora.skyrl.tenant_client import TenantInferenceClient, tenant_views
 from skyrl_clora.skyrl.worker import EmbeddedPolicyWorker
 from skyrl_clora.skyrl.worker_patches import with_per_tenant_lora_sync
@@ -199,7 +200,11 @@ def check_fsdp_buildable(plan: SkyRLPlan) -> None:
                           "trainer.policy.model.lora.sync_mode=disk")
 
 
-def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokenizer: Any) -> tuple:
+def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokenizer: Any,
+                        group: PPORayActorGroup) -> tuple:
+    """The embedded engine and its SkyRL-protocol server (started), and a client for it. On a GPU its KV cache gets
+    what the memory plan leaves beside ``group``'s workers on the same GPU at their measured training peak
+    (:mod:`skyrl_clora.skyrl.shared_gpu`)."""
     names = [spec.name for spec in plan.tenants]
     device = resolve_device(run)
     dtype = _DTYPES[run.model_dtype] if run.model_dtype != "auto" else (
@@ -213,9 +218,11 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
     kv_blocks = run.sampler.kv_blocks or None
     kv_dtype = kv_cache_dtype(run.sampler)
     if kv_blocks is None and device.type == "cuda":
+        peaks = _training_peaks(plan, group, max_len, model.config.vocab_size, tokenizer.pad_token_id)
+        held = held_by_other_processes(device, peaks)
         kv_blocks = inference_only_blocks(model, utilization=run.sampler.gpu_memory_utilization,
                                           block_size=run.sampler.prefill_block, rows=rows, max_len=max_len,
-                                          kv_dtype=kv_dtype)
+                                          kv_dtype=kv_dtype, held_elsewhere=held)
     engine = EngineThread(Engine(model, layers, EngineConfig(
         num_rows=rows, max_len=max_len, max_prefills_per_step=run.sampler.max_prefills_per_step,
         block_size=run.sampler.prefill_block, num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache,
@@ -266,6 +273,18 @@ def _policy_group(run: RunConfig, plan: SkyRLPlan, model_path: str, pad_token_id
         specs = {spec.name: {"seed": spec.seed, "lr": spec.lr} for spec in plan.tenants}
         ray.get(group.async_run_ray_method("pass_through", "set_tenant_specs", specs))
     return group
+
+
+def _training_peaks(plan: SkyRLPlan, group: PPORayActorGroup, max_len: int, vocab_size: int,
+                    pad_token_id: int) -> list[dict[str, Any]]:
+    """Each GPU-trained worker's report of one training pass at the configured micro-batch, every row ``max_len``
+    tokens (``measure_training_peak``); none for the embedded stand-in, which trains on the CPU."""
+    if plan.strategy not in FSDP_STRATEGIES:
+        return []
+    algorithm = plan.base.trainer.algorithm
+    batch = peak_pass_batch(plan.base.trainer.micro_train_batch_size_per_gpu, max_len, vocab_size,
+                            pad_token_id, with_reference=algorithm.use_kl_loss or algorithm.use_kl_in_reward)
+    return ray.get(group.async_run_ray_method("pass_through", "measure_training_peak", batch))
 
 
 def _gpu_group(trainer_cfg: Any, worker: Any) -> PPORayActorGroup:
@@ -347,13 +366,14 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
         reap_children_with_this_process()
     engine = server = setup = None
     try:
-        if plan.inference_backend == "embedded":
-            client, engine, server = _embedded_inference(run, plan, model_path, tokenizer)
-        else:
+        if plan.inference_backend == "embedded":  # the workers first: the engine's memory plan counts them
+            group = _policy_group(run, plan, model_path, tokenizer.pad_token_id)
+            client, engine, server = _embedded_inference(run, plan, model_path, tokenizer, group)
+        else:  # SkyRL's order: the servers, then the workers
             from skyrl.backends.skyrl_train.inference_servers.setup import build_new_inference_client
 
             client, setup = build_new_inference_client(plan.base, tokenizer)
-        group = _policy_group(run, plan, model_path, tokenizer.pad_token_id)
+            group = _policy_group(run, plan, model_path, tokenizer.pad_token_id)
     except BaseException:
         if server is not None:
             server.stop()
