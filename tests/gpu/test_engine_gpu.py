@@ -51,7 +51,7 @@ def test_graph_replay_matches_eager_decode_for_mixed_tenants() -> None:
     tenants = {"a": 1, "b": 2, "c": 3}
     graphed, eager = _engine(True, tenants), _engine(False, tenants)
     try:
-        assert graphed.runner._graphs and not eager.runner._graphs  # decode steps replay captured graphs
+        assert graphed.engine.runner._graphs and not eager.engine.runner._graphs  # decode steps replay captured graphs
         jobs = [*tenants, None]
         replayed = [graphed.submit(PROMPT, name, SamplingParams(max_tokens=24, temperature=0.0)) for name in jobs]
         replayed = [future.result(timeout=120).token_ids for future in replayed]
@@ -71,11 +71,11 @@ def test_an_fp8_kv_cache_replays_graphs_as_eager_steps_close_to_the_model_dtype_
     fp8 = torch.float8_e4m3fn
     graphed, eager, plain = _engine(True, tenants, kv_dtype=fp8), _engine(False, tenants, kv_dtype=fp8), _engine(True, tenants)
 
-    def greedy(engine: Engine, adapter: str | None):
+    def greedy(engine: EngineThread, adapter: str | None):
         return engine.submit(PROMPT, adapter, SamplingParams(max_tokens=24, temperature=0.0)).result(timeout=120)
 
     try:
-        assert graphed.runner.k_cache.dtype == fp8
+        assert graphed.engine.runner.k_cache.dtype == fp8
         jobs = [*tenants, None]
         replayed = [greedy(graphed, name) for name in jobs]
         assert len({tuple(c.token_ids) for c in replayed}) == len(jobs), "tenants' outputs must differ"
