@@ -147,3 +147,28 @@ def test_mini_batches_step_the_optimizer_and_its_schedule_per_mini_batch(learnin
     assert [r["train/lr"] for r in steps] == pytest.approx([sum(schedule[:2]) / 2, sum(schedule[2:]) / 2])
     state = json.loads((out / "checkpoints" / "tenant-0" / "global_step_2" / "trainer_state.json").read_text())
     assert state["step"] == 4
+
+
+def test_tenants_whose_trainer_state_does_not_fit_the_host_are_refused_before_any_work(
+        micro_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """With host memory for about one and a half tenants' trainer state, two tenants are refused in one line before
+    any registers (no metrics written), and one tenant runs."""
+    import skyrl_clora.backends.embedded.backend as backend
+    from skyrl_clora.backends.embedded.memory_plan import HOST_STORE_SHARE
+
+    sizes: list[int] = []
+    check = backend.check_tenant_host_memory
+
+    def tight(store, ranks: list[int], available: int) -> None:
+        sizes.append(store.host_bytes(ranks[0]))
+        check(store, ranks, int(1.5 * store.host_bytes(ranks[0]) / HOST_STORE_SHARE))
+
+    monkeypatch.setattr(backend, "check_tenant_host_memory", tight)
+    out = tmp_path / "two"
+    assert main(_args(micro_model_dir, out, "+tenants=2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1 and "2 tenants need" in err[-1] and "run at most 1 more tenants" in err[-1], err[-1:]
+    assert not any(line.startswith("Traceback") for line in err)
+    assert not (out / "metrics.jsonl").exists() or "step" not in (out / "metrics.jsonl").read_text()
+    assert main(_args(micro_model_dir, tmp_path / "one", "+tenants=1")) == 0
+    assert sizes and sizes[0] > 0

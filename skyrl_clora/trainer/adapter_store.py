@@ -164,6 +164,12 @@ class AdapterStore:
     def _numel(self, rank: int) -> int:
         return sum(rows * cols for rows, cols in self.shapes(rank))
 
+    def host_bytes(self, rank: int) -> int:
+        """Host bytes one registered tenant of ``rank`` holds: its fp32 tables (``TABLES``) and its model-dtype
+        weights."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self._numel(rank) * (4 * len(TABLES) + itemsize)
+
     def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=self._pin)
 

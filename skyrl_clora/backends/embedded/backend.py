@@ -22,6 +22,7 @@ from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
 from skyrl.train.config import SamplingParams as SkyRLSamplingParams
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
+from skyrl_clora.backends.embedded.memory_plan import available_host_memory, check_tenant_host_memory
 from skyrl_clora.backends.embedded.services import Services, build_services
 from skyrl_clora.base_model import resolve_model_path
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
@@ -49,8 +50,10 @@ class EmbeddedBackend:
         self._env_args: dict[str, dict[str, Any]] = {}
 
     async def register(self, spec: TenantSpec) -> None:
-        """Seeded PEFT init into the trainer's store and the sampler (version 0); the tenant's generator."""
+        """Seeded PEFT init into the trainer's store and the sampler (version 0); the tenant's generator. ConfigError when
+        its trainer state does not fit the host memory available now (:func:`check_tenant_host_memory`)."""
         services, run = self.services, self.run
+        check_tenant_host_memory(services.store, [spec.rank], available_host_memory())
         weights = init_adapter(services.trainer.layers, spec.rank, spec.alpha, torch.Generator().manual_seed(spec.seed))
         # SkyRL's scheduler counts optimizer steps: num_training_steps = RL steps * policy_steps_per_train_batch
         schedule = LRSchedule(spec.lr, run.trainer.warmup_steps, run.steps * run.optimizer_steps_per_rl_step,
@@ -204,7 +207,9 @@ def _run_group(run: RunConfig, specs: list[TenantSpec], sources: dict[str, TaskS
     if run.trainer.pack_policy == "lockstep":
         refuse_adds = ("trainer.pack_policy=lockstep packs a fixed set of tenants step by step; add tenants to a run with "
                        "trainer.pack_policy=ready")
-    try:
+    try:  # every starting tenant's trainer state must fit the host before any registers
+        check_tenant_host_memory(services.store, [spec.rank for spec in specs if spec.name not in stopped],
+                                 available_host_memory())
         asyncio.run(run_tenant_pool(run, EmbeddedBackend(run, services), specs, sources, metrics, resume, stopped,
                                     refuse_adds, host))
     finally:

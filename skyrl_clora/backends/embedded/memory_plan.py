@@ -20,11 +20,13 @@ import torch
 
 from skyrl_clora.config import ConfigError
 from skyrl_clora.lora.peft_export import init_adapter
-from skyrl_clora.trainer.adapter_store import LRSchedule
+from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.trainer import Trainer
 
 GRAPH_RESERVE_BYTES = 3 << 30  # decode and prefill CUDA graph pools, attention and LoRA workspaces, sampling
+HOST_STORE_SHARE = 0.8  # the trainer's AdapterStore's share of the host memory available when tenants register (the
+# rest: the process, the task data, the model-dtype weight copies a publish holds)
 HOST_KV_SHARE = 0.5  # off a GPU, the KV cache's share of the host memory available at start-up (the rest: the
 # weights, the trainer's activations and the process)
 _GIB = float(1 << 30)
@@ -153,6 +155,22 @@ def host_kv_blocks(config, *, dtype: torch.dtype, block_size: int, rows: int, ma
           f"of KV cache, more than {HOST_KV_SHARE:.0%} of the {available / _GIB:.1f} GiB available: {blocks:,} blocks x "
           f"{block_size} tokens ({blocks * block_size:,} positions; rows beyond them wait)", file=sys.stderr, flush=True)
     return blocks
+
+
+def check_tenant_host_memory(store: AdapterStore, ranks: list[int], available: int) -> None:
+    """Refuses (ConfigError: one line with the most tenants that fit and the fixes) registering tenants of LoRA
+    ``ranks`` whose trainer state (:meth:`AdapterStore.host_bytes` each) does not fit in :data:`HOST_STORE_SHARE` of
+    ``available`` bytes of host memory (what is available now: tenants already registered hold theirs)."""
+    need = sum(store.host_bytes(rank) for rank in ranks)
+    budget = int(available * HOST_STORE_SHARE)
+    if need <= budget:
+        return
+    largest = store.host_bytes(max(ranks))
+    tenants = "a tenant needs" if len(ranks) == 1 else f"{len(ranks)} tenants need"
+    raise ConfigError(f"{tenants} {need / _GIB:.1f} GiB of host memory for trainer state (LoRA weights, fp32 masters, "
+                      f"Adam moments and gradients: {largest / (1 << 20):.0f} MiB a tenant at rank {max(ranks)}), more than "
+                      f"{HOST_STORE_SHARE:.0%} of the {available / _GIB:.1f} GiB available: run at most {budget // largest} "
+                      "more tenants, lower their LoRA rank or free host memory")
 
 
 def available_host_memory() -> int:
