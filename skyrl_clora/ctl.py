@@ -28,12 +28,14 @@ from skyrl_clora.endpoint_auth import authorization
 
 def request(endpoint: dict[str, str], method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:
     """``method path`` on the control endpoint ``endpoint`` (``control.json``'s ``{"url", "token"}``), with its
-    token: (HTTP status, JSON answer)."""
+    token: (HTTP status, JSON answer). No client timeout: the run answers once the work is done (an ``add`` returns
+    after the tenant registered, which on a busy machine or a starting replica takes as long as it takes); a run that
+    ends closes the connection. ``urllib.error.URLError`` when the endpoint cannot be reached."""
     data = None if body is None else json.dumps(body).encode()
     call = urllib.request.Request(endpoint["url"] + path, data=data, method=method,
                                   headers={"Content-Type": "application/json", **authorization(endpoint["token"])})
     try:
-        with urllib.request.urlopen(call, timeout=120) as answer:
+        with urllib.request.urlopen(call) as answer:
             return answer.status, json.loads(answer.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
@@ -60,18 +62,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot read {control_file} ({error.strerror}); run ctl as the user who started the run",
               file=sys.stderr)
         return 1
-    if args.command == "list":
-        status, answer = request(endpoint, "GET", "/tenants")
-    elif args.command == "add":
+    method, path, body = "GET", "/tenants", None
+    if args.command == "add":
         try:
-            spec = yaml.safe_load(args.spec)
+            method, path, body = "POST", "/tenants", yaml.safe_load(args.spec)
         except yaml.YAMLError as error:
             print(f"error: the tenant spec is not YAML ({str(error).splitlines()[0]}); write e.g. '{{name: t9, lr: 1e-3}}'",
                   file=sys.stderr)
             return 2
-        status, answer = request(endpoint, "POST", "/tenants", spec)
-    else:
-        status, answer = request(endpoint, "POST", f"/tenants/{args.name}/stop")
+    elif args.command == "stop":
+        method, path = "POST", f"/tenants/{args.name}/stop"
+    try:
+        status, answer = request(endpoint, method, path, body)
+    except (urllib.error.URLError, ConnectionError) as error:
+        reason = getattr(error, "reason", error)
+        print(f"error: the run in {args.dir} does not answer at {endpoint['url']} ({reason}); it has ended or is "
+              "ending: check its output", file=sys.stderr)
+        return 1
     if status != 200:
         print(f"error: {answer['error']}", file=sys.stderr)
         return 2
