@@ -79,7 +79,7 @@ class Workload:
     # prompts) in one micro-batch: half the trainer's launches of 32-row micro-batches (RESULTS.md, Training:
     # packed vs swap). Longer draws split into more micro-batches (the longest row, 3392 tokens at ``hard``, fits).
     max_tokens_per_microbatch: int = 32768
-    overrides: tuple[str, ...] = ()  # further config overrides (--override), e.g. trainer.shared_prompts=true
+    overrides: tuple[str, ...] = ()  # further config overrides (--override), e.g. clora.shared_prompts=true
 
     @property
     def max_input(self) -> int:
@@ -385,10 +385,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="instead of the table: profile 1-step experiments after the warm-up (the largest --tenants "
                              "concurrently, the first of --modes) and write the GPU-kernel and CPU tables beside --out")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for every run (serial and concurrent alike), e.g. trainer.shared_prompts=true")
+                        help="a config override for every run (serial and concurrent alike), e.g. clora.shared_prompts=true")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                         help="also run every concurrent mode with these overrides, as mode+NAME (serial runs without), "
-                             "e.g. carve32:trainer.sm_carveout=32")
+                             "e.g. carve32:clora.sm_carveout=32")
     parser.add_argument("--serial", type=int, metavar="K",
                         help="run only the first K serial experiments (default: the largest --tenants); a larger N's "
                              "'x serial' is then its experiments per hour over the K serial experiments' rate")

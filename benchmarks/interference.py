@@ -10,7 +10,7 @@ trainer's module tree on the same weight tensors with two trainable slots, swap 
 - (c) a training pass alone: ``--passes`` GRPO passes (``Trainer.train_step``, tenants in turn) on one tenant step's
   batch, on the calling thread's default stream (where the scheduler's worker threads run them);
 - (b, d) both at once: the decode thread steps continuously while the same ``--passes`` passes run (never paused:
-  the e2e's scheduler pauses sampling only for passes that start while ``trainer.pause_sampling_rows`` rows decode).
+  the e2e's scheduler pauses sampling only for passes that start while ``clora.pause_sampling_rows`` rows decode).
 
 Decode rows are what a long-tailed e2e step keeps running: each row's position is drawn uniformly from every decode
 step of the episodes of ``benchmarks.e2e`` at ``--lengths`` (prompt ``--prompt``, ``--turns`` turns with
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stream-priority", choices=sorted(STREAM_PRIORITIES), default="high",
                         help="the decode stream's (sampler.stream_priority)")
     parser.add_argument("--sm-carveout", type=int, default=0,
-                        help="SMs the trainer's GEMMs leave free (trainer.sm_carveout)")
+                        help="SMs the trainer's GEMMs leave free (clora.sm_carveout)")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS, help="the MFU's denominator")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)

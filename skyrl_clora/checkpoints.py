@@ -230,7 +230,7 @@ def claim_output_dir(run: RunConfig) -> tuple[RunConfig, dict[str, TenantCheckpo
 
 def _common_step(root: Path | None, run: RunConfig, checkpoints: dict[str, TenantCheckpoint],
                  stopped: list[str]) -> dict[str, TenantCheckpoint]:
-    """Lockstep packing (``trainer.pack_policy=lockstep``): every tenant not stopped resumes from the newest step all
+    """Lockstep packing (``clora.pack_policy=lockstep``): every tenant not stopped resumes from the newest step all
     of them hold a checkpoint of (a kill between two tenants' checkpoints of one round leaves some a round
     ahead), so that the resumed rounds pack as the uninterrupted ones did. None held by all: all start afresh."""
     tenants = [spec.name for spec in run.tenants if spec.name not in stopped]

@@ -28,9 +28,9 @@ def checked(value: Any, hint: Any, key: str) -> Any:
         raise ConfigError(str(error)) from None
 
 
-PACK_POLICIES = ("ready", "lockstep")  # trainer.pack_policy: see conf/config.yaml
-TRAIN_PRIORITIES = ("arrival", "fewest_updates")  # trainer.train_priority: see conf/config.yaml
-STEP_STYLES = ("skyrl", "tinker")  # trainer.step_style: see conf/config.yaml
+PACK_POLICIES = ("ready", "lockstep")  # clora.pack_policy: see conf/config.yaml
+TRAIN_PRIORITIES = ("arrival", "fewest_updates")  # clora.train_priority: see conf/config.yaml
+STEP_STYLES = ("skyrl", "tinker")  # clora.step_style: see conf/config.yaml
 
 
 @dataclass(frozen=True)
@@ -212,17 +212,17 @@ class TrainerConfig:
             raise ConfigError(f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} must be -1 (micro-batches "
                               "of trainer.micro_train_batch_size_per_gpu rows) or a positive token count")
         if self.step_style not in STEP_STYLES:
-            raise ConfigError(f"trainer.step_style={self.step_style} is unknown; use skyrl (behaviour log-probs recomputed "
+            raise ConfigError(f"clora.step_style={self.step_style} is unknown; use skyrl (behaviour log-probs recomputed "
                               "by the trainer) or tinker (the sampler's log-probs reused)")
         if not 0 <= self.sm_carveout < 128:
-            raise ConfigError(f"trainer.sm_carveout={self.sm_carveout} must be in [0, 128) (SMs left free; 0: none)")
+            raise ConfigError(f"clora.sm_carveout={self.sm_carveout} must be in [0, 128) (SMs left free; 0: none)")
         if self.pack_policy not in PACK_POLICIES:
-            raise ConfigError(f"trainer.pack_policy={self.pack_policy} is unknown; use {' or '.join(PACK_POLICIES)}")
+            raise ConfigError(f"clora.pack_policy={self.pack_policy} is unknown; use {' or '.join(PACK_POLICIES)}")
         if self.train_priority not in TRAIN_PRIORITIES:
-            raise ConfigError(f"trainer.train_priority={self.train_priority} is unknown; use "
+            raise ConfigError(f"clora.train_priority={self.train_priority} is unknown; use "
                               f"{' or '.join(TRAIN_PRIORITIES)}")
         if self.pack_size < 0:
-            raise ConfigError(f"trainer.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
+            raise ConfigError(f"clora.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
         if self.lr_schedule not in SCHEDULERS:
             raise ConfigError(f"trainer.policy.optimizer_config.scheduler={self.lr_schedule} is unknown; use "
                               f"{' or '.join(SCHEDULERS)}")
@@ -342,14 +342,14 @@ class RunConfig:
             raise ConfigError("backend=skyrl runs tenants concurrently on one stack; set clora.mode=concurrent "
                               "(serial mode is the embedded backend's baseline)")
         if self.trainer.pack_policy == "lockstep" and self.train_mode != "packed":
-            raise ConfigError("trainer.pack_policy=lockstep forms packed passes; it needs clora.train_mode=packed")
+            raise ConfigError("clora.pack_policy=lockstep forms packed passes; it needs clora.train_mode=packed")
         if self.train_mode == "packed" and self.backend != "embedded":
             raise ConfigError("clora.train_mode=packed needs backend=embedded; use clora.train_mode=swap")
         if self.trainer.overlap_sampling is False and self.backend != "embedded":
-            raise ConfigError("trainer.overlap_sampling=false needs backend=embedded (backend=skyrl's servers keep sampling); "
+            raise ConfigError("clora.overlap_sampling=false needs backend=embedded (backend=skyrl's servers keep sampling); "
                               "remove the override")
         if self.trainer.train_priority != "arrival" and self.backend != "embedded":
-            raise ConfigError(f"trainer.train_priority={self.trainer.train_priority} needs backend=embedded (backend=skyrl's "
+            raise ConfigError(f"clora.train_priority={self.trainer.train_priority} needs backend=embedded (backend=skyrl's "
                               "workers train in arrival order); remove the override")
         if self.epochs < 1:
             raise ConfigError(f"trainer.epochs must be >= 1, got {self.epochs}")

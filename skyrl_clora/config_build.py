@@ -30,8 +30,10 @@ TRAINER_KEYS = {
     "mini_batch_size": "trainer.policy_mini_batch_size", "update_epochs": "trainer.update_epochs_per_batch",
     **{name: f"trainer.{name}" for name in (
         "max_tokens_per_microbatch", "ckpt_interval", "ckpt_path", "max_ckpts_to_keep", "resume_mode", "resume_path",
-        "logger", "project_name", "run_name", "eval_interval", "eval_before_train", "pack_size", "pack_policy",
-        "shared_prompts", "sm_carveout", "overlap_sampling", "pause_sampling_rows", "train_priority", "step_style")},
+        "logger", "project_name", "run_name", "eval_interval", "eval_before_train")},
+    **{name: f"clora.{name}" for name in (
+        "pack_size", "pack_policy", "shared_prompts", "sm_carveout", "overlap_sampling", "pause_sampling_rows",
+        "train_priority", "step_style")},
 }
 """:class:`TrainerConfig`'s fields and the keys they are read from."""
 

@@ -3,7 +3,7 @@
 The composed config holds SkyRL 0.4's whole ``SkyRLTrainConfig`` tree (``data``, ``trainer``, ``generator``,
 ``environment``; its defaults registered in Hydra's ConfigStore as ``skyrl_defaults``), so every key of SkyRL's
 entry point is accepted with SkyRL's meaning. The plugin's own keys live beside it: ``clora``, ``sampler``,
-``model``, ``recipe``, ``backend`` and the few trainer keys in :data:`PLUGIN_TRAINER_KEYS`.
+``model``, ``recipe`` and ``backend``.
 
 - ``backend=skyrl``: the SkyRL tree, as given, is the translated ``SkyRLTrainConfig``
   (``skyrl.config_translation``); only the keys of :data:`SKYRL_SET` are set by the plugin, and a value given
@@ -29,10 +29,6 @@ from omegaconf import DictConfig, OmegaConf
 
 SKYRL_GROUPS = ("data", "trainer", "generator", "environment")
 """The top-level keys of SkyRL's ``SkyRLTrainConfig``."""
-
-PLUGIN_TRAINER_KEYS = ("pack_size", "pack_policy", "shared_prompts", "sm_carveout", "overlap_sampling",
-                       "pause_sampling_rows", "train_priority", "step_style")
-"""The plugin's own keys under ``trainer.`` (SkyRL has none of them; they never reach SkyRL's config)."""
 
 FREE_FORM_KEYS = (
     "generator.chat_template_kwargs", "generator.sampling_params.additional_kwargs",
@@ -298,8 +294,7 @@ def given_keys(overrides: list[str]) -> list[str]:
 
 
 def is_skyrl_key(key: str) -> bool:
-    return key.split(".", 1)[0] in SKYRL_GROUPS and key.split(".")[1:2] != [] and not (
-        key.startswith("trainer.") and key.split(".")[1] in PLUGIN_TRAINER_KEYS)
+    return key.split(".", 1)[0] in SKYRL_GROUPS and key.split(".")[1:2] != []
 
 
 def embedded_refusal(key: str, cfg: DictConfig) -> str | None:
@@ -391,8 +386,7 @@ tiny demo's values) plus `+tenants=N` (or a list of
 per-tenant overrides: name, seed, lr, rank, alpha, task_variant, samples_per_prompt, env_class, and on
 backend=embedded temperature, top_p, weight_decay, max_grad_norm, kl_loss_coef, eps_clip_low, eps_clip_high,
 advantage_estimator, policy_loss_type) and the
-plugin's own keys (`clora.*`, `sampler.*`, `model.*`, `recipe.*`, `backend.*`, and `trainer.` pack_size,
-pack_policy, shared_prompts, sm_carveout, overlap_sampling, pause_sampling_rows, train_priority); `--help` lists them.
+plugin's own keys (`clora.*`, `sampler.*`, `model.*`, `recipe.*`, `backend.*`); `--help` lists them.
 
 On `backend=skyrl` every SkyRL key reaches SkyRL's `SkyRLTrainConfig` as given, except the ones the right-hand
 column names: the few the plugin sets, and those only SkyRL's trainer loop reads, which the tenant loop replaces

@@ -1,7 +1,7 @@
 """Runs that last: per-tenant checkpoints written atomically, a run killed with SIGKILL and resumed ending as
 an uninterrupted one does, and an output folder that never mixes two runs.
 
-Swap mode (concurrent and serial) and packed mode in lockstep (``trainer.pack_policy=lockstep``: each round packs
+Swap mode (concurrent and serial) and packed mode in lockstep (``clora.pack_policy=lockstep``: each round packs
 every tenant's step in tenant order) are compared bit for bit with an uninterrupted run. Packed passes of
 whichever tenants are waiting (``ready``, the default) are not reproducible run to run (CPU GEMMs round a row by
 the batch it is in), so they are not resumed bit for bit either; lockstep resumes every tenant from the newest
@@ -40,7 +40,7 @@ KILL_POINTS = [(mode, step, round(random.Random(step * 7 + i).uniform(0.0, 0.4),
 
 
 def _args(model: Path, out: Path, train_mode: str, *extra: str) -> list[str]:
-    lockstep = ["trainer.pack_policy=lockstep"] if train_mode == "packed" else []
+    lockstep = ["clora.pack_policy=lockstep"] if train_mode == "packed" else []
     return run_args(model, out, micro_tenants(*TENANTS), f"clora.train_mode={train_mode}", "trainer.ckpt_interval=1",
                     *lockstep, *extra, steps=STEPS)
 
@@ -339,7 +339,7 @@ def test_a_lockstep_run_resumes_every_tenant_from_the_newest_step_all_hold(tmp_p
     from skyrl_clora.main import compose_config
 
     run = build_run_config(compose_config(["+tenants=2", f"clora.output_dir={tmp_path}", "clora.train_mode=packed",
-                                           "trainer.pack_policy=lockstep"]))
+                                           "clora.pack_policy=lockstep"]))
     run, resume, _ = claim_output_dir(run)
     assert resume == {}
 

@@ -162,10 +162,10 @@ def test_help_lists_each_skyrl_key_a_backend_ignores_or_runs_with_one_value_only
     (["sampler.max_rows=-5"], "sampler.max_rows=-5 must be >= 0"),
     (["sampler.max_prefills_per_step=0"], "sampler.max_prefills_per_step=0 must be >= 1"),
     (["sampler.kv_blocks=-5"], "sampler.kv_blocks=-5 must be >= 0"),
-    (["trainer.pack_policy=fifo"], "trainer.pack_policy=fifo is unknown; use ready or lockstep"),
-    (["trainer.train_priority=shortest"], "trainer.train_priority=shortest is unknown; use arrival or fewest_updates"),
-    (["backend=skyrl", "trainer.train_priority=fewest_updates"], "trainer.train_priority=fewest_updates needs backend=embedded"),
-    (["trainer.pack_policy=lockstep"], "trainer.pack_policy=lockstep forms packed passes; it needs clora.train_mode=packed"),
+    (["clora.pack_policy=fifo"], "clora.pack_policy=fifo is unknown; use ready or lockstep"),
+    (["clora.train_priority=shortest"], "clora.train_priority=shortest is unknown; use arrival or fewest_updates"),
+    (["backend=skyrl", "clora.train_priority=fewest_updates"], "clora.train_priority=fewest_updates needs backend=embedded"),
+    (["clora.pack_policy=lockstep"], "clora.pack_policy=lockstep forms packed passes; it needs clora.train_mode=packed"),
     (["sampler.gpu_memory_utilization=1.5"], "sampler.gpu_memory_utilization=1.5 must be in (0, 1)"),
     (["+tenants=[{},{env_class:nope}]"], "tenant tenant-1: env_class=nope is not a registered skyrl-gym environment"),
     (["+tenants=[{task_variant:nope}]"], "tenant tenant-0: unknown gsm8k task variant 'nope'; choose one of standard, hard"),
@@ -177,13 +177,13 @@ def test_help_lists_each_skyrl_key_a_backend_ignores_or_runs_with_one_value_only
     (["+tenants=[{},{lr:fast}]"], "tenant 1: lr=fast must be a number"),
     (["clora.output_dir=/proc/forbidden"], "not writable"),
     (["clora.mode=parallel"], "concurrent or serial"),
-    (["trainer.shared_prompts=sometimes"], "trainer.shared_prompts"),
+    (["clora.shared_prompts=sometimes"], "clora.shared_prompts"),
     (["sampler.reuse_decode_kv=2"], "sampler.reuse_decode_kv"),
     (["sampler.stream_priority=urgent"], "sampler.stream_priority"),
-    (["trainer.overlap_sampling=sometimes"], "trainer.overlap_sampling=sometimes must be true, false or null"),
-    (["backend=skyrl", "trainer.overlap_sampling=false"], "trainer.overlap_sampling=false needs backend=embedded"),
+    (["clora.overlap_sampling=sometimes"], "clora.overlap_sampling=sometimes must be true, false or null"),
+    (["backend=skyrl", "clora.overlap_sampling=false"], "clora.overlap_sampling=false needs backend=embedded"),
     (["+clora.foo=1"], "unknown key clora.foo; valid keys here: control, device, max_tenants, mode, output_dir, "
-                       "progress, replicas"),
+                       "overlap_sampling, pack_policy, pack_size"),
     (["+model.foo=1"], "unknown key model.foo; valid keys here: corpus, dtype"),
     (["model.corpus=taubench"], "model.corpus=taubench is no recipe with a pre-training corpus; use one of gsm8k, "
                                 "skyrl_gsm8k"),
@@ -221,7 +221,7 @@ def test_help_lists_each_skyrl_key_a_backend_ignores_or_runs_with_one_value_only
     (["trainer.resume_mode=sometimes"], "trainer.resume_mode=sometimes is unknown"),
     (["trainer.resume_mode=from_path"], "trainer.resume_path goes with trainer.resume_mode=from_path"),
     (["clora.max_tenants=-1"], "clora.max_tenants=-1 must be >= 0"),
-    (["trainer.step_style=verl"], "trainer.step_style=verl is unknown; use skyrl"),
+    (["clora.step_style=verl"], "clora.step_style=verl is unknown; use skyrl"),
     (["trainer.algorithm.kl_estimator_type=k9"], "trainer.algorithm.kl_estimator_type=k9 is unknown; use one of k1"),
     (["trainer.algorithm.use_kl_in_reward=true", "trainer.algorithm.use_kl_loss=true"],
      "trainer.algorithm.use_kl_in_reward and use_kl_loss are mutually exclusive"),
@@ -325,7 +325,7 @@ def test_bad_input_from_the_command_line_has_no_traceback() -> None:
 @pytest.mark.parametrize("backend", ["embedded", "skyrl"])
 def test_skyrls_kl_options_and_the_step_style_reach_both_backends(backend: str, tmp_path: Path) -> None:
     """``use_kl_loss`` and its coefficient and estimator reach the AlgorithmConfig the trainer is built with (the
-    embedded services' and the translated SkyRL config's); ``trainer.step_style`` defaults to SkyRL's step."""
+    embedded services' and the translated SkyRL config's); ``clora.step_style`` defaults to SkyRL's step."""
     from skyrl.train.config import AlgorithmConfig
 
     from skyrl_clora.skyrl.config_translation import translate
@@ -337,7 +337,7 @@ def test_skyrls_kl_options_and_the_step_style_reach_both_backends(backend: str, 
     algorithm = (translate(compose_config([*overrides, f"trainer.policy.model.path={tmp_path}"])).base.trainer.algorithm
                  if backend == "skyrl" else AlgorithmConfig(**run.trainer.algorithm))
     assert (algorithm.use_kl_loss, algorithm.kl_loss_coef, algorithm.kl_estimator_type) == (True, 0.05, "k1")
-    assert build_run_config(compose_config([*overrides, "trainer.step_style=tinker"])).trainer.step_style == "tinker"
+    assert build_run_config(compose_config([*overrides, "clora.step_style=tinker"])).trainer.step_style == "tinker"
 
 
 @pytest.mark.parametrize("value,expected", [(None, None), ("auto", None), ("fp8", "float8_e4m3fn"),

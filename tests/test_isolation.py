@@ -4,7 +4,7 @@ mode: its own services) or beside the others (concurrent mode): bit for bit in s
 rounding in packed training; along the way the sampler serves and the export holds exactly the trainer's
 weights.
 
-Packed runs here use ``trainer.pack_policy=lockstep``: every step packs all three tenants in one pass, so the
+Packed runs here use ``clora.pack_policy=lockstep``: every step packs all three tenants in one pass, so the
 rounding a run meets is the same on any machine. The default ``ready`` policy packs whoever waits, which depends
 on timing; every pack it can form is compared with each tenant trained alone in
 ``trainer/test_trainer_packed.py``."""
@@ -53,7 +53,7 @@ def test_tenants_learn_the_micro_task(learning_model_dir: Path, tmp_path: Path) 
 @pytest.mark.parametrize("train_mode", ["swap", "packed"])
 def test_a_tenant_ends_the_same_alone_or_beside_others(train_mode: str, learning_model_dir: Path, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    mode = ["clora.train_mode=swap"] if train_mode == "swap" else ["clora.train_mode=packed", "trainer.pack_policy=lockstep"]
+    mode = ["clora.train_mode=swap"] if train_mode == "swap" else ["clora.train_mode=packed", "clora.pack_policy=lockstep"]
     together = run_recorded(monkeypatch, isolation_args(learning_model_dir, tmp_path / "together", *mode))
     assert_tenants_trained_apart(together)
     assert_weights_travel_intact(together)

@@ -40,7 +40,7 @@ def test_kl_loss_is_zero_on_the_fresh_adapter_and_positive_after(backend: str, l
 
 def test_tinker_style_step_runs_and_learns(learning_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    assert main(_args(learning_model_dir, out, "trainer.step_style=tinker")) == 0
+    assert main(_args(learning_model_dir, out, "clora.step_style=tinker")) == 0
     assert_learning(read_records(out))
 
 
@@ -67,5 +67,5 @@ def test_the_embedded_backend_passes_the_sampler_log_probs_only_in_the_tinker_st
     assert scheduler.batch.rollout_logprobs == sampler
     assert scheduler.batch.old_logprobs == (sampler if step_style == "tinker" else None)
     if step_style == "tinker":
-        with pytest.raises(RuntimeError, match="trainer.step_style=tinker needs the sampler's log-probs"):
+        with pytest.raises(RuntimeError, match="clora.step_style=tinker needs the sampler's log-probs"):
             asyncio.run(backend.train("t", Rollout({**output, "rollout_logprobs": None}, ["g", "g"], [], [])))

@@ -13,7 +13,7 @@ inference client) over one shared ``PPORayActorGroup`` of policy workers. A tena
   3. train: the episodes become SkyRL's ``TrainingInputBatch`` (:func:`training_input`); as SkyRL's trainer
      does, ``dispatch.forward`` (per mini-batch with ``recompute_old_logprobs_per_minibatch``: :func:`behaviour_logprobs`)
      recomputes the behaviour policy's ``action_log_probs`` with the tenant's adapter
-     (``trainer.step_style=tinker``: the sampler's log-probs instead, as SkyRL's Tinker backend sends them) and,
+     (``clora.step_style=tinker``: the sampler's log-probs instead, as SkyRL's Tinker backend sends them) and,
      with ``use_kl_loss`` or ``use_kl_in_reward``, the reference's ``base_action_log_probs`` under
      ``REFERENCE_MODEL_ID`` (the frozen base, at temperature 1 as SkyRL's reference worker: :func:`reference_logprobs`;
      with ``use_kl_in_reward`` the rewards then lose SkyRL's KL penalty
@@ -159,7 +159,7 @@ class SkyRLBackend:
         scoring = data.select(keys=["sequences", "attention_mask"], metadata_keys=["response_length"])
         if self.run.trainer.step_style == "tinker":
             if data.get("rollout_logprobs") is None:
-                raise RuntimeError(f"tenant {name}: trainer.step_style=tinker needs the sampler's log-probs; the "
+                raise RuntimeError(f"tenant {name}: clora.step_style=tinker needs the sampler's log-probs; the "
                                    "generator returned none")
             data["action_log_probs"] = data["rollout_logprobs"]
         else:

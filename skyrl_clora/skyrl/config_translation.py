@@ -48,7 +48,7 @@ from skyrl.train.utils.utils import validate_cfg
 
 from skyrl_clora.config import ConfigError, TrainerConfig
 from skyrl_clora.config_build import lora_config, recipe_config, resolve_model_path, tenant_specs, trainer_config
-from skyrl_clora.config_keys import PLUGIN_TRAINER_KEYS, SKYRL_GROUPS, check_skyrl_keys
+from skyrl_clora.config_keys import SKYRL_GROUPS, check_skyrl_keys
 from skyrl_clora.recipes.plugin import load_recipe
 from skyrl_clora.tenants import TenantSpec
 
@@ -124,11 +124,8 @@ def _backend(cfg: DictConfig) -> dict[str, Any]:
 
 
 def skyrl_tree(cfg: DictConfig) -> dict[str, Any]:
-    """SkyRL's key tree of the composed config, as given (the plugin's own trainer keys left out)."""
-    tree = {group: OmegaConf.to_container(cfg[group], resolve=True) for group in SKYRL_GROUPS}
-    for key in PLUGIN_TRAINER_KEYS:
-        tree["trainer"].pop(key, None)
-    return tree
+    """SkyRL's key tree of the composed config, as given."""
+    return {group: OmegaConf.to_container(cfg[group], resolve=True) for group in SKYRL_GROUPS}
 
 
 def check_multi_tenant_constraints(

@@ -4,9 +4,9 @@ event loop.
 - swap mode: the waiting tenants train one at a time, the first by ``priority`` first; while one trains, the
   next by priority is prefetched into the trainer's second slot (``Trainer.train_step(..., prefetch=)``).
 - packed mode: whenever the trainer is free, the waiting tenants train in one packed pass
-  (``Trainer.train_packed``): all of them when they fit ``trainer.pack_size``; else the pass of the pack plan
+  (``Trainer.train_packed``): all of them when they fit ``clora.pack_size``; else the pass of the pack plan
   (:func:`plan_packs` over every waiting batch, :func:`pack_cost_model`) that holds the first by priority.
-- ``priority`` (``trainer.train_priority``, :data:`TRAIN_PRIORITIES`): ``arrival`` ranks the waiting requests by
+- ``priority`` (``clora.train_priority``, :data:`TRAIN_PRIORITIES`): ``arrival`` ranks the waiting requests by
   arrival; ``fewest_updates`` by the passes their tenant has had in this scheduler, fewest first, then by arrival.
   In a run whose tenants all run the same steps, fewest updates is most steps still to run: its tenant's next
   rollout waits on this pass, while a tenant's last pass unblocks nothing, so the trainer serves first the
@@ -22,7 +22,7 @@ Given a ``sampler`` to pause (the engine), a pass that starts while at least ``p
 decoding runs with sampling paused, so the GPU runs one workload at a time instead of sharing itself between
 a training pass and a full decode batch; with fewer rows decoding (a long-tailed step's last episodes), the
 pass runs beside them and fills the GPU they leave idle. ``pause_rows=0`` pauses for every pass
-(``trainer.overlap_sampling=false``); no sampler never pauses (``true``).
+(``clora.overlap_sampling=false``); no sampler never pauses (``true``).
 
 Every pass is recorded (:attr:`TrainScheduler.passes`, :class:`TrainPass`): its tenants, when each of their
 requests arrived, its start and end on the host clock and whether it paused sampling.
@@ -42,7 +42,7 @@ from skyrl_clora.trainer.pack_plan import PackCostModel, pack_load, plan_packs
 from skyrl_clora.trainer.trainer import Trainer
 
 TRAIN_MODES = ("swap", "packed")
-TRAIN_PRIORITIES = ("arrival", "fewest_updates")  # trainer.train_priority: see the module docstring
+TRAIN_PRIORITIES = ("arrival", "fewest_updates")  # clora.train_priority: see the module docstring
 Result = TypeVar("Result")
 
 

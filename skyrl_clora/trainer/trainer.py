@@ -153,7 +153,7 @@ class Trainer:
         if not items or len(set(names)) != len(names):
             raise ValueError(f"train_packed needs distinct tenants, got {names}")
         if len(items) > self.pack_size:
-            raise ValueError(f"{len(items)} tenants exceed the trainer's {self.pack_size} slots; raise trainer.pack_size")
+            raise ValueError(f"{len(items)} tenants exceed the trainer's {self.pack_size} slots; raise clora.pack_size")
         for index, slot in enumerate(self.store.slots):  # prefetched swap-mode tenants give their slots back
             if slot.owner is not None and not slot.active:
                 self.store.release(index)

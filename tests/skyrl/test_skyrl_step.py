@@ -1,6 +1,6 @@
 """backend=skyrl's training step is SkyRL's: the driver recomputes the behaviour log-probs through the policy
 worker's ``forward`` (not the sampler's), adds the KL reference's (the base: the adapter disabled) when
-``use_kl_loss`` is on, and checks the worker's reports of the step; ``trainer.step_style=tinker`` sends the
+``use_kl_loss`` is on, and checks the worker's reports of the step; ``clora.step_style=tinker`` sends the
 sampler's log-probs instead."""
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def test_step_style_picks_the_behaviour_log_probs(step_style: str, tmp_path: Pat
     output, groups = _output(rollout_shift=-9.0)
     without = training_input({**output, "rollout_logprobs": None}, groups, 0, dispatch.cfg.trainer.algorithm)
     if step_style == "tinker":
-        with pytest.raises(RuntimeError, match="trainer.step_style=tinker needs the sampler's log-probs"):
+        with pytest.raises(RuntimeError, match="clora.step_style=tinker needs the sampler's log-probs"):
             backend._train(tenant, without)
     else:
         assert backend._train(tenant, without)["grad_norm"] == 2.0

@@ -188,7 +188,7 @@ def test_train_modes_end_to_end(train_mode: str, overlap: str, learning_model_di
     out = tmp_path / train_mode
     tenants = micro_tenants({"lr": "1e-3"}, {"lr": "4e-3", "rank": 8})
     assert main(_args(learning_model_dir, out, tenants, f"clora.train_mode={train_mode}",
-                      f"trainer.overlap_sampling={overlap}")) == 0
+                      f"clora.overlap_sampling={overlap}")) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert [row["status"] for row in summary["per_tenant"]] == ["ok", "ok"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -207,7 +207,7 @@ def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: 
     from skyrl_clora.main import compose_config
     from skyrl_clora.backends.embedded.services import build_services
 
-    run = build_run_config(compose_config(_args(micro_model_dir, tmp_path, f"trainer.overlap_sampling={overlap}")))
+    run = build_run_config(compose_config(_args(micro_model_dir, tmp_path, f"clora.overlap_sampling={overlap}")))
     services = build_services(run, str(micro_model_dir), num_tenants=1, rows_per_tenant=2)
     try:
         assert services.train_scheduler(run).sampler is (services.engine if paused else None)
@@ -221,5 +221,5 @@ def test_unknown_train_mode_is_a_one_line_config_error(micro_model_dir: Path, tm
 
     with pytest.raises(ConfigError, match=r"clora.train_mode=fused is unknown; use swap or packed"):
         build_run_config(compose_config(_args(micro_model_dir, tmp_path, "clora.train_mode=fused")))
-    with pytest.raises(ConfigError, match="trainer.pack_size must be >= 0"):
-        build_run_config(compose_config(_args(micro_model_dir, tmp_path, "trainer.pack_size=-1")))
+    with pytest.raises(ConfigError, match="clora.pack_size must be >= 0"):
+        build_run_config(compose_config(_args(micro_model_dir, tmp_path, "clora.pack_size=-1")))

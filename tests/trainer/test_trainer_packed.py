@@ -80,7 +80,7 @@ def test_packed_training_equals_each_tenant_trained_alone(micro_model_dir: Path)
 
 
 def test_every_pack_the_ready_policy_can_form_trains_each_tenant_as_alone(micro_model_dir: Path) -> None:
-    """``trainer.pack_policy=ready`` packs whichever tenants wait, in the order they came, which depends on timing:
+    """``clora.pack_policy=ready`` packs whichever tenants wait, in the order they came, which depends on timing:
     every such pack (each set of two or three tenants, in every order) trains each of its tenants as it trains
     alone. Gradients and moments agree to rounding; weights within 2% of the tenant's lr, since AdamW moves every
     weight by about lr a step whatever its gradient's size, so a gradient near Adam's eps turns rounding into a

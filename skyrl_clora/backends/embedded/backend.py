@@ -101,12 +101,12 @@ class EmbeddedBackend:
         return contextlib.nullcontext()
 
     async def train(self, tenant: str, rollout: Rollout) -> Update:
-        """The tenant's update on its episodes; with ``trainer.step_style=tinker`` the PPO ratio's behaviour
+        """The tenant's update on its episodes; with ``clora.step_style=tinker`` the PPO ratio's behaviour
         log-probs are the sampler's, else the trainer recomputes them (see ``trainer.trainer``)."""
         output = rollout.output
         sampler_logprobs = output.get("rollout_logprobs")
         if self.run.trainer.step_style == "tinker" and sampler_logprobs is None:
-            raise RuntimeError(f"tenant {tenant}: trainer.step_style=tinker needs the sampler's log-probs; "
+            raise RuntimeError(f"tenant {tenant}: clora.step_style=tinker needs the sampler's log-probs; "
                                "the generator returned none")
         batch = TrainBatch(
             prompt_ids=output["prompt_token_ids"], response_ids=output["response_ids"], loss_masks=output["loss_masks"],
@@ -205,8 +205,8 @@ def _run_group(run: RunConfig, specs: list[TenantSpec], sources: dict[str, TaskS
     services = build_services(run, model_path, run.tenant_capacity if concurrent else len(specs), rows_per_tenant)
     refuse_adds = None if concurrent else "clora.mode=serial runs one tenant at a time; add tenants to a concurrent run"
     if run.trainer.pack_policy == "lockstep":
-        refuse_adds = ("trainer.pack_policy=lockstep packs a fixed set of tenants step by step; add tenants to a run with "
-                       "trainer.pack_policy=ready")
+        refuse_adds = ("clora.pack_policy=lockstep packs a fixed set of tenants step by step; add tenants to a run with "
+                       "clora.pack_policy=ready")
     try:  # every starting tenant's trainer state must fit the host before any registers
         check_tenant_host_memory(services.store, [spec.rank for spec in specs if spec.name not in stopped],
                                  available_host_memory())

@@ -54,10 +54,10 @@ class Services:
 
     def train_scheduler(self, run: RunConfig) -> TrainScheduler:
         """The scheduler the tenants of one run share: ``clora.train_mode`` passes, run beside sampling or with the
-        engine paused (``trainer.overlap_sampling``: true never pauses, false pauses for every pass; null: never on
+        engine paused (``clora.overlap_sampling``: true never pauses, false pauses for every pass; null: never on
         the CPU, where the trainer and the engine each keep a core busy; on a GPU, pause while at least
-        ``trainer.pause_sampling_rows`` rows decode: RESULTS.md, Engine and trainer settings and why), the waiting
-        tenants ranked by ``trainer.train_priority``."""
+        ``clora.pause_sampling_rows`` rows decode: RESULTS.md, Engine and trainer settings and why), the waiting
+        tenants ranked by ``clora.train_priority``."""
         overlap = run.trainer.overlap_sampling
         lockstep, priority = run.trainer.pack_policy == "lockstep", run.trainer.train_priority
         if overlap is None and self.trainer.device.type != "cuda" or overlap is True:
@@ -132,7 +132,7 @@ def build_engine_beside_trainer(run: RunConfig, model: torch.nn.Module, layers: 
                                 kv_dtype: torch.dtype | None) -> EngineThread:
     """The sampler's engine (``sampler.*``) on ``model`` and its engine LoRA ``layers`` (``share_base_weights``), of
     ``rows`` rows of ``max_len`` positions in ``kv_blocks`` KV blocks (None: every row at full length), then, on a
-    GPU, the trainer's eager GEMMs carved (``trainer.sm_carveout``, :func:`carve_gemm_sms`): in that order, so that
+    GPU, the trainer's eager GEMMs carved (``clora.sm_carveout``, :func:`carve_gemm_sms`): in that order, so that
     the decode graphs, captured while the engine is built, keep every SM. The engine's thread is started last."""
     config = EngineConfig(
         num_rows=rows, max_len=max_len, max_prefills_per_step=run.sampler.max_prefills_per_step,
@@ -174,7 +174,7 @@ def carve_gemm_sms(count: int) -> None:
 
 
 def trainer_slot_count(run: RunConfig, num_tenants: int) -> int:
-    """Trainable device slots: packed mode, ``trainer.pack_size`` (0: one per tenant, up to 8); swap mode, two
+    """Trainable device slots: packed mode, ``clora.pack_size`` (0: one per tenant, up to 8); swap mode, two
     when there are two tenants or more (the second receives the next tenant's state while one trains)."""
     if run.train_mode == "packed":
         return min(num_tenants, run.trainer.pack_size or 8)
