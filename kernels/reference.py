@@ -46,29 +46,28 @@ def add_lora_ref(
     ``[num_slices, S, R, H_in]`` when each slice has its own A (fused q/k/v).
     Computes in fp32 and writes ``out`` in its own dtype.
 
-    Implementation: every row is multiplied by the stacked A of all ``S`` slots (``[T, S*R]``), the
-    columns of other slots are zeroed by a one-hot row-to-slot weight that also carries the scale, and
-    one product with the stacked B finishes the expand. The shapes depend only on ``T``, ``S`` and ``R``,
-    never on which slots the rows use, so a row's result does not depend on the other rows of its batch
-    (batch invariance: the embedded engine's runs are reproducible whatever the interleaving of
-    tenants); extra columns add exact zeros. No host synchronisation.
+    Implementation: each row's A and B are gathered by its slot (``[T, R, H_in]``, ``[T, H_out_i, R]``) and
+    the row runs two batched row-vector products, ``[1, H_in] @ [H_in, R]`` then (scaled) ``[1, R] @ [R,
+    H_out_i]``. Every product's shape depends only on ``R`` and the layer's sizes, never on the other rows of
+    the batch, the number of slots ``S`` or the row's slot, so a row's result depends on none of them (batch and
+    slot invariance: the embedded engine's runs are reproducible whatever the interleaving of tenants and
+    however many device slots hold their adapters; one GEMM over every slot's stacked A would change its
+    kernel, and the last bits of its results, with ``S``). Rows without a slot add exact zeros. Gathers
+    ``T * R * (H_in + H_out_i)`` fp32 values per slice; no host synchronisation.
     """
-    num_slots, rank = lora_a.shape[-3], lora_a.shape[-2]
     has_adapter = token_slots >= 0
     safe_slots = token_slots.clamp(min=0).long()
     row_scale = torch.where(has_adapter, scales.float().index_select(0, safe_slots), 0.0)  # [T]
-    row_weight = torch.zeros(x.shape[0], num_slots, device=x.device, dtype=torch.float32)
-    row_weight.scatter_(1, safe_slots[:, None], row_scale[:, None])  # [T, S]: scale in the row's slot
-    x32 = x.float()
+    x32 = x.float()[:, None, :]  # [T, 1, H_in]
     per_slice_a = lora_a.dim() == 4
     offset = 0
     for i, b in enumerate(lora_b):
         a = lora_a[i] if per_slice_a else lora_a
-        shrunk = x32 @ a.reshape(num_slots * rank, -1).float().T  # [T, S*R]
-        shrunk = (shrunk.view(-1, num_slots, rank) * row_weight[:, :, None]).view(-1, num_slots * rank)
-        b_stacked = b.float().permute(0, 2, 1).reshape(num_slots * rank, -1)  # [S*R, H_out_i]
+        a_rows = a.index_select(0, safe_slots).float()  # [T, R, H_in]
+        shrunk = torch.bmm(x32, a_rows.transpose(1, 2)) * row_scale[:, None, None]  # [T, 1, R]
+        b_rows = b.index_select(0, safe_slots).float()  # [T, H_out_i, R]
         width = b.shape[1]
-        out[:, offset : offset + width] += (shrunk @ b_stacked).to(out.dtype)
+        out[:, offset : offset + width] += torch.bmm(shrunk, b_rows.transpose(1, 2))[:, 0].to(out.dtype)
         offset += width
 
 
