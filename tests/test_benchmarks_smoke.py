@@ -7,20 +7,18 @@ write its output; its figures are not checked (they say nothing on a CPU). ``ben
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from benchmarks import (attention, common, concurrency, e2e, engine, engine_host, interference, kernels, planner,
+from tests.support.markers import triton_runs
                         qkv_rope, runner, train)
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 HELPERS = {"workloads", "packed", "wall"}  # imported by the runnable modules (packed: by kernels, wall: by e2e)
 RUNS = {"attention", "common", "concurrency", "e2e", "engine", "engine_host", "interference", "kernels", "planner",
         "qkv_rope", "runner", "train"}
-interpreted = pytest.mark.skipif(common.DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)")
 
 
 def test_every_benchmark_module_has_a_run_here():
@@ -33,7 +31,7 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-@interpreted
+@triton_runs
 def test_attention(tmp_path):
     attention.main(["--smoke", "--paged", "16", "--out", str(tmp_path)])
     results = read_json(tmp_path / "bench_attention.json")
@@ -41,7 +39,7 @@ def test_attention(tmp_path):
     assert (tmp_path / "bench_attention.md").is_file()
 
 
-@interpreted
+@triton_runs
 def test_kernels_and_packed_training(tmp_path):
     kernels.main(["--smoke", "--tokens", "4", "--ranks", "8", "--adapters", "2", "--out", str(tmp_path)])
     results = read_json(tmp_path / "bench_kernels.json")
@@ -50,13 +48,13 @@ def test_kernels_and_packed_training(tmp_path):
     assert "packed_graph_s" in results["packed"] and len(results["meta_build"]) == 1
 
 
-@interpreted
+@triton_runs
 def test_qkv_rope(tmp_path):
     qkv_rope.main(["--smoke", "--adapters", "2", "--tokens", "4", "--out", str(tmp_path)])
     assert len(read_json(tmp_path / "bench_qkv_rope.json")["rows"]) == 1
 
 
-@interpreted
+@triton_runs
 def test_runner(tmp_path):
     out = tmp_path / "runner.json"
     runner.main(["--shape", "tiny", "--tenants", "2", "--spans", "16", "--samples", "4", "--prompt", "16", "--context",
@@ -67,7 +65,7 @@ def test_runner(tmp_path):
     assert (tmp_path / "runner.decode16.shared.txt").is_file()
 
 
-@interpreted
+@triton_runs
 def test_interference(tmp_path):
     interference.main(["--shape", "tiny", "--rows", "16", "--prompt", "8", "--lengths", "fixed:4", "--turns", "2",
                        "--observation", "2", "--prompts", "2", "--samples", "2", "--tenants", "2", "--steps", "3",

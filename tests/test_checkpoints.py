@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from isolation import assert_same_records, tenant_records
+from tests.support.isolation import assert_same_records, tenant_records
 from micro_task import assert_learning, micro_tenants, read_records, register_micro_env, run_args
 from skyrl_clora.checkpoints import LATEST, TenantCheckpoints
 from skyrl_clora.lora.peft_export import load_peft_adapter

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from isolation import (
+from tests.support.isolation import (
     assert_same_records,
     assert_same_tenants,
     assert_tenants_trained_apart,

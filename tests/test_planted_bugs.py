@@ -12,7 +12,7 @@ import torch
 
 import test_isolation
 import test_stale_versions
-import transport
+from tests.support import transport
 from skyrl_clora import tenant_loop
 from skyrl_clora.backends.embedded import backend as embedded_backend
 from skyrl_clora.trainer.adapter_store import AdapterStore

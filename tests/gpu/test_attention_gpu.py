@@ -11,11 +11,18 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import DecodeWorkspace, decode_attention
-from kernel_cases import FP8, TOLERANCE, attention_ref_fp32, capture_graph, make_attention_problem, rel_error
-from paged_cases import page_cache
+from tests.support.kernel_cases import (
+    DTYPES,
+    FP8,
+    TOLERANCE,
+    attention_ref_fp32,
+    capture_graph,
+    make_attention_problem,
+    rel_error,
+)
+from tests.support.paged_cases import page_cache
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+pytestmark = pytest.mark.gpu
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -115,7 +122,7 @@ def test_prefix_rows_read_the_shared_copy_at_real_sizes(heads: int, dtype: torch
 
 
 def _paged(p, block_size: int, seed: int, shared=None, hidden=None):
-    """``p``'s cache paged (tests/paged_cases.py), each row up to its length, NaN past it and in unused blocks."""
+    """``p``'s cache paged (tests/support/paged_cases.py), each row up to its length, NaN past it and in unused blocks."""
     return page_cache(p.k_cache, p.v_cache, p.lengths.tolist(), block_size, seed=seed, shared=shared, hidden=hidden)
 
 

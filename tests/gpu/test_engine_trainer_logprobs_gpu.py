@@ -29,8 +29,7 @@ from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.trainer import Trainer
 
-DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                              reason="needs a CUDA GPU"))]
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 # tenant -> (adapter seed, temperature, top_p): greedy, plain, cooler, hotter with a nucleus
 TENANTS = {"a": (1, 0.0, 1.0), "b": (2, 1.0, 1.0), "c": (3, 0.6, 1.0), "d": (4, 1.3, 0.9)}

@@ -10,7 +10,7 @@ import torch
 
 import skyrl_clora.kernels.dispatch as dispatch
 from skyrl_clora.kernels import LoRAMeta, folded_lora_linear
-from kernel_cases import (
+from tests.support.kernel_cases import (
     TOLERANCE,
     adapters_differ,
     capture_graph,
@@ -20,7 +20,7 @@ from kernel_cases import (
     rel_error,
 )
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 SHAPES = {  # Qwen3-4B's projections and hidden 4096: (h_in, widths, one A per slice)
     "qkv": (2560, (4096, 1024, 1024), True),
     "o": (4096, (2560,), False),

@@ -23,7 +23,7 @@ import torch
 from helpers import differing_keys
 
 pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.gpu,
     pytest.mark.skipif(importlib.util.find_spec("skyrl") is None, reason="needs skyrl (carried as wheels)"),
 ]
 SCENARIO = Path(__file__).parents[1] / "skyrl" / "fsdp_scenario.py"

@@ -13,7 +13,8 @@ from skyrl_clora.kernels import LoRAMeta, add_lora, dense_lora_linear, gather_ro
 from skyrl_clora.kernels.layers.gather_ops import inverse_index
 from skyrl_clora.kernels.reference import packed_lora_ref
 from skyrl_clora.kernels.lora.sgmv import SgmvConfig, add_lora_triton
-from kernel_cases import (
+from tests.support.kernel_cases import (
+    DTYPES,
     LAYOUTS,
     TOLERANCE,
     adapters_differ,
@@ -23,8 +24,7 @@ from kernel_cases import (
     rel_error,
 )
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+pytestmark = pytest.mark.gpu
 
 
 def _check(p, run) -> None:

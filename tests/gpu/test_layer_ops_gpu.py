@@ -11,7 +11,7 @@ from skyrl_clora.kernels import qk_norm_rope, rms_norm, rms_norm_with_grad, rope
 
 from helpers import assert_fused_close
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 TOKENS = 20_001  # not a multiple of any row tile
 
 

@@ -14,11 +14,17 @@ import pytest
 import torch
 
 from skyrl_clora.kernels import prefill_attention
-from kernel_cases import TOLERANCE, capture_graph, make_prefill_problem, prefill_ref_fp32, rel_error
-from paged_cases import page_prefill_problem
+from tests.support.kernel_cases import (
+    DTYPES,
+    TOLERANCE,
+    capture_graph,
+    make_prefill_problem,
+    prefill_ref_fp32,
+    rel_error,
+)
+from tests.support.paged_cases import page_prefill_problem
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+pytestmark = pytest.mark.gpu
 CACHE_ROWS, MAX_LEN, KV_HEADS, HEAD_DIM = 80, 1024, 8, 128  # Qwen3-1.7B/4B: 8 kv heads of 128
 
 
@@ -128,7 +134,7 @@ def test_prefill_pass_captured_in_cuda_graph_replays_new_metadata() -> None:
 @pytest.mark.parametrize("layout", ["turns", "prompts", "mixed"])
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 def test_paged_real_sizes_match_reference(block_size: int, layout: str) -> None:
-    """The jobs' rows in randomly placed blocks (tests/paged_cases.py; entries past each row's last position
+    """The jobs' rows in randomly placed blocks (tests/support/paged_cases.py; entries past each row's last position
     garbage, blocks no row names NaN): against the fp32 reference, and bit-identical to the slot layout's
     kernel on the same keys."""
     p = make_prefill_problem(_jobs(layout, seed=block_size), 16, KV_HEADS, MAX_LEN, HEAD_DIM, torch.bfloat16,

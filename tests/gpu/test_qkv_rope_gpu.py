@@ -10,9 +10,9 @@ import torch
 
 import skyrl_clora.kernels.lora.qkv_rope as qkv_rope
 from skyrl_clora.kernels import LoRAMeta, folded_qkv_rope
-from kernel_cases import (
-    TOLERANCE,
+from tests.support.kernel_cases import (
     QKVRopeProblem,
+    TOLERANCE,
     adapters_differ,
     capture_graph,
     check_kv_cache_write,
@@ -21,7 +21,7 @@ from kernel_cases import (
     rel_error,
 )
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 
 def fused(p: QKVRopeProblem, meta: LoRAMeta | None = None) -> tuple[torch.Tensor, ...]:

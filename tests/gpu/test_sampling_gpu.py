@@ -8,10 +8,10 @@ import torch
 
 from skyrl_clora.kernels import sample_tokens
 from skyrl_clora.kernels.reference import sample_tokens_ref
-from kernel_cases import check_samples, make_sampling_problem
+from tests.support.kernel_cases import check_samples, make_sampling_problem
 from skyrl_clora.sampler.sampling import request_uniforms, sample_rows
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 VOCAB = 151936
 
 

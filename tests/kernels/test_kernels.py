@@ -5,8 +5,6 @@ real sizes. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -15,7 +13,8 @@ from skyrl_clora.kernels.lora import packed
 from skyrl_clora.kernels.lora.meta import ARRIVAL_BLOCKS
 from skyrl_clora.kernels.reference import add_lora_ref, packed_lora_ref
 from skyrl_clora.kernels.lora.sgmv import SgmvConfig, add_lora_triton
-from kernel_cases import (
+from tests.support.kernel_cases import (
+    DTYPES,
     LAYOUTS,
     TOLERANCE,
     adapters_differ,
@@ -24,11 +23,8 @@ from kernel_cases import (
     reference_out,
     rel_error,
 )
+from tests.support.markers import interpreted
 
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"
-)
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIXED = {"distinct", "uniform", "zipf", "skewed", "no_adapter"}
 
 

@@ -6,8 +6,6 @@ tests/gpu/test_attention_gpu.py repeats them at real sizes. Relative-error toler
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -21,13 +19,18 @@ from skyrl_clora.kernels.attention.decode import (
     reduce_warps,
 )
 from skyrl_clora.kernels.reference import decode_attention_ref
-from kernel_cases import CACHE_DTYPES, FP8, TOLERANCE, as_cache, attention_loop_ref, make_attention_problem, rel_error
-from paged_cases import PROMPT_LEN, gather_cache, make_paged_decode_problem
-
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"
+from tests.support.kernel_cases import (
+    CACHE_DTYPES,
+    DTYPES,
+    FP8,
+    TOLERANCE,
+    as_cache,
+    attention_loop_ref,
+    make_attention_problem,
+    rel_error,
 )
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from tests.support.paged_cases import PROMPT_LEN, gather_cache, make_paged_decode_problem
+from tests.support.markers import interpreted
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -224,7 +227,7 @@ def test_reduce_warps_one_per_thousand_floats_of_the_tile() -> None:
     assert reduce_warps(128, 256) == 8
 
 
-# Paged caches (tests/paged_cases.py): (block size, config) per case. Default config: 64-key tiles spanning
+# Paged caches (tests/support/paged_cases.py): (block size, config) per case. Default config: 64-key tiles spanning
 # four 16-position blocks, two 32-position ones or one 64-position block; 16-key tiles over 32- and 64-position
 # blocks (a part of one block per tile) with 32-key splits; 32-key tiles and 128-key splits over 16-position blocks.
 PAGED_CASES = [

@@ -4,7 +4,7 @@ the decode attention partials, the prefill attention; ``sm90_compile.CASES``), w
 the CPU. The interpreter that runs the other kernel tests skips that compiler, so these catch what only the GPU's
 compiler rejects, e.g. a variable given another type in one branch of a runtime ``if``.
 
-The compiles run in subprocesses of ``tests/sm90_compile.py`` (one per kernel, side by side) with ``TRITON_INTERPRET``
+The compiles run in subprocesses of ``tests/support/sm90_compile.py`` (one per kernel, side by side) with ``TRITON_INTERPRET``
 removed from their environment, since the suite sets it (scripts/test.sh) and only without it are the kernels
 ``JITFunction`` objects the compiler takes, and with a Triton cache of their own, so that each run compiles from
 scratch.
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from sm90_compile import CASES
+from tests.support.sm90_compile import CASES
 
-HELPER = Path(__file__).resolve().parents[1] / "sm90_compile.py"
+HELPER = Path(__file__).resolve().parents[1] / "support" / "sm90_compile.py"
 
 
 def run_helper(names: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:

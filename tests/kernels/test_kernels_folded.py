@@ -6,19 +6,23 @@ repeats it at real sizes and in a CUDA graph. Tolerances per dtype: ``kernel_cas
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import skyrl_clora.kernels.dispatch as dispatch
 from skyrl_clora.kernels import LoRAMeta, fold_lora_weights, folded_lora_linear
 from skyrl_clora.kernels.lora.folded import fold_pays
-from kernel_cases import LAYOUTS, TOLERANCE, adapters_differ, fold_problem, make_problem, reference_out, rel_error
-
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"
+from tests.support.kernel_cases import (
+    LAYOUTS,
+    TOLERANCE,
+    adapters_differ,
+    fold_problem,
+    make_problem,
+    reference_out,
+    rel_error,
 )
+from tests.support.markers import interpreted
+
 SHAPES = {"qkv": ((48, 16, 16), True), "gate_up": ((32, 32), True), "shared_a": ((32, 32), False), "one": ((40,), False)}
 
 

@@ -3,8 +3,6 @@ references, and the references against Hugging Face's own Qwen3 modules."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers import Qwen3Config
@@ -13,9 +11,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 from skyrl_clora.kernels import qk_norm_rope, rms_norm, silu_mul
 
 from helpers import assert_fused_close
+from tests.support.markers import triton_runs
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="Triton needs TRITON_INTERPRET=1 on the CPU (scripts/test.sh sets it)")
+pytestmark = triton_runs
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

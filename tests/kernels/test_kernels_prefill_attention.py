@@ -7,7 +7,6 @@ tests/gpu/test_prefill_attention_gpu.py repeats them at real sizes. Relative-err
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -15,13 +14,19 @@ import torch
 
 from skyrl_clora.kernels import prefill_attention
 from skyrl_clora.kernels.attention.prefill import PrefillConfig, default_prefill_config, prefill_attention_triton
-from kernel_cases import CACHE_DTYPES, FP8, TOLERANCE, as_cache, make_prefill_problem, prefill_loop_ref, rel_error
-from paged_cases import gather_cache, page_prefill_problem
-
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"
+from tests.support.kernel_cases import (
+    CACHE_DTYPES,
+    DTYPES,
+    FP8,
+    TOLERANCE,
+    as_cache,
+    make_prefill_problem,
+    prefill_loop_ref,
+    rel_error,
 )
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from tests.support.paged_cases import gather_cache, page_prefill_problem
+from tests.support.markers import interpreted
+
 # (row, start, q_len) per job slot: a slot of length 0, a job of one token, a job of 70 tokens from position
 # 70 (several query tiles and key tiles at the default config's block_n of 64), jobs sharing no row.
 JOBS = [(3, 70, 70), (0, 0, 1), (5, 13, 0), (1, 130, 17), (2, 0, 40), (4, 5, 23)]
@@ -175,7 +180,7 @@ def test_triton_rejects_what_only_the_reference_takes() -> None:
         prefill_attention_triton(*p.args(), config=PrefillConfig(block_q=8))
 
 
-# Paged caches (tests/paged_cases.py): JOBS over L = 192 positions, row 4's keys (its job's 28 positions) in row
+# Paged caches (tests/support/paged_cases.py): JOBS over L = 192 positions, row 4's keys (its job's 28 positions) in row
 # 2's blocks (GRPO siblings sharing a prompt), the table entries past each row's last position garbage.
 PAGED_LEN, PAGED_SHARED = 192, {4: 2}
 

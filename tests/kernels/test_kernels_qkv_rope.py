@@ -6,28 +6,23 @@ sizes and in a CUDA graph. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import skyrl_clora.kernels.lora.qkv_rope as qkv_rope
 from skyrl_clora.kernels import KVCacheWrite, LoRAMeta, folded_qkv_rope, folded_qkv_rope_into_cache
-from kernel_cases import (
+from tests.support.kernel_cases import (
     CACHE_DTYPES,
     LAYOUTS,
-    TOLERANCE,
     QKVRopeProblem,
+    TOLERANCE,
     adapters_differ,
     check_kv_cache_write,
     make_qkv_rope_problem,
     qkv_rope_ref_fp32,
     rel_error,
 )
-
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"
-)
+from tests.support.markers import interpreted
 
 
 def run(p: QKVRopeProblem, backend: str, meta: LoRAMeta | None = None) -> tuple[torch.Tensor, ...]:

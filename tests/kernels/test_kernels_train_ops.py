@@ -6,8 +6,6 @@ routed one; the atomics-free gather (gather_rows) against index_select under aut
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -22,9 +20,9 @@ from skyrl_clora.lora.layers import LoRARouting, attach_multi_lora, write_slot
 from skyrl_clora.trainer.fused_modules import FusedRMSNorm, FusedSwiGLUMLP, fuse_elementwise_modules, fused_apply_rotary_pos_emb
 
 from helpers import assert_fused_close, random_adapter
+from tests.support.markers import triton_runs
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="Triton needs TRITON_INTERPRET=1 on the CPU (scripts/test.sh sets it)")
+pytestmark = triton_runs
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

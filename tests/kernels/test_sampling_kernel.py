@@ -4,19 +4,15 @@ tests/gpu/test_sampling_gpu.py repeats them at real sizes."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from skyrl_clora.kernels import sample_tokens
 from skyrl_clora.kernels.reference import CDF_BLOCK, sample_tokens_ref
 from skyrl_clora.kernels.layers.sampling import sample_tokens_triton
-from kernel_cases import check_samples, make_sampling_problem
+from tests.support.kernel_cases import check_samples, make_sampling_problem
+from tests.support.markers import interpreted
 
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1 (scripts/test.sh)"
-)
 VOCAB = 3 * CDF_BLOCK - 72  # a partial last CDF block and a partial last chunk
 
 

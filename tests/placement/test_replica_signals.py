@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import skyrl_gym
 
-from isolation import assert_same_records, tenant_records
+from tests.support.isolation import assert_same_records, tenant_records
 from micro_task import LetterRewardEnv, micro_tenants, read_records, register_micro_env, run_args
 from skyrl_clora.checkpoints import TenantCheckpoints
 from skyrl_clora.interrupts import STOP

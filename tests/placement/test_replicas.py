@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import skyrl_gym
 
-from isolation import assert_same_records, tenant_records
+from tests.support.isolation import assert_same_records, tenant_records
 from micro_task import LetterRewardEnv, micro_tenants, read_records, register_micro_env, run_args
 from skyrl_clora.main import main
 from skyrl_clora.placement import replicas

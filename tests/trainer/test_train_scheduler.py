@@ -13,7 +13,12 @@ from skyrl_clora.config import ConfigError
 from skyrl_clora.main import main
 from skyrl_clora.trainer.pack_plan import pack_load, plan_packs, round_seconds
 from skyrl_clora.trainer.scheduler import TrainScheduler, pack_cost_model
-from transport import check_scheduler_returns_stored_weights, scheduler_batch, scheduler_trainer, submit_all
+from tests.support.transport import (
+    check_scheduler_returns_stored_weights,
+    scheduler_batch,
+    scheduler_trainer,
+    submit_all,
+)
 
 
 def test_packed_scheduler_packs_waiting_tenants_and_fails_only_the_bad_one(micro_model_dir: Path) -> None:

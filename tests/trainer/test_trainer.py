@@ -10,7 +10,7 @@ import torch
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import LRSchedule, TenantState
 from skyrl_clora.trainer.trainer import Trainer
-from transport import check_swap_a_b_a, swap_batch, swap_trainer
+from tests.support.transport import check_swap_a_b_a, swap_batch, swap_trainer
 
 
 @pytest.fixture

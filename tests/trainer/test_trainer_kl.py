@@ -20,7 +20,7 @@ from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
 from skyrl_clora.trainer.trainer import Trainer
-from transport import swap_batch
+from tests.support.transport import swap_batch
 
 
 def _trainer(model_dir: Path, **algorithm: object) -> Trainer:

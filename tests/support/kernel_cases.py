@@ -21,6 +21,7 @@ from skyrl_clora.kernels.lora.folded import FoldedWeights, fold_lora_weights
 from skyrl_clora.kernels.reference import add_lora_ref, decode_attention_ref, prefill_attention_ref, qk_norm_rope_ref
 
 LAYOUTS = ("distinct", "uniform", "zipf", "identical", "skewed", "no_adapter")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the model dtypes the kernel parity tests sweep
 # Largest relative error ||got - ref|| / ||ref - out_before|| accepted against the fp32 reference:
 # fp32 (ieee dots) is near rounding; fp16/bf16 round the input, h and the output to 10/7 mantissa bits.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}

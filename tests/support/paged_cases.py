@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernel_cases import AttentionProblem, PrefillProblem, make_attention_problem
+from tests.support.kernel_cases import AttentionProblem, PrefillProblem, make_attention_problem
 
 GARBAGE_IDS = (-1, None, 2**30)  # unused table entries in turn: -1, a stale id of an unused block (None), a wild id
 
