@@ -148,10 +148,6 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
                               f"{', '.join(sorted(available))} (or register yours with SkyRL before the run)")
 
 
-SCHEDULERS = ("constant_with_warmup", "constant", "cosine")
-"""SkyRL's ``trainer.policy.optimizer_config.scheduler`` values the trainers implement, with SkyRL's (Hugging Face's
-``get_scheduler``) meaning: ``trainer.adapter_store.LRSchedule``."""
-
 # SkyRL's Tracking backends that trainer.logger takes (mlflow and swanlab need servers or accounts).
 LOGGERS = ("console", "tensorboard", "wandb")
 
@@ -223,9 +219,11 @@ class TrainerConfig:
                               f"{' or '.join(TRAIN_PRIORITIES)}")
         if self.pack_size < 0:
             raise ConfigError(f"clora.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
-        if self.lr_schedule not in SCHEDULERS:
-            raise ConfigError(f"trainer.policy.optimizer_config.scheduler={self.lr_schedule} is unknown; use "
-                              f"{' or '.join(SCHEDULERS)}")
+        from skyrl_clora.trainer.adapter_store import LR_SCHEDULES
+
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"trainer.policy.optimizer_config.scheduler={self.lr_schedule} is not implemented here; "
+                              f"use {' or '.join(LR_SCHEDULES)}")
         if self.micro_batch_size < 1:
             raise ConfigError(f"trainer.micro_train_batch_size_per_gpu must be >= 1, got {self.micro_batch_size}")
         if self.update_epochs < 1:

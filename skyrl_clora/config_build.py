@@ -16,7 +16,7 @@ from typing import Any, get_type_hints
 from omegaconf import DictConfig, OmegaConf
 
 from skyrl_clora.config import (
-    KV_CACHE_DTYPE_KEY, RECIPE_KEYS, SCHEDULERS, ConfigError, EvalConfig, LoraConfig, RecipeConfig, RunConfig, SamplerConfig,
+    KV_CACHE_DTYPE_KEY, RECIPE_KEYS, ConfigError, EvalConfig, LoraConfig, RecipeConfig, RunConfig, SamplerConfig,
     TrainerConfig, checked, check_algorithm,
 )
 from skyrl_clora.tenants import PER_TENANT_SKYRL, TenantSpec, expand_tenants
@@ -114,16 +114,12 @@ def recipe_config(cfg: DictConfig) -> RecipeConfig:
 
 def trainer_config(cfg: DictConfig) -> TrainerConfig:
     """:data:`TRAINER_KEYS` as a :class:`TrainerConfig`; SkyRL's ``trainer.logger`` may be one name or a list,
-    its ``trainer.resume_mode`` null (none), its scheduler one of :data:`SCHEDULERS`."""
+    its ``trainer.resume_mode`` null (none)."""
     values = read_keys(cfg, TRAINER_KEYS)
     if isinstance(values.get("logger"), str):
         values["logger"] = [values["logger"]]
     if values.get("resume_mode", "") is None:
         values["resume_mode"] = "none"
-    scheduler = values["lr_schedule"]
-    if scheduler not in SCHEDULERS:
-        raise ConfigError(f"trainer.policy.optimizer_config.scheduler={scheduler} is not implemented here; use "
-                          f"{' or '.join(SCHEDULERS)}")
     temperature = cfg.generator.sampling_params.temperature
     if values["algorithm"].get("temperature") is None and isinstance(temperature, (int, float)):
         values["algorithm"]["temperature"] = temperature  # as SkyRL's SkyRLTrainConfig.__post_init__ does

@@ -45,7 +45,8 @@ TABLES = ("master", "exp_avg", "exp_avg_sq", "grads")
 
 
 LR_SCHEDULES = ("constant_with_warmup", "constant", "cosine")
-"""The ``transformers.SchedulerType`` names (SkyRL's ``optimizer_config.scheduler``) :class:`LRSchedule` takes."""
+"""The ``transformers.SchedulerType`` names (SkyRL's ``optimizer_config.scheduler``) :class:`LRSchedule` takes: the
+values ``trainer.policy.optimizer_config.scheduler`` accepts on both backends."""
 
 
 @functools.lru_cache(maxsize=256)
