@@ -1,58 +1,150 @@
-"""The sampler's adapter slots: which LoRA slot of the engine's layers holds each adapter, and the version of it
-that the slot holds. The single owner of a tenant's published version: the sync and the clients read it here.
+"""The sampler's adapters: every registered adapter's latest published version in host memory, and the bounded set
+of device LoRA slots (``layers[*].lora_a: [S, R, H_in]``) that hold some of them, a cache filled on demand with the
+least recently used adapter out. The single owner of a tenant's published version: the sync and the clients read it
+here.
 
-Slots are reserved from any thread (before the adapter's first request); contents and versions are written on
-the engine thread, between two decode steps (``write`` / ``clear``).
+Invariant: a resident adapter's slot holds its latest published version once the engine has loaded it (a load and a
+publish both write the host copy into the slot), so a request admitted under version ``v`` is sampled with ``v``
+whether its adapter stayed resident or was evicted and loaded again.
+
+Threads: :meth:`AdapterSlots.register`, :meth:`~AdapterSlots.version`, ``in`` and :meth:`~AdapterSlots.host_copy` may
+be called from any thread; everything else runs on the engine thread, the residency decisions (:meth:`assign`,
+:meth:`touch`, :meth:`evictable`) by the scheduler and the device writes (:meth:`publish`, :meth:`load`,
+:meth:`clear`) by the engine, between two decode steps.
 """
 
 from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
 
 from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear, read_slot, write_slot
 
 
 class AdapterSlots:
-    """Name -> (slot, published version) over ``layers``' slots (``layers[*].lora_a``: ``[S, R, H_in]``)."""
+    """Name -> latest published (host weights, version), and name -> device slot for the resident ones, over
+    ``layers``' ``count`` slots. ``pin``: host copies live in pinned memory (a CUDA engine's loads then copy
+    asynchronously in stream order)."""
 
-    def __init__(self, layers: dict[str, MultiLoRALinear]) -> None:
+    def __init__(self, layers: dict[str, MultiLoRALinear], pin: bool) -> None:
         self.layers = layers
+        self.pin = pin
         self.count = next(iter(layers.values())).lora_a.shape[0]
-        self._slots: dict[str, int] = {}
-        self._versions: dict[str, int] = {}
+        self._registered: set[str] = set()
+        self._lock = threading.Lock()  # guards _registered against readers on other threads
+        self._latest: dict[str, tuple[AdapterWeights, int]] = {}
+        self._resident: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self._free = list(range(self.count))
 
     def __contains__(self, name: object) -> bool:
-        return name in self._slots
+        return name in self._registered
 
     def names(self) -> list[str]:
-        return sorted(self._slots)
+        with self._lock:
+            return sorted(self._registered)
 
-    def reserve(self, name: str) -> int:
-        """Gives ``name`` the lowest free slot (empty until its first ``write``); returns it."""
-        if name in self._slots:
-            raise ValueError(f"adapter {name!r} is already registered")
-        used = set(self._slots.values())
-        free = [slot for slot in range(self.count) if slot not in used]
-        if not free:
-            raise ValueError(f"all {self.count} adapter slots are in use; raise clora.max_tenants")
-        self._slots[name] = free[0]
-        return free[0]
+    def register(self, name: str) -> None:
+        """Registers ``name`` (no version until its first :meth:`publish`; no slot until a request needs one).
+        Raises ValueError when it is registered already."""
+        with self._lock:
+            if name in self._registered:
+                raise ValueError(f"adapter {name!r} is already registered")
+            self._registered.add(name)
 
-    def slot(self, name: str) -> int:
-        return self._slots[name]
+    def host_copy(self, weights: AdapterWeights) -> AdapterWeights:
+        """``weights`` as the host copy :meth:`publish` keeps: tensors already in host memory (pinned, with ``pin``)
+        are kept by reference, so they must not change after the publish (the trainer hands out a fresh buffer per
+        step); any other tensor is copied into new host memory (pinned with ``pin``). Any thread."""
+        def host(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.device.type == "cpu" and (not self.pin or tensor.is_pinned()):
+                return tensor
+            return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin).copy_(tensor)
+
+        copy = AdapterWeights(rank=weights.rank, alpha=weights.alpha)
+        copy.a = {path: host(tensor) for path, tensor in weights.a.items()}
+        copy.b = {path: host(tensor) for path, tensor in weights.b.items()}
+        return copy
 
     def version(self, name: str) -> int:
-        """The version ``name``'s slot holds (KeyError before its first write or after it is cleared)."""
-        return self._versions[name]
+        """``name``'s latest published version (KeyError before its first publish or after it is cleared)."""
+        return self._latest[name][1]
 
-    def write(self, name: str, weights: AdapterWeights, version: int) -> None:
-        """Copies ``weights`` into ``name``'s slot in place (``write_slot``) and records ``version``."""
-        write_slot(self.layers, self._slots[name], weights)
-        self._versions[name] = version
+    def resident(self, name: str) -> bool:
+        """Whether ``name`` holds a device slot."""
+        return name in self._resident
+
+    def slot(self, name: str) -> int:
+        """``name``'s device slot (KeyError when it is not resident)."""
+        return self._resident[name]
+
+    def evictable(self, busy: set[str | None]) -> list[str]:
+        """The resident adapters not in ``busy`` (those with requests running or being prefilled), least recently
+        used first: the ones whose slot :meth:`assign` may take."""
+        return [name for name in self._resident if name not in busy]
+
+    def available(self, busy: set[str | None]) -> int:
+        """How many slots :meth:`assign` could give now: the free ones and those of :meth:`evictable` adapters."""
+        return len(self._free) + len(self.evictable(busy))
+
+    def lru(self) -> list[str]:
+        """The resident adapters, least recently used first."""
+        return list(self._resident)
+
+    def touch(self, name: str) -> None:
+        """``name`` (resident) was just used: it becomes the most recently used."""
+        self._resident.move_to_end(name)
+
+    def assign(self, name: str, busy: set[str | None]) -> str | None:
+        """Gives ``name`` (registered, not resident) a device slot: a free one, else the slot of the least recently
+        used resident adapter not in ``busy``, which stops being resident. Returns the evicted adapter (None for a
+        free slot). The slot holds ``name`` once the engine has :meth:`load`-ed it. Raises ValueError when every slot
+        is held by a busy adapter."""
+        if self._free:
+            self._resident[name] = self._free.pop(0)
+            return None
+        candidates = self.evictable(busy)
+        if not candidates:
+            raise ValueError(f"all {self.count} adapter slots hold adapters with running requests")
+        evicted = candidates[0]
+        self._resident[name] = self._resident.pop(evicted)
+        return evicted
+
+    def evict(self, name: str) -> None:
+        """Frees ``name``'s slot (its contents are left; the next adapter given the slot is loaded over them)."""
+        self._free.append(self._resident.pop(name))
+        self._free.sort()
+
+    def load(self, name: str) -> None:
+        """Writes ``name``'s latest published host copy into its slot in place (``write_slot``)."""
+        write_slot(self.layers, self._resident[name], self._latest[name][0])
+
+    def publish(self, name: str, weights: AdapterWeights, version: int) -> None:
+        """Makes ``weights`` (a :meth:`host_copy`) ``name``'s latest version ``version``, and writes it into its slot
+        when it is resident (no running request may use that slot: the scheduler's version fence)."""
+        if name not in self._registered:
+            raise ValueError(f"unknown adapter {name!r}")
+        self._latest[name] = (weights, version)
+        if name in self._resident:
+            self.load(name)
 
     def clear(self, name: str) -> None:
-        """Empties ``name``'s slot and frees it."""
-        write_slot(self.layers, self._slots.pop(name), None)
-        self._versions.pop(name, None)
+        """Unregisters ``name``: its host copy is dropped and its slot, if it holds one, emptied and freed."""
+        with self._lock:
+            self._registered.discard(name)
+        self._latest.pop(name, None)
+        if name in self._resident:
+            write_slot(self.layers, self._resident[name], None)
+            self.evict(name)
 
     def read(self, name: str, rank: int, alpha: float) -> AdapterWeights:
-        """A copy of the first ``rank`` ranks of ``name``'s slot: the adapter the sampler serves."""
-        return read_slot(self.layers, self._slots[name], rank, alpha)
+        """A copy of the first ``rank`` ranks of the adapter the sampler serves as ``name``: its slot's contents when
+        resident, else its host copy."""
+        if name in self._resident:
+            return read_slot(self.layers, self._resident[name], rank, alpha)
+        weights = self._latest[name][0]
+        served = AdapterWeights(rank=rank, alpha=alpha)
+        served.a = {path: tensor[:rank].clone() for path, tensor in weights.a.items()}
+        served.b = {path: tensor[:, :rank].clone() for path, tensor in weights.b.items()}
+        return served

@@ -5,9 +5,12 @@ holds it, owns its inbox and is the thread-safe API). Each round (:meth:`Engine.
   1. (the thread) hands it the new requests and adapter publishes of its inbox;
   2. applies every pending publish whose adapter has no running request (the version fence: a request
      is sampled entirely with the adapter version it was admitted under; new requests of an adapter with
-     a pending publish wait until it lands, so a publish cannot starve);
-  3. admits waiting requests into free cache rows (FIFO over all tenants, while the KV block pool has room)
-     and prefills them together (ragged passes, replayed from CUDA graphs on the GPU), each row starting with
+     a pending publish wait until it lands, so a publish cannot starve): the adapter's host copy becomes the
+     published one, and its device slot, if it holds one, is written from it;
+  3. admits waiting requests into free cache rows (FIFO over all tenants, while the KV block pool has room and
+     each one's adapter holds or can be given one of the bounded device slots: :class:`AdapterSlots`, a cache
+     over the adapters' host copies, least recently used out), writes the adapters given a slot into it
+     and prefills the requests together (ragged passes, replayed from CUDA graphs on the GPU), each row starting with
      the keyed prompt blocks of its adapter version it can share (and, with ``reuse_decode_kv``, a finished
      turn's whole history when the prompt extends it: the next turn of a multi-turn episode then computes only
      its new tokens), by reference: :class:`BlockManager`;
@@ -19,12 +22,12 @@ holds it, owns its inbox and is the thread-safe API). Each round (:meth:`Engine.
      take their input tokens from the device; a prefill never waits for the decode step ahead of it. A row
      whose step-t token ends it (a stop token, or its length limit while other rows go on) runs once more
      at t+1, and that token is dropped.
-Which publishes land, which waiting requests take which rows and KV blocks (a :class:`PrefillPlan`) and, before
-each decode step, which running request is preempted when the pool has no block left (the most recently
+Which publishes land, which waiting requests take which rows, KV blocks and adapter slots (a :class:`PrefillPlan`)
+and, before each decode step, which running request is preempted when the pool has no block left (the most recently
 admitted one: it waits first in the queue to start over, its tokens drawn again from the same counter-based RNG)
-is the :class:`Scheduler`'s decision, and only the scheduler changes the block pool's state (schedule -> execute
--> update): the engine writes adapters, copies KV blocks as a plan says, runs the passes (:class:`ModelRunner`),
-samples, and reports to the scheduler what it prefilled and retired.
+is the :class:`Scheduler`'s decision, and only the scheduler changes the block pool's state and the slots' residency
+(schedule -> execute -> update): the engine writes adapters into their slots, copies KV blocks as a plan says, runs
+the passes (:class:`ModelRunner`), samples, and reports to the scheduler what it prefilled and retired.
 Other tenants' requests keep decoding while one tenant's adapter is published: a publish is a ``copy_``
 into that tenant's slot between two decode steps (dropping only that tenant's cached prefixes), never a
 pause or a global cache reset.
@@ -88,7 +91,7 @@ class Engine:
         self._shared_rows = SharedPrefixRows(num_rows) if config.share_prefix_reads else None
         blocks = BlockManager(num_blocks, block_size, num_rows, max_len // block_size, config.cache_prefixes)
         self.lora_layers = lora_layers
-        self.adapters = AdapterSlots(lora_layers)
+        self.adapters = AdapterSlots(lora_layers, pin=self.runner.device.type == "cuda")
         self.max_len = max_len
         self.recorder = StatsRecorder(self.runner.device)
         if config.cuda_graphs and self.runner.device.type == "cuda":
@@ -140,20 +143,28 @@ class Engine:
                     self.adapters.clear(publish.adapter)
                     self.scheduler.fail_waiting(publish.adapter)
                 else:
-                    self.adapters.write(publish.adapter, publish.weights, publish.version)
+                    self.adapters.publish(publish.adapter, publish.weights, publish.version)
                 publish.future.set_result(None)
             except Exception as error:
                 publish.future.set_exception(error)
 
     @profiled("engine.admit")
     def _admit(self, plan: PrefillPlan) -> None:
-        """Prefills ``plan``'s requests in one batched call; a failed prefill fails its own requests, not the
-        running ones."""
-        if not plan.requests:
+        """Loads the adapters ``plan`` gave device slots (their latest host copies) and prefills its requests in one
+        batched call; a failed load or prefill fails the plan's requests, not the running ones, and the adapters it
+        loaded give their slots back (loaded again when next needed)."""
+        self.recorder.adapters_scheduled(plan.hits, len(plan.loads), plan.evictions)
+        if not plan.requests and not plan.loads:
             return
         try:
-            self._prefill(plan)
+            for name in plan.loads:
+                self.adapters.load(name)
+            if plan.requests:
+                self._prefill(plan)
         except Exception as error:  # a failed prefill fails its own requests, not the running ones
+            for name in plan.loads:
+                if self.adapters.resident(name):
+                    self.adapters.evict(name)
             for req in plan.requests:
                 if self.scheduler.rows[req.row] is req:
                     self._free_row(req.row)

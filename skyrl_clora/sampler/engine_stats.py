@@ -28,7 +28,10 @@ class EngineStats:
     blocks a row writes into and block-table uploads, the seconds spent retiring finished requests (keeping
     their blocks as a history, completing their futures; in decode steps and prefill), the seconds the decode
     CUDA graphs' capture took, the key positions decode steps read through another row's shared blocks, the
-    preemptions, and the peaks of running requests and of KV blocks held."""
+    preemptions, the peaks of running requests and of KV blocks held, and the adapter slots' cache: admissions of
+    requests whose adapter held its device slot (hits), adapters written into a slot for an admission (loads) and
+    loads into a slot taken from another adapter (evictions); :attr:`adapter_hit_rate` is hits over hits and
+    loads."""
 
     decode_steps: int = 0
     prefill_rounds: int = 0
@@ -54,6 +57,15 @@ class EngineStats:
     preemptions: int = 0  # running requests stopped for want of a KV block (queued again to start over)
     peak_running_rows: int = 0  # most requests running at once
     peak_blocks_held: int = 0  # most KV blocks held by rows and histories at once (sampled after prefill rounds)
+    adapter_hits: int = 0  # admissions whose adapter held its device slot
+    adapter_loads: int = 0  # adapters written into a device slot for an admission
+    adapter_evictions: int = 0  # loads into a slot taken from another (idle) adapter
+
+    @property
+    def adapter_hit_rate(self) -> float:
+        """The share of admissions (with an adapter) that found it in its slot (1.0 before any)."""
+        admissions = self.adapter_hits + self.adapter_loads
+        return self.adapter_hits / admissions if admissions else 1.0
 
 
 class GPUSpan:
@@ -166,6 +178,13 @@ class StatsRecorder:
         """``count`` tokens accepted, the finished requests retired from ``retiring`` until now."""
         self.stats.generated_tokens += count
         self.stats.retire_seconds += time.perf_counter() - retiring
+
+    def adapters_scheduled(self, hits: int, loads: int, evictions: int) -> None:
+        """An admission round: ``hits`` requests found their adapter in its slot, ``loads`` adapters were given one,
+        ``evictions`` of them another adapter's."""
+        self.stats.adapter_hits += hits
+        self.stats.adapter_loads += loads
+        self.stats.adapter_evictions += evictions
 
     def preempted(self, count: int) -> None:
         self.stats.preemptions += count

@@ -52,13 +52,14 @@ class EngineThread:
         return self.engine.stats
 
     def register_adapter(self, name: str, weights: AdapterWeights, version: int = 0) -> None:
-        """Gives ``name`` a LoRA slot holding ``weights`` (before any request of it is submitted)."""
-        self.engine.adapters.reserve(name)
+        """Registers ``name`` with ``weights`` as its ``version`` (before any request of it is submitted); returns once
+        the engine holds them. It takes a device slot when a request of it is admitted."""
+        self.engine.adapters.register(name)
         self.publish(name, weights, version).result()
 
     def unregister_adapter(self, name: str) -> concurrent.futures.Future:
-        """Frees ``name``'s slot once none of its requests is running; its waiting requests fail.
-        Resolves when the slot is free."""
+        """Drops ``name`` (its host copy, and its slot if it holds one) once none of its requests is running; its
+        waiting requests fail. Resolves when it is dropped."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         if name not in self.engine.adapters:
             future.set_exception(ValueError(f"unknown adapter {name!r}"))
@@ -86,12 +87,13 @@ class EngineThread:
         return future
 
     def publish(self, adapter: str, weights: AdapterWeights, version: int) -> concurrent.futures.Future:
-        """Queues an in-place update of ``adapter``'s slot to ``weights`` at ``version``; resolves once applied."""
+        """Queues ``weights`` as ``adapter``'s ``version``: its host copy (``AdapterSlots.host_copy``, made here on the
+        caller's thread) and, if it holds one, its device slot in place; resolves once applied."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         if adapter not in self.engine.adapters:
             future.set_exception(ValueError(f"unknown adapter {adapter!r}"))
             return future
-        self._inbox.put(Publish(adapter, weights, version, future))
+        self._inbox.put(Publish(adapter, self.engine.adapters.host_copy(weights), version, future))
         return future
 
     def running_rows(self) -> int:

@@ -7,7 +7,8 @@ thread alone (the engine keeps the thread's work, the model and every tensor). T
 of the pool's state: it hands the engine a :class:`PrefillPlan` (rows, blocks and the block copies to make
 before the pass), grows the running rows' blocks before each decode step (:meth:`Scheduler.make_room`,
 preempting when short), keys the prompts the engine has prefilled and frees the rows it retires. It reads the
-adapters' published versions (:class:`AdapterSlots`).
+adapters' published versions and decides which adapters hold the device slots (:class:`AdapterSlots`); the engine
+writes them.
 
 Prefill batching: while rows decode, waiting requests are admitted only once ``max_prefills_per_step`` of
 them wait or the oldest has waited ``prefill_wait_steps`` decode steps, so that a prefill pass (whose cost on a GPU
@@ -25,12 +26,20 @@ with a MemoryError.
 The version fence: a request is sampled entirely with the adapter version it was admitted under, so a
 publish (or unregister) of an adapter lands only once none of its requests holds a row; new requests of an
 adapter with a pending publish wait until it has landed, so a publish cannot starve.
+
+Adapter slots (:class:`AdapterSlots`, a cache of device slots over the adapters' host copies): a request is admitted
+only once its adapter holds a slot. One that does not takes a free slot, else the slot of the least recently used
+adapter with no request running or admitted in the round (evicted), and the plan names it for the engine to load
+before the pass (:attr:`PrefillPlan.loads`). When every slot's adapter is busy the request waits, and the least
+recently used busy adapter is drained for it: requests of that adapter queued behind it are not admitted until it
+has its slot, so a waiting adapter gets one within the running requests' lengths (one drained adapter per waiting
+adapter, in queue order).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -63,7 +72,8 @@ class QueuedRequest:
 
 @dataclass
 class Publish:
-    """An in-place update of ``adapter``'s slot to ``weights`` at ``version``; ``future`` resolves once applied."""
+    """``weights`` (host memory: ``AdapterSlots.host_copy``) as ``adapter``'s ``version``, written into its device slot
+    in place if it holds one; ``future`` resolves once applied."""
 
     adapter: str
     weights: AdapterWeights
@@ -73,7 +83,8 @@ class Publish:
 
 @dataclass
 class Unregister:
-    """The removal of ``adapter`` (its slot freed, its waiting requests failed); ``future`` resolves then."""
+    """The removal of ``adapter`` (its host copy dropped, its slot freed, its waiting requests failed); ``future``
+    resolves then."""
 
     adapter: str
     future: concurrent.futures.Future
@@ -84,11 +95,62 @@ class PrefillPlan:
     """The requests to prefill in one pass, in admission order, each holding its row and the blocks of its
     prompt; ``starts[i]``: the first position the pass computes for ``requests[i]`` (the positions before it are
     in blocks its row adopted); ``copies``: ``(sources, targets)``, the shared blocks whose K/V the engine copies
-    before the pass (a row's own copy of a block it writes into)."""
+    before the pass (a row's own copy of a block it writes into); ``loads``: the adapters given a device slot for
+    these requests, whose host copies the engine writes into their slots before the pass (:meth:`AdapterSlots.load`),
+    ``evictions`` of them in a slot taken from another adapter; ``hits``: the requests whose adapter held its slot
+    already."""
 
     requests: list[QueuedRequest] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     copies: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    loads: list[str] = field(default_factory=list)
+    evictions: int = 0
+    hits: int = 0
+
+
+class _SlotRound:
+    """One admission round's decisions over the device slots (:class:`AdapterSlots`), recorded in ``plan``: the
+    adapters busy (with a request running or admitted in the round), and those drained for adapters waiting for a
+    slot (module docstring)."""
+
+    def __init__(self, adapters: AdapterSlots, rows: list[QueuedRequest | None], plan: PrefillPlan) -> None:
+        self.adapters = adapters
+        self.plan = plan
+        self.busy = {req.adapter for req in rows if req is not None}
+        self.waiting: set[str] = set()
+        self.draining: set[str] = set()
+
+    def holds_back(self, adapter: str | None) -> bool:
+        """Whether a request of ``adapter`` waits for a slot: its adapter is drained for one queued before it, or it
+        holds no slot and none is free or held by an idle adapter (the least recently used busy adapter not drained
+        yet is then drained for it)."""
+        if adapter is None:
+            return False
+        if adapter in self.draining:
+            return True
+        if self.adapters.resident(adapter) or self.adapters.available(self.busy):
+            return False
+        if adapter not in self.waiting:
+            self.waiting.add(adapter)
+            victim = next((name for name in self.adapters.lru() if name in self.busy and name not in self.draining), None)
+            if victim is not None:
+                self.draining.add(victim)
+        return True
+
+    def admitted(self, req: QueuedRequest) -> None:
+        """``req`` (not held back) was admitted: sets its ``lora_slot``; its adapter becomes the most recently used,
+        or is given a slot (:meth:`AdapterSlots.assign`) and named in the plan's ``loads``."""
+        if req.adapter is None:
+            req.lora_slot = -1
+            return
+        if self.adapters.resident(req.adapter):
+            self.adapters.touch(req.adapter)
+            self.plan.hits += 1
+        else:
+            self.plan.evictions += self.adapters.assign(req.adapter, self.busy) is not None
+            self.plan.loads.append(req.adapter)
+        self.busy.add(req.adapter)
+        req.lora_slot = self.adapters.slot(req.adapter)
 
 
 def _unregistered(adapter: str) -> ValueError:
@@ -203,31 +265,35 @@ class Scheduler:
             self._waiting.remove(req)
             req.future.set_exception(_unregistered(adapter))
 
-    def admit(self) -> list[QueuedRequest]:
+    def admit(self) -> PrefillPlan:
         """Admits waiting requests (FIFO over all tenants) into the free rows, lowest first, at most
         ``max_prefills_per_step`` of them and while the block pool keeps :attr:`watermark` blocks available
         after each (dropping stored histories, oldest first, to make room): sets each one's ``row``,
-        ``version`` and ``history`` and returns them in admission order (:meth:`schedule_prefill` then gives them
-        their blocks; they run once :meth:`prefilled`). Cancelled requests are dropped; requests whose adapter is no longer registered fail, and
+        ``version``, ``history`` and ``lora_slot`` (giving its adapter a slot when it holds none) and returns a plan
+        of them in admission order with the adapters to load (:meth:`schedule_prefill` then gives them their
+        blocks; they run once :meth:`prefilled`). Cancelled requests are dropped; requests whose adapter is no longer registered fail, and
         so does a request whose prompt needs more blocks than the pool has; requests of an adapter with a
-        pending publish or unregister wait (the version fence).
+        pending publish or unregister wait (the version fence), and so do requests whose adapter cannot have a
+        device slot in this round or is drained for another (:class:`_SlotRound`).
 
         A request whose first uncached prompt block is also the first uncached block of another request
         admitted in this round waits one round, so that it finds that prefix (a GRPO group's prompt, a
         tenant's system prompt) keyed instead of computing it again; requests that share only keyed blocks
         (the turns of a GRPO group's episodes) are admitted together. While rows run, nothing is admitted until
         ``max_prefills_per_step`` requests wait or the oldest has waited ``prefill_wait_steps`` decode steps."""
+        plan = PrefillPlan()
         if not self._waiting or self._gathering():
-            return []
+            return plan
         fenced = {item.adapter for item in self._pending}
         free_rows = [row for row, req in enumerate(self.rows) if req is None]
-        admitted: list[QueuedRequest] = []
+        admitted = plan.requests
         first_missing: set[tuple] = set()
         remaining = []
         budget = self.blocks.available()
         spent = 0  # blocks the requests admitted this round will take
         full = False  # the pool could not take the last request tried: the round admits no more
         block_size = self.blocks.block_size
+        slots = _SlotRound(self.adapters, self.rows, plan)
         for req in self._waiting:
             if req.future.cancelled():
                 continue
@@ -241,7 +307,8 @@ class Scheduler:
                     f"engine's pool has {self.blocks.num_blocks}: raise sampler.gpu_memory_utilization (or "
                     "sampler.kv_blocks) or shorten the prompt"))
                 continue
-            if full or req.adapter in fenced or not free_rows or len(admitted) >= self.max_prefills_per_step:
+            if (full or req.adapter in fenced or not free_rows or len(admitted) >= self.max_prefills_per_step
+                    or slots.holds_back(req.adapter)):
                 remaining.append(req)
                 continue
             version = -1 if req.adapter is None else self.adapters.version(req.adapter)
@@ -269,17 +336,20 @@ class Scheduler:
             req.version, req.history = version, history
             req.row = free_rows.pop(0)
             admitted.append(req)
+            slots.admitted(req)
         self._waiting = remaining
-        return admitted
+        return plan
 
     def schedule_prefill(self) -> PrefillPlan:
-        """This round's prefill: the requests :meth:`admit` admits, each given its adapter's ``lora_slot`` and the
-        blocks of its prompt (:meth:`_take_blocks`), in admission order. A request the pool cannot give its blocks
-        now (they were counted, but the copy of a shared block or eviction order may need one more) gives them
-        back and waits first in the queue (those requests in their order)."""
-        plan, short = PrefillPlan(), []
-        for req in self.admit():
-            req.lora_slot = -1 if req.adapter is None else self.adapters.slot(req.adapter)
+        """This round's prefill: the requests :meth:`admit` admits (with their adapters' slots and loads), each given
+        the blocks of its prompt (:meth:`_take_blocks`), in admission order. A request the pool cannot give its
+        blocks now (they were counted, but the copy of a shared block or eviction order may need one more) gives
+        them back and waits first in the queue (those requests in their order; their adapters keep the slots they
+        were given, and are loaded all the same)."""
+        admitted = self.admit()
+        plan = replace(admitted, requests=[])
+        short = []
+        for req in admitted.requests:
             try:
                 plan.starts.append(self._take_blocks(req, plan.copies))
                 plan.requests.append(req)

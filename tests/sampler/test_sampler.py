@@ -468,7 +468,7 @@ def test_a_request_that_reaches_the_engine_after_its_adapter_left_fails_alone(mi
         running = engine.submit(PROMPT, "b", _params(1, max_tokens=40))
         engine.unregister_adapter("a").result(timeout=60)
         engine.pause()  # the request sits in the inbox, accepted by submit, as if it raced the unregister
-        engine.engine.adapters.reserve("a")
+        engine.engine.adapters.register("a")
         late = engine.submit(PROMPT, "a", _params(2))
         engine.engine.adapters.clear("a")
         engine.resume()

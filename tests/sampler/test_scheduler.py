@@ -27,10 +27,10 @@ def _scheduler(num_rows: int, versions: dict[str, int], max_prefills: int = 8, c
     """A scheduler over ``num_rows`` rows whose adapters hold ``versions``, with a prefix cache of ``BLOCK``-token
     blocks (keyed only with ``cache_prefixes``) in a pool of ``num_blocks``."""
     layers = {"proj": MultiLoRALinear(nn.Linear(4, 4), num_slots=4, max_rank=2, routing=LoRARouting(), trainable=False)}
-    adapters = AdapterSlots(layers)
+    adapters = AdapterSlots(layers, pin=False)
     for name, version in versions.items():
-        adapters.reserve(name)
-        adapters.write(name, init_adapter(layers, 2, 4.0, torch.Generator().manual_seed(0)), version)
+        adapters.register(name)
+        adapters.publish(name, init_adapter(layers, 2, 4.0, torch.Generator().manual_seed(0)), version)
     pool = BlockManager(num_blocks, BLOCK, num_rows, max_blocks_per_row=16, cache_prefixes=cache_prefixes)
     return Scheduler(num_rows, adapters, pool, max_prefills, reuse_decode_kv, prefill_wait_steps)
 
@@ -119,13 +119,13 @@ def test_a_publish_waits_for_its_adapters_rows_and_fences_its_new_requests() -> 
     for item in (publish_a, second_a, publish_b, unregister_c, first_b, second_c):
         scheduler.enqueue(item)
     assert scheduler.ready_publishes() == [publish_b], "a and c still run"
-    scheduler.adapters.write("b", init_adapter(scheduler.adapters.layers, 2, 4.0, torch.Generator()), 5)
+    scheduler.adapters.publish("b", init_adapter(scheduler.adapters.layers, 2, 4.0, torch.Generator()), 5)
     assert _admit_and_place(scheduler) == [first_b] and first_b.version == 5 and first_b.row == 2
     assert scheduler.ready_publishes() == []
     scheduler.release(first_a.row)
     assert scheduler.ready_publishes() == [publish_a]
     assert scheduler.ready_publishes() == [], "a ready publish is handed out once"
-    scheduler.adapters.write("a", init_adapter(scheduler.adapters.layers, 2, 4.0, torch.Generator()), 1)
+    scheduler.adapters.publish("a", init_adapter(scheduler.adapters.layers, 2, 4.0, torch.Generator()), 1)
     scheduler.release(first_c.row)
     assert scheduler.ready_publishes() == [unregister_c]
     admitted = _admit_and_place(scheduler)
@@ -143,7 +143,7 @@ def test_a_publish_holds_back_requests_that_arrive_after_it_only_while_pending()
     assert _admit_and_place(scheduler) == [], "a free row, but the version fence holds"
     scheduler.release(running.row)
     assert len(scheduler.ready_publishes()) == 1
-    scheduler.adapters.write("a", init_adapter(scheduler.adapters.layers, 2, 4.0, torch.Generator()), 1)
+    scheduler.adapters.publish("a", init_adapter(scheduler.adapters.layers, 2, 4.0, torch.Generator()), 1)
     assert _admit_and_place(scheduler) == [late] and late.version == 1
 
 
@@ -226,17 +226,17 @@ def test_admission_stops_at_the_first_request_the_block_pool_cannot_take() -> No
     small, huge = _request([7]), _request(list(range(60)))
     for req in (*big, huge, small):
         scheduler.enqueue(req)
-    admitted = scheduler.admit()
+    admitted = scheduler.admit().requests
     assert admitted == big[:1], "alone, the first fits with no watermark; the second would leave none"
     for req in admitted:
         scheduler.place(req)
         scheduler.blocks.grow(req.row, 6)
     assert isinstance(huge.future.exception(timeout=0), MemoryError)
     assert "sampler.gpu_memory_utilization" in str(huge.future.exception(timeout=0))
-    assert scheduler.admit() == [], "5 blocks available cannot take 6 more: the small request waits behind"
+    assert scheduler.admit().requests == [], "5 blocks available cannot take 6 more: the small request waits behind"
     scheduler.release(big[0].row)
     scheduler.requeue(big[0])
-    assert scheduler.admit() == [big[0]], "the preempted request goes first (the next one would leave no watermark)"
+    assert scheduler.admit().requests == [big[0]], "the preempted request goes first (the next one would leave no watermark)"
 
 
 def test_make_room_preempts_the_latest_placed_request_and_fails_one_that_is_alone() -> None:
@@ -290,3 +290,39 @@ def test_a_landing_publish_drops_its_adapters_prefixes_and_a_finish_keeps_a_hist
     scheduler.enqueue(Publish("a", None, 1, concurrent.futures.Future()))
     assert len(scheduler.ready_publishes()) == 1
     assert scheduler.blocks.lookup("a", 0, prompt) == [] and len(scheduler.blocks.lookup("b", 0, prompt)) == 2
+
+
+def test_an_adapter_takes_a_free_slot_then_the_least_recently_used_idle_ones_and_drains_a_busy_one() -> None:
+    """Four slots. a-d take the free ones; with a and c idle, e and f take theirs (least recently used first) and b
+    finds its own. Then every slot's adapter is busy: a waits, and the least recently used busy adapter, d, is
+    drained for it (its request behind a waits too) while b, admitted last, is not."""
+    scheduler = _scheduler(num_rows=8, versions={name: 0 for name in "abcdef"})
+    first = {name: _request([1], name) for name in "abcd"}
+    for req in first.values():
+        scheduler.enqueue(req)
+    plan = scheduler.schedule_prefill()
+    assert (plan.loads, plan.evictions, plan.hits) == (list("abcd"), 0, 0)
+    assert [req.lora_slot for req in plan.requests] == [0, 1, 2, 3]
+    for req in plan.requests:
+        scheduler.prefilled(req, 0)
+    scheduler.release(first["a"].row)
+    scheduler.release(first["c"].row)
+    second = [_request([2], name) for name in "efb"]
+    for req in second:
+        scheduler.enqueue(req)
+    plan = scheduler.schedule_prefill()
+    assert (plan.loads, plan.evictions, plan.hits) == (["e", "f"], 2, 1)
+    assert [req.lora_slot for req in plan.requests] == [0, 2, 1], "e and f in a's and c's slots"
+    assert not scheduler.adapters.resident("a") and not scheduler.adapters.resident("c")
+    for req in plan.requests:
+        scheduler.prefilled(req, 0)
+    waiting, drained, other = _request([3], "a"), _request([3], "d"), _request([3], "b")
+    for req in (waiting, drained, other):
+        scheduler.enqueue(req)
+    plan = scheduler.schedule_prefill()
+    assert plan.requests == [other] and (plan.loads, plan.hits) == ([], 1)
+    scheduler.prefilled(other, 0)
+    scheduler.release(first["d"].row)
+    plan = scheduler.schedule_prefill()
+    assert plan.requests == [waiting] and (plan.loads, plan.evictions) == (["a"], 1) and waiting.lora_slot == 3
+    assert scheduler.adapters.lru() == ["e", "f", "b", "a"] and not drained.future.done()
