@@ -25,7 +25,9 @@ One table, per mode and N: wall time, experiments per hour, experiment throughpu
 mean rollout time per tenant step, each with its ratio to the same mode's N=1 (serial's when that mode did not
 run N=1), train / sync split, decode tokens/s, the GPU busy fraction of the wall time (:func:`gpu_busy`), training
 MFU (the model FLOP of the batches trained, :func:`benchmarks.common.train_pass_flop`, over the passes' time and
-``--peak-tflops``) and peak GPU memory; above it, the per-turn lengths drawn (mean, p50, p90, max). After each group,
+``--peak-tflops``), peak GPU memory, the most rows running at once, preemptions and the engine's adapter slots (hit
+rate: admissions that found their adapter in a device slot; loads: adapters written into one, see
+``--override sampler.adapter_slots=K``); above it, the per-turn lengths drawn (mean, p50, p90, max). After each group,
 its wall account (:func:`benchmarks.wall.wall_account`: the engine thread's, the trainer's and each tenant's time).
 Full numbers go to ``--out`` as JSON (``rows``, each with its ``wall_account``; ``lengths``: the spec and the drawn
 lengths' summary; ``gpu_busy_method``).
@@ -264,7 +266,9 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
           f"{stats.longest_idle_seconds:.2f} s); training passes {result.train_passes_s:.1f} s; allocator: peak "
           f"{result.peak_memory_gib:.1f} GiB allocated, {result.peak_reserved_gib:.1f} GiB reserved, "
           f"{result.alloc_retries} retries; rows running at once: at most {stats.peak_running_rows}, "
-          f"{stats.preemptions} preempted", flush=True)
+          f"{stats.preemptions} preempted; adapter slots: {stats.adapter_hits} admissions found their adapter in its "
+          f"slot, {stats.adapter_loads} loaded it ({stats.adapter_evictions} evicting another), hit rate "
+          f"{stats.adapter_hit_rate:.1%}", flush=True)
     print(describe(f"{result.mode} x{len(names)}", result.account), flush=True)
     gc.collect()
     if device == "cuda":
@@ -285,14 +289,15 @@ def summarize(result: ModeResult) -> dict:
         "train_overlaps_sampling": result.train_overlaps_sampling,
         "turn_lengths": length_summary(result.turn_lengths), "short_turns": sum(s.short_turns for s in steps),
         "peak_running_rows": result.engine.peak_running_rows, "preemptions": result.engine.preemptions,
-        "wall_account": result.account,
+        "adapter_loads": result.engine.adapter_loads, "adapter_evictions": result.engine.adapter_evictions,
+        "adapter_hit_rate": result.engine.adapter_hit_rate, "wall_account": result.account,
     }
 
 
 def combine(results: list[ModeResult], mode: str) -> ModeResult:
     """``results`` (one experiment each, run one after another) as one group: walls, counters and steps add up."""
     added = ("generated_tokens", "decode_seconds", "decode_gpu_seconds", "prefill_gpu_seconds",
-             "prefill_copy_gpu_seconds", "preemptions")
+             "prefill_copy_gpu_seconds", "preemptions", "adapter_hits", "adapter_loads", "adapter_evictions")
     engine = EngineStats(**{name: sum(getattr(r.engine, name) for r in results) for name in added},
                          peak_running_rows=max(r.engine.peak_running_rows for r in results))
     return ModeResult(mode, len(results), sum(r.wall_s for r in results), [c for r in results for c in r.cold_start_s],
@@ -460,7 +465,8 @@ def main(argv: list[str] | None = None) -> None:
           + ("" if all(n <= len(serial) for n in args.tenants) else
              f"; *: experiments per hour over the rate of the {len(serial)} serial experiments"))
     print(f"{'mode':14} {'N':>2} {'wall s':>7} {'exp/h':>6} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
-          f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'GPU busy':>8} {'MFU':>6} {'peak GiB':>8} {'rows':>5} {'preempt':>7}")
+          f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'GPU busy':>8} {'MFU':>6} {'peak GiB':>8} {'rows':>5} {'preempt':>7} "
+          f"{'slot hit':>8} {'loads':>6}")
     for row in rows:
         print(f"{row['mode']:14} {row['tenants']:2d} {row['wall_s']:7.1f} {row['experiments_per_hour']:6.0f} "
               f"{row['throughput_vs_serial']:7.2f}{'' if row['serial_basis'].startswith('the same') else '*'} "
@@ -468,7 +474,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['train_s']:6.2f} {row['sync_s']:5.2f} {row['decode_tokens_per_s']:12.0f} "
               f"{busy(row):8.2f} {row['train_tflops_per_s'] / args.peak_tflops:6.1%} {row['peak_memory_gib']:8.1f} "
               f"{row['peak_running_rows']:5d} "
-              f"{row['preemptions']:7d}")
+              f"{row['preemptions']:7d} {row['adapter_hit_rate']:8.1%} {row['adapter_loads']:6d}")
 
 
 if __name__ == "__main__":

@@ -252,6 +252,7 @@ class SamplerConfig:
     prefill_wait_steps: int | None
     stream_priority: str = "high"
     kv_cache_dtype: str = "auto"  # generator.inference_engine.engine_init_kwargs.kv_cache_dtype (KV_CACHE_DTYPES)
+    adapter_slots: int | None = None  # device LoRA slots, a cache over the tenants' host adapters; None: one per tenant
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -273,6 +274,8 @@ class SamplerConfig:
             raise ConfigError(f"sampler.prefill_wait_steps={self.prefill_wait_steps} must be >= 0 (or null)")
         if self.kv_blocks < 0:
             raise ConfigError(f"sampler.kv_blocks={self.kv_blocks} must be >= 0 (0: from the GPU memory plan)")
+        if self.adapter_slots is not None and self.adapter_slots < 1:
+            raise ConfigError(f"sampler.adapter_slots={self.adapter_slots} must be >= 1 (or null: one per tenant)")
 
 
 @dataclass(frozen=True)

@@ -264,3 +264,20 @@ def test_a_concurrent_groups_wall_account_adds_up(micro_model_dir, tmp_path, ove
     run = account["run_window"]
     assert sum(run[key] for key in run if key != "window_s") == pytest.approx(run["window_s"])
     assert "wall account" in wall.describe("swap x2", account)
+
+
+def test_tenants_on_one_adapter_slot_train_and_the_group_counts_its_loads(micro_model_dir, tmp_path):
+    """Two tenants, two steps, one engine adapter slot (``sampler.adapter_slots=1``): their rollouts take the slot in
+    turn (each publish to the evicted tenant lands in its host copy), every token is sampled, and the group's
+    counters and row count the loads and evictions."""
+    model_dir = tmp_path / "tiny"
+    write_random_model("tiny", micro_model_dir, model_dir, "cpu", vocab_size=1024)
+    workload = e2e.Workload(prompt=16, lengths=parse_lengths("fixed:4"), turns=2, prompts=1, samples=2, steps=2,
+                            overrides=("sampler.adapter_slots=1",))
+    result = e2e.run_group(model_dir, workload, "swap", ["a", "b"], [1, 2], "cpu")
+    assert result.engine.generated_tokens == 64
+    stats = result.engine
+    assert stats.adapter_evictions == stats.adapter_loads - 1 >= 3, "each tenant's step took the slot from the other"
+    row = e2e.summarize(result)
+    assert (row["adapter_loads"], row["adapter_evictions"]) == (stats.adapter_loads, stats.adapter_evictions)
+    assert row["adapter_hit_rate"] == stats.adapter_hit_rate < 1

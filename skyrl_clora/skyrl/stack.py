@@ -43,7 +43,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from skyrl_clora.backends.embedded.memory_plan import inference_only_blocks
-from skyrl_clora.backends.embedded.services import kv_cache_dtype, prefill_wait_steps
+from skyrl_clora.backends.embedded.services import engine_slot_count, kv_cache_dtype, prefill_wait_steps
 from skyrl_clora.base_model import resolve_device
 from skyrl_clora.config import ConfigError, RunConfig
 from skyrl_clora.lora.peft_export import load_peft_adapter
@@ -211,7 +211,7 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
         torch.bfloat16 if device.type == "cuda" else torch.float32
     )
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-    routing, layers = attach_engine_lora(model, len(names), run.lora.max_rank)
+    routing, layers = attach_engine_lora(model, engine_slot_count(run.sampler, len(names)), run.lora.max_rank)
     rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in plan.tenants)
     max_len = run.max_sequence_length
     rows = run.sampler.max_rows or len(names) * rows_per_tenant

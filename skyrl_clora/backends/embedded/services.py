@@ -1,8 +1,9 @@
 """Builds the three shared services of the embedded backend over one frozen base model.
 
 - sampler: :class:`~skyrl_clora.sampler.engine.Engine` run by its
-  :class:`~skyrl_clora.sampler.engine_thread.EngineThread` (+ SkyRL client) on the base model with one
-  inference adapter slot per tenant;
+  :class:`~skyrl_clora.sampler.engine_thread.EngineThread` (+ SkyRL client) on the base model with
+  ``sampler.adapter_slots`` inference adapter slots (one per tenant when null), filled on demand from the tenants'
+  adapters in host memory;
 - trainer: :class:`~skyrl_clora.trainer.trainer.Trainer` on a second module tree that shares the base
   model's weight tensors (no copy) and trainable device slots fed by the AdapterStore (several tenants
   per pass in packed mode; the next tenant prefetched into a second slot in swap mode);
@@ -86,7 +87,7 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     sampler_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     trainer_slots = trainer_slot_count(run, num_tenants)
     sampler_layers, trainer_model, trainer_routing, trainer_layers = share_base_weights(
-        sampler_model, num_tenants, trainer_slots, run.lora.max_rank)
+        sampler_model, engine_slot_count(run.sampler, num_tenants), trainer_slots, run.lora.max_rank)
 
     store = AdapterStore(trainer_layers, num_slots=trainer_slots)
     algorithm = algorithm_config(run.trainer.algorithm)
@@ -171,6 +172,12 @@ def carve_gemm_sms(count: int) -> None:
     too)."""
     torch.backends.cuda.preferred_blas_library("cublaslt" if count else _DEFAULT_BLAS_LIBRARY)
     torch._C._set_sm_carveout_experimental(count or None)
+
+
+def engine_slot_count(sampler: SamplerConfig, num_tenants: int) -> int:
+    """The engine's device adapter slots for ``num_tenants`` tenants: ``sampler.adapter_slots`` (null: one per
+    tenant), at most one per tenant; the folded projections carry each slot's LoRA A as extra GEMM columns."""
+    return min(sampler.adapter_slots or num_tenants, num_tenants)
 
 
 def trainer_slot_count(run: RunConfig, num_tenants: int) -> int:
