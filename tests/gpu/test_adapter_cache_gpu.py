@@ -16,7 +16,7 @@ from skyrl_clora.sampler.requests import SamplingParams
 
 from helpers import random_adapter
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 PROMPT = list(range(7, 47))
 # fp32 log-probs of one request on engines whose folded GEMMs have other widths (4 or 32 slots' extra columns):

@@ -155,9 +155,9 @@ def test_requests_that_stop_early_match_the_hf_forward() -> None:
     try:
         for name, seed in {"a": 1, "b": 2, "c": 3}.items():
             engine.register_adapter(name, random_adapter(layers, seed, b_std=0.05))
-        slots = {name: engine.engine.adapters.slot(name) for name in "abc"} | {None: -1}
         firsts_prompts = [PROMPT[: 34 + seed % 3 * 3] for _, seed in jobs]  # one cached block shared by all
         firsts = run(firsts_prompts)
+        slots = {name: engine.engine.adapters.slot(name) for name in "abc"} | {None: -1}  # taken at first use
         seconds_prompts = [prompt + first.token_ids + [300, 301] for prompt, first in zip(firsts_prompts, firsts)]
         seconds = run(seconds_prompts)
     finally:
