@@ -244,7 +244,7 @@ class SamplerConfig:
     max_rows: int
     max_prefills_per_step: int
     prefill_block: int
-    prefix_cache: bool
+    enable_prefix_caching: bool  # generator.inference_engine.enable_prefix_caching (SkyRL's)
     cuda_graphs: bool
     gpu_memory_utilization: float
     kv_blocks: int

@@ -133,10 +133,10 @@ def lora_config(cfg: DictConfig) -> LoraConfig:
 
 
 def sampler_config(cfg: DictConfig) -> SamplerConfig:
-    keys = {"temperature": "generator.sampling_params.temperature", "top_p": "generator.sampling_params.top_p",
-            "kv_cache_dtype": KV_CACHE_DTYPE_KEY,
-            **{f.name: f"sampler.{f.name}" for f in fields(SamplerConfig)
-               if f.name not in ("temperature", "top_p", "kv_cache_dtype")}}
+    skyrl = {"temperature": "generator.sampling_params.temperature", "top_p": "generator.sampling_params.top_p",
+             "kv_cache_dtype": KV_CACHE_DTYPE_KEY,
+             "enable_prefix_caching": "generator.inference_engine.enable_prefix_caching"}
+    keys = {**skyrl, **{f.name: f"sampler.{f.name}" for f in fields(SamplerConfig) if f.name not in skyrl}}
     own = set(OmegaConf.to_container(cfg.sampler)) - {key.split(".", 1)[1] for key in keys.values()} - {"max_lora_rank"}
     if own:
         raise ConfigError(f"unknown key sampler.{sorted(own)[0]}; see python -m skyrl_clora.main --help")

@@ -194,6 +194,15 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("generator.inference_engine.engine_init_kwargs.kv_cache_dtype", HONOURED,
             "the embedded engine's KV cache: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3, scale 1.0: "
             "half the bytes per KV block and per decode read)"),
+    KeyRule("generator.inference_engine.enable_prefix_caching", HONOURED,
+            "the embedded engine's prefix cache: prompt blocks stay shared with later prompts of the same prefix and "
+            "adapter version (LRU-evicted from the KV pool)"),
+    KeyRule("generator.inference_engine.gpu_memory_utilization", IGNORED,
+            "the embedded engine's budget is sampler.gpu_memory_utilization, a share of the GPU for the engine and the "
+            "trainer resident beside it (its measured peak taken out); SkyRL's is a vLLM engine's own share"),
+    KeyRule("generator.inference_engine.max_num_seqs", IGNORED,
+            "the embedded engine's rows are sampler.max_rows (its 0, the default: every tenant's whole step batch, "
+            "which a fixed cap cannot say)"),
     KeyRule("generator.inference_engine.*", IGNORED, "vLLM server settings: the embedded engine replaces the servers"),
 )
 

@@ -126,6 +126,9 @@ SAMPLES = [
     Sample("trainer.policy.model_config_kwargs.attn_implementation", "eager", added=True),
     Sample("generator.inference_engine.engine_init_kwargs.kv_cache_dtype", "fp8", (),
            lambda run: run.sampler.kv_cache_dtype, added=True),
+    Sample("generator.inference_engine.enable_prefix_caching", False, (), lambda run: run.sampler.enable_prefix_caching),
+    Sample("generator.inference_engine.gpu_memory_utilization", 0.5),
+    Sample("generator.inference_engine.max_num_seqs", 64),
     Sample("generator.inference_engine.num_engines", 2),
 ]
 """One sample per rule of KEY_RULES (a prefix rule by one key under it)."""

@@ -137,7 +137,7 @@ def build_engine_beside_trainer(run: RunConfig, model: torch.nn.Module, layers: 
     the decode graphs, captured while the engine is built, keep every SM. The engine's thread is started last."""
     config = EngineConfig(
         num_rows=rows, max_len=max_len, max_prefills_per_step=run.sampler.max_prefills_per_step,
-        block_size=run.sampler.prefill_block, num_blocks=kv_blocks, cache_prefixes=run.sampler.prefix_cache,
+        block_size=run.sampler.prefill_block, num_blocks=kv_blocks, cache_prefixes=run.sampler.enable_prefix_caching,
         cuda_graphs=run.sampler.cuda_graphs,
         reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
         share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority,
