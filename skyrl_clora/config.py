@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from skyrl_clora.sampler.fair_share import ADMISSIONS
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.value_types import typed_value
 
@@ -253,6 +254,7 @@ class SamplerConfig:
     stream_priority: str = "high"
     kv_cache_dtype: str = "auto"  # generator.inference_engine.engine_init_kwargs.kv_cache_dtype (KV_CACHE_DTYPES)
     adapter_slots: int | None = None  # device LoRA slots, a cache over the tenants' host adapters; None: one per tenant
+    admission: str = "fifo"  # the engine's admission order (fair_share.ADMISSIONS): arrival order, or least served first
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -276,6 +278,8 @@ class SamplerConfig:
             raise ConfigError(f"sampler.kv_blocks={self.kv_blocks} must be >= 0 (0: from the GPU memory plan)")
         if self.adapter_slots is not None and self.adapter_slots < 1:
             raise ConfigError(f"sampler.adapter_slots={self.adapter_slots} must be >= 1 (or null: one per tenant)")
+        if self.admission not in ADMISSIONS:
+            raise ConfigError(f"sampler.admission={self.admission} is unknown; use {' or '.join(ADMISSIONS)}")
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,7 @@ def test_help_lists_each_skyrl_key_a_backend_ignores_or_runs_with_one_value_only
     (["sampler.reuse_decode_kv=2"], "sampler.reuse_decode_kv"),
     (["sampler.stream_priority=urgent"], "sampler.stream_priority"),
     (["sampler.adapter_slots=0"], "sampler.adapter_slots=0 must be >= 1 (or null: one per tenant)"),
+    (["sampler.admission=random"], "sampler.admission=random is unknown; use fifo or fair"),
     (["clora.overlap_sampling=sometimes"], "clora.overlap_sampling=sometimes must be true, false or null"),
     (["backend=skyrl", "clora.overlap_sampling=false"], "clora.overlap_sampling=false needs backend=embedded"),
     (["+clora.foo=1"], "unknown key clora.foo; valid keys here: control, device, max_tenants, mode, output_dir, "

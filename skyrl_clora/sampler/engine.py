@@ -7,7 +7,8 @@ holds it, owns its inbox and is the thread-safe API). Each round (:meth:`Engine.
      is sampled entirely with the adapter version it was admitted under; new requests of an adapter with
      a pending publish wait until it lands, so a publish cannot starve): the adapter's host copy becomes the
      published one, and its device slot, if it holds one, is written from it;
-  3. admits waiting requests into free cache rows (FIFO over all tenants, while the KV block pool has room and
+  3. admits waiting requests into free cache rows (FIFO over all tenants, or the least served tenant first with
+     ``config.admission="fair"``, while the KV block pool has room and
      each one's adapter holds or can be given one of the bounded device slots: :class:`AdapterSlots`, a cache
      over the adapters' host copies, least recently used out), writes the adapters given a slot into it
      and prefills the requests together (ragged passes, replayed from CUDA graphs on the GPU), each row starting with
@@ -97,7 +98,8 @@ class Engine:
         if config.cuda_graphs and self.runner.device.type == "cuda":
             self.recorder.graphs_captured(self.runner.capture_graphs())
         self.scheduler = Scheduler(num_rows, self.adapters, blocks, config.max_prefills_per_step,
-                                   config.reuse_decode_kv and config.cache_prefixes, config.prefill_wait_steps)
+                                   config.reuse_decode_kv and config.cache_prefixes, config.prefill_wait_steps,
+                                   config.admission)
         self._running = RunningRows(num_rows, max_len)  # per cache row: decode inputs, settings, outputs so far
         self._in_flight: _StepInFlight | None = None  # the decode step launched last
         self._prefilled: _StepInFlight | None = None  # this round's prefill, its first tokens not accepted yet
@@ -189,6 +191,7 @@ class Engine:
         with GPUSpan(self.runner.device) as forward:
             logits = torch.stack(self.runner.prefill(jobs))
         for req, start in zip(ready, plan.starts):
+            req.admitted = started
             self.scheduler.prefilled(req, start)
             self._start_row(req)
         rows = np.array([req.row for req in ready], dtype=np.int64)
@@ -317,6 +320,7 @@ class Engine:
             req.output, req.logprobs = self._running.output(row)
             self.scheduler.finish(req)
             self._stop_row(row)
+            self.recorder.request_finished(req.adapter, req.admitted - req.submitted)
             if not req.future.cancelled():
                 req.future.set_result(Completion(req.output, req.logprobs, "stop" if stop else "length", req.version))
         self.recorder.tokens_accepted(len(tokens), retiring)

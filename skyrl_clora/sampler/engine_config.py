@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from skyrl_clora.sampler.fair_share import ADMISSIONS
+
 # The engine stream's CUDA priority by name (lower is higher; the trainer's default streams are at 0).
 STREAM_PRIORITIES = {"high": -1, "normal": 0}
 
@@ -46,7 +48,11 @@ class EngineConfig:
     ``kv_dtype``: the KV cache's dtype (None: the model's; ``torch.float8_e4m3fn``: half the bytes per block and
     per decode read, scale 1.0, see :class:`~skyrl_clora.sampler.model_runner.ModelRunner`).
 
-    Raises ValueError on construction for an unknown ``stream_priority`` or a non-positive size.
+    ``admission``: the order waiting requests are admitted in: ``"fifo"`` (arrival order over all tenants) or
+    ``"fair"`` (the tenant that received the least service first: virtual-token counters,
+    :mod:`~skyrl_clora.sampler.fair_share`).
+
+    Raises ValueError on construction for an unknown ``stream_priority`` or ``admission`` or a non-positive size.
     """
 
     num_rows: int
@@ -61,10 +67,13 @@ class EngineConfig:
     stream_priority: str = "high"
     prefill_wait_steps: int = 0
     kv_dtype: torch.dtype | None = None
+    admission: str = "fifo"
 
     def __post_init__(self) -> None:
         if self.stream_priority not in STREAM_PRIORITIES:
             raise ValueError(f"stream_priority={self.stream_priority!r} is unknown; use one of {sorted(STREAM_PRIORITIES)}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission={self.admission!r} is unknown; use one of {', '.join(ADMISSIONS)}")
         for name in ("num_rows", "max_len", "max_prefills_per_step", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be at least 1, got {getattr(self, name)}")

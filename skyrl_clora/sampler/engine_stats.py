@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -120,12 +122,15 @@ class StatsRecorder:
     """Turns the engine's and its thread's events into the counters of ``stats`` (an :class:`EngineStats`) and,
     from :meth:`record_gpu_intervals` on, the GPU spans of its passes into ``timeline``. The timer arguments are
     ``time.perf_counter()`` readings taken by the caller; a method reads the clock itself only for the end of
-    the span it records. Called on the engine thread (or the thread driving :meth:`Engine.step`)."""
+    the span it records. Called on the engine thread (or the thread driving :meth:`Engine.step`); besides the
+    counters it keeps each finished request's queue wait by tenant (:meth:`queue_waits`, read from any thread)."""
 
     def __init__(self, device: torch.device) -> None:
         self.stats = EngineStats()
         self.timeline: GPUTimeline | None = None
         self._device = device
+        self._waits: dict[str, list[float]] = {}
+        self._waits_lock = threading.Lock()
 
     def record_gpu_intervals(self) -> GPUTimeline:
         """From now on, the GPU interval of every decode step's forward pass and prefill round's copies and forward
@@ -185,6 +190,22 @@ class StatsRecorder:
         self.stats.adapter_hits += hits
         self.stats.adapter_loads += loads
         self.stats.adapter_evictions += evictions
+
+    def request_finished(self, adapter: str | None, waited: float) -> None:
+        """A request of ``adapter`` (None: the base model, not counted) finished; it waited ``waited`` seconds from
+        its submission to the admission it finished from (a preempted request's wait includes its first runs)."""
+        if adapter is not None:
+            with self._waits_lock:
+                self._waits.setdefault(adapter, []).append(waited)
+
+    def queue_waits(self) -> dict[str, dict[str, float]]:
+        """Per tenant (adapter name, sorted) over its finished requests: ``requests``, and the ``p50_s``, ``p99_s`` and
+        ``max_s`` of their queue waits in seconds (:meth:`request_finished`)."""
+        with self._waits_lock:
+            waits = {tenant: np.array(values) for tenant, values in sorted(self._waits.items())}
+        return {tenant: {"requests": int(values.size), "p50_s": float(np.percentile(values, 50)),
+                         "p99_s": float(np.percentile(values, 99)), "max_s": float(values.max())}
+                for tenant, values in waits.items()}
 
     def preempted(self, count: int) -> None:
         self.stats.preemptions += count

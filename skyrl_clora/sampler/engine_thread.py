@@ -51,6 +51,11 @@ class EngineThread:
         """The engine's counters (a live view)."""
         return self.engine.stats
 
+    def queue_waits(self) -> dict[str, dict[str, float]]:
+        """Each tenant's queue waits over its finished requests
+        (:meth:`~skyrl_clora.sampler.engine_stats.StatsRecorder.queue_waits`)."""
+        return self.engine.recorder.queue_waits()
+
     def register_adapter(self, name: str, weights: AdapterWeights, version: int = 0) -> None:
         """Registers ``name`` with ``weights`` as its ``version`` (before any request of it is submitted); returns once
         the engine holds them. It takes a device slot when a request of it is admitted."""

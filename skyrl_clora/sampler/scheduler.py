@@ -33,12 +33,18 @@ adapter with no request running or admitted in the round (evicted), and the plan
 before the pass (:attr:`PrefillPlan.loads`). When every slot's adapter is busy the request waits, and the least
 recently used busy adapter is drained for it: requests of that adapter queued behind it are not admitted until it
 has its slot, so a waiting adapter gets one within the running requests' lengths (one drained adapter per waiting
-adapter, in queue order).
+adapter, in the order requests are considered).
+
+Admission order (``admission``): ``"fifo"`` considers the waiting requests in arrival order over all tenants;
+``"fair"`` tenant by tenant, the tenant that received the least service first (virtual-token counters,
+:mod:`~skyrl_clora.sampler.fair_share`), each tenant's requests in arrival order. Either way the queue keeps arrival
+order, and the rules above (free rows, the prefill cap, blocks, the fence, slots) apply to each request considered.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -46,6 +52,7 @@ import numpy as np
 from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.sampler.block_manager import BlockManager
+from skyrl_clora.sampler.fair_share import ADMISSIONS, ServiceCounters, fair_order
 from skyrl_clora.sampler.requests import SamplingParams
 
 
@@ -54,8 +61,8 @@ class QueuedRequest:
     """One generation request, from submission until its future resolves. :meth:`Scheduler.admit` sets its cache
     ``row``, the adapter ``version`` it is sampled with and the finished turn its prompt extends (``history``:
     ``(length, blocks)`` from :meth:`BlockManager.take_history`, whose references the request holds until its
-    row adopts them) and its adapter's ``lora_slot``; the engine sets ``output`` / ``logprobs`` when it
-    finishes."""
+    row adopts them) and its adapter's ``lora_slot``; the engine sets ``admitted`` (``time.perf_counter()``) at
+    each prefill and ``output`` / ``logprobs`` when it finishes: ``admitted - submitted`` is its queue wait."""
 
     prompt_ids: list[int]
     adapter: str | None
@@ -68,6 +75,8 @@ class QueuedRequest:
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     queued_at: int = 0  # the scheduler's decode-step count when the request was queued
+    submitted: float = field(default_factory=time.perf_counter)  # when it was made (the start of its queue wait)
+    admitted: float = 0.0
 
 
 @dataclass
@@ -165,10 +174,14 @@ class Scheduler:
 
     ``reuse_decode_kv``: admission takes a stored history the prompt extends from the block pool (the request's
     row then starts with its blocks instead of computing those positions). ``prefill_wait_steps``: the most
-    decode steps a request waits for others to share its prefill pass while rows decode (0: none)."""
+    decode steps a request waits for others to share its prefill pass while rows decode (0: none).
+    ``admission``: ``"fifo"`` or ``"fair"`` (module docstring; ``service`` holds the fair order's counters, None
+    under fifo). Raises ValueError for another ``admission``."""
 
     def __init__(self, num_rows: int, adapters: AdapterSlots, blocks: BlockManager, max_prefills_per_step: int,
-                 reuse_decode_kv: bool, prefill_wait_steps: int = 0) -> None:
+                 reuse_decode_kv: bool, prefill_wait_steps: int = 0, admission: str = "fifo") -> None:
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission={admission!r} is unknown; use one of {', '.join(ADMISSIONS)}")
         self.adapters = adapters
         self.blocks = blocks
         # Blocks kept available after an admission: 1% of the pool (as vLLM keeps), at least one.
@@ -182,6 +195,7 @@ class Scheduler:
         self._admissions = 0
         self._waiting: list[QueuedRequest] = []
         self._pending: list[Publish | Unregister] = []
+        self.service = ServiceCounters() if admission == "fair" else None
 
     def enqueue(self, item: QueuedRequest | Publish | Unregister) -> None:
         """Queues a request to be admitted, or a publish or unregister to be applied."""
@@ -199,8 +213,11 @@ class Scheduler:
         self._waiting.insert(0, request)
 
     def decode_launched(self) -> None:
-        """Counts a decode step launched (the clock of ``prefill_wait_steps``)."""
+        """Counts a decode step launched (the clock of ``prefill_wait_steps``) for the requests running now (charged
+        to their tenants under fair admission)."""
         self.decode_steps += 1
+        if self.service is not None:
+            self.service.decoded(req for req in self.rows if req is not None)
 
     def idle(self) -> bool:
         """Whether nothing waits, nothing is pending and no row runs."""
@@ -266,7 +283,7 @@ class Scheduler:
             req.future.set_exception(_unregistered(adapter))
 
     def admit(self) -> PrefillPlan:
-        """Admits waiting requests (FIFO over all tenants) into the free rows, lowest first, at most
+        """Admits waiting requests (in the ``admission`` order: module docstring) into the free rows, lowest first, at most
         ``max_prefills_per_step`` of them and while the block pool keeps :attr:`watermark` blocks available
         after each (dropping stored histories, oldest first, to make room): sets each one's ``row``,
         ``version``, ``history`` and ``lora_slot`` (giving its adapter a slot when it holds none) and returns a plan
@@ -294,7 +311,12 @@ class Scheduler:
         full = False  # the pool could not take the last request tried: the round admits no more
         block_size = self.blocks.block_size
         slots = _SlotRound(self.adapters, self.rows, plan)
-        for req in self._waiting:
+        order = self._waiting
+        if self.service is not None:
+            running = {req.adapter for req in self.rows if req is not None}
+            self.service.observe({req.adapter for req in self._waiting} | running)
+            order = fair_order(self._waiting, self.service)
+        for req in order:
             if req.future.cancelled():
                 continue
             if req.adapter is not None and req.adapter not in self.adapters:  # unregistered after it was submitted
@@ -337,7 +359,10 @@ class Scheduler:
             req.row = free_rows.pop(0)
             admitted.append(req)
             slots.admitted(req)
-        self._waiting = remaining
+            if self.service is not None:
+                self.service.admitted(req)
+        kept = {id(req) for req in remaining}
+        self._waiting = [req for req in self._waiting if id(req) in kept]  # arrival order, whatever the admission order
         return plan
 
     def schedule_prefill(self) -> PrefillPlan:

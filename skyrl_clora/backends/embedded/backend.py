@@ -166,7 +166,8 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
     and checkpoints (into ``run.output_dir``, which ``checkpoints.claim_output_dir`` made). In concurrent mode
     tenants can be added while the run goes (``control``), and with ``host`` the run's pool stays open while
     ``host.serve`` runs (concurrent mode; a run with unfinished tenants). ``base_model_s``: the seconds the command
-    spent building the base model (summary.json's ``base_model_seconds``)."""
+    spent building the base model (summary.json's ``base_model_seconds``); summary.json's ``queue_wait_seconds``:
+    each tenant's sampling requests' queue waits, submission to admission (requests, p50_s, p99_s, max_s)."""
     specs = list(run.tenants)
     model_path = resolve_model_path(run)
     started = time.perf_counter()
@@ -176,6 +177,7 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
     groups = ([unfinished] if unfinished else []) if run.mode == "concurrent" else [[spec] for spec in unfinished]
     cold_starts: list[float] = []
     engine_stats: list[dict[str, float]] = []
+    queue_waits: dict[str, dict[str, float]] = {}
     try:
         for group in groups:
             if STOP.requested():  # before the group started (serial mode; a replica): it starts on resume
@@ -184,13 +186,14 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
                                    "step": resume[spec.name].step if spec.name in resume else 0})
                 continue
             cold_starts.append(_run_group(run, group, sources, model_path, rows_per_tenant, metrics, engine_stats,
-                                          resume, stopped, host))
+                                          queue_waits, resume, stopped, host))
     finally:
         metrics.close()
     wall_s = time.perf_counter() - started
     fields = {
         "mode": run.mode, "steps": run.steps, "model_path": model_path, "cold_start_seconds": cold_starts,
         "engine": {key: sum(stats[key] for stats in engine_stats) for key in engine_stats[0]} if engine_stats else {},
+        "queue_wait_seconds": queue_waits,
     }
     return write_run_summary(run.output_dir, metrics.records, run_tenants(run), fields, wall_s, base_model_s,
                              f"mode={run.mode}")
@@ -198,9 +201,11 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
 
 def _run_group(run: RunConfig, specs: list[TenantSpec], sources: dict[str, TaskSource], model_path: str,
                rows_per_tenant: int, metrics: MetricsLog, engine_stats: list[dict[str, float]],
+               queue_waits: dict[str, dict[str, float]],
                resume: dict[str, TenantCheckpoint], stopped: list[str], host: PoolHost | None = None) -> float:
     """Runs ``specs`` on a set of services of their own (sized for ``run.tenant_capacity`` tenants in concurrent
-    mode); appends the engine's stats; returns its cold start."""
+    mode); appends the engine's stats, adds its tenants' queue waits (``EngineThread.queue_waits``) to
+    ``queue_waits``; returns its cold start."""
     concurrent = run.mode == "concurrent"
     services = build_services(run, model_path, run.tenant_capacity if concurrent else len(specs), rows_per_tenant)
     refuse_adds = None if concurrent else "clora.mode=serial runs one tenant at a time; add tenants to a concurrent run"
@@ -215,4 +220,5 @@ def _run_group(run: RunConfig, specs: list[TenantSpec], sources: dict[str, TaskS
     finally:
         services.shutdown()
         engine_stats.append(asdict(services.engine.stats))
+        queue_waits.update(services.engine.queue_waits())
     return services.cold_start_seconds

@@ -141,7 +141,8 @@ def build_engine_beside_trainer(run: RunConfig, model: torch.nn.Module, layers: 
         cuda_graphs=run.sampler.cuda_graphs,
         reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
         share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority,
-        prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype)
+        prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype,
+        admission=run.sampler.admission)
     engine = Engine(model, layers, config)
     if device.type == "cuda":
         carve_gemm_sms(run.trainer.sm_carveout)

@@ -1,0 +1,81 @@
+"""Fair admission across tenants: virtual-token counters (VTC, "Fairness in Serving Large Language Models", Sheng et
+al. 2024, the fair scheduler of S-LoRA), which :class:`~skyrl_clora.sampler.scheduler.Scheduler` keeps with
+``admission="fair"``.
+
+Each tenant (an adapter name; None for the base model) has a counter of the service it received: a request admitted
+adds :data:`PREFILL_WEIGHT` per prompt token, and each decode step adds :data:`DECODE_WEIGHT` per request running in
+it (the paper's weights: an output token costs two input tokens). Admission considers the waiting requests tenant by
+tenant, the tenant with the smallest counter first (ties: the tenant whose first request waits longest), each
+tenant's in arrival order (:func:`fair_order`). A tenant that becomes active (a request waits or runs) after it was
+not is lifted to the smallest counter of the tenants that were active before (:meth:`ServiceCounters.observe`), so
+idle time is not banked: a tenant arriving while others flood the queue is admitted after at most one admission of
+each tenant tied with it at that minimum.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+ADMISSIONS = ("fifo", "fair")  # the scheduler's admission orders: arrival order, or by these counters
+PREFILL_WEIGHT = 1.0  # counter units per prompt token admitted
+DECODE_WEIGHT = 2.0  # counter units per token a decode step computes for a running request
+
+
+class _Request(Protocol):
+    adapter: str | None
+    prompt_ids: list[int]
+
+
+class ServiceCounters:
+    """The tenants' virtual-token counters (module docstring). Host bookkeeping, driven by the scheduler alone."""
+
+    def __init__(self) -> None:
+        self._value: dict[str | None, float] = {}
+        self._active: set[str | None] = set()
+
+    def value(self, tenant: str | None) -> float:
+        """``tenant``'s counter (0.0 for one never seen)."""
+        return self._value.get(tenant, 0.0)
+
+    def admitted(self, request: _Request) -> None:
+        """``request`` was admitted: its tenant is charged its prompt tokens."""
+        self._value[request.adapter] = self.value(request.adapter) + PREFILL_WEIGHT * len(request.prompt_ids)
+
+    def decoded(self, requests: Iterable[_Request]) -> None:
+        """A decode step computes one token for each of ``requests`` (the running ones): their tenants are charged."""
+        for request in requests:
+            self._value[request.adapter] = self.value(request.adapter) + DECODE_WEIGHT
+
+    def observe(self, active: set[str | None]) -> None:
+        """The tenants with a request waiting or running now are ``active``: each that was not active at the last
+        call is lifted to the smallest counter of those that were (still active, or else all of them), if above its
+        own."""
+        new = active - self._active
+        if new:
+            reference = (active & self._active) or self._active
+            if reference:
+                floor = min(self.value(tenant) for tenant in reference)
+                for tenant in new:
+                    self._value[tenant] = max(self.value(tenant), floor)
+        self._active = set(active)
+
+
+def fair_order(waiting: list[_Request], counters: ServiceCounters) -> Iterator[_Request]:
+    """The requests of ``waiting`` (in arrival order) in the order admission considers them: repeatedly the first
+    not yet yielded of the tenant with the smallest counter (ties: the tenant seen first in ``waiting``). Counters are
+    read again after each yield, so a request admitted meanwhile (:meth:`ServiceCounters.admitted`) moves its tenant
+    back; only the yielded request's tenant may be charged between two yields."""
+    queues: dict[str | None, deque] = {}
+    for request in waiting:
+        queues.setdefault(request.adapter, deque()).append(request)
+    heap = [(counters.value(tenant), rank, tenant) for rank, tenant in enumerate(queues)]
+    heapq.heapify(heap)
+    while heap:
+        _, rank, tenant = heapq.heappop(heap)
+        queue = queues[tenant]
+        yield queue.popleft()
+        if queue:
+            heapq.heappush(heap, (counters.value(tenant), rank, tenant))

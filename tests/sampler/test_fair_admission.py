@@ -1,0 +1,149 @@
+"""Fair admission (``admission="fair"``, virtual-token counters): a tenant flooding the queue cannot delay another
+tenant's request by more than one admission of each other active tenant, where arrival order (``"fifo"``) makes it
+wait for the whole flood; a tenant active again after idling is lifted to the least served active tenant's counter;
+the engine samples every request the same under either order, and keeps each tenant's queue waits."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear
+from skyrl_clora.lora.peft_export import init_adapter
+from skyrl_clora.sampler.adapter_slots import AdapterSlots
+from skyrl_clora.sampler.block_manager import BlockManager
+from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_config import EngineConfig
+from skyrl_clora.sampler.fair_share import DECODE_WEIGHT, PREFILL_WEIGHT
+from skyrl_clora.sampler.fused_projections import attach_engine_lora
+from skyrl_clora.sampler.requests import SamplingParams
+from skyrl_clora.sampler.scheduler import QueuedRequest, Scheduler
+
+from helpers import random_adapter
+
+MAX_ROUNDS = 3000  # a bound on every engine-driving loop below: reaching it fails the test
+
+
+def _scheduler(tenants: list[str], num_rows: int, admission: str) -> Scheduler:
+    """A scheduler over ``num_rows`` rows and a slot per tenant (at version 0), a pool that never runs short."""
+    layers = {"proj": MultiLoRALinear(nn.Linear(4, 4), num_slots=len(tenants), max_rank=2, routing=LoRARouting(),
+                                      trainable=False)}
+    adapters = AdapterSlots(layers, pin=False)
+    for name in tenants:
+        adapters.register(name)
+        adapters.publish(name, init_adapter(layers, 2, 4.0, torch.Generator().manual_seed(0)), 0)
+    pool = BlockManager(4096, 4, num_rows, max_blocks_per_row=4, cache_prefixes=False)
+    return Scheduler(num_rows, adapters, pool, max_prefills_per_step=num_rows, reuse_decode_kv=False,
+                     admission=admission)
+
+
+def _enqueue(scheduler: Scheduler, tenant: str, prompt_len: int = 6) -> QueuedRequest:
+    request = QueuedRequest(list(range(prompt_len)), tenant, SamplingParams(max_tokens=4),
+                            concurrent.futures.Future())
+    scheduler.enqueue(request)
+    return request
+
+
+def _round(scheduler: Scheduler) -> list[QueuedRequest]:
+    """One round: the admitted requests run one decode step and finish (their rows freed)."""
+    plan = scheduler.schedule_prefill()
+    for req, start in zip(plan.requests, plan.starts):
+        scheduler.prefilled(req, start)
+    scheduler.decode_launched()
+    for req in plan.requests:
+        scheduler.release(req.row)
+    return plan.requests
+
+
+def _admissions_before_late_request(admission: str, flooders: int, each: int, rows: int) -> int:
+    """``flooders`` tenants queue ``each`` requests apiece; after the first round one request of tenant ``late``
+    arrives: how many other requests are admitted from its arrival until it is."""
+    tenants = [f"t{i}" for i in range(flooders)]
+    scheduler = _scheduler(tenants + ["late"], rows, admission)
+    for _ in range(each):
+        for tenant in tenants:
+            _enqueue(scheduler, tenant)
+    assert len(_round(scheduler)) == rows
+    late = _enqueue(scheduler, "late")
+    before = 0
+    for _ in range(flooders * each):
+        admitted = _round(scheduler)
+        if late in admitted:
+            return before + admitted.index(late)
+        before += len(admitted)
+    raise AssertionError("the late request was never admitted")
+
+
+@pytest.mark.parametrize(("flooders", "each", "rows"), [(1, 40, 1), (8, 10, 2), (255, 3, 8)])
+def test_a_flood_delays_another_tenants_request_by_at_most_one_admission_per_active_tenant(
+        flooders: int, each: int, rows: int) -> None:
+    """Under fair admission the late request waits for at most one admission of each flooding tenant (those tied
+    with it at the smallest counter, itself lifted there); in arrival order it waits for the whole queued flood."""
+    queued_after_first_round = flooders * each - rows
+    assert _admissions_before_late_request("fifo", flooders, each, rows) == queued_after_first_round
+    assert _admissions_before_late_request("fair", flooders, each, rows) <= flooders < queued_after_first_round
+
+
+def test_a_tenant_active_again_is_lifted_to_the_least_served_active_tenant_and_banks_no_idle_time() -> None:
+    """b runs once beside a, idles while a runs six requests alone, then queues four as a queues four: b's counter
+    is lifted to a's, so the two alternate; without the lift b would take its four first."""
+    scheduler = _scheduler(["a", "b"], num_rows=1, admission="fair")
+    _enqueue(scheduler, "a")
+    _enqueue(scheduler, "b")
+    assert [req.adapter for _ in range(2) for req in _round(scheduler)] == ["a", "b"]
+    served = PREFILL_WEIGHT * 6 + DECODE_WEIGHT  # one 6-token prompt and one decode step
+    for _ in range(6):
+        _enqueue(scheduler, "a")
+        assert [req.adapter for req in _round(scheduler)] == ["a"]
+    assert (scheduler.service.value("a"), scheduler.service.value("b")) == (7 * served, served)
+    for _ in range(4):
+        _enqueue(scheduler, "a")
+    for _ in range(4):
+        _enqueue(scheduler, "b")
+    order = [req.adapter for _ in range(8) for req in _round(scheduler)]
+    assert order == ["a", "b"] * 4
+    assert scheduler.service.value("b") == scheduler.service.value("a") == 11 * served
+
+
+def test_fair_and_fifo_admission_sample_every_request_alike_and_record_each_tenants_queue_waits(
+        micro_model_dir: Path) -> None:
+    """Tenant a queues twelve requests, then b, c and d two each, on four rows: the two orders finish the requests
+    in different orders, each with the same tokens and log-probs (the CPU engine's rows are batch-invariant), and
+    each tenant's finished requests are counted in its queue waits."""
+    layers = attach_engine_lora(AutoModelForCausalLM.from_pretrained(micro_model_dir).eval(), 4, 8)[1]
+    weights = {name: random_adapter(layers, seed) for seed, name in enumerate("abcd")}
+    submitted = [("a", k) for k in range(12)] + [(name, k) for k in range(2) for name in "bcd"]
+    results, finish_order = {}, {}
+    for admission in ("fifo", "fair"):
+        model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
+        _, layers = attach_engine_lora(model, num_slots=4, max_rank=8)
+        engine = Engine(model, layers, EngineConfig(num_rows=4, max_len=64, admission=admission))
+        for name, adapter in weights.items():
+            engine.adapters.register(name)
+            engine.adapters.publish(name, engine.adapters.host_copy(adapter), 0)
+        futures = {}
+        for name, k in submitted:
+            futures[name, k] = concurrent.futures.Future()
+            engine.scheduler.enqueue(QueuedRequest(list(range(5, 15 + k)), name,
+                                                   SamplingParams(max_tokens=4 + k % 3, seed=k), futures[name, k]))
+        finished: list[tuple[str, int]] = []
+        for _ in range(MAX_ROUNDS):
+            if len(finished) == len(submitted):
+                break
+            engine.step()
+            finished += [key for key, future in futures.items() if future.done() and key not in finished]
+        assert len(finished) == len(submitted), f"not done after {MAX_ROUNDS} rounds"
+        results[admission] = {key: (f.result().token_ids, f.result().logprobs) for key, f in futures.items()}
+        finish_order[admission] = finished
+        waits = engine.recorder.queue_waits()
+        assert {name: w["requests"] for name, w in waits.items()} == {"a": 12, "b": 2, "c": 2, "d": 2}
+        assert all(0 <= w["p50_s"] <= w["p99_s"] <= w["max_s"] for w in waits.values())
+    assert results["fair"] == results["fifo"]
+    assert len({tuple(logprobs) for _, logprobs in results["fifo"].values()}) == len(submitted)
+    last_b = {admission: order.index(("b", 1)) for admission, order in finish_order.items()}
+    assert last_b["fair"] < last_b["fifo"], "fair admission serves b before a's flood is through"
