@@ -45,6 +45,8 @@ def test_concurrent_run_writes_every_output(learning_model_dir: Path, tmp_path: 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == "concurrent" and len(summary["cold_start_seconds"]) == 1
     assert [row["status"] for row in summary["per_tenant"]] == ["ok", "ok"]
+    waits = summary["queue_wait_seconds"]  # 2 steps of 4 episodes, one request per turn
+    assert sorted(waits) == ["tenant-0", "tenant-1"] and all(w["requests"] >= 8 for w in waits.values())
     assert (out / "reward_curves.png").stat().st_size > 1000
     base = AutoModelForCausalLM.from_pretrained(learning_model_dir)
     loaded = peft.PeftModel.from_pretrained(base, str(out / "adapters" / "tenant-1"))
@@ -72,6 +74,7 @@ def test_serial_mode_pays_a_cold_start_per_tenant(learning_model_dir: Path, tmp_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == "serial" and len(summary["cold_start_seconds"]) == 2
     assert [row["steps"] for row in summary["per_tenant"]] == [2, 2]
+    assert sorted(summary["queue_wait_seconds"]) == ["tenant-0", "tenant-1"], "each group's engine's tenants"
 
 
 class RaisingRewardEnv(BaseTextEnv):
