@@ -27,7 +27,9 @@ run N=1), train / sync split, decode tokens/s, the GPU busy fraction of the wall
 MFU (the model FLOP of the batches trained, :func:`benchmarks.common.train_pass_flop`, over the passes' time and
 ``--peak-tflops``), peak GPU memory, the most rows running at once, preemptions and the engine's adapter slots (hit
 rate: admissions that found their adapter in a device slot; loads: adapters written into one, see
-``--override sampler.adapter_slots=K``); above it, the per-turn lengths drawn (mean, p50, p90, max). After each group,
+``--override sampler.adapter_slots=K``) and the sampling requests' queue waits, submission to admission (wait p50:
+the median tenant's p50; wait p99: the worst tenant's p99; ``--override sampler.admission=fair`` orders admission by
+tenants' service); above it, the per-turn lengths drawn (mean, p50, p90, max). After each group,
 its wall account (:func:`benchmarks.wall.wall_account`: the engine thread's, the trainer's and each tenant's time).
 Full numbers go to ``--out`` as JSON (``rows``, each with its ``wall_account``; ``lengths``: the spec and the drawn
 lengths' summary; ``gpu_busy_method``).
@@ -121,6 +123,7 @@ class ModeResult:
     turn_lengths: list[int] = field(default_factory=list)  # every turn's drawn length, in completion order
     passes: list[TrainPass] = field(default_factory=list)  # the scheduler's passes
     account: dict | None = None  # the wall account (benchmarks.wall.wall_account); None for combined serial groups
+    queue_waits: dict[str, dict[str, float]] = field(default_factory=dict)  # per tenant (EngineThread.queue_waits)
 
 
 def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: int, device: str):
@@ -229,6 +232,7 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
         result.gpu_union_s = union_seconds([*timeline.intervals, *((p.start, p.end) for p in result.passes)], started,
                                            stopped)
     result.engine = replace(services.engine.stats)
+    result.queue_waits = services.engine.queue_waits()
     result.account = wall_account((started, built, stopped), result.engine, result.passes, result.steps,
                                   len(result.turn_lengths))
     if cuda:
@@ -268,7 +272,8 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
           f"{result.alloc_retries} retries; rows running at once: at most {stats.peak_running_rows}, "
           f"{stats.preemptions} preempted; adapter slots: {stats.adapter_hits} admissions found their adapter in its "
           f"slot, {stats.adapter_loads} loaded it ({stats.adapter_evictions} evicting another), hit rate "
-          f"{stats.adapter_hit_rate:.1%}", flush=True)
+          f"{stats.adapter_hit_rate:.1%}; queue waits (submission to admission): p50 {row['queue_wait_p50_s']:.3f} s "
+          f"(the median tenant's), p99 {row['queue_wait_p99_s']:.3f} s (the worst tenant's)", flush=True)
     print(describe(f"{result.mode} x{len(names)}", result.account), flush=True)
     gc.collect()
     if device == "cuda":
@@ -277,8 +282,11 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
 
 
 def summarize(result: ModeResult) -> dict:
-    """One table row of ``result``: per-tenant-step means (seconds), throughput, GPU busy, drawn lengths."""
+    """One table row of ``result``: per-tenant-step means (seconds), throughput, GPU busy, drawn lengths, and the
+    sampling requests' queue waits: the median over tenants of each tenant's p50, the largest tenant p99, and each
+    tenant's (``queue_waits``)."""
     steps = result.steps
+    waits = result.queue_waits.values()
     return {
         "mode": result.mode, "tenants": result.tenants, "wall_s": result.wall_s, "cold_start_s": result.cold_start_s,
         "step_s": statistics.mean(s.step_s for s in steps), "rollout_s": statistics.mean(s.rollout_s for s in steps),
@@ -291,6 +299,8 @@ def summarize(result: ModeResult) -> dict:
         "peak_running_rows": result.engine.peak_running_rows, "preemptions": result.engine.preemptions,
         "adapter_loads": result.engine.adapter_loads, "adapter_evictions": result.engine.adapter_evictions,
         "adapter_hit_rate": result.engine.adapter_hit_rate, "wall_account": result.account,
+        "queue_wait_p50_s": statistics.median(w["p50_s"] for w in waits) if waits else 0.0,
+        "queue_wait_p99_s": max((w["p99_s"] for w in waits), default=0.0), "queue_waits": result.queue_waits,
     }
 
 
@@ -306,7 +316,8 @@ def combine(results: list[ModeResult], mode: str) -> ModeResult:
                       gpu_union_s=None if any(r.gpu_union_s is None for r in results)
                       else sum(r.gpu_union_s for r in results),
                       train_overlaps_sampling=results[0].train_overlaps_sampling,
-                      turn_lengths=[length for r in results for length in r.turn_lengths])
+                      turn_lengths=[length for r in results for length in r.turn_lengths],
+                      queue_waits={tenant: w for r in results for tenant, w in r.queue_waits.items()})
 
 
 def table_rows(serial: list[ModeResult], concurrent: dict[tuple[str, int], ModeResult], tenants: list[int],
@@ -466,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
              f"; *: experiments per hour over the rate of the {len(serial)} serial experiments"))
     print(f"{'mode':14} {'N':>2} {'wall s':>7} {'exp/h':>6} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
           f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'GPU busy':>8} {'MFU':>6} {'peak GiB':>8} {'rows':>5} {'preempt':>7} "
-          f"{'slot hit':>8} {'loads':>6}")
+          f"{'slot hit':>8} {'loads':>6} {'wait p50':>8} {'wait p99':>8}")
     for row in rows:
         print(f"{row['mode']:14} {row['tenants']:2d} {row['wall_s']:7.1f} {row['experiments_per_hour']:6.0f} "
               f"{row['throughput_vs_serial']:7.2f}{'' if row['serial_basis'].startswith('the same') else '*'} "
@@ -474,7 +485,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['train_s']:6.2f} {row['sync_s']:5.2f} {row['decode_tokens_per_s']:12.0f} "
               f"{busy(row):8.2f} {row['train_tflops_per_s'] / args.peak_tflops:6.1%} {row['peak_memory_gib']:8.1f} "
               f"{row['peak_running_rows']:5d} "
-              f"{row['preemptions']:7d} {row['adapter_hit_rate']:8.1%} {row['adapter_loads']:6d}")
+              f"{row['preemptions']:7d} {row['adapter_hit_rate']:8.1%} {row['adapter_loads']:6d} "
+              f"{row['queue_wait_p50_s']:8.3f} {row['queue_wait_p99_s']:8.3f}")
 
 
 if __name__ == "__main__":
