@@ -281,3 +281,5 @@ def test_tenants_on_one_adapter_slot_train_and_the_group_counts_its_loads(micro_
     row = e2e.summarize(result)
     assert (row["adapter_loads"], row["adapter_evictions"]) == (stats.adapter_loads, stats.adapter_evictions)
     assert row["adapter_hit_rate"] == stats.adapter_hit_rate < 1
+    assert {tenant: w["requests"] for tenant, w in row["queue_waits"].items()} == {"a": 8, "b": 8}, "2 steps x 2 x 2 turns"
+    assert 0 <= row["queue_wait_p50_s"] <= row["queue_wait_p99_s"] == max(w["p99_s"] for w in row["queue_waits"].values())
