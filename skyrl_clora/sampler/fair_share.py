@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Protocol
 
 ADMISSIONS = ("fifo", "fair")  # the scheduler's admission orders: arrival order, or by these counters
@@ -35,6 +35,7 @@ class ServiceCounters:
     def __init__(self) -> None:
         self._value: dict[str | None, float] = {}
         self._active: set[str | None] = set()
+        self._running: dict[str | None, int] = {}  # requests running, by tenant (none: absent)
 
     def value(self, tenant: str | None) -> float:
         """``tenant``'s counter (0.0 for one never seen)."""
@@ -44,10 +45,20 @@ class ServiceCounters:
         """``request`` was admitted: its tenant is charged its prompt tokens."""
         self._value[request.adapter] = self.value(request.adapter) + PREFILL_WEIGHT * len(request.prompt_ids)
 
-    def decoded(self, requests: Iterable[_Request]) -> None:
-        """A decode step computes one token for each of ``requests`` (the running ones): their tenants are charged."""
-        for request in requests:
-            self._value[request.adapter] = self.value(request.adapter) + DECODE_WEIGHT
+    def started(self, tenant: str | None) -> None:
+        """A request of ``tenant`` runs (in a row) from now on."""
+        self._running[tenant] = self._running.get(tenant, 0) + 1
+
+    def stopped(self, tenant: str | None) -> None:
+        """A request of ``tenant`` that ran (:meth:`started`) runs no more."""
+        self._running[tenant] -= 1
+        if not self._running[tenant]:
+            del self._running[tenant]
+
+    def decoded(self) -> None:
+        """A decode step computes one token for each running request: their tenants are charged."""
+        for tenant, count in self._running.items():
+            self._value[tenant] = self.value(tenant) + DECODE_WEIGHT * count
 
     def observe(self, active: set[str | None]) -> None:
         """The tenants with a request waiting or running now are ``active``: each that was not active at the last

@@ -217,7 +217,7 @@ class Scheduler:
         to their tenants under fair admission)."""
         self.decode_steps += 1
         if self.service is not None:
-            self.service.decoded(req for req in self.rows if req is not None)
+            self.service.decoded()
 
     def idle(self) -> bool:
         """Whether nothing waits, nothing is pending and no row runs."""
@@ -228,14 +228,18 @@ class Scheduler:
         return [req for req in self.rows if req is not None]
 
     def place(self, request: QueuedRequest) -> None:
-        """``request`` now runs in its row ``request.row`` (set by :meth:`admit`), which must be free."""
+        """``request`` now runs in its row ``request.row`` (set by :meth:`admit`), which must be free, until :meth:`release`."""
         self.rows[request.row] = request
+        if self.service is not None:
+            self.service.started(request.adapter)
         self._admissions += 1
         self._admitted_at[request.row] = self._admissions
 
     def release(self, row: int) -> None:
         """Frees cache row ``row`` and gives its blocks back to the pool."""
         self.blocks.release(row)
+        if self.service is not None and self.rows[row] is not None:
+            self.service.stopped(self.rows[row].adapter)
         self.rows[row] = None
 
     def finish(self, request: QueuedRequest) -> None:
