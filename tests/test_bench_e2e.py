@@ -227,6 +227,7 @@ def test_tenant_phases_match_each_step_to_its_pass_and_add_up_to_the_wall():
 
 
 @pytest.mark.parametrize("overlap", ["true", "false"])
+@pytest.mark.e2e
 def test_a_concurrent_groups_wall_account_adds_up(micro_model_dir, tmp_path, overlap):
     """Two tenants, two steps at the smallest CPU size. Each tenant's phases cover its wall (the host work between
     them, building a batch, is at most a tenth of it); the tenants' passes are the trainer's; the engine thread's

@@ -95,6 +95,7 @@ def test_train(tmp_path):
     assert [row["mode"] for row in read_json(tmp_path / "bench_train.json")["rows"]] == ["swap", "packed"]
 
 
+@pytest.mark.e2e
 def test_e2e(tmp_path, micro_model_dir):
     out = tmp_path / "e2e.json"
     e2e.main(["--shape", "tiny", "--tokenizer", str(micro_model_dir), "--device", "cpu", "--tenants", "1",
@@ -105,6 +106,7 @@ def test_e2e(tmp_path, micro_model_dir):
     assert all(row["short_turns"] == 0 for row in rows)
 
 
+@pytest.mark.e2e
 def test_concurrency(tmp_path, micro_model_dir):
     concurrency.main(["--out", str(tmp_path), f"trainer.policy.model.path={micro_model_dir}", "preset=demo", "+tenants=2",
                       "trainer.max_training_steps=1", "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2",

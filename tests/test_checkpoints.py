@@ -30,6 +30,7 @@ from skyrl_clora.checkpoints import LATEST, TenantCheckpoints
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import main
 
+pytestmark = pytest.mark.e2e
 TENANTS = [{"name": "a", "seed": 1}, {"name": "b", "seed": 2, "lr": 0.004}, {"name": "c", "seed": 3, "rank": 4},
            {"name": "d", "seed": 4}]
 STEPS = 8
@@ -245,6 +246,7 @@ def _roll_back(out: Path, tenant: str, step: int) -> None:
 
 
 @pytest.mark.usefixtures("without_production_extras")
+@pytest.mark.ray
 def test_backend_skyrl_resumes_a_tenant_from_its_checkpoint(learning_model_dir: Path, tmp_path: Path) -> None:
     """backend=skyrl: the Ray policy worker writes and reads the tenants' training state; rolled back to their
     step-2 checkpoints, the same command ends the run as it ended before."""
@@ -314,6 +316,7 @@ def test_tenants_join_and_leave_a_live_run(uninterrupted: dict[str, Path], learn
     assert [r for r in read_records(tmp_path) if r["tenant"] == "c"] == [r for r in records if r["tenant"] == "c"]
 
 
+@pytest.mark.ray
 def test_a_skyrl_run_killed_with_sigkill_leaves_no_ray_process(learning_model_dir: Path, tmp_path: Path) -> None:
     """backend=skyrl starts Ray's head processes and workers; a SIGKILL of the run takes them all with it."""
     import psutil

@@ -34,6 +34,8 @@ TENANTS = micro_tenants(
     {"name": "c", "seed": 3, "lr": "5e-3", "alpha": 8},
 )
 
+pytestmark = pytest.mark.e2e
+
 
 def isolation_args(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return run_args(model_dir, out, TENANTS, *extra)
@@ -63,6 +65,7 @@ def test_a_tenant_ends_the_same_alone_or_beside_others(train_mode: str, learning
 
 
 @pytest.mark.usefixtures("without_production_extras")
+@pytest.mark.ray
 def test_a_tenant_ends_the_same_alone_or_beside_others_on_skyrls_stack(learning_model_dir: Path, tmp_path: Path) -> None:
     """backend=skyrl (SkyRL's generator, WorkerDispatch and a Ray policy worker): a tenant run beside another
     ends with the metrics and exported adapter it has when it runs alone (one alone run: each costs a Ray

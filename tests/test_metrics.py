@@ -52,6 +52,7 @@ def test_the_summary_gives_experiments_per_hour_with_and_without_the_base_models
     assert json.loads((tmp_path / "summary.json").read_text())["experiments_per_hour_with_base_model"] == 1.0
 
 
+@pytest.mark.e2e
 def test_the_summary_counts_the_base_models_build_when_this_command_built_it(
         tmp_path: Path, micro_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """The tiny base is built before the run starts (main counts prompt tokens with its tokenizer), yet the

@@ -15,6 +15,7 @@ from skyrl_clora.backends import skyrl as skyrl_backend
 from skyrl_clora.backends.embedded import backend as embedded_backend
 from skyrl_clora.main import main
 
+pytestmark = pytest.mark.e2e
 TENANTS = micro_tenants({"name": "a", "seed": 1}, {"name": "stale", "seed": 2})
 
 
@@ -56,6 +57,7 @@ def test_embedded_stale_trajectory_fails_its_tenant(micro_model_dir: Path, tmp_p
 
 
 @pytest.mark.usefixtures("without_production_extras")
+@pytest.mark.ray
 def test_skyrl_stale_trajectory_fails_its_tenant(micro_model_dir: Path, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """backend=skyrl: the tenant's adapter is loaded again on the server (a sync from elsewhere) after its

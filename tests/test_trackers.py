@@ -11,6 +11,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from micro_task import micro_tenants, read_records, run_args
 from skyrl_clora.main import main
 
+pytestmark = pytest.mark.e2e
+
 
 def test_each_tenants_metrics_reach_tensorboard_and_wandb_offline(learning_model_dir: Path, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,8 @@ from micro_task import assert_learning, micro_tenants, read_records
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import main
 
+pytestmark = pytest.mark.e2e
+
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return [

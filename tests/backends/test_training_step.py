@@ -27,6 +27,7 @@ def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
 
 @pytest.mark.usefixtures("without_production_extras")
 @pytest.mark.parametrize("backend", ["embedded", "skyrl"])
+@pytest.mark.e2e
 def test_kl_loss_is_zero_on_the_fresh_adapter_and_positive_after(backend: str, learning_model_dir: Path,
                                                                  tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -38,6 +39,7 @@ def test_kl_loss_is_zero_on_the_fresh_adapter_and_positive_after(backend: str, l
     assert kl[1] == pytest.approx(0.0, abs=1e-7) and kl[2] > 1e-7, kl
 
 
+@pytest.mark.e2e
 def test_tinker_style_step_runs_and_learns(learning_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     assert main(_args(learning_model_dir, out, "clora.step_style=tinker")) == 0

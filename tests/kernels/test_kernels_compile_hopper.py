@@ -23,6 +23,7 @@ import pytest
 
 from tests.support.sm90_compile import CASES
 
+pytestmark = pytest.mark.triton
 HELPER = Path(__file__).resolve().parents[1] / "support" / "sm90_compile.py"
 
 

@@ -25,6 +25,7 @@ from skyrl_clora.checkpoints import TenantCheckpoints
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.main import main
 
+pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 SIGNAL_ENV = "micro_letters_signalling"
 STEPS = 6
 B_STOPS_AFTER = 3  # b (alone on its replica) has 8 evaluation episodes, then 32 a step: episode 73 opens step 3

@@ -21,6 +21,7 @@ from skyrl_clora.main import main
 from skyrl_clora.placement import replicas
 from skyrl_clora.placement.replicas import Move
 
+pytestmark = pytest.mark.e2e
 DYING_ENV = "micro_letters_dying"
 GATED_ENV = "micro_letters_gated"
 TENANTS = [{"name": "a", "seed": 1, "lr": "1e-2"}, {"name": "b", "seed": 2, "lr": "3e-3", "rank": 4},
@@ -87,6 +88,7 @@ def _same_tenants(got: Path, want: Path) -> None:
         assert_same_records(records, tenant_records(want, name), name)
 
 
+@pytest.mark.ray
 def test_tenants_on_two_replicas_end_as_on_one(learning_model_dir: Path, tmp_path: Path) -> None:
     assert main(_args(learning_model_dir, tmp_path / "one", TENANTS)) == 0
     assert main(_args(learning_model_dir, tmp_path / "two", TENANTS, "clora.replicas=2")) == 0
@@ -100,6 +102,7 @@ def test_tenants_on_two_replicas_end_as_on_one(learning_model_dir: Path, tmp_pat
     assert all((tmp_path / "two" / "adapters" / name / "adapter_config.json").is_file() for name in "abc")
 
 
+@pytest.mark.ray
 def test_a_tenant_moved_between_live_replicas_mid_run_ends_as_on_one(learning_model_dir: Path, tmp_path: Path,
                                                                      one_replica: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,6 +122,7 @@ def test_a_tenant_moved_between_live_replicas_mid_run_ends_as_on_one(learning_mo
     _same_tenants(tmp_path, one_replica)
 
 
+@pytest.mark.ray
 def test_a_replica_out_of_tenants_takes_one_from_a_busy_replica(learning_model_dir: Path, tmp_path: Path,
                                                                one_replica: Path) -> None:
     """``a`` and ``c`` (replica 0) hold still early in step 1 until ``b`` (replica 1) has finished: replica 1 is then
@@ -139,6 +143,7 @@ def test_a_replica_out_of_tenants_takes_one_from_a_busy_replica(learning_model_d
     _same_tenants(tmp_path, one_replica)
 
 
+@pytest.mark.ray
 def test_tenants_join_and_leave_a_replicated_run_through_ctl(learning_model_dir: Path, tmp_path: Path,
                                                              one_replica: Path, capsys: pytest.CaptureFixture) -> None:
     """Started with a and b on two replicas; c joins and b is stopped through ``ctl`` as soon as the endpoint serves
@@ -184,6 +189,7 @@ def test_tenants_join_and_leave_a_replicated_run_through_ctl(learning_model_dir:
     assert not (tmp_path / "control.json").exists()
 
 
+@pytest.mark.ray
 def test_a_lost_replica_resumes_its_tenants_from_their_last_checkpoints(learning_model_dir: Path, tmp_path: Path,
                                                                        capfd: pytest.CaptureFixture) -> None:
     marker = tmp_path / "died"
@@ -203,6 +209,7 @@ def test_a_lost_replica_resumes_its_tenants_from_their_last_checkpoints(learning
     _same_tenants(tmp_path / "two", tmp_path / "one")
 
 
+@pytest.mark.ray
 def test_the_tenants_of_a_replica_lost_for_good_go_on_on_another(learning_model_dir: Path, tmp_path: Path,
                                                                  one_replica: Path, capfd: pytest.CaptureFixture) -> None:
     """b's replica dies within b's first step each time it runs, until it is given up: b goes on on replica 0 from

@@ -45,6 +45,7 @@ def test_rows_over_the_limit_go_and_the_rest_stay(micro_model_dir: Path, caplog:
         drop_long_prompts(source, tokenizer, 5, "tenant-0")
 
 
+@pytest.mark.e2e
 def test_a_run_plans_its_steps_on_the_rows_left(micro_model_dir: Path, tmp_path: Path) -> None:
     """4 rows, one too long: SkyRL's step count is 3 // train_batch_size=2 = 1 RL step, not 2."""
     tokenizer = AutoTokenizer.from_pretrained(micro_model_dir)

@@ -70,6 +70,8 @@ CPU_SIZE = (
     "trainer.max_training_steps=2",
 )
 
+pytestmark = pytest.mark.e2e
+
 
 def run_gsm8k_overrides(variables: dict[str, str]) -> list[str]:
     """:data:`RUN_GSM8K` as bash passes it to SkyRL's entry point: lines joined at their ``\\``, each ``$NAME`` read

@@ -97,6 +97,7 @@ def records(out: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("backend", ["embedded", "skyrl"])
+@pytest.mark.e2e
 def test_a_registered_multiply_env_runs_on_its_own_parquet_schema(backend: str, micro_model_dir: Path,
                                                                   tmp_path: Path, without_production_extras: None) -> None:
     register_multiply()
@@ -118,6 +119,7 @@ def test_a_registered_multiply_env_runs_on_its_own_parquet_schema(backend: str, 
     assert all(r["episodes"] == 2 * 2 for r in found if r["event"] == "step")
 
 
+@pytest.mark.e2e
 def test_skyrl_gyms_aime_env_runs_with_the_run_level_env_class(micro_model_dir: Path, tmp_path: Path) -> None:
     train = write(aime_rows(6, "train"), tmp_path / "train.parquet")
     val = write(aime_rows(2, "test"), tmp_path / "validation.parquet")
@@ -129,12 +131,14 @@ def test_skyrl_gyms_aime_env_runs_with_the_run_level_env_class(micro_model_dir: 
     assert all("eval/aime/pass_at_1" in r for r in found if r["event"] == "eval")
 
 
+@pytest.mark.e2e
 def test_an_unregistered_env_without_a_recipe_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["environment.env_class=no_such_env", f"clora.output_dir={tmp_path}"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and "environment.env_class=no_such_env has no recipe here and is not registered" in errors[0]
 
 
+@pytest.mark.e2e
 def test_a_registered_env_without_data_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert recipe_for_env("aime") == "skyrl_gym_env"
     assert main(["environment.env_class=aime", f"clora.output_dir={tmp_path}"]) == 2
@@ -155,6 +159,7 @@ def test_a_rows_env_class_is_honoured_as_skyrl_honours_it() -> None:
     assert [row["env_class"] for row in overridden.step_rows(0, 3)] == ["gsm8k"] * 3
 
 
+@pytest.mark.e2e
 def test_a_rows_unregistered_env_class_is_refused_before_any_work(micro_model_dir: Path, tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture) -> None:
     rows = multiply_rows(4, "train")

@@ -80,6 +80,7 @@ def _local_step(model_dir: Path, batch, lr: float, seed: int, algorithm: Algorit
     return trainer.train_step("t", batch)[1]
 
 
+@pytest.mark.ray
 def test_dispatch_registers_steps_syncs_and_deletes_tenants(micro_model_dir: Path, tmp_path: Path) -> None:
     cfg = compose_config(_overrides(micro_model_dir, tmp_path, "+tenants=[{lr:1e-2},{lr:3e-3}]", "trainer.max_training_steps=4"))
     run, plan = build_run_config(cfg), translate(cfg)
@@ -149,6 +150,8 @@ class RaisingRewardEnv(BaseTextEnv):
         raise RuntimeError("reward function exploded")
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 def test_backend_skyrl_runs_through_main(learning_model_dir: Path, tmp_path: Path) -> None:
     """Two tenants learn the micro task for 2 steps end to end; a third (tenant-1) whose reward raises fails
     alone (exit status 1)."""
@@ -191,6 +194,7 @@ def test_backend_skyrl_runs_through_main(learning_model_dir: Path, tmp_path: Pat
         (["trainer.placement.policy_num_gpus_per_node=2"], "runs one worker"),
     ],
 )
+@pytest.mark.e2e
 def test_user_errors_exit_2_with_one_line(micro_model_dir: Path, tmp_path: Path, capsys, overrides, reason) -> None:
     assert main(_overrides(micro_model_dir, tmp_path, *overrides)) == 2
     err = capsys.readouterr().err.strip()

@@ -65,6 +65,7 @@ def _direct_logprobs(model_dir: Path, adapter_dir: Path | None, data, temperatur
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.ray
 def test_driver_recomputes_log_probs_and_adds_the_base_as_kl_reference(micro_model_dir: Path, tmp_path: Path,
                                                                        temperature: float) -> None:
     """Through the Ray stack: the behaviour log-probs are the tenant's at the sampling temperature (SkyRL's

@@ -189,6 +189,7 @@ def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize("train_mode, overlap", [("swap", "true"), ("packed", "true"), ("swap", "false")])
+@pytest.mark.e2e
 def test_train_modes_end_to_end(train_mode: str, overlap: str, learning_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / train_mode
     tenants = micro_tenants({"lr": "1e-3"}, {"lr": "4e-3", "rank": 8})
@@ -206,6 +207,7 @@ def test_train_modes_end_to_end(train_mode: str, overlap: str, learning_model_di
 
 
 @pytest.mark.parametrize("overlap, paused", [("null", False), ("true", False), ("false", True)])
+@pytest.mark.e2e
 def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: Path, tmp_path: Path, overlap: str,
                                                               paused: bool) -> None:
     from skyrl_clora.config_build import build_run_config
@@ -220,6 +222,7 @@ def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: 
         services.shutdown()
 
 
+@pytest.mark.e2e
 def test_unknown_train_mode_is_a_one_line_config_error(micro_model_dir: Path, tmp_path: Path) -> None:
     from skyrl_clora.config_build import build_run_config
     from skyrl_clora.main import compose_config
