@@ -254,7 +254,7 @@ class SamplerConfig:
     stream_priority: str = "high"
     kv_cache_dtype: str = "auto"  # generator.inference_engine.engine_init_kwargs.kv_cache_dtype (KV_CACHE_DTYPES)
     adapter_slots: int | None = None  # device LoRA slots, a cache over the tenants' host adapters; None: one per tenant
-    admission: str = "fifo"  # the engine's admission order (fair_share.ADMISSIONS): arrival order, or least served first
+    admission: str = "fair"  # the engine's admission order (fair_share.ADMISSIONS): least served first, or arrival order
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -27,6 +27,7 @@ from tests.support.isolation import (
 from micro_task import assert_learning, micro_tenants, read_records, run_args
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import main
+from skyrl_clora.sampler.scheduler import Scheduler
 
 TENANTS = micro_tenants(
     {"name": "a", "seed": 1, "lr": "1e-2"},
@@ -95,3 +96,23 @@ def test_renaming_a_tenant_changes_none_of_its_results(learning_model_dir: Path,
         runs[name] = [{k: v for k, v in r.items() if k != "tenant"} for r in tenant_records(out, name)]
     assert_learning(read_records(tmp_path / "first"))
     assert_same_records(runs["a-quite-different-name"], runs["first"], "renamed")
+
+
+@pytest.mark.parametrize("extra", [[], ["sampler.max_rows=4", "sampler.adapter_slots=2"]], ids=["default", "scarce"])
+def test_fair_admission_changes_no_tenants_results(extra: list[str], learning_model_dir: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sampler.admission=fair`` (the default) reorders admission across tenants (with rows and adapter slots scarce),
+    and the CPU engine's rows are batch-invariant: every tenant ends bit for bit as in arrival order (swap training)."""
+    args = ("clora.train_mode=swap", *extra)
+    placed: list[str | None] = []
+    place = Scheduler.place
+    monkeypatch.setattr(Scheduler, "place", lambda self, request: (placed.append(request.adapter), place(self, request)))
+    fifo = run_recorded(monkeypatch, isolation_args(learning_model_dir, tmp_path / "fifo", *args,
+                                                    "sampler.admission=fifo"))
+    fifo_order, placed[:] = list(placed), []
+    fair = run_recorded(monkeypatch, isolation_args(learning_model_dir, tmp_path / "fair", *args))
+    assert sorted(placed) == sorted(fifo_order)
+    if extra:
+        assert placed != fifo_order, "scarce rows and slots: the two orders admit differently"
+    assert_tenants_trained_apart(fair)
+    assert_same_tenants(fair, fifo, exact=True)
