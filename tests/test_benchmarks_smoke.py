@@ -7,18 +7,19 @@ write its output; its figures are not checked (they say nothing on a CPU). ``ben
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 
-from benchmarks import (attention, common, concurrency, e2e, engine, engine_host, interference, kernels, planner,
+from benchmarks import (attention, common, concurrency, decode_factors, e2e, engine, engine_host, interference, kernels,
+                        planner, qkv_rope, runner, train)
 from tests.support.markers import triton_runs
-                        qkv_rope, runner, train)
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 HELPERS = {"workloads", "packed", "wall"}  # imported by the runnable modules (packed: by kernels, wall: by e2e)
-RUNS = {"attention", "common", "concurrency", "e2e", "engine", "engine_host", "interference", "kernels", "planner",
-        "qkv_rope", "runner", "train"}
+RUNS = {"attention", "common", "concurrency", "decode_factors", "e2e", "engine", "engine_host", "interference", "kernels",
+        "planner", "qkv_rope", "runner", "train"}
 
 
 def test_every_benchmark_module_has_a_run_here():
@@ -73,6 +74,39 @@ def test_interference(tmp_path):
     report = read_json(tmp_path / "interference.json")
     assert list(report["rows"]) == ["decode alone", "decode beside training", "pass alone", "pass beside decoding"]
     assert len(report["steps_alone"]) == 3 and len(report["rows"]["pass beside decoding"]["passes_s"]) == 2
+
+
+@triton_runs
+def test_decode_factors(tmp_path):
+    decode_factors.main(["--shape", "tiny", "--rows", "12", "--num-rows", "32", "--span", "32", "--prompt", "128",
+                         "--lengths", "fixed:4", "--turns", "2", "--observation", "2", "--prompts", "2", "--samples",
+                         "4", "--tenants", "2", "--max-len", "256", "--advance", "4", "--pool-blocks", "64",
+                         "--steps", "3", "--out", str(tmp_path)])
+    cases = read_json(tmp_path / "decode_factors.json")["cases"]
+    assert list(cases) == list(decode_factors.CASES) and all(len(case["steps"]) == 3 for case in cases.values())
+    assert (cases["baseline"]["span"], cases["span"]["span"], cases["e2e"]["num_rows"]) == (16, 32, 32)
+
+
+def test_decode_factors_layout_places_rows_as_the_case_says():
+    """The span case's highest row sets the span; paged groups hold their prompt blocks by reference and every other
+    block once; only the sharing groups' rows read their prompt through another row."""
+    positions = [200 + 7 * i for i in range(24)]  # 3 groups of 8 rows, prompt 128 (1 block)
+    factors = decode_factors.Factors(num_rows=64, span=48, shared_fraction=1 / 3, paged=True)
+    layout = decode_factors.make_layout(positions, factors, 128, 8, 2, 512, 4, 100, random.Random(0))
+    rows = layout.rows.tolist()
+    assert len(set(rows)) == 24 and rows == sorted(rows) and rows[-1] == 47 and layout.span == 48
+    tables = layout.tables[rows]
+    assert all(len({tables[i, 0] for i in range(g, g + 8)}) == 1 for g in range(0, 24, 8))
+    owned = [int(b) for i, p in enumerate(positions) for b in tables[i, 1 : (p + 3) // 128 + 1]]
+    assert len(owned) == len(set(owned)) and not set(owned) & set(tables[:, 0].tolist())
+    assert max(owned) < 100 and (layout.tables[layout.num_rows] == 100).all()
+    assert layout.borrowed == 7 * 128 and sum(n > 0 for n in layout.prefix_lens) == 8
+    assert layout.slots.tolist() == [0] * 8 + [1] * 8 + [0] * 8
+    packed = decode_factors.make_layout(positions, decode_factors.Factors(shared_fraction=0.0), 128, 8, 2, 512, 4,
+                                        100, random.Random(0))
+    assert packed.rows.tolist() == list(range(24)) and packed.num_rows == packed.span == 32 and packed.borrowed == 0
+    with pytest.raises(ValueError, match="blocks"):
+        decode_factors.make_layout(positions, factors, 128, 8, 2, 512, 4, 20, random.Random(0))
 
 
 def test_engine(tmp_path):
