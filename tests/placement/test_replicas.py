@@ -157,14 +157,17 @@ def test_tenants_join_and_leave_a_replicated_run_through_ctl(learning_model_dir:
     gate = tmp_path / "b-stop-coming"
 
     def control() -> None:
-        while not (tmp_path / "control.json").exists():
-            time.sleep(0.05)  # until the run serves its endpoint
-        added = "{name: c, seed: 3, lr: 0.005, alpha: 8, env_class: micro_letters}"  # TENANTS[2]
-        for name, args in {"add c": ["add", added], "add a": ["add", "{name: a}"], "stop b": ["stop", "b"],
-                           "stop nobody": ["stop", "nobody"], "list": ["list"]}.items():
-            if name == "stop b":
-                gate.touch()
-            answers[name] = ctl.main(["--dir", str(tmp_path), *args])
+        try:
+            while not (tmp_path / "control.json").exists():
+                time.sleep(0.05)  # until the run serves its endpoint
+            added = "{name: c, seed: 3, lr: 0.005, alpha: 8, env_class: micro_letters}"  # TENANTS[2]
+            for name, args in {"add c": ["add", added], "add a": ["add", "{name: a}"], "stop b": ["stop", "b"],
+                               "stop nobody": ["stop", "nobody"], "list": ["list"]}.items():
+                if name == "stop b":
+                    gate.touch()
+                answers[name] = ctl.main(["--dir", str(tmp_path), *args])
+        finally:
+            gate.touch()  # a failed call must not leave b waiting forever: the run ends and the answers assert fails
 
     skyrl_gym.register(id=GATED_ENV, entry_point=f"{__name__}:{GatedLetterEnv.__name__}",
                        kwargs={"gate": str(gate), "after": 9})  # b's 8 evaluation episodes, then its step 1's
