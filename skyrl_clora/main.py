@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
 
             check_model_folder(run.model_path)
         sources = build_task_sources(run.recipe, list(run.tenants), run.max_training_steps, run.seed)  # before the model
+        plan_steps(run, min(len(source.train_rows) for source in sources.values()))  # too few rows: refused before the
+        # model is built (dropping long prompts below can only lower the count; the steps are planned after it)
         check_trackers(run)  # after the input checks, before the model is built or loaded
         from skyrl_clora.base_model import prompt_tokenizer, resolve_model_path
 
