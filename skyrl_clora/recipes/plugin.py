@@ -167,6 +167,21 @@ def load_corpus(name: str) -> PretrainingCorpus:
     return load_recipe(name)
 
 
+def load_skyrl_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a SkyRL-format parquet file as SkyRL's PromptDataset yields them (unchanged); a row without a chat
+    ``prompt`` (a non-empty list of messages) is a ValueError naming it."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"parquet file not found: {path}")
+    rows = pq.read_table(path).to_pylist()
+    for index, row in enumerate(rows):
+        if not isinstance(row.get("prompt"), list) or not row["prompt"]:
+            raise ValueError(f"row {index} has no chat prompt (a list of messages)")
+    return rows
+
+
 def read_parquet_files(paths: tuple[str, ...], key: str,
                        load: Callable[[str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The rows of every file of ``paths`` (config key ``key``: ``data.train_data`` or ``data.val_data``) read by

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from skyrl_clora.recipes.gsm8k.problems import GSM8K_INSTRUCTION, VARIANTS, Problem, generate_problems, save_rows_parquet
+from skyrl_clora.recipes.plugin import load_skyrl_rows
 
 ENV_CLASS = "gsm8k"
 """skyrl-gym's single-turn GSM8K environment (``skyrl_gym.envs.gsm8k.env.GSM8kEnv``)."""
@@ -46,15 +47,8 @@ def make_skyrl_rows(n: int, seed: int = 0, variant: str = "standard", split: str
 def load_skyrl_parquet(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a SkyRL-format GSM8K parquet file as SkyRL's PromptDataset yields them (unchanged); a row
     without a chat ``prompt`` or a ``reward_spec.ground_truth`` is a ValueError naming it."""
-    import pyarrow.parquet as pq
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"parquet file not found: {path}")
-    rows = pq.read_table(path).to_pylist()
+    rows = load_skyrl_rows(path)
     for index, row in enumerate(rows):
-        if not isinstance(row.get("prompt"), list) or not row["prompt"]:
-            raise ValueError(f"row {index} has no chat prompt (a list of messages)")
         if (row.get("reward_spec") or {}).get("ground_truth") is None:
             raise ValueError(f"row {index} has no reward_spec.ground_truth")
     return rows

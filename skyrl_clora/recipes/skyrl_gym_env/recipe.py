@@ -10,11 +10,16 @@ SkyRL's (``recipe=skyrl``, conf/recipe/skyrl.yaml), so the recipe has no config 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from skyrl_clora.config import RecipeConfig
-from skyrl_clora.recipes.plugin import ANY_REGISTERED_ENV, ChatFunction, EpisodeEnv, TaskSource, read_parquet_files
+from skyrl_clora.recipes.plugin import (
+    ANY_REGISTERED_ENV,
+    ChatFunction,
+    EpisodeEnv,
+    TaskSource,
+    load_skyrl_rows,
+    read_parquet_files,
+)
 from skyrl_clora.tenants import TenantSpec
 
 
@@ -22,21 +27,6 @@ from skyrl_clora.tenants import TenantSpec
 class SkyRLGymEnvOptions:
     """The recipe has no keys beyond :class:`RecipeConfig`'s (``recipe.task_variant`` and ``recipe.eval_prompts``
     size synthetic problems, which it has none of)."""
-
-
-def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a SkyRL-format parquet file as SkyRL's PromptDataset yields them (unchanged); a row without a chat
-    ``prompt`` (a non-empty list of messages) is a ValueError naming it."""
-    import pyarrow.parquet as pq
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"parquet file not found: {path}")
-    rows = pq.read_table(path).to_pylist()
-    for index, row in enumerate(rows):
-        if not isinstance(row.get("prompt"), list) or not row["prompt"]:
-            raise ValueError(f"row {index} has no chat prompt (a list of messages)")
-    return rows
 
 
 class SkyRLGymEnvRecipe:
@@ -47,8 +37,8 @@ class SkyRLGymEnvRecipe:
     options_type = SkyRLGymEnvOptions
 
     def task_source(self, config: RecipeConfig, spec: TenantSpec, max_steps: int | None, run_seed: int) -> TaskSource:
-        train = read_parquet_files(config.train_data, "data.train_data", load_rows)
-        evaluation = read_parquet_files(config.val_data, "data.val_data", load_rows)
+        train = read_parquet_files(config.train_data, "data.train_data", load_skyrl_rows)
+        evaluation = read_parquet_files(config.val_data, "data.val_data", load_skyrl_rows)
         return TaskSource(config.env_class, train, evaluation, spec.seed, spec.env_class)
 
     def episode_env(self, config: RecipeConfig, spec: TenantSpec, chat: ChatFunction | None) -> EpisodeEnv:
