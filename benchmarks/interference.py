@@ -249,6 +249,11 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator``, None when either is missing (no decode step fell inside a pass on a busy CPU)."""
+    return None if numerator is None or denominator is None else numerator / denominator
+
+
 def build(args: argparse.Namespace) -> tuple[torch.nn.Module, Trainer, list[str]]:
     """The engine's model (fused projections, inference slots holding random adapters) and the trainer on its weights
     (services' layout) with ``args.tenants`` tenants registered; their names."""
@@ -356,9 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     wall = window[1] - window[0]
     parts = args.passes * rows["pass alone"]["pass_s"] + len(in_window) * rows["decode alone"]["period_ms"] / 1e3
     summary = {
-        "decode_period_slowdown": rows["decode beside training"]["period_ms"] / rows["decode alone"]["period_ms"],
-        "decode_gpu_slowdown": (rows["decode beside training"]["gpu_ms"] / rows["decode alone"]["gpu_ms"]
-                                if DEVICE == "cuda" else None),
+        "decode_period_slowdown": ratio(rows["decode beside training"]["period_ms"], rows["decode alone"]["period_ms"]),
+        "decode_gpu_slowdown": ratio(rows["decode beside training"]["gpu_ms"], rows["decode alone"]["gpu_ms"]),
         "pass_slowdown": rows["pass beside decoding"]["pass_s"] / rows["pass alone"]["pass_s"],
         "overlapped_wall_s": wall, "sum_of_parts_s": parts, "wall_over_parts": wall / parts,
         "overlapped": f"{args.passes} passes and {len(in_window)} decode steps",
@@ -380,9 +384,12 @@ def print_table(rows: dict[str, dict], summary: dict) -> None:
             print(f"{name:24} {'':>14} {'':>11} {row['pass_s']:7.3f} {median(row['mfu']):6.1%}")
         else:
             gpu = "-" if row["gpu_ms"] is None else f"{row['gpu_ms']:.2f}"
-            print(f"{name:24} {row['period_ms']:14.2f} {gpu:>11} {'':>7} {'':>6}")
+            period = "-" if row["period_ms"] is None else f"{row['period_ms']:.2f}"
+            print(f"{name:24} {period:>14} {gpu:>11} {'':>7} {'':>6}")
     gpu_slowdown, wall, parts = summary["decode_gpu_slowdown"], summary["overlapped_wall_s"], summary["sum_of_parts_s"]
-    print(f"decode beside training: {summary['decode_period_slowdown']:.2f}x its step period alone"
+    period_slowdown = summary["decode_period_slowdown"]
+    print("decode beside training: "
+          + ("no step fell inside a pass" if period_slowdown is None else f"{period_slowdown:.2f}x its step period alone")
           + (f", {gpu_slowdown:.2f}x its GPU time" if gpu_slowdown is not None else "")
           + f"; pass beside decoding: {summary['pass_slowdown']:.2f}x alone; overlapped wall {wall:.2f} s vs "
           f"{parts:.2f} s of the same work alone ({summary['overlapped']}): {summary['wall_over_parts']:.2f}x")

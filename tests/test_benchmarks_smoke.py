@@ -76,6 +76,19 @@ def test_interference(tmp_path):
     assert len(report["steps_alone"]) == 3 and len(report["rows"]["pass beside decoding"]["passes_s"]) == 2
 
 
+def test_interference_table_when_no_decode_step_fell_inside_a_pass(capsys):
+    """A loaded CPU may finish every pass before the decode thread gets a step in: the report says so."""
+    rows = {"decode alone": {"period_ms": 2.0, "gpu_ms": None, "steps": 3},
+            "decode beside training": {"period_ms": interference.median([]), "gpu_ms": None, "steps": 0},
+            "pass alone": {"pass_s": 0.5, "passes_s": [0.5], "mfu": [0.1]},
+            "pass beside decoding": {"pass_s": 0.6, "passes_s": [0.6], "mfu": [0.1]}}
+    summary = {"decode_period_slowdown": interference.ratio(None, 2.0), "decode_gpu_slowdown": None,
+               "pass_slowdown": 1.2, "overlapped_wall_s": 1.0, "sum_of_parts_s": 0.9, "wall_over_parts": 1.1,
+               "overlapped": "1 passes and 0 decode steps"}
+    interference.print_table(rows, summary)
+    assert "no step fell inside a pass" in capsys.readouterr().out
+
+
 @triton_runs
 def test_decode_factors(tmp_path):
     decode_factors.main(["--shape", "tiny", "--rows", "12", "--num-rows", "32", "--span", "32", "--prompt", "128",
