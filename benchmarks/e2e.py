@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import gc
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -65,6 +66,8 @@ from skyrl_clora.sampler.requests import SamplingParams, derive_seed
 from skyrl_clora.trainer.adapter_store import LRSchedule
 from skyrl_clora.trainer.scheduler import TrainPass, TrainScheduler
 from skyrl_clora.trainer.trainer import TrainBatch
+
+LORA_RANK = 16  # every tenant's adapter rank (alpha 2 x rank)
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,8 @@ class ModeResult:
     passes: list[TrainPass] = field(default_factory=list)  # the scheduler's passes
     account: dict | None = None  # the wall account (benchmarks.wall.wall_account); None for combined serial groups
     queue_waits: dict[str, dict[str, float]] = field(default_factory=dict)  # per tenant (EngineThread.queue_waits)
+    host_store_gib: float = 0.0  # the trainer's AdapterStore entries in host memory (AdapterStore.host_bytes)
+    peak_rss_gib: float = 0.0  # the benchmark process's peak resident memory so far (every group before this one too)
 
 
 def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: int, device: str):
@@ -133,7 +138,7 @@ def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: in
         f"trainer.max_prompt_length={workload.max_input}", f"generator.sampling_params.max_generate_length={workload.lengths.cap}",
         f"generator.n_samples_per_prompt={workload.samples}", f"trainer.train_batch_size={workload.prompts}",
         "sampler.prefill_block=128", "sampler.max_prefills_per_step=64",
-        f"trainer.max_tokens_per_microbatch={workload.max_tokens_per_microbatch}", "trainer.policy.model.lora.rank=16", "sampler.max_lora_rank=16",
+        f"trainer.max_tokens_per_microbatch={workload.max_tokens_per_microbatch}", f"trainer.policy.model.lora.rank={LORA_RANK}", f"sampler.max_lora_rank={LORA_RANK}",
         *workload.overrides,
     ]
     return plan_steps(build_run_config(compose_config(overrides)), workload.steps * workload.prompts)
@@ -192,7 +197,7 @@ async def experiment(services: Services, scheduler: TrainScheduler, tenant: str,
 
 
 def register(services: Services, run, tenant: str, seed: int) -> None:
-    weights = init_adapter(services.trainer.layers, 16, 32.0, torch.Generator().manual_seed(seed))
+    weights = init_adapter(services.trainer.layers, LORA_RANK, 2.0 * LORA_RANK, torch.Generator().manual_seed(seed))
     services.store.register(tenant, weights, LRSchedule(1e-4, 0, run.steps, "constant"), seed=seed)
     services.sync.register(tenant, services.store.tenants[tenant].weights)
 
@@ -214,6 +219,7 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     try:
         for name, seed in zip(names, seeds):
             register(services, run, name, seed)
+        result.host_store_gib = len(names) * services.store.host_bytes(LORA_RANK) / 2**30
 
         async def main() -> None:
             scheduler = services.train_scheduler(run)
@@ -233,6 +239,7 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
                                            stopped)
     result.engine = replace(services.engine.stats)
     result.queue_waits = services.engine.queue_waits()
+    result.peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     result.account = wall_account((started, built, stopped), result.engine, result.passes, result.steps,
                                   len(result.turn_lengths))
     if cuda:
@@ -273,7 +280,9 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
           f"{stats.preemptions} preempted; adapter slots: {stats.adapter_hits} admissions found their adapter in its "
           f"slot, {stats.adapter_loads} loaded it ({stats.adapter_evictions} evicting another), hit rate "
           f"{stats.adapter_hit_rate:.1%}; queue waits (submission to admission): p50 {row['queue_wait_p50_s']:.3f} s "
-          f"(the median tenant's), p99 {row['queue_wait_p99_s']:.3f} s (the worst tenant's)", flush=True)
+          f"(the median tenant's), p99 {row['queue_wait_p99_s']:.3f} s (the worst tenant's); host memory: the "
+          f"tenants' trainer state {result.host_store_gib:.2f} GiB, process peak RSS {result.peak_rss_gib:.1f} GiB",
+          flush=True)
     print(describe(f"{result.mode} x{len(names)}", result.account), flush=True)
     gc.collect()
     if device == "cuda":
@@ -301,6 +310,7 @@ def summarize(result: ModeResult) -> dict:
         "adapter_hit_rate": result.engine.adapter_hit_rate, "wall_account": result.account,
         "queue_wait_p50_s": statistics.median(w["p50_s"] for w in waits) if waits else 0.0,
         "queue_wait_p99_s": max((w["p99_s"] for w in waits), default=0.0), "queue_waits": result.queue_waits,
+        "host_store_gib": result.host_store_gib, "peak_rss_gib": result.peak_rss_gib,
     }
 
 
@@ -317,7 +327,9 @@ def combine(results: list[ModeResult], mode: str) -> ModeResult:
                       else sum(r.gpu_union_s for r in results),
                       train_overlaps_sampling=results[0].train_overlaps_sampling,
                       turn_lengths=[length for r in results for length in r.turn_lengths],
-                      queue_waits={tenant: w for r in results for tenant, w in r.queue_waits.items()})
+                      queue_waits={tenant: w for r in results for tenant, w in r.queue_waits.items()},
+                      host_store_gib=max(r.host_store_gib for r in results),
+                      peak_rss_gib=max(r.peak_rss_gib for r in results))
 
 
 def table_rows(serial: list[ModeResult], concurrent: dict[tuple[str, int], ModeResult], tenants: list[int],
@@ -475,18 +487,18 @@ def main(argv: list[str] | None = None) -> None:
           f"bounds too)"
           + ("" if all(n <= len(serial) for n in args.tenants) else
              f"; *: experiments per hour over the rate of the {len(serial)} serial experiments"))
-    print(f"{'mode':14} {'N':>2} {'wall s':>7} {'exp/h':>6} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
+    print(f"{'mode':14} {'N':>3} {'wall s':>7} {'exp/h':>6} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
           f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'GPU busy':>8} {'MFU':>6} {'peak GiB':>8} {'rows':>5} {'preempt':>7} "
-          f"{'slot hit':>8} {'loads':>6} {'wait p50':>8} {'wait p99':>8}")
+          f"{'slot hit':>8} {'loads':>6} {'wait p50':>8} {'wait p99':>8} {'host GiB':>8}")
     for row in rows:
-        print(f"{row['mode']:14} {row['tenants']:2d} {row['wall_s']:7.1f} {row['experiments_per_hour']:6.0f} "
+        print(f"{row['mode']:14} {row['tenants']:3d} {row['wall_s']:7.1f} {row['experiments_per_hour']:6.0f} "
               f"{row['throughput_vs_serial']:7.2f}{'' if row['serial_basis'].startswith('the same') else '*'} "
               f"{row['step_s']:7.2f} {row['step_vs_n1']:6.2f} {row['rollout_s']:7.2f} {row['rollout_vs_n1']:6.2f} "
               f"{row['train_s']:6.2f} {row['sync_s']:5.2f} {row['decode_tokens_per_s']:12.0f} "
               f"{busy(row):8.2f} {row['train_tflops_per_s'] / args.peak_tflops:6.1%} {row['peak_memory_gib']:8.1f} "
               f"{row['peak_running_rows']:5d} "
               f"{row['preemptions']:7d} {row['adapter_hit_rate']:8.1%} {row['adapter_loads']:6d} "
-              f"{row['queue_wait_p50_s']:8.3f} {row['queue_wait_p99_s']:8.3f}")
+              f"{row['queue_wait_p50_s']:8.3f} {row['queue_wait_p99_s']:8.3f} {row['host_store_gib']:8.2f}")
 
 
 if __name__ == "__main__":
