@@ -2,7 +2,7 @@
 per question, run from the repository root as ``python -m benchmarks.<name> --out <file or folder>``; each writes
 its full numbers as JSON there and prints a short table last. ``common`` holds what they share (graph timing, copy
 bandwidth, random Qwen3-shaped models and adapters). Current figures and their commands: RESULTS.md. Without a
-CUDA device the GPU benchmarks run as smoke runs at tiny sizes (``common``; ``tests/test_benchmarks_smoke.py`` runs
+CUDA device the GPU benchmarks run as smoke runs at tiny sizes (``common``; ``tests/benchmarks/test_benchmarks_smoke.py`` runs
 every module so).
 
 - ``kernels`` (with ``packed``): multi-LoRA ops against the base GEMM and the PEFT loop;

@@ -3,7 +3,7 @@ device's copy bandwidth (the rooflines' denominator); Qwen3-architecture models 
 models' shapes (no model can be downloaded on the GPU machine), in memory or written to disk with a tokenizer
 copied from an existing model folder.
 
-The benchmarks measure on CUDA. Without a CUDA device they run as smoke runs (``tests/test_benchmarks_smoke.py``):
+The benchmarks measure on CUDA. Without a CUDA device they run as smoke runs (``tests/benchmarks/test_benchmarks_smoke.py``):
 on :data:`DEVICE` "cpu", at the tiny sizes their options or ``--smoke`` give, Triton kernels through the Triton
 interpreter (``TRITON_INTERPRET=1``, :func:`require_kernels`), timed by the wall clock without graphs or L2
 rotation; their figures then say only that the script runs.

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support.isolation import assert_same_records, tenant_records
-from micro_task import assert_learning, micro_tenants, read_records, register_micro_env, run_args
+from tests.support.micro_task import assert_learning, micro_tenants, read_records, register_micro_env, run_args
 from skyrl_clora.checkpoints import LATEST, TenantCheckpoints
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import main
@@ -54,7 +54,7 @@ def _main_in_child(args: list[str]) -> None:
 # Children fork from a single-threaded server that has imported the plugin once (forking this multi-threaded
 # test process could deadlock a child on a lock some other thread held).
 _CHILDREN = multiprocessing.get_context("forkserver")
-_CHILDREN.set_forkserver_preload(["skyrl_clora.main", "micro_task"])
+_CHILDREN.set_forkserver_preload(["skyrl_clora.main", "tests.support.micro_task"])
 
 
 def _run_in_child(args: list[str]) -> multiprocessing.Process:

@@ -14,8 +14,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from helpers import http_call
-from micro_task import micro_tenants, run_args
+from tests.support.helpers import http_call
+from tests.support.micro_task import micro_tenants, run_args
 from skyrl_clora import ctl
 from skyrl_clora.config import ConfigError
 from skyrl_clora.config_build import build_run_config

@@ -24,7 +24,7 @@ from tests.support.isolation import (
     run_recorded,
     tenant_records,
 )
-from micro_task import assert_learning, micro_tenants, read_records, run_args
+from tests.support.micro_task import assert_learning, micro_tenants, read_records, run_args
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import main
 from skyrl_clora.sampler.scheduler import Scheduler

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from matplotlib.colors import to_rgba
-from micro_task import micro_tenants, run_args
+from tests.support.micro_task import micro_tenants, run_args
 
 from skyrl_clora.main import main
 from skyrl_clora.metrics import MetricsLog, reward_figure, write_run_summary

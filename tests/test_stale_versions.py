@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
-from helpers import record_built
-from micro_task import micro_tenants, read_records, run_args
+from tests.support.helpers import record_built
+from tests.support.micro_task import micro_tenants, read_records, run_args
 from skyrl_clora.backends import skyrl as skyrl_backend
 from skyrl_clora.backends.embedded import backend as embedded_backend
 from skyrl_clora.main import main

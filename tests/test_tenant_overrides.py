@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from micro_task import micro_tenants, run_args
+from tests.support.micro_task import micro_tenants, run_args
 from skyrl_clora.config_build import build_run_config
 from skyrl_clora.main import compose_config, main
 from skyrl_clora.sampler.client import EmbeddedInferenceClient

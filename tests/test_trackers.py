@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from micro_task import micro_tenants, read_records, run_args
+from tests.support.micro_task import micro_tenants, read_records, run_args
 from skyrl_clora.main import main
 
 pytestmark = pytest.mark.e2e

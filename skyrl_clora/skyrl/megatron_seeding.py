@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 

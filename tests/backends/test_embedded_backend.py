@@ -12,7 +12,7 @@ import torch
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 from transformers import AutoModelForCausalLM
 
-from micro_task import assert_learning, micro_tenants, read_records
+from tests.support.micro_task import assert_learning, micro_tenants, read_records
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import main
 

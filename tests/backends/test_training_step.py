@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from micro_task import assert_learning, micro_tenants, read_records
+from tests.support.micro_task import assert_learning, micro_tenants, read_records
 from skyrl_clora.backends.embedded.backend import EmbeddedBackend
 from skyrl_clora.main import main
 from skyrl_clora.tenant_loop import Rollout

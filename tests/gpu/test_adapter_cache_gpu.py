@@ -14,7 +14,7 @@ from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 
-from helpers import random_adapter
+from tests.support.helpers import random_adapter
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.model_runner import PrefillJob
 from skyrl_clora.sampler.requests import SamplingParams
 
-from helpers import random_adapter
+from tests.support.helpers import random_adapter, start_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -33,14 +33,9 @@ def _model(dtype: torch.dtype) -> Qwen3ForCausalLM:
 
 def _engine(cuda_graphs: bool, tenants: dict[str, int], dtype: torch.dtype = torch.bfloat16,
             reuse_decode_kv: bool = False, kv_dtype: torch.dtype | None = None) -> EngineThread:
-    model = _model(dtype)
-    routing, layers = attach_engine_lora(model, num_slots=4, max_rank=16)
     config = EngineConfig(num_rows=32, max_len=128, block_size=32, cuda_graphs=cuda_graphs,
                           reuse_decode_kv=reuse_decode_kv, kv_dtype=kv_dtype)
-    engine = EngineThread(Engine(model, layers, config))
-    for name, seed in tenants.items():
-        engine.register_adapter(name, random_adapter(layers, seed, b_std=0.05))
-    return engine
+    return start_engine(_model(dtype), config, tenants, max_rank=16, b_std=0.05)[0]
 
 
 def _greedy(engine: EngineThread, adapter: str | None, max_tokens: int = 24) -> list[int]:

@@ -17,7 +17,7 @@ import torch
 from skyrl.train.config import AlgorithmConfig
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from helpers import random_adapter
+from tests.support.helpers import random_adapter
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.engine_config import EngineConfig

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import differing_keys
+from tests.support.helpers import differing_keys
 
 pytestmark = [
     pytest.mark.gpu,

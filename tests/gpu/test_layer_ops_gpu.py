@@ -1,6 +1,6 @@
 """GPU parity of the row-tiled layer ops at training sizes (Qwen3-1.7B's micro-batch of ~20k tokens): RMSNorm
 over hidden rows and per-head rows, forward and backward, and the q/k norm + rotary kernel, against the torch
-references. Skipped without CUDA. Tolerance: ``helpers.FUSED_OP_TOLERANCE``."""
+references. Skipped without CUDA. Tolerance: ``tests.support.helpers.FUSED_OP_TOLERANCE``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from skyrl_clora.kernels import qk_norm_rope, rms_norm, rms_norm_with_grad, rope_with_grad
 
-from helpers import assert_fused_close
+from tests.support.helpers import assert_fused_close
 
 pytestmark = pytest.mark.gpu
 TOKENS = 20_001  # not a multiple of any row tile

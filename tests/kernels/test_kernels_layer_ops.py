@@ -10,7 +10,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 
 from skyrl_clora.kernels import qk_norm_rope, rms_norm, silu_mul
 
-from helpers import assert_fused_close
+from tests.support.helpers import assert_fused_close
 from tests.support.markers import triton_runs
 
 pytestmark = triton_runs

@@ -19,7 +19,7 @@ from skyrl_clora.kernels.layers.gather_ops import inverse_index
 from skyrl_clora.lora.layers import LoRARouting, attach_multi_lora, write_slot
 from skyrl_clora.trainer.fused_modules import FusedRMSNorm, FusedSwiGLUMLP, fuse_elementwise_modules, fused_apply_rotary_pos_emb
 
-from helpers import assert_fused_close, random_adapter
+from tests.support.helpers import assert_fused_close, random_adapter
 from tests.support.markers import triton_runs
 
 pytestmark = triton_runs

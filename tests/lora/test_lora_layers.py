@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from skyrl_clora.lora.layers import attach_multi_lora, read_slot, write_slot
 from skyrl_clora.lora.peft_export import load_peft_adapter, save_peft_adapter
 
-from helpers import random_adapter
+from tests.support.helpers import random_adapter
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 import skyrl_gym
 
 from tests.support.isolation import assert_same_records, tenant_records
-from micro_task import LetterRewardEnv, micro_tenants, read_records, register_micro_env, run_args
+from tests.support.micro_task import LetterRewardEnv, micro_tenants, read_records, register_micro_env, run_args
 from skyrl_clora.checkpoints import TenantCheckpoints
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.main import main

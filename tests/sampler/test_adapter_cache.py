@@ -19,7 +19,7 @@ from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import Completion, SamplingParams
 from skyrl_clora.sampler.scheduler import Publish, QueuedRequest
 
-from helpers import random_adapter
+from tests.support.helpers import random_adapter
 
 PROMPT = list(range(5, 25))
 MAX_ROUNDS = 2000  # a bound on every engine-driving loop below: reaching it fails the test

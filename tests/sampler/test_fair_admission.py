@@ -24,7 +24,7 @@ from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.sampler.scheduler import QueuedRequest, Scheduler
 
-from helpers import random_adapter
+from tests.support.helpers import random_adapter
 
 MAX_ROUNDS = 3000  # a bound on every engine-driving loop below: reaching it fails the test
 

@@ -14,7 +14,7 @@ from skyrl_clora.lora.layers import attach_multi_lora, write_slot
 from skyrl_clora.sampler.fused_projections import attach_engine_lora, fuse_base_projections, fused_layer_projections
 from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
 
-from helpers import random_adapter
+from tests.support.helpers import random_adapter
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)

@@ -11,27 +11,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.engine_thread import EngineThread
-from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 
-from helpers import random_adapter
+from tests.support.helpers import start_engine
 
 BLOCK = 16
 
 
 def _engine(model_dir: Path, num_blocks: int | None, reuse_decode_kv: bool = False,
             kv_dtype: torch.dtype | None = None) -> EngineThread:
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    routing, layers = attach_engine_lora(model, num_slots=4, max_rank=8)
     config = EngineConfig(num_rows=16, max_len=160, block_size=BLOCK, num_blocks=num_blocks,
                           reuse_decode_kv=reuse_decode_kv, kv_dtype=kv_dtype)
-    engine = EngineThread(Engine(model, layers, config))
-    for name, seed in (("a", 1), ("b", 2)):
-        engine.register_adapter(name, random_adapter(layers, seed))
-    return engine
+    return start_engine(AutoModelForCausalLM.from_pretrained(model_dir).eval(), config, {"a": 1, "b": 2})[0]
 
 
 def _jobs() -> list[tuple[list[int], str, SamplingParams]]:

@@ -17,7 +17,7 @@ from skyrl_clora.lora.layers import write_slot
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
 
-from helpers import random_adapter
+from tests.support.helpers import random_adapter
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 (scripts/test.sh sets it)")

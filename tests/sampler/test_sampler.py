@@ -25,22 +25,16 @@ from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 
-from helpers import random_adapter
+from tests.support.helpers import random_adapter, start_engine
 
 PROMPT = list(range(5, 25))
 
 
 def _engine(model_dir: Path, num_rows: int, adapters: dict[str, int], max_len: int = 96,
             reuse_decode_kv: bool = False, share_prefix_reads: bool = False, **options) -> tuple[EngineThread, dict]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    routing, layers = attach_engine_lora(model, num_slots=4, max_rank=8)
     config = EngineConfig(num_rows=num_rows, max_len=max_len, reuse_decode_kv=reuse_decode_kv,
                           share_prefix_reads=share_prefix_reads, **options)
-    engine = EngineThread(Engine(model, layers, config))
-    weights = {name: random_adapter(layers, seed) for name, seed in adapters.items()}
-    for name, adapter in weights.items():
-        engine.register_adapter(name, adapter)
-    return engine, weights
+    return start_engine(AutoModelForCausalLM.from_pretrained(model_dir).eval(), config, adapters)
 
 
 def _params(seed: int, max_tokens: int = 12) -> SamplingParams:

@@ -22,7 +22,7 @@ import pytest
 import torch
 from skyrl.train.config import SkyRLTrainConfig
 
-from helpers import differing_keys
+from tests.support.helpers import differing_keys
 from skyrl_clora.backends.skyrl import check_step_report
 from skyrl_clora.config import ConfigError
 from skyrl_clora.skyrl.fsdp_store import FSDPAdapterStore, FSDPLoraSignature, lora_a_initializer

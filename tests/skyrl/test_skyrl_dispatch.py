@@ -16,7 +16,7 @@ from skyrl.train.config import AlgorithmConfig
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 from transformers import AutoModelForCausalLM
 
-from micro_task import assert_learning, register_micro_env
+from tests.support.micro_task import assert_learning, register_micro_env
 from skyrl_clora.backends.skyrl import training_input
 from skyrl_clora.config_build import build_run_config
 from skyrl_clora.lora.layers import attach_multi_lora

@@ -37,7 +37,7 @@ from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
 from skyrl_clora.skyrl.server import EmbeddedServer
 from skyrl_clora.skyrl.tenant_client import TenantInferenceClient, tenant_views
 
-from helpers import http_call, random_adapter
+from tests.support.helpers import http_call, random_adapter
 
 TENANTS = ["t0", "t1", "t2", "t3"]
 PROMPT = list(range(5, 25))

@@ -43,7 +43,7 @@ def micro_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def learning_model_dir(micro_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The micro model made learnable on the micro task in a few steps (``micro_task.make_learnable_model``)."""
-    from micro_task import make_learnable_model
+    from tests.support.micro_task import make_learnable_model
 
     return make_learnable_model(micro_model_dir, tmp_path_factory.mktemp("learning-model"))
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import record_built
-from micro_task import assert_learning, read_records
+from tests.support.helpers import record_built
+from tests.support.micro_task import assert_learning, read_records
 from skyrl_clora.backends.embedded import backend as embedded_backend
 from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.lora.peft_export import load_peft_adapter

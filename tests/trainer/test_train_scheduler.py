@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from micro_task import assert_learning, micro_tenants
+from tests.support.micro_task import assert_learning, micro_tenants
 from skyrl_clora.config import ConfigError
 from skyrl_clora.main import main
 from skyrl_clora.trainer.pack_plan import pack_load, plan_packs, round_seconds

@@ -1,4 +1,4 @@
-"""Helpers shared by the tests (imported as ``helpers``: pytest puts tests/ on sys.path)."""
+"""Helpers shared by the tests (imported as ``tests.support.helpers``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ import torch
 
 from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear
 from skyrl_clora.lora.peft_export import init_adapter
+from skyrl_clora.sampler.engine import Engine
+from skyrl_clora.sampler.engine_config import EngineConfig
+from skyrl_clora.sampler.engine_thread import EngineThread
+from skyrl_clora.sampler.fused_projections import attach_engine_lora
 
 
 def random_adapter(layers: dict[str, MultiLoRALinear], seed: int, rank: int = 8, alpha: float = 16.0,
@@ -25,6 +29,18 @@ def random_adapter(layers: dict[str, MultiLoRALinear], seed: int, rank: int = 8,
 
 # Fused element-wise ops: Triton computes in fp32 and rounds once; the references round after each op as
 # Hugging Face does (and the CPU interpreter truncates when it rounds to bf16).
+def start_engine(model: torch.nn.Module, config: EngineConfig, adapters: dict[str, int], max_rank: int = 8,
+                 b_std: float = 0.3) -> tuple[EngineThread, dict[str, AdapterWeights]]:
+    """An engine thread on ``model`` (4 inference LoRA slots of ``max_rank``) with a :func:`random_adapter` (rank 8,
+    B's scale ``b_std``) registered per ``adapters`` entry (name -> seed); returns the thread and the adapters by name."""
+    _, layers = attach_engine_lora(model, num_slots=4, max_rank=max_rank)
+    engine = EngineThread(Engine(model, layers, config))
+    weights = {name: random_adapter(layers, seed, b_std=b_std) for name, seed in adapters.items()}
+    for name, adapter in weights.items():
+        engine.register_adapter(name, adapter)
+    return engine, weights
+
+
 FUSED_OP_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 

@@ -2,7 +2,7 @@
 the CPU, where the GPU benchmarks take tiny shapes (``--smoke``, ``--shape tiny``) and their Triton kernels run
 through the Triton interpreter (``TRITON_INTERPRET=1``, set by scripts/test.sh). Each run must end normally and
 write its output; its figures are not checked (they say nothing on a CPU). ``benchmarks.workloads`` is a helper
-(its code runs in the e2e run; ``tests/test_bench_e2e.py`` tests it and e2e's parts)."""
+(its code runs in the e2e run; ``tests/benchmarks/test_bench_e2e.py`` tests it and e2e's parts)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from benchmarks import (attention, common, concurrency, decode_factors, e2e, eng
                         planner, qkv_rope, runner, train)
 from tests.support.markers import triton_runs
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 HELPERS = {"workloads", "packed", "wall"}  # imported by the runnable modules (packed: by kernels, wall: by e2e)
 RUNS = {"attention", "common", "concurrency", "decode_factors", "e2e", "engine", "engine_host", "interference", "kernels",
         "planner", "qkv_rope", "runner", "train"}
