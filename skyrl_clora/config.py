@@ -8,7 +8,7 @@ point prints it and exits with status 2.
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -52,9 +52,9 @@ class RecipeConfig:
     max_generate_length: int
     max_input_length: int
     options: Any
-    max_prompt_length: int = 512
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    batched: bool = False
+    max_prompt_length: int
+    chat_template_kwargs: dict[str, Any]
+    batched: bool
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "samples_per_prompt", "max_turns", "max_generate_length", "max_input_length",
@@ -87,11 +87,11 @@ RECIPE_KEYS = {
 class LoraConfig:
     rank: int
     alpha: float
-    max_rank: int
+    max_lora_rank: int
 
     def __post_init__(self) -> None:
-        if self.max_rank < 1:
-            raise ConfigError(f"sampler.max_lora_rank must be >= 1, got {self.max_rank}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"sampler.max_lora_rank must be >= 1, got {self.max_lora_rank}")
 
 
 def algorithm_config(algorithm: dict[str, Any]) -> Any:
@@ -153,40 +153,48 @@ def check_algorithm(algorithm: dict[str, Any]) -> None:
 LOGGERS = ("console", "tensorboard", "wandb")
 
 
+OPTIMIZER_FIELDS = ("lr", "scheduler", "num_warmup_steps", "weight_decay", "max_grad_norm")
+""":class:`TrainerConfig`'s fields read from ``trainer.policy.optimizer_config.<field>``."""
+PLUGIN_TRAINER_FIELDS = ("pack_size", "pack_policy", "shared_prompts", "sm_carveout", "overlap_sampling",
+                         "pause_sampling_rows", "train_priority", "step_style")
+""":class:`TrainerConfig`'s fields that are the plugin's own keys, read from ``clora.<field>``; every other field is
+SkyRL's ``trainer.<field>``."""
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
-    """The trainer's settings, read from SkyRL's keys where SkyRL has one (:data:`TRAINER_KEYS`) and from the
-    plugin's own ``trainer.`` keys otherwise. ``mini_batch_size`` (prompts per optimizer step) and
-    ``update_epochs`` are SkyRL's ``policy_mini_batch_size`` and ``update_epochs_per_batch``."""
+    """The trainer's settings, each field named after the key it is read from (``config_build.TRAINER_KEYS``:
+    SkyRL's ``trainer.policy.optimizer_config.*`` for :data:`OPTIMIZER_FIELDS`, the plugin's ``clora.*`` for
+    :data:`PLUGIN_TRAINER_FIELDS`, SkyRL's ``trainer.*`` otherwise). Its defaults are the composed config's."""
 
     lr: float
-    lr_schedule: str
-    warmup_steps: int
-    micro_batch_size: int
+    scheduler: str
+    num_warmup_steps: int
     weight_decay: float
     max_grad_norm: float
+    micro_train_batch_size_per_gpu: int
     algorithm: dict[str, Any]
-    mini_batch_size: int
-    update_epochs: int
-    pack_size: int = 0
-    pack_policy: str = "ready"
-    shared_prompts: bool = True
-    sm_carveout: int = 0
-    overlap_sampling: bool | None = None
-    pause_sampling_rows: int = 256
-    train_priority: str = "arrival"
-    max_tokens_per_microbatch: int = -1
-    step_style: str = "skyrl"
-    ckpt_interval: int = 10
-    ckpt_path: str | None = None
-    max_ckpts_to_keep: int = 2
-    resume_mode: str = "latest"
-    resume_path: str | None = None
-    logger: list[str] = field(default_factory=list)
-    project_name: str = "skyrl-clora"
-    run_name: str | None = None
-    eval_interval: int = 5
-    eval_before_train: bool = True
+    policy_mini_batch_size: int  # prompts per optimizer step
+    update_epochs_per_batch: int
+    max_tokens_per_microbatch: int
+    ckpt_interval: int
+    ckpt_path: str | None
+    max_ckpts_to_keep: int
+    resume_mode: str
+    resume_path: str | None
+    logger: list[str]
+    project_name: str
+    run_name: str | None
+    eval_interval: int
+    eval_before_train: bool
+    pack_size: int
+    pack_policy: str
+    shared_prompts: bool
+    sm_carveout: int
+    overlap_sampling: bool | None
+    pause_sampling_rows: int
+    train_priority: str
+    step_style: str
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.logger) - set(LOGGERS))
@@ -222,13 +230,13 @@ class TrainerConfig:
             raise ConfigError(f"clora.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
         from skyrl_clora.trainer.adapter_store import LR_SCHEDULES
 
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ConfigError(f"trainer.policy.optimizer_config.scheduler={self.lr_schedule} is not implemented here; "
+        if self.scheduler not in LR_SCHEDULES:
+            raise ConfigError(f"trainer.policy.optimizer_config.scheduler={self.scheduler} is not implemented here; "
                               f"use {' or '.join(LR_SCHEDULES)}")
-        if self.micro_batch_size < 1:
-            raise ConfigError(f"trainer.micro_train_batch_size_per_gpu must be >= 1, got {self.micro_batch_size}")
-        if self.update_epochs < 1:
-            raise ConfigError(f"trainer.update_epochs_per_batch must be >= 1, got {self.update_epochs}")
+        if self.micro_train_batch_size_per_gpu < 1:
+            raise ConfigError(f"trainer.micro_train_batch_size_per_gpu must be >= 1, got {self.micro_train_batch_size_per_gpu}")
+        if self.update_epochs_per_batch < 1:
+            raise ConfigError(f"trainer.update_epochs_per_batch must be >= 1, got {self.update_epochs_per_batch}")
 
 
 KV_CACHE_DTYPE_KEY = "generator.inference_engine.engine_init_kwargs.kv_cache_dtype"
@@ -251,10 +259,12 @@ class SamplerConfig:
     kv_blocks: int
     reuse_decode_kv: bool | None
     prefill_wait_steps: int | None
-    stream_priority: str = "high"
-    kv_cache_dtype: str = "auto"  # generator.inference_engine.engine_init_kwargs.kv_cache_dtype (KV_CACHE_DTYPES)
-    adapter_slots: int | None = None  # device LoRA slots, a cache over the tenants' host adapters; None: one per tenant
-    admission: str = "fair"  # the engine's admission order (fair_share.ADMISSIONS): least served first, or arrival order
+    stream_priority: str
+    adapter_slots: int | None  # device LoRA slots, a cache over the tenants' host adapters; None: one per tenant
+    admission: str  # the engine's admission order (fair_share.ADMISSIONS): least served first, or arrival order
+    # generator.inference_engine.engine_init_kwargs.kv_cache_dtype (KV_CACHE_DTYPES), a free-form key SkyRL passes to
+    # vLLM: absent unless given, so its default is vLLM's
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -311,8 +321,8 @@ class EvalConfig:
 @dataclass(frozen=True)
 class RunConfig:
     """Everything one run needs. ``tenants`` is expanded from ``+tenants=N`` or a list of overrides. ``steps`` (RL
-    steps per tenant) is 0 until :func:`plan_steps` derives it from the training data, as SkyRL does from
-    ``trainer.epochs`` and ``trainer.max_training_steps``."""
+    steps per tenant) depends on the training data: :func:`~skyrl_clora.config_build.plan_steps` derives it as SkyRL
+    does from ``trainer.epochs`` and ``trainer.max_training_steps``, and reading it before raises."""
 
     mode: str
     train_mode: str
@@ -336,7 +346,7 @@ class RunConfig:
     max_tenants: int = 0
     control: bool = True
     replicas: int = 1
-    steps: int = 0
+    planned_steps: int | None = None  # set by plan_steps; read through ``steps``
 
     def __post_init__(self) -> None:
         if self.mode not in ("concurrent", "serial"):
@@ -358,7 +368,7 @@ class RunConfig:
                               "workers train in arrival order); remove the override")
         if self.epochs < 1:
             raise ConfigError(f"trainer.epochs must be >= 1, got {self.epochs}")
-        batch, mini = self.recipe.prompts_per_step, self.trainer.mini_batch_size
+        batch, mini = self.recipe.prompts_per_step, self.trainer.policy_mini_batch_size
         if not 1 <= mini <= batch or batch % mini:
             raise ConfigError(f"trainer.policy_mini_batch_size={mini} must divide trainer.train_batch_size={batch} "
                               "(SkyRL's rule); set it to a divisor of the batch")
@@ -391,18 +401,25 @@ class RunConfig:
 
             load_corpus(self.model_corpus)
         for spec in self.tenants:
-            if spec.rank > self.lora.max_rank:
+            if spec.rank > self.lora.max_lora_rank:
                 raise ConfigError(
-                    f"tenant {spec.name} has lora rank {spec.rank} > sampler.max_lora_rank={self.lora.max_rank}; "
+                    f"tenant {spec.name} has lora rank {spec.rank} > sampler.max_lora_rank={self.lora.max_lora_rank}; "
                     "lower its rank or raise sampler.max_lora_rank"
                 )
-        _check_writable(self.output_dir)
+
+    @property
+    def steps(self) -> int:
+        """RL steps per tenant, as planned from the training rows (:func:`~skyrl_clora.config_build.plan_steps`)."""
+        if self.planned_steps is None:
+            raise RuntimeError("RunConfig.steps depends on the training rows: build the run with "
+                               "config_build.plan_steps(run, train_rows) first")
+        return self.planned_steps
 
     @property
     def optimizer_steps_per_rl_step(self) -> int:
         """A tenant's optimizer (and LR-schedule) steps per RL step: SkyRL's ``policy_steps_per_train_batch``,
         ``train_batch_size // policy_mini_batch_size * update_epochs_per_batch``."""
-        return self.recipe.prompts_per_step // self.trainer.mini_batch_size * self.trainer.update_epochs
+        return self.recipe.prompts_per_step // self.trainer.policy_mini_batch_size * self.trainer.update_epochs_per_batch
 
     @property
     def max_sequence_length(self) -> int:
@@ -418,7 +435,8 @@ class RunConfig:
         return max(self.max_tenants, len(self.tenants))
 
 
-def _check_writable(path: Path) -> None:
+def prepare_output_dir(path: Path) -> None:
+    """Creates ``path`` (a run's ``clora.output_dir``) if missing; a :class:`ConfigError` when it cannot be written."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path):

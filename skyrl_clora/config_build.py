@@ -17,23 +17,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from skyrl_clora.config import (
     KV_CACHE_DTYPE_KEY, RECIPE_KEYS, ConfigError, EvalConfig, LoraConfig, RecipeConfig, RunConfig, SamplerConfig,
-    TrainerConfig, checked, check_algorithm,
+    OPTIMIZER_FIELDS, PLUGIN_TRAINER_FIELDS, TrainerConfig, checked, check_algorithm, prepare_output_dir,
 )
 from skyrl_clora.tenants import PER_TENANT_SKYRL, TenantSpec, expand_tenants
 
 TRAINER_KEYS = {
-    "lr": "trainer.policy.optimizer_config.lr", "lr_schedule": "trainer.policy.optimizer_config.scheduler",
-    "warmup_steps": "trainer.policy.optimizer_config.num_warmup_steps",
-    "weight_decay": "trainer.policy.optimizer_config.weight_decay",
-    "max_grad_norm": "trainer.policy.optimizer_config.max_grad_norm",
-    "micro_batch_size": "trainer.micro_train_batch_size_per_gpu", "algorithm": "trainer.algorithm",
-    "mini_batch_size": "trainer.policy_mini_batch_size", "update_epochs": "trainer.update_epochs_per_batch",
-    **{name: f"trainer.{name}" for name in (
-        "max_tokens_per_microbatch", "ckpt_interval", "ckpt_path", "max_ckpts_to_keep", "resume_mode", "resume_path",
-        "logger", "project_name", "run_name", "eval_interval", "eval_before_train")},
-    **{name: f"clora.{name}" for name in (
-        "pack_size", "pack_policy", "shared_prompts", "sm_carveout", "overlap_sampling", "pause_sampling_rows",
-        "train_priority", "step_style")},
+    f.name: (f"trainer.policy.optimizer_config.{f.name}" if f.name in OPTIMIZER_FIELDS
+             else f"clora.{f.name}" if f.name in PLUGIN_TRAINER_FIELDS else f"trainer.{f.name}")
+    for f in fields(TrainerConfig)
 }
 """:class:`TrainerConfig`'s fields and the keys they are read from."""
 
@@ -128,7 +119,7 @@ def trainer_config(cfg: DictConfig) -> TrainerConfig:
 
 def lora_config(cfg: DictConfig) -> LoraConfig:
     keys = {"rank": "trainer.policy.model.lora.rank", "alpha": "trainer.policy.model.lora.alpha",
-            "max_rank": "sampler.max_lora_rank"}
+            "max_lora_rank": "sampler.max_lora_rank"}
     return typed_fields(LoraConfig, read_keys(cfg, keys), keys)
 
 
@@ -242,9 +233,9 @@ def run_identity(cfg: DictConfig, tenants: list[TenantSpec]) -> dict[str, Any]:
 
 
 def build_run_config(cfg: DictConfig) -> RunConfig:
-    """Validates the composed Hydra config and returns the run's :class:`RunConfig` (``steps`` still 0: see
-    :func:`plan_steps`). The groups are checked independently and every group's problem is reported at once: a
-    :class:`ConfigError` of one line per problem."""
+    """Validates the composed Hydra config, creates the run's output folder (:func:`prepare_output_dir`) and returns
+    the run's :class:`RunConfig`, its steps not yet planned (:func:`plan_steps`). The groups are checked
+    independently and every group's problem is reported at once: a :class:`ConfigError` of one line per problem."""
     problems: list[str] = []
 
     def section(build: Callable[[], Any]) -> Any:
@@ -273,7 +264,7 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         raise ConfigError("\n".join(problems))
     tenants = tenant_specs(cfg, lora, trainer, recipe)
     model_path = cfg.trainer.policy.model.path
-    return RunConfig(
+    run = RunConfig(
         mode=str(clora.mode), train_mode=str(clora.train_mode), output_dir=Path(os.path.expanduser(str(clora.output_dir))),
         device=str(clora.device), backend=str(cfg.backend.name),
         model_path=None if model_path is None else resolve_model_path(str(model_path)),
@@ -282,6 +273,8 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         identity=run_identity(cfg, tenants),
         **scalars,
     )
+    prepare_output_dir(run.output_dir)
+    return run
 
 
 def resolve_model_path(value: str) -> str:
@@ -339,4 +332,5 @@ def planned_steps(epochs: int, max_training_steps: int | None, train_rows: int, 
 
 def plan_steps(run: RunConfig, train_rows: int) -> RunConfig:
     """``run`` with its RL steps per tenant (:func:`planned_steps`) for a training set of ``train_rows`` rows."""
-    return replace(run, steps=planned_steps(run.epochs, run.max_training_steps, train_rows, run.recipe.prompts_per_step))
+    steps = planned_steps(run.epochs, run.max_training_steps, train_rows, run.recipe.prompts_per_step)
+    return replace(run, planned_steps=steps)

@@ -123,7 +123,7 @@ class ControlServer:
         check_tenant_overrides(spec, run.trainer, run.backend)
         if spec.name in self.known:
             raise ConfigError(f"tenant name {spec.name} is taken in this run; choose another")
-        if spec.rank > run.lora.max_rank:
-            raise ConfigError(f"tenant {spec.name} has lora rank {spec.rank} > sampler.max_lora_rank={run.lora.max_rank}; "
+        if spec.rank > run.lora.max_lora_rank:
+            raise ConfigError(f"tenant {spec.name} has lora rank {spec.rank} > sampler.max_lora_rank={run.lora.max_lora_rank}; "
                               "lower its rank")
         return spec

@@ -11,7 +11,7 @@ import yaml
 
 from omegaconf import OmegaConf
 
-from skyrl_clora.config_build import build_run_config
+from skyrl_clora.config_build import build_run_config, plan_steps
 from skyrl_clora.help import is_global
 from skyrl_clora.main import CONF_DIR, compose_config, main
 from skyrl_clora.tenants import expand_tenants
@@ -67,6 +67,14 @@ def test_tenant_list_form_with_overrides(tmp_path: Path) -> None:
     assert (first.seed, first.lr, first.rank) == (7, 1e-3, 16)
     assert (second.name, second.rank, second.alpha, second.task_variant, second.samples_per_prompt) == (
         "small", 8, 16.0, "hard", 2)
+
+
+def test_steps_are_read_only_once_planned_from_the_training_rows(tmp_path: Path) -> None:
+    run = build_run_config(compose_config([f"clora.output_dir={tmp_path}", "trainer.train_batch_size=4",
+                                           "trainer.epochs=2", "trainer.max_training_steps=null"]))
+    with pytest.raises(RuntimeError, match="plan_steps"):
+        run.steps
+    assert plan_steps(run, train_rows=10).steps == 4  # SkyRL's dataloader drops the partial batch: 2 epochs x 2
 
 
 def test_default_is_one_tenant(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from tests.support.helpers import http_call
 from tests.support.micro_task import micro_tenants, run_args
 from skyrl_clora import ctl
 from skyrl_clora.config import ConfigError
-from skyrl_clora.config_build import build_run_config
+from skyrl_clora.config_build import build_run_config, plan_steps
 from skyrl_clora.control import CONTROL_FILE, ControlServer
 from skyrl_clora.main import compose_config
 from skyrl_clora.recipes.plugin import TaskSource
@@ -56,7 +56,8 @@ class Endpoint:
 
     def __init__(self, model_dir: Path, out: Path) -> None:
         self.out = out
-        run = build_run_config(compose_config(run_args(model_dir, out, micro_tenants({"name": "a"}, {"name": "b"}))))
+        cfg = compose_config(run_args(model_dir, out, micro_tenants({"name": "a"}, {"name": "b"})))
+        run = plan_steps(build_run_config(cfg), train_rows=12)
         self.tenants = StandInTenants(["a", "b"])
         self.server = ControlServer(run, self.tenants, ["a", "b"])
         self.loop = asyncio.new_event_loop()

@@ -40,7 +40,7 @@ from typing import Any
 
 from skyrl_clora.base_model import resolve_device
 from skyrl_clora.checkpoints import TenantCheckpoint, checkpoint_root, run_tenants
-from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.config import ConfigError, RunConfig, prepare_output_dir
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.metrics import write_run_summary
 from skyrl_clora.placement.planner import estimated_cost, measured_costs, plan_assignment, step_seconds
@@ -157,11 +157,13 @@ def _launch(actor_class: Any, group_pg: Any, index: int, gpu: bool, sub: RunConf
 
 
 def _replica_run(run: RunConfig, index: int, tenants: list[TenantSpec], root: Path, capacity: int) -> RunConfig:
-    """Replica ``index``'s run: its start-time tenants, room for ``capacity``, its own output folder, the run's
-    checkpoint folder, no control."""
+    """Replica ``index``'s run: its start-time tenants, room for ``capacity``, its own output folder (created), the
+    run's checkpoint folder, no control."""
     trainer = replace(run.trainer, ckpt_path=str(root))
-    return replace(run, tenants=tuple(tenants), output_dir=run.output_dir / "replicas" / str(index), trainer=trainer,
-                   replicas=1, control=False, max_tenants=capacity)
+    sub = replace(run, tenants=tuple(tenants), output_dir=run.output_dir / "replicas" / str(index), trainer=trainer,
+                  replicas=1, control=False, max_tenants=capacity)
+    prepare_output_dir(sub.output_dir)
+    return sub
 
 
 def _write_records(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped: list[str], sub_runs: list[RunConfig],

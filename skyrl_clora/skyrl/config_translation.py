@@ -168,7 +168,7 @@ def check_multi_tenant_constraints(
     if alpha != int(alpha):
         raise ConfigError(f"lora alpha {alpha:g} is not an integer; SkyRL's LoRA config takes an integer alpha")
     if production == "megatron" and (
-            trainer.lr_schedule == "cosine" or (trainer.lr_schedule == "constant" and trainer.warmup_steps > 0)):
+            trainer.scheduler == "cosine" or (trainer.scheduler == "constant" and trainer.num_warmup_steps > 0)):
         raise ConfigError(
             f"trainer.policy.optimizer_config.scheduler={tree['trainer']['policy']['optimizer_config']['scheduler']}: "
             "SkyRL 0.4's Megatron scheduler is constant with linear warm-up whatever the name (lr_decay_style is fixed; "

@@ -211,7 +211,7 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
         torch.bfloat16 if device.type == "cuda" else torch.float32
     )
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-    routing, layers = attach_engine_lora(model, engine_slot_count(run.sampler, len(names)), run.lora.max_rank)
+    routing, layers = attach_engine_lora(model, engine_slot_count(run.sampler, len(names)), run.lora.max_lora_rank)
     rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in plan.tenants)
     max_len = run.max_sequence_length
     rows = run.sampler.max_rows or len(names) * rows_per_tenant
@@ -247,7 +247,7 @@ def _policy_group(run: RunConfig, plan: SkyRLPlan, model_path: str, pad_token_id
         tenants = {spec.name: {"seed": spec.seed, "lr": spec.lr, "rank": spec.rank, "alpha": spec.alpha}
                    for spec in plan.tenants}
         ray.get(group.async_init_model(model_path, num_training_steps=run.steps * run.optimizer_steps_per_rl_step,
-                                       tenants=tenants, max_rank=run.lora.max_rank))
+                                       tenants=tenants, max_rank=run.lora.max_lora_rank))
     elif plan.strategy in FSDP_STRATEGIES:
         from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
 

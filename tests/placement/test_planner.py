@@ -95,7 +95,7 @@ def test_a_resume_plans_by_the_measured_step_times(tmp_path: Path) -> None:
     from skyrl_clora.placement.replicas import plan_replicas
 
     run = build_run_config(compose_config([f"clora.output_dir={tmp_path}", "+tenants=4", "clora.replicas=2"]))
-    run = replace(run, steps=10)
+    run = replace(run, planned_steps=10)
     specs = list(run.tenants)
     seconds = {spec.name: 10.0 if spec.name == "tenant-3" else 1.0 for spec in specs}
     resume = {name: TenantCheckpoint(tmp_path, 2, 2, False, [_step(name, 1, value), _step(name, 2, value)])

@@ -53,7 +53,7 @@ def test_the_scheduler_name_reaches_both_backends_as_skyrl_spells_it(tmp_path: P
     ``constant_with_warmup``); Megatron, whose scheduler warms up whatever the name, refuses a warm-up it would add."""
     keys = ["trainer.policy.optimizer_config.scheduler=constant", "trainer.policy.optimizer_config.num_warmup_steps=3",
             f"clora.output_dir={tmp_path}"]
-    assert build_run_config(compose_config(keys)).trainer.lr_schedule == "constant"
+    assert build_run_config(compose_config(keys)).trainer.scheduler == "constant"
     skyrl = ["backend=skyrl", f"trainer.policy.model.path={tmp_path}", "backend.strategy=fsdp2", *keys]
     assert translate(compose_config(skyrl)).base.trainer.policy.optimizer_config.scheduler == "constant"
     with pytest.raises(ConfigError, match="Megatron scheduler is constant with linear warm-up"):

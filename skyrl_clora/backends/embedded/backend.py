@@ -56,8 +56,8 @@ class EmbeddedBackend:
         check_tenant_host_memory(services.store, [spec.rank], available_host_memory())
         weights = init_adapter(services.trainer.layers, spec.rank, spec.alpha, torch.Generator().manual_seed(spec.seed))
         # SkyRL's scheduler counts optimizer steps: num_training_steps = RL steps * policy_steps_per_train_batch
-        schedule = LRSchedule(spec.lr, run.trainer.warmup_steps, run.steps * run.optimizer_steps_per_rl_step,
-                              run.trainer.lr_schedule)
+        schedule = LRSchedule(spec.lr, run.trainer.num_warmup_steps, run.steps * run.optimizer_steps_per_rl_step,
+                              run.trainer.scheduler)
         overrides = spec.algorithm_overrides()  # the tenant's own SkyRL algorithm keys (tenants.PER_TENANT_SKYRL)
         if spec.temperature is not None and run.trainer.algorithm.get("temperature") == run.sampler.temperature:
             overrides["temperature"] = spec.temperature  # the trainer's follows its sampling temperature, as SkyRL's

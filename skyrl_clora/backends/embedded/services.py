@@ -87,17 +87,17 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     sampler_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     trainer_slots = trainer_slot_count(run, num_tenants)
     sampler_layers, trainer_model, trainer_routing, trainer_layers = share_base_weights(
-        sampler_model, engine_slot_count(run.sampler, num_tenants), trainer_slots, run.lora.max_rank)
+        sampler_model, engine_slot_count(run.sampler, num_tenants), trainer_slots, run.lora.max_lora_rank)
 
     store = AdapterStore(trainer_layers, num_slots=trainer_slots)
     algorithm = algorithm_config(run.trainer.algorithm)
     trainer = Trainer(
         trainer_model, trainer_routing, trainer_layers, store, algorithm,
         OptimizerConfig(weight_decay=run.trainer.weight_decay, max_grad_norm=run.trainer.max_grad_norm),
-        micro_batch_size=run.trainer.micro_batch_size,
+        micro_batch_size=run.trainer.micro_train_batch_size_per_gpu,
         max_tokens_per_microbatch=run.trainer.max_tokens_per_microbatch,
-        shared_prefix=run.trainer.shared_prompts, mini_batch_prompts=run.trainer.mini_batch_size,
-        update_epochs=run.trainer.update_epochs,
+        shared_prefix=run.trainer.shared_prompts, mini_batch_prompts=run.trainer.policy_mini_batch_size,
+        update_epochs=run.trainer.update_epochs_per_batch,
     )
     max_len = run.max_sequence_length
     rows = -(-(run.sampler.max_rows or num_tenants * rows_per_tenant) // 16) * 16
@@ -106,12 +106,12 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     plan = None
     if kv_blocks is None and device.type == "cuda":
         tokens_per_micro = run.trainer.max_tokens_per_microbatch
-        micro_rows = max(1, tokens_per_micro // max_len) if tokens_per_micro > 0 else run.trainer.micro_batch_size
+        micro_rows = max(1, tokens_per_micro // max_len) if tokens_per_micro > 0 else run.trainer.micro_train_batch_size_per_gpu
         pack = trainer_slots if run.train_mode == "packed" else 1
         plan = plan_kv_blocks(
             sampler_model, trainer, utilization=run.sampler.gpu_memory_utilization, block_size=run.sampler.prefill_block,
             rows=rows, max_len=max_len, micro_batch_rows=min(micro_rows, pack * rows_per_tenant), pack=pack,
-            rank=run.lora.max_rank, kv_dtype=kv_dtype)
+            rank=run.lora.max_lora_rank, kv_dtype=kv_dtype)
         kv_blocks = plan.kv_blocks
     elif kv_blocks is None:
         kv_blocks = host_kv_blocks(sampler_model.config, dtype=kv_dtype or dtype, block_size=run.sampler.prefill_block,
