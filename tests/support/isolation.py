@@ -125,10 +125,14 @@ def assert_same_records(got: list[dict[str, Any]], want: list[dict[str, Any]], n
             assert first[key] == expected, f"{name}'s {key} differs at {second['event']} {second['step']}"
 
 
+def without_run_dependent(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` without the keys that differ between runs of the same work (wall times)."""
+    return [{k: v for k, v in r.items() if k not in _RUN_DEPENDENT and "trajectory_time" not in k} for r in records]
+
+
 def tenant_records(out: Path, name: str) -> list[dict[str, Any]]:
     """``name``'s records of the run in ``out``, without the run-dependent keys."""
-    return [{k: v for k, v in r.items() if k not in _RUN_DEPENDENT and "trajectory_time" not in k}
-            for r in read_records(out) if r.get("tenant") == name]
+    return without_run_dependent([r for r in read_records(out) if r.get("tenant") == name])
 
 
 def assert_same_tenants(got: dict[str, TenantResult], want: dict[str, TenantResult], exact: bool = True) -> None:
