@@ -6,6 +6,7 @@ one-line error and exit status 2 instead of a traceback), validated into a :clas
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import sys
@@ -106,11 +107,24 @@ def _unknown_key_message(key: str, overrides: list[str]) -> str:
 
     from skyrl_clora.config_build import flat_config
 
-    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
-    known = list(flat_config(compose_config([o for o in overrides if o.split("=", 1)[0] in groups])))
+    known = list(flat_config(_group_defaults(overrides)))
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(close)}?" if close else "see python -m skyrl_clora.main --help for the keys"
     return f"unknown key {key}; {hint} (a key the config does not have is added with +key=value)"
+
+
+def _group_defaults(overrides: list[str]) -> DictConfig:
+    """The config composed with the group choices of ``overrides`` alone (``recipe=``, ``backend=``, ...): every key
+    with its default. Read-only; composed once per set of choices."""
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    return _composed_defaults(tuple(o for o in overrides if o.split("=", 1)[0] in groups))
+
+
+@functools.cache
+def _composed_defaults(choices: tuple[str, ...]) -> DictConfig:
+    cfg = compose_config(list(choices))
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
 
 
 def check_known_keys(cfg: DictConfig, overrides: list[str]) -> None:
@@ -119,8 +133,7 @@ def check_known_keys(cfg: DictConfig, overrides: list[str]) -> None:
     which holds SkyRL's whole key tree."""
     from skyrl_clora.config_keys import FREE_FORM_KEYS
 
-    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
-    defaults = compose_config([o for o in overrides if o.split("=", 1)[0] in groups])
+    defaults = _group_defaults(overrides)
 
     def walk(node: DictConfig, known: DictConfig, prefix: str) -> None:
         for key in node:
