@@ -96,18 +96,19 @@ class AdapterSlots:
         """``name`` (resident) was just used: it becomes the most recently used."""
         self._resident.move_to_end(name)
 
-    def assign(self, name: str, busy: set[str | None]) -> str | None:
-        """Gives ``name`` (registered, not resident) a device slot: a free one, else the slot of the least recently
-        used resident adapter not in ``busy``, which stops being resident. Returns the evicted adapter (None for a
-        free slot). The slot holds ``name`` once the engine has :meth:`load`-ed it. Raises ValueError when every slot
-        is held by a busy adapter."""
+    def assign(self, name: str, busy: set[str | None], queued: set[str | None] = frozenset()) -> str | None:
+        """Gives ``name`` (registered, not resident) a device slot: a free one, else the slot of an :meth:`evictable`
+        adapter, which stops being resident: the least recently used of those not in ``queued`` (adapters with
+        requests waiting, which would need loading again), else of all. Returns the evicted adapter (None for a free
+        slot). The slot holds ``name`` once the engine has :meth:`load`-ed it. Raises ValueError when every slot is
+        held by a busy adapter."""
         if self._free:
             self._resident[name] = self._free.pop(0)
             return None
         candidates = self.evictable(busy)
         if not candidates:
             raise ValueError(f"all {self.count} adapter slots hold adapters with running requests")
-        evicted = candidates[0]
+        evicted = next((candidate for candidate in candidates if candidate not in queued), candidates[0])
         self._resident[name] = self._resident.pop(evicted)
         return evicted
 

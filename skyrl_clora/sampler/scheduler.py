@@ -33,7 +33,10 @@ adapter with no request running or admitted in the round (evicted), and the plan
 before the pass (:attr:`PrefillPlan.loads`). When every slot's adapter is busy the request waits, and the least
 recently used busy adapter is drained for it: requests of that adapter queued behind it are not admitted until it
 has its slot, so a waiting adapter gets one within the running requests' lengths (one drained adapter per waiting
-adapter, in the order requests are considered).
+adapter, in the order requests are considered). Both choices take an adapter with no request waiting in the queue
+before one with some (least recently used first within each), so a slot goes to a waiting adapter at the cost of
+another load only when every candidate has requests waiting: which adapter loses its slot never changes what a
+request samples, only how often host copies are loaded.
 
 Admission order (``admission``): ``"fifo"`` considers the waiting requests in arrival order over all tenants;
 ``"fair"`` tenant by tenant, the tenant that received the least service first (virtual-token counters,
@@ -122,17 +125,19 @@ class _SlotRound:
     adapters busy (with a request running or admitted in the round), and those drained for adapters waiting for a
     slot (module docstring)."""
 
-    def __init__(self, adapters: AdapterSlots, rows: list[QueuedRequest | None], plan: PrefillPlan) -> None:
+    def __init__(self, adapters: AdapterSlots, rows: list[QueuedRequest | None], queue: list[QueuedRequest],
+                 plan: PrefillPlan) -> None:
         self.adapters = adapters
         self.plan = plan
         self.busy = {req.adapter for req in rows if req is not None}
+        self.queued = {req.adapter for req in queue}  # adapters with requests waiting at the round's start
         self.waiting: set[str] = set()
         self.draining: set[str] = set()
 
     def holds_back(self, adapter: str | None) -> bool:
         """Whether a request of ``adapter`` waits for a slot: its adapter is drained for one queued before it, or it
-        holds no slot and none is free or held by an idle adapter (the least recently used busy adapter not drained
-        yet is then drained for it)."""
+        holds no slot and none is free or held by an idle adapter (a busy adapter not drained yet is then drained for
+        it: the least recently used of those with no request queued, else of all)."""
         if adapter is None:
             return False
         if adapter in self.draining:
@@ -141,9 +146,9 @@ class _SlotRound:
             return False
         if adapter not in self.waiting:
             self.waiting.add(adapter)
-            victim = next((name for name in self.adapters.lru() if name in self.busy and name not in self.draining), None)
-            if victim is not None:
-                self.draining.add(victim)
+            candidates = [name for name in self.adapters.lru() if name in self.busy and name not in self.draining]
+            if candidates:
+                self.draining.add(next((name for name in candidates if name not in self.queued), candidates[0]))
         return True
 
     def admitted(self, req: QueuedRequest) -> None:
@@ -156,7 +161,7 @@ class _SlotRound:
             self.adapters.touch(req.adapter)
             self.plan.hits += 1
         else:
-            self.plan.evictions += self.adapters.assign(req.adapter, self.busy) is not None
+            self.plan.evictions += self.adapters.assign(req.adapter, self.busy, self.queued) is not None
             self.plan.loads.append(req.adapter)
         self.busy.add(req.adapter)
         req.lora_slot = self.adapters.slot(req.adapter)
@@ -314,7 +319,7 @@ class Scheduler:
         spent = 0  # blocks the requests admitted this round will take
         full = False  # the pool could not take the last request tried: the round admits no more
         block_size = self.blocks.block_size
-        slots = _SlotRound(self.adapters, self.rows, plan)
+        slots = _SlotRound(self.adapters, self.rows, self._waiting, plan)
         order = self._waiting
         if self.service is not None:
             running = {req.adapter for req in self.rows if req is not None}

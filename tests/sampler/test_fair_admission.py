@@ -1,7 +1,8 @@
 """Fair admission (``admission="fair"``, virtual-token counters): a tenant flooding the queue cannot delay another
 tenant's request by more than one admission of each other active tenant, where arrival order (``"fifo"``) makes it
 wait for the whole flood; a tenant active again after idling is lifted to the least served active tenant's counter;
-the engine samples every request the same under either order, and keeps each tenant's queue waits."""
+the engine samples every request the same under either order, and keeps each tenant's queue waits. With fewer device
+slots than tenants, a slot is taken from an adapter with no request waiting before one with some."""
 
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ from tests.support.helpers import random_adapter
 MAX_ROUNDS = 3000  # a bound on every engine-driving loop below: reaching it fails the test
 
 
-def _scheduler(tenants: list[str], num_rows: int, admission: str) -> Scheduler:
-    """A scheduler over ``num_rows`` rows and a slot per tenant (at version 0), a pool that never runs short."""
-    layers = {"proj": MultiLoRALinear(nn.Linear(4, 4), num_slots=len(tenants), max_rank=2, routing=LoRARouting(),
-                                      trainable=False)}
+def _scheduler(tenants: list[str], num_rows: int, admission: str, num_slots: int | None = None) -> Scheduler:
+    """A scheduler over ``num_rows`` rows and ``num_slots`` device slots (default: one per tenant) for ``tenants`` (at
+    version 0), a pool that never runs short."""
+    layers = {"proj": MultiLoRALinear(nn.Linear(4, 4), num_slots=num_slots or len(tenants), max_rank=2,
+                                      routing=LoRARouting(), trainable=False)}
     adapters = AdapterSlots(layers, pin=False)
     for name in tenants:
         adapters.register(name)
@@ -52,11 +54,7 @@ def _enqueue(scheduler: Scheduler, tenant: str, prompt_len: int = 6) -> QueuedRe
 def _round(scheduler: Scheduler) -> list[QueuedRequest]:
     """One round: the admitted requests run one decode step and finish (their rows freed)."""
     plan = scheduler.schedule_prefill()
-    for req, start in zip(plan.requests, plan.starts):
-        scheduler.prefilled(req, start)
-    scheduler.decode_launched()
-    for req in plan.requests:
-        scheduler.release(req.row)
+    _round_of(scheduler, plan)
     return plan.requests
 
 
@@ -147,3 +145,47 @@ def test_fair_and_fifo_admission_sample_every_request_alike_and_record_each_tena
     assert len({tuple(logprobs) for _, logprobs in results["fifo"].values()}) == len(submitted)
     last_b = {admission: order.index(("b", 1)) for admission, order in finish_order.items()}
     assert last_b["fair"] < last_b["fifo"], "fair admission serves b before a's flood is through"
+
+
+@pytest.mark.parametrize("admission", ["fifo", "fair"])
+def test_a_slot_is_taken_from_an_adapter_with_nothing_queued_before_one_with_requests_waiting(admission: str) -> None:
+    scheduler = _scheduler(["a", "b", "c"], num_rows=2, admission=admission, num_slots=2)
+    _enqueue(scheduler, "a")
+    _enqueue(scheduler, "b")
+    first = scheduler.schedule_prefill()
+    assert first.loads == ["a", "b"]
+    _round_of(scheduler, first)
+    _enqueue(scheduler, "c")  # c needs a slot; a (least recently used) has a request queued behind it, b has none
+    _enqueue(scheduler, "a")
+    second = scheduler.schedule_prefill()
+    assert [req.adapter for req in second.requests] == ["c", "a"]
+    assert (second.loads, second.evictions, second.hits) == (["c"], 1, 1)  # b gave its slot; a kept its own
+    assert not scheduler.adapters.resident("b") and scheduler.adapters.resident("a")
+
+
+def _round_of(scheduler: Scheduler, plan) -> None:
+    """``plan``'s requests run one decode step and finish (their rows freed)."""
+    for req, start in zip(plan.requests, plan.starts):
+        scheduler.prefilled(req, start)
+    scheduler.decode_launched()
+    for req in plan.requests:
+        scheduler.release(req.row)
+
+
+@pytest.mark.parametrize("admission", ["fifo", "fair"])
+def test_a_waiting_adapter_drains_a_busy_adapter_with_nothing_queued_before_one_with_requests_waiting(
+        admission: str) -> None:
+    scheduler = _scheduler(["a", "b", "c"], num_rows=3, admission=admission, num_slots=2)
+    first_a, first_b = _enqueue(scheduler, "a"), _enqueue(scheduler, "b")
+    first = scheduler.schedule_prefill()
+    for req, start in zip(first.requests, first.starts):
+        scheduler.prefilled(req, start)  # a and b keep running: every slot is busy
+    _enqueue(scheduler, "c")
+    _enqueue(scheduler, "a")
+    second = scheduler.schedule_prefill()
+    assert [req.adapter for req in second.requests] == ["a"] and second.hits == 1  # c drained b, not a
+    scheduler.release(first_a.row)
+    scheduler.release(first_b.row)  # b's slot is free to take (a's second request runs)
+    third = scheduler.schedule_prefill()
+    assert [req.adapter for req in third.requests] == ["c"] and (third.loads, third.evictions) == (["c"], 1)
+    assert not scheduler.adapters.resident("b")

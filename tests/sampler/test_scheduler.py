@@ -294,8 +294,8 @@ def test_a_landing_publish_drops_its_adapters_prefixes_and_a_finish_keeps_a_hist
 
 def test_an_adapter_takes_a_free_slot_then_the_least_recently_used_idle_ones_and_drains_a_busy_one() -> None:
     """Four slots. a-d take the free ones; with a and c idle, e and f take theirs (least recently used first) and b
-    finds its own. Then every slot's adapter is busy: a waits, and the least recently used busy adapter, d, is
-    drained for it (its request behind a waits too) while b, admitted last, is not."""
+    finds its own. Then every slot's adapter is busy: a waits, and a busy adapter is drained for it: not d, the least
+    recently used, which has a request queued behind a's (it runs), but e, the least recently used with none."""
     scheduler = _scheduler(num_rows=8, versions={name: 0 for name in "abcdef"})
     first = {name: _request([1], name) for name in "abcd"}
     for req in first.values():
@@ -316,13 +316,14 @@ def test_an_adapter_takes_a_free_slot_then_the_least_recently_used_idle_ones_and
     assert not scheduler.adapters.resident("a") and not scheduler.adapters.resident("c")
     for req in plan.requests:
         scheduler.prefilled(req, 0)
-    waiting, drained, other = _request([3], "a"), _request([3], "d"), _request([3], "b")
-    for req in (waiting, drained, other):
+    waiting, queued_d, other = _request([3], "a"), _request([3], "d"), _request([3], "b")
+    for req in (waiting, queued_d, other):
         scheduler.enqueue(req)
     plan = scheduler.schedule_prefill()
-    assert plan.requests == [other] and (plan.loads, plan.hits) == ([], 1)
-    scheduler.prefilled(other, 0)
-    scheduler.release(first["d"].row)
+    assert plan.requests == [queued_d, other] and (plan.loads, plan.hits) == ([], 2)
+    for req in plan.requests:
+        scheduler.prefilled(req, 0)
+    scheduler.release(second[0].row)  # e's request ends: its slot is a's
     plan = scheduler.schedule_prefill()
-    assert plan.requests == [waiting] and (plan.loads, plan.evictions) == (["a"], 1) and waiting.lora_slot == 3
-    assert scheduler.adapters.lru() == ["e", "f", "b", "a"] and not drained.future.done()
+    assert plan.requests == [waiting] and (plan.loads, plan.evictions) == (["a"], 1) and waiting.lora_slot == 0
+    assert scheduler.adapters.lru() == ["f", "d", "b", "a"]
