@@ -20,12 +20,13 @@ import pytest
 import skyrl_gym
 
 from tests.support.isolation import assert_same_records, tenant_records, without_run_dependent
+from tests.support.markers import replicated_runs_limit
 from tests.support.micro_task import LetterRewardEnv, micro_tenants, read_records, register_micro_env, run_args
 from skyrl_clora.checkpoints import TenantCheckpoints
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.main import main
 
-pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.ray, replicated_runs_limit]
 SIGNAL_ENV = "micro_letters_signalling"
 STEPS = 6
 B_STOPS_AFTER = 3  # b (alone on its replica) has 8 evaluation episodes, then 32 a step: episode 73 opens step 3

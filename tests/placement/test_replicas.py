@@ -16,12 +16,13 @@ import pytest
 import skyrl_gym
 
 from tests.support.isolation import assert_same_records, tenant_records
+from tests.support.markers import replicated_runs_limit
 from tests.support.micro_task import LetterRewardEnv, micro_tenants, read_records, register_micro_env, run_args
 from skyrl_clora.main import main
 from skyrl_clora.placement import replicas
 from skyrl_clora.placement.replicas import Move
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, replicated_runs_limit]
 DYING_ENV = "micro_letters_dying"
 GATED_ENV = "micro_letters_gated"
 TENANTS = [{"name": "a", "seed": 1, "lr": "1e-2"}, {"name": "b", "seed": 2, "lr": "3e-3", "rank": 4},

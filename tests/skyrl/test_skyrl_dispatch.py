@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.support.micro_task import assert_learning, register_micro_env
 from skyrl_clora.backends.skyrl import training_input
-from skyrl_clora.config_build import build_run_config
+from skyrl_clora.config_build import build_run_config, plan_steps
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter, load_peft_adapter
 from skyrl_clora.main import compose_config, main
@@ -83,7 +83,7 @@ def _local_step(model_dir: Path, batch, lr: float, seed: int, algorithm: Algorit
 @pytest.mark.ray
 def test_dispatch_registers_steps_syncs_and_deletes_tenants(micro_model_dir: Path, tmp_path: Path) -> None:
     cfg = compose_config(_overrides(micro_model_dir, tmp_path, "+tenants=[{lr:1e-2},{lr:3e-3}]", "trainer.max_training_steps=4"))
-    run, plan = build_run_config(cfg), translate(cfg)
+    run, plan = plan_steps(build_run_config(cfg), train_rows=8), translate(cfg)
     stack = build_stack(run, plan, str(micro_model_dir))  # starts (and at shutdown stops) a small local Ray
     dispatches = {name: WorkerDispatch(plan.tenant_configs[name], policy_actor_group=stack.policy_group,
                                        inference_engine_client=stack.views[name]) for name in LRS}

@@ -18,7 +18,7 @@ from skyrl.train.config import AlgorithmConfig, SkyRLTrainConfig
 from transformers import AutoModelForCausalLM
 
 from skyrl_clora.backends.skyrl import SkyRLBackend, Tenant, training_input
-from skyrl_clora.config_build import build_run_config
+from skyrl_clora.config_build import build_run_config, plan_steps
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate
@@ -77,7 +77,7 @@ def test_driver_recomputes_log_probs_and_adds_the_base_as_kl_reference(micro_mod
         "trainer.policy.optimizer_config.lr=5e-2", "trainer.algorithm.use_kl_loss=true", "trainer.algorithm.kl_loss_coef=0.5",
         f"generator.sampling_params.temperature={temperature}",
     ])
-    run, plan = build_run_config(cfg), translate(cfg)
+    run, plan = plan_steps(build_run_config(cfg), train_rows=8), translate(cfg)
     stack = build_stack(run, plan, str(micro_model_dir))
     backend = SkyRLBackend(run, plan, stack)
     spec = plan.tenants[0]
