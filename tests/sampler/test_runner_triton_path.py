@@ -5,8 +5,6 @@ kernels are the ones they accept."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -18,9 +16,9 @@ from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
 
 from tests.support.helpers import random_adapter
+from tests.support.markers import interpreted
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="needs TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+pytestmark = interpreted
 
 
 def _logits(model: Qwen3ForCausalLM, triton_path: bool,
