@@ -234,7 +234,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.policy.optimizer_config.scheduler={self.scheduler} is not implemented here; "
                               f"use {' or '.join(LR_SCHEDULES)}")
         if self.micro_train_batch_size_per_gpu < 1:
-            raise ConfigError(f"trainer.micro_train_batch_size_per_gpu must be >= 1, got {self.micro_train_batch_size_per_gpu}")
+            raise ConfigError("trainer.micro_train_batch_size_per_gpu must be >= 1, got "
+                              f"{self.micro_train_batch_size_per_gpu}")
         if self.update_epochs_per_batch < 1:
             raise ConfigError(f"trainer.update_epochs_per_batch must be >= 1, got {self.update_epochs_per_batch}")
 
@@ -419,7 +420,8 @@ class RunConfig:
     def optimizer_steps_per_rl_step(self) -> int:
         """A tenant's optimizer (and LR-schedule) steps per RL step: SkyRL's ``policy_steps_per_train_batch``,
         ``train_batch_size // policy_mini_batch_size * update_epochs_per_batch``."""
-        return self.recipe.prompts_per_step // self.trainer.policy_mini_batch_size * self.trainer.update_epochs_per_batch
+        trainer = self.trainer
+        return self.recipe.prompts_per_step // trainer.policy_mini_batch_size * trainer.update_epochs_per_batch
 
     @property
     def max_sequence_length(self) -> int:

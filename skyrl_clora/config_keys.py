@@ -283,9 +283,10 @@ def skyrl_defaults() -> dict[str, Any]:
 @cache
 def register_skyrl_defaults() -> None:
     """Stores :func:`skyrl_defaults` in Hydra's ConfigStore as ``skyrl_defaults`` (conf/config.yaml's first
-    default), so that every SkyRL key can be overridden; once per process (the store keeps it). ``generator.eval_sampling_params.max_generate_length`` is
-    ``${generator.sampling_params.max_generate_length}``: SkyRL's ``GeneratorConfig.__post_init__`` gives evaluation
-    the training length when no ``eval_sampling_params`` is given (``skyrl_cli`` keeps SkyRL's rule when some are)."""
+    default), so that every SkyRL key can be overridden; once per process (the store keeps it).
+    ``generator.eval_sampling_params.max_generate_length`` is ``${generator.sampling_params.max_generate_length}``:
+    SkyRL's ``GeneratorConfig.__post_init__`` gives evaluation the training length when no ``eval_sampling_params``
+    is given (``skyrl_cli`` keeps SkyRL's rule when some are)."""
     from hydra.core.config_store import ConfigStore
 
     node = OmegaConf.create(skyrl_defaults())

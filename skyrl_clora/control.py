@@ -124,6 +124,6 @@ class ControlServer:
         if spec.name in self.known:
             raise ConfigError(f"tenant name {spec.name} is taken in this run; choose another")
         if spec.rank > run.lora.max_lora_rank:
-            raise ConfigError(f"tenant {spec.name} has lora rank {spec.rank} > sampler.max_lora_rank={run.lora.max_lora_rank}; "
-                              "lower its rank")
+            raise ConfigError(f"tenant {spec.name} has lora rank {spec.rank} > "
+                              f"sampler.max_lora_rank={run.lora.max_lora_rank}; lower its rank")
         return spec

@@ -113,8 +113,8 @@ class SkyRLBackend:
         generator = SkyRLGymGenerator(config.generator, config.environment.skyrl_gym, view, self.stack.tokenizer,
                                       policy_model_name=spec.name)
         # SkyRL's scheduler counts optimizer steps: RL steps * mini-batches per step * update epochs
-        schedule = LRSchedule(spec.lr, self.run.trainer.num_warmup_steps, self.run.steps * self.run.optimizer_steps_per_rl_step,
-                              self.run.trainer.scheduler)
+        schedule = LRSchedule(spec.lr, self.run.trainer.num_warmup_steps,
+                              self.run.steps * self.run.optimizer_steps_per_rl_step, self.run.trainer.scheduler)
         self.tenants[spec.name] = Tenant(spec, dispatch, generator, view, schedule)
         async with self._update_lock:
             algorithm = config.trainer.algorithm

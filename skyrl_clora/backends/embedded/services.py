@@ -106,7 +106,8 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     plan = None
     if kv_blocks is None and device.type == "cuda":
         tokens_per_micro = run.trainer.max_tokens_per_microbatch
-        micro_rows = max(1, tokens_per_micro // max_len) if tokens_per_micro > 0 else run.trainer.micro_train_batch_size_per_gpu
+        micro_rows = (max(1, tokens_per_micro // max_len) if tokens_per_micro > 0
+                      else run.trainer.micro_train_batch_size_per_gpu)
         pack = trainer_slots if run.train_mode == "packed" else 1
         plan = plan_kv_blocks(
             sampler_model, trainer, utilization=run.sampler.gpu_memory_utilization, block_size=run.sampler.prefill_block,
