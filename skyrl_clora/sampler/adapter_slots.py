@@ -84,6 +84,10 @@ class AdapterSlots:
         used first: the ones whose slot :meth:`assign` may take."""
         return [name for name in self._resident if name not in busy]
 
+    def free(self) -> int:
+        """How many slots hold no adapter."""
+        return len(self._free)
+
     def available(self, busy: set[str | None]) -> int:
         """How many slots :meth:`assign` could give now: the free ones and those of :meth:`evictable` adapters."""
         return len(self._free) + len(self.evictable(busy))

@@ -50,6 +50,7 @@ from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.sampler.block_manager import BlockManager
 from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.engine_stats import EngineStats, GPUSpan, StatsRecorder
+from skyrl_clora.sampler.fair_share import slot_credit
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
 from skyrl_clora.sampler.requests import Completion
 from skyrl_clora.sampler.running_rows import RunningRows
@@ -99,7 +100,7 @@ class Engine:
             self.recorder.graphs_captured(self.runner.capture_graphs())
         self.scheduler = Scheduler(num_rows, self.adapters, blocks, config.max_prefills_per_step,
                                    config.reuse_decode_kv and config.cache_prefixes, config.prefill_wait_steps,
-                                   config.admission)
+                                   config.admission, slot_credit(max_len))
         self._running = RunningRows(num_rows, max_len)  # per cache row: decode inputs, settings, outputs so far
         self._in_flight: _StepInFlight | None = None  # the decode step launched last
         self._prefilled: _StepInFlight | None = None  # this round's prefill, its first tokens not accepted yet

@@ -10,6 +10,12 @@ tenant's in arrival order (:func:`fair_order`). A tenant that becomes active (a 
 not is lifted to the smallest counter of the tenants that were active before (:meth:`ServiceCounters.observe`), so
 idle time is not banked: a tenant arriving while others flood the queue is admitted after at most one admission of
 each tenant tied with it at that minimum.
+
+With fewer device adapter slots than active tenants, a tenant whose adapter holds a slot keeps a credit in the order
+(:func:`tenure_key`): it is served up to ``credit`` counter units ahead of tenants whose adapters would need a slot, and
+a waiting tenant drains a slot only from a tenant that is past its credit (the scheduler's ``slot_credit``). So a slot
+serves its tenant for a tenure (a GRPO group's turns, not one request) before it changes hands, and a waiting tenant
+is served once a resident one is ``credit`` ahead of it (plus what that tenant's running requests still take).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from typing import Protocol
 ADMISSIONS = ("fifo", "fair")  # the scheduler's admission orders: arrival order, or by these counters
 PREFILL_WEIGHT = 1.0  # counter units per prompt token admitted
 DECODE_WEIGHT = 2.0  # counter units per token a decode step computes for a running request
+# A resident tenant's credit, in requests of the engine's longest length (RESULTS.md, "Many tenants on few adapter
+# slots"): enough for a GRPO group's turns to share one slot tenure.
+SLOT_CREDIT_REQUESTS = 2.0
 
 
 class _Request(Protocol):
@@ -74,19 +83,34 @@ class ServiceCounters:
         self._active = set(active)
 
 
-def fair_order(waiting: list[_Request], counters: ServiceCounters) -> Iterator[_Request]:
+def fair_order(waiting: list[_Request], counters: ServiceCounters, resident: frozenset[str | None] = frozenset(),
+               credit: float = 0.0) -> Iterator[_Request]:
     """The requests of ``waiting`` (in arrival order) in the order admission considers them: repeatedly the first
-    not yet yielded of the tenant with the smallest counter (ties: the tenant seen first in ``waiting``). Counters are
-    read again after each yield, so a request admitted meanwhile (:meth:`ServiceCounters.admitted`) moves its tenant
-    back; only the yielded request's tenant may be charged between two yields."""
+    not yet yielded of the tenant with the smallest key, its counter less ``credit`` when it is in ``resident``
+    (:func:`tenure_key`; ties: the tenant seen first in ``waiting``). Keys are read again after each yield, so a
+    request admitted meanwhile (:meth:`ServiceCounters.admitted`) moves its tenant back; only the yielded request's
+    tenant may be charged between two yields."""
     queues: dict[str | None, deque] = {}
     for request in waiting:
         queues.setdefault(request.adapter, deque()).append(request)
-    heap = [(counters.value(tenant), rank, tenant) for rank, tenant in enumerate(queues)]
+    heap = [(tenure_key(counters, tenant, resident, credit), rank, tenant) for rank, tenant in enumerate(queues)]
     heapq.heapify(heap)
     while heap:
         _, rank, tenant = heapq.heappop(heap)
         queue = queues[tenant]
         yield queue.popleft()
         if queue:
-            heapq.heappush(heap, (counters.value(tenant), rank, tenant))
+            heapq.heappush(heap, (tenure_key(counters, tenant, resident, credit), rank, tenant))
+
+
+def slot_credit(max_len: int) -> float:
+    """The slot credit (:func:`tenure_key`) of an engine whose requests are at most ``max_len`` tokens:
+    :data:`SLOT_CREDIT_REQUESTS` times the counter units one such request's decode steps add."""
+    return SLOT_CREDIT_REQUESTS * DECODE_WEIGHT * max_len
+
+
+def tenure_key(counters: ServiceCounters, tenant: str | None, resident: frozenset[str | None], credit: float) -> float:
+    """``tenant``'s place in the fair order: its counter, less ``credit`` while its adapter holds a device slot
+    (``resident``), so that a resident tenant is served up to ``credit`` counter units ahead of one that would need a
+    slot loaded before another tenant's slot is taken for it."""
+    return counters.value(tenant) - (credit if tenant in resident else 0.0)

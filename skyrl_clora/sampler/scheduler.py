@@ -40,8 +40,11 @@ request samples, only how often host copies are loaded.
 
 Admission order (``admission``): ``"fifo"`` considers the waiting requests in arrival order over all tenants;
 ``"fair"`` tenant by tenant, the tenant that received the least service first (virtual-token counters,
-:mod:`~skyrl_clora.sampler.fair_share`), each tenant's requests in arrival order. Either way the queue keeps arrival
-order, and the rules above (free rows, the prefill cap, blocks, the fence, slots) apply to each request considered.
+:mod:`~skyrl_clora.sampler.fair_share`), each tenant's requests in arrival order; a tenant whose adapter holds a slot
+counts ``slot_credit`` less while no slot is free, and a waiting adapter drains only a busy adapter whose tenant is
+more than that credit ahead of its own (so a slot changes hands after a tenure, not after every request). Either way
+the queue keeps arrival order, and the rules above (free rows, the prefill cap, blocks, the fence, slots) apply to each
+request considered.
 """
 
 from __future__ import annotations
@@ -126,9 +129,11 @@ class _SlotRound:
     slot (module docstring)."""
 
     def __init__(self, adapters: AdapterSlots, rows: list[QueuedRequest | None], queue: list[QueuedRequest],
-                 plan: PrefillPlan) -> None:
+                 plan: PrefillPlan, service: ServiceCounters | None, credit: float) -> None:
         self.adapters = adapters
         self.plan = plan
+        self.service = service
+        self.credit = credit
         self.busy = {req.adapter for req in rows if req is not None}
         self.queued = {req.adapter for req in queue}  # adapters with requests waiting at the round's start
         self.waiting: set[str] = set()
@@ -137,7 +142,8 @@ class _SlotRound:
     def holds_back(self, adapter: str | None) -> bool:
         """Whether a request of ``adapter`` waits for a slot: its adapter is drained for one queued before it, or it
         holds no slot and none is free or held by an idle adapter (a busy adapter not drained yet is then drained for
-        it: the least recently used of those with no request queued, else of all)."""
+        it: the least recently used of those with no request queued, else of all; under fair admission only among
+        those past their slot credit, :func:`tenure_key`)."""
         if adapter is None:
             return False
         if adapter in self.draining:
@@ -146,10 +152,18 @@ class _SlotRound:
             return False
         if adapter not in self.waiting:
             self.waiting.add(adapter)
-            candidates = [name for name in self.adapters.lru() if name in self.busy and name not in self.draining]
+            candidates = [name for name in self.adapters.lru() if name in self.busy and name not in self.draining
+                          and self._past_credit(name, adapter)]
             if candidates:
                 self.draining.add(next((name for name in candidates if name not in self.queued), candidates[0]))
         return True
+
+    def _past_credit(self, resident: str, waiting: str) -> bool:
+        """Whether ``resident``'s slot may be drained for ``waiting``: always under fifo; under fair admission once
+        ``resident``'s counter is more than the credit above ``waiting``'s."""
+        if self.service is None:
+            return True
+        return self.service.value(resident) - self.credit > self.service.value(waiting)
 
     def admitted(self, req: QueuedRequest) -> None:
         """``req`` (not held back) was admitted: sets its ``lora_slot``; its adapter becomes the most recently used,
@@ -181,10 +195,13 @@ class Scheduler:
     row then starts with its blocks instead of computing those positions). ``prefill_wait_steps``: the most
     decode steps a request waits for others to share its prefill pass while rows decode (0: none).
     ``admission``: ``"fifo"`` or ``"fair"`` (module docstring; ``service`` holds the fair order's counters, None
-    under fifo). Raises ValueError for another ``admission``."""
+    under fifo); ``slot_credit``: under fair admission, the counter units a tenant whose adapter holds a device slot is
+    served ahead of one whose adapter would need a slot (:func:`~skyrl_clora.sampler.fair_share.tenure_key`). Raises
+    ValueError for another ``admission``."""
 
     def __init__(self, num_rows: int, adapters: AdapterSlots, blocks: BlockManager, max_prefills_per_step: int,
-                 reuse_decode_kv: bool, prefill_wait_steps: int = 0, admission: str = "fifo") -> None:
+                 reuse_decode_kv: bool, prefill_wait_steps: int = 0, admission: str = "fifo",
+                 slot_credit: float = 0.0) -> None:
         if admission not in ADMISSIONS:
             raise ValueError(f"admission={admission!r} is unknown; use one of {', '.join(ADMISSIONS)}")
         self.adapters = adapters
@@ -201,6 +218,7 @@ class Scheduler:
         self._waiting: list[QueuedRequest] = []
         self._pending: list[Publish | Unregister] = []
         self.service = ServiceCounters() if admission == "fair" else None
+        self.slot_credit = slot_credit
 
     def enqueue(self, item: QueuedRequest | Publish | Unregister) -> None:
         """Queues a request to be admitted, or a publish or unregister to be applied."""
@@ -319,12 +337,14 @@ class Scheduler:
         spent = 0  # blocks the requests admitted this round will take
         full = False  # the pool could not take the last request tried: the round admits no more
         block_size = self.blocks.block_size
-        slots = _SlotRound(self.adapters, self.rows, self._waiting, plan)
+        slots = _SlotRound(self.adapters, self.rows, self._waiting, plan, self.service, self.slot_credit)
         order = self._waiting
         if self.service is not None:
             running = {req.adapter for req in self.rows if req is not None}
             self.service.observe({req.adapter for req in self._waiting} | running)
-            order = fair_order(self._waiting, self.service)
+            # The credit counts only while every slot holds an adapter (a tenant without one then needs another's).
+            resident = frozenset() if self.adapters.free() else frozenset(self.adapters.lru())
+            order = fair_order(self._waiting, self.service, resident, self.slot_credit)
         for req in order:
             if req.future.cancelled():
                 continue

@@ -2,7 +2,8 @@
 tenant's request by more than one admission of each other active tenant, where arrival order (``"fifo"``) makes it
 wait for the whole flood; a tenant active again after idling is lifted to the least served active tenant's counter;
 the engine samples every request the same under either order, and keeps each tenant's queue waits. With fewer device
-slots than tenants, a slot is taken from an adapter with no request waiting before one with some."""
+slots than tenants, a slot is taken from an adapter with no request waiting before one with some, and under fair
+admission a resident tenant keeps its slot until it is its slot credit ahead of a waiting tenant, and no longer."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ from tests.support.helpers import random_adapter
 MAX_ROUNDS = 3000  # a bound on every engine-driving loop below: reaching it fails the test
 
 
-def _scheduler(tenants: list[str], num_rows: int, admission: str, num_slots: int | None = None) -> Scheduler:
+def _scheduler(tenants: list[str], num_rows: int, admission: str, num_slots: int | None = None,
+               slot_credit: float = 0.0) -> Scheduler:
     """A scheduler over ``num_rows`` rows and ``num_slots`` device slots (default: one per tenant) for ``tenants`` (at
-    version 0), a pool that never runs short."""
+    version 0), a pool that never runs short, with ``slot_credit``."""
     layers = {"proj": MultiLoRALinear(nn.Linear(4, 4), num_slots=num_slots or len(tenants), max_rank=2,
                                       routing=LoRARouting(), trainable=False)}
     adapters = AdapterSlots(layers, pin=False)
@@ -41,7 +43,7 @@ def _scheduler(tenants: list[str], num_rows: int, admission: str, num_slots: int
         adapters.publish(name, init_adapter(layers, 2, 4.0, torch.Generator().manual_seed(0)), 0)
     pool = BlockManager(4096, 4, num_rows, max_blocks_per_row=4, cache_prefixes=False)
     return Scheduler(num_rows, adapters, pool, max_prefills_per_step=num_rows, reuse_decode_kv=False,
-                     admission=admission)
+                     admission=admission, slot_credit=slot_credit)
 
 
 def _enqueue(scheduler: Scheduler, tenant: str, prompt_len: int = 6) -> QueuedRequest:
@@ -58,11 +60,12 @@ def _round(scheduler: Scheduler) -> list[QueuedRequest]:
     return plan.requests
 
 
-def _admissions_before_late_request(admission: str, flooders: int, each: int, rows: int) -> int:
+def _admissions_before_late_request(admission: str, flooders: int, each: int, rows: int,
+                                    slot_credit: float = 0.0) -> int:
     """``flooders`` tenants queue ``each`` requests apiece; after the first round one request of tenant ``late``
     arrives: how many other requests are admitted from its arrival until it is."""
     tenants = [f"t{i}" for i in range(flooders)]
-    scheduler = _scheduler(tenants + ["late"], rows, admission)
+    scheduler = _scheduler(tenants + ["late"], rows, admission, slot_credit=slot_credit)
     for _ in range(each):
         for tenant in tenants:
             _enqueue(scheduler, tenant)
@@ -81,10 +84,13 @@ def _admissions_before_late_request(admission: str, flooders: int, each: int, ro
 def test_a_flood_delays_another_tenants_request_by_at_most_one_admission_per_active_tenant(
         flooders: int, each: int, rows: int) -> None:
     """Under fair admission the late request waits for at most one admission of each flooding tenant (those tied
-    with it at the smallest counter, itself lifted there); in arrival order it waits for the whole queued flood."""
+    with it at the smallest counter, itself lifted there), with or without a slot credit (a slot is free for it); in
+    arrival order it waits for the whole queued flood."""
     queued_after_first_round = flooders * each - rows
     assert _admissions_before_late_request("fifo", flooders, each, rows) == queued_after_first_round
-    assert _admissions_before_late_request("fair", flooders, each, rows) <= flooders < queued_after_first_round
+    for slot_credit in (0.0, 1000.0):
+        assert (_admissions_before_late_request("fair", flooders, each, rows, slot_credit)
+                <= flooders < queued_after_first_round)
 
 
 def test_a_tenant_active_again_is_lifted_to_the_least_served_active_tenant_and_banks_no_idle_time() -> None:
@@ -189,3 +195,41 @@ def test_a_waiting_adapter_drains_a_busy_adapter_with_nothing_queued_before_one_
     third = scheduler.schedule_prefill()
     assert [req.adapter for req in third.requests] == ["c"] and (third.loads, third.evictions) == (["c"], 1)
     assert not scheduler.adapters.resident("b")
+
+
+def _start(scheduler: Scheduler, plan) -> None:
+    """``plan``'s requests start running (and keep their rows)."""
+    for req, start in zip(plan.requests, plan.starts):
+        scheduler.prefilled(req, start)
+
+
+def test_a_resident_tenant_keeps_its_slot_until_it_is_its_credit_ahead_of_a_waiting_tenant_then_it_is_drained() -> None:
+    """One slot, held by a (running); c needs it while a queues a request every round and every running request
+    decodes. Within the credit a's requests are admitted ahead of c and the slot is not drained for c; the round a's
+    counter passes c's by more than the credit, a is drained for c (a's request waits), and c takes the slot once a's
+    rows finish. Without a credit a is drained the first round it is ahead of c at all."""
+    for slot_credit in (0.0, 200.0):
+        scheduler = _scheduler(["a", "c"], num_rows=64, admission="fair", num_slots=1, slot_credit=slot_credit)
+        _enqueue(scheduler, "a")
+        _start(scheduler, scheduler.schedule_prefill())  # a holds the slot and keeps running
+        c = _enqueue(scheduler, "c")  # lifted to a's counter: tied
+        drained_at = None
+        for round_index in range(100):
+            held_a = _enqueue(scheduler, "a")
+            plan = scheduler.schedule_prefill()
+            if held_a not in plan.requests:
+                drained_at = round_index
+                assert not plan.requests and not plan.loads
+                assert scheduler.service.value("a") - slot_credit > scheduler.service.value("c")
+                break
+            assert [req.adapter for req in plan.requests] == ["a"] and plan.hits == 1 and not plan.loads
+            before = scheduler.service.value("a") - PREFILL_WEIGHT * 6  # a's counter when this round began
+            assert before - slot_credit <= scheduler.service.value("c")
+            _start(scheduler, plan)
+            scheduler.decode_launched()
+        assert drained_at == 1 if slot_credit == 0 else drained_at is not None and drained_at > 1
+        for req in scheduler.running():
+            scheduler.release(req.row)
+        plan = scheduler.schedule_prefill()
+        assert c in plan.requests and plan.loads == ["c"] and plan.evictions == 1
+        assert not scheduler.adapters.resident("a")
