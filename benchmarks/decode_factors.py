@@ -16,9 +16,10 @@ Each other case changes one factor to the e2e's (``e2e``: all of them):
 
 - ``bucket``: the engine's row count ``--num-rows`` (the N=8 e2e's 8 x 64 = 512): graphs captured for
   ``decode_buckets(num_rows)``, so the packed rows replay the smallest bucket at least their span (200 rows: 256);
-- ``span``: the rows spread at random over cache rows ``0..--span - 1`` (the highest one running), as the engine's
-  rows end up: a request takes the lowest free row and the decode span runs to the highest running one, so a
-  long episode admitted high keeps the span (and the graph) wide while rows below it finish; the rows in between
+- ``span``: the rows spread at random over cache rows ``0..--span - 1`` (the highest one running), each batch
+  position running its own cache row, as the engine ran them before it packed the running rows at the front of
+  the batch: a request takes the lowest free row and the decode span ran to the highest running one, so a long
+  episode admitted high kept the span (and the graph) wide while rows below it finished; the rows in between
   run as idle rows (token 0 at position 0, no adapter) through every GEMM;
 - ``own``: only ``--shared-fraction`` of the GRPO groups read their prompt through one member (in the e2e only
   first turns do: a later turn's row starts with its own history, whose identity no other row holds), the other
@@ -165,7 +166,7 @@ def make_layout(positions: list[int], factors: Factors, prompt: int, samples: in
     for row, group in zip(rows.tolist(), groups.tolist()):
         if group in sharing and prompt_blocks:
             shared.assign(row, ((group,), prompt_blocks * BLOCK))
-    prefix_rows, prefix_lens = shared.sources(span)
+    prefix_rows, prefix_lens = shared.sources(np.arange(span), span)  # batch position i runs cache row i
     return Layout(num_rows, rows, np.asarray(positions, dtype=np.int64), slots, span, prefix_rows, prefix_lens,
                   tables, pool_blocks, shared.borrowed_positions)
 

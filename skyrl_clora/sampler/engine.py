@@ -15,8 +15,9 @@ holds it, owns its inbox and is the thread-safe API). Each round (:meth:`Engine.
      the keyed prompt blocks of its adapter version it can share (and, with ``reuse_decode_kv``, a finished
      turn's whole history when the prompt extends it: the next turn of a multi-turn episode then computes only
      its new tokens), by reference: :class:`BlockManager`;
-  4. launches one decode step for the rows up to the last running one (a CUDA-graph replay on the GPU)
-     and its sampling of every running row at once (each with its own counter-based RNG, see
+  4. launches one decode step for the running rows, packed at the front of the batch whichever cache rows
+     they hold (a CUDA-graph replay on the GPU, sized by how many run, not by the highest row running), and its
+     sampling of every running row at once (each with its own counter-based RNG, see
      ``sampling``), then accepts the tokens of the step launched before it and the first tokens of the
      rows prefilled in step 3, and retires the finished requests, resolving their futures. The host thus
      works on step t's tokens while the GPU runs step t+1, whose rows of step t (and rows just prefilled)
@@ -239,9 +240,9 @@ class Engine:
 
     @profiled("engine.decode_step")
     def _launch_decode(self, pending: np.ndarray) -> tuple[_StepInFlight | None, bool]:
-        """Launches a decode step and its sampling for the rows up to the last running one, rounded up to whole
-        row quanta (requests take the lowest free rows, so the running ones stay packed at the front), without
-        waiting for the GPU, after the scheduler gave every running row the block the step writes into
+        """Launches a decode step and its sampling for the running rows, packed at the front of the batch whichever
+        cache rows they hold and padded with idle positions to whole row quanta, without waiting for the GPU,
+        after the scheduler gave every running row the block the step writes into
         (:meth:`Scheduler.make_room`, which may preempt). The ``pending`` rows (``[num_rows]`` bool: those of the
         step in flight that still hold its requests) take their input tokens from its draw on the device.
         Returns the step (None, launching nothing, when every running row's token in flight is certain to be its
@@ -250,29 +251,35 @@ class Engine:
         running = self._running
         if not (running.active & ~running.ending(pending)).any():
             return None, False
-        rows = running.active_below(self.runner.num_rows)
+        rows = running.running()
         positions = running.prompt_len[rows] + running.drawn[rows] + pending[rows] - 1
         preempted, failed = self.scheduler.make_room(rows, positions // self.scheduler.blocks.block_size + 1)
         for row in preempted + failed:
             self._stop_row(row)
         self.recorder.preempted(len(preempted))
-        rows = running.active_below(self.runner.num_rows)
+        rows = running.running()
         if not rows.size:  # every running request was preempted or failed
             return None, bool(preempted or failed)
         self._sync_tables()
-        span = min(self.runner.num_rows, -(-(int(rows[-1]) + 1) // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM)
+        count = rows.size
+        span = min(self.runner.num_rows, -(-count // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM)
+        idle = span - count  # positions padding the batch to whole quanta: the scratch row at position 0
         prefix_rows = prefix_lens = None
         shared_positions = 0
         if self._shared_rows is not None:
-            prefix_rows, prefix_lens = self._shared_rows.sources(span)  # rows past the span hold no identity
+            prefix_rows, prefix_lens = self._shared_rows.sources(rows, span)
             shared_positions = self._shared_rows.borrowed_positions
-        self.runner.set_decode_inputs(*running.decode_inputs(span, pending), prefix_rows, prefix_lens,
-                                      from_sampled=pending[:span])
+        tokens, positions, slots = running.decode_inputs(rows, pending)
+        pad = np.zeros(idle, dtype=np.int64)
+        self.runner.set_decode_inputs(
+            np.concatenate([tokens, pad]), np.concatenate([positions, pad]), np.concatenate([slots, pad - 1]),
+            prefix_rows, prefix_lens, from_sampled=np.concatenate([pending[rows], pad]),
+            rows=np.concatenate([rows, pad + self.runner.scratch_row]))
         staged = time.perf_counter()
         with GPUSpan(self.runner.device) as forward:
             logits = self.runner.decode(span)
         rows_device = lists_to_device([rows], logits.device)[0]
-        drawn = self._draw(rows, logits.index_select(0, rows_device), pending)
+        drawn = self._draw(rows, logits[:count], pending)
         self.runner.record_sampled(rows_device, drawn.tokens)
         self.recorder.decode_launched(started, staged, time.perf_counter(), shared_positions)
         self.scheduler.decode_launched()

@@ -13,9 +13,11 @@ order):
   ``prefill_tokens`` positions (the prompts' positions laid end to end, no per-prompt padding), from any
   start position (the positions before it already hold the prompt's K/V: cached blocks or a finished
   turn's history); returns each prompt's last-token logits ``[V]``.
-- ``decode(span)``: one token for each of the cache rows ``0..span-1`` from the runner's decode input
-  buffers (``set_decode_inputs``); each row attends to its own cache row up to its position (with
-  ``share_prefix_reads``, its first positions from the row the engine names as holding the same K/V). On CUDA the
+- ``decode(span)``: one token for each of the batch positions ``0..span-1`` from the runner's decode input
+  buffers (``set_decode_inputs``: each position's cache row, token, position and slot; the engine packs the
+  running rows at the front, whichever cache rows they hold); each attends to its cache row up to its position
+  (with ``share_prefix_reads``, its first positions through the batch position the engine names as holding the
+  same K/V). On CUDA the
   step is replayed from a CUDA graph captured per span bucket (``capture_graphs``): the inputs,
   the LoRA slot buffers and the segment metadata live in fixed buffers, so in-place adapter publishes and
   new inputs are seen by the replay.
@@ -128,16 +130,20 @@ class ModelRunner:
         self.block_tables = torch.full((num_rows + 1, per_row), num_blocks, dtype=torch.int32, device=self.device)
         if contiguous:
             self.block_tables[:num_rows] = torch.arange(num_blocks, dtype=torch.int32, device=self.device).view(num_rows, per_row)
-        self._row_index = torch.arange(num_rows, device=self.device)
-        # Decode inputs (written by set_decode_inputs, read by eager steps and graph replays).
+        # Decode inputs (written by set_decode_inputs, read by eager steps and graph replays): per batch position,
+        # its cache row (the step reads and writes K/V through that row's block table, gathered into
+        # ``_decode_tables`` by the step itself), token, position and LoRA slot.
+        self.decode_rows = torch.arange(num_rows, device=self.device)
+        self._batch_index = torch.arange(num_rows, device=self.device)
+        self._decode_tables = self.block_tables[:num_rows].clone()
         self.decode_tokens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
         self.decode_positions = torch.zeros(num_rows, dtype=torch.long, device=self.device)
         self.decode_slots = torch.full((num_rows,), -1, dtype=torch.long, device=self.device)
-        # Per row: the token the engine's last decode step that ran it drew on the device (``record_sampled``),
-        # the next input of a row whose token the host has not read yet.
-        self.sampled_tokens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
-        # Per row: the cache row holding its first ``decode_prefix_lens`` positions (decode_attention's
-        # prefix_rows / prefix_lens), when share_prefix_reads.
+        # Per cache row (the scratch row included): the token the engine's last decode step that ran it drew on the
+        # device (``record_sampled``), the next input of a row whose token the host has not read yet.
+        self.sampled_tokens = torch.zeros(num_rows + 1, dtype=torch.long, device=self.device)
+        # Per batch position: the batch position whose table holds its first ``decode_prefix_lens`` positions
+        # (decode_attention's prefix_rows / prefix_lens), when share_prefix_reads.
         self.share_prefix_reads = share_prefix_reads
         self.decode_prefix_rows = torch.arange(num_rows, device=self.device)
         self.decode_prefix_lens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
@@ -273,7 +279,7 @@ class ModelRunner:
             return prefill_attention(q, self.k_cache[layer_idx], self.v_cache[layer_idx], job_rows, job_starts, q_offsets,
                                      q_lens, scale, block_tables=self.block_tables)
 
-        hidden = self._forward(ids, positions, token_slots, token_rows, attend)
+        hidden = self._forward(ids, positions, token_slots, self.block_tables, token_rows, attend)
         last = hidden.index_select(0, (q_offsets + q_lens - 1).clamp(min=0))  # [J, hidden]
         rows = -(-last.shape[0] // DECODE_ROW_QUANTUM) * DECODE_ROW_QUANTUM
         last = torch.cat([last, last.new_zeros(rows - last.shape[0], last.shape[1])])
@@ -332,20 +338,24 @@ class ModelRunner:
 
     def set_decode_inputs(self, tokens: Sequence[int], positions: Sequence[int], lora_slots: Sequence[int],
                           prefix_rows: Sequence[int] | None = None, prefix_lens: Sequence[int] | None = None,
-                          from_sampled: Sequence[int] | None = None) -> None:
-        """Writes the decode input buffers' first ``len(tokens)`` rows (one host-to-device copy; lists or int
-        numpy arrays); the prefix sequences (both or neither) name each row's shared-prefix source row and
-        length; a row whose ``from_sampled`` is 1 takes its token from :attr:`sampled_tokens` instead."""
+                          from_sampled: Sequence[int] | None = None, rows: Sequence[int] | None = None) -> None:
+        """Writes the decode input buffers' first ``len(tokens)`` batch positions (one host-to-device copy; lists or
+        int numpy arrays): ``rows`` names each position's cache row (default: position ``i`` runs cache row ``i``;
+        an idle position runs the scratch row :attr:`scratch_row` at position 0); the prefix sequences (both or
+        neither) name each position's shared-prefix source (a batch position) and length; a position whose
+        ``from_sampled`` is 1 takes its token from its cache row's :attr:`sampled_tokens` instead."""
         num = len(tokens)
         shared = prefix_rows is not None
-        values = [tokens, positions, lora_slots] + ([prefix_rows, prefix_lens] if shared else [])
+        values = [tokens, positions, lora_slots, range(num) if rows is None else rows]
+        values += [prefix_rows, prefix_lens] if shared else []
         staged = lists_to_device(values + ([from_sampled] if from_sampled is not None else []), self.device)
-        targets = [self.decode_tokens, self.decode_positions, self.decode_slots]
+        targets = [self.decode_tokens, self.decode_positions, self.decode_slots, self.decode_rows]
         targets += [self.decode_prefix_rows, self.decode_prefix_lens] if shared else []
         for target, values_t in zip(targets, staged):
             target[:num].copy_(values_t)
         if from_sampled is not None:
-            torch.where(staged[-1].bool(), self.sampled_tokens[:num], staged[0], out=self.decode_tokens[:num])
+            torch.where(staged[-1].bool(), self.sampled_tokens.index_select(0, staged[3]), staged[0],
+                        out=self.decode_tokens[:num])
 
     def record_sampled(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Keeps ``tokens: [N]`` (int64, drawn on the device) as cache rows ``rows: [N]``'s :attr:`sampled_tokens`."""
@@ -353,16 +363,18 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, span: int) -> torch.Tensor:
-        """One decode step for cache rows ``0..span-1`` from the decode input buffers -> logits ``[span, V]``
+        """One decode step for batch positions ``0..span-1`` from the decode input buffers -> logits ``[span, V]``
         in the model dtype (the sampler computes in fp32 from them; a ``[512, 151936]`` fp32 copy would cost
         311 MB of writes per step). Writes each row's new K/V at its position (must be < max_len); rows that are not running
         carry any token and position, and their outputs are ignored by the caller.
 
         Callers keep ``span`` a multiple of :data:`DECODE_ROW_QUANTUM`: the base GEMMs then give each row
         the same bits for every such span (seen on the CPU, one thread), so a row's numbers still do not
-        depend on how many other rows run. With captured graphs the smallest bucket ``>= span`` is replayed."""
+        depend on how many other rows run. With captured graphs the smallest bucket ``>= span`` is replayed, its
+        positions past ``span`` run idle on the scratch row."""
         for bucket, graph in sorted(self._graphs.items()):
             if bucket >= span:
+                self.decode_rows[span:bucket].fill_(self.scratch_row)
                 graph.replay()
                 return self._decode_logits[:span]
         return self._decode_eager(span)
@@ -395,7 +407,7 @@ class ModelRunner:
     def _decode_eager(self, span: int) -> torch.Tensor:
         tokens, positions = self.decode_tokens[:span], self.decode_positions[:span]
         lengths = positions + 1  # each row sees its own cache row up to and including its position
-        rows = self._row_index[:span]
+        tables = torch.index_select(self.block_tables, 0, self.decode_rows[:span], out=self._decode_tables[:span])
         prefix_rows = self.decode_prefix_rows[:span] if self.share_prefix_reads else None
         prefix_lens = self.decode_prefix_lens[:span] if self.share_prefix_reads else None
 
@@ -403,16 +415,16 @@ class ModelRunner:
             # q: [span, H, d]
             return decode_attention(q, self.k_cache[layer_idx], self.v_cache[layer_idx], lengths,
                                     workspace=self._attention_workspace, prefix_rows=prefix_rows, prefix_lens=prefix_lens,
-                                    block_tables=self.block_tables)
+                                    block_tables=tables)
 
-        hidden = self._forward(tokens, positions, self.decode_slots[:span], rows, attend)
+        hidden = self._forward(tokens, positions, self.decode_slots[:span], tables, self._batch_index[:span], attend)
         return torch.mm(hidden, self.model.lm_head.weight.t(), out=self._decode_logits[:span])
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_slots: torch.Tensor,
-                 cache_rows: torch.Tensor, attend) -> torch.Tensor:
+                 tables: torch.Tensor, table_rows: torch.Tensor, attend) -> torch.Tensor:
         """The decoder stack over a flat batch ``input_ids: [T]`` at ``position_ids: [T]``, each token's k and v
-        written to cache row ``cache_rows[t]`` at its position; ``attend(layer, q)`` (``q: [T, H, d]`` -> ``[T, H,
-        d]``) attends over the cache. Returns the final hidden states ``[T, hidden]``."""
+        written at its position through row ``table_rows[t]`` of the block tables ``tables``; ``attend(layer, q)``
+        (``q: [T, H, d]`` -> ``[T, H, d]``) attends over the cache. Returns the final hidden states ``[T, hidden]``."""
         rows = input_ids.shape[0]
         x = self.decoder.embed_tokens(input_ids)
         cos, sin = self.decoder.rotary_emb(x[None], position_ids[None])  # [1, T, d] each
@@ -421,7 +433,7 @@ class ModelRunner:
         if self.lora_meta is not None:
             self.lora_meta.build(token_slots)
         # Each token's K/V go to block ``block_tables[row, position // block_size]`` at ``position % block_size``.
-        write_blocks = self.block_tables[cache_rows, position_ids // self.block_size].long()
+        write_blocks = tables[table_rows, position_ids // self.block_size].long()
         write_offsets = position_ids % self.block_size
         for layer_idx, (layer, projections) in enumerate(zip(self.decoder.layers, self._projections)):
             norm = layer.input_layernorm

@@ -71,22 +71,20 @@ class RunningRows:
         the row reaches its length limit. (Whether a token in flight is a stop token is not known yet.)"""
         return pending & (self.drawn + 1 >= self.limit)
 
-    def decode_inputs(self, span: int, pending: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rows ``0..span-1``'s decode inputs ``(tokens, positions, lora slots)``. A running row gets its last
-        sampled token at position ``prompt_len + drawn - 1`` and its slot; if ``pending``, its token in flight,
-        one position further (the token is the caller's to supply on the device: here 0). That position is
-        at most ``max_len - 1`` and past what the row keeps, so a row whose token in flight turns out to be
-        its last may run once more (its new token is dropped). A free row gets token 0 at position 0 with
-        slot -1."""
-        active, pending = self.active[:span], pending[:span]
-        drawn = self.drawn[:span] + pending
-        last = self.out_tokens[np.arange(span), np.maximum(drawn - 1, 0)]
-        return (np.where(active & ~pending, last, 0), np.where(active, self.prompt_len[:span] + drawn - 1, 0),
-                np.where(active, self.lora[:span], -1))
+    def decode_inputs(self, rows: np.ndarray, pending: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The running rows ``rows``' decode inputs ``(tokens, positions, lora slots)``, in that order: each row's last
+        sampled token at position ``prompt_len + drawn - 1`` and its slot; if ``pending[row]``, its token in flight,
+        one position further (the token is the caller's to supply on the device: here 0). That position is at most
+        ``max_len - 1`` and past what the row keeps, so a row whose token in flight turns out to be its last may run
+        once more (its new token is dropped)."""
+        in_flight = pending[rows]
+        drawn = self.drawn[rows] + in_flight
+        last = self.out_tokens[rows, np.maximum(drawn - 1, 0)]
+        return np.where(in_flight, 0, last), self.prompt_len[rows] + drawn - 1, self.lora[rows]
 
-    def active_below(self, span: int) -> np.ndarray:
-        """The running rows among ``0..span-1``, ascending (int64)."""
-        return np.flatnonzero(self.active[:span])
+    def running(self) -> np.ndarray:
+        """The running rows, ascending (int64)."""
+        return np.flatnonzero(self.active)
 
     def uniforms(self, rows: np.ndarray, pending: np.ndarray | None = None) -> np.ndarray:
         """Each row's RNG draw for its next token (:func:`request_uniforms` of its seed and ``drawn``, plus one

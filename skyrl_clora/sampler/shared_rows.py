@@ -13,17 +13,19 @@ it. The answer equals each row reading its own table up to rounding.
 
 from __future__ import annotations
 
+import numpy as np
+
 from skyrl_clora.kernels.attention.decode import PREFIX_GROUP_ROWS
 from skyrl_clora.sampler.block_manager import PrefixIdentity
 
 
 class SharedPrefixRows:
-    """Per cache row, the identity of its leading shared blocks; per decode span, each row's source row and
-    shared length (recomputed only after a row joins or leaves)."""
+    """Per cache row, the identity of its leading shared blocks and its group's source row (recomputed only after a
+    row joins or leaves); per decode batch, each position's source position and shared length."""
 
     def __init__(self, num_rows: int) -> None:
         self._identity: list[PrefixIdentity | None] = [None] * num_rows
-        self._sources: tuple[list[int], list[int]] | None = None
+        self._sources: tuple[np.ndarray, np.ndarray] | None = None  # per cache row: source row, shared length
         self.borrowed_positions = 0  # positions the rows read from another row (as of the last sources())
 
     def assign(self, row: int, identity: PrefixIdentity | None) -> None:
@@ -38,23 +40,34 @@ class SharedPrefixRows:
     def identity(self, row: int) -> PrefixIdentity | None:
         return self._identity[row]
 
-    def sources(self, span: int) -> tuple[list[int], list[int]]:
-        """``(prefix_rows, prefix_lens)`` for rows ``0..span-1``: the row to read the shared positions from
-        and how many positions (a row outside any group reads itself, 0 positions)."""
+    def sources(self, rows: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(prefix_rows, prefix_lens)`` for a decode batch whose first ``len(rows)`` positions run cache rows
+        ``rows`` (the running rows, distinct) and whose positions up to ``span`` are idle: for each position, the
+        batch position of its group's source and how many positions it reads there (0, reading itself, for a row
+        outside any group, an idle position, or a source not in the batch). int64 arrays of ``span``."""
         if self._sources is None:
             chains: dict[tuple, list[int]] = {}  # chain key -> its rows, in row order
             for row, identity in enumerate(self._identity):
                 if identity is not None:
                     chains.setdefault(identity[0], []).append(row)
-            rows = list(range(len(self._identity)))
-            lens = [0] * len(self._identity)
+            sources = np.arange(len(self._identity), dtype=np.int64)
+            lens = np.zeros(len(self._identity), dtype=np.int64)
             for members in chains.values():
                 for first in range(0, len(members), PREFIX_GROUP_ROWS):
                     group = members[first : first + PREFIX_GROUP_ROWS]
                     source = max(group, key=lambda row: (self._identity[row][1], -row))
                     for row in group:
-                        rows[row], lens[row] = source, self._identity[row][1]
-            self._sources = (rows, lens)
-            self.borrowed_positions = sum(n for row, (source, n) in enumerate(zip(rows, lens)) if source != row)
-        rows, lens = self._sources
-        return rows[:span], lens[:span]
+                        sources[row], lens[row] = source, self._identity[row][1]
+            self._sources = (sources, lens)
+            self.borrowed_positions = int(lens[sources != np.arange(len(sources))].sum())
+        sources, lens = self._sources
+        count = len(rows)
+        position = np.full(len(sources), -1, dtype=np.int64)
+        position[rows] = np.arange(count)
+        source_position = position[sources[rows]]
+        found = (lens[rows] > 0) & (source_position >= 0)
+        prefix_rows = np.arange(span, dtype=np.int64)
+        prefix_lens = np.zeros(span, dtype=np.int64)
+        prefix_rows[:count] = np.where(found, source_position, prefix_rows[:count])
+        prefix_lens[:count] = np.where(found, lens[rows], 0)
+        return prefix_rows, prefix_lens

@@ -18,15 +18,15 @@ def test_accept_appends_sets_next_inputs_and_finishes_by_stop_or_length() -> Non
     rows.start(1, prompt_len=9, lora_slot=-1, params=SamplingParams(max_tokens=10, temperature=0.0, seed=12))
     widening = SamplingParams(max_tokens=2, temperature=0.7, top_p=0.9, stop_token_ids=(98, 99, 97), seed=13)
     rows.start(3, prompt_len=3, lora_slot=0, params=widening)  # widens the stop table
-    assert rows.active_below(4).tolist() == [0, 1, 3] and not rows.ending(NONE_PENDING).any()
+    assert rows.running().tolist() == [0, 1, 3] and not rows.ending(NONE_PENDING).any()
     assert rows.uniforms(np.array([0, 3])).tolist() == request_uniforms([11, 13], [0, 0]).tolist()
 
     active = np.array([0, 1, 3])
     finished, stopped = rows.accept(active, np.array([5, 6, 7]), np.array([-0.5, -1.0, -1.5]))
     assert finished.size == 0 and not stopped.any()
-    tokens, positions, slots = rows.decode_inputs(4, NONE_PENDING)
-    assert tokens.tolist() == [5, 6, 0, 7] and slots.tolist() == [2, -1, -1, 0]
-    assert positions.tolist() == [5, 9, 0, 3]  # the sampled token sits right after the prompt; row 2 is free
+    tokens, positions, slots = rows.decode_inputs(active, NONE_PENDING)
+    assert tokens.tolist() == [5, 6, 7] and slots.tolist() == [2, -1, 0]
+    assert positions.tolist() == [5, 9, 3]  # the sampled token sits right after the prompt
 
     # row 0 draws a stop token; row 1 reaches max_len (9 + 3 = 12); row 3 reaches max_tokens (2)
     finished, stopped = rows.accept(active, np.array([99, 8, 9]), np.array([-0.1, -0.2, -0.3]))
@@ -37,8 +37,7 @@ def test_accept_appends_sets_next_inputs_and_finishes_by_stop_or_length() -> Non
     assert finished.tolist() == [1] and stopped.tolist() == [False] and rows.output(1)[0] == [6, 8, 4]
 
     rows.release(3)
-    tokens, positions, slots = rows.decode_inputs(4, NONE_PENDING)
-    assert rows.active_below(4).tolist() == [0, 1] and slots[3] == -1 and positions[3] == 0
+    assert rows.running().tolist() == [0, 1]
 
 
 def test_a_row_with_a_token_in_flight_runs_one_position_further() -> None:
@@ -50,13 +49,14 @@ def test_a_row_with_a_token_in_flight_runs_one_position_further() -> None:
     # A step drawing each row's second token is in flight for rows 0 and 1; row 2 was just prefilled (not pending).
     pending = np.array([True, True, False, False])
     assert rows.ending(pending).tolist() == [False, True, False, False]  # row 1's second token is its last
-    tokens, positions, slots = rows.decode_inputs(4, pending)
+    running = rows.running()
+    tokens, positions, slots = rows.decode_inputs(running, pending)
     # a pending row's input is its token in flight (0 here: the device supplies it), one position past its last
     # accepted one; row 1 runs once more, at the position after its last token (max_len - 1 at most)
-    assert tokens.tolist() == [0, 0, 42, 0] and positions.tolist() == [6, 8, 6, 0] and slots.tolist() == [1, 2, 3, -1]
+    assert tokens.tolist() == [0, 0, 42] and positions.tolist() == [6, 8, 6] and slots.tolist() == [1, 2, 3]
     # the next step draws row 0's third token and row 2's second
     assert rows.uniforms(np.array([0, 2]), pending).tolist() == request_uniforms([21, 23], [2, 1]).tolist()
     finished, _ = rows.accept(np.array([0, 1]), np.array([50, 51]), np.array([-2.0, -2.0]))  # the step in flight lands
     assert finished.tolist() == [1]
-    tokens, positions, _ = rows.decode_inputs(4, NONE_PENDING)  # the same positions, now with the host's tokens
-    assert tokens.tolist() == [50, 51, 42, 0] and positions.tolist() == [6, 8, 6, 0]
+    tokens, positions, _ = rows.decode_inputs(running, NONE_PENDING)  # the same positions, now with the host's tokens
+    assert tokens.tolist() == [50, 51, 42] and positions.tolist() == [6, 8, 6]

@@ -60,6 +60,32 @@ def test_mixed_batch_equals_each_request_alone(micro_model_dir: Path) -> None:
         alone_engine.shutdown()
 
 
+def test_running_rows_decode_packed_at_the_front_whatever_cache_rows_they_hold(micro_model_dir: Path) -> None:
+    """33 requests take cache rows 0-32; once the 32 short ones finish, the long one left in row 32 decodes in a
+    batch of one row quantum (16 positions), not up to its row (48), and samples what it samples alone."""
+    jobs = [("a" if i % 2 else "b", 100 + i, 2) for i in range(32)] + [("a", 7, 12)]
+    engine, _ = _engine(micro_model_dir, num_rows=40, adapters={"a": 1, "b": 2}, max_prefills_per_step=40)
+    runner = engine.engine.runner
+    spans: list[int] = []
+    decode = runner.decode
+    runner.decode = lambda span: spans.append(span) or decode(span)
+    try:
+        engine.pause()  # the requests reach the engine together: rows in submission order
+        futures = [engine.submit(PROMPT, name, _params(seed, max_tokens)) for name, seed, max_tokens in jobs]
+        engine.resume()
+        results = [future.result(timeout=120) for future in futures]
+    finally:
+        engine.shutdown()
+    assert len({tuple(r.token_ids) for r in results}) > 1, "the requests' samples must differ"
+    assert max(spans) == 48 and spans[-1] == 16  # 33 rows running, then the long one alone
+    alone_engine, _ = _engine(micro_model_dir, num_rows=40, adapters={"a": 1, "b": 2})
+    try:
+        alone = alone_engine.submit(PROMPT, "a", _params(7, 12)).result(timeout=60)
+    finally:
+        alone_engine.shutdown()
+    assert (alone.token_ids, alone.logprobs) == (results[-1].token_ids, results[-1].logprobs)
+
+
 def test_requests_arriving_while_rows_decode_share_one_prefill_and_sample_the_same(micro_model_dir: Path) -> None:
     """With ``prefill_wait_steps`` far off, a request arriving while a row decodes waits until
     ``max_prefills_per_step`` requests wait and they are prefilled in one pass; each samples what it samples
