@@ -365,16 +365,19 @@ class ModelRunner:
     def decode(self, span: int) -> torch.Tensor:
         """One decode step for batch positions ``0..span-1`` from the decode input buffers -> logits ``[span, V]``
         in the model dtype (the sampler computes in fp32 from them; a ``[512, 151936]`` fp32 copy would cost
-        311 MB of writes per step). Writes each row's new K/V at its position (must be < max_len); rows that are not running
-        carry any token and position, and their outputs are ignored by the caller.
+        311 MB of writes per step). Writes each position's new K/V at its position (must be < max_len) through its
+        cache row; idle positions (the scratch row) carry any token and position, and their outputs are ignored by the
+        caller.
 
         Callers keep ``span`` a multiple of :data:`DECODE_ROW_QUANTUM`: the base GEMMs then give each row
         the same bits for every such span (seen on the CPU, one thread), so a row's numbers still do not
         depend on how many other rows run. With captured graphs the smallest bucket ``>= span`` is replayed, its
-        positions past ``span`` run idle on the scratch row."""
+        positions past ``span`` idle on the scratch row, reading no other position's prefix."""
         for bucket, graph in sorted(self._graphs.items()):
             if bucket >= span:
                 self.decode_rows[span:bucket].fill_(self.scratch_row)
+                self.decode_prefix_rows[span:bucket].copy_(self._batch_index[span:bucket])
+                self.decode_prefix_lens[span:bucket].zero_()
                 graph.replay()
                 return self._decode_logits[:span]
         return self._decode_eager(span)
