@@ -11,9 +11,10 @@ not is lifted to the smallest counter of the tenants that were active before (:m
 idle time is not banked: a tenant arriving while others flood the queue is admitted after at most one admission of
 each tenant tied with it at that minimum.
 
-With fewer device adapter slots than active tenants, a tenant whose adapter holds a slot keeps a credit in the order
-(:func:`tenure_key`): it is served up to ``credit`` counter units ahead of tenants whose adapters would need a slot, and
-a waiting tenant drains a slot only from a tenant that is past its credit (the scheduler's ``slot_credit``). So a slot
+While every device adapter slot holds an adapter (more tenants active than slots), a tenant whose adapter holds a slot
+keeps a credit in the order (:func:`tenure_key`): it is served up to ``credit`` counter units ahead of tenants whose
+adapters would need a slot, and a waiting tenant drains a slot only from a tenant that is past its credit (the
+scheduler's ``slot_credit``). So a slot
 serves its tenant for a tenure (a GRPO group's turns, not one request) before it changes hands, and a waiting tenant
 is served once a resident one is ``credit`` ahead of it (plus what that tenant's running requests still take).
 """
@@ -28,8 +29,8 @@ from typing import Protocol
 ADMISSIONS = ("fifo", "fair")  # the scheduler's admission orders: arrival order, or by these counters
 PREFILL_WEIGHT = 1.0  # counter units per prompt token admitted
 DECODE_WEIGHT = 2.0  # counter units per token a decode step computes for a running request
-# A resident tenant's credit, in requests of the engine's longest length (RESULTS.md, "Many tenants on few adapter
-# slots"): enough for a GRPO group's turns to share one slot tenure.
+# A resident tenant's credit, in requests of the engine's longest length: chosen from 0, 0.5 and 2 by the fewest slot
+# loads (RESULTS.md, "Many tenants on few adapter slots"); larger credits spread the tenants' queue waits more.
 SLOT_CREDIT_REQUESTS = 2.0
 
 
