@@ -278,9 +278,8 @@ class Engine:
         staged = time.perf_counter()
         with GPUSpan(self.runner.device) as forward:
             logits = self.runner.decode(span)
-        rows_device = lists_to_device([rows], logits.device)[0]
         drawn = self._draw(rows, logits[:count], pending)
-        self.runner.record_sampled(rows_device, drawn.tokens)
+        self.runner.record_sampled(self.runner.decode_rows[:count], drawn.tokens)  # the rows this step staged
         self.recorder.decode_launched(started, staged, time.perf_counter(), shared_positions)
         self.scheduler.decode_launched()
         table = self.scheduler.rows
