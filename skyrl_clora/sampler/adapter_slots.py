@@ -18,9 +18,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-import torch
-
 from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear, read_slot, write_slot
+from skyrl_clora.pinned_memory import InFlight, host_copies
 
 
 class AdapterSlots:
@@ -37,6 +36,7 @@ class AdapterSlots:
         self._latest: dict[str, tuple[AdapterWeights, int]] = {}
         self._resident: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self._free = list(range(self.count))
+        self._in_flight = InFlight()  # host copies whose writes into slots may still be queued (pin)
 
     def __contains__(self, name: object) -> bool:
         return name in self._registered
@@ -54,17 +54,16 @@ class AdapterSlots:
             self._registered.add(name)
 
     def host_copy(self, weights: AdapterWeights) -> AdapterWeights:
-        """``weights`` as the host copy :meth:`publish` keeps: tensors already in host memory (pinned, with ``pin``)
-        are kept by reference, so they must not change after the publish (the trainer hands out a fresh buffer per
-        step); any other tensor is copied into new host memory (pinned with ``pin``). Any thread."""
-        def host(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.device.type == "cpu" and (not self.pin or tensor.is_pinned()):
-                return tensor
-            return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin).copy_(tensor)
-
+        """``weights`` as the host copy :meth:`publish` keeps: when every tensor is in host memory already (pinned,
+        with ``pin``) they are kept by reference, so they must not change after the publish (the trainer hands out a
+        fresh buffer per step); else all are copied into one new host block (page-locked with ``pin``:
+        :func:`host_copies`). Any thread."""
+        tensors = [*weights.a.values(), *weights.b.values()]
+        if not all(tensor.device.type == "cpu" and (not self.pin or tensor.is_pinned()) for tensor in tensors):
+            tensors = host_copies(tensors, self.pin)
         copy = AdapterWeights(rank=weights.rank, alpha=weights.alpha)
-        copy.a = {path: host(tensor) for path, tensor in weights.a.items()}
-        copy.b = {path: host(tensor) for path, tensor in weights.b.items()}
+        copy.a = dict(zip(weights.a, tensors[: len(weights.a)]))
+        copy.b = dict(zip(weights.b, tensors[len(weights.a) :]))
         return copy
 
     def version(self, name: str) -> int:
@@ -122,8 +121,12 @@ class AdapterSlots:
         self._free.sort()
 
     def load(self, name: str) -> None:
-        """Writes ``name``'s latest published host copy into its slot in place (``write_slot``)."""
-        write_slot(self.layers, self._resident[name], self._latest[name][0])
+        """Writes ``name``'s latest published host copy into its slot in place (``write_slot``); with ``pin`` the copy
+        is kept alive until that asynchronous write is done, whatever is published meanwhile."""
+        weights = self._latest[name][0]
+        write_slot(self.layers, self._resident[name], weights)
+        if self.pin:
+            self._in_flight.hold(weights)
 
     def publish(self, name: str, weights: AdapterWeights, version: int) -> None:
         """Makes ``weights`` (a :meth:`host_copy`) ``name``'s latest version ``version``, and writes it into its slot

@@ -40,6 +40,7 @@ import torch
 from skyrl.train.config import AlgorithmConfig
 
 from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear
+from skyrl_clora.pinned_memory import pinned_empty
 
 TABLES = ("master", "exp_avg", "exp_avg_sq", "grads")
 
@@ -172,7 +173,8 @@ class AdapterStore:
         return self._numel(rank) * (4 * len(TABLES) + itemsize)
 
     def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, pin_memory=self._pin)
+        """A host buffer, page-locked at its exact size on CUDA (:mod:`skyrl_clora.pinned_memory`)."""
+        return pinned_empty(numel, dtype) if self._pin else torch.empty(numel, dtype=dtype)
 
     def _new_slot(self) -> DeviceSlot:
         slot = DeviceSlot()
@@ -299,6 +301,8 @@ class AdapterStore:
         if any(slot.owner == name for slot in self.slots):
             raise ValueError(f"tenant {name!r} is on the device; swap it out first")
         self.wait(name)
+        if self._stream is not None:  # a released prefetch may still read its tables, whose blocks are then reused
+            self._stream.synchronize()
         del self.tenants[name]
 
     def slot_of(self, name: str) -> int | None:
