@@ -93,6 +93,14 @@ def test_the_command_line_rejects_a_bad_spec_before_building_anything(monkeypatc
     assert raised.value.code == 2 and "fixed:N" in capsys.readouterr().err
 
 
+def test_the_command_line_rejects_warmup_tenants_beyond_the_largest_n(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["e2e", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o.json"),
+                                      "--tenants", "2", "4", "--warmup-tenants", "8"])
+    with pytest.raises(SystemExit) as raised:
+        e2e.main()
+    assert raised.value.code == 2 and "--warmup-tenants 8: give 1 to the largest --tenants (4)" in capsys.readouterr().err
+
+
 def test_length_summary():
     assert length_summary([5, 1, 3, 2, 4, 6, 7, 8, 9, 10]) == {"count": 10, "mean": 5.5, "p50": 5.0, "p90": 9.0,
                                                                "max": 10.0}

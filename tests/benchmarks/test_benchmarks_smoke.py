@@ -146,7 +146,7 @@ def test_train(tmp_path):
 def test_e2e(tmp_path, micro_model_dir):
     out = tmp_path / "e2e.json"
     e2e.main(["--shape", "tiny", "--tokenizer", str(micro_model_dir), "--device", "cpu", "--tenants", "1",
-              "--modes", "swap", "--steps", "1", "--response", "1", "--prompts", "1", "--samples", "2",
+              "--warmup-tenants", "1", "--modes", "swap", "--steps", "1", "--response", "1", "--prompts", "1", "--samples", "2",
               "--prompt", "16", "--out", str(out)])
     rows = read_json(out)["rows"]
     assert [(row["mode"], row["tenants"]) for row in rows] == [("serial", 1), ("swap", 1)]
