@@ -28,8 +28,13 @@ PAGE_BYTES = mmap.PAGESIZE
 
 def cuda_host_register(address: int, size: int) -> None:
     """Page-locks ``size`` bytes at ``address`` for the CUDA device (``cudaHostRegister``, default flags)."""
-    cudart = torch.cuda.cudart()
-    torch.cuda.check_error(cudart.cudaHostRegister(address, size, 0))
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, size, 0))
+
+
+def cuda_host_unregister(address: int) -> None:
+    """Undoes :func:`cuda_host_register` (``cudaHostUnregister``); its status is not checked, as this runs when a
+    pool is collected, possibly at interpreter exit after CUDA has shut down."""
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,13 +48,16 @@ def _lease_type(size: int) -> type:
 
 class PinnedPool:
     """Page-locked host blocks by exact size (whole pages), each locked once by ``lock(address, size)`` when first
-    mapped. Any thread (list operations are atomic under the GIL; no lock is held while a block is given back, which
-    happens wherever the last tensor viewing it is freed)."""
+    mapped and unlocked by ``unlock(address)`` when the pool is collected (every tensor from it is gone by then: each
+    holds the pool), before the block is unmapped: a stale registration would make CUDA treat whatever is mapped there
+    next as page-locked. Any thread (list operations are atomic under the GIL; no lock is held while a block is given
+    back, which happens wherever the last tensor viewing it is freed)."""
 
-    def __init__(self, lock: Callable[[int, int], None] = cuda_host_register) -> None:
-        self._lock = lock
+    def __init__(self, lock: Callable[[int, int], None] = cuda_host_register,
+                 unlock: Callable[[int], None] = cuda_host_unregister) -> None:
+        self._lock, self._unlock = lock, unlock
         self._free: dict[int, list[int]] = {}  # block size -> free block addresses
-        self._mappings: list[mmap.mmap] = []  # every block ever mapped, alive as long as the pool
+        self._mappings: list[tuple[int, mmap.mmap]] = []  # (address, mapping) of every block ever mapped
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised 1-D ``dtype`` tensor of ``numel`` values in a page-locked block of its own. The block
@@ -67,14 +75,18 @@ class PinnedPool:
 
     def held_bytes(self) -> int:
         """Bytes of every block mapped so far, handed out or free."""
-        return sum(len(mapping) for mapping in self._mappings)
+        return sum(len(mapping) for _, mapping in self._mappings)
 
     def _map(self, size: int) -> int:
         mapping = mmap.mmap(-1, size)
         address = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
         self._lock(address, size)
-        self._mappings.append(mapping)
+        self._mappings.append((address, mapping))
         return address
+
+    def __del__(self) -> None:
+        for address, _ in self._mappings:
+            self._unlock(address)
 
     def _give_back(self, size: int, address: int) -> None:
         self._free[size].append(address)

@@ -17,7 +17,7 @@ def locked() -> list[tuple[int, int]]:
 
 @pytest.fixture
 def pool(locked: list[tuple[int, int]]) -> PinnedPool:
-    return PinnedPool(lock=lambda address, size: locked.append((address, size)))
+    return PinnedPool(lock=lambda address, size: locked.append((address, size)), unlock=lambda address: None)
 
 
 def test_a_block_is_the_pages_asked_for_locked_once(pool: PinnedPool, locked: list[tuple[int, int]]) -> None:
@@ -43,6 +43,17 @@ def test_a_block_returns_to_the_pool_only_when_no_tensor_views_it(pool: PinnedPo
     again = pool.empty(1000, torch.float32)
     assert again.data_ptr() == address and len(locked) == 2, "a free block must be reused, not mapped anew"
     assert pool.empty(2000, torch.float32).data_ptr() not in (address, other.data_ptr()), "sizes have their own lists"
+
+
+def test_a_collected_pool_unlocks_every_block_once_no_tensor_views_it() -> None:
+    locked, unlocked = [], []
+    pool = PinnedPool(lock=lambda address, size: locked.append(address), unlock=unlocked.append)
+    kept = pool.empty(10, torch.float32)[2:4]
+    pool.empty(3 * PAGE_BYTES, torch.uint8)
+    del pool
+    assert unlocked == [] and kept.tolist() == kept.tolist(), "a tensor from the pool keeps it and its blocks"
+    del kept
+    assert sorted(unlocked) == sorted(locked) and len(locked) == 2
 
 
 def test_host_copies_fill_one_pool_block(monkeypatch: pytest.MonkeyPatch, pool: PinnedPool,
