@@ -85,12 +85,13 @@ class ServiceCounters:
 
 
 def fair_order(waiting: list[_Request], counters: ServiceCounters, resident: frozenset[str | None] = frozenset(),
-               credit: float = 0.0) -> Iterator[_Request]:
+               credit: float = 0.0, held: set[str | None] = frozenset()) -> Iterator[_Request]:
     """The requests of ``waiting`` (in arrival order) in the order admission considers them: repeatedly the first
     not yet yielded of the tenant with the smallest key, its counter less ``credit`` when it is in ``resident``
     (:func:`tenure_key`; ties: the tenant seen first in ``waiting``). Keys are read again after each yield, so a
     request admitted meanwhile (:meth:`ServiceCounters.admitted`) moves its tenant back; only the yielded request's
-    tenant may be charged between two yields."""
+    tenant may be charged between two yields. A tenant the caller adds to ``held`` between two yields has no more of
+    its requests yielded."""
     queues: dict[str | None, deque] = {}
     for request in waiting:
         queues.setdefault(request.adapter, deque()).append(request)
@@ -100,7 +101,7 @@ def fair_order(waiting: list[_Request], counters: ServiceCounters, resident: fro
         _, rank, tenant = heapq.heappop(heap)
         queue = queues[tenant]
         yield queue.popleft()
-        if queue:
+        if queue and tenant not in held:
             heapq.heappush(heap, (tenure_key(counters, tenant, resident, credit), rank, tenant))
 
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -138,6 +139,7 @@ class _SlotRound:
         self.queued = {req.adapter for req in queue}  # adapters with requests waiting at the round's start
         self.waiting: set[str] = set()
         self.draining: set[str] = set()
+        self._drain_bound: float | None = None  # fair: the largest counter less credit of a drainable adapter (cache)
 
     def holds_back(self, adapter: str | None) -> bool:
         """Whether a request of ``adapter`` waits for a slot: its adapter is drained for one queued before it, or it
@@ -146,17 +148,33 @@ class _SlotRound:
         those past their slot credit, :func:`tenure_key`)."""
         if adapter is None:
             return False
-        if adapter in self.draining:
+        if adapter in self.draining or adapter in self.waiting:  # both only grow within a round, and slots only fill
             return True
         if self.adapters.resident(adapter) or self.adapters.available(self.busy):
             return False
-        if adapter not in self.waiting:
-            self.waiting.add(adapter)
-            candidates = [name for name in self.adapters.lru() if name in self.busy and name not in self.draining
-                          and self._past_credit(name, adapter)]
-            if candidates:
-                self.draining.add(next((name for name in candidates if name not in self.queued), candidates[0]))
+        self.waiting.add(adapter)
+        if self.service is not None and self._fair_drain_bound() <= self.service.value(adapter):
+            return True  # no busy adapter is past its credit ahead of this one
+        first = None  # the least recently used candidate, drained when every candidate has requests queued
+        for name in self.adapters.lru():
+            if name in self.busy and name not in self.draining and self._past_credit(name, adapter):
+                if name not in self.queued:
+                    first = name
+                    break
+                if first is None:
+                    first = name
+        if first is not None:
+            self.draining.add(first)
+            self._drain_bound = None
         return True
+
+    def _fair_drain_bound(self) -> float:
+        """Under fair admission, the largest counter less the credit of the busy adapters not drained: no slot may
+        be drained for a waiting adapter whose counter is at least that (:meth:`_past_credit`)."""
+        if self._drain_bound is None:
+            self._drain_bound = max((self.service.value(name) - self.credit for name in self.adapters.lru()
+                                     if name in self.busy and name not in self.draining), default=float("-inf"))
+        return self._drain_bound
 
     def _past_credit(self, resident: str, waiting: str) -> bool:
         """Whether ``resident``'s slot may be drained for ``waiting``: always under fifo; under fair admission once
@@ -178,6 +196,7 @@ class _SlotRound:
             self.plan.evictions += self.adapters.assign(req.adapter, self.busy, self.queued) is not None
             self.plan.loads.append(req.adapter)
         self.busy.add(req.adapter)
+        self._drain_bound = None  # its counter is charged for the admission next
         req.lora_slot = self.adapters.slot(req.adapter)
 
 
@@ -221,8 +240,16 @@ class Scheduler:
         self.slot_credit = slot_credit
 
     def enqueue(self, item: QueuedRequest | Publish | Unregister) -> None:
-        """Queues a request to be admitted, or a publish or unregister to be applied."""
+        """Queues a request to be admitted, or a publish or unregister to be applied. A request whose prompt needs more
+        KV blocks than the pool has fails at once (MemoryError naming the fixes)."""
         if isinstance(item, QueuedRequest):
+            needed = -(-(len(item.prompt_ids) + 1) // self.blocks.block_size)
+            if needed > self.blocks.num_blocks:
+                item.future.set_exception(MemoryError(
+                    f"a prompt of {len(item.prompt_ids)} tokens needs {needed} KV blocks of {self.blocks.block_size} "
+                    f"tokens; the engine's pool has {self.blocks.num_blocks}: raise sampler.gpu_memory_utilization (or "
+                    "sampler.kv_blocks) or shorten the prompt"))
+                return
             item.queued_at = self.decode_steps
             self._waiting.append(item)
         else:
@@ -315,10 +342,13 @@ class Scheduler:
         after each (dropping stored histories, oldest first, to make room): sets each one's ``row``,
         ``version``, ``history`` and ``lora_slot`` (giving its adapter a slot when it holds none) and returns a plan
         of them in admission order with the adapters to load (:meth:`schedule_prefill` then gives them their
-        blocks; they run once :meth:`prefilled`). Cancelled requests are dropped; requests whose adapter is no longer registered fail, and
-        so does a request whose prompt needs more blocks than the pool has; requests of an adapter with a
-        pending publish or unregister wait (the version fence), and so do requests whose adapter cannot have a
-        device slot in this round or is drained for another (:class:`_SlotRound`).
+        blocks; they run once :meth:`prefilled`). Of the requests it considers, cancelled ones are dropped and those
+        whose adapter is no longer registered fail; requests of an adapter with a pending publish or unregister wait (the version fence), and so do requests
+        whose adapter cannot have a device slot in this round or is drained for another (:class:`_SlotRound`): once
+        one of an adapter's requests waits for either reason, the round considers no more of that adapter's. The round
+        ends at the first request that finds no free row, no prefill place or too few blocks; the requests after it
+        are considered in a later round. With hundreds of tenants on a few slots thousands of requests wait; a held
+        adapter's later requests then cost the round a set lookup each, the slot decisions one look per adapter.
 
         A request whose first uncached prompt block is also the first uncached block of another request
         admitted in this round waits one round, so that it finds that prefix (a GRPO group's prompt, a
@@ -332,54 +362,48 @@ class Scheduler:
         free_rows = [row for row, req in enumerate(self.rows) if req is None]
         admitted = plan.requests
         first_missing: set[tuple] = set()
-        remaining = []
+        gone: set[int] = set()  # ids of the requests admitted, dropped or failed in this round
+        held: set[str | None] = set()  # adapters whose requests all wait this round (fenced or without a slot)
         budget = self.blocks.available()
         spent = 0  # blocks the requests admitted this round will take
-        full = False  # the pool could not take the last request tried: the round admits no more
-        block_size = self.blocks.block_size
         slots = _SlotRound(self.adapters, self.rows, self._waiting, plan, self.service, self.slot_credit)
-        order = self._waiting
+        order: Iterable[QueuedRequest] = self._waiting
         if self.service is not None:
             running = {req.adapter for req in self.rows if req is not None}
             self.service.observe({req.adapter for req in self._waiting} | running)
             # The credit counts only while every slot holds an adapter (a tenant without one then needs another's).
             resident = frozenset() if self.adapters.free() else frozenset(self.adapters.lru())
-            order = fair_order(self._waiting, self.service, resident, self.slot_credit)
+            order = fair_order(self._waiting, self.service, resident, self.slot_credit, held)
         for req in order:
+            if not free_rows or len(admitted) >= self.max_prefills_per_step:
+                break
+            if req.adapter in held:
+                continue
             if req.future.cancelled():
+                gone.add(id(req))
                 continue
             if req.adapter is not None and req.adapter not in self.adapters:  # unregistered after it was submitted
                 req.future.set_exception(_unregistered(req.adapter))
+                gone.add(id(req))
                 continue
-            needed = -(-(len(req.prompt_ids) + 1) // block_size)
-            if needed > self.blocks.num_blocks:
-                req.future.set_exception(MemoryError(
-                    f"a prompt of {len(req.prompt_ids)} tokens needs {needed} KV blocks of {block_size} tokens; the "
-                    f"engine's pool has {self.blocks.num_blocks}: raise sampler.gpu_memory_utilization (or "
-                    "sampler.kv_blocks) or shorten the prompt"))
-                continue
-            if (full or req.adapter in fenced or not free_rows or len(admitted) >= self.max_prefills_per_step
-                    or slots.holds_back(req.adapter)):
-                remaining.append(req)
+            if req.adapter in fenced or slots.holds_back(req.adapter):
+                held.add(req.adapter)
                 continue
             version = -1 if req.adapter is None else self.adapters.version(req.adapter)
             history = self.blocks.take_history(req.adapter, version, req.prompt_ids) if self.reuse_decode_kv else None
             keyed, missing = ([], None) if history else self.blocks.keyed_prefix(req.adapter, version, req.prompt_ids)
             shared_key = None if missing is None else (req.adapter, missing)
             if shared_key in first_missing:
-                remaining.append(req)
                 continue
             cost = self.blocks.admission_cost(len(req.prompt_ids), keyed, 0 if history is None else len(history[1]))
             if budget - cost < self.watermark:
                 self.blocks.reclaim(cost + self.watermark + spent)
                 budget = self.blocks.available() - spent
             alone = not admitted and not any(self.rows)  # nothing else could free blocks: the watermark is moot
-            if budget - cost < (0 if alone else self.watermark):
-                full = True
+            if budget - cost < (0 if alone else self.watermark):  # the pool takes no more requests this round
                 if history is not None:  # not admitted now: the history goes back to the pool
                     self.blocks.store_history(req.adapter, version, req.prompt_ids[: history[0]], history[1])
-                remaining.append(req)
-                continue
+                break
             if shared_key is not None:
                 first_missing.add(shared_key)
             budget -= cost
@@ -387,11 +411,12 @@ class Scheduler:
             req.version, req.history = version, history
             req.row = free_rows.pop(0)
             admitted.append(req)
+            gone.add(id(req))
             slots.admitted(req)
             if self.service is not None:
                 self.service.admitted(req)
-        kept = {id(req) for req in remaining}
-        self._waiting = [req for req in self._waiting if id(req) in kept]  # arrival order, whatever the admission order
+        if gone:
+            self._waiting = [req for req in self._waiting if id(req) not in gone]  # arrival order
         return plan
 
     def schedule_prefill(self) -> PrefillPlan:

@@ -233,3 +233,27 @@ def test_a_resident_tenant_keeps_its_slot_until_it_is_its_credit_ahead_of_a_wait
         plan = scheduler.schedule_prefill()
         assert c in plan.requests and plan.loads == ["c"] and plan.evictions == 1
         assert not scheduler.adapters.resident("a")
+
+
+@pytest.mark.parametrize("admission", ["fifo", "fair"])
+def test_a_round_looks_at_each_waiting_adapter_without_a_slot_once_whatever_its_queue(
+        admission: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four slots held by running tenants, 40 tenants without a slot queueing 8 requests each (hundreds of tenants on
+    a few slots): a round admits none of them and asks the slots about each waiting tenant once, not about each of
+    its 320 requests; the queue keeps all of them in arrival order, and the next round does the same."""
+    waiting = [f"w{i}" for i in range(40)]
+    scheduler = _scheduler(["r0", "r1", "r2", "r3", *waiting], num_rows=400, admission=admission, num_slots=4,
+                           slot_credit=1e9)  # under fair: no resident is past its credit, so no slot is drained
+    for name in ("r0", "r1", "r2", "r3"):
+        _enqueue(scheduler, name)
+    _start(scheduler, scheduler.schedule_prefill())
+    queued = [_enqueue(scheduler, name) for _ in range(8) for name in waiting]
+    asked = []
+    available = AdapterSlots.available
+    monkeypatch.setattr(AdapterSlots, "available", lambda self, busy: asked.append(1) or available(self, busy))
+    for _ in range(2):
+        asked.clear()
+        plan = scheduler.schedule_prefill()
+        assert plan.requests == [] and plan.loads == []
+        assert len(asked) == len(waiting), "one look at the slots per waiting adapter"
+        assert scheduler._waiting == queued
