@@ -134,6 +134,9 @@ def test_engine_host(tmp_path):
     out = tmp_path / "engine_host.json"
     engine_host.main(["--rows", "16", "--steps", "2", "--repeats", "1", "--out", str(out)])
     assert list(read_json(out)["host_ms_per_decode_step"]) == ["16"]
+    engine_host.main(["--rows", "16", "--steps", "2", "--repeats", "1", "--waiting", "3", "--admission", "fair",
+                      "--out", str(out)])
+    assert read_json(out)["waiting_tenants"] == 3
 
 
 def test_train(tmp_path):
