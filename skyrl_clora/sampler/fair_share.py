@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Protocol
 
 ADMISSIONS = ("fifo", "fair")  # the scheduler's admission orders: arrival order, or by these counters
@@ -85,7 +85,7 @@ class ServiceCounters:
 
 
 def fair_order(waiting: list[_Request], counters: ServiceCounters, resident: frozenset[str | None] = frozenset(),
-               credit: float = 0.0, held: set[str | None] = frozenset()) -> Iterator[_Request]:
+               credit: float = 0.0, held: Container[str | None] = frozenset()) -> Iterator[_Request]:
     """The requests of ``waiting`` (in arrival order) in the order admission considers them: repeatedly the first
     not yet yielded of the tenant with the smallest key, its counter less ``credit`` when it is in ``resident``
     (:func:`tenure_key`; ties: the tenant seen first in ``waiting``). Keys are read again after each yield, so a

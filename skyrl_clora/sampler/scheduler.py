@@ -343,11 +343,11 @@ class Scheduler:
         ``version``, ``history`` and ``lora_slot`` (giving its adapter a slot when it holds none) and returns a plan
         of them in admission order with the adapters to load (:meth:`schedule_prefill` then gives them their
         blocks; they run once :meth:`prefilled`). Of the requests it considers, cancelled ones are dropped and those
-        whose adapter is no longer registered fail; requests of an adapter with a pending publish or unregister wait (the version fence), and so do requests
-        whose adapter cannot have a device slot in this round or is drained for another (:class:`_SlotRound`): once
-        one of an adapter's requests waits for either reason, the round considers no more of that adapter's. The round
-        ends at the first request that finds no free row, no prefill place or too few blocks; the requests after it
-        are considered in a later round. With hundreds of tenants on a few slots thousands of requests wait; a held
+        whose adapter is no longer registered fail; requests of an adapter with a pending publish or unregister wait
+        (the version fence), and so do requests whose adapter cannot have a device slot in this round or is drained
+        for another (:class:`_SlotRound`): once one of an adapter's requests waits for either reason, the round
+        considers no more of that adapter's. The round ends at the first request that finds no free row, no prefill
+        place or too few blocks; the requests after it are considered in a later round. With hundreds of tenants on a few slots thousands of requests wait; a held
         adapter's later requests then cost the round a set lookup each, the slot decisions one look per adapter.
 
         A request whose first uncached prompt block is also the first uncached block of another request
