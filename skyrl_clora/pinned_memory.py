@@ -102,16 +102,21 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return _process_pool().empty(numel, dtype)
 
 
-def host_copies(tensors: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:
-    """Copies of ``tensors`` (same shapes and dtypes) in host memory, all in one block (each copy starting at a
-    multiple of 64 bytes): page-locked from the process's pool with ``pin``, else pageable."""
+def host_like(tensors: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:
+    """Uninitialised host tensors of ``tensors``' shapes and dtypes, all in one block (each starting at a multiple of
+    64 bytes): page-locked from the process's pool with ``pin``, else pageable."""
     offsets, total = [], 0
     for tensor in tensors:
         offsets.append(total)
         total += -(-tensor.numel() * tensor.element_size() // 64) * 64
     block = pinned_empty(total, torch.uint8) if pin else torch.empty(total, dtype=torch.uint8)
     return [block[offset : offset + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
-            .copy_(tensor) for offset, tensor in zip(offsets, tensors)]
+            for offset, tensor in zip(offsets, tensors)]
+
+
+def host_copies(tensors: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:
+    """Copies of ``tensors`` in one host block (:func:`host_like`)."""
+    return [copy.copy_(tensor) for copy, tensor in zip(host_like(tensors, pin), tensors)]
 
 
 class InFlight:

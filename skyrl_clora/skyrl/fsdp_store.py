@@ -2,7 +2,8 @@
 
 SkyRL 0.4's FSDP worker trains one PEFT LoRA adapter (``HFModelWrapper`` + ``fully_shard``, one ``torch.optim.AdamW``
 and one Hugging Face ``LambdaLR`` scheduler). :class:`FSDPAdapterStore` keeps, per tenant, everything that
-makes that adapter's training its own, in host memory (pinned when the model is on CUDA), and swaps it through
+makes that adapter's training its own, in host memory (page-locked when the model is on CUDA, one block per table:
+:func:`~skyrl_clora.pinned_memory.host_like`), and swaps it through
 the live objects with ``copy_``, never reallocating them, so FSDP2's sharded DTensor parameters, the optimizer's
 state tensors and the scheduler stay the same Python objects:
 
@@ -44,6 +45,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from skyrl_clora.pinned_memory import host_like
 
 LORA_MARKERS = (".lora_A.", ".lora_B.")
 SCHEDULE_KEYS = ("base_lrs", "last_epoch", "_step_count", "_last_lr")
@@ -179,9 +182,6 @@ class FSDPAdapterStore:
 
     # ---- slots ---------------------------------------------------------------------------------------
 
-    def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
-
     @torch.no_grad()
     def create(self, model_id: str, seed: int, lr: float, signature: FSDPLoraSignature) -> None:
         """Registers ``model_id`` with its initial slot (module docstring); the live state is not touched."""
@@ -196,17 +196,16 @@ class FSDPAdapterStore:
         if lr <= 0:
             raise ValueError(f"FSDPAdapterStore: tenant {model_id!r} learning rate must be > 0, got {lr}")
         draw = lora_a_initializer(self.signature.init_method, self.signature.rank)
-        params = []
-        for name, param in zip(self.names, self.params):
+        live = [local(param) for param in self.params]
+        params, grads, exp_avg, exp_avg_sq = (host_like(live, self._pin) for _ in range(4))  # one block per table
+        for name, param, host in zip(self.names, self.params, params):
             full = torch.zeros(param.shape, dtype=torch.float32)
             if ".lora_A." in name:
                 draw(full, _generator(seed, name))
-            params.append(self._host_like(local(param)).copy_(self._local_part(full, param)))
+            host.copy_(self._local_part(full, param))
+        torch._foreach_zero_(exp_avg + exp_avg_sq)
         slot = TenantSlot(
-            seed=seed, lr=lr, params=params,
-            grads=[self._host_like(local(p)) for p in self.params],
-            exp_avg=[self._host_like(local(p)).zero_() for p in self.params],
-            exp_avg_sq=[self._host_like(local(p)).zero_() for p in self.params],
+            seed=seed, lr=lr, params=params, grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
             steps=torch.zeros(len(self.params), dtype=torch.float64),
             schedule=self.fresh_schedule(lr),
             rng_cpu=torch.Generator().manual_seed(seed).get_state(),

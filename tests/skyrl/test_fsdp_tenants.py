@@ -140,6 +140,21 @@ def test_the_store_refuses_another_signature_and_a_second_registration() -> None
         store.swap_to("c")
 
 
+def test_a_tenant_slot_holds_each_table_in_one_host_block_with_its_initial_state() -> None:
+    store = _store(_Lora())
+    store.prime()
+    store.register_pristine(_signature(store))
+    store.create("a", seed=1, lr=1e-3, signature=_signature(store))
+    slot = store.slots["a"]
+    tables = (slot.params, slot.grads, slot.exp_avg, slot.exp_avg_sq)
+    blocks = {id(table): {t.untyped_storage().data_ptr() for t in table} for table in tables}
+    assert all(len(pointers) == 1 for pointers in blocks.values()) and len(set().union(*blocks.values())) == 4
+    assert [t.shape for t in slot.params] == [p.shape for p in store.params]
+    assert all(not t.any() for t in slot.exp_avg + slot.exp_avg_sq)
+    lora_a = [t for name, t in zip(store.names, slot.params) if ".lora_A." in name]
+    assert lora_a and all(t.any() for t in lora_a), "lora_A starts drawn, lora_B at zero"
+
+
 def test_the_store_refuses_optimizer_state_it_does_not_mirror() -> None:
     module = _Lora()
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3, amsgrad=True)
