@@ -83,7 +83,7 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
     from skyrl_gym.envs.registration import registry
 
-    from skyrl_clora.skyrl.stack import forget_stale_registry_actors
+    from skyrl_clora.skyrl.stack import RAY_SYSTEM_CONFIG, forget_stale_registry_actors
 
     started = time.perf_counter()
     specs = [spec for spec in run.tenants if spec.name not in stopped
@@ -97,7 +97,7 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     sub_runs = [_replica_run(run, index, group, root, capacity) for index, group in enumerate(groups)]
     if not ray.is_initialized():
         forget_stale_registry_actors()
-        ray.init(include_dashboard=False)
+        ray.init(include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG)
     # As SkyRL's initialize_ray: the driver makes (and so owns) the loss / estimator registries' named actors,
     # which replicas then sync with; made by a replica, they would die with it and fail the other replicas' steps.
     sync_registries()

@@ -296,6 +296,13 @@ def _gpu_group(trainer_cfg: Any, worker: Any) -> PPORayActorGroup:
                             sequence_parallel_size=trainer_cfg.policy.sequence_parallel_size)
 
 
+RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+"""Ray's system config for every Ray this package starts (``ray.init(_system_config=...)``; SkyRL's ``initialize_ray``
+gets it as ``RAY_worker_niceness``). Ray runs its workers at niceness 15 by default, for workers that are background
+tasks beside the driver; here they are the run's own work (the replicas, SkyRL's trainer workers), and at niceness 15
+any other busy process on the machine takes nearly all the CPU from them."""
+
+
 def forget_stale_registry_actors() -> None:
     """SkyRL's loss/estimator registries cache their Ray actor's handle per process and only drop it when no
     actor of that name exists; after a Ray restart in this process (tests, a second run) the new session's
@@ -356,12 +363,13 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
     if owns_ray:
         forget_stale_registry_actors()
     if owns_ray and plan.inference_backend == plan.strategy == "embedded":
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
         sync_registries()  # as SkyRL's initialize_ray does: the loss/estimator registries' Ray actors
     elif owns_ray:
         from skyrl.train.utils.utils import initialize_ray
 
+        os.environ.setdefault("RAY_worker_niceness", str(RAY_SYSTEM_CONFIG["worker_niceness"]))  # Ray's own env form
         initialize_ray(plan.base)
     if owns_ray:
         reap_children_with_this_process()

@@ -101,6 +101,10 @@ def test_tenants_on_two_replicas_end_as_on_one(learning_model_dir: Path, tmp_pat
     assert sorted(len(group) for group in summary["replicas"]) == [1, 2]
     assert all(row["status"] == "ok" for row in summary["per_tenant"])
     assert all((tmp_path / "two" / "adapters" / name / "adapter_config.json").is_file() for name in "abc")
+    import ray
+
+    niceness = ray.remote(lambda: os.nice(0))  # run in a worker of the Ray the run started
+    assert ray.get(niceness.remote()) == 0, "the run's Ray workers at Ray's default niceness, 15"
 
 
 @pytest.mark.ray
