@@ -97,9 +97,10 @@ def _process_pool() -> PinnedPool:
     return PinnedPool()
 
 
-def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """:meth:`PinnedPool.empty` from the process's pool (CUDA only)."""
-    return _process_pool().empty(numel, dtype)
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised 1-D host tensor: with ``pin`` page-locked at its exact size (:meth:`PinnedPool.empty` from the
+    process's pool; CUDA only), else pageable."""
+    return _process_pool().empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
 
 
 def host_like(tensors: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:
@@ -109,7 +110,7 @@ def host_like(tensors: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:
     for tensor in tensors:
         offsets.append(total)
         total += -(-tensor.numel() * tensor.element_size() // 64) * 64
-    block = pinned_empty(total, torch.uint8) if pin else torch.empty(total, dtype=torch.uint8)
+    block = host_empty(total, torch.uint8, pin)
     return [block[offset : offset + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
             for offset, tensor in zip(offsets, tensors)]
 

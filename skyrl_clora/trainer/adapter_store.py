@@ -41,7 +41,7 @@ import torch
 from skyrl.train.config import AlgorithmConfig
 
 from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear
-from skyrl_clora.pinned_memory import pinned_empty
+from skyrl_clora.pinned_memory import host_empty
 
 TABLES = ("master", "exp_avg", "exp_avg_sq", "grads")
 
@@ -173,10 +173,6 @@ class AdapterStore:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self._numel(rank) * (4 * len(TABLES) + itemsize)
 
-    def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer, page-locked at its exact size on CUDA (:mod:`skyrl_clora.pinned_memory`)."""
-        return pinned_empty(numel, dtype) if self._pin else torch.empty(numel, dtype=dtype)
-
     def _new_slot(self) -> DeviceSlot:
         slot = DeviceSlot()
         for table in TABLES[:3]:
@@ -261,7 +257,7 @@ class AdapterStore:
             if tuple(weights.a[path].shape) != (weights.rank, fan_in) or tuple(weights.b[path].shape) != (fan_out, weights.rank):
                 raise ValueError(f"tenant {name!r} adapter shape mismatch at {path}")
         numel = self._numel(weights.rank)
-        flat = {table: self._host_empty(numel, torch.float32).zero_() for table in TABLES}
+        flat = {table: host_empty(numel, torch.float32, self._pin).zero_() for table in TABLES}
         views = {table: dict(zip(self.keys, self._views(flat[table], weights.rank))) for table in TABLES}
         for path in self.signature:
             views["master"][f"{path}.a"].copy_(weights.a[path])
@@ -273,7 +269,7 @@ class AdapterStore:
             rng_state=generator.get_state(), algorithm=algorithm, weight_decay=weight_decay,
             max_grad_norm=max_grad_norm,
         )
-        host_weights = self._host_empty(numel, self.dtype)
+        host_weights = host_empty(numel, self.dtype, self._pin)
         host_weights.copy_(flat["master"])
         self._set_weights(state, host_weights)
         self.tenants[name] = state
@@ -291,7 +287,7 @@ class AdapterStore:
             if tables[table].shape != state.flat[table].shape:
                 raise ValueError(f"tenant {name!r}: {table} has {tables[table].numel()} values, the store {state.flat[table].numel()}")
             state.flat[table].copy_(tables[table])
-        host_weights = self._host_empty(state.flat["master"].numel(), self.dtype)
+        host_weights = host_empty(state.flat["master"].numel(), self.dtype, self._pin)
         host_weights.copy_(state.flat["master"])
         self._set_weights(state, host_weights)
         state.rng_state = rng_state.clone()
@@ -379,7 +375,7 @@ class AdapterStore:
             slot.staging["weights"][:numel].copy_(slot.staging["master"][:numel])
             self._set_scales(slot_index, 0.0)
         packed = self._record()
-        host_weights = self._host_empty(numel, self.dtype)
+        host_weights = host_empty(numel, self.dtype, self._pin)
         with self._on_side_stream():
             if packed is not None:
                 torch.cuda.current_stream(self.device).wait_event(packed)
