@@ -28,7 +28,8 @@ MFU (the model FLOP of the batches trained, :func:`benchmarks.common.train_pass_
 ``--peak-tflops``), peak GPU memory, the most rows running at once, preemptions and the engine's adapter slots (hit
 rate: admissions that found their adapter in a device slot; loads: adapters written into one, see
 ``--override sampler.adapter_slots=K``) and the sampling requests' queue waits, submission to admission (wait p50:
-the median tenant's p50; wait p99: the worst tenant's p99; ``--override sampler.admission=fair`` orders admission by
+the median tenant's p50; wait p99: the worst tenant's p99; fairness: each tenant's summed wait and mean step time,
+worst over median; ``--override sampler.admission=fair`` orders admission by
 tenants' service); above it, the per-turn lengths drawn (mean, p50, p90, max). After each group,
 its wall account (:func:`benchmarks.wall.wall_account`: the engine thread's, the trainer's and each tenant's time).
 Full numbers go to ``--out`` as JSON (``rows``, each with its ``wall_account``; ``lengths``: the spec and the drawn
@@ -280,7 +281,9 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
           f"{stats.preemptions} preempted; adapter slots: {stats.adapter_hits} admissions found their adapter in its "
           f"slot, {stats.adapter_loads} loaded it ({stats.adapter_evictions} evicting another), hit rate "
           f"{stats.adapter_hit_rate:.1%}; queue waits (submission to admission): p50 {row['queue_wait_p50_s']:.3f} s "
-          f"(the median tenant's), p99 {row['queue_wait_p99_s']:.3f} s (the worst tenant's); host memory: the "
+          f"(the median tenant's), p99 {row['queue_wait_p99_s']:.3f} s (the worst tenant's); a tenant's summed wait: "
+          f"median {row['tenant_wait_total_median_s']:.1f} s, worst {row['tenant_wait_total_max_s']:.1f} s; a tenant's "
+          f"mean step: median {row['tenant_step_median_s']:.2f} s, worst {row['tenant_step_max_s']:.2f} s; host memory: the "
           f"tenants' trainer state {result.host_store_gib:.2f} GiB, process peak RSS {result.peak_rss_gib:.1f} GiB",
           flush=True)
     print(describe(f"{result.mode} x{len(names)}", result.account), flush=True)
@@ -293,9 +296,12 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
 def summarize(result: ModeResult) -> dict:
     """One table row of ``result``: per-tenant-step means (seconds), throughput, GPU busy, drawn lengths, and the
     sampling requests' queue waits: the median over tenants of each tenant's p50, the largest tenant p99, and each
-    tenant's (``queue_waits``)."""
+    tenant's (``queue_waits``); fairness: the median and largest over tenants of each tenant's summed queue wait
+    (``tenant_wait_total_*``) and of each tenant's mean step time (``tenant_step_*``)."""
     steps = result.steps
     waits = result.queue_waits.values()
+    totals = [w["total_s"] for w in waits] or [0.0]
+    tenant_steps = [statistics.mean(s.step_s for s in steps if s.tenant == tenant) for tenant in {s.tenant for s in steps}]
     return {
         "mode": result.mode, "tenants": result.tenants, "wall_s": result.wall_s, "cold_start_s": result.cold_start_s,
         "step_s": statistics.mean(s.step_s for s in steps), "rollout_s": statistics.mean(s.rollout_s for s in steps),
@@ -310,6 +316,8 @@ def summarize(result: ModeResult) -> dict:
         "adapter_hit_rate": result.engine.adapter_hit_rate, "wall_account": result.account,
         "queue_wait_p50_s": statistics.median(w["p50_s"] for w in waits) if waits else 0.0,
         "queue_wait_p99_s": max((w["p99_s"] for w in waits), default=0.0), "queue_waits": result.queue_waits,
+        "tenant_wait_total_median_s": statistics.median(totals), "tenant_wait_total_max_s": max(totals),
+        "tenant_step_median_s": statistics.median(tenant_steps), "tenant_step_max_s": max(tenant_steps),
         "host_store_gib": result.host_store_gib, "peak_rss_gib": result.peak_rss_gib,
     }
 

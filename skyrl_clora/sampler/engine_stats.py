@@ -199,12 +199,13 @@ class StatsRecorder:
                 self._waits.setdefault(adapter, []).append(waited)
 
     def queue_waits(self) -> dict[str, dict[str, float]]:
-        """Per tenant (adapter name, sorted) over its finished requests: ``requests``, and the ``p50_s``, ``p99_s`` and
-        ``max_s`` of their queue waits in seconds (:meth:`request_finished`)."""
+        """Per tenant (adapter name, sorted) over its finished requests: ``requests``, the ``p50_s``, ``p99_s`` and
+        ``max_s`` of their queue waits and their sum ``total_s``, in seconds (:meth:`request_finished`)."""
         with self._waits_lock:
             waits = {tenant: np.array(values) for tenant, values in sorted(self._waits.items())}
         return {tenant: {"requests": int(values.size), "p50_s": float(np.percentile(values, 50)),
-                         "p99_s": float(np.percentile(values, 99)), "max_s": float(values.max())}
+                         "p99_s": float(np.percentile(values, 99)), "max_s": float(values.max()),
+                         "total_s": float(values.sum())}
                 for tenant, values in waits.items()}
 
     def preempted(self, count: int) -> None:

@@ -292,3 +292,7 @@ def test_tenants_on_one_adapter_slot_train_and_the_group_counts_its_loads(micro_
     assert row["adapter_hit_rate"] == stats.adapter_hit_rate < 1
     assert {tenant: w["requests"] for tenant, w in row["queue_waits"].items()} == {"a": 8, "b": 8}, "2 steps x 2 x 2 turns"
     assert 0 <= row["queue_wait_p50_s"] <= row["queue_wait_p99_s"] == max(w["p99_s"] for w in row["queue_waits"].values())
+    totals = sorted(w["total_s"] for w in row["queue_waits"].values())
+    assert (row["tenant_wait_total_median_s"], row["tenant_wait_total_max_s"]) == (sum(totals) / 2, totals[-1])
+    step_means = sorted(statistics.mean(s.step_s for s in result.steps if s.tenant == t) for t in ("a", "b"))
+    assert (row["tenant_step_median_s"], row["tenant_step_max_s"]) == (sum(step_means) / 2, step_means[-1])
