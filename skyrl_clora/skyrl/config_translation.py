@@ -81,18 +81,48 @@ def production_strategy(backend: dict[str, Any], trainer_strategy: str, given: C
     return named
 
 
-def resolve_stack(backend: dict[str, Any], production: str) -> tuple[str, str]:
-    """``(inference_backend, strategy)`` with ``auto`` resolved: vLLM when importable, the ``production`` workers
-    when this machine runs them (Megatron: importable; FSDP2: a CUDA GPU), else the embedded stand-ins."""
+MEGATRON_WORKER_PACKAGES = ("megatron.core", "megatron.bridge", "transformer_engine")
+"""What SkyRL 0.4's Megatron policy worker (``skyrl.backends.skyrl_train.workers.megatron``) imports beside torch:
+megatron-core, Megatron-Bridge (its model providers) and TransformerEngine."""
+
+
+def importable(module: str) -> bool:
+    """Whether ``module`` (dotted names too) can be imported here, without importing it past its parent packages;
+    False when a parent package is absent."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def why_workers_cannot_run(production: str, inference: str) -> str | None:
+    """Why SkyRL's ``production`` policy workers (``fsdp2`` or ``megatron``) cannot run on this machine beside the
+    ``inference`` backend, in a few words, or None when they can: FSDP2 needs a CUDA GPU; Megatron needs the
+    packages of :data:`MEGATRON_WORKER_PACKAGES`, a CUDA GPU and vLLM (its weight sync imports vLLM and calls an
+    endpoint only vLLM serves)."""
+    if production == "megatron":
+        missing = [module for module in MEGATRON_WORKER_PACKAGES if not importable(module)]
+        if missing:
+            return f"SkyRL's Megatron worker imports {', '.join(missing)}, not importable here"
+        if inference != "vllm":
+            return "SkyRL's Megatron worker syncs weights through vLLM, which is not installed"
+    if not torch.cuda.is_available():
+        return f"SkyRL's {'Megatron' if production == 'megatron' else 'FSDP2'} worker needs a CUDA GPU; none is visible"
+    return None
+
+
+def resolve_stack(backend: dict[str, Any], production: str) -> tuple[str, str, str | None]:
+    """``(inference_backend, strategy, why)`` with ``auto`` resolved: vLLM when importable, the ``production``
+    workers when this machine runs them (:func:`why_workers_cannot_run`), else the embedded stand-ins; ``why``
+    says why ``auto`` did not pick the production workers (None when it did, or ``backend.strategy`` was given)."""
     inference = backend["inference_backend"]
     if inference == "auto":
-        inference = "vllm" if importlib.util.find_spec("vllm") is not None else "embedded"
-    strategy = backend["strategy"]
+        inference = "vllm" if importable("vllm") else "embedded"
+    strategy, why = backend["strategy"], None
     if strategy == "auto":
-        runs_here = (importlib.util.find_spec("megatron") is not None if production == "megatron"
-                     else torch.cuda.is_available())
-        strategy = production if runs_here else "embedded"
-    return inference, strategy
+        why = why_workers_cannot_run(production, inference)
+        strategy = production if why is None else "embedded"
+    return inference, strategy, why
 
 
 @dataclass(frozen=True)
@@ -288,14 +318,15 @@ def translate(cfg: DictConfig, model_path: str | None = None, given: Collection[
         if spec.env_class is not None:
             st.environment.env_class = spec.env_class
         per_tenant[spec.name] = _validated(st, f"tenant {spec.name}")
-    inference, strategy = resolve_stack(backend, production)
+    inference, strategy, why = resolve_stack(backend, production)
     substitutions = []
     if inference == "embedded":
         substitutions.append("generator.inference_engine.backend=vllm -> the embedded engine behind SkyRL's HTTP "
                              "protocol (skyrl_clora.skyrl.server), one server")
     if strategy == "embedded":
         substitutions.append(f"trainer.strategy={SKYRL_STRATEGY_NAMES[production]} -> Ray workers over the embedded "
-                             "trainer (skyrl_clora.skyrl.worker.EmbeddedPolicyWorker), one worker")
+                             "trainer (skyrl_clora.skyrl.worker.EmbeddedPolicyWorker), one worker"
+                             + (f" (backend.strategy=auto: {why})" if why else ""))
     if inference == "embedded" and base.trainer.placement.colocate_all:
         for st in [base, *per_tenant.values()]:  # what the workers' WorkerDispatch reads: no sleep/offload cycle
             st.trainer.placement.colocate_all = False

@@ -28,7 +28,6 @@ Ray: with both halves embedded, a small local Ray (``num_cpus=2``, no dashboard)
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,7 +51,7 @@ from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
-from skyrl_clora.skyrl.config_translation import SkyRLPlan
+from skyrl_clora.skyrl.config_translation import MEGATRON_WORKER_PACKAGES, SkyRLPlan, importable
 from skyrl_clora.skyrl.fsdp_tenants import with_fsdp_tenants
 from skyrl_clora.skyrl.megatron_checkpoints import with_megatron_tenant_checkpoints
 from skyrl_clora.skyrl.server import EmbeddedServer
@@ -157,11 +156,13 @@ def check_buildable(plan: SkyRLPlan) -> None:
         raise ConfigError("backend.strategy=megatron needs backend.inference_backend=vllm: SkyRL 0.4's Megatron "
                           "init_weight_sync_state imports vLLM and POSTs /init_weight_transfer_engine, which the "
                           "embedded server lacks (or use backend.strategy=embedded)")
-    if plan.inference_backend == "vllm" and importlib.util.find_spec("vllm") is None:
+    if plan.inference_backend == "vllm" and not importable("vllm"):
         raise ConfigError("backend.inference_backend=vllm but vllm is not installed; install vllm or set "
                           "backend.inference_backend=embedded (or auto)")
-    if plan.strategy == "megatron" and importlib.util.find_spec("megatron") is None:
-        raise ConfigError("backend.strategy=megatron but megatron-core is not installed; install megatron-core or set "
+    missing = [module for module in MEGATRON_WORKER_PACKAGES if not importable(module)]
+    if plan.strategy == "megatron" and missing:
+        raise ConfigError(f"backend.strategy=megatron but SkyRL's Megatron worker imports {', '.join(missing)}, not "
+                          "importable here; install megatron-core, Megatron-Bridge and TransformerEngine or set "
                           "backend.strategy=embedded (or auto)")
     if plan.strategy in FSDP_STRATEGIES:
         check_fsdp_buildable(plan)
@@ -186,7 +187,7 @@ def check_fsdp_buildable(plan: SkyRLPlan) -> None:
     if not torch.cuda.is_available():
         raise ConfigError("backend.strategy=fsdp2 runs SkyRL's FSDP2 workers on CUDA GPUs and none is visible; use "
                           "backend.strategy=embedded (or auto)")
-    if importlib.util.find_spec("flash_attn") is None:
+    if not importable("flash_attn"):
         raise ConfigError("backend.strategy=fsdp2: SkyRL's FSDP model wrapper imports flash_attn.bert_padding; install "
                           "flash-attn or put benchmarks/device_stubs (its stand-in) on PYTHONPATH")
     if trainer.flash_attn or trainer.remove_microbatch_padding:

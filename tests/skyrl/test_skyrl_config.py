@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,9 @@ from skyrl.train.utils.utils import validate_cfg
 from skyrl_clora.config import ConfigError
 from skyrl_clora.config_keys import given_keys
 from skyrl_clora.main import compose_config
-from skyrl_clora.skyrl.config_translation import translate
+from skyrl_clora.skyrl.config_translation import translate, why_workers_cannot_run
+
+REAL_FIND_SPEC = importlib.util.find_spec  # before the fixture below hides vllm and megatron
 
 pytestmark = pytest.mark.usefixtures("without_production_extras")
 
@@ -119,6 +123,50 @@ def test_stand_ins_keep_the_production_values_in_skyrls_config(tmp_path: Path) -
     explicit = _translate(tmp_path, "backend.inference_backend=vllm", "backend.strategy=megatron")
     assert (explicit.inference_backend, explicit.strategy, explicit.substitutions) == ("vllm", "megatron", ())
     assert plan.base.trainer.policy.model.lora.lora_sync_path == os.path.abspath("outputs/run/lora_sync")
+
+
+@pytest.fixture
+def megatron_core_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, without_production_extras: None):
+    """A machine where megatron-core imports (a package ``megatron.core`` on the path) and Megatron-Bridge and
+    TransformerEngine do not: ``find_spec`` sees the real path again. Returns the folder on the path."""
+    site = tmp_path / "site"
+    (site / "megatron" / "core").mkdir(parents=True)
+    (site / "megatron" / "__init__.py").write_text("")
+    (site / "megatron" / "core" / "__init__.py").write_text("")
+    monkeypatch.setattr(importlib.util, "find_spec", REAL_FIND_SPEC)
+    monkeypatch.syspath_prepend(str(site))
+    yield site
+    for name in [name for name in sys.modules if name.split(".")[0] in ("megatron", "vllm")]:
+        del sys.modules[name]
+
+
+def test_auto_runs_the_stand_in_when_megatron_core_imports_but_megatron_bridge_does_not(
+        tmp_path: Path, megatron_core_only: Path) -> None:
+    """backend.strategy=auto with trainer.strategy=megatron: megatron-core alone does not run SkyRL's Megatron worker
+    (it imports Megatron-Bridge and TransformerEngine), so the embedded stand-in runs, and its substitution line says
+    why; with vllm importable too and the Megatron workers named, the run is refused naming the missing packages."""
+    assert importlib.util.find_spec("megatron.core") is not None and importlib.util.find_spec("megatron") is not None
+    plan = _translate(tmp_path, "+tenants=2", "trainer.strategy=megatron")
+    assert plan.strategy == "embedded" and plan.base.trainer.strategy == "megatron"
+    line = plan.substitutions[-1]
+    assert line.startswith("trainer.strategy=megatron -> ") and "\n" not in line
+    assert "backend.strategy=auto: SkyRL's Megatron worker imports megatron.bridge, transformer_engine" in line
+    from skyrl_clora.skyrl.stack import check_buildable
+
+    (megatron_core_only / "vllm").mkdir()
+    (megatron_core_only / "vllm" / "__init__.py").write_text("")
+    importlib.invalidate_caches()
+    assert _translate(tmp_path, "trainer.strategy=megatron").strategy == "embedded"
+    explicit = _translate(tmp_path, "backend.inference_backend=vllm", "backend.strategy=megatron")
+    with pytest.raises(ConfigError, match="Megatron worker imports megatron.bridge, transformer_engine, not importable"):
+        check_buildable(explicit)
+
+
+def test_why_the_production_workers_cannot_run_here() -> None:
+    """No vllm, no megatron, no GPU on this machine: each worker kind names what it lacks first."""
+    assert why_workers_cannot_run("megatron", "vllm") == ("SkyRL's Megatron worker imports megatron.core, "
+                                                          "megatron.bridge, transformer_engine, not importable here")
+    assert why_workers_cannot_run("fsdp2", "embedded") == "SkyRL's FSDP2 worker needs a CUDA GPU; none is visible"
 
 
 def test_a_base_model_is_required(tmp_path: Path) -> None:
