@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.config import ConfigError, RunConfig, prepare_output_dir
 from skyrl_clora.tenants import TenantSpec
 
 LATEST = "latest_ckpt_global_step.txt"
@@ -223,9 +223,32 @@ def claim_output_dir(run: RunConfig) -> tuple[RunConfig, dict[str, TenantCheckpo
                 checkpoints[spec.name] = latest
     if run.trainer.pack_policy == "lockstep":
         checkpoints = _common_step(root, run, checkpoints, stopped)
-    run.output_dir.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(run.output_dir)
     record.write_text(json.dumps(run.identity, indent=1, sort_keys=True) + "\n")
     return run, checkpoints, stopped
+
+
+def output_entries(path: Path) -> frozenset[str] | None:
+    """The names in ``path`` (None when there is no such folder): taken before :func:`claim_output_dir`, so that
+    :func:`release_refused_claim` knows what the command wrote."""
+    return frozenset(os.listdir(path)) if path.is_dir() else None
+
+
+def release_refused_claim(path: Path, before: frozenset[str] | None) -> None:
+    """Undoes this command's claim of ``path`` when its run is refused after the claim (e.g. by the memory plan):
+    removes every entry the command wrote there (those not in ``before``, :func:`output_entries`) and the folder
+    itself when the command made it. A folder that held a run before (it was being resumed) is left as it is."""
+    if before is not None and RUN_IDENTITY in before:
+        return
+    if before is None:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for name in set(os.listdir(path)) - before:
+        entry = path / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def _common_step(root: Path | None, run: RunConfig, checkpoints: dict[str, TenantCheckpoint],

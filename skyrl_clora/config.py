@@ -437,8 +437,22 @@ class RunConfig:
         return max(self.max_tenants, len(self.tenants))
 
 
+def check_output_dir(path: Path) -> None:
+    """Refuses (:class:`ConfigError`) a ``clora.output_dir`` that cannot be made or written, and leaves nothing
+    behind: the folders this check makes to find out (``path`` and those above it that were missing) are removed
+    again."""
+    made = [folder for folder in (path, *path.parents) if not folder.exists()]
+    try:
+        prepare_output_dir(path)
+    finally:
+        for folder in made:  # deepest first
+            if folder.is_dir():
+                folder.rmdir()
+
+
 def prepare_output_dir(path: Path) -> None:
-    """Creates ``path`` (a run's ``clora.output_dir``) if missing; a :class:`ConfigError` when it cannot be written."""
+    """Creates ``path`` (a run's ``clora.output_dir``, claimed after every refusal) if missing; a :class:`ConfigError`
+    when it cannot be written."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path):

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from skyrl_clora.config import (
     KV_CACHE_DTYPE_KEY, RECIPE_KEYS, ConfigError, EvalConfig, LoraConfig, RecipeConfig, RunConfig, SamplerConfig,
-    OPTIMIZER_FIELDS, PLUGIN_TRAINER_FIELDS, TrainerConfig, checked, check_algorithm, prepare_output_dir,
+    OPTIMIZER_FIELDS, PLUGIN_TRAINER_FIELDS, TrainerConfig, checked, check_algorithm, check_output_dir,
 )
 from skyrl_clora.tenants import PER_TENANT_SKYRL, TenantSpec, expand_tenants
 
@@ -233,8 +233,8 @@ def run_identity(cfg: DictConfig, tenants: list[TenantSpec]) -> dict[str, Any]:
 
 
 def build_run_config(cfg: DictConfig) -> RunConfig:
-    """Validates the composed Hydra config, creates the run's output folder (:func:`prepare_output_dir`) and returns
-    the run's :class:`RunConfig`, its steps not yet planned (:func:`plan_steps`). The groups are checked
+    """Validates the composed Hydra config, checks that the run's output folder can be made (:func:`check_output_dir`;
+    nothing is created) and returns the run's :class:`RunConfig`, its steps not yet planned (:func:`plan_steps`). The groups are checked
     independently and every group's problem is reported at once: a :class:`ConfigError` of one line per problem."""
     problems: list[str] = []
 
@@ -273,7 +273,7 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         identity=run_identity(cfg, tenants),
         **scalars,
     )
-    prepare_output_dir(run.output_dir)
+    check_output_dir(run.output_dir)
     return run
 
 

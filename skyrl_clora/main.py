@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE.format(groups=_groups(), keys=help_text(CONF_DIR), overridable=", ".join(OVERRIDABLE)))
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from skyrl_clora.checkpoints import claim_output_dir
+    from skyrl_clora.checkpoints import claim_output_dir, output_entries
     from skyrl_clora.config import ConfigError
     from skyrl_clora.config_build import build_run_config, plan_steps
     from skyrl_clora.config_keys import check_embedded_keys
@@ -207,20 +207,23 @@ def main(argv: list[str] | None = None) -> int:
         sources = {name: drop_long_prompts(source, tokenizer, run.recipe.max_prompt_length, name)
                    for name, source in sources.items()}
         run = plan_steps(run, min(len(source.train_rows) for source in sources.values()))
+        before_claim = output_entries(run.output_dir)
         run, resume, stopped = claim_output_dir(run)
         added = [spec for spec in run.tenants if spec.name not in sources]  # joined the resumed run while it went
         sources |= build_task_sources(run.recipe, added, run.max_training_steps, run.seed, tokenizer)
     except (UserError, ConfigError) as error:
         return _refused(error)
     with STOP.installed():
-        return _run(run, plan, sources, resume, stopped, base_model_s)
+        return _run(run, plan, sources, resume, stopped, base_model_s, before_claim)
 
 
 def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
-         resume: dict[str, TenantCheckpoint], stopped: list[str], base_model_s: float) -> int:
+         resume: dict[str, TenantCheckpoint], stopped: list[str], base_model_s: float,
+         before_claim: frozenset[str] | None) -> int:
     """Runs the validated ``run`` on its backend (its base model built already, in ``base_model_s`` seconds: 0 when
-    given or cached); the exit status (see :func:`_exit_status`)."""
-    from skyrl_clora.checkpoints import checkpoint_root, export_finished
+    given or cached); the exit status (see :func:`_exit_status`). A run refused once started (e.g. by the memory plan)
+    leaves its output folder as it found it (``before_claim``: :func:`~skyrl_clora.checkpoints.output_entries`)."""
+    from skyrl_clora.checkpoints import checkpoint_root, export_finished, release_refused_claim
     from skyrl_clora.config import ConfigError
 
     export_finished(run, resume)
@@ -239,6 +242,7 @@ def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
 
                 summary = run_experiments(run, sources, resume, stopped, base_model_s)
         except ConfigError as error:
+            release_refused_claim(run.output_dir, before_claim)
             return _refused(error)
         return _exit_status(summary, run.output_dir)
     except KeyboardInterrupt:  # a second signal: abandoned at once

@@ -157,7 +157,8 @@ def test_mini_batches_step_the_optimizer_and_its_schedule_per_mini_batch(learnin
 def test_tenants_whose_trainer_state_does_not_fit_the_host_are_refused_before_any_work(
         micro_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """With host memory for about one and a half tenants' trainer state, two tenants are refused in one line before
-    any registers (no metrics written), and one tenant runs."""
+    any registers, after the run claimed its output folder: the folder goes again (or, made by the user, keeps only
+    what it held); one tenant runs."""
     import skyrl_clora.backends.embedded.backend as backend
     from skyrl_clora.backends.embedded.memory_plan import HOST_STORE_SHARE
 
@@ -174,6 +175,11 @@ def test_tenants_whose_trainer_state_does_not_fit_the_host_are_refused_before_an
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) >= 1 and "2 tenants need" in err[-1] and "run at most 1 more tenants" in err[-1], err[-1:]
     assert not any(line.startswith("Traceback") for line in err)
-    assert not (out / "metrics.jsonl").exists() or "step" not in (out / "metrics.jsonl").read_text()
+    assert not out.exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's own file")
+    assert main(_args(micro_model_dir, mine, "+tenants=2")) == 2
+    assert sorted(path.name for path in mine.iterdir()) == ["notes.txt"]
     assert main(_args(micro_model_dir, tmp_path / "one", "+tenants=1")) == 0
     assert sizes and sizes[0] > 0
