@@ -70,6 +70,12 @@ class ServiceCounters:
         for tenant, count in self._running.items():
             self._value[tenant] = self.value(tenant) + DECODE_WEIGHT * count
 
+    def forget(self, tenant: str | None) -> None:
+        """``tenant`` is gone (its adapter unregistered, none of its requests running): its counter is dropped, so
+        a tenant registered later under its name starts as a new one (lifted to the active tenants' floor)."""
+        self._value.pop(tenant, None)
+        self._active.discard(tenant)
+
     def observe(self, active: set[str | None]) -> None:
         """The tenants with a request waiting or running now are ``active``: each that was not active at the last
         call is lifted to the smallest counter of those that were (still active, or else all of them), if above its

@@ -311,8 +311,9 @@ class Scheduler:
 
     def ready_publishes(self) -> list[Publish | Unregister]:
         """Removes and returns (in arrival order) the pending publishes and unregisters whose adapter has no
-        running row, their adapters' cached prefixes and histories dropped from the pool: the caller applies them
-        now, before admitting; the others stay pending and keep their adapter's waiting requests fenced."""
+        running row, their adapters' cached prefixes and histories dropped from the pool (and an unregistered
+        adapter's fair counter): the caller applies them now, before admitting; the others stay pending and keep
+        their adapter's waiting requests fenced."""
         if not self._pending:
             return []
         busy = {req.adapter for req in self.rows if req is not None}
@@ -320,6 +321,8 @@ class Scheduler:
         self._pending = [item for item in self._pending if item.adapter in busy]
         for item in ready:
             self.blocks.drop_adapter(item.adapter)
+            if isinstance(item, Unregister) and self.service is not None:
+                self.service.forget(item.adapter)
         return ready
 
     def _gathering(self) -> bool:

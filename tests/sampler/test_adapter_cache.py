@@ -4,77 +4,27 @@ taken still gets served; a publish to an evicted or reloading tenant is what its
 
 from __future__ import annotations
 
-import concurrent.futures
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from skyrl_clora.kernels.reference import add_lora_ref
-from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
-from skyrl_clora.sampler.requests import Completion, SamplingParams
-from skyrl_clora.sampler.scheduler import Publish, QueuedRequest
+from skyrl_clora.sampler.requests import SamplingParams
 
-from tests.support.helpers import random_adapter
-
-PROMPT = list(range(5, 25))
-MAX_ROUNDS = 2000  # a bound on every engine-driving loop below: reaching it fails the test
-
-
-def _engine(model_dir: Path, slots: int, num_rows: int = 8) -> Engine:
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    _, layers = attach_engine_lora(model, num_slots=slots, max_rank=8)
-    return Engine(model, layers, EngineConfig(num_rows=num_rows, max_len=64))
-
-
-def _adapters(model_dir: Path, seeds: dict[str, int]) -> dict[str, AdapterWeights]:
-    """Random adapters (host tensors) for the micro model's engine layers, by name."""
-    layers = _engine(model_dir, slots=1).lora_layers
-    return {name: random_adapter(layers, seed) for name, seed in seeds.items()}
-
-
-def _register(engine: Engine, weights: dict[str, AdapterWeights]) -> None:
-    for name, adapter in weights.items():
-        engine.adapters.register(name)
-        engine.adapters.publish(name, engine.adapters.host_copy(adapter), 0)
-
-
-def _submit(engine: Engine, adapter: str, seed: int, max_tokens: int = 6, prompt: list[int] = PROMPT
-            ) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    engine.scheduler.enqueue(QueuedRequest(list(prompt), adapter, SamplingParams(max_tokens=max_tokens, seed=seed),
-                                           future))
-    return future
-
-
-def _publish(engine: Engine, adapter: str, weights: AdapterWeights, version: int) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    engine.scheduler.enqueue(Publish(adapter, engine.adapters.host_copy(weights), version, future))
-    return future
-
-
-def _run_until(engine: Engine, done) -> None:
-    """Steps ``engine`` until ``done()`` (at most :data:`MAX_ROUNDS` rounds)."""
-    for _ in range(MAX_ROUNDS):
-        if done():
-            return
-        engine.step()
-    raise AssertionError(f"not done after {MAX_ROUNDS} engine rounds")
-
-
-def _sampled(completion: Completion) -> tuple:
-    return completion.token_ids, completion.logprobs, completion.finish_reason
-
+from tests.support.engine_driver import (
+    MAX_ROUNDS, PROMPT, make_adapters, make_engine, publish, register, run_until, sampled, submit,
+)
 
 def test_64_tenants_on_8_slots_sample_bit_for_bit_what_they_sample_on_64(micro_model_dir: Path) -> None:
     """Each tenant's three requests arrive 63 other tenants' requests apart, so on 8 slots every tenant is evicted
     and loaded again between them; tokens and log-probs equal the 64-slot run's exactly (the CPU reference's shapes
     change with the slot count, its results do not: every row's LoRA terms of other slots are exact zeros)."""
-    weights = _adapters(micro_model_dir, {f"t{i}": i for i in range(64)})
+    weights = make_adapters(micro_model_dir, {f"t{i}": i for i in range(64)})
     runs, stats = {}, {}
     for slots in (64, 8):
         model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
@@ -87,7 +37,7 @@ def test_64_tenants_on_8_slots_sample_bit_for_bit_what_they_sample_on_64(micro_m
             futures = [engine.submit(PROMPT[: 8 + k * 4], name, SamplingParams(max_tokens=3 + 2 * k, seed=k))
                        for k in range(3) for name in weights]
             engine.resume()
-            runs[slots] = [_sampled(future.result(timeout=300)) for future in futures]
+            runs[slots] = [sampled(future.result(timeout=300)) for future in futures]
             stats[slots] = engine.stats
         finally:
             engine.shutdown()
@@ -126,30 +76,30 @@ def test_a_tenant_whose_slot_keeps_being_taken_is_served_while_another_floods_th
     """One slot; tenant a submits a request every round (its rows never all finish on their own), tenant x three
     requests one after another. Each x request waits for the slot, a is drained for it (a's requests queued behind
     it wait), x is loaded, a evicted, and back: every request completes exactly as with a slot each."""
-    weights = _adapters(micro_model_dir, {"a": 1, "x": 2})
-    engine = _engine(micro_model_dir, slots=1)
-    _register(engine, weights)
+    weights = make_adapters(micro_model_dir, {"a": 1, "x": 2})
+    engine = make_engine(micro_model_dir, slots=1)
+    register(engine, weights)
     flood, served = [], []
     current = None
     for round_ in range(MAX_ROUNDS):
-        flood.append((round_, _submit(engine, "a", seed=round_, max_tokens=5)))
+        flood.append((round_, submit(engine, "a", seed=round_, max_tokens=5)))
         if round_ >= 3 and (current is None or current[1].done()) and len(served) < 3:
-            current = (len(served), _submit(engine, "x", seed=100 + len(served), max_tokens=8))
+            current = (len(served), submit(engine, "x", seed=100 + len(served), max_tokens=8))
             served.append(current)
         engine.step()
         if len(served) == 3 and served[-1][1].done():
             break
     assert all(future.done() for _, future in served), "x starved"
-    _run_until(engine, lambda: all(future.done() for _, future in flood))
+    run_until(engine, lambda: all(future.done() for _, future in flood))
     assert engine.stats.adapter_evictions >= 6, "x took a's slot and a took it back, three times"
 
-    alone = _engine(micro_model_dir, slots=2)
-    _register(alone, weights)
-    expected_x = [_submit(alone, "x", seed=100 + i, max_tokens=8) for i, _ in served]
-    expected_a = [_submit(alone, "a", seed=round_, max_tokens=5) for round_, _ in flood]
-    _run_until(alone, lambda: all(future.done() for future in expected_x + expected_a))
-    assert [_sampled(f.result()) for _, f in served] == [_sampled(f.result()) for f in expected_x]
-    assert [_sampled(f.result()) for _, f in flood] == [_sampled(f.result()) for f in expected_a]
+    alone = make_engine(micro_model_dir, slots=2)
+    register(alone, weights)
+    expected_x = [submit(alone, "x", seed=100 + i, max_tokens=8) for i, _ in served]
+    expected_a = [submit(alone, "a", seed=round_, max_tokens=5) for round_, _ in flood]
+    run_until(alone, lambda: all(future.done() for future in expected_x + expected_a))
+    assert [sampled(f.result()) for _, f in served] == [sampled(f.result()) for f in expected_x]
+    assert [sampled(f.result()) for _, f in flood] == [sampled(f.result()) for f in expected_a]
     assert served[0][1].result().token_ids != flood[0][1].result().token_ids, "tenants' samples must differ"
 
 
@@ -157,33 +107,33 @@ def test_a_publish_to_an_evicted_or_reloading_tenant_is_what_its_next_request_sa
     """One slot, tenants a and b: a's publish lands once its request is done and b takes its slot in the same round;
     a publish to a while evicted updates only its host copy and version; a request of a then waits for the slot with
     one more publish queued behind it, and is loaded and sampled with that latest version, never an older one."""
-    weights = _adapters(micro_model_dir, {"a": 1, "b": 2, "a1": 11, "a2": 12, "a3": 13})
-    engine = _engine(micro_model_dir, slots=1)
-    _register(engine, {"a": weights["a"], "b": weights["b"]})
-    first_a = _submit(engine, "a", seed=7)
+    weights = make_adapters(micro_model_dir, {"a": 1, "b": 2, "a1": 11, "a2": 12, "a3": 13})
+    engine = make_engine(micro_model_dir, slots=1)
+    register(engine, {"a": weights["a"], "b": weights["b"]})
+    first_a = submit(engine, "a", seed=7)
     engine.step()
     assert engine.adapters.resident("a") and not first_a.done()
-    first_b = _submit(engine, "b", seed=8, max_tokens=30)
-    publish_1 = _publish(engine, "a", weights["a1"], 1)
-    _run_until(engine, publish_1.done)
+    first_b = submit(engine, "b", seed=8, max_tokens=30)
+    publish_1 = publish(engine, "a", weights["a1"], 1)
+    run_until(engine, publish_1.done)
     assert first_a.done() and engine.adapters.version("a") == 1
     assert engine.adapters.resident("b") and not engine.adapters.resident("a"), "b took a's slot as a's publish landed"
 
-    publish_2 = _publish(engine, "a", weights["a2"], 2)
+    publish_2 = publish(engine, "a", weights["a2"], 2)
     engine.step()
     assert publish_2.done() and not first_b.done(), "a publish to an evicted tenant waits for nothing"
     assert engine.adapters.version("a") == 2 and not engine.adapters.resident("a")
-    second_a = _submit(engine, "a", seed=7)
-    publish_3 = _publish(engine, "a", weights["a3"], 3)
-    _run_until(engine, second_a.done)
+    second_a = submit(engine, "a", seed=7)
+    publish_3 = publish(engine, "a", weights["a3"], 3)
+    run_until(engine, second_a.done)
     assert publish_3.done() and engine.stats.adapter_evictions == 2
 
-    reference = _engine(micro_model_dir, slots=3)
-    _register(reference, {"v0": weights["a"], "v3": weights["a3"], "b": weights["b"]})
-    expected = [_submit(reference, "v0", seed=7), _submit(reference, "b", seed=8, max_tokens=30),
-                _submit(reference, "v3", seed=7)]
-    _run_until(reference, lambda: all(future.done() for future in expected))
+    reference = make_engine(micro_model_dir, slots=3)
+    register(reference, {"v0": weights["a"], "v3": weights["a3"], "b": weights["b"]})
+    expected = [submit(reference, "v0", seed=7), submit(reference, "b", seed=8, max_tokens=30),
+                submit(reference, "v3", seed=7)]
+    run_until(reference, lambda: all(future.done() for future in expected))
     got = [first_a.result(), first_b.result(), second_a.result()]
     assert [c.adapter_version for c in got] == [0, 0, 3]
-    assert [_sampled(c) for c in got] == [_sampled(f.result()) for f in expected]
+    assert [sampled(c) for c in got] == [sampled(f.result()) for f in expected]
     assert got[0].token_ids != got[2].token_ids, "a's versions must sample differently"

@@ -24,7 +24,7 @@ from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.fair_share import DECODE_WEIGHT, PREFILL_WEIGHT
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
-from skyrl_clora.sampler.scheduler import QueuedRequest, Scheduler
+from skyrl_clora.sampler.scheduler import QueuedRequest, Scheduler, Unregister
 
 from tests.support.helpers import random_adapter
 
@@ -257,3 +257,65 @@ def test_a_round_looks_at_each_waiting_adapter_without_a_slot_once_whatever_its_
         assert plan.requests == [] and plan.loads == []
         assert len(asked) == len(waiting), "one look at the slots per waiting adapter"
         assert scheduler._waiting == queued
+
+
+def test_each_tenant_is_charged_exactly_for_its_own_rows_over_many_decode_steps() -> None:
+    """Three tenants keep 5, 2 and 1 rows running (eight rows), each request for its own number of decode steps, a
+    new one of its tenant queued as one ends (another prompt length), for 60 decode steps: each tenant's counter is
+    PREFILL_WEIGHT per prompt token it had admitted plus DECODE_WEIGHT per decode step per row of its own, to the
+    unit; a counter charged for another tenant's rows (or for all running rows) differs."""
+    rows = {"a": 5, "b": 2, "c": 1}
+    scheduler = _scheduler(list(rows), num_rows=8, admission="fair")
+    want = dict.fromkeys(rows, 0.0)
+    left: dict[int, int] = {}  # id of a running request -> decode steps it still runs
+    arrivals = 0
+
+    def queue(tenant: str) -> None:
+        nonlocal arrivals
+        arrivals += 1
+        _enqueue(scheduler, tenant, prompt_len=3 + arrivals % 7)
+
+    for tenant, count in rows.items():
+        for _ in range(count):
+            queue(tenant)
+    for _ in range(60):
+        plan = scheduler.schedule_prefill()
+        for req, start in zip(plan.requests, plan.starts):
+            scheduler.prefilled(req, start)
+            want[req.adapter] += PREFILL_WEIGHT * len(req.prompt_ids)
+            left[id(req)] = 1 + (len(req.prompt_ids) * 5 + len(left)) % 11
+        running = scheduler.running()
+        assert sorted(req.adapter for req in running) == sorted(t for t, n in rows.items() for _ in range(n))
+        scheduler.decode_launched()
+        for req in running:
+            want[req.adapter] += DECODE_WEIGHT
+            left[id(req)] -= 1
+            if not left[id(req)]:
+                scheduler.release(req.row)
+                queue(req.adapter)
+    assert {tenant: scheduler.service.value(tenant) for tenant in rows} == want
+    assert want["a"] > 2 * want["b"] > 2 * want["c"] > 0
+
+
+def test_a_tenant_stopped_and_added_again_under_its_name_starts_as_a_new_tenant() -> None:
+    """a is served six times beside b's one, then unregistered and registered again; it queues with b and a new
+    tenant c while no tenant is active: its old service is forgotten, so it starts from zero as c does, and both are
+    served before b (kept, a tenant would wait for the others to catch up with its old service)."""
+    scheduler = _scheduler(["a", "b", "c"], num_rows=1, admission="fair")
+    _enqueue(scheduler, "b")
+    for _ in range(6):
+        _enqueue(scheduler, "a")
+    for _ in range(7):
+        _round(scheduler)
+    served = PREFILL_WEIGHT * 6 + DECODE_WEIGHT
+    assert (scheduler.service.value("a"), scheduler.service.value("b")) == (6 * served, served)
+    scheduler.enqueue(Unregister("a", concurrent.futures.Future()))
+    assert [item.adapter for item in scheduler.ready_publishes()] == ["a"]
+    scheduler.adapters.clear("a")
+    scheduler.adapters.register("a")
+    scheduler.adapters.publish("a", scheduler.adapters.host_copy(scheduler.adapters.read("b", 2, 4.0)), 0)
+    for _ in range(2):
+        for tenant in ("b", "a", "c"):
+            _enqueue(scheduler, tenant)
+    assert [req.adapter for _ in range(6) for req in _round(scheduler)] == ["a", "c", "b"] * 2
+    assert scheduler.service.value("a") == scheduler.service.value("c") == scheduler.service.value("b") - served
