@@ -24,6 +24,12 @@ from skyrl_clora.trainer.trainer import Trainer
 TENANTS = (("A", 8, 16.0, 2e-2, 0), ("B", 16, 16.0, 1e-2, 1))
 
 
+# fp32 master weights of runs that take other GEMM shapes (packed vs alone, mini-batches vs by hand) agree to rounding,
+# except where Adam divides a near-zero gradient by the root of its near-zero second moment: there a rounding
+# difference of the gradient becomes an update difference of a few 1e-6 (2.8e-6 seen on an AMD EPYC CPU). The
+# checks that the compared runs differ from the contrasting ones use 1e-5; an update is ~lr (1e-2).
+MASTER_ATOL = 1e-5
+
 def _trainer(model_dir: Path, slots: int = 1, mini_batch_prompts: int = 0, update_epochs: int = 1,
              total_steps: int = 4) -> Trainer:
     """Tenants A and B with a cosine schedule over ``total_steps`` optimizer steps (the LR differs at each)."""
@@ -97,7 +103,7 @@ def test_half_batch_mini_batches_equal_sequential_steps_on_the_halves(micro_mode
     assert metrics["policy_loss"] == pytest.approx(sum(s["policy_loss"] for s in steps) / len(steps), rel=1e-4)
     assert torch.equal(mini.store.tenants["A"].rng_state, by_hand.store.tenants["A"].rng_state)
     for got, want in zip(_masters(mini, "A"), _masters(by_hand, "A")):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=MASTER_ATOL)
     # ... and mini-batching changed the update (the comparison above is not vacuous)
     assert any(not torch.allclose(a, b, atol=1e-5) for a, b in zip(_masters(mini, "A"), _masters(whole, "A")))
     # tenant B, never trained, kept its initial state
@@ -114,7 +120,7 @@ def test_packed_mini_batch_steps_equal_each_tenant_alone(micro_model_dir: Path) 
         assert together[name]["optimizer_steps"] == metrics["optimizer_steps"] == 2
         assert together[name]["policy_loss"] == pytest.approx(metrics["policy_loss"], rel=1e-4, abs=1e-6)
         for got, want in zip(_masters(packed, name), _masters(alone, name)):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=MASTER_ATOL)
         assert packed.store.tenants[name].step == 2
     assert together["A"]["policy_loss"] != pytest.approx(together["B"]["policy_loss"], rel=1e-3)
 
@@ -177,7 +183,7 @@ def test_a_tenants_own_algorithm_and_optimizer_settings_are_its_alone(micro_mode
     assert results["B"]["policy_loss"] == pytest.approx(b_alone["policy_loss"], rel=1e-4, abs=1e-6)
     for name, alone in (("A", as_a), ("B", as_run)):
         for got, want in zip(_masters(packed, name), _masters(alone, name)):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=MASTER_ATOL)
     # ... and A's overrides changed its training (the comparison above is not vacuous)
     assert plain_a["policy_loss"] != pytest.approx(a_alone["policy_loss"], rel=1e-3)
     assert any(not torch.allclose(a, b, atol=1e-5) for a, b in zip(_masters(as_a, "A"), _masters(as_run, "A")))
