@@ -263,6 +263,7 @@ class SamplerConfig:
     stream_priority: str
     adapter_slots: int | None  # device LoRA slots, a cache over the tenants' host adapters; None: one per tenant
     admission: str  # the engine's admission order (fair_share.ADMISSIONS): least served first, or arrival order
+    reserve_kv: bool  # admission reserves the KV blocks a request needs to finish (no preemption), or only its prompt's
     # generator.inference_engine.engine_init_kwargs.kv_cache_dtype (KV_CACHE_DTYPES), a free-form key SkyRL passes to
     # vLLM: absent unless given, so its default is vLLM's
     kv_cache_dtype: str = "auto"

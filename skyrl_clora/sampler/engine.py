@@ -101,7 +101,7 @@ class Engine:
             self.recorder.graphs_captured(self.runner.capture_graphs())
         self.scheduler = Scheduler(num_rows, self.adapters, blocks, config.max_prefills_per_step,
                                    config.reuse_decode_kv and config.cache_prefixes, config.prefill_wait_steps,
-                                   config.admission, slot_credit(max_len))
+                                   config.admission, slot_credit(max_len), config.reserve_kv)
         self._running = RunningRows(num_rows, max_len)  # per cache row: decode inputs, settings, outputs so far
         self._in_flight: _StepInFlight | None = None  # the decode step launched last
         self._prefilled: _StepInFlight | None = None  # this round's prefill, its first tokens not accepted yet

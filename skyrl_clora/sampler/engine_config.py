@@ -52,6 +52,11 @@ class EngineConfig:
     ``"fair"`` (the tenant that received the least service first: virtual-token counters,
     :mod:`~skyrl_clora.sampler.fair_share`).
 
+    ``reserve_kv``: a request is admitted only when the KV blocks it needs to finish (prompt and ``max_tokens``) are
+    available beside those the running requests still need, so no running request is preempted for want of blocks;
+    False admits while the prompt fits and preempts when the pool runs short
+    (:class:`~skyrl_clora.sampler.scheduler.Scheduler`).
+
     Raises ValueError on construction for an unknown ``stream_priority`` or ``admission`` or a non-positive size.
     """
 
@@ -68,6 +73,7 @@ class EngineConfig:
     prefill_wait_steps: int = 0
     kv_dtype: torch.dtype | None = None
     admission: str = "fifo"
+    reserve_kv: bool = True
 
     def __post_init__(self) -> None:
         if self.stream_priority not in STREAM_PRIORITIES:

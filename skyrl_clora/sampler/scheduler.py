@@ -15,13 +15,17 @@ them wait or the oldest has waited ``prefill_wait_steps`` decode steps, so that 
 hardly grows with its tokens) serves several requests; with no row running they are admitted at once.
 
 Admission by free blocks: a request is admitted only while the pool keeps :attr:`Scheduler.watermark` blocks
-available after it (room for the running rows to grow); the first request that does not fit stops the round
-(first come, first served), and a request whose prompt could not fit the whole pool fails alone.
+available after it; with ``reserve_kv`` (the default) a request counts every block it will hold once it has sampled
+its ``max_tokens`` (:meth:`Scheduler.blocks_to_finish`), and the running requests' blocks still to come are
+reserved, so the pool is never over-committed; without it only its prompt's blocks count and the running rows grow
+into what is left (vLLM's way). The first request that does not fit stops the round (first come, first served), and
+a request whose prompt could not fit the whole pool fails alone; a request admitted alone (nothing else running)
+needs only its prompt's blocks.
 
-Preemption: when a running row needs a block for its next decode step and the pool has none (after evicting
-unreferenced prefix blocks and histories), the most recently admitted running request is preempted: its blocks
-go back to the pool and it waits first in the queue, to start over; a request that cannot fit even alone fails
-with a MemoryError.
+Preemption, the last resort (without ``reserve_kv``, or for a request admitted alone): when a running row needs a
+block for its next decode step and the pool has none (after evicting unreferenced prefix blocks and histories), the
+most recently admitted running request is preempted: its blocks go back to the pool and it waits first in the
+queue, to start over; a request that cannot fit even alone fails with a MemoryError.
 
 The version fence: a request is sampled entirely with the adapter version it was admitted under, so a
 publish (or unregister) of an adapter lands only once none of its requests holds a row; new requests of an
@@ -61,6 +65,7 @@ from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.sampler.block_manager import BlockManager
 from skyrl_clora.sampler.fair_share import ADMISSIONS, ServiceCounters, fair_order
 from skyrl_clora.sampler.requests import SamplingParams
+from skyrl_clora.sampler.slot_round import SlotRound
 
 
 @dataclass
@@ -124,82 +129,6 @@ class PrefillPlan:
     hits: int = 0
 
 
-class _SlotRound:
-    """One admission round's decisions over the device slots (:class:`AdapterSlots`), recorded in ``plan``: the
-    adapters busy (with a request running or admitted in the round), and those drained for adapters waiting for a
-    slot (module docstring)."""
-
-    def __init__(self, adapters: AdapterSlots, rows: list[QueuedRequest | None], queue: list[QueuedRequest],
-                 plan: PrefillPlan, service: ServiceCounters | None, credit: float) -> None:
-        self.adapters = adapters
-        self.plan = plan
-        self.service = service
-        self.credit = credit
-        self.busy = {req.adapter for req in rows if req is not None}
-        self.queued = {req.adapter for req in queue}  # adapters with requests waiting at the round's start
-        self.waiting: set[str] = set()
-        self.draining: set[str] = set()
-        self._drain_bound: float | None = None  # fair: the largest counter less credit of a drainable adapter (cache)
-
-    def holds_back(self, adapter: str | None) -> bool:
-        """Whether a request of ``adapter`` waits for a slot: its adapter is drained for one queued before it, or it
-        holds no slot and none is free or held by an idle adapter (a busy adapter not drained yet is then drained for
-        it: the least recently used of those with no request queued, else of all; under fair admission only among
-        those past their slot credit, :func:`tenure_key`)."""
-        if adapter is None:
-            return False
-        if adapter in self.draining or adapter in self.waiting:  # both only grow within a round, and slots only fill
-            return True
-        if self.adapters.resident(adapter) or self.adapters.available(self.busy):
-            return False
-        self.waiting.add(adapter)
-        if self.service is not None and self._fair_drain_bound() <= self.service.value(adapter):
-            return True  # no busy adapter is past its credit ahead of this one
-        first = None  # the least recently used candidate, drained when every candidate has requests queued
-        for name in self.adapters.lru():
-            if name in self.busy and name not in self.draining and self._past_credit(name, adapter):
-                if name not in self.queued:
-                    first = name
-                    break
-                if first is None:
-                    first = name
-        if first is not None:
-            self.draining.add(first)
-            self._drain_bound = None
-        return True
-
-    def _fair_drain_bound(self) -> float:
-        """Under fair admission, the largest counter less the credit of the busy adapters not drained: no slot may
-        be drained for a waiting adapter whose counter is at least that (:meth:`_past_credit`)."""
-        if self._drain_bound is None:
-            self._drain_bound = max((self.service.value(name) - self.credit for name in self.adapters.lru()
-                                     if name in self.busy and name not in self.draining), default=float("-inf"))
-        return self._drain_bound
-
-    def _past_credit(self, resident: str, waiting: str) -> bool:
-        """Whether ``resident``'s slot may be drained for ``waiting``: always under fifo; under fair admission once
-        ``resident``'s counter is more than the credit above ``waiting``'s."""
-        if self.service is None:
-            return True
-        return self.service.value(resident) - self.credit > self.service.value(waiting)
-
-    def admitted(self, req: QueuedRequest) -> None:
-        """``req`` (not held back) was admitted: sets its ``lora_slot``; its adapter becomes the most recently used,
-        or is given a slot (:meth:`AdapterSlots.assign`) and named in the plan's ``loads``."""
-        if req.adapter is None:
-            req.lora_slot = -1
-            return
-        if self.adapters.resident(req.adapter):
-            self.adapters.touch(req.adapter)
-            self.plan.hits += 1
-        else:
-            self.plan.evictions += self.adapters.assign(req.adapter, self.busy, self.queued) is not None
-            self.plan.loads.append(req.adapter)
-        self.busy.add(req.adapter)
-        self._drain_bound = None  # its counter is charged for the admission next
-        req.lora_slot = self.adapters.slot(req.adapter)
-
-
 def _unregistered(adapter: str) -> ValueError:
     """The error a request of ``adapter`` fails with when the adapter was unregistered before it ran."""
     return ValueError(f"adapter {adapter!r} was unregistered")
@@ -214,13 +143,13 @@ class Scheduler:
     row then starts with its blocks instead of computing those positions). ``prefill_wait_steps``: the most
     decode steps a request waits for others to share its prefill pass while rows decode (0: none).
     ``admission``: ``"fifo"`` or ``"fair"`` (module docstring; ``service`` holds the fair order's counters, None
-    under fifo); ``slot_credit``: under fair admission, the counter units a tenant whose adapter holds a device slot is
+    under fifo); ``reserve_kv``: admission reserves the blocks a request needs to finish (module docstring); ``slot_credit``: under fair admission, the counter units a tenant whose adapter holds a device slot is
     served ahead of one whose adapter would need a slot (:func:`~skyrl_clora.sampler.fair_share.tenure_key`). Raises
     ValueError for another ``admission``."""
 
     def __init__(self, num_rows: int, adapters: AdapterSlots, blocks: BlockManager, max_prefills_per_step: int,
                  reuse_decode_kv: bool, prefill_wait_steps: int = 0, admission: str = "fifo",
-                 slot_credit: float = 0.0) -> None:
+                 slot_credit: float = 0.0, reserve_kv: bool = True) -> None:
         if admission not in ADMISSIONS:
             raise ValueError(f"admission={admission!r} is unknown; use one of {', '.join(ADMISSIONS)}")
         self.adapters = adapters
@@ -233,6 +162,8 @@ class Scheduler:
         self.decode_steps = 0  # decode steps launched so far (the engine counts them with :meth:`decode_launched`)
         self.rows: list[QueuedRequest | None] = [None] * num_rows
         self._admitted_at = np.zeros(num_rows, dtype=np.int64)  # per row: when its request was placed (1, 2, ...)
+        self.reserve_kv = reserve_kv
+        self._final_blocks = np.zeros(num_rows, dtype=np.int64)  # per row: its request's blocks_to_finish (0: free)
         self._admissions = 0
         self._waiting: list[QueuedRequest] = []
         self._pending: list[Publish | Unregister] = []
@@ -280,6 +211,7 @@ class Scheduler:
     def place(self, request: QueuedRequest) -> None:
         """``request`` now runs in its row ``request.row`` (set by :meth:`admit`), which must be free, until :meth:`release`."""
         self.rows[request.row] = request
+        self._final_blocks[request.row] = self.blocks_to_finish(request)
         if self.service is not None:
             self.service.started(request.adapter)
         self._admissions += 1
@@ -291,6 +223,21 @@ class Scheduler:
         if self.service is not None and self.rows[row] is not None:
             self.service.stopped(self.rows[row].adapter)
         self.rows[row] = None
+        self._final_blocks[row] = 0
+
+    def blocks_to_finish(self, request: QueuedRequest) -> int:
+        """The blocks ``request``'s row holds once it has sampled its ``max_tokens`` (or filled the row): every
+        position up to ``prompt + max_tokens - 1`` (the decode step that may run past its last token included)."""
+        block = self.blocks.block_size
+        return -(-min(len(request.prompt_ids) + request.params.max_tokens, self.blocks.max_blocks_per_row * block)
+                 // block)
+
+    def reserved_blocks(self) -> int:
+        """With ``reserve_kv``, the blocks the running requests will still take from the pool to finish (their
+        :meth:`blocks_to_finish` less what their rows hold); else 0."""
+        if not self.reserve_kv:
+            return 0
+        return int(np.maximum(self._final_blocks - self.blocks.row_counts, 0).sum())
 
     def finish(self, request: QueuedRequest) -> None:
         """``request`` (running, its ``output`` set) finished: with ``reuse_decode_kv`` its row's blocks holding its
@@ -348,8 +295,8 @@ class Scheduler:
         blocks; they run once :meth:`prefilled`). Of the requests it considers, cancelled ones are dropped and those
         whose adapter is no longer registered fail; requests of an adapter with a pending publish or unregister wait
         (the version fence), and so do requests whose adapter cannot have a device slot in this round or is drained
-        for another (:class:`_SlotRound`): once one of an adapter's requests waits for either reason, the round
-        considers no more of that adapter's. The round ends at the first request that finds no free row, no prefill
+        for another (:class:`~skyrl_clora.sampler.slot_round.SlotRound`): once one of an adapter's requests waits
+        for either reason, the round considers no more of that adapter's. The round ends at the first request that finds no free row, no prefill
         place or too few blocks; the requests after it are considered in a later round. With hundreds of tenants on a few slots thousands of requests wait; a held
         adapter's later requests then cost the round a set lookup each, the slot decisions one look per adapter.
 
@@ -367,9 +314,10 @@ class Scheduler:
         first_missing: set[tuple] = set()
         gone: set[int] = set()  # ids of the requests admitted, dropped or failed in this round
         held: set[str | None] = set()  # adapters whose requests all wait this round (fenced or without a slot)
-        budget = self.blocks.available()
-        spent = 0  # blocks the requests admitted this round will take
-        slots = _SlotRound(self.adapters, self.rows, self._waiting, plan, self.service, self.slot_credit)
+        reserved = self.reserved_blocks()
+        budget = self.blocks.available() - reserved
+        spent = 0  # blocks the requests admitted this round will take (to finish, with reserve_kv)
+        slots = SlotRound(self.adapters, self.rows, self._waiting, plan, self.service, self.slot_credit)
         order: Iterable[QueuedRequest] = self._waiting
         if self.service is not None:
             running = {req.adapter for req in self.rows if req is not None}
@@ -399,18 +347,21 @@ class Scheduler:
             if shared_key in first_missing:
                 continue
             cost = self.blocks.admission_cost(len(req.prompt_ids), keyed, 0 if history is None else len(history[1]))
-            if budget - cost < self.watermark:
-                self.blocks.reclaim(cost + self.watermark + spent)
-                budget = self.blocks.available() - spent
-            alone = not admitted and not any(self.rows)  # nothing else could free blocks: the watermark is moot
-            if budget - cost < (0 if alone else self.watermark):  # the pool takes no more requests this round
+            need = cost  # with reserve_kv, and the blocks its decode steps will add
+            if self.reserve_kv:
+                need += self.blocks_to_finish(req) - -(-len(req.prompt_ids) // self.blocks.block_size)
+            if budget - need < self.watermark:
+                self.blocks.reclaim(need + self.watermark + spent + reserved)
+                budget = self.blocks.available() - spent - reserved
+            alone = not admitted and not any(self.rows)  # nothing else could free blocks: its prompt must fit
+            if budget - (cost if alone else need) < (0 if alone else self.watermark):  # the pool takes no more
                 if history is not None:  # not admitted now: the history goes back to the pool
                     self.blocks.store_history(req.adapter, version, req.prompt_ids[: history[0]], history[1])
                 break
             if shared_key is not None:
                 first_missing.add(shared_key)
-            budget -= cost
-            spent += cost
+            budget -= need
+            spent += need
             req.version, req.history = version, history
             req.row = free_rows.pop(0)
             admitted.append(req)

@@ -228,7 +228,7 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
         num_rows=rows, max_len=max_len, max_prefills_per_step=run.sampler.max_prefills_per_step,
         block_size=run.sampler.prefill_block, num_blocks=kv_blocks, cache_prefixes=run.sampler.enable_prefix_caching,
         prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype,
-        admission=run.sampler.admission)))
+        admission=run.sampler.admission, reserve_kv=run.sampler.reserve_kv)))
     server = EmbeddedServer(engine, tokenizer, model_name=model_path, seed=run.seed)
     try:
         url = server.start()

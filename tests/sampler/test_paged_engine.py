@@ -21,9 +21,9 @@ BLOCK = 16
 
 
 def _engine(model_dir: Path, num_blocks: int | None, reuse_decode_kv: bool = False,
-            kv_dtype: torch.dtype | None = None) -> EngineThread:
+            kv_dtype: torch.dtype | None = None, reserve_kv: bool = True) -> EngineThread:
     config = EngineConfig(num_rows=16, max_len=160, block_size=BLOCK, num_blocks=num_blocks,
-                          reuse_decode_kv=reuse_decode_kv, kv_dtype=kv_dtype)
+                          reuse_decode_kv=reuse_decode_kv, kv_dtype=kv_dtype, reserve_kv=reserve_kv)
     return start_engine(AutoModelForCausalLM.from_pretrained(model_dir).eval(), config, {"a": 1, "b": 2})[0]
 
 
@@ -47,16 +47,24 @@ def _run(engine: EngineThread, jobs: list) -> list:
         engine.shutdown()
 
 
-def test_a_small_pool_preempts_and_completes_exactly_as_a_large_one(micro_model_dir: Path) -> None:
+@pytest.mark.parametrize("reserve_kv", [True, False])
+def test_a_small_pool_completes_exactly_as_a_large_one_preempting_only_without_reservations(
+        micro_model_dir: Path, reserve_kv: bool) -> None:
+    """24 blocks of 16 tokens hold a few rows at a time (a row holds up to 9). Reserving each request's blocks to
+    finish, admission never over-commits the pool: no preemption, fewer rows at once; admitting by prompt alone,
+    running rows outgrow the pool and are preempted. Either way every request samples what it samples in a roomy
+    pool."""
     jobs = _jobs()
-    roomy = _engine(micro_model_dir, num_blocks=None)
+    roomy = _engine(micro_model_dir, num_blocks=None, reserve_kv=reserve_kv)
     expected = _run(roomy, jobs)
     assert len({tuple(c.token_ids) for c in expected}) == len(jobs), "the requests' samples must differ"
     assert roomy.stats.preemptions == 0 and roomy.stats.peak_running_rows == 16
-    # 24 blocks of 16 tokens: a few rows at a time (a row holds up to 9); running rows outgrow the pool.
-    small = _engine(micro_model_dir, num_blocks=24)
+    small = _engine(micro_model_dir, num_blocks=24, reserve_kv=reserve_kv)
     got = _run(small, jobs)
-    assert small.stats.preemptions > 0, "the small pool must have preempted to test anything"
+    if reserve_kv:
+        assert small.stats.preemptions == 0 and 1 < small.stats.peak_running_rows < 16
+    else:
+        assert small.stats.preemptions > 0, "the small pool must have preempted to test anything"
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     assert [c.logprobs for c in got] == [c.logprobs for c in expected]
     assert small.engine.scheduler.blocks.held_blocks() == 0, "every block went back to the pool"
@@ -132,7 +140,7 @@ def test_an_fp8_cache_serves_mixed_tenants_close_to_the_model_dtype_cache(micro_
     expected = _run(roomy, jobs)
     by_tenant = {adapter: tuple(c.token_ids) for (_, adapter, _), c in zip(jobs, expected)}
     assert by_tenant["a"] != by_tenant["b"], "the tenants' outputs must differ"
-    small = _engine(micro_model_dir, num_blocks=12, kv_dtype=torch.float8_e4m3fn)
+    small = _engine(micro_model_dir, num_blocks=12, kv_dtype=torch.float8_e4m3fn, reserve_kv=False)
     got = _run(small, jobs)
     assert small.stats.preemptions > 0, "the small pool must have preempted to test anything"
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]

@@ -23,16 +23,19 @@ BLOCK = 4
 
 
 def _scheduler(num_rows: int, versions: dict[str, int], max_prefills: int = 8, cache_prefixes: bool = False,
-               reuse_decode_kv: bool = False, num_blocks: int = 256, prefill_wait_steps: int = 0) -> Scheduler:
+               reuse_decode_kv: bool = False, num_blocks: int = 256, prefill_wait_steps: int = 0,
+               reserve_kv: bool = True) -> Scheduler:
     """A scheduler over ``num_rows`` rows whose adapters hold ``versions``, with a prefix cache of ``BLOCK``-token
-    blocks (keyed only with ``cache_prefixes``) in a pool of ``num_blocks``."""
+    blocks (keyed only with ``cache_prefixes``) in a pool of ``num_blocks``, reserving each request's blocks to
+    finish (``reserve_kv``) or not."""
     layers = {"proj": MultiLoRALinear(nn.Linear(4, 4), num_slots=4, max_rank=2, routing=LoRARouting(), trainable=False)}
     adapters = AdapterSlots(layers, pin=False)
     for name, version in versions.items():
         adapters.register(name)
         adapters.publish(name, init_adapter(layers, 2, 4.0, torch.Generator().manual_seed(0)), version)
     pool = BlockManager(num_blocks, BLOCK, num_rows, max_blocks_per_row=16, cache_prefixes=cache_prefixes)
-    return Scheduler(num_rows, adapters, pool, max_prefills, reuse_decode_kv, prefill_wait_steps)
+    return Scheduler(num_rows, adapters, pool, max_prefills, reuse_decode_kv, prefill_wait_steps,
+                     reserve_kv=reserve_kv)
 
 
 def _request(prompt: list[int], adapter: str | None = "a") -> QueuedRequest:
@@ -219,8 +222,8 @@ def test_admission_stops_at_the_first_request_the_block_pool_cannot_take() -> No
     """A pool of 12 blocks of 4 tokens keeps one available (its watermark): a 17-token prompt costs 6 blocks
     (5 and one for a copy on write), so two are admitted and the third waits, with the one behind it (first
     come, first served) although that one is small; a prompt longer than the whole pool fails alone; a
-    preempted request is queued first."""
-    scheduler = _scheduler(num_rows=8, versions={"a": 0}, num_blocks=12)
+    preempted request is queued first. (Admission by prompt alone: reserve_kv=False.)"""
+    scheduler = _scheduler(num_rows=8, versions={"a": 0}, num_blocks=12, reserve_kv=False)
     assert scheduler.watermark == 1
     big = [_request(list(range(i * 100, i * 100 + 17))) for i in range(3)]
     small, huge = _request([7]), _request(list(range(60)))
@@ -239,11 +242,39 @@ def test_admission_stops_at_the_first_request_the_block_pool_cannot_take() -> No
     assert scheduler.admit().requests == [big[0]], "the preempted request goes first (the next one would leave no watermark)"
 
 
+def test_admission_reserves_the_blocks_each_request_needs_to_finish() -> None:
+    """A pool of 20 blocks of 4 tokens (watermark 1); 4-token prompts asking for 16 tokens end holding 5 blocks
+    each, and admitting one takes 2 (its prompt's block and one for a copy on write): 6 in all. The first is
+    admitted, then two more (20 - 3 x 6 = 2 left); the fourth waits. As the running rows grow into their
+    reservations the waiting request still waits, and is admitted once one finishes; growing every running row
+    to its end never needs a preemption. Alone, a request needs only its prompt's blocks."""
+    scheduler = _scheduler(num_rows=8, versions={"a": 0}, num_blocks=20)
+    requests = [QueuedRequest([i] * 4, "a", SamplingParams(max_tokens=16), concurrent.futures.Future())
+                for i in range(4)]
+    assert scheduler.blocks_to_finish(requests[0]) == 5
+    for req in requests:
+        scheduler.enqueue(req)
+    assert _admit_and_place(scheduler) == requests[:3]
+    assert scheduler.reserved_blocks() == 3 * 4 and scheduler.blocks.available() == 20 - 3
+    running = np.array([req.row for req in requests[:3]])
+    for count in range(2, 6):
+        assert scheduler.make_room(running, np.full(3, count)) == ([], [])
+        assert scheduler.admit().requests == [], "the fourth waits for a reservation to end"
+    assert scheduler.reserved_blocks() == 0 and scheduler.blocks.available() == 5
+    scheduler.release(requests[0].row)
+    assert _admit_and_place(scheduler) == [requests[3]]
+    huge = QueuedRequest([9] * 4, "a", SamplingParams(max_tokens=100), concurrent.futures.Future())
+    scheduler.enqueue(huge)
+    for req in requests[1:]:
+        scheduler.release(req.row)
+    assert scheduler.admit().requests == [huge], "alone, the prompt's blocks are enough"
+
+
 def test_make_room_preempts_the_latest_placed_request_and_fails_one_that_is_alone() -> None:
     """A pool of 7 blocks: three 4-token prompts take one block each. Row 0 growing to 6 blocks preempts the
     request placed last (C, its output dropped); growing to 8 then preempts B and, alone and still short, fails A.
-    The preempted requests wait first, in arrival order."""
-    scheduler = _scheduler(num_rows=4, versions={"a": 0}, num_blocks=7)
+    The preempted requests wait first, in arrival order. (Admission by prompt alone: reserve_kv=False.)"""
+    scheduler = _scheduler(num_rows=4, versions={"a": 0}, num_blocks=7, reserve_kv=False)
     a, b, c = (_request([i, i, i, i]) for i in (1, 2, 3))
     for req in (a, b, c):
         scheduler.enqueue(req)

@@ -143,7 +143,7 @@ def build_engine_beside_trainer(run: RunConfig, model: torch.nn.Module, layers: 
         reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
         share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority,
         prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype,
-        admission=run.sampler.admission)
+        admission=run.sampler.admission, reserve_kv=run.sampler.reserve_kv)
     engine = Engine(model, layers, config)
     if device.type == "cuda":
         carve_gemm_sms(run.trainer.sm_carveout)
