@@ -25,7 +25,9 @@ One table, per mode and N: wall time, experiments per hour, experiment throughpu
 mean rollout time per tenant step, each with its ratio to the same mode's N=1 (serial's when that mode did not
 run N=1), train / sync split, decode tokens/s, the GPU busy fraction of the wall time (:func:`gpu_busy`), training
 MFU (the model FLOP of the batches trained, :func:`benchmarks.common.train_pass_flop`, over the passes' time and
-``--peak-tflops``), peak GPU memory, the most rows running at once, preemptions and the engine's adapter slots (hit
+``--peak-tflops``), peak GPU memory, the most rows running at once, preemptions, the prompt tokens prefilled over the distinct ones
+(recompute: 1.00 when no prompt position is computed twice, :meth:`Workload.distinct_prompt_tokens`) and the engine's
+adapter slots (hit
 rate: admissions that found their adapter in a device slot; loads: adapters written into one, see
 ``--override sampler.adapter_slots=K``) and the sampling requests' queue waits, submission to admission (wait p50:
 the median tenant's p50; wait p99: the worst tenant's p99; fairness: each tenant's summed wait and mean step time,
@@ -89,6 +91,13 @@ class Workload:
     max_tokens_per_microbatch: int = 32768
     overrides: tuple[str, ...] = ()  # further config overrides (--override), e.g. clora.shared_prompts=true
 
+    def distinct_prompt_tokens(self, tenants: int) -> int:
+        """The prompt positions no earlier pass computed, over ``tenants`` experiments: each GRPO group's prompt once,
+        and for each later turn of an episode its observation and the previous turn's last sampled token (the
+        others' K/V a decode step computed). An engine that recomputes nothing prefills exactly these."""
+        later_turns = self.samples * (self.turns - 1) * (self.observation + 1)
+        return tenants * self.steps * self.prompts * (self.prompt + later_turns)
+
     @property
     def max_input(self) -> int:
         """The longest last-turn context: the prompt and every earlier turn at the cap with its observation."""
@@ -130,6 +139,7 @@ class ModeResult:
     queue_waits: dict[str, dict[str, float]] = field(default_factory=dict)  # per tenant (EngineThread.queue_waits)
     host_store_gib: float = 0.0  # the trainer's AdapterStore entries in host memory (AdapterStore.host_bytes)
     peak_rss_gib: float = 0.0  # the benchmark process's peak resident memory so far (every group before this one too)
+    distinct_prompt_tokens: int = 0  # Workload.distinct_prompt_tokens of its experiments
 
 
 def run_config(model_dir: Path, workload: Workload, train_mode: str, tenants: int, device: str):
@@ -215,7 +225,8 @@ def run_group(model_dir: Path, workload: Workload, train_mode: str, names: list[
     rows_per_tenant = workload.prompts * workload.samples
     services = build_services(run, str(model_dir), len(names), rows_per_tenant)
     built = time.perf_counter()
-    result = ModeResult(train_mode, len(names), 0.0, [services.cold_start_seconds])
+    result = ModeResult(train_mode, len(names), 0.0, [services.cold_start_seconds],
+                        distinct_prompt_tokens=workload.distinct_prompt_tokens(len(names)))
     timeline = services.engine.record_gpu_intervals() if cuda else None
     try:
         for name, seed in zip(names, seeds):
@@ -271,7 +282,8 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
           f"{1e3 * stats.prefill_seconds / max(stats.prefill_rounds, 1):.0f} ms, "
           f"{1e3 * stats.prefill_copy_gpu_seconds / max(stats.prefill_rounds, 1):.1f} ms of GPU time copying cached K/V "
           f"into rows and {1e3 * stats.prefill_gpu_seconds / max(stats.prefill_rounds, 1):.1f} ms in the forward pass, "
-          f"{stats.prefill_tokens} prompt tokens computed, {stats.cached_prompt_tokens} from the prefix cache; "
+          f"{stats.prefill_tokens} prompt tokens computed ({row['prompt_recompute']:.2f}x the "
+          f"{result.distinct_prompt_tokens} distinct), {stats.cached_prompt_tokens} from the prefix cache; "
           f"{stats.shared_prefix_positions / steps:.0f} key positions per decode step read from "
           f"a shared copy); engine thread busy {stats.busy_seconds:.1f} s, paused {stats.paused_seconds:.1f} s, idle "
           f"{stats.idle_seconds:.1f} s ({stats.idle_waits} waits of 1 ms or more, the longest "
@@ -319,13 +331,16 @@ def summarize(result: ModeResult) -> dict:
         "tenant_wait_total_median_s": statistics.median(totals), "tenant_wait_total_max_s": max(totals),
         "tenant_step_median_s": statistics.median(tenant_steps), "tenant_step_max_s": max(tenant_steps),
         "host_store_gib": result.host_store_gib, "peak_rss_gib": result.peak_rss_gib,
+        "prompt_tokens_computed": result.engine.prefill_tokens, "distinct_prompt_tokens": result.distinct_prompt_tokens,
+        "prompt_recompute": result.engine.prefill_tokens / max(result.distinct_prompt_tokens, 1),
     }
 
 
 def combine(results: list[ModeResult], mode: str) -> ModeResult:
     """``results`` (one experiment each, run one after another) as one group: walls, counters and steps add up."""
     added = ("generated_tokens", "decode_seconds", "decode_gpu_seconds", "prefill_gpu_seconds",
-             "prefill_copy_gpu_seconds", "preemptions", "adapter_hits", "adapter_loads", "adapter_evictions")
+             "prefill_copy_gpu_seconds", "preemptions", "adapter_hits", "adapter_loads", "adapter_evictions",
+             "prefill_tokens", "cached_prompt_tokens")
     engine = EngineStats(**{name: sum(getattr(r.engine, name) for r in results) for name in added},
                          peak_running_rows=max(r.engine.peak_running_rows for r in results))
     return ModeResult(mode, len(results), sum(r.wall_s for r in results), [c for r in results for c in r.cold_start_s],
@@ -337,7 +352,8 @@ def combine(results: list[ModeResult], mode: str) -> ModeResult:
                       turn_lengths=[length for r in results for length in r.turn_lengths],
                       queue_waits={tenant: w for r in results for tenant, w in r.queue_waits.items()},
                       host_store_gib=max(r.host_store_gib for r in results),
-                      peak_rss_gib=max(r.peak_rss_gib for r in results))
+                      peak_rss_gib=max(r.peak_rss_gib for r in results),
+                      distinct_prompt_tokens=sum(r.distinct_prompt_tokens for r in results))
 
 
 def table_rows(serial: list[ModeResult], concurrent: dict[tuple[str, int], ModeResult], tenants: list[int],
@@ -502,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
           + ("" if all(n <= len(serial) for n in args.tenants) else
              f"; *: experiments per hour over the rate of the {len(serial)} serial experiments"))
     print(f"{'mode':14} {'N':>3} {'wall s':>7} {'exp/h':>6} {'x serial':>8} {'step s':>7} {'vs N=1':>6} {'rollout':>7} {'vs N=1':>6} "
-          f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'GPU busy':>8} {'MFU':>6} {'peak GiB':>8} {'rows':>5} {'preempt':>7} "
+          f"{'train':>6} {'sync':>5} {'decode tok/s':>12} {'GPU busy':>8} {'MFU':>6} {'peak GiB':>8} {'rows':>5} {'preempt':>7} {'recompute':>9} "
           f"{'slot hit':>8} {'loads':>6} {'wait p50':>8} {'wait p99':>8} {'host GiB':>8}")
     for row in rows:
         print(f"{row['mode']:14} {row['tenants']:3d} {row['wall_s']:7.1f} {row['experiments_per_hour']:6.0f} "
@@ -511,7 +527,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['train_s']:6.2f} {row['sync_s']:5.2f} {row['decode_tokens_per_s']:12.0f} "
               f"{busy(row):8.2f} {row['train_tflops_per_s'] / args.peak_tflops:6.1%} {row['peak_memory_gib']:8.1f} "
               f"{row['peak_running_rows']:5d} "
-              f"{row['preemptions']:7d} {row['adapter_hit_rate']:8.1%} {row['adapter_loads']:6d} "
+              f"{row['preemptions']:7d} {row['prompt_recompute']:9.2f} {row['adapter_hit_rate']:8.1%} {row['adapter_loads']:6d} "
               f"{row['queue_wait_p50_s']:8.3f} {row['queue_wait_p99_s']:8.3f} {row['host_store_gib']:8.2f}")
 
 
