@@ -12,8 +12,9 @@ is copied between rows, cache and histories; the one copy is of a single shared 
 into (``make_writable``: copy on write).
 
 A block whose count drops to 0 is free, or, if keyed, *evictable*: it stays findable until the pool needs
-it. Allocation takes a free block first, then the least recently used evictable block or history (a
-history's blocks return to the pool as it is dropped). A publish of an adapter drops its keys and histories
+it. Allocation takes a free block first, then the least recently used evictable block, and only when none is
+left the oldest history (its blocks return to the pool as it is dropped): a history is the next turn of an episode
+under way, adopted soon, while an unreferenced prompt block serves only prompts that have not arrived. A publish of an adapter drops its keys and histories
 (a new version never reads K/V of the old one; other adapters' entries stay).
 
 Free rows' table entries name a scratch block (index ``num_blocks``, one past the pool) that decode steps of
@@ -113,21 +114,18 @@ class BlockManager:
         return self.available() >= needed
 
     def _allocate(self) -> int | None:
-        """One block with a reference for the caller: a free one, else the least recently used evictable block
-        or history (dropped for it), else None."""
+        """One block with a reference for the caller: a free one, else the least recently used evictable block,
+        else a block of the oldest history (dropped for it), else None."""
         while not self._free:
-            oldest_block = next(iter(self._evictable.items()), None)
-            oldest_history = next(iter(self._histories.items()), None)
-            if oldest_block is None and oldest_history is None:
+            if not self._evictable and not self._histories:
                 return None
             self.evictions += 1
-            if oldest_history is None or (oldest_block is not None and oldest_block[1] <= oldest_history[1].stamp):
-                block = oldest_block[0]
-                del self._evictable[block]
+            if self._evictable:
+                block, _ = self._evictable.popitem(last=False)
                 del self._cached[self._key_of.pop(block)]
                 self._free.append(block)
             else:
-                self._drop_history(oldest_history[0])
+                self._drop_history(next(iter(self._histories)))
         block = self._free.pop()
         self.refs[block] = 1
         return block
@@ -281,14 +279,24 @@ class BlockManager:
     def take_history(self, adapter: str | None, version: int, tokens: list[int]) -> tuple[int, list[int]] | None:
         """Removes the longest history of ``adapter`` at ``version`` that is a prefix of ``tokens`` and returns
         ``(its length, its blocks)`` with their references (for :meth:`adopt` with ``owned``), or None."""
+        serial = self._find_history(adapter, version, tokens)
+        if serial is None:
+            return None
+        history = self._forget_history(serial)
+        self.hits += 1
+        return len(history.tokens), history.blocks
+
+    def has_history(self, adapter: str | None, version: int, tokens: list[int]) -> bool:
+        """Whether a history of ``adapter`` at ``version`` is a prefix of ``tokens`` (nothing changes)."""
+        return self._find_history(adapter, version, tokens) is not None
+
+    def _find_history(self, adapter: str | None, version: int, tokens: list[int]) -> int | None:
+        """The serial of the longest history of ``adapter`` at ``version`` that is a prefix of ``tokens``, or None."""
         lengths = self._history_lengths.get((adapter, version), {})
         for length in sorted((n for n in lengths if n <= len(tokens)), reverse=True):
             for serial in self._history_index.get((adapter, version, length, _tail(tokens, length)), []):
-                history = self._histories[serial]
-                if history.tokens == tokens[:length]:
-                    self._forget_history(serial)
-                    self.hits += 1
-                    return length, history.blocks
+                if self._histories[serial].tokens == tokens[:length]:
+                    return serial
         return None
 
     def drop_adapter(self, adapter: str | None) -> None:

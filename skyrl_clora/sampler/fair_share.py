@@ -92,7 +92,7 @@ class ServiceCounters:
 
 def fair_order(waiting: list[_Request], counters: ServiceCounters, resident: frozenset[str | None] = frozenset(),
                credit: float = 0.0, held: Container[str | None] = frozenset()) -> Iterator[_Request]:
-    """The requests of ``waiting`` (in arrival order) in the order admission considers them: repeatedly the first
+    """The requests of ``waiting`` (in queue order) in the order admission considers them: repeatedly the first
     not yet yielded of the tenant with the smallest key, its counter less ``credit`` when it is in ``resident``
     (:func:`tenure_key`; ties: the tenant seen first in ``waiting``). Keys are read again after each yield, so a
     request admitted meanwhile (:meth:`ServiceCounters.admitted`) moves its tenant back; only the yielded request's

@@ -42,13 +42,17 @@ before one with some (least recently used first within each), so a slot goes to 
 another load only when every candidate has requests waiting: which adapter loses its slot never changes what a
 request samples, only how often host copies are loaded.
 
-Admission order (``admission``): ``"fifo"`` considers the waiting requests in arrival order over all tenants;
+The queue: requests that resume wait ahead of fresh ones, each part in arrival order. A request resumes when its
+prompt extends a history kept in the pool when it is queued (the next turn of an episode under way, with
+``reuse_decode_kv``), or when it was preempted: episodes under way finish before new ones start, so their histories
+are adopted instead of evicted while the request waits behind a long queue and its prompt computed again.
+
+Admission order (``admission``): ``"fifo"`` considers the waiting requests in queue order over all tenants;
 ``"fair"`` tenant by tenant, the tenant that received the least service first (virtual-token counters,
-:mod:`~skyrl_clora.sampler.fair_share`), each tenant's requests in arrival order; a tenant whose adapter holds a slot
+:mod:`~skyrl_clora.sampler.fair_share`), each tenant's requests in queue order; a tenant whose adapter holds a slot
 counts ``slot_credit`` less while no slot is free, and a waiting adapter drains only a busy adapter whose tenant is
 more than that credit ahead of its own (so a slot changes hands after a tenure, not after every request). Either way
-the queue keeps arrival order, and the rules above (free rows, the prefill cap, blocks, the fence, slots) apply to each
-request considered.
+the rules above (free rows, the prefill cap, blocks, the fence, slots) apply to each request considered.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class QueuedRequest:
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     queued_at: int = 0  # the scheduler's decode-step count when the request was queued
+    resumes: bool = False  # it waits ahead of fresh requests: it extends a kept history, or was preempted
     submitted: float = field(default_factory=time.perf_counter)  # when it was made (the start of its queue wait)
     admitted: float = 0.0
 
@@ -135,7 +140,7 @@ def _unregistered(adapter: str) -> ValueError:
 
 
 class Scheduler:
-    """The waiting requests (in arrival order), the pending publishes and unregisters (in arrival order) and the
+    """The waiting requests (in queue order: module docstring), the pending publishes and unregisters (in arrival order) and the
     row table: ``rows[r]`` is the request running in cache row ``r`` (between :meth:`place` and :meth:`release`
     or :meth:`finish`) or None, and the KV block pool ``blocks``, whose state only this scheduler changes.
 
@@ -165,7 +170,8 @@ class Scheduler:
         self.reserve_kv = reserve_kv
         self._final_blocks = np.zeros(num_rows, dtype=np.int64)  # per row: its request's blocks_to_finish (0: free)
         self._admissions = 0
-        self._waiting: list[QueuedRequest] = []
+        self._waiting: list[QueuedRequest] = []  # those that resume first (``resumes``), then the others
+        self._resuming = 0  # how many requests at the front of ``_waiting`` resume
         self._pending: list[Publish | Unregister] = []
         self.service = ServiceCounters() if admission == "fair" else None
         self.slot_credit = slot_credit
@@ -182,16 +188,34 @@ class Scheduler:
                     "sampler.kv_blocks) or shorten the prompt"))
                 return
             item.queued_at = self.decode_steps
-            self._waiting.append(item)
+            item.resumes = self._extends_history(item)
+            if item.resumes:
+                self._waiting.insert(self._resuming, item)
+                self._resuming += 1
+            else:
+                self._waiting.append(item)
         else:
             self._pending.append(item)
 
     def requeue(self, request: QueuedRequest) -> None:
         """Puts ``request`` (preempted, or short of blocks at its prefill: its row and blocks were released) first
-        in the queue, to start over (its output so far dropped)."""
+        in the queue, resuming, to start over (its output so far dropped)."""
         request.row, request.history = -1, None
         request.output, request.logprobs = [], []
+        request.resumes = True
         self._waiting.insert(0, request)
+        self._resuming += 1
+
+    def _extends_history(self, request: QueuedRequest) -> bool:
+        """Whether ``request``'s prompt extends a history kept in the pool (the next turn of an episode under way,
+        with ``reuse_decode_kv``)."""
+        if not self.reuse_decode_kv or (request.adapter is not None and request.adapter not in self.adapters):
+            return False
+        try:
+            version = -1 if request.adapter is None else self.adapters.version(request.adapter)
+        except KeyError:  # registered, its first version not published yet
+            return False
+        return self.blocks.has_history(request.adapter, version, request.prompt_ids)
 
     def decode_launched(self) -> None:
         """Counts a decode step launched (the clock of ``prefill_wait_steps``) for the requests running now (charged
@@ -284,6 +308,7 @@ class Scheduler:
         """Fails every waiting request of ``adapter`` (just unregistered) and drops it from the queue."""
         for req in [r for r in self._waiting if r.adapter == adapter]:
             self._waiting.remove(req)
+            self._resuming -= req.resumes
             req.future.set_exception(_unregistered(adapter))
 
     def admit(self) -> PrefillPlan:
@@ -370,7 +395,8 @@ class Scheduler:
             if self.service is not None:
                 self.service.admitted(req)
         if gone:
-            self._waiting = [req for req in self._waiting if id(req) not in gone]  # arrival order
+            self._waiting = [req for req in self._waiting if id(req) not in gone]  # in the order kept
+            self._resuming = sum(req.resumes for req in self._waiting[: self._resuming])
         return plan
 
     def schedule_prefill(self) -> PrefillPlan:

@@ -80,20 +80,27 @@ def test_a_history_is_adopted_whole_once_and_keeps_its_shared_prefix() -> None:
     assert _all_free(pool)
 
 
-def test_histories_and_evictable_blocks_go_oldest_first_and_reclaim_drops_histories() -> None:
-    pool = BlockManager(num_blocks=4, block_size=BS, num_rows=2, max_blocks_per_row=4)
+def test_evictable_blocks_go_before_histories_and_reclaim_drops_histories() -> None:
+    """A history (the oldest entry) and two unreferenced prompt blocks (newer): growing a row takes the free blocks,
+    then the prompt blocks, least recently used first, and the history survives; only when nothing else is left
+    does an allocation drop the history. reclaim drops histories to make blocks available."""
+    pool = BlockManager(num_blocks=6, block_size=BS, num_rows=2, max_blocks_per_row=6)
     pool.grow(0, 2)
     pool.keep_history(0, "a", 0, list(range(6)))  # oldest: a history of 2 blocks
     pool.grow(1, 2)
     pool.key_prompt(1, "a", 0, list(range(10, 18)), first_block=0)
     pool.release(1)  # two evictable blocks, newer
-    assert pool.available() == 2 and pool.held_blocks() == 2
-    assert pool.grow(0, 2) and pool.take_history("a", 0, list(range(7))) is None, "the older history went first"
-    assert len(pool.lookup("a", 0, list(range(10, 18)))) == 2
+    assert pool.available() == 4 and pool.held_blocks() == 2
+    assert pool.grow(0, 2) and pool.available() == 2, "the free blocks go first"
+    assert pool.grow(0, 3) and pool.lookup("a", 0, list(range(10, 18))) == [], "then the older prompt block"
+    assert pool.grow(0, 4) and pool.available() == 0, "then the other"
+    assert pool.has_history("a", 0, list(range(7))), "the history outlived the newer prompt blocks"
+    assert pool.grow(1, 1) and not pool.has_history("a", 0, list(range(7))), "nothing else left: the history goes"
     pool.release(0)
+    pool.release(1)
     pool.grow(0, 2)
     pool.keep_history(0, "b", 3, list(range(5)))
-    assert pool.available() == 2 and pool.reclaim(4) and pool.take_history("b", 3, list(range(6))) is None
+    assert pool.available() == 4 and pool.reclaim(6) and pool.take_history("b", 3, list(range(6))) is None
 
 
 def test_admission_cost_counts_new_blocks_and_unheld_keyed_ones() -> None:

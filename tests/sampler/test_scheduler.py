@@ -183,6 +183,41 @@ def test_a_request_extending_a_stored_history_takes_it_and_is_not_held_back() ->
     assert plan.starts == [len(history), 0] and scheduler.blocks.row_blocks[fresh.row][:3] == history_blocks
 
 
+@pytest.mark.parametrize("admission", ["fifo", "fair"])
+def test_a_next_turn_whose_history_is_kept_waits_ahead_of_fresh_requests(admission: str) -> None:
+    """One row. Episode e's first turn runs and finishes (its K/V kept as a history) while three fresh requests of
+    the same tenant queue; e's next turn, queued after them, is admitted first and takes the history, then the fresh
+    ones in arrival order. A preempted request waits ahead of both."""
+    layers = {"proj": MultiLoRALinear(nn.Linear(4, 4), num_slots=4, max_rank=2, routing=LoRARouting(), trainable=False)}
+    adapters = AdapterSlots(layers, pin=False)
+    adapters.register("a")
+    adapters.publish("a", init_adapter(layers, 2, 4.0, torch.Generator().manual_seed(0)), 0)
+    pool = BlockManager(256, BLOCK, 1, max_blocks_per_row=16, cache_prefixes=True)
+    scheduler = Scheduler(1, adapters, pool, 8, reuse_decode_kv=True, admission=admission)
+    first = _request(list(range(100, 110)))
+    scheduler.enqueue(first)
+    assert _admit_and_place(scheduler) == [first]
+    fresh = [_request([i] * 6) for i in range(3)]
+    for req in fresh:
+        scheduler.enqueue(req)
+    first.output = [7, 8, 9]
+    scheduler.finish(first)
+    next_turn = _request(first.prompt_ids + first.output + [1, 2])
+    scheduler.enqueue(next_turn)
+    assert next_turn.resumes and not any(req.resumes for req in fresh)
+    plan = scheduler.schedule_prefill()
+    assert plan.requests == [next_turn] and plan.starts == [len(first.prompt_ids) + 2]
+    scheduler.prefilled(next_turn, plan.starts[0])
+    scheduler.release(next_turn.row)
+    assert _admit_and_place(scheduler) == [fresh[0]]
+    scheduler.release(fresh[0].row)
+    scheduler.requeue(fresh[0])
+    assert _admit_and_place(scheduler) == [fresh[0]], "a preempted request waits first"
+    scheduler.release(fresh[0].row)
+    assert [_admit_and_place(scheduler) + [scheduler.release(0)] for _ in range(2)] == [[fresh[1], None],
+                                                                                         [fresh[2], None]]
+
+
 def test_cancelled_requests_are_dropped() -> None:
     scheduler = _scheduler(num_rows=4, versions={"a": 0})
     cancelled, kept = _request([1]), _request([2])
