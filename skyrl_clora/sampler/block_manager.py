@@ -55,13 +55,15 @@ def _tail(tokens: list[int], length: int) -> tuple[int, ...]:
 @dataclass
 class History:
     """A finished request's K/V kept for its episode's next turn: ``tokens`` (prompt and all sampled tokens
-    but the last) in ``blocks`` (one reference each), stamped with the allocation clock when stored."""
+    but the last) in ``blocks`` (one reference each), stamped with the allocation clock when stored and with the
+    caller's clock (``kept_at``: the scheduler's decode steps)."""
 
     adapter: str | None
     version: int
     tokens: list[int]
     blocks: list[int]
     stamp: int
+    kept_at: int = 0
 
 
 class BlockManager:
@@ -106,12 +108,22 @@ class BlockManager:
         """Blocks held by a row or a history."""
         return int(np.count_nonzero(self.refs))
 
-    def reclaim(self, needed: int) -> bool:
-        """Drops histories, oldest first, until ``needed`` blocks are available; whether they are."""
-        while self.available() < needed and self._histories:
-            self._drop_history(next(iter(self._histories)))
+    def reclaim(self, needed: int, kept_before: int | None = None) -> bool:
+        """Drops histories, oldest first, until ``needed`` blocks are available, taking only those kept before
+        ``kept_before`` (all when None), and none when those could not make ``needed`` available; whether they
+        are."""
+        freeable, chosen = self.available(), []
+        for serial, history in self._histories.items():
+            if freeable >= needed or (kept_before is not None and history.kept_at >= kept_before):
+                break
+            chosen.append(serial)
+            freeable += sum(1 for block in history.blocks if self.refs[block] == 1)
+        if freeable < needed:
+            return False
+        for serial in chosen:
+            self._drop_history(serial)
             self.evictions += 1
-        return self.available() >= needed
+        return True
 
     def _allocate(self) -> int | None:
         """One block with a reference for the caller: a free one, else the least recently used evictable block,
@@ -258,19 +270,22 @@ class BlockManager:
             self._cached[key] = block
             self._key_of[block] = key
 
-    def keep_history(self, row: int, adapter: str | None, version: int, tokens: list[int]) -> None:
-        """Keeps the blocks of row ``row`` holding ``tokens``' positions as a history (then releases the row)."""
+    def keep_history(self, row: int, adapter: str | None, version: int, tokens: list[int], now: int = 0) -> None:
+        """Keeps the blocks of row ``row`` holding ``tokens``' positions as a history kept at ``now`` (the caller's
+        clock), then releases the row."""
         if self.cache_prefixes and tokens:
             blocks = self.row_blocks[row][: -(-len(tokens) // self.block_size)]
             for block in blocks:
                 self._incref(block)
-            self.store_history(adapter, version, tokens, blocks)
+            self.store_history(adapter, version, tokens, blocks, now)
         self.release(row)
 
-    def store_history(self, adapter: str | None, version: int, tokens: list[int], blocks: list[int]) -> None:
-        """Stores ``blocks`` (whose references the caller hands over) as the history of ``tokens``."""
+    def store_history(self, adapter: str | None, version: int, tokens: list[int], blocks: list[int],
+                      now: int = 0) -> None:
+        """Stores ``blocks`` (whose references the caller hands over) as the history of ``tokens``, kept at
+        ``now``."""
         serial = next(self._clock)
-        self._histories[serial] = History(adapter, version, list(tokens), list(blocks), serial)
+        self._histories[serial] = History(adapter, version, list(tokens), list(blocks), serial, now)
         length = len(tokens)
         self._history_index.setdefault((adapter, version, length, _tail(tokens, length)), []).append(serial)
         lengths = self._history_lengths.setdefault((adapter, version), {})

@@ -45,7 +45,9 @@ request samples, only how often host copies are loaded.
 The queue: requests that resume wait ahead of fresh ones, each part in arrival order. A request resumes when its
 prompt extends a history kept in the pool when it is queued (the next turn of an episode under way, with
 ``reuse_decode_kv``), or when it was preempted: episodes under way finish before new ones start, so their histories
-are adopted instead of evicted while the request waits behind a long queue and its prompt computed again.
+are adopted instead of evicted while the request waits behind a long queue and its prompt computed again. Fair
+admission orders the resuming requests first and then the fresh ones: it decides which episodes start, and an
+episode started goes on ahead of every tenant's new ones.
 
 Admission order (``admission``): ``"fifo"`` considers the waiting requests in queue order over all tenants;
 ``"fair"`` tenant by tenant, the tenant that received the least service first (virtual-token counters,
@@ -58,6 +60,7 @@ the rules above (free rows, the prefill cap, blocks, the fence, slots) apply to 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -70,6 +73,10 @@ from skyrl_clora.sampler.block_manager import BlockManager
 from skyrl_clora.sampler.fair_share import ADMISSIONS, ServiceCounters, fair_order
 from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.sampler.slot_round import SlotRound
+
+# Decode steps a finished turn's kept K/V is safe from fresh requests: its episode's next turn (an environment step
+# away) takes it; past that a fresh request may have its blocks (a resuming request, or one alone, at any time).
+HISTORY_GRACE_STEPS = 64
 
 
 @dataclass
@@ -269,7 +276,7 @@ class Scheduler:
         freed."""
         if self.reuse_decode_kv:
             self.blocks.keep_history(request.row, request.adapter, request.version,
-                                     request.prompt_ids + request.output[:-1])
+                                     request.prompt_ids + request.output[:-1], self.decode_steps)
         self.release(request.row)
 
     def changed_tables(self) -> np.ndarray | None:
@@ -321,9 +328,10 @@ class Scheduler:
         whose adapter is no longer registered fail; requests of an adapter with a pending publish or unregister wait
         (the version fence), and so do requests whose adapter cannot have a device slot in this round or is drained
         for another (:class:`~skyrl_clora.sampler.slot_round.SlotRound`): once one of an adapter's requests waits
-        for either reason, the round considers no more of that adapter's. The round ends at the first request that finds no free row, no prefill
-        place or too few blocks; the requests after it are considered in a later round. With hundreds of tenants on a few slots thousands of requests wait; a held
-        adapter's later requests then cost the round a set lookup each, the slot decisions one look per adapter.
+        for either reason, the round considers no more of that adapter's. The round ends at the first request that
+        finds no free row, no prefill place or too few blocks; the requests after it are considered in a later round.
+        With hundreds of tenants on a few slots thousands of requests wait; a held adapter's later requests then cost
+        the round a set lookup each, the slot decisions one look per adapter.
 
         A request whose first uncached prompt block is also the first uncached block of another request
         admitted in this round waits one round, so that it finds that prefix (a GRPO group's prompt, a
@@ -349,7 +357,8 @@ class Scheduler:
             self.service.observe({req.adapter for req in self._waiting} | running)
             # The credit counts only while every slot holds an adapter (a tenant without one then needs another's).
             resident = frozenset() if self.adapters.free() else frozenset(self.adapters.lru())
-            order = fair_order(self._waiting, self.service, resident, self.slot_credit, held)
+            order = itertools.chain(*(fair_order(part, self.service, resident, self.slot_credit, held) for part in
+                                      (self._waiting[: self._resuming], self._waiting[self._resuming :])))
         for req in order:
             if not free_rows or len(admitted) >= self.max_prefills_per_step:
                 break
@@ -375,13 +384,15 @@ class Scheduler:
             need = cost  # with reserve_kv, and the blocks its decode steps will add
             if self.reserve_kv:
                 need += self.blocks_to_finish(req) - -(-len(req.prompt_ids) // self.blocks.block_size)
-            if budget - need < self.watermark:
-                self.blocks.reclaim(need + self.watermark + spent + reserved)
-                budget = self.blocks.available() - spent - reserved
             alone = not admitted and not any(self.rows)  # nothing else could free blocks: its prompt must fit
+            if budget - need < self.watermark:  # dropping kept turns may make room (a fresh request: only old ones)
+                kept_before = None if req.resumes or alone else self.decode_steps - HISTORY_GRACE_STEPS
+                self.blocks.reclaim((cost if alone else need + self.watermark) + spent + reserved, kept_before)
+                budget = self.blocks.available() - spent - reserved
             if budget - (cost if alone else need) < (0 if alone else self.watermark):  # the pool takes no more
                 if history is not None:  # not admitted now: the history goes back to the pool
-                    self.blocks.store_history(req.adapter, version, req.prompt_ids[: history[0]], history[1])
+                    self.blocks.store_history(req.adapter, version, req.prompt_ids[: history[0]], history[1],
+                                              self.decode_steps)
                 break
             if shared_key is not None:
                 first_missing.add(shared_key)

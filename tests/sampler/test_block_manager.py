@@ -103,6 +103,21 @@ def test_evictable_blocks_go_before_histories_and_reclaim_drops_histories() -> N
     assert pool.available() == 4 and pool.reclaim(6) and pool.take_history("b", 3, list(range(6))) is None
 
 
+def test_reclaim_takes_only_histories_kept_before_a_step_and_none_when_they_cannot_make_room() -> None:
+    """Three histories of 2 blocks kept at steps 0, 5 and 9 fill a pool of 6: kept before step 6, the first two
+    may go; 4 blocks are reclaimed from them, 6 are not (so neither is dropped); without a bound all may go."""
+    pool = BlockManager(num_blocks=6, block_size=BS, num_rows=1, max_blocks_per_row=4)
+    for index, step in enumerate((0, 5, 9)):
+        pool.grow(0, 2)
+        pool.keep_history(0, "a", 0, list(range(10 * index, 10 * index + 6)), now=step)
+    kept = [list(range(10 * index, 10 * index + 7)) for index in range(3)]
+    assert pool.available() == 0
+    assert not pool.reclaim(6, kept_before=6) and all(pool.has_history("a", 0, t) for t in kept), "nothing dropped"
+    assert pool.reclaim(2, kept_before=6) and not pool.has_history("a", 0, kept[0]) and pool.has_history("a", 0, kept[1])
+    assert pool.reclaim(4, kept_before=6) and not pool.has_history("a", 0, kept[1]) and pool.has_history("a", 0, kept[2])
+    assert not pool.reclaim(6, kept_before=6) and pool.reclaim(6) and pool.available() == 6
+
+
 def test_admission_cost_counts_new_blocks_and_unheld_keyed_ones() -> None:
     pool = BlockManager(num_blocks=8, block_size=BS, num_rows=2, max_blocks_per_row=6)
     prompt = list(range(10))  # 3 blocks

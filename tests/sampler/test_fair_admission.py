@@ -319,3 +319,30 @@ def test_a_tenant_stopped_and_added_again_under_its_name_starts_as_a_new_tenant(
             _enqueue(scheduler, tenant)
     assert [req.adapter for _ in range(6) for req in _round(scheduler)] == ["a", "c", "b"] * 2
     assert scheduler.service.value("a") == scheduler.service.value("c") == scheduler.service.value("b") - served
+
+
+def test_an_episode_under_way_goes_on_ahead_of_a_less_served_tenants_fresh_requests() -> None:
+    """One row, fair admission. a's first turn runs while b queues two fresh requests (b is lifted to a's counter
+    as it becomes active, then a is charged three more decode steps); a's turn finishes (kept as a history) and a
+    queues its next turn: the next turn goes first although b is now less served (fairness picks which episodes
+    start, not which started one goes on), then b's two."""
+    layers = {"proj": MultiLoRALinear(nn.Linear(4, 4), num_slots=2, max_rank=2, routing=LoRARouting(), trainable=False)}
+    adapters = AdapterSlots(layers, pin=False)
+    for name in ("a", "b"):
+        adapters.register(name)
+        adapters.publish(name, init_adapter(layers, 2, 4.0, torch.Generator().manual_seed(0)), 0)
+    pool = BlockManager(256, 4, 1, max_blocks_per_row=16, cache_prefixes=True)
+    scheduler = Scheduler(1, adapters, pool, 8, reuse_decode_kv=True, admission="fair")
+    first = _enqueue(scheduler, "a", prompt_len=10)
+    _start(scheduler, scheduler.schedule_prefill())
+    fresh = [_enqueue(scheduler, "b", prompt_len=6) for _ in range(2)]
+    assert scheduler.schedule_prefill().requests == [], "the one row is taken; b becomes active"
+    for _ in range(3):
+        scheduler.decode_launched()
+    first.output = [7, 8, 9]
+    scheduler.finish(first)
+    assert scheduler.service.value("a") == scheduler.service.value("b") + 3 * DECODE_WEIGHT
+    next_turn = QueuedRequest(first.prompt_ids + first.output + [1], "a", SamplingParams(max_tokens=4),
+                              concurrent.futures.Future())
+    scheduler.enqueue(next_turn)
+    assert [req for _ in range(3) for req in _round(scheduler)] == [next_turn, *fresh]

@@ -17,7 +17,7 @@ from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.sampler.block_manager import BlockManager
 from skyrl_clora.sampler.requests import SamplingParams
-from skyrl_clora.sampler.scheduler import Publish, QueuedRequest, Scheduler, Unregister
+from skyrl_clora.sampler.scheduler import HISTORY_GRACE_STEPS, Publish, QueuedRequest, Scheduler, Unregister
 
 BLOCK = 4
 
@@ -216,6 +216,29 @@ def test_a_next_turn_whose_history_is_kept_waits_ahead_of_fresh_requests(admissi
     scheduler.release(fresh[0].row)
     assert [_admit_and_place(scheduler) + [scheduler.release(0)] for _ in range(2)] == [[fresh[1], None],
                                                                                          [fresh[2], None]]
+
+
+def test_a_fresh_request_takes_a_kept_turn_only_once_it_is_older_than_the_grace() -> None:
+    """A pool of 8 blocks of 4 tokens, two rows: a finished turn is kept (3 blocks) and a long request runs. A fresh
+    request that fits only if the kept turn goes waits while the turn is younger than HISTORY_GRACE_STEPS decode
+    steps, and takes its blocks once it is older."""
+    scheduler = _scheduler(num_rows=2, versions={"a": 0}, cache_prefixes=True, reuse_decode_kv=True, num_blocks=8)
+    turn = _request(list(range(100, 110)))
+    scheduler.enqueue(turn)
+    assert _admit_and_place(scheduler) == [turn]
+    turn.output = [1, 2]
+    scheduler.finish(turn)  # kept: 11 tokens in 3 blocks
+    runner = QueuedRequest([7] * 4, "a", SamplingParams(max_tokens=4), concurrent.futures.Future())
+    scheduler.enqueue(runner)
+    assert _admit_and_place(scheduler) == [runner]  # 1 block, 1 more reserved
+    fresh = QueuedRequest([9] * 8, "a", SamplingParams(max_tokens=4), concurrent.futures.Future())
+    scheduler.enqueue(fresh)  # 2 prompt blocks + 1 copy + 1 to finish: 4 of the 8 - 3 - 2 = 3 available
+    assert scheduler.admit().requests == [] and scheduler.blocks.has_history("a", 0, turn.prompt_ids + [1, 2, 3])
+    for _ in range(HISTORY_GRACE_STEPS):
+        scheduler.decode_launched()
+    assert scheduler.admit().requests == [], "kept HISTORY_GRACE_STEPS steps ago: not older than the grace"
+    scheduler.decode_launched()
+    assert scheduler.admit().requests == [fresh] and not scheduler.blocks.has_history("a", 0, turn.prompt_ids + [1, 2])
 
 
 def test_cancelled_requests_are_dropped() -> None:
