@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import (attention, common, concurrency, decode_factors, e2e, engine, engine_host, interference, kernels,
-                        planner, qkv_rope, runner, train)
+from benchmarks import (admission, attention, common, concurrency, decode_factors, e2e, engine, engine_host,
+                        interference, kernels, planner, qkv_rope, runner, train)
 from tests.support.markers import triton_runs
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 HELPERS = {"workloads", "packed", "wall"}  # imported by the runnable modules (packed: by kernels, wall: by e2e)
-RUNS = {"attention", "common", "concurrency", "decode_factors", "e2e", "engine", "engine_host", "interference", "kernels",
-        "planner", "qkv_rope", "runner", "train"}
+RUNS = {"admission", "attention", "common", "concurrency", "decode_factors", "e2e", "engine", "engine_host",
+        "interference", "kernels", "planner", "qkv_rope", "runner", "train"}
 
 
 def test_every_benchmark_module_has_a_run_here():
@@ -137,6 +137,15 @@ def test_engine_host(tmp_path):
     engine_host.main(["--rows", "16", "--steps", "2", "--repeats", "1", "--waiting", "3", "--admission", "fair",
                       "--out", str(out)])
     assert read_json(out)["waiting_tenants"] == 3
+
+
+def test_admission(tmp_path):
+    out = tmp_path / "admission.json"
+    admission.main(["--tenants", "2", "--prompts", "1", "--samples", "2", "--prompt", "16", "--lengths", "fixed:8",
+                    "--kv-blocks", "4", "--out", str(out)])
+    rows = read_json(out)["rows"]
+    assert [row["reserve_kv"] for row in rows] == [True, False]
+    assert all(row["prompt_tokens_computed"] >= row["distinct_prompt_tokens"] > 0 for row in rows)
 
 
 def test_train(tmp_path):
