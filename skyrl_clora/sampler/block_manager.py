@@ -14,8 +14,9 @@ into (``make_writable``: copy on write).
 A block whose count drops to 0 is free, or, if keyed, *evictable*: it stays findable until the pool needs
 it. Allocation takes a free block first, then the least recently used evictable block, and only when none is
 left the oldest history (its blocks return to the pool as it is dropped): a history is the next turn of an episode
-under way, adopted soon, while an unreferenced prompt block serves only prompts that have not arrived. A publish of an adapter drops its keys and histories
-(a new version never reads K/V of the old one; other adapters' entries stay).
+under way, adopted soon, while an unreferenced prompt block serves only prompts that have not arrived. A publish of
+an adapter drops its keys and histories (a new version never reads K/V of the old one; other adapters' entries
+stay).
 
 Free rows' table entries name a scratch block (index ``num_blocks``, one past the pool) that decode steps of
 rows not running and a prefill pass's padding write into, so every table entry is a valid block.

@@ -147,16 +147,17 @@ def _unregistered(adapter: str) -> ValueError:
 
 
 class Scheduler:
-    """The waiting requests (in queue order: module docstring), the pending publishes and unregisters (in arrival order) and the
-    row table: ``rows[r]`` is the request running in cache row ``r`` (between :meth:`place` and :meth:`release`
+    """The waiting requests (in queue order: module docstring), the pending publishes and unregisters (in arrival
+    order) and the row table: ``rows[r]`` is the request running in cache row ``r`` (between :meth:`place` and :meth:`release`
     or :meth:`finish`) or None, and the KV block pool ``blocks``, whose state only this scheduler changes.
 
     ``reuse_decode_kv``: admission takes a stored history the prompt extends from the block pool (the request's
     row then starts with its blocks instead of computing those positions). ``prefill_wait_steps``: the most
     decode steps a request waits for others to share its prefill pass while rows decode (0: none).
     ``admission``: ``"fifo"`` or ``"fair"`` (module docstring; ``service`` holds the fair order's counters, None
-    under fifo); ``reserve_kv``: admission reserves the blocks a request needs to finish (module docstring); ``slot_credit``: under fair admission, the counter units a tenant whose adapter holds a device slot is
-    served ahead of one whose adapter would need a slot (:func:`~skyrl_clora.sampler.fair_share.tenure_key`). Raises
+    under fifo); ``reserve_kv``: admission reserves the blocks a request needs to finish (module docstring);
+    ``slot_credit``: under fair admission, the counter units a tenant whose adapter holds a device slot is served
+    ahead of one whose adapter would need a slot (:func:`~skyrl_clora.sampler.fair_share.tenure_key`). Raises
     ValueError for another ``admission``."""
 
     def __init__(self, num_rows: int, adapters: AdapterSlots, blocks: BlockManager, max_prefills_per_step: int,
