@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from benchmarks.workloads import Lengths, counter_rng, parse_lengths
+from benchmarks.workloads import Lengths, counter_rng, distinct_prompt_tokens, parse_lengths
 from torch import nn
 
 from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear
@@ -97,8 +97,8 @@ def simulate(args: argparse.Namespace, reserve_kv: bool) -> Outcome:
     scheduler = Scheduler(rows, adapters, pool, max_prefills_per_step=64, reuse_decode_kv=True, prefill_wait_steps=8,
                           admission="fair", slot_credit=slot_credit(MAX_LEN), reserve_kv=reserve_kv)
     outcome = Outcome(reserve_kv)
-    outcome.distinct_prompt_tokens = args.tenants * args.prompts * (
-        args.prompt + args.samples * (TURNS - 1) * (OBSERVATION + 1))
+    outcome.distinct_prompt_tokens = distinct_prompt_tokens(args.tenants * args.prompts, args.samples, args.prompt,
+                                                            TURNS, OBSERVATION)
     episode_of: dict[int, Episode] = {}
 
     def queue(episode: Episode) -> None:

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 from benchmarks.common import H200_BF16_TFLOPS, QWEN3_VOCAB, train_pass_flop, write_random_model
 from benchmarks.wall import GPU_BUSY_METHOD, busy, describe, gpu_busy, union_seconds, wall_account
-from benchmarks.workloads import Lengths, counter_rng, length_summary, parse_lengths
+from benchmarks.workloads import Lengths, counter_rng, distinct_prompt_tokens, length_summary, parse_lengths
 
 from skyrl_clora.backends.embedded.services import Services, build_services
 from skyrl_clora.config_build import build_run_config, plan_steps
@@ -92,11 +92,9 @@ class Workload:
     overrides: tuple[str, ...] = ()  # further config overrides (--override), e.g. clora.shared_prompts=true
 
     def distinct_prompt_tokens(self, tenants: int) -> int:
-        """The prompt positions no earlier pass computed, over ``tenants`` experiments: each GRPO group's prompt once,
-        and for each later turn of an episode its observation and the previous turn's last sampled token (the
-        others' K/V a decode step computed). An engine that recomputes nothing prefills exactly these."""
-        later_turns = self.samples * (self.turns - 1) * (self.observation + 1)
-        return tenants * self.steps * self.prompts * (self.prompt + later_turns)
+        """:func:`benchmarks.workloads.distinct_prompt_tokens` over ``tenants`` experiments."""
+        return distinct_prompt_tokens(tenants * self.steps * self.prompts, self.samples, self.prompt, self.turns,
+                                      self.observation)
 
     @property
     def max_input(self) -> int:

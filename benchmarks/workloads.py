@@ -61,6 +61,14 @@ def counter_rng(*counters: int) -> np.random.Generator:
     return np.random.default_rng([_STREAM, *counters])
 
 
+def distinct_prompt_tokens(groups: int, samples: int, prompt: int, turns: int, observation: int) -> int:
+    """The prompt positions no earlier pass computed over ``groups`` GRPO groups of ``samples`` episodes: each
+    group's ``prompt``-token prompt once, and for each later turn of an episode its ``observation`` tokens and the
+    previous turn's last sampled token (the others' K/V a decode step computed). An engine that recomputes nothing
+    prefills exactly these."""
+    return groups * (prompt + samples * (turns - 1) * (observation + 1))
+
+
 def parse_lengths(spec: str) -> Lengths:
     """The :class:`Lengths` of a ``--lengths`` spec; raises a one-line ValueError naming the accepted forms."""
     text = PRESETS.get(spec.strip(), spec.strip())
