@@ -9,7 +9,9 @@ created with ``max_concurrency`` = :data:`ACTOR_CONCURRENCY`) and hand their wor
 Contract with the driver: every tenant loop that ends here (finished, stopped or failed) is released (its slot and
 services state freed; a tenant that stopped to move has its records dropped from this replica's metrics log, the
 destination's log carries them) and only then reported by :meth:`ReplicaRunner.wait_ended`, in the order they
-ended. :meth:`ReplicaRunner.close` ends the run once no tenant runs and returns the replica's summary.
+ended; a tenant that never started (the driver forwarded a signal before the replica's pool started) is reported
+``stopped`` at its checkpoint's step. :meth:`ReplicaRunner.close` ends the run once no tenant runs and returns the
+replica's summary.
 :meth:`ReplicaRunner.interrupt` is how a signal to the driver reaches the replica: its tenants stop after their
 current step as a one-replica run's do (``interrupts``); the actor's process takes no signal itself (Ray starts
 it in a process group of its own with SIGINT blocked, so a Ctrl-C at the driver's terminal does not reach it).
@@ -120,6 +122,8 @@ class ReplicaRunner:
             sources = build_task_sources(self.run.recipe, list(self.run.tenants), self.run.max_training_steps,
                                          self.run.seed, prompt_tokenizer(self.run))
             self._summary = run_experiments(self.run, sources, resume, [], 0.0, host=self._host)  # nothing built here
+            if self._host.loop is None:  # no pool: its tenants were finished, or the signal came before they started
+                self._report_unstarted(resume)
         except BaseException as error:  # noqa: BLE001 - handed to the driver by wait_ended and close
             self._error = error
         finally:
@@ -127,6 +131,20 @@ class ReplicaRunner:
                 self._host.done = True
                 self._host.changed.notify_all()
             self._host.served.set()
+
+    def _report_unstarted(self, resume: dict[str, TenantCheckpoint]) -> None:
+        """Reports each unfinished tenant of the run as ``stopped`` at its checkpoint's step (0 without one): the
+        run ended before its pool started, which with unfinished tenants only a signal forwarded before then does
+        (``run_experiments`` then records them stopped and starts none)."""
+        from skyrl_clora.interrupts import STOP
+
+        unstarted = [TenantEnd(spec.name, "stopped", resume[spec.name].step if spec.name in resume else 0)
+                     for spec in self.run.tenants if not (spec.name in resume and resume[spec.name].finished)]
+        if unstarted and not STOP.requested():
+            raise RuntimeError(f"replica {self.run.output_dir.name} ended without starting tenants "
+                               f"{', '.join(end.tenant for end in unstarted)}")
+        with self._host.changed:
+            self._host.ended.extend(unstarted)
 
     def _call(self, coroutine: Any) -> Any:
         """Runs ``coroutine`` on the pool's event loop and returns its result (raises what it raises)."""

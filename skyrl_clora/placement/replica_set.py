@@ -112,9 +112,11 @@ class ReplicaSet:
             except ray.exceptions.RayActorError as error:
                 self._lost(index, error)
                 continue
-            if ended:  # else the replica's run ended on its own (it had no tenant to run)
+            if ended:
                 self._seen[index] += len(ended)
                 self._waits[self.actors[index].wait_ended.remote(self._seen[index])] = index
+            else:  # the replica's run ended on its own: it had no tenant left to run
+                self._unreported(index)
             for end in ended:
                 self._ended(index, end.tenant, end.outcome, end.step)
             if self._homeless:
@@ -244,6 +246,15 @@ class ReplicaSet:
         for actor in self.actors:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
+
+    def _unreported(self, index: int) -> None:
+        """Replica ``index``'s run ended: a tenant it holds that is still running here was never reported ended (a
+        breach of the replica's contract) and fails with a record, so that the run ends instead of waiting for it."""
+        for name in self._held(index):
+            if self.status[name] == "running":
+                self.status[name] = "failed"
+                self.records.append({"event": "failed", "tenant": name,
+                                     "error": f"replica {index}'s run ended without reporting tenant {name}'s end"})
 
     def _held(self, index: int) -> list[str]:
         return [name for name, owner in self.owner.items() if owner == index]
