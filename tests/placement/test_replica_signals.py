@@ -122,7 +122,10 @@ def test_ctrl_c_stops_every_replica_at_a_step_boundary_and_the_same_command_fini
         assert sorted(stopped) == ["a", "b", "c"] and stopped["b"] == B_STOPS_AFTER, stopped
         assert all(step < STEPS for step in stopped.values()), stopped
         for name, step in stopped.items():
-            assert (tmp_path / "adapters" / name / "adapter_model.safetensors").is_file(), name
+            # A replica that started after the signal was forwarded (a busy machine) started none of its tenants:
+            # they stop where they were, as a serial run's later tenants do, with nothing to export.
+            started = any(r["tenant"] == name and r["event"] != "stopped" for r in records)
+            assert (tmp_path / "adapters" / name / "adapter_model.safetensors").is_file() == started, name
             latest = TenantCheckpoints(tmp_path / "checkpoints", name, -1).latest()
             assert (latest.step if latest else 0) == step, name
         assert main(args) == 0  # the same command resumes every tenant
