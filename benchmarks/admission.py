@@ -36,8 +36,8 @@ from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.sampler.block_manager import BlockManager
 from skyrl_clora.sampler.fair_share import slot_credit
-from skyrl_clora.sampler.requests import SamplingParams
-from skyrl_clora.sampler.scheduler import QueuedRequest, Scheduler
+from skyrl_clora.sampler.requests import QueuedRequest, SamplingParams
+from skyrl_clora.sampler.scheduler import Scheduler
 
 TURNS, OBSERVATION, BLOCK, MAX_LEN = 3, 32, 128, 2048  # benchmarks.e2e's turns, observation and block size
 

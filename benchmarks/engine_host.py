@@ -33,9 +33,8 @@ from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.fair_share import ADMISSIONS
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
-from skyrl_clora.sampler.requests import SamplingParams
+from skyrl_clora.sampler.requests import QueuedRequest, SamplingParams
 from skyrl_clora.sampler.sampling import DrawnTokens
-from skyrl_clora.sampler.scheduler import QueuedRequest
 
 PROMPT = 300
 VOCAB = 512

@@ -398,10 +398,6 @@ class RunConfig:
         if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
             raise ConfigError(f"trainer.policy.model.path={self.model_path} is not a Hugging Face model folder (no "
                               "config.json); fix the path")
-        if self.model_path is None:
-            from skyrl_clora.recipes.plugin import load_corpus
-
-            load_corpus(self.model_corpus)
         for spec in self.tenants:
             if spec.rank > self.lora.max_lora_rank:
                 raise ConfigError(

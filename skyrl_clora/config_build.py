@@ -273,6 +273,10 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         identity=run_identity(cfg, tenants),
         **scalars,
     )
+    if run.model_path is None:  # the tiny base is pre-trained on this corpus at first use
+        from skyrl_clora.recipes.plugin import load_corpus
+
+        load_corpus(run.model_corpus)
     check_output_dir(run.output_dir)
     return run
 

@@ -53,10 +53,10 @@ from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.engine_stats import EngineStats, GPUSpan, StatsRecorder
 from skyrl_clora.sampler.fair_share import slot_credit
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, PrefillJob
-from skyrl_clora.sampler.requests import Completion
+from skyrl_clora.sampler.requests import Completion, PrefillPlan, Publish, QueuedRequest, Unregister
 from skyrl_clora.sampler.running_rows import RunningRows
 from skyrl_clora.sampler.sampling import DrawnTokens, draw_rows
-from skyrl_clora.sampler.scheduler import Publish, PrefillPlan, QueuedRequest, Scheduler, Unregister
+from skyrl_clora.sampler.scheduler import Scheduler
 from skyrl_clora.sampler.shared_rows import SharedPrefixRows
 
 

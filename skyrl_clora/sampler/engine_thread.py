@@ -23,8 +23,7 @@ from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.engine_config import STREAM_PRIORITIES
 from skyrl_clora.sampler.engine_stats import EngineStats, GPUTimeline
-from skyrl_clora.sampler.requests import SamplingParams
-from skyrl_clora.sampler.scheduler import Publish, QueuedRequest, Unregister
+from skyrl_clora.sampler.requests import Publish, QueuedRequest, SamplingParams, Unregister
 
 GIL_SWITCH_SECONDS = 0.0005  # the GIL switch interval while the engine runs on a GPU (Python's default: 5 ms)
 

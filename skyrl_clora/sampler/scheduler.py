@@ -59,86 +59,21 @@ the rules above (free rows, the prefill cap, blocks, the fence, slots) apply to 
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
-import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
-from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.sampler.block_manager import BlockManager
 from skyrl_clora.sampler.fair_share import ADMISSIONS, ServiceCounters, fair_order
-from skyrl_clora.sampler.requests import SamplingParams
+from skyrl_clora.sampler.requests import PrefillPlan, Publish, QueuedRequest, Unregister
 from skyrl_clora.sampler.slot_round import SlotRound
 
 # Decode steps a finished turn's kept K/V is safe from fresh requests: its episode's next turn (an environment step
 # away) takes it; past that a fresh request may have its blocks (a resuming request, or one alone, at any time).
 HISTORY_GRACE_STEPS = 64
-
-
-@dataclass
-class QueuedRequest:
-    """One generation request, from submission until its future resolves. :meth:`Scheduler.admit` sets its cache
-    ``row``, the adapter ``version`` it is sampled with and the finished turn its prompt extends (``history``:
-    ``(length, blocks)`` from :meth:`BlockManager.take_history`, whose references the request holds until its
-    row adopts them) and its adapter's ``lora_slot``; the engine sets ``admitted`` (``time.perf_counter()``) at
-    each prefill and ``output`` / ``logprobs`` when it finishes: ``admitted - submitted`` is its queue wait."""
-
-    prompt_ids: list[int]
-    adapter: str | None
-    params: SamplingParams
-    future: concurrent.futures.Future
-    row: int = -1
-    lora_slot: int = -1
-    version: int = -1
-    history: tuple[int, list[int]] | None = None
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    queued_at: int = 0  # the scheduler's decode-step count when the request was queued
-    resumes: bool = False  # it waits ahead of fresh requests: it extends a kept history, or was preempted
-    submitted: float = field(default_factory=time.perf_counter)  # when it was made (the start of its queue wait)
-    admitted: float = 0.0
-
-
-@dataclass
-class Publish:
-    """``weights`` (host memory: ``AdapterSlots.host_copy``) as ``adapter``'s ``version``, written into its device slot
-    in place if it holds one; ``future`` resolves once applied."""
-
-    adapter: str
-    weights: AdapterWeights
-    version: int
-    future: concurrent.futures.Future
-
-
-@dataclass
-class Unregister:
-    """The removal of ``adapter`` (its host copy dropped, its slot freed, its waiting requests failed); ``future``
-    resolves then."""
-
-    adapter: str
-    future: concurrent.futures.Future
-
-
-@dataclass
-class PrefillPlan:
-    """The requests to prefill in one pass, in admission order, each holding its row and the blocks of its
-    prompt; ``starts[i]``: the first position the pass computes for ``requests[i]`` (the positions before it are
-    in blocks its row adopted); ``copies``: ``(sources, targets)``, the shared blocks whose K/V the engine copies
-    before the pass (a row's own copy of a block it writes into); ``loads``: the adapters given a device slot for
-    these requests, whose host copies the engine writes into their slots before the pass (:meth:`AdapterSlots.load`),
-    ``evictions`` of them in a slot taken from another adapter; ``hits``: the requests whose adapter held its slot
-    already."""
-
-    requests: list[QueuedRequest] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    copies: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
-    loads: list[str] = field(default_factory=list)
-    evictions: int = 0
-    hits: int = 0
 
 
 def _unregistered(adapter: str) -> ValueError:

@@ -10,7 +10,7 @@ from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.sampler.fair_share import ServiceCounters
 
 if TYPE_CHECKING:
-    from skyrl_clora.sampler.scheduler import PrefillPlan, QueuedRequest
+    from skyrl_clora.sampler.requests import PrefillPlan, QueuedRequest
 
 
 class SlotRound:

@@ -23,8 +23,8 @@ from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.fair_share import DECODE_WEIGHT, PREFILL_WEIGHT
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
-from skyrl_clora.sampler.requests import SamplingParams
-from skyrl_clora.sampler.scheduler import QueuedRequest, Scheduler, Unregister
+from skyrl_clora.sampler.requests import QueuedRequest, SamplingParams, Unregister
+from skyrl_clora.sampler.scheduler import Scheduler
 
 from tests.support.helpers import random_adapter
 

@@ -16,8 +16,8 @@ from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.sampler.block_manager import BlockManager
-from skyrl_clora.sampler.requests import SamplingParams
-from skyrl_clora.sampler.scheduler import HISTORY_GRACE_STEPS, Publish, QueuedRequest, Scheduler, Unregister
+from skyrl_clora.sampler.requests import Publish, QueuedRequest, SamplingParams, Unregister
+from skyrl_clora.sampler.scheduler import HISTORY_GRACE_STEPS, Scheduler
 
 BLOCK = 4
 

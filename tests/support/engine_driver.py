@@ -14,8 +14,7 @@ from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
-from skyrl_clora.sampler.requests import Completion, SamplingParams
-from skyrl_clora.sampler.scheduler import Publish, QueuedRequest, Unregister
+from skyrl_clora.sampler.requests import Completion, Publish, QueuedRequest, SamplingParams, Unregister
 
 from tests.support.helpers import random_adapter
 
