@@ -60,7 +60,7 @@ from benchmarks.interference import DecodeThread, Episodes, decode_rows, periods
 from benchmarks.workloads import parse_lengths
 
 from skyrl_clora.backends.embedded.services import share_base_weights
-from skyrl_clora.device_copy import lists_to_device
+from skyrl_clora.device.staging import lists_to_device
 from skyrl_clora.lora.layers import write_slot
 from skyrl_clora.sampler.engine_config import STREAM_PRIORITIES
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner, decode_buckets

@@ -61,7 +61,7 @@ from benchmarks.wall import GPU_BUSY_METHOD, busy, describe, gpu_busy, union_sec
 from benchmarks.workloads import Lengths, counter_rng, distinct_prompt_tokens, length_summary, parse_lengths
 
 from skyrl_clora.backends.embedded.services import Services, build_services
-from skyrl_clora.config_build import build_run_config, plan_steps
+from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.main import compose_config
 from skyrl_clora.sampler.engine_stats import EngineStats

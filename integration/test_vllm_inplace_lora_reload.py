@@ -29,7 +29,7 @@ from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 
 from gpu_node import requires
 from skyrl_clora.backends.skyrl import training_input
-from skyrl_clora.config_build import build_run_config
+from skyrl_clora.config.build import build_run_config
 from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate
 from skyrl_clora.skyrl.stack import build_stack

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.config.schema import ConfigError, RunConfig
 
 
 def resolve_device(run: RunConfig) -> torch.device:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from skyrl_clora.config import ConfigError, RunConfig, prepare_output_dir
+from skyrl_clora.config.schema import ConfigError, RunConfig, prepare_output_dir
 from skyrl_clora.tenants import TenantSpec
 
 LATEST = "latest_ckpt_global_step.txt"

@@ -1,4 +1,4 @@
-"""Command line of a live run's control endpoint (``skyrl_clora.control``).
+"""Command line of a live run's control endpoint (``skyrl_clora.control.server``).
 
     python -m skyrl_clora.ctl [--dir OUTPUT_DIR] list
     python -m skyrl_clora.ctl [--dir OUTPUT_DIR] add '{name: t9, lr: 1e-3, seed: 9}'
@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from skyrl_clora.control import CONTROL_FILE
-from skyrl_clora.endpoint_auth import authorization
+from skyrl_clora.control.server import CONTROL_FILE
+from skyrl_clora.control.auth import authorization
 
 
 def request(endpoint: dict[str, str], method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:

@@ -23,7 +23,7 @@ from skyrl_clora.interrupts import STOP
 
 if TYPE_CHECKING:
     from skyrl_clora.checkpoints import TenantCheckpoint
-    from skyrl_clora.config import RunConfig
+    from skyrl_clora.config.schema import RunConfig
     from skyrl_clora.recipes.plugin import TaskSource
     from skyrl_clora.skyrl.config_translation import SkyRLPlan
 
@@ -81,7 +81,7 @@ def _groups() -> str:
 def compose_config(overrides: list[str]):
     """Composes conf/ (SkyRL's key tree included) with ``overrides``; Hydra/OmegaConf errors become
     :class:`UserError`."""
-    from skyrl_clora.config_keys import register_skyrl_defaults
+    from skyrl_clora.config.keys import register_skyrl_defaults
 
     register_skyrl_defaults()
     try:
@@ -105,7 +105,7 @@ def _unknown_key_message(key: str, overrides: list[str]) -> str:
     """One line for an override of a key the config does not have: the closest valid keys."""
     import difflib
 
-    from skyrl_clora.config_build import flat_config
+    from skyrl_clora.config.build import flat_config
 
     known = list(flat_config(_group_defaults(overrides)))
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
@@ -131,7 +131,7 @@ def check_known_keys(cfg: DictConfig, overrides: list[str]) -> None:
     """Raises :class:`UserError` for a key that ``+key=value`` added and nothing reads: every key of ``cfg`` but
     ``tenants`` must be in the config composed with the same group choices alone (``recipe=``, ``backend=``, ...),
     which holds SkyRL's whole key tree."""
-    from skyrl_clora.config_keys import FREE_FORM_KEYS
+    from skyrl_clora.config.keys import FREE_FORM_KEYS
 
     defaults = _group_defaults(overrides)
 
@@ -152,21 +152,21 @@ def check_known_keys(cfg: DictConfig, overrides: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(arg in ("-h", "--help") for arg in argv):
-        from skyrl_clora.help import help_text
+        from skyrl_clora.config.help import help_text
         from skyrl_clora.tenants import OVERRIDABLE
 
         print(USAGE.format(groups=_groups(), keys=help_text(CONF_DIR), overridable=", ".join(OVERRIDABLE)))
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from skyrl_clora.checkpoints import claim_output_dir, output_entries
-    from skyrl_clora.config import ConfigError
-    from skyrl_clora.config_build import build_run_config, plan_steps
-    from skyrl_clora.config_keys import check_embedded_keys
+    from skyrl_clora.config.schema import ConfigError
+    from skyrl_clora.config.build import build_run_config, plan_steps
+    from skyrl_clora.config.keys import check_embedded_keys
     from skyrl_clora.recipes.plugin import build_task_sources, drop_long_prompts, load_recipe
     from skyrl_clora.trackers import check_trackers
 
     try:
-        from skyrl_clora.skyrl_cli import preset_overrides, skyrl_cli_overrides
+        from skyrl_clora.config.skyrl_cli import preset_overrides, skyrl_cli_overrides
 
         given = argv  # the user's own overrides: backend=embedded judges these, not what the rewrites add
         argv = skyrl_cli_overrides(argv)  # SkyRL's own rewrites of its command line (async_engine=true, ...)
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             from skyrl_clora.skyrl.stack import check_buildable
 
             # SkyRL's constraints and what this machine can build, checked before anything starts.
-            from skyrl_clora.config_keys import given_keys
+            from skyrl_clora.config.keys import given_keys
 
             tiny_base = tiny_base_path(None, TinyBaseRecipe(corpus=run.model_corpus))
             plan = translate(cfg, model_path=run.model_path or str(tiny_base), given=given_keys(argv))
@@ -224,7 +224,7 @@ def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
     given or cached); the exit status (see :func:`_exit_status`). A run refused once started (e.g. by the memory plan)
     leaves its output folder as it found it (``before_claim``: :func:`~skyrl_clora.checkpoints.output_entries`)."""
     from skyrl_clora.checkpoints import checkpoint_root, export_finished, release_refused_claim
-    from skyrl_clora.config import ConfigError
+    from skyrl_clora.config.schema import ConfigError
 
     export_finished(run, resume)
     try:

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from skyrl_clora.config import RunConfig
+from skyrl_clora.config.schema import RunConfig
 from skyrl_clora.trackers import TenantTrackers
 
 

@@ -31,8 +31,8 @@ from skyrl.train.config import SamplingParams
 from skyrl.train.generators.base import TrajectoryID
 
 from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints, checkpoint_root
-from skyrl_clora.config import ConfigError, RunConfig
-from skyrl_clora.control import ControlServer
+from skyrl_clora.config.schema import ConfigError, RunConfig
+from skyrl_clora.control.server import ControlServer
 from skyrl_clora.episodes import eval_record, log_orphaned_task_error, step_record
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.metrics import MetricsLog

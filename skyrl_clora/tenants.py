@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
-from skyrl_clora.value_types import typed_value
+from skyrl_clora.config.value_types import typed_value
 
 PER_TENANT_SKYRL = {
     "temperature": "generator.sampling_params.temperature",

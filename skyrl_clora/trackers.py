@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
-from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.config.schema import ConfigError, RunConfig
 
 # SkyRL's tensorboard adapter reads its folder from this variable when it is built.
 _TENSORBOARD_DIR = "TENSORBOARD_DIR"

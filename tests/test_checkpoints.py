@@ -340,8 +340,8 @@ def test_a_lockstep_run_resumes_every_tenant_from_the_newest_step_all_hold(tmp_p
     """A kill between two tenants' checkpoints of one round leaves a at step 4, b at 3: both resume from 3 (a's
     older checkpoint); a tenant with no checkpoint of that step is a one-line error."""
     from skyrl_clora.checkpoints import claim_output_dir
-    from skyrl_clora.config import ConfigError
-    from skyrl_clora.config_build import build_run_config
+    from skyrl_clora.config.schema import ConfigError
+    from skyrl_clora.config.build import build_run_config
     from skyrl_clora.main import compose_config
 
     run = build_run_config(compose_config(["+tenants=2", f"clora.output_dir={tmp_path}", "clora.train_mode=packed",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from skyrl_clora import ctl
-from skyrl_clora.control import CONTROL_FILE
+from skyrl_clora.control.server import CONTROL_FILE
 
 
 def test_ctl_says_in_one_line_when_the_run_does_not_answer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

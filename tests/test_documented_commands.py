@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from skyrl_clora.config_build import build_run_config
+from skyrl_clora.config.build import build_run_config
 from skyrl_clora.main import check_known_keys, compose_config, main
 
 ROOT = Path(__file__).resolve().parents[1]

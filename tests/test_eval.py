@@ -11,9 +11,9 @@ import pytest
 from skyrl.train.config import SkyRLTrainConfig
 
 from tests.support.micro_task import micro_tenants, read_records, run_args
-from skyrl_clora.config_build import build_run_config
+from skyrl_clora.config.build import build_run_config
 from skyrl_clora.main import compose_config, main
-from skyrl_clora.skyrl_cli import preset_overrides, skyrl_cli_overrides
+from skyrl_clora.config.skyrl_cli import preset_overrides, skyrl_cli_overrides
 
 
 @pytest.mark.parametrize("overrides", [

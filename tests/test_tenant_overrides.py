@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.micro_task import micro_tenants, run_args
-from skyrl_clora.config_build import build_run_config
+from skyrl_clora.config.build import build_run_config
 from skyrl_clora.main import compose_config, main
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
 
@@ -31,7 +31,7 @@ def test_overrides_reach_the_tenants_spec_and_only_its(tmp_path: Path) -> None:
     ("policy_loss_type:nope", "policy_loss_type"),
 ])
 def test_a_bad_override_is_one_line_naming_it(override: str, message: str, tmp_path: Path) -> None:
-    from skyrl_clora.config import ConfigError
+    from skyrl_clora.config.schema import ConfigError
 
     cfg = compose_config([f"clora.output_dir={tmp_path}", f"+tenants=[{{{override}}},{{}}]"])
     with pytest.raises(ConfigError, match=re.escape(message)) as error:

@@ -52,7 +52,7 @@ def test_wandb_without_a_key_is_refused_before_anything_loads(micro_model_dir: P
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("error: trainer.logger includes wandb") and "WANDB_MODE=offline" in error
     assert not out.exists()  # nothing written, not even the folder
-    from skyrl_clora.config_build import build_run_config
+    from skyrl_clora.config.build import build_run_config
     from skyrl_clora.main import compose_config
     from skyrl_clora.trackers import check_trackers
 

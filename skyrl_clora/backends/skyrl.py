@@ -64,7 +64,7 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from skyrl_clora.base_model import resolve_model_path
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
-from skyrl_clora.config import RunConfig
+from skyrl_clora.config.schema import RunConfig
 from skyrl_clora.episodes import episode_batch
 from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.recipes.plugin import TaskSource

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skyrl_clora.checkpoints import TenantCheckpoint
-from skyrl_clora.config import RunConfig
+from skyrl_clora.config.schema import RunConfig
 from skyrl_clora.tenant_loop import TenantPool
 from skyrl_clora.tenants import TenantSpec
 

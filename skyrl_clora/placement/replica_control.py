@@ -1,4 +1,4 @@
-"""Live control of a replicated run: the control endpoint (:mod:`skyrl_clora.control`) over every replica's tenants.
+"""Live control of a replicated run: the control endpoint (:mod:`skyrl_clora.control.server`) over every replica's tenants.
 
 The endpoint runs on an event loop in a thread of the driver; its requests go to the
 :class:`~skyrl_clora.placement.replica_set.ReplicaSet` through :meth:`ReplicaSet.call` (run on the driver's
@@ -12,15 +12,15 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from skyrl_clora.config import RunConfig
-from skyrl_clora.control import ControlServer
+from skyrl_clora.config.schema import RunConfig
+from skyrl_clora.control.server import ControlServer
 from skyrl_clora.placement.replica_set import ReplicaSet
 from skyrl_clora.recipes.plugin import TaskSource
 from skyrl_clora.tenants import TenantSpec
 
 
 class ReplicaTenants:
-    """:class:`~skyrl_clora.control.ControlledTenants` over the tenants of ``replicas`` (each replica builds an
+    """:class:`~skyrl_clora.control.server.ControlledTenants` over the tenants of ``replicas`` (each replica builds an
     added tenant's task data itself)."""
 
     def __init__(self, replicas: ReplicaSet) -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints
-from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.config.schema import ConfigError, RunConfig
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.placement.planner import TenantCost, estimated_cost, measured_costs, pick_move
 from skyrl_clora.tenants import TenantSpec

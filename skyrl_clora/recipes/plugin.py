@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from skyrl_clora.config import ConfigError, RecipeConfig
+from skyrl_clora.config.schema import ConfigError, RecipeConfig
 from skyrl_clora.tenants import TenantSpec
 
 EVAL_SEED_OFFSET = 1_000_003

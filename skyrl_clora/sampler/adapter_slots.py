@@ -19,7 +19,7 @@ import threading
 from collections import OrderedDict
 
 from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear, read_slot, write_slot
-from skyrl_clora.pinned_memory import InFlight, host_copies
+from skyrl_clora.device.pinned_memory import InFlight, host_copies
 
 
 class AdapterSlots:

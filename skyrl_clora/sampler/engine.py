@@ -44,9 +44,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from skyrl_clora.device_copy import lists_to_device
+from skyrl_clora.device.staging import lists_to_device
 from skyrl_clora.lora.layers import MultiLoRALinear
-from skyrl_clora.profiling import profiled
+from skyrl_clora.device.profiling import profiled
 from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.sampler.block_manager import BlockManager
 from skyrl_clora.sampler.engine_config import EngineConfig

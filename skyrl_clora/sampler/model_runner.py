@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from skyrl_clora.device_copy import lists_to_device
+from skyrl_clora.device.staging import lists_to_device
 from skyrl_clora.kernels import (
     FP8_CACHE_DTYPE,
     DecodeWorkspace,
@@ -56,7 +56,7 @@ from skyrl_clora.kernels import (
     rms_norm,
     silu_mul,
 )
-from skyrl_clora.profiling import profiled
+from skyrl_clora.device.profiling import profiled
 from skyrl_clora.sampler.fused_projections import fused_layer_projections
 
 DECODE_ROW_QUANTUM = 16  # decode batches are whole multiples of this many cache rows

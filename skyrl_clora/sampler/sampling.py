@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from skyrl_clora.device_copy import lists_to_device
+from skyrl_clora.device.staging import lists_to_device
 from skyrl_clora.kernels import sample_tokens
 from skyrl_clora.kernels.reference import MIN_TEMPERATURE, inverse_cdf_ref
 

@@ -18,7 +18,7 @@ from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import
     RemoteInferenceClient,
 )
 
-from skyrl_clora.endpoint_auth import authorization
+from skyrl_clora.control.auth import authorization
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """The plugin's Hydra config (``backend=skyrl``) translated into SkyRL 0.4's ``SkyRLTrainConfig``.
 
 SkyRL's CLI parser rejects ``+`` keys (``+tenants=8``), so the composed config is translated here, in code. Its
-``data``, ``trainer``, ``generator`` and ``environment`` trees are SkyRL's own key tree (``config_keys``), so the
+``data``, ``trainer``, ``generator`` and ``environment`` trees are SkyRL's own key tree (``config.keys``), so the
 translation is SkyRL's builder over them, as given, and then:
 
 - ``trainer.strategy`` (SkyRL's ``fsdp``, its default, or its alias ``fsdp2``; or ``megatron``) names the policy
   workers, ``backend.strategy`` (``fsdp2``, ``megatron``) may name them too (:func:`production_strategy`);
-- the keys of :data:`~skyrl_clora.config_keys.SKYRL_SET` set by the plugin (the tiny base's path, the LoRA
+- the keys of :data:`~skyrl_clora.config.keys.SKYRL_SET` set by the plugin (the tiny base's path, the LoRA
   adapter counts and sync folder when null, ...); a value given for one of them that the plugin cannot keep is
   refused; a hub id as the model path is resolved in huggingface_hub's cache;
 - vLLM's ``logprobs_mode=processed_logprobs`` when the sampling temperature is not 1 (or 0), so that the rollout
@@ -16,7 +16,7 @@ translation is SkyRL's builder over them, as given, and then:
   environment, i.e. what its ``WorkerDispatch(model_id=<tenant>)`` calls and its generator use.
 
 Every config passes SkyRL's own ``validate_cfg``. Before that, the multi-tenant constraints SkyRL does not
-check itself are enforced with one-line :class:`~skyrl_clora.config.ConfigError` messages: LoRA on, the
+check itself are enforced with one-line :class:`~skyrl_clora.config.schema.ConfigError` messages: LoRA on, the
 vLLM inference backend, ``merge_lora=false``, ``max_loras >=`` the tenants sampling in one batch, one LoRA
 signature (rank, alpha, targets) across tenants (the Megatron ``AdapterStore`` freezes it) and a learning rate
 schedule the chosen workers honour.
@@ -46,9 +46,9 @@ from skyrl.train.config import GeneratorConfig, SkyRLTrainConfig
 from skyrl.train.config.config import build_nested_dataclass
 from skyrl.train.utils.utils import validate_cfg
 
-from skyrl_clora.config import ConfigError, TrainerConfig
-from skyrl_clora.config_build import lora_config, recipe_config, resolve_model_path, tenant_specs, trainer_config
-from skyrl_clora.config_keys import SKYRL_GROUPS, check_skyrl_keys
+from skyrl_clora.config.schema import ConfigError, TrainerConfig
+from skyrl_clora.config.build import lora_config, recipe_config, resolve_model_path, tenant_specs, trainer_config
+from skyrl_clora.config.keys import SKYRL_GROUPS, check_skyrl_keys
 from skyrl_clora.recipes.plugin import load_recipe
 from skyrl_clora.tenants import TenantSpec
 
@@ -209,7 +209,7 @@ def check_multi_tenant_constraints(
 
 def _set_by_plugin(st: SkyRLTrainConfig, cfg: DictConfig, tenants: list[TenantSpec], tenants_per_batch: int,
                    model_path: str, given: Collection[str]) -> None:
-    """Sets the keys of ``config_keys.SKYRL_SET`` on ``st`` (``trainer.strategy`` is set before SkyRL's builder
+    """Sets the keys of ``config.keys.SKYRL_SET`` on ``st`` (``trainer.strategy`` is set before SkyRL's builder
     runs), refusing a given value the plugin cannot keep."""
     tr, gen = st.trainer, st.generator
     if gen.inference_engine.backend != "vllm":
@@ -285,7 +285,7 @@ def translate(cfg: DictConfig, model_path: str | None = None, given: Collection[
     ``model_path`` is the base model folder when ``trainer.policy.model.path`` is null (e.g. the tiny base,
     resolved by the caller); the vLLM servers and the workers all load it. ``given`` is the keys the command
     line set (a given ``trainer.strategy`` must agree with ``backend.strategy``; given micro-batch sizes are kept; a
-    given key only SkyRL's trainer loop reads is refused or logged as ignored: ``config_keys.check_skyrl_keys``)."""
+    given key only SkyRL's trainer loop reads is refused or logged as ignored: ``config.keys.check_skyrl_keys``)."""
     backend = _backend(cfg)
     refusals = check_skyrl_keys(cfg, given)
     if refusals:

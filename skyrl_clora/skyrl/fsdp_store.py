@@ -3,7 +3,7 @@
 SkyRL 0.4's FSDP worker trains one PEFT LoRA adapter (``HFModelWrapper`` + ``fully_shard``, one ``torch.optim.AdamW``
 and one Hugging Face ``LambdaLR`` scheduler). :class:`FSDPAdapterStore` keeps, per tenant, everything that
 makes that adapter's training its own, in host memory (page-locked when the model is on CUDA, one block per table:
-:func:`~skyrl_clora.pinned_memory.host_like`), and swaps it through
+:func:`~skyrl_clora.device.pinned_memory.host_like`), and swaps it through
 the live objects with ``copy_``, never reallocating them, so FSDP2's sharded DTensor parameters, the optimizer's
 state tensors and the scheduler stay the same Python objects:
 
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from skyrl_clora.pinned_memory import host_like
+from skyrl_clora.device.pinned_memory import host_like
 
 LORA_MARKERS = (".lora_A.", ".lora_B.")
 SCHEDULE_KEYS = ("base_lrs", "last_epoch", "_step_count", "_last_lr")

@@ -55,7 +55,7 @@ from typing import Any
 
 from aiohttp import web
 
-from skyrl_clora.endpoint_auth import bearer_auth, new_token
+from skyrl_clora.control.auth import bearer_auth, new_token
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.requests import SamplingParams, derive_seed

@@ -44,7 +44,7 @@ from transformers.utils import logging as hf_logging
 from skyrl_clora.backends.embedded.memory_plan import inference_only_blocks
 from skyrl_clora.backends.embedded.services import engine_slot_count, kv_cache_dtype, prefill_wait_steps
 from skyrl_clora.base_model import resolve_device
-from skyrl_clora.config import ConfigError, RunConfig
+from skyrl_clora.config.schema import ConfigError, RunConfig
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.engine_config import EngineConfig

@@ -3,7 +3,7 @@
 A tenant's state: its LoRA weights in the model dtype (what the sampler and the PEFT export get), the
 fp32 master weights, the Adam moments, the last gradients, the optimizer step count, its RNG state and
 its learning-rate schedule. Host tensors are page-locked when CUDA is present, so swaps are asynchronous, in blocks
-of their exact size (:mod:`skyrl_clora.pinned_memory`), so a tenant holds :meth:`AdapterStore.host_bytes`.
+of their exact size (:mod:`skyrl_clora.device.pinned_memory`), so a tenant holds :meth:`AdapterStore.host_bytes`.
 
 Per LoRA parameter key ``"<layer path>.a"`` (``[r, H_in]``) or ``"<layer path>.b"`` (``[H_out, r]``), at
 the tenant's own rank ``r``; a device slot holds the max rank ``R`` and is zero beyond ``r``. Each table
@@ -41,7 +41,7 @@ import torch
 from skyrl.train.config import AlgorithmConfig
 
 from skyrl_clora.lora.layers import AdapterWeights, MultiLoRALinear
-from skyrl_clora.pinned_memory import host_empty
+from skyrl_clora.device.pinned_memory import host_empty
 
 TABLES = ("master", "exp_avg", "exp_avg_sq", "grads")
 

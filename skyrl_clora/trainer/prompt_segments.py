@@ -31,7 +31,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from skyrl_clora.device_copy import lists_to_device
+from skyrl_clora.device.staging import lists_to_device
 from skyrl_clora.kernels import gather_rows
 from skyrl_clora.kernels.layers.gather_ops import inverse_index
 from skyrl_clora.trainer.shared_prefix import prompt_representatives

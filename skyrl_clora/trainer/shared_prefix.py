@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from skyrl_clora.device_copy import lists_to_device
+from skyrl_clora.device.staging import lists_to_device
 
 
 class _RecordKV:

@@ -47,11 +47,11 @@ from skyrl.backends.skyrl_train.workers.worker_utils import reduce_metrics
 from skyrl.train.config import AlgorithmConfig
 from torch.profiler import record_function
 
-from skyrl_clora.device_copy import lists_to_device
-from skyrl_clora.gpu_settings import avoid_cudnn_attention
+from skyrl_clora.device.staging import lists_to_device
+from skyrl_clora.device.cuda_settings import avoid_cudnn_attention
 from skyrl_clora.kernels import LoRAMeta
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear
-from skyrl_clora.profiling import profiled
+from skyrl_clora.device.profiling import profiled
 from skyrl_clora.trainer.adapter_store import AdapterStore, TenantState
 from skyrl_clora.trainer.batch import MicroBatch, PassRows, TrainBatch, build_pass_rows, group_order, plan_micro_batches
 from skyrl_clora.trainer.fused_modules import fuse_elementwise_modules

@@ -17,7 +17,7 @@ from skyrl_clora.backends.embedded.memory_plan import (
     host_kv_blocks,
     kv_block_bytes,
 )
-from skyrl_clora.config import ConfigError
+from skyrl_clora.config.schema import ConfigError
 from tests.support.transport import swap_trainer
 
 CONFIG = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

@@ -77,7 +77,7 @@ def test_an_engine_of_2048_rows_keeps_its_graphs_and_workspaces_within_the_plans
 def _prefill_pool_growth(prompt_lengths: list[int]) -> int:
     """Bytes the allocator reserves while a fresh engine (expandable segments, as the run sets) prefills
     ``prompt_lengths`` one prompt at a time, each pass of a new flat-batch size capturing its own graph."""
-    from skyrl_clora.gpu_settings import use_expandable_segments
+    from skyrl_clora.device.cuda_settings import use_expandable_segments
     from skyrl_clora.sampler.fused_projections import attach_engine_lora
     from skyrl_clora.sampler.engine import Engine
     from skyrl_clora.sampler.engine_config import EngineConfig

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from skyrl_clora import pinned_memory
+from skyrl_clora.device import pinned_memory
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
-from skyrl_clora.pinned_memory import PAGE_BYTES, PinnedPool
+from skyrl_clora.device.pinned_memory import PAGE_BYTES, PinnedPool
 from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule

@@ -90,7 +90,7 @@ def test_a_resume_plans_by_the_measured_step_times(tmp_path: Path) -> None:
     from dataclasses import replace
 
     from skyrl_clora.checkpoints import TenantCheckpoint
-    from skyrl_clora.config_build import build_run_config
+    from skyrl_clora.config.build import build_run_config
     from skyrl_clora.main import compose_config
     from skyrl_clora.placement.replicas import plan_replicas
 

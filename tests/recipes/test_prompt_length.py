@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from skyrl_clora.config import ConfigError
+from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.main import main
 from skyrl_clora.recipes.plugin import TaskSource, drop_long_prompts
 from skyrl_clora.recipes.skyrl_gsm8k.data import make_skyrl_rows, save_rows_parquet

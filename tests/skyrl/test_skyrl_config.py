@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from skyrl.train.utils.utils import validate_cfg
 
-from skyrl_clora.config import ConfigError
-from skyrl_clora.config_keys import given_keys
+from skyrl_clora.config.schema import ConfigError
+from skyrl_clora.config.keys import given_keys
 from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate, why_workers_cannot_run
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.support.micro_task import assert_learning, register_micro_env
 from skyrl_clora.backends.skyrl import training_input
-from skyrl_clora.config_build import build_run_config, plan_steps
+from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter, load_peft_adapter
 from skyrl_clora.main import compose_config, main

@@ -18,7 +18,7 @@ from skyrl.train.config import AlgorithmConfig, SkyRLTrainConfig
 from transformers import AutoModelForCausalLM
 
 from skyrl_clora.backends.skyrl import SkyRLBackend, Tenant, training_input
-from skyrl_clora.config_build import build_run_config, plan_steps
+from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate

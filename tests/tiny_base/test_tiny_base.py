@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from skyrl_clora.recipes.gsm8k import make_dataset_rows, register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.tools import format_tool_call
-from skyrl_clora.config import ConfigError
+from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.recipes.gsm8k.evaluate import evaluate_policy
 from skyrl_clora.tiny_base.pretrain import (
     TinyBaseRecipe,

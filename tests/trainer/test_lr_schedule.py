@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers.trainer import get_scheduler  # what skyrl's fsdp_strategy imports
 
-from skyrl_clora.config_build import build_run_config
+from skyrl_clora.config.build import build_run_config
 from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate
-from skyrl_clora.config import ConfigError
+from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.trainer.adapter_store import LR_SCHEDULES, LRSchedule
 
 

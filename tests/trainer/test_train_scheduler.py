@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.micro_task import assert_learning, micro_tenants
-from skyrl_clora.config import ConfigError
+from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.main import main
 from skyrl_clora.trainer.pack_plan import pack_load, plan_packs, round_seconds
 from skyrl_clora.trainer.scheduler import TrainScheduler, pack_cost_model
@@ -210,7 +210,7 @@ def test_train_modes_end_to_end(train_mode: str, overlap: str, learning_model_di
 @pytest.mark.e2e
 def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: Path, tmp_path: Path, overlap: str,
                                                               paused: bool) -> None:
-    from skyrl_clora.config_build import build_run_config
+    from skyrl_clora.config.build import build_run_config
     from skyrl_clora.main import compose_config
     from skyrl_clora.backends.embedded.services import build_services
 
@@ -224,7 +224,7 @@ def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: 
 
 @pytest.mark.e2e
 def test_unknown_train_mode_is_a_one_line_config_error(micro_model_dir: Path, tmp_path: Path) -> None:
-    from skyrl_clora.config_build import build_run_config
+    from skyrl_clora.config.build import build_run_config
     from skyrl_clora.main import compose_config
 
     with pytest.raises(ConfigError, match=r"clora.train_mode=fused is unknown; use swap or packed"):

@@ -26,7 +26,7 @@ from skyrl_clora.backends.embedded.memory_plan import available_host_memory, che
 from skyrl_clora.backends.embedded.services import Services, build_services
 from skyrl_clora.base_model import resolve_model_path
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
-from skyrl_clora.config import RunConfig, algorithm_config
+from skyrl_clora.config.schema import RunConfig, algorithm_config
 from skyrl_clora.episodes import episode_batch, scalar_reward
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from skyrl_clora.config import ConfigError
+from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch

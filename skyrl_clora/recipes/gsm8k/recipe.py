@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from skyrl_clora.config import RecipeConfig
+from skyrl_clora.config.schema import RecipeConfig
 from skyrl_clora.recipes.gsm8k import corpus
 from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
 from skyrl_clora.recipes.gsm8k.problems import load_gsm8k_parquet, make_dataset_rows

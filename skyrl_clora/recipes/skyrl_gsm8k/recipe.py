@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import skyrl_gym
 
-from skyrl_clora.config import RecipeConfig
+from skyrl_clora.config.schema import RecipeConfig
 from skyrl_clora.recipes.gsm8k.recipe import task_rows
 from skyrl_clora.recipes.plugin import ChatFunction, CorpusSettings, Episode, EpisodeEnv, TaskSource
 from skyrl_clora.recipes.skyrl_gsm8k import corpus

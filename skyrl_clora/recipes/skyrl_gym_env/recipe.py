@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from skyrl_clora.config import RecipeConfig
+from skyrl_clora.config.schema import RecipeConfig
 from skyrl_clora.recipes.plugin import (
     ANY_REGISTERED_ENV,
     ChatFunction,

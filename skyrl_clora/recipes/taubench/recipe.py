@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from skyrl_clora.config import ConfigError, RecipeConfig
+from skyrl_clora.config.schema import ConfigError, RecipeConfig
 from skyrl_clora.recipes.plugin import ChatFunction, EpisodeEnv, TaskSource
 from skyrl_clora.recipes.taubench.data import dataset_rows
 from skyrl_clora.recipes.taubench.env import register_taubench_env

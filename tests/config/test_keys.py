@@ -11,16 +11,16 @@ from typing import Any, Callable
 import pytest
 from omegaconf import OmegaConf
 
-from skyrl_clora.config import ConfigError
-from skyrl_clora.config_build import build_run_config
-from skyrl_clora.config_keys import (
+from skyrl_clora.config.schema import ConfigError
+from skyrl_clora.config.build import build_run_config
+from skyrl_clora.config.keys import (
     DOC_HEADER, HONOURED, IGNORED, KEY_RULES, REFUSED, SKYRL_RULES, SKYRL_SET, check_embedded_keys, given_keys,
     mapping_table, rule_for,
 )
 from skyrl_clora.main import check_known_keys, compose_config
 from skyrl_clora.skyrl.config_translation import translate
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ SAMPLES = [
 SKYRL_REFUSES = {"trainer.algorithm.advantage_estimator": "trainer.critic.model.path",
                  "trainer.algorithm.enable_sample_support_replay": "enable_return_sample_support_set"}
 
-# Keys SkyRL's config receives from the plugin instead (config_keys.SKYRL_SET), with the value each sample gives.
+# Keys SkyRL's config receives from the plugin instead (config.keys.SKYRL_SET), with the value each sample gives.
 SET_BY_PLUGIN = {"trainer.strategy", "trainer.policy_mini_batch_size"}
 
 
@@ -151,7 +151,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_docs_table_is_the_codes() -> None:
-    assert DOCS.read_text() == DOC_HEADER + mapping_table() + "\n", "regenerate: python -m skyrl_clora.config_keys"
+    assert DOCS.read_text() == DOC_HEADER + mapping_table() + "\n", "regenerate: python -m skyrl_clora.config.keys"
 
 
 def test_every_rule_has_a_sample() -> None:

@@ -1,7 +1,7 @@
-"""The composed Hydra config read into the run's :class:`~skyrl_clora.config.RunConfig`: SkyRL's keys where SkyRL has
-one (:data:`TRAINER_KEYS`, :data:`~skyrl_clora.config.RECIPE_KEYS`, ...), the plugin's own keys otherwise.
+"""The composed Hydra config read into the run's :class:`~skyrl_clora.config.schema.RunConfig`: SkyRL's keys where SkyRL has
+one (:data:`TRAINER_KEYS`, :data:`~skyrl_clora.config.schema.RECIPE_KEYS`, ...), the plugin's own keys otherwise.
 
-Every problem is a :class:`~skyrl_clora.config.ConfigError` of one line naming the key as the user writes it.
+Every problem is a :class:`~skyrl_clora.config.schema.ConfigError` of one line naming the key as the user writes it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 
-from skyrl_clora.config import (
+from skyrl_clora.config.schema import (
     KV_CACHE_DTYPE_KEY, RECIPE_KEYS, ConfigError, EvalConfig, LoraConfig, RecipeConfig, RunConfig, SamplerConfig,
     OPTIMIZER_FIELDS, PLUGIN_TRAINER_FIELDS, TrainerConfig, checked, check_algorithm, check_output_dir,
 )
@@ -179,7 +179,7 @@ def check_tenant_overrides(spec: TenantSpec, trainer: TrainerConfig, backend: st
         raise ConfigError(f"tenant {spec.name}: the override {given[0]} needs backend=embedded (SkyRL's policy workers "
                           f"share one config); set {PER_TENANT_SKYRL[given[0]]} for the run instead")
     overrides = spec.algorithm_overrides()
-    from skyrl_clora.config_keys import rule_for
+    from skyrl_clora.config.keys import rule_for
 
     for name, value in overrides.items():  # what the run's command line refuses, a tenant's override refuses too
         rule = rule_for(f"trainer.algorithm.{name}")

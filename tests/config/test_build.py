@@ -11,8 +11,8 @@ import yaml
 
 from omegaconf import OmegaConf
 
-from skyrl_clora.config_build import build_run_config, plan_steps
-from skyrl_clora.help import is_global
+from skyrl_clora.config.build import build_run_config, plan_steps
+from skyrl_clora.config.help import is_global
 from skyrl_clora.main import CONF_DIR, compose_config, main
 from skyrl_clora.tenants import expand_tenants
 
@@ -90,7 +90,7 @@ def test_expand_tenants_rejects_malformed(value) -> None:
 def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) -> None:
     """Every key of every conf file (backend=skyrl's and tau-bench's too) is listed with its default and a
     description; the descriptions are the conf files' comments."""
-    from skyrl_clora.help import conf_keys
+    from skyrl_clora.config.help import conf_keys
     from skyrl_clora.main import CONF_DIR
 
     assert main(["--help"]) == 0
@@ -111,7 +111,7 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
 
 
 def test_help_opens_each_group_options_section_with_its_files_header(capsys: pytest.CaptureFixture) -> None:
-    from skyrl_clora.help import header
+    from skyrl_clora.config.help import header
     from skyrl_clora.main import CONF_DIR
 
     assert main(["--help"]) == 0
@@ -125,7 +125,7 @@ def test_help_opens_each_group_options_section_with_its_files_header(capsys: pyt
 
 def test_help_lists_each_skyrl_key_a_backend_ignores_or_runs_with_one_value_only(capsys: pytest.CaptureFixture) -> None:
     """Every ignored or one-value rule of both backends is in --help, under its backend, with its reason."""
-    from skyrl_clora.config_keys import HONOURED, KEY_RULES, SKYRL_RULES
+    from skyrl_clora.config.keys import HONOURED, KEY_RULES, SKYRL_RULES
 
     assert main(["--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
@@ -307,7 +307,7 @@ def test_every_groups_problem_is_listed_at_once(tmp_path: Path, capsys: pytest.C
 
 def test_every_skyrl_key_is_a_known_key() -> None:
     """Any key of SkyRL's SkyRLTrainConfig is overridable without a ``+`` (SkyRL's own tree is in the config)."""
-    from skyrl_clora.config_keys import skyrl_defaults
+    from skyrl_clora.config.keys import skyrl_defaults
     from skyrl_clora.main import check_known_keys, compose_config
 
     keys = [key for key, value in flat(skyrl_defaults()).items() if isinstance(value, (int, float, str))]
@@ -319,7 +319,7 @@ def test_every_skyrl_key_is_a_known_key() -> None:
 
 
 def skyrl_defaults_value(key: str) -> str:
-    from skyrl_clora.config_keys import skyrl_defaults
+    from skyrl_clora.config.keys import skyrl_defaults
 
     value = flat(skyrl_defaults())[key]
     return str(value).lower() if isinstance(value, bool) else f"'{value}'" if isinstance(value, str) else str(value)
@@ -365,7 +365,7 @@ def test_kv_cache_dtype_picks_the_engines_cache_dtype(value: str | None, expecte
 
 
 def test_an_unsupported_kv_cache_dtype_is_one_line(tmp_path: Path) -> None:
-    from skyrl_clora.config import ConfigError
+    from skyrl_clora.config.schema import ConfigError
 
     cfg = compose_config([f"clora.output_dir={tmp_path}", "+generator.inference_engine.engine_init_kwargs.kv_cache_dtype=fp8_e5m2"])
     with pytest.raises(ConfigError, match=r"^generator.inference_engine.engine_init_kwargs.kv_cache_dtype=fp8_e5m2 is not "

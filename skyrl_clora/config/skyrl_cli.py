@@ -4,7 +4,7 @@ SkyRL's entry point (``SkyRLTrainConfig.from_cli_overrides``) does more than set
 ``generator.inference_engine.async_engine=true`` (the async HTTP path is the only one; ``false`` or any other value
 is refused), renames the deprecated ``trainer.use_sample_packing`` to ``trainer.remove_microbatch_padding``, and
 refuses the keys it removed with the replacement to use; parsing with ``OmegaConf.from_cli``, it takes any key
-under its free-form dicts (``config_keys.FREE_FORM_KEYS``) without Hydra's ``+``; and it builds
+under its free-form dicts (``config.keys.FREE_FORM_KEYS``) without Hydra's ``+``; and it builds
 ``generator.eval_sampling_params`` from the keys given under it alone (:func:`eval_sampling_defaults`).
 :func:`skyrl_cli_overrides` does the same to the plugin's command line, with SkyRL's reasons, so that a SkyRL command
 means here what it means there.
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from skyrl_clora.config import ConfigError
-from skyrl_clora.config_keys import FREE_FORM_KEYS
+from skyrl_clora.config.schema import ConfigError
+from skyrl_clora.config.keys import FREE_FORM_KEYS
 
 ASYNC_ENGINE = "generator.inference_engine.async_engine"
 SAMPLE_PACKING, MICROBATCH_PADDING = "trainer.use_sample_packing", "trainer.remove_microbatch_padding"

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from skyrl.train.config import SkyRLTrainConfig
 
-from skyrl_clora.config import ConfigError
-from skyrl_clora.config_build import build_run_config
-from skyrl_clora.config_keys import check_embedded_keys, given_keys
+from skyrl_clora.config.schema import ConfigError
+from skyrl_clora.config.build import build_run_config
+from skyrl_clora.config.keys import check_embedded_keys, given_keys
 from skyrl_clora.main import check_known_keys, compose_config, main
 from skyrl_clora.skyrl.config_translation import translate
-from skyrl_clora.skyrl_cli import skyrl_cli_overrides
+from skyrl_clora.config.skyrl_cli import skyrl_cli_overrides
 
 pytestmark = pytest.mark.usefixtures("without_production_extras")
 

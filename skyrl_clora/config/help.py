@@ -5,7 +5,7 @@ it that continue it), so the config files and the help cannot disagree. Sections
 groups (``clora``, ``trainer``, ``data``, ``generator``, ``sampler``), then each option of each config group
 (``recipe=gsm8k``, ``backend=skyrl``, ...; a ``_global_`` option's keys are written in full), then, per backend, the
 SkyRL keys it accepts without acting on them and those it runs with one value only, each with why
-(``config_keys``' rules: :func:`skyrl_key_rules_text`).
+(``config.keys``' rules: :func:`skyrl_key_rules_text`).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def help_text(conf_dir: Path) -> str:
 def skyrl_key_rules_text() -> str:
     """The SkyRL keys each backend ignores (accepted, acting on nothing: a line says so when one is given) and those
     it runs with one value only (another is refused in one line), each with its reason; docs/config.md has all."""
-    from skyrl_clora.config_keys import IGNORED, KEY_RULES, REFUSED, SKYRL_RULES
+    from skyrl_clora.config.keys import IGNORED, KEY_RULES, REFUSED, SKYRL_RULES
 
     lines = []
     for title, action in (("ignored (given, a line says so)", IGNORED),

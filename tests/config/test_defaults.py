@@ -12,10 +12,10 @@ import pytest
 from skyrl.train.config import SkyRLTrainConfig
 from skyrl.train.config.config import build_nested_dataclass
 
-from skyrl_clora.help import conf_keys
+from skyrl_clora.config.help import conf_keys
 from skyrl_clora.main import CONF_DIR, compose_config
 from skyrl_clora.skyrl.config_translation import skyrl_tree
-from skyrl_clora.skyrl_cli import preset_overrides
+from skyrl_clora.config.skyrl_cli import preset_overrides
 
 EXCEPTIONS = {
     "trainer.policy.model.path": "the command's own model (SkyRL's default is the hub id Qwen/Qwen2.5-1.5B-Instruct)",

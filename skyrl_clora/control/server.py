@@ -21,9 +21,9 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from skyrl_clora.checkpoints import read_live_tenants, write_live_tenants
-from skyrl_clora.config import ConfigError, RunConfig
-from skyrl_clora.config_build import check_tenant_overrides, tenant_defaults
-from skyrl_clora.endpoint_auth import bearer_auth, new_token, write_private
+from skyrl_clora.config.schema import ConfigError, RunConfig
+from skyrl_clora.config.build import check_tenant_overrides, tenant_defaults
+from skyrl_clora.control.auth import bearer_auth, new_token, write_private
 from skyrl_clora.recipes.plugin import TaskSource, build_task_sources
 from skyrl_clora.tenants import TenantSpec, expand_tenants
 

@@ -1,4 +1,4 @@
-"""The plugin's configuration: the validated dataclasses of a run (``config_build`` reads the composed Hydra tree,
+"""The plugin's configuration: the validated dataclasses of a run (``config.build`` reads the composed Hydra tree,
 conf/, into them).
 
 Errors in user input raise :class:`ConfigError` with a one-line message that names the fix; the entry
@@ -14,7 +14,7 @@ from typing import Any, get_type_hints
 
 from skyrl_clora.sampler.fair_share import ADMISSIONS
 from skyrl_clora.tenants import TenantSpec
-from skyrl_clora.value_types import typed_value
+from skyrl_clora.config.value_types import typed_value
 
 
 class ConfigError(ValueError):
@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 
 
 def checked(value: Any, hint: Any, key: str) -> Any:
-    """``value_types.typed_value``, its error raised as a :class:`ConfigError`."""
+    """``config.value_types.typed_value``, its error raised as a :class:`ConfigError`."""
     try:
         return typed_value(value, hint, key)
     except ValueError as error:
@@ -163,7 +163,7 @@ SkyRL's ``trainer.<field>``."""
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    """The trainer's settings, each field named after the key it is read from (``config_build.TRAINER_KEYS``:
+    """The trainer's settings, each field named after the key it is read from (``config.build.TRAINER_KEYS``:
     SkyRL's ``trainer.policy.optimizer_config.*`` for :data:`OPTIMIZER_FIELDS`, the plugin's ``clora.*`` for
     :data:`PLUGIN_TRAINER_FIELDS`, SkyRL's ``trainer.*`` otherwise). Its defaults are the composed config's."""
 
@@ -323,7 +323,7 @@ class EvalConfig:
 @dataclass(frozen=True)
 class RunConfig:
     """Everything one run needs. ``tenants`` is expanded from ``+tenants=N`` or a list of overrides. ``steps`` (RL
-    steps per tenant) depends on the training data: :func:`~skyrl_clora.config_build.plan_steps` derives it as SkyRL
+    steps per tenant) depends on the training data: :func:`~skyrl_clora.config.build.plan_steps` derives it as SkyRL
     does from ``trainer.epochs`` and ``trainer.max_training_steps``, and reading it before raises."""
 
     mode: str
@@ -407,10 +407,10 @@ class RunConfig:
 
     @property
     def steps(self) -> int:
-        """RL steps per tenant, as planned from the training rows (:func:`~skyrl_clora.config_build.plan_steps`)."""
+        """RL steps per tenant, as planned from the training rows (:func:`~skyrl_clora.config.build.plan_steps`)."""
         if self.planned_steps is None:
             raise RuntimeError("RunConfig.steps depends on the training rows: build the run with "
-                               "config_build.plan_steps(run, train_rows) first")
+                               "config.build.plan_steps(run, train_rows) first")
         return self.planned_steps
 
     @property

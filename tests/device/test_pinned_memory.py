@@ -1,4 +1,4 @@
-"""The page-locked host pool (:mod:`skyrl_clora.pinned_memory`) on the CPU, with a recording stand-in for
+"""The page-locked host pool (:mod:`skyrl_clora.device.pinned_memory`) on the CPU, with a recording stand-in for
 ``cudaHostRegister``: blocks of the size asked for, locked once, handed out again only when no tensor views them."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_clora import pinned_memory
-from skyrl_clora.pinned_memory import PAGE_BYTES, PinnedPool, host_copies
+from skyrl_clora.device import pinned_memory
+from skyrl_clora.device.pinned_memory import PAGE_BYTES, PinnedPool, host_copies
 
 
 @pytest.fixture

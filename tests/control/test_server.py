@@ -1,6 +1,6 @@
 """The control endpoint's token: every route refuses a request without it (status 401, nothing changed), works with
 it, and ``python -m skyrl_clora.ctl`` reads it from the run's folder. The endpoint serves a stand-in of the run's
-tenants (what :class:`~skyrl_clora.control.ControlledTenants` asks of a pool); the end-to-end runs with ``ctl`` are
+tenants (what :class:`~skyrl_clora.control.server.ControlledTenants` asks of a pool); the end-to-end runs with ``ctl`` are
 in test_checkpoints.py and placement/test_replicas.py."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 from tests.support.helpers import http_call
 from tests.support.micro_task import micro_tenants, run_args
 from skyrl_clora import ctl
-from skyrl_clora.config import ConfigError
-from skyrl_clora.config_build import build_run_config, plan_steps
-from skyrl_clora.control import CONTROL_FILE, ControlServer
+from skyrl_clora.config.schema import ConfigError
+from skyrl_clora.config.build import build_run_config, plan_steps
+from skyrl_clora.control.server import CONTROL_FILE, ControlServer
 from skyrl_clora.main import compose_config
 from skyrl_clora.recipes.plugin import TaskSource
 from skyrl_clora.tenants import TenantSpec
