@@ -26,7 +26,7 @@ import pytest
 from skyrl_clora.config.build import build_run_config
 from skyrl_clora.main import check_known_keys, compose_config, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "RESULTS.md", "docs/gpu.md", "docs/config.md")
 PROGRAM = re.compile(r"^(?:\w+=\S*\s+)*(?P<command>(?:python3?|bash)\s+.*)$")
 OURS = re.compile(r"^(?:python3? -m (?:benchmarks|skyrl_clora|pytest)\b|python3? scripts/|bash scripts/)")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import skyrl_clora.kernels
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_package_folder_is_in_the_build() -> None:

@@ -1,4 +1,4 @@
-"""Evaluation follows SkyRL's (``skyrl.train.evaluate``): ``generator.eval_sampling_params`` (SkyRL's default:
+"""The tenant loop's evaluation follows SkyRL's (``skyrl.train.evaluate``): ``generator.eval_sampling_params`` (SkyRL's default:
 greedy, at the training length), ``generator.eval_n_samples_per_prompt`` episodes per row, SkyRL's metric names; and
 the eval sampling params a command means are SkyRL's own (``SkyRLTrainConfig.from_cli_overrides``)."""
 
