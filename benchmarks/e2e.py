@@ -66,7 +66,7 @@ from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.main import compose_config
 from skyrl_clora.sampler.engine_stats import EngineStats
 from skyrl_clora.sampler.requests import SamplingParams, derive_seed
-from skyrl_clora.trainer.adapter_store import LRSchedule
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.scheduler import TrainPass, TrainScheduler
 from skyrl_clora.trainer.trainer import TrainBatch
 

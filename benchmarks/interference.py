@@ -61,7 +61,8 @@ from skyrl_clora.sampler.engine_config import STREAM_PRIORITIES
 from skyrl_clora.sampler.engine_thread import GIL_SWITCH_SECONDS
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner
 from skyrl_clora.sampler.sampling import DrawnTokens, draw_rows
-from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.adapter_store import AdapterStore
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.trainer import Trainer

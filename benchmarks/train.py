@@ -36,7 +36,8 @@ from benchmarks.common import (DEVICE, H200_BF16_TFLOPS, SHAPES, build_random_mo
 import skyrl_clora.trainer.trainer as trainer_module
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
-from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.adapter_store import AdapterStore
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.fused_modules import FusedRMSNorm, fuse_elementwise_modules

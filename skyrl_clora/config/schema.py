@@ -228,7 +228,7 @@ class TrainerConfig:
                               f"{' or '.join(TRAIN_PRIORITIES)}")
         if self.pack_size < 0:
             raise ConfigError(f"clora.pack_size must be >= 0 (0: one slot per tenant, up to 8), got {self.pack_size}")
-        from skyrl_clora.trainer.adapter_store import LR_SCHEDULES
+        from skyrl_clora.trainer.lr_schedule import LR_SCHEDULES
 
         if self.scheduler not in LR_SCHEDULES:
             raise ConfigError(f"trainer.policy.optimizer_config.scheduler={self.scheduler} is not implemented here; "

@@ -65,7 +65,8 @@ from transformers import AutoModelForCausalLM
 
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
-from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.adapter_store import AdapterStore
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.logprobs import training_temperature
 from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
 from skyrl_clora.trainer.trainer import OptimizerConfig, TrainBatch, Trainer

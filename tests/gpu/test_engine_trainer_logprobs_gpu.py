@@ -24,7 +24,8 @@ from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
-from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.adapter_store import AdapterStore
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.trainer import Trainer

@@ -14,7 +14,8 @@ from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.device.pinned_memory import PAGE_BYTES, PinnedPool
 from skyrl_clora.sampler.adapter_slots import AdapterSlots
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
-from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.adapter_store import AdapterStore
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
-from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.adapter_store import AdapterStore
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.logprobs import token_logprobs
 from skyrl_clora.trainer.optim import OptimizerConfig

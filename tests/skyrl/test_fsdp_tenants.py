@@ -28,7 +28,7 @@ from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.skyrl.fsdp_store import FSDPAdapterStore, FSDPLoraSignature, lora_a_initializer
 from skyrl_clora.skyrl.stack import check_buildable
 
-from skyrl_clora.trainer.adapter_store import LRSchedule
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 
 SCENARIO = Path(__file__).with_name("fsdp_scenario.py")
 

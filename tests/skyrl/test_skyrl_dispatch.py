@@ -26,7 +26,8 @@ from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.skyrl.config_translation import translate
 from skyrl_clora.skyrl.stack import build_stack
 from skyrl_clora.skyrl.worker import training_batch_to_train_batch
-from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.adapter_store import AdapterStore
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
 
 pytestmark = pytest.mark.usefixtures("without_production_extras")

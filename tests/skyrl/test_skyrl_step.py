@@ -25,7 +25,7 @@ from skyrl_clora.skyrl.config_translation import translate
 from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
 from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID, EmbeddedPolicyWorker, training_batch_to_train_batch
 from skyrl_clora.tenant_loop import Update
-from skyrl_clora.trainer.adapter_store import LRSchedule
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 
 pytestmark = pytest.mark.usefixtures("without_production_extras")
 

@@ -14,7 +14,7 @@ from skyrl_clora.config.build import build_run_config
 from skyrl_clora.main import compose_config
 from skyrl_clora.skyrl.config_translation import translate
 from skyrl_clora.config.schema import ConfigError
-from skyrl_clora.trainer.adapter_store import LR_SCHEDULES, LRSchedule
+from skyrl_clora.trainer.lr_schedule import LR_SCHEDULES, LRSchedule
 
 
 def _skyrl_lrs(name: str, lr: float, warmup: int, total: int, steps: int) -> list[float]:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from skyrl_clora.lora.peft_export import init_adapter
-from skyrl_clora.trainer.adapter_store import LRSchedule, TenantState
+from skyrl_clora.trainer.adapter_store import TenantState
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.trainer import Trainer
 from tests.support.transport import check_swap_a_b_a, swap_batch, swap_trainer
 

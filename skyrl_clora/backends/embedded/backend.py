@@ -34,7 +34,7 @@ from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.recipes.plugin import TaskSource, load_recipe
 from skyrl_clora.tenant_loop import PoolHost, Rollout, Update, run_tenant_pool
 from skyrl_clora.tenants import TenantSpec
-from skyrl_clora.trainer.adapter_store import LRSchedule
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
 

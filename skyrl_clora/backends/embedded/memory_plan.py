@@ -20,7 +20,8 @@ import torch
 
 from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.lora.peft_export import init_adapter
-from skyrl_clora.trainer.adapter_store import AdapterStore, LRSchedule
+from skyrl_clora.trainer.adapter_store import AdapterStore
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.trainer import Trainer
 
