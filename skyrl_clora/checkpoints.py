@@ -21,11 +21,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from skyrl_clora.config.schema import ConfigError, RunConfig, prepare_output_dir
+from skyrl_clora.config.schema import ConfigError, RunConfig
 from skyrl_clora.tenants import TenantSpec
 
 LATEST = "latest_ckpt_global_step.txt"
@@ -270,3 +271,14 @@ def _common_step(root: Path | None, run: RunConfig, checkpoints: dict[str, Tenan
                               "clora.output_dir (with trainer.max_ckpts_to_keep >= 2)")
         rolled[name] = held
     return rolled
+
+
+def prepare_output_dir(path: Path) -> None:
+    """Creates ``path`` (a run's ``clora.output_dir``, claimed after every refusal) if missing; a :class:`ConfigError`
+    when it cannot be written."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ConfigError(f"clora.output_dir={path} is not writable ({error.strerror}); choose another directory") from None

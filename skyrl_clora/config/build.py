@@ -17,8 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from skyrl_clora.config.schema import (
     KV_CACHE_DTYPE_KEY, RECIPE_KEYS, ConfigError, EvalConfig, LoraConfig, RecipeConfig, RunConfig, SamplerConfig,
-    OPTIMIZER_FIELDS, PLUGIN_TRAINER_FIELDS, TrainerConfig, checked, check_algorithm, check_output_dir,
+    OPTIMIZER_FIELDS, PLUGIN_TRAINER_FIELDS, TrainerConfig, checked,
 )
+from skyrl_clora.config.checks import check_algorithm, check_inputs, check_output_dir
 from skyrl_clora.tenants import PER_TENANT_SKYRL, TenantSpec, expand_tenants
 
 TRAINER_KEYS = {
@@ -114,7 +115,9 @@ def trainer_config(cfg: DictConfig) -> TrainerConfig:
     temperature = cfg.generator.sampling_params.temperature
     if values["algorithm"].get("temperature") is None and isinstance(temperature, (int, float)):
         values["algorithm"]["temperature"] = temperature  # as SkyRL's SkyRLTrainConfig.__post_init__ does
-    return typed_fields(TrainerConfig, values, TRAINER_KEYS)
+    trainer = typed_fields(TrainerConfig, values, TRAINER_KEYS)
+    check_algorithm(trainer.algorithm)
+    return trainer
 
 
 def lora_config(cfg: DictConfig) -> LoraConfig:
@@ -233,9 +236,11 @@ def run_identity(cfg: DictConfig, tenants: list[TenantSpec]) -> dict[str, Any]:
 
 
 def build_run_config(cfg: DictConfig) -> RunConfig:
-    """Validates the composed Hydra config, checks that the run's output folder can be made (:func:`check_output_dir`;
-    nothing is created) and returns the run's :class:`RunConfig`, its steps not yet planned (:func:`plan_steps`). The groups are checked
-    independently and every group's problem is reported at once: a :class:`ConfigError` of one line per problem."""
+    """Validates the composed Hydra config, then the files and folders it names (:func:`check_inputs`), that the
+    run's output folder can be made (:func:`check_output_dir`; nothing is created), and returns the run's
+    :class:`RunConfig`, its steps not yet planned (:func:`plan_steps`). The groups are checked independently and every
+    group's problem is reported at once, as are the input files' problems: a :class:`ConfigError` of one line per
+    problem."""
     problems: list[str] = []
 
     def section(build: Callable[[], Any]) -> Any:
@@ -273,6 +278,9 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         identity=run_identity(cfg, tenants),
         **scalars,
     )
+    problems = check_inputs(run)
+    if problems:
+        raise ConfigError("\n".join(problems))
     if run.model_path is None:  # the tiny base is pre-trained on this corpus at first use
         from skyrl_clora.recipes.plugin import load_corpus
 

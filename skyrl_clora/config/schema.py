@@ -1,5 +1,6 @@
 """The plugin's configuration: the validated dataclasses of a run (``config.build`` reads the composed Hydra tree,
-conf/, into them).
+conf/, into them). Each dataclass checks its own values; what a run's configuration needs of the world around it
+(files and folders, SkyRL's registries) is checked where the run is built (:mod:`skyrl_clora.config.checks`).
 
 Errors in user input raise :class:`ConfigError` with a one-line message that names the fix; the entry
 point prints it and exits with status 2.
@@ -7,10 +8,9 @@ point prints it and exits with status 2.
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
 from skyrl_clora.sampler.fair_share import ADMISSIONS
 from skyrl_clora.tenants import TenantSpec
@@ -66,10 +66,6 @@ class RecipeConfig:
         if self.chat_template_kwargs and self.batched:
             raise ConfigError("generator.chat_template_kwargs needs generator.batched=false (SkyRL's rule: batched "
                               "generation leaves the chat template to the engine); set generator.batched=false")
-        for name in ("train_data", "val_data"):
-            for path in getattr(self, name):
-                if not Path(path).exists():
-                    raise ConfigError(f"{RECIPE_KEYS[name]}: {path} does not exist; point it at an existing file")
 
 
 RECIPE_KEYS = {
@@ -92,61 +88,6 @@ class LoraConfig:
     def __post_init__(self) -> None:
         if self.max_lora_rank < 1:
             raise ConfigError(f"sampler.max_lora_rank must be >= 1, got {self.max_lora_rank}")
-
-
-def algorithm_config(algorithm: dict[str, Any]) -> Any:
-    """SkyRL's ``AlgorithmConfig`` built from ``trainer.algorithm`` (nested configs included)."""
-    from skyrl.train.config import AlgorithmConfig
-    from skyrl.train.config.config import build_nested_dataclass
-
-    return build_nested_dataclass(AlgorithmConfig, algorithm)
-
-
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs")  # SkyRL's compute_approx_kl
-
-
-def check_algorithm(algorithm: dict[str, Any]) -> None:
-    """``trainer.algorithm`` as SkyRL's ``AlgorithmConfig`` takes it, with an advantage estimator and a policy loss
-    that SkyRL's registries hold (a custom one registered before the run counts) and KL options SkyRL accepts and
-    the plugin honours (``use_kl_loss`` or ``use_kl_in_reward`` with a controller SkyRL's ``get_kl_controller``
-    builds, ``kl_loss_coef``, ``kl_estimator_type``) and a loss reduction SkyRL runs (``max_seq_len`` set for
-    ``seq_mean_token_sum_norm``); else a :class:`ConfigError`."""
-    from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
-    from skyrl.train.config import AlgorithmConfig
-
-    hints = get_type_hints(AlgorithmConfig)
-    for key, value in algorithm.items():
-        hint = hints.get(key)
-        if hint in (int, float, bool, str) or hint in (int | None, float | None, bool | None, str | None):
-            checked(value, hint, f"trainer.algorithm.{key}")
-    try:
-        config = algorithm_config(algorithm)
-    except (TypeError, ValueError, AssertionError) as error:
-        raise ConfigError(f"trainer.algorithm: {str(error).splitlines()[0]}") from None
-    from skyrl_clora.trainer.loss_reduction import loss_reduction_problem
-
-    problem = loss_reduction_problem(config)
-    if problem is not None:
-        raise ConfigError(problem)
-    if config.kl_estimator_type not in KL_ESTIMATORS:
-        raise ConfigError(f"trainer.algorithm.kl_estimator_type={config.kl_estimator_type} is unknown; use one of "
-                          f"{', '.join(KL_ESTIMATORS)}")
-    if config.use_kl_in_reward and config.use_kl_loss:
-        raise ConfigError("trainer.algorithm.use_kl_in_reward and use_kl_loss are mutually exclusive (SkyRL's rule); "
-                          "set one of them to false")
-    if config.use_kl_in_reward:
-        from skyrl.backends.skyrl_train.utils.ppo_utils import get_kl_controller
-
-        try:
-            get_kl_controller(config)  # SkyRL's own checks of kl_ctrl
-        except ValueError as error:
-            raise ConfigError(f"trainer.algorithm.kl_ctrl: {error}; fix kl_ctrl.type (fixed or adaptive) or "
-                              "kl_ctrl.horizon") from None
-    for key, registry in (("advantage_estimator", AdvantageEstimatorRegistry), ("policy_loss_type", PolicyLossRegistry)):
-        available = registry.list_available()
-        if key in algorithm and algorithm[key] not in available:
-            raise ConfigError(f"trainer.algorithm.{key}={algorithm[key]} is not in SkyRL's registry; use one of "
-                              f"{', '.join(sorted(available))} (or register yours with SkyRL before the run)")
 
 
 # SkyRL's Tracking backends that trainer.logger takes (mlflow and swanlab need servers or accounts).
@@ -209,10 +150,6 @@ class TrainerConfig:
             raise ConfigError(f"trainer.resume_mode={self.resume_mode} is unknown; use latest, none or from_path")
         if (self.resume_mode == "from_path") != (self.resume_path is not None):
             raise ConfigError("trainer.resume_path goes with trainer.resume_mode=from_path (set both, or neither)")
-        if self.resume_path is not None and not Path(self.resume_path).is_dir():
-            raise ConfigError(f"trainer.resume_path={self.resume_path} is not a folder; point it at an earlier run's "
-                              "trainer.ckpt_path")
-        check_algorithm(self.algorithm)
         if self.max_tokens_per_microbatch == 0 or self.max_tokens_per_microbatch < -1:
             raise ConfigError(f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} must be -1 (micro-batches "
                               "of trainer.micro_train_batch_size_per_gpu rows) or a positive token count")
@@ -395,9 +332,6 @@ class RunConfig:
             raise ConfigError(f"clora.device={self.device} is unknown; use auto, cpu or cuda")
         if self.model_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"model.dtype={self.model_dtype} is unknown; use auto, float32, bfloat16 or float16")
-        if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
-            raise ConfigError(f"trainer.policy.model.path={self.model_path} is not a Hugging Face model folder (no "
-                              "config.json); fix the path")
         for spec in self.tenants:
             if spec.rank > self.lora.max_lora_rank:
                 raise ConfigError(
@@ -432,27 +366,3 @@ class RunConfig:
         """How many tenants the services are built for: ``clora.max_tenants`` or, when it is less (0), the
         tenants the run starts with."""
         return max(self.max_tenants, len(self.tenants))
-
-
-def check_output_dir(path: Path) -> None:
-    """Refuses (:class:`ConfigError`) a ``clora.output_dir`` that cannot be made or written, and leaves nothing
-    behind: the folders this check makes to find out (``path`` and those above it that were missing) are removed
-    again."""
-    made = [folder for folder in (path, *path.parents) if not folder.exists()]
-    try:
-        prepare_output_dir(path)
-    finally:
-        for folder in made:  # deepest first
-            if folder.is_dir():
-                folder.rmdir()
-
-
-def prepare_output_dir(path: Path) -> None:
-    """Creates ``path`` (a run's ``clora.output_dir``, claimed after every refusal) if missing; a :class:`ConfigError`
-    when it cannot be written."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path):
-            pass
-    except OSError as error:
-        raise ConfigError(f"clora.output_dir={path} is not writable ({error.strerror}); choose another directory") from None

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from skyrl_clora.base_model import resolve_device
-from skyrl_clora.checkpoints import TenantCheckpoint, checkpoint_root, run_tenants
-from skyrl_clora.config.schema import ConfigError, RunConfig, prepare_output_dir
+from skyrl_clora.checkpoints import TenantCheckpoint, checkpoint_root, prepare_output_dir, run_tenants
+from skyrl_clora.config.schema import ConfigError, RunConfig
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.metrics import write_run_summary
 from skyrl_clora.placement.planner import estimated_cost, measured_costs, plan_assignment, step_seconds

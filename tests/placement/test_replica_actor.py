@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.micro_task import micro_tenants, read_records, run_args
-from skyrl_clora.config.schema import prepare_output_dir
+from skyrl_clora.checkpoints import prepare_output_dir
 from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.main import compose_config

@@ -10,7 +10,8 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import (
 )
 from skyrl.train.config import AlgorithmConfig
 
-from skyrl_clora.config.schema import ConfigError, check_algorithm
+from skyrl_clora.config.checks import check_algorithm
+from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.trainer.batch import TrainBatch, build_pass_rows
 from skyrl_clora.trainer.loss_reduction import LOSS_REDUCTIONS
 

@@ -26,7 +26,8 @@ from skyrl_clora.backends.embedded.memory_plan import available_host_memory, che
 from skyrl_clora.backends.embedded.services import Services, build_services
 from skyrl_clora.base_model import resolve_model_path
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
-from skyrl_clora.config.schema import RunConfig, algorithm_config
+from skyrl_clora.config.checks import algorithm_config
+from skyrl_clora.config.schema import RunConfig
 from skyrl_clora.episodes import episode_batch, scalar_reward
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
@@ -34,8 +35,8 @@ from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.recipes.plugin import TaskSource, load_recipe
 from skyrl_clora.tenant_loop import PoolHost, Rollout, Update, run_tenant_pool
 from skyrl_clora.tenants import TenantSpec
-from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
 
 

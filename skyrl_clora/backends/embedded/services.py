@@ -23,7 +23,8 @@ from transformers.utils import logging as hf_logging
 from skyrl_clora.backends.embedded.memory_plan import available_host_memory, host_kv_blocks, plan_kv_blocks
 from skyrl_clora.backends.embedded.sync import AdapterSync
 from skyrl_clora.base_model import resolve_device
-from skyrl_clora.config.schema import ConfigError, RunConfig, SamplerConfig, algorithm_config
+from skyrl_clora.config.checks import algorithm_config
+from skyrl_clora.config.schema import ConfigError, RunConfig, SamplerConfig
 from skyrl_clora.device.cuda_settings import use_expandable_segments
 from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear, attach_multi_lora
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
