@@ -62,10 +62,10 @@ from skyrl_clora.sampler.engine_thread import GIL_SWITCH_SECONDS
 from skyrl_clora.sampler.model_runner import DECODE_ROW_QUANTUM, ModelRunner
 from skyrl_clora.sampler.sampling import DrawnTokens, draw_rows
 from skyrl_clora.trainer.adapter_store import AdapterStore
-from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.optim import OptimizerConfig
-from skyrl_clora.trainer.trainer import Trainer
+from skyrl_clora.trainer.trainer import Trainer, TrainerSettings
 
 RANK = 16
 BLOCK = 128  # the engine's K/V block (sampler.prefill_block in the e2e runs)
@@ -267,9 +267,9 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, Trainer, list[str]
     for index, name in enumerate(names):
         store.register(name, init_adapter(trainer_layers, RANK, 2.0 * RANK, torch.Generator().manual_seed(index)),
                        LRSchedule(1e-4, 0, 1000, "constant"), seed=index)
-    trainer = Trainer(trainer_model, routing, trainer_layers, store, AlgorithmConfig(use_kl_loss=False),
+    trainer = Trainer(trainer_model, routing, trainer_layers, store, TrainerSettings(AlgorithmConfig(use_kl_loss=False),
                       OptimizerConfig(), micro_batch_size=32, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-                      shared_prefix=True)
+                      shared_prefix=True))
     return model, trainer, names
 
 

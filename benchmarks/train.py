@@ -37,11 +37,11 @@ import skyrl_clora.trainer.trainer as trainer_module
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore
-from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.fused_modules import FusedRMSNorm, fuse_elementwise_modules
-from skyrl_clora.trainer.trainer import Trainer
+from skyrl_clora.trainer.trainer import Trainer, TrainerSettings
 
 TENANTS = 8
 RANK = 16
@@ -199,9 +199,10 @@ def main(argv: list[str] | None = None) -> None:
         weights = init_adapter(layers, RANK, 2.0 * RANK, torch.Generator().manual_seed(index))
         store.register(name, weights, LRSchedule(base_lr=1e-5 * (index + 1)), seed=index)
     # With the hf baseline, Hugging Face's own RMSNorm / SwiGLU modules for it (run first), then fused.
-    trainer = Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(),
+    trainer = Trainer(model, routing, layers, store, TrainerSettings(AlgorithmConfig(use_kl_loss=False),
+                                                                     OptimizerConfig(),
                       micro_batch_size=args.micro_batch_size, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-                      fused_elementwise=not args.hf_baseline)
+                      fused_elementwise=not args.hf_baseline))
     print(f"model built in {time.perf_counter() - started:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
           f"parameters, {len(layers)} LoRA layers, rank {RANK}, {device_name()}", flush=True)
 

@@ -74,9 +74,9 @@ from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID
 from skyrl_clora.skyrl.worker_patches import with_salt_gated_lora_sync
 from skyrl_clora.tenant_loop import Rollout, Update, run_tenant_pool
 from skyrl_clora.tenants import TenantSpec
-from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.kl import kl_reward_penalty
 from skyrl_clora.trainer.loss_reduction import reduce_advantages
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 
 # Each tenant's dispatch tells the worker when its sync may skip the global prefix-cache reset (patch 0001).
 SALT_GATED_DISPATCH = with_salt_gated_lora_sync(WorkerDispatch)

@@ -66,10 +66,10 @@ from transformers import AutoModelForCausalLM
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore
-from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.logprobs import training_temperature
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
-from skyrl_clora.trainer.trainer import OptimizerConfig, TrainBatch, Trainer
+from skyrl_clora.trainer.trainer import OptimizerConfig, TrainBatch, Trainer, TrainerSettings
 
 
 # The model_id under which the policy worker answers ``forward`` with the reference policy: the frozen base,
@@ -175,13 +175,14 @@ class EmbeddedPolicyWorker:
         routing, layers = attach_multi_lora(model, 1, max_rank, trainable=True)
         self.store = AdapterStore(layers, num_slots=1)
         optimizer = policy.optimizer_config
-        self.trainer = Trainer(
-            model, routing, layers, self.store, self._trainer_algorithm(),
+        settings = TrainerSettings(
+            self._trainer_algorithm(),
             OptimizerConfig(betas=tuple(optimizer.adam_betas), weight_decay=optimizer.weight_decay,
                             max_grad_norm=optimizer.max_grad_norm),
             micro_batch_size=self.cfg.micro_train_batch_size_per_gpu,
             max_tokens_per_microbatch=self.cfg.max_tokens_per_microbatch,
         )
+        self.trainer = Trainer(model, routing, layers, self.store, settings)
         self.tenants = dict(tenants or {})
         self.total_steps = max(1, num_training_steps or 1)
 

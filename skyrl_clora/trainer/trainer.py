@@ -62,8 +62,31 @@ from skyrl_clora.trainer.prompt_segments import segment_prefix_hidden
 from skyrl_clora.trainer.shared_prefix import shared_prefix_hidden, supports_shared_prefix
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainerSettings:
+    """How a :class:`Trainer` computes its steps, read from one run's configuration: SkyRL's ``algorithm`` settings
+    (loss, advantage estimator, KL, temperature, mini-batches), AdamW's ``optimizer`` settings, and the shape of a
+    pass (micro-batches, logits, fused modules, shared prompts, update epochs: :class:`Trainer` says what each
+    does)."""
+
+    algorithm: AlgorithmConfig
+    optimizer: OptimizerConfig
+    micro_batch_size: int
+    max_tokens_per_microbatch: int = -1
+    max_logits: int = 1 << 27
+    fused_elementwise: bool = True
+    shared_prefix: bool = False
+    mini_batch_prompts: int = 0
+    update_epochs: int = 1
+
+    def __post_init__(self) -> None:
+        if self.update_epochs < 1:
+            raise ValueError(f"update_epochs must be >= 1, got {self.update_epochs}")
+
+
 class Trainer:
-    """Runs GRPO steps on a trainer model whose LoRA layers are trainable slots managed by ``store``.
+    """Runs GRPO steps on a trainer model whose LoRA layers are trainable slots managed by ``store``, as
+    ``settings`` (:class:`TrainerSettings`) say.
 
     ``store.slots`` bounds the tenants of one packed pass; in swap mode a second slot, when there is one,
     receives the next tenant's state (``train_step(..., prefetch=name)``) while the current one trains.
@@ -79,43 +102,27 @@ class Trainer:
     without, every row runs its whole sequence.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        routing: LoRARouting,
-        layers: dict[str, MultiLoRALinear],
-        store: AdapterStore,
-        algorithm: AlgorithmConfig,
-        optimizer: OptimizerConfig,
-        micro_batch_size: int,
-        max_tokens_per_microbatch: int = -1,
-        max_logits: int = 1 << 27,
-        fused_elementwise: bool = True,
-        shared_prefix: bool = False,
-        mini_batch_prompts: int = 0,
-        update_epochs: int = 1,
-    ) -> None:
-        if update_epochs < 1:
-            raise ValueError(f"update_epochs must be >= 1, got {update_epochs}")
+    def __init__(self, model: torch.nn.Module, routing: LoRARouting, layers: dict[str, MultiLoRALinear],
+                 store: AdapterStore, settings: TrainerSettings) -> None:
         avoid_cudnn_attention()
-        if fused_elementwise:
+        if settings.fused_elementwise:
             fuse_elementwise_modules(model)
         self.model = model
         self.routing = routing
         self.layers = layers
         self.store = store
-        self.algorithm = algorithm
-        self.optimizer = optimizer
-        self.micro_batch_size = micro_batch_size
-        self.max_tokens_per_microbatch = max_tokens_per_microbatch
-        self.mini_batch_prompts = mini_batch_prompts
-        self.update_epochs = update_epochs
-        self.max_logits = max_logits
+        self.algorithm = settings.algorithm  # SkyRL's worker sets its fields between steps (set_algorithm_config)
+        self.optimizer = settings.optimizer
+        self.micro_batch_size = settings.micro_batch_size
+        self.max_tokens_per_microbatch = settings.max_tokens_per_microbatch
+        self.mini_batch_prompts = settings.mini_batch_prompts
+        self.update_epochs = settings.update_epochs
+        self.max_logits = settings.max_logits
         self._policy_losses: dict[str, Callable] = {}  # SkyRL's policy losses by name (:meth:`_policy_loss`)
         self.device = store.device
         self.decoder = model.base_model
         self.head = model.get_output_embeddings()
-        self.shared_prefix = shared_prefix and supports_shared_prefix(self.decoder)
+        self.shared_prefix = settings.shared_prefix and supports_shared_prefix(self.decoder)
         # One flat pass on flash attention (a GPU in half precision; host-bound there, a second pass costs
         # what it saves), two passes elsewhere (the segments' reference attention is a dense [N, N] mask).
         flash = self.device.type == "cuda" and self.head.weight.dtype in (torch.float16, torch.bfloat16)

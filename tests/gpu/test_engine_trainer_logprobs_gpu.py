@@ -25,10 +25,10 @@ from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.trainer.adapter_store import AdapterStore
-from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.optim import OptimizerConfig
-from skyrl_clora.trainer.trainer import Trainer
+from skyrl_clora.trainer.trainer import Trainer, TrainerSettings
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -67,8 +67,8 @@ def _trainer(model_dir: Path, device: str) -> Trainer:
     for name, (seed, temperature, _) in TENANTS.items():
         store.register(name, random_adapter(layers, seed, b_std=0.05), LRSchedule(base_lr=1e-3), seed=seed)
         store.tenants[name].algorithm = AlgorithmConfig(use_kl_loss=False, temperature=temperature)
-    return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(),
-                   micro_batch_size=8)
+    return Trainer(model, routing, layers, store, TrainerSettings(AlgorithmConfig(use_kl_loss=False), OptimizerConfig(),
+                   micro_batch_size=8))
 
 
 def _sample(model_dir: Path, device: str) -> dict[str, list[tuple[list[int], list[int], list[float]]]]:

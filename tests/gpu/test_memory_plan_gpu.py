@@ -26,14 +26,15 @@ def test_a_training_pass_of_the_planned_shape_fits_beside_the_planned_kv_blocks(
     from skyrl_clora.sampler.engine_thread import EngineThread
     from skyrl_clora.backends.embedded.services import share_base_weights
     from skyrl_clora.trainer.adapter_store import AdapterStore
-    from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
+    from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer, TrainerSettings
 
     model = _random_model(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
     sampler_layers, trainer_model, routing, trainer_layers = share_base_weights(model, 2, 1, 8)
     store = AdapterStore(trainer_layers, num_slots=1)
-    trainer = Trainer(trainer_model, routing, trainer_layers, store, AlgorithmConfig(), OptimizerConfig(),
-                      micro_batch_size=8)
+    trainer = Trainer(trainer_model, routing, trainer_layers, store, TrainerSettings(AlgorithmConfig(),
+                                                                                     OptimizerConfig(),
+                      micro_batch_size=8))
     plan = plan_kv_blocks(model, trainer, utilization=0.3, block_size=32, rows=32, max_len=1024, micro_batch_rows=8,
                           pack=1, rank=8)
     assert plan.training_peak > 0 and plan.kv_blocks > 32

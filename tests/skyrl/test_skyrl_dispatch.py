@@ -28,7 +28,7 @@ from skyrl_clora.skyrl.stack import build_stack
 from skyrl_clora.skyrl.worker import training_batch_to_train_batch
 from skyrl_clora.trainer.adapter_store import AdapterStore
 from skyrl_clora.trainer.lr_schedule import LRSchedule
-from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
+from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer, TrainerSettings
 
 pytestmark = pytest.mark.usefixtures("without_production_extras")
 
@@ -76,7 +76,8 @@ def _local_step(model_dir: Path, batch, lr: float, seed: int, algorithm: Algorit
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
     routing, layers = attach_multi_lora(model, 1, 16, trainable=True)
     store = AdapterStore(layers, num_slots=1)
-    trainer = Trainer(model, routing, layers, store, algorithm, OptimizerConfig(), micro_batch_size=micro)
+    trainer = Trainer(model, routing, layers, store, TrainerSettings(algorithm, OptimizerConfig(),
+                                                                     micro_batch_size=micro))
     store.register("t", init_adapter(layers, 8, 16.0, torch.Generator().manual_seed(seed)), LRSchedule(lr), seed=seed)
     return trainer.train_step("t", batch)[1]
 

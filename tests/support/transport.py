@@ -15,11 +15,11 @@ from transformers import AutoModelForCausalLM
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore, TenantState
-from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.scheduler import TrainScheduler
-from skyrl_clora.trainer.trainer import Trainer
+from skyrl_clora.trainer.trainer import Trainer, TrainerSettings
 
 
 def swap_trainer(micro_model_dir: Path) -> Trainer:
@@ -30,7 +30,8 @@ def swap_trainer(micro_model_dir: Path) -> Trainer:
     for index, (name, rank) in enumerate((("A", 8), ("B", 16))):
         weights = init_adapter(layers, rank, 2.0 * rank, torch.Generator().manual_seed(index))
         store.register(name, weights, LRSchedule(base_lr=5e-3), seed=index)
-    return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(), micro_batch_size=3)
+    return Trainer(model, routing, layers, store, TrainerSettings(AlgorithmConfig(use_kl_loss=False),
+                                                                  OptimizerConfig(), micro_batch_size=3))
 
 
 def swap_batch(seed: int) -> TrainBatch:
@@ -99,7 +100,8 @@ def scheduler_trainer(model_dir: Path, slots: int, names: str = "ABC") -> Traine
     for index, name in enumerate(names):
         store.register(name, init_adapter(layers, 8, 16.0, torch.Generator().manual_seed(index)),
                        LRSchedule(base_lr=1e-3 * (index + 1)), seed=index)
-    return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(), micro_batch_size=4)
+    return Trainer(model, routing, layers, store, TrainerSettings(AlgorithmConfig(use_kl_loss=False),
+                                                                  OptimizerConfig(), micro_batch_size=4))
 
 
 def scheduler_batch(seed: int, bad: bool = False, response_len: int = 4) -> TrainBatch:

@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore
-from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
-from skyrl_clora.trainer.trainer import Trainer
+from skyrl_clora.trainer.trainer import Trainer, TrainerSettings
 from tests.support.transport import swap_batch
 
 
@@ -30,8 +30,9 @@ def _trainer(model_dir: Path, **algorithm: object) -> Trainer:
     routing, layers = attach_multi_lora(model, num_slots=1, max_rank=8, trainable=True)
     store = AdapterStore(layers, num_slots=1)
     store.register("B", init_adapter(layers, 8, 16.0, torch.Generator().manual_seed(1)), LRSchedule(2e-2), seed=1)
-    return Trainer(model, routing, layers, store, AlgorithmConfig(**{"use_kl_loss": False, **algorithm}),
-                   OptimizerConfig(), micro_batch_size=3)
+    return Trainer(model, routing, layers, store, TrainerSettings(AlgorithmConfig(**{"use_kl_loss": False,
+                                                                  **algorithm}),
+                   OptimizerConfig(), micro_batch_size=3))
 
 
 def _mask(batch: TrainBatch) -> torch.Tensor:

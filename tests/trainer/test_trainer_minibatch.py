@@ -15,11 +15,11 @@ from transformers import AutoModelForCausalLM
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore
-from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch, mini_batch_rows
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
-from skyrl_clora.trainer.trainer import Trainer
+from skyrl_clora.trainer.trainer import Trainer, TrainerSettings
 
 # name, rank, alpha, lr, seed
 TENANTS = (("A", 8, 16.0, 2e-2, 0), ("B", 16, 16.0, 1e-2, 1))
@@ -40,8 +40,8 @@ def _trainer(model_dir: Path, slots: int = 1, mini_batch_prompts: int = 0, updat
     for name, rank, alpha, lr, seed in TENANTS:
         weights = init_adapter(layers, rank, alpha, torch.Generator().manual_seed(seed))
         store.register(name, weights, LRSchedule(lr, total_steps=total_steps, kind="cosine"), seed=seed)
-    return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(),
-                   micro_batch_size=3, mini_batch_prompts=mini_batch_prompts, update_epochs=update_epochs)
+    return Trainer(model, routing, layers, store, TrainerSettings(AlgorithmConfig(use_kl_loss=False), OptimizerConfig(),
+                   micro_batch_size=3, mini_batch_prompts=mini_batch_prompts, update_epochs=update_epochs))
 
 
 def _batch(seed: int, prompts: int = 4, samples: int = 2) -> TrainBatch:
@@ -156,7 +156,7 @@ def _single(model_dir: Path, algorithm: AlgorithmConfig, optimizer: OptimizerCon
                        seed=seed, algorithm=tenant_algorithm if own else None,
                        weight_decay=tenant_weight_decay if own else None,
                        max_grad_norm=tenant_max_grad_norm if own else None)
-    return Trainer(model, routing, layers, store, algorithm, optimizer, micro_batch_size=3)
+    return Trainer(model, routing, layers, store, TrainerSettings(algorithm, optimizer, micro_batch_size=3))
 
 
 @pytest.mark.parametrize("policy_loss_type", ["regular", "gspo"])

@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore
-from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch, plan_micro_batches
 from skyrl_clora.trainer.logprobs import token_logprobs
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.optim import OptimizerConfig
-from skyrl_clora.trainer.trainer import Trainer
+from skyrl_clora.trainer.trainer import Trainer, TrainerSettings
 
 # name, rank, alpha, lr, seed: different lr, rank and seed per tenant
 TENANTS = (("A", 8, 16.0, 5e-3, 0), ("B", 16, 16.0, 2e-3, 1), ("C", 4, 12.0, 8e-3, 2))
@@ -31,8 +31,8 @@ def _trainer(model_dir: Path, slots: int, micro_batch_size: int = 3) -> Trainer:
     for name, rank, alpha, lr, seed in TENANTS:
         weights = init_adapter(layers, rank, alpha, torch.Generator().manual_seed(seed))
         store.register(name, weights, LRSchedule(base_lr=lr, warmup_steps=0, total_steps=4, kind="cosine"), seed=seed)
-    return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False), OptimizerConfig(),
-                   micro_batch_size=micro_batch_size)
+    return Trainer(model, routing, layers, store, TrainerSettings(AlgorithmConfig(use_kl_loss=False), OptimizerConfig(),
+                   micro_batch_size=micro_batch_size))
 
 
 def _batch(seed: int, rows: int = 4, logprobs: bool = False) -> TrainBatch:

@@ -14,11 +14,11 @@ from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.sampler.sampling import request_uniforms, sample_rows
 from skyrl_clora.trainer.adapter_store import AdapterStore
-from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.logprobs import token_logprobs, training_temperature
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.optim import OptimizerConfig
-from skyrl_clora.trainer.trainer import Trainer
+from skyrl_clora.trainer.trainer import Trainer, TrainerSettings
 
 PROMPT = list(range(5, 17))
 
@@ -30,8 +30,9 @@ def _trainer(model_dir: Path, temperature: float, slots: int = 1, shared_prefix:
     for seed, name in enumerate(("A", "B")):
         store.register(name, init_adapter(layers, 8, 16.0, torch.Generator().manual_seed(seed)), LRSchedule(5e-2),
                        seed=seed)
-    return Trainer(model, routing, layers, store, AlgorithmConfig(use_kl_loss=False, temperature=temperature),
-                   OptimizerConfig(), micro_batch_size=4, shared_prefix=shared_prefix)
+    return Trainer(model, routing, layers, store, TrainerSettings(AlgorithmConfig(use_kl_loss=False,
+                                                                  temperature=temperature),
+                   OptimizerConfig(), micro_batch_size=4, shared_prefix=shared_prefix))
 
 
 def _batch(responses: list[list[int]]) -> TrainBatch:

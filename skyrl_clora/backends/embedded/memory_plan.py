@@ -21,8 +21,8 @@ import torch
 from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore
-from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.batch import TrainBatch
+from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.trainer import Trainer
 
 GRAPH_RESERVE_BYTES = 3 << 30  # decode and prefill CUDA graph pools, attention and LoRA workspaces, sampling

@@ -34,7 +34,7 @@ from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora, fuse_base_projections
 from skyrl_clora.trainer.adapter_store import AdapterStore
 from skyrl_clora.trainer.scheduler import TrainScheduler
-from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer
+from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer, TrainerSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_BLAS_LIBRARY = torch.backends.cuda.preferred_blas_library()  # what carve_gemm_sms(0) restores
@@ -92,14 +92,14 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
 
     store = AdapterStore(trainer_layers, num_slots=trainer_slots)
     algorithm = algorithm_config(run.trainer.algorithm)
-    trainer = Trainer(
-        trainer_model, trainer_routing, trainer_layers, store, algorithm,
-        OptimizerConfig(weight_decay=run.trainer.weight_decay, max_grad_norm=run.trainer.max_grad_norm),
+    settings = TrainerSettings(
+        algorithm, OptimizerConfig(weight_decay=run.trainer.weight_decay, max_grad_norm=run.trainer.max_grad_norm),
         micro_batch_size=run.trainer.micro_train_batch_size_per_gpu,
         max_tokens_per_microbatch=run.trainer.max_tokens_per_microbatch,
         shared_prefix=run.trainer.shared_prompts, mini_batch_prompts=run.trainer.policy_mini_batch_size,
         update_epochs=run.trainer.update_epochs_per_batch,
     )
+    trainer = Trainer(trainer_model, trainer_routing, trainer_layers, store, settings)
     max_len = run.max_sequence_length
     rows = -(-(run.sampler.max_rows or num_tenants * rows_per_tenant) // 16) * 16
     kv_blocks = run.sampler.kv_blocks or None
