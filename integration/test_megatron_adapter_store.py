@@ -6,7 +6,7 @@ Needs a GPU node with >= 3 GPUs (2 for the Megatron workers, 1 for a vLLM server
     source scripts/env.sh && SKYRL_CLORA_MODEL=/models/Qwen3-0.6B \
         python -m pytest integration/test_megatron_adapter_store.py -v
 
-The stack is the plugin's own (:func:`skyrl_clora.skyrl.stack.build_stack`): SkyRL's Megatron policy workers
+The stack is the plugin's own (:func:`skyrl_clora.backends.skyrl.stack.build_stack`): SkyRL's Megatron policy workers
 (2 GPUs, data parallel, patch 0001's run-time form) under SkyRL's ``PPORayActorGroup``, one ``WorkerDispatch``
 per tenant, and a vLLM server (Megatron's ``init_weight_sync_state`` imports vLLM and POSTs
 ``/init_weight_transfer_engine``: the embedded server is refused with Megatron). Asserted: the KL reference
@@ -33,11 +33,11 @@ from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 from gpu_node import requires
 from safetensors.torch import load_file
 
-from skyrl_clora.backends.skyrl import training_input
+from skyrl_clora.backends.skyrl.backend import training_input
 from skyrl_clora.config.build import build_run_config
 from skyrl_clora.main import compose_config
-from skyrl_clora.skyrl.config_translation import translate
-from skyrl_clora.skyrl.stack import build_stack
+from skyrl_clora.backends.skyrl.config_translation import translate
+from skyrl_clora.backends.skyrl.stack import build_stack
 from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID
 
 pytestmark = requires(gpus=3, modules=("megatron", "vllm", "ray"))

@@ -5,7 +5,7 @@ Needs a GPU node with >= 1 GPU, vllm (SkyRL's vLLM extras) and Ray. Command, fro
     source scripts/env.sh && SKYRL_CLORA_MODEL=/models/Qwen3-0.6B \
         python -m pytest integration/test_vllm_inplace_lora_reload.py -v
 
-The stack is the plugin's own (:func:`skyrl_clora.skyrl.stack.build_stack`): vLLM servers started by SkyRL's
+The stack is the plugin's own (:func:`skyrl_clora.backends.skyrl.stack.build_stack`): vLLM servers started by SkyRL's
 ``build_new_inference_client`` (LoRA on, prefix caching on), the tenants' ``TenantInferenceClient`` views,
 and ``EmbeddedPolicyWorker`` Ray actors for training (so that this test needs no Megatron). Asserted, while
 tenant-1 has a long greedy request in flight and tenant-0 trains one step and syncs in place
@@ -28,11 +28,11 @@ import aiohttp
 from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 
 from gpu_node import requires
-from skyrl_clora.backends.skyrl import training_input
+from skyrl_clora.backends.skyrl.backend import training_input
 from skyrl_clora.config.build import build_run_config
 from skyrl_clora.main import compose_config
-from skyrl_clora.skyrl.config_translation import translate
-from skyrl_clora.skyrl.stack import build_stack
+from skyrl_clora.backends.skyrl.config_translation import translate
+from skyrl_clora.backends.skyrl.stack import build_stack
 
 pytestmark = requires(gpus=1, modules=("vllm", "ray"))
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from skyrl_clora.checkpoints import TenantCheckpoint
     from skyrl_clora.config.schema import RunConfig
     from skyrl_clora.recipes.plugin import TaskSource
-    from skyrl_clora.skyrl.config_translation import SkyRLPlan
+    from skyrl_clora.backends.skyrl.config_translation import SkyRLPlan
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = None
         if run.backend == "skyrl":
             from skyrl_clora.tiny_base.pretrain import TinyBaseRecipe, tiny_base_path
-            from skyrl_clora.skyrl.config_translation import translate
-            from skyrl_clora.skyrl.stack import check_buildable
+            from skyrl_clora.backends.skyrl.config_translation import translate
+            from skyrl_clora.backends.skyrl.stack import check_buildable
 
             # SkyRL's constraints and what this machine can build, checked before anything starts.
             from skyrl_clora.config.keys import given_keys
@@ -230,7 +230,7 @@ def _run(run: RunConfig, plan: SkyRLPlan | None, sources: dict[str, TaskSource],
     try:
         try:
             if run.backend == "skyrl":
-                from skyrl_clora.backends.skyrl import run_skyrl
+                from skyrl_clora.backends.skyrl.backend import run_skyrl
 
                 summary = run_skyrl(run, plan, sources, resume, stopped, base_model_s)
             elif run.replicas > 1:

@@ -80,10 +80,9 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     ``base_model_s``, the seconds the command spent building the base model) and adapters/; returns the summary."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
-    from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
     from skyrl_gym.envs.registration import registry
 
-    from skyrl_clora.skyrl.stack import RAY_SYSTEM_CONFIG, forget_stale_registry_actors
+    from skyrl_clora.ray_session import RAY_SYSTEM_CONFIG, forget_stale_registry_actors, sync_skyrl_registries
 
     started = time.perf_counter()
     specs = [spec for spec in run.tenants if spec.name not in stopped
@@ -100,7 +99,7 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
         ray.init(include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG)
     # As SkyRL's initialize_ray: the driver makes (and so owns) the loss / estimator registries' named actors,
     # which replicas then sync with; made by a replica, they would die with it and fail the other replicas' steps.
-    sync_registries()
+    sync_skyrl_registries()
     STOP.reclaim()  # ray.init makes SIGTERM exit at once
     bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
     for resource in bundle:

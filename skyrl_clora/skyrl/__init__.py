@@ -1,24 +1,9 @@
-"""SkyRL glue: the embedded engine behind SkyRL's HTTP inference protocol, per-tenant client views, the
-translation of the plugin's Hydra config into SkyRL's ``SkyRLTrainConfig``, Ray policy workers over the
-embedded trainer and the stack builder, for the ``backend=skyrl`` backend (``backends.skyrl``)."""
+"""What runs inside SkyRL's Ray workers (policy workers over the embedded trainer, their tenant stores and patches,
+Megatron checkpoints and seeding); the driver side of ``backend=skyrl`` is ``skyrl_clora.backends.skyrl.backend``.
 
-import importlib.util
-import sys
+Ray actors import SkyRL's registries (``ppo_utils``) through these modules, and plain ``pickle`` fails on them while
+``ppo_utils`` imports: the ``cloudpickle`` they need is given to SkyRL before any of them imports."""
 
-import ray
+from skyrl_clora.ray_session import give_skyrl_cloudpickle
 
-
-def _give_skyrl_cloudpickle() -> None:
-    """SkyRL 0.4's loss registries (``ppo_utils``) pickle functions for their Ray registry actors with
-    ``cloudpickle``, falling back to plain ``pickle`` when that package is missing (it is not a dependency
-    here). Plain pickle fails on them (in an actor, already while ``ppo_utils`` imports), so hand SkyRL the
-    cloudpickle Ray ships, for imports to come and for a ``ppo_utils`` imported already."""
-    if importlib.util.find_spec("cloudpickle") is not None:
-        return
-    sys.modules.setdefault("cloudpickle", ray.cloudpickle)
-    ppo_utils = sys.modules.get("skyrl.backends.skyrl_train.utils.ppo_utils")
-    if ppo_utils is not None:
-        ppo_utils.cloudpickle = ray.cloudpickle
-
-
-_give_skyrl_cloudpickle()
+give_skyrl_cloudpickle()

@@ -7,7 +7,7 @@ engine -- inside ``broadcast_to_inference_engines`` on every LoRA sync, includin
 adapter (``model_id`` set). That drops every tenant's cached prefixes and makes the engines recompute every
 running request of every tenant. The reset is only redundant when the synced adapter's requests carry a cache
 salt that changes with its version (SkyRL's generator over a
-:class:`~skyrl_clora.skyrl.tenant_client.TenantInferenceClient` view): then its later requests cannot hit
+:class:`~skyrl_clora.backends.skyrl.tenant_client.TenantInferenceClient` view): then its later requests cannot hit
 blocks computed with its old weights (vLLM keys a LoRA's blocks by adapter name, not by the loaded weights,
 vllm-project/vllm#42125). SkyRL's Tinker ``sample()`` path sends no salt, so there the reset stays.
 

@@ -338,7 +338,7 @@ def test_skyrls_kl_options_and_the_step_style_reach_both_backends(backend: str, 
     embedded services' and the translated SkyRL config's); ``clora.step_style`` defaults to SkyRL's step."""
     from skyrl.train.config import AlgorithmConfig
 
-    from skyrl_clora.skyrl.config_translation import translate
+    from skyrl_clora.backends.skyrl.config_translation import translate
 
     overrides = [f"backend={backend}", f"clora.output_dir={tmp_path}", "trainer.algorithm.use_kl_loss=true",
                  "trainer.algorithm.kl_loss_coef=0.05", "trainer.algorithm.kl_estimator_type=k1"]

@@ -18,7 +18,7 @@ from skyrl_clora.config.keys import (
     mapping_table, rule_for,
 )
 from skyrl_clora.main import check_known_keys, compose_config
-from skyrl_clora.skyrl.config_translation import translate
+from skyrl_clora.backends.skyrl.config_translation import translate
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 

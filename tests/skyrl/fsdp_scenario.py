@@ -77,7 +77,7 @@ def _batch(seed: int, pad_token_id: int):
     """A GRPO-shaped ``TrainingInputBatch`` of 4 rows (2 groups), as the skyrl driver builds it."""
     from skyrl.train.config import AlgorithmConfig
 
-    from skyrl_clora.backends.skyrl import training_input
+    from skyrl_clora.backends.skyrl.backend import training_input
 
     generator = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(5, 300, (n,), generator=generator).tolist() for n in (9, 9, 6, 6)]
@@ -107,7 +107,7 @@ class Harness:
         self.worker.register_pristine_adapter()
         self.peak_report = None
         if measure_peak:  # a throwaway tenant's pass before the tenants exist: it must leave no trace in them
-            from skyrl_clora.skyrl.shared_gpu import peak_pass_batch
+            from skyrl_clora.backends.skyrl.shared_gpu import peak_pass_batch
 
             self.peak_report = self.worker.measure_training_peak(peak_pass_batch(2, 24, 300, 0, with_reference=True))
         self.worker.set_tenant_specs(tenants)

@@ -23,10 +23,10 @@ import torch
 from skyrl.train.config import SkyRLTrainConfig
 
 from tests.support.helpers import differing_keys
-from skyrl_clora.backends.skyrl import check_step_report
+from skyrl_clora.backends.skyrl.backend import check_step_report
 from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.skyrl.fsdp_store import FSDPAdapterStore, FSDPLoraSignature, lora_a_initializer
-from skyrl_clora.skyrl.stack import check_buildable
+from skyrl_clora.backends.skyrl.stack import check_buildable
 
 from skyrl_clora.trainer.lr_schedule import LRSchedule
 

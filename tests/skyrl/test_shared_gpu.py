@@ -1,11 +1,11 @@
-"""The batch the FSDP2 policy workers measure their training peak with (``skyrl_clora.skyrl.shared_gpu``)."""
+"""The batch the FSDP2 policy workers measure their training peak with (``skyrl_clora.backends.skyrl.shared_gpu``)."""
 
 from __future__ import annotations
 
 import torch
 from skyrl.backends.skyrl_train.workers.worker_utils import BaseBatchIterator
 
-from skyrl_clora.skyrl.shared_gpu import peak_pass_batch
+from skyrl_clora.backends.skyrl.shared_gpu import peak_pass_batch
 
 
 def test_the_peak_pass_batch_is_every_row_at_the_longest_sequence_in_skyrls_form() -> None:

@@ -13,7 +13,7 @@ from skyrl.train.utils.utils import validate_cfg
 from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.config.keys import given_keys
 from skyrl_clora.main import compose_config
-from skyrl_clora.skyrl.config_translation import translate, why_workers_cannot_run
+from skyrl_clora.backends.skyrl.config_translation import translate, why_workers_cannot_run
 
 REAL_FIND_SPEC = importlib.util.find_spec  # before the fixture below hides vllm and megatron
 
@@ -151,7 +151,7 @@ def test_auto_runs_the_stand_in_when_megatron_core_imports_but_megatron_bridge_d
     line = plan.substitutions[-1]
     assert line.startswith("trainer.strategy=megatron -> ") and "\n" not in line
     assert "backend.strategy=auto: SkyRL's Megatron worker imports megatron.bridge, transformer_engine" in line
-    from skyrl_clora.skyrl.stack import check_buildable
+    from skyrl_clora.backends.skyrl.stack import check_buildable
 
     (megatron_core_only / "vllm").mkdir()
     (megatron_core_only / "vllm" / "__init__.py").write_text("")

@@ -17,14 +17,14 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv
 from transformers import AutoModelForCausalLM
 
 from tests.support.micro_task import assert_learning, register_micro_env
-from skyrl_clora.backends.skyrl import training_input
+from skyrl_clora.backends.skyrl.backend import training_input
 from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter, load_peft_adapter
 from skyrl_clora.main import compose_config, main
 from skyrl_clora.sampler.requests import SamplingParams
-from skyrl_clora.skyrl.config_translation import translate
-from skyrl_clora.skyrl.stack import build_stack
+from skyrl_clora.backends.skyrl.config_translation import translate
+from skyrl_clora.backends.skyrl.stack import build_stack
 from skyrl_clora.skyrl.worker import training_batch_to_train_batch
 from skyrl_clora.trainer.adapter_store import AdapterStore
 from skyrl_clora.trainer.lr_schedule import LRSchedule

@@ -32,7 +32,7 @@ from skyrl.env_vars import SKYRL_GENERATE_CONCURRENCY_PER_ENGINE
 from skyrl.train.config import SkyRLTrainConfig
 from skyrl.train.generators.utils import build_vllm_cache_salt
 
-from skyrl_clora.skyrl.tenant_client import tenant_views
+from skyrl_clora.backends.skyrl.tenant_client import tenant_views
 from skyrl_clora.skyrl.worker_patches import with_per_tenant_lora_sync, with_salt_gated_lora_sync
 
 HERE = Path(__file__).resolve().parent

@@ -33,9 +33,9 @@ from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
-from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
-from skyrl_clora.skyrl.server import EmbeddedServer
-from skyrl_clora.skyrl.tenant_client import TenantInferenceClient, tenant_views
+from skyrl_clora.backends.skyrl.bearer_client import BearerInferenceClient
+from skyrl_clora.backends.skyrl.server import EmbeddedServer
+from skyrl_clora.backends.skyrl.tenant_client import TenantInferenceClient, tenant_views
 
 from tests.support.helpers import http_call, random_adapter
 

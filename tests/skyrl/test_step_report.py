@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_clora.backends.skyrl import check_step_report
+from skyrl_clora.backends.skyrl.backend import check_step_report
 
 
 def _float32(value: float) -> float:

@@ -12,8 +12,8 @@ import pytest
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
 from skyrl.train.generators.base import TrajectoryID
 
-from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
-from skyrl_clora.skyrl.tenant_client import UNKNOWN_VERSION, tenant_views
+from skyrl_clora.backends.skyrl.bearer_client import BearerInferenceClient
+from skyrl_clora.backends.skyrl.tenant_client import UNKNOWN_VERSION, tenant_views
 from skyrl_clora.tenant_loop import Rollout, check_sampled_versions
 
 

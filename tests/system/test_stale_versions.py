@@ -11,7 +11,7 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from tests.support.helpers import record_built
 from tests.support.micro_task import micro_tenants, read_records, run_args
-from skyrl_clora.backends import skyrl as skyrl_backend
+from skyrl_clora.backends.skyrl import backend as skyrl_backend
 from skyrl_clora.backends.embedded import backend as embedded_backend
 from skyrl_clora.main import main
 

@@ -128,7 +128,7 @@ def inference_only_blocks(model: torch.nn.Module, *, utilization: float, block_s
                           max_len: int, kv_dtype: torch.dtype | None = None, held_elsewhere: int = 0) -> int:
     """KV blocks (of ``kv_dtype``, None: the model's) for an engine whose trainer runs in other processes
     (backend=skyrl's embedded server): the plan with ``held_elsewhere`` bytes (what those processes take of this GPU
-    at their training peak: :func:`skyrl_clora.skyrl.shared_gpu.held_by_other_processes`) in place of a training
+    at their training peak: :func:`skyrl_clora.backends.skyrl.shared_gpu.held_by_other_processes`) in place of a training
     peak."""
     shape = ("SkyRL's policy workers on this GPU at their measured peak" if held_elsewhere
              else "none here: the trainer runs in other processes")

@@ -33,7 +33,7 @@ bodies vLLM's server (plus SkyRL's custom endpoints in ``vllm_server_actor.py``)
 
 Every request must carry ``Authorization: Bearer <token>`` with the server's :attr:`EmbeddedServer.token` (drawn
 per server; its clients get it in memory with its URL, as a
-:class:`~skyrl_clora.skyrl.bearer_client.BearerInferenceClient`'s ``api_key``); any other request, on any path, is
+:class:`~skyrl_clora.backends.skyrl.bearer_client.BearerInferenceClient`'s ``api_key``); any other request, on any path, is
 answered 401 before its handler runs.
 
 Errors are JSON ``{"error": {"message": ...}}`` with a 4xx status, which ``raise_for_status`` in SkyRL's

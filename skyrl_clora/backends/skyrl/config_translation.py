@@ -22,7 +22,7 @@ signature (rank, alpha, targets) across tenants (the Megatron ``AdapterStore`` f
 schedule the chosen workers honour.
 
 Stand-ins: ``backend.inference_backend=embedded`` (the project's engine behind SkyRL's HTTP protocol,
-:mod:`skyrl_clora.skyrl.server`) takes the place of vLLM and ``backend.strategy=embedded`` (Ray workers
+:mod:`skyrl_clora.backends.skyrl.server`) takes the place of vLLM and ``backend.strategy=embedded`` (Ray workers
 over the embedded trainer, :mod:`skyrl_clora.skyrl.worker`) the place of the FSDP2 or Megatron workers; ``auto``
 (the default) picks vLLM when importable and the named workers when this machine runs them (:func:`resolve_stack`),
 the stand-ins otherwise. The SkyRL configs keep the production values (``vllm``, ``fsdp`` or ``megatron``) so that
@@ -322,7 +322,7 @@ def translate(cfg: DictConfig, model_path: str | None = None, given: Collection[
     substitutions = []
     if inference == "embedded":
         substitutions.append("generator.inference_engine.backend=vllm -> the embedded engine behind SkyRL's HTTP "
-                             "protocol (skyrl_clora.skyrl.server), one server")
+                             "protocol (skyrl_clora.backends.skyrl.server), one server")
     if strategy == "embedded":
         substitutions.append(f"trainer.strategy={SKYRL_STRATEGY_NAMES[production]} -> Ray workers over the embedded "
                              "trainer (skyrl_clora.skyrl.worker.EmbeddedPolicyWorker), one worker"

@@ -2,7 +2,7 @@
 :class:`SkyRLBackend`.
 
 Per tenant: a ``SkyRLGymGenerator`` (``policy_model_name=<tenant>``, the tenant's translated generator
-config) over its :class:`~skyrl_clora.skyrl.tenant_client.TenantInferenceClient` view of the shared
+config) over its :class:`~skyrl_clora.backends.skyrl.tenant_client.TenantInferenceClient` view of the shared
 ``RemoteInferenceClient``, and a ``WorkerDispatch`` (the tenant's translated config, the view as its
 inference client) over one shared ``PPORayActorGroup`` of policy workers. A tenant's RL step is SkyRL's:
 
@@ -34,7 +34,7 @@ inference client) over one shared ``PPORayActorGroup`` of policy workers. A tena
 Tenants register through ``dispatch.register_adapter`` and their first ``save_weights_for_sampler``
 (version 0) and, on failure, are deleted (``dispatch.delete_adapter``) and unloaded. The trainer is one
 worker, so train+sync sections of different tenants take turns (a lock); generation is concurrent.
-On this machine the stack is the embedded engine behind :class:`~skyrl_clora.skyrl.server.EmbeddedServer`
+On this machine the stack is the embedded engine behind :class:`~skyrl_clora.backends.skyrl.server.EmbeddedServer`
 (vLLM's stand-in) and :class:`~skyrl_clora.skyrl.worker.EmbeddedPolicyWorker` Ray actors (Megatron's).
 Outputs are the embedded backend's: metrics.jsonl, summary.json, reward_curves.png, adapters/<tenant>/.
 """
@@ -68,8 +68,8 @@ from skyrl_clora.config.schema import RunConfig
 from skyrl_clora.episodes import episode_batch
 from skyrl_clora.metrics import MetricsLog, write_run_summary
 from skyrl_clora.recipes.plugin import TaskSource
-from skyrl_clora.skyrl.config_translation import SkyRLPlan
-from skyrl_clora.skyrl.stack import SkyRLStack, build_stack
+from skyrl_clora.backends.skyrl.config_translation import SkyRLPlan
+from skyrl_clora.backends.skyrl.stack import SkyRLStack, build_stack
 from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID
 from skyrl_clora.skyrl.worker_patches import with_salt_gated_lora_sync
 from skyrl_clora.tenant_loop import Rollout, Update, run_tenant_pool

@@ -8,7 +8,7 @@ generate semaphore (``SKYRL_GENERATE_CONCURRENCY_PER_ENGINE x engines`` permits,
 callers, so one tenant's big batch can hold every permit while the others wait.
 
 A :class:`TenantInferenceClient` is a ``RemoteInferenceClient`` for one tenant, pointed at the same servers (with
-the shared client's ``api_key`` when it is a :class:`~skyrl_clora.skyrl.bearer_client.BearerInferenceClient`):
+the shared client's ``api_key`` when it is a :class:`~skyrl_clora.backends.skyrl.bearer_client.BearerInferenceClient`):
 
 - ``weight_version`` is that tenant's adapter version (-1 until its adapter is first loaded): set from the server's answer to a LoRA load of the
   tenant's adapter (``version`` in the embedded server's body; one more per load with vLLM's), or advanced
@@ -47,7 +47,7 @@ from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import
 from skyrl.env_vars import SKYRL_GENERATE_CONCURRENCY_PER_ENGINE
 
 from skyrl_clora.lora.layers import AdapterWeights
-from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
+from skyrl_clora.backends.skyrl.bearer_client import BearerInferenceClient
 from skyrl_clora.lora.peft_export import save_peft_adapter
 
 

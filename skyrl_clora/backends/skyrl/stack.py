@@ -2,7 +2,7 @@
 and the policy worker group. Each half is production or its stand-in, per the plan:
 
 - inference ``embedded``: one :class:`~skyrl_clora.sampler.engine.Engine` (one adapter slot per tenant)
-  served by :class:`~skyrl_clora.skyrl.server.EmbeddedServer` on 127.0.0.1, SkyRL's
+  served by :class:`~skyrl_clora.backends.skyrl.server.EmbeddedServer` on 127.0.0.1, SkyRL's
   ``RemoteInferenceClient`` pointed at it (a ``BearerInferenceClient``, with the server's token). ``vllm``:
   SkyRL's ``build_new_inference_client`` starts the vLLM servers and router from the translated config (LoRA
   on, ``max_loras`` >= tenants per batch).
@@ -36,7 +36,6 @@ from typing import Any
 import ray
 import torch
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
-from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry, sync_registries
 from skyrl.backends.skyrl_train.workers.worker import PPORayActorGroup
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
@@ -46,17 +45,18 @@ from skyrl_clora.backends.embedded.services import engine_slot_count, kv_cache_d
 from skyrl_clora.base_model import resolve_device
 from skyrl_clora.config.schema import ConfigError, RunConfig
 from skyrl_clora.lora.peft_export import load_peft_adapter
+from skyrl_clora.ray_session import RAY_SYSTEM_CONFIG, forget_stale_registry_actors, sync_skyrl_registries
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
-from skyrl_clora.skyrl.bearer_client import BearerInferenceClient
-from skyrl_clora.skyrl.config_translation import MEGATRON_WORKER_PACKAGES, SkyRLPlan, importable
+from skyrl_clora.backends.skyrl.bearer_client import BearerInferenceClient
+from skyrl_clora.backends.skyrl.config_translation import MEGATRON_WORKER_PACKAGES, SkyRLPlan, importable
 from skyrl_clora.skyrl.fsdp_tenants import with_fsdp_tenants
 from skyrl_clora.skyrl.megatron_checkpoints import with_megatron_tenant_checkpoints
-from skyrl_clora.skyrl.server import EmbeddedServer
-from skyrl_clora.skyrl.shared_gpu import held_by_other_processes, peak_pass_batch
-from skyrl_clora.skyrl.tenant_client import TenantInferenceClient, tenant_views
+from skyrl_clora.backends.skyrl.server import EmbeddedServer
+from skyrl_clora.backends.skyrl.shared_gpu import held_by_other_processes, peak_pass_batch
+from skyrl_clora.backends.skyrl.tenant_client import TenantInferenceClient, tenant_views
 from skyrl_clora.skyrl.worker import EmbeddedPolicyWorker
 from skyrl_clora.skyrl.worker_patches import with_per_tenant_lora_sync
 
@@ -205,7 +205,7 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
                         group: PPORayActorGroup) -> tuple:
     """The embedded engine and its SkyRL-protocol server (started), and a client for it. On a GPU its KV cache gets
     what the memory plan leaves beside ``group``'s workers on the same GPU at their measured training peak
-    (:mod:`skyrl_clora.skyrl.shared_gpu`)."""
+    (:mod:`skyrl_clora.backends.skyrl.shared_gpu`)."""
     names = [spec.name for spec in plan.tenants]
     device = resolve_device(run)
     dtype = _DTYPES[run.model_dtype] if run.model_dtype != "auto" else (
@@ -297,22 +297,6 @@ def _gpu_group(trainer_cfg: Any, worker: Any) -> PPORayActorGroup:
                             sequence_parallel_size=trainer_cfg.policy.sequence_parallel_size)
 
 
-RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
-"""Ray's system config for every Ray this package starts (``ray.init(_system_config=...)``; SkyRL's ``initialize_ray``
-gets it as ``RAY_worker_niceness``). Ray runs its workers at niceness 15 by default, for workers that are background
-tasks beside the driver; here they are the run's own work (the replicas, SkyRL's trainer workers), and at niceness 15
-any other busy process on the machine takes nearly all the CPU from them."""
-
-
-def forget_stale_registry_actors() -> None:
-    """SkyRL's loss/estimator registries cache their Ray actor's handle per process and only drop it when no
-    actor of that name exists; after a Ray restart in this process (tests, a second run) the new session's
-    actor exists and the cached handle points into the old session. Drop the handles before Ray starts."""
-    for registry in (PolicyLossRegistry, AdvantageEstimatorRegistry):
-        registry._ray_actor = None
-        registry._synced_to_actor = False
-
-
 # Run by a watchdog process: while the driver (argv[1]) lives, it keeps the list of the driver's descendant
 # processes whose command line names Ray; once the driver has ended, however it ended, it kills those still
 # running (the same processes: pid and start time match), so a driver killed with SIGKILL leaves no Ray process.
@@ -366,7 +350,7 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
     if owns_ray and plan.inference_backend == plan.strategy == "embedded":
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
-        sync_registries()  # as SkyRL's initialize_ray does: the loss/estimator registries' Ray actors
+        sync_skyrl_registries()  # as SkyRL's initialize_ray does
     elif owns_ray:
         from skyrl.train.utils.utils import initialize_ray
 
