@@ -144,8 +144,7 @@ class Engine:
         for publish in publishes:
             try:
                 if isinstance(publish, Unregister):
-                    self.adapters.clear(publish.adapter)
-                    self.scheduler.fail_waiting(publish.adapter)
+                    self.scheduler.unregister(publish.adapter)
                 else:
                     self.adapters.publish(publish.adapter, publish.weights, publish.version)
                 publish.future.set_result(None)
@@ -166,9 +165,7 @@ class Engine:
             if plan.requests:
                 self._prefill(plan)
         except Exception as error:  # a failed prefill fails its own requests, not the running ones
-            for name in plan.loads:
-                if self.adapters.resident(name):
-                    self.adapters.evict(name)
+            self.scheduler.unload(plan.loads)
             for req in plan.requests:
                 if self.scheduler.rows[req.row] is req:
                     self._free_row(req.row)

@@ -247,12 +247,21 @@ class Scheduler:
         oldest = min(req.queued_at for req in self._waiting)
         return self.decode_steps - oldest < self.prefill_wait_steps
 
-    def fail_waiting(self, adapter: str) -> None:
-        """Fails every waiting request of ``adapter`` (just unregistered) and drops it from the queue."""
+    def unregister(self, adapter: str) -> None:
+        """Applies an unregister :meth:`ready_publishes` let land: ``adapter``'s slot is emptied and freed and its host
+        copy dropped (:meth:`AdapterSlots.clear`), and every waiting request of it fails and leaves the queue."""
+        self.adapters.clear(adapter)
         for req in [r for r in self._waiting if r.adapter == adapter]:
             self._waiting.remove(req)
             self._resuming -= req.resumes
             req.future.set_exception(_unregistered(adapter))
+
+    def unload(self, adapters: list[str]) -> None:
+        """Gives back the device slots of ``adapters``, loaded for a prefill that failed (a later round gives them
+        slots and loads them again when their requests come)."""
+        for name in adapters:
+            if self.adapters.resident(name):
+                self.adapters.evict(name)
 
     def admit(self) -> PrefillPlan:
         """Admits waiting requests (in the ``admission`` order: module docstring) into the free rows, lowest first, at most

@@ -257,7 +257,7 @@ def test_waiting_requests_of_an_unregistered_adapter_fail() -> None:
     first_a, first_b, second_a = _request([1], "a"), _request([1], "b"), _request([2], "a")
     for req in (first_a, first_b, second_a):
         scheduler.enqueue(req)
-    scheduler.fail_waiting("a")
+    scheduler.unregister("a")
     for req in (first_a, second_a):
         with pytest.raises(ValueError, match="adapter 'a' was unregistered"):
             req.future.result(timeout=0)
