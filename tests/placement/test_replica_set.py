@@ -18,6 +18,7 @@ from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.main import compose_config
 from skyrl_clora.placement.replica_actor import TenantEnd
 from skyrl_clora.placement.replica_set import ReplicaSet
+from skyrl_clora.ray_session import RAY_SYSTEM_CONFIG
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]  # a driver that waits forever fails at the limit
 
@@ -47,7 +48,9 @@ def test_tenants_a_replica_never_reported_fail_and_the_run_ends(micro_model_dir:
     cfg = compose_config(run_args(micro_model_dir, tmp_path, micro_tenants({"name": "a"}, {"name": "b"})))
     run = plan_steps(build_run_config(cfg), train_rows=12)
     subs = [replace(run, tenants=(spec,)) for spec in run.tenants]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,  # the actor imports this module
+    # As the package starts Ray (its workers at niceness 0: beside busy processes Ray's default of 15 starves them);
+    # the actors import this module.
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}})
     try:
         actor = ray.remote(Replica).options(max_concurrency=2)
