@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from typing import Any
 
 import ray
 
@@ -26,6 +27,13 @@ def forget_stale_registry_actors() -> None:
     for registry in (PolicyLossRegistry, AdvantageEstimatorRegistry):
         registry._ray_actor = None
         registry._synced_to_actor = False
+
+
+def start_ray(**init_kwargs: Any) -> None:
+    """Starts Ray in this process (none runs yet) with :data:`RAY_SYSTEM_CONFIG` and ``init_kwargs``
+    (``ray.init``'s), the registries' handles from an earlier session dropped first."""
+    forget_stale_registry_actors()
+    ray.init(_system_config=RAY_SYSTEM_CONFIG, **init_kwargs)
 
 
 def sync_skyrl_registries() -> None:

@@ -281,10 +281,6 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
     problems = check_inputs(run)
     if problems:
         raise ConfigError("\n".join(problems))
-    if run.model_path is None:  # the tiny base is pre-trained on this corpus at first use
-        from skyrl_clora.recipes.plugin import load_corpus
-
-        load_corpus(run.model_corpus)
     check_output_dir(run.output_dir)
     return run
 

@@ -1,6 +1,7 @@
 """What a run's configuration needs of the world around it, checked where the run is built (``config.build``):
-the files and folders it names, SkyRL's algorithm settings against SkyRL's own dataclass and registries, and an
-output folder that can be made. Each raises :class:`~skyrl_clora.config.schema.ConfigError` with a one-line fix."""
+the files, folders and recipe corpus it names, SkyRL's algorithm settings against SkyRL's own dataclass and
+registries, and an output folder that can be made. Each raises :class:`~skyrl_clora.config.schema.ConfigError` with a
+one-line fix."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from skyrl_clora.config.schema import RECIPE_KEYS, ConfigError, RunConfig, check
 
 
 def check_inputs(run: RunConfig) -> list[str]:
-    """The problems with the files and folders ``run`` reads (its data files, the run it resumes from, its model
-    folder), one line each."""
+    """The problems with what ``run`` reads (its data files, the run it resumes from, its model folder, or without
+    one the recipe corpus the tiny base is pre-trained on at first use), one line each."""
     problems = [f"{RECIPE_KEYS[name]}: {path} does not exist; point it at an existing file"
                 for name in ("train_data", "val_data") for path in getattr(run.recipe, name) if not Path(path).exists()]
     if run.trainer.resume_path is not None and not Path(run.trainer.resume_path).is_dir():
@@ -22,6 +23,13 @@ def check_inputs(run: RunConfig) -> list[str]:
     if run.model_path is not None and not (Path(run.model_path) / "config.json").is_file():
         problems.append(f"trainer.policy.model.path={run.model_path} is not a Hugging Face model folder (no "
                         "config.json); fix the path")
+    if run.model_path is None:
+        from skyrl_clora.recipes.plugin import load_corpus
+
+        try:
+            load_corpus(run.model_corpus)
+        except ConfigError as error:
+            problems.append(str(error))
     return problems
 
 

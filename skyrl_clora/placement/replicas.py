@@ -82,7 +82,7 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     from ray.util.placement_group import placement_group, remove_placement_group
     from skyrl_gym.envs.registration import registry
 
-    from skyrl_clora.ray_session import RAY_SYSTEM_CONFIG, forget_stale_registry_actors, sync_skyrl_registries
+    from skyrl_clora.ray_session import start_ray, sync_skyrl_registries
 
     started = time.perf_counter()
     specs = [spec for spec in run.tenants if spec.name not in stopped
@@ -95,8 +95,7 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     gpu = resolve_device(run).type == "cuda"
     sub_runs = [_replica_run(run, index, group, root, capacity) for index, group in enumerate(groups)]
     if not ray.is_initialized():
-        forget_stale_registry_actors()
-        ray.init(include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG)
+        start_ray(include_dashboard=False)
     # As SkyRL's initialize_ray: the driver makes (and so owns) the loss / estimator registries' named actors,
     # which replicas then sync with; made by a replica, they would die with it and fail the other replicas' steps.
     sync_skyrl_registries()

@@ -45,7 +45,7 @@ from skyrl_clora.backends.embedded.services import engine_slot_count, kv_cache_d
 from skyrl_clora.base_model import resolve_device
 from skyrl_clora.config.schema import ConfigError, RunConfig
 from skyrl_clora.lora.peft_export import load_peft_adapter
-from skyrl_clora.ray_session import RAY_SYSTEM_CONFIG, forget_stale_registry_actors, sync_skyrl_registries
+from skyrl_clora.ray_session import RAY_SYSTEM_CONFIG, forget_stale_registry_actors, start_ray, sync_skyrl_registries
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.engine_thread import EngineThread
@@ -345,15 +345,14 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
     if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
         raise ConfigError(f"trainer.policy.model.path={model_path}: tokenizer needs an eos token and a chat template")
     owns_ray = not ray.is_initialized()
-    if owns_ray:
-        forget_stale_registry_actors()
     if owns_ray and plan.inference_backend == plan.strategy == "embedded":
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
+        start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                  runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
         sync_skyrl_registries()  # as SkyRL's initialize_ray does
     elif owns_ray:
         from skyrl.train.utils.utils import initialize_ray
 
+        forget_stale_registry_actors()
         os.environ.setdefault("RAY_worker_niceness", str(RAY_SYSTEM_CONFIG["worker_niceness"]))  # Ray's own env form
         initialize_ray(plan.base)
     if owns_ray:
