@@ -55,6 +55,7 @@ from benchmarks.common import (DEVICE, H200_BF16_TFLOPS, SHAPES, build_random_mo
 from benchmarks.workloads import Lengths, counter_rng, parse_lengths
 
 from skyrl_clora.backends.embedded.services import carve_gemm_sms, share_base_weights
+from skyrl_clora.device.cuda_settings import avoid_cudnn_attention
 from skyrl_clora.lora.layers import write_slot
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.sampler.engine_config import STREAM_PRIORITIES
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS, help="the MFU's denominator")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    avoid_cudnn_attention()  # the process setting the embedded backend's runs have (build_services)
     try:
         episodes = Episodes(parse_lengths(args.lengths), args.prompt, args.turns, args.observation)
     except ValueError as error:

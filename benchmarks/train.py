@@ -34,6 +34,7 @@ from benchmarks.common import (DEVICE, H200_BF16_TFLOPS, SHAPES, build_random_mo
                                qwen3_config, reset_peak_memory, sync, train_pass_flop)
 
 import skyrl_clora.trainer.trainer as trainer_module
+from skyrl_clora.device.cuda_settings import avoid_cudnn_attention
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host-profile", action="store_true",
                         help="also run one round per mode under cProfile: writes <workload>.<mode>.host.txt")
     args = parser.parse_args(argv)
+    avoid_cudnn_attention()  # the process setting the embedded backend's runs have (build_services)
     workloads = args.workloads.split(",")
     if not set(workloads) <= set(WORKLOADS):
         parser.error(f"--workloads {args.workloads}: choose from {', '.join(WORKLOADS)}")

@@ -1,4 +1,6 @@
-"""Process-wide CUDA settings the trainer and the memory plan rely on.
+"""Process-wide CUDA settings the trainer and the memory plan rely on, set once by whoever builds a process's
+engine and trainer (``backends.embedded.services.build_services``, the SkyRL worker, the benchmarks), never by a
+component's constructor.
 
 PyTorch's scaled_dot_product_attention prefers cuDNN's attention on Hopper, and cuDNN builds an execution
 graph for every new combination of shapes (tens to hundreds of milliseconds, then cached per shape). The

@@ -48,7 +48,6 @@ from skyrl.train.config import AlgorithmConfig
 from torch.profiler import record_function
 
 from skyrl_clora.device.staging import lists_to_device
-from skyrl_clora.device.cuda_settings import avoid_cudnn_attention
 from skyrl_clora.kernels import LoRAMeta
 from skyrl_clora.lora.layers import AdapterWeights, LoRARouting, MultiLoRALinear
 from skyrl_clora.device.profiling import profiled
@@ -104,7 +103,6 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, routing: LoRARouting, layers: dict[str, MultiLoRALinear],
                  store: AdapterStore, settings: TrainerSettings) -> None:
-        avoid_cudnn_attention()
         if settings.fused_elementwise:
             fuse_elementwise_modules(model)
         self.model = model

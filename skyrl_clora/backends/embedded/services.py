@@ -25,7 +25,7 @@ from skyrl_clora.backends.embedded.sync import AdapterSync
 from skyrl_clora.base_model import resolve_device
 from skyrl_clora.config.checks import algorithm_config
 from skyrl_clora.config.schema import ConfigError, RunConfig, SamplerConfig
-from skyrl_clora.device.cuda_settings import use_expandable_segments
+from skyrl_clora.device.cuda_settings import avoid_cudnn_attention, use_expandable_segments
 from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear, attach_multi_lora
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
 from skyrl_clora.sampler.engine import Engine
@@ -82,6 +82,7 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     )
     if device.type == "cuda":
         use_expandable_segments()
+        avoid_cudnn_attention()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
         raise ConfigError(f"trainer.policy.model.path={model_path}: tokenizer needs an eos token and a chat template")
