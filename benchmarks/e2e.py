@@ -63,7 +63,7 @@ from benchmarks.workloads import Lengths, counter_rng, distinct_prompt_tokens, l
 from skyrl_clora.backends.embedded.services import Services, build_services
 from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.lora.peft_export import init_adapter
-from skyrl_clora.main import compose_config
+from skyrl_clora.config.compose import compose_config
 from skyrl_clora.sampler.engine_stats import EngineStats
 from skyrl_clora.sampler.requests import SamplingParams, derive_seed
 from skyrl_clora.trainer.lr_schedule import LRSchedule

@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 
 from skyrl_clora.backends.skyrl.backend import training_input
 from skyrl_clora.config.build import build_run_config
-from skyrl_clora.main import compose_config
+from skyrl_clora.config.compose import compose_config
 from skyrl_clora.backends.skyrl.config_translation import translate
 from skyrl_clora.backends.skyrl.stack import build_stack
 from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID

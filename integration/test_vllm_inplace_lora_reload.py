@@ -30,7 +30,7 @@ from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 from gpu_node import requires
 from skyrl_clora.backends.skyrl.backend import training_input
 from skyrl_clora.config.build import build_run_config
-from skyrl_clora.main import compose_config
+from skyrl_clora.config.compose import compose_config
 from skyrl_clora.backends.skyrl.config_translation import translate
 from skyrl_clora.backends.skyrl.stack import build_stack
 

@@ -7,10 +7,11 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
+from skyrl_clora.checkpoints import run_tenants
 from skyrl_clora.config.schema import RunConfig
 from skyrl_clora.trackers import TenantTrackers
 
@@ -213,3 +214,26 @@ def write_run_summary(output_dir: Path, records: list[dict[str, Any]], specs: li
           f"-> {summary['experiments_per_hour']:.1f} experiments/hour "
           f"({summary['experiments_per_hour_with_base_model']:.1f} with the base model's build); outputs in {output_dir}")
     return summary
+
+
+@dataclass(frozen=True)
+class PoolOutcome:
+    """What a backend's run of its tenant pool leaves for the run's summary: ``records``, every record of the run
+    (metrics.jsonl's, resumed ones included); ``fields``, the backend's own summary keys (mode, steps, engine
+    stats, ...); ``label``, the first word of the summary's last printed line (``mode=concurrent``, ...)."""
+
+    records: list[dict[str, Any]]
+    fields: dict[str, Any]
+    label: str
+
+
+def summarize_pool(run: RunConfig, pool: Callable[[], PoolOutcome], base_model_s: float) -> dict[str, Any]:
+    """The run shell every backend shares: calls ``pool`` (a backend's run of ``run``'s tenants), times it, and
+    writes the run's summary (:func:`write_run_summary` over :func:`~skyrl_clora.checkpoints.run_tenants`, the
+    tenants added while it went included; ``base_model_s``: the seconds the command spent building the base model).
+    Returns the summary."""
+    started = time.perf_counter()
+    outcome = pool()
+    wall_s = time.perf_counter() - started
+    return write_run_summary(run.output_dir, outcome.records, run_tenants(run), outcome.fields, wall_s, base_model_s,
+                             outcome.label)

@@ -342,7 +342,7 @@ def test_a_lockstep_run_resumes_every_tenant_from_the_newest_step_all_hold(tmp_p
     from skyrl_clora.checkpoints import claim_output_dir
     from skyrl_clora.config.schema import ConfigError
     from skyrl_clora.config.build import build_run_config
-    from skyrl_clora.main import compose_config
+    from skyrl_clora.config.compose import compose_config
 
     run = build_run_config(compose_config(["+tenants=2", f"clora.output_dir={tmp_path}", "clora.train_mode=packed",
                                            "clora.pack_policy=lockstep"]))

@@ -12,7 +12,8 @@ from skyrl.train.config import SkyRLTrainConfig
 
 from tests.support.micro_task import micro_tenants, read_records, run_args
 from skyrl_clora.config.build import build_run_config
-from skyrl_clora.main import compose_config, main
+from skyrl_clora.config.compose import compose_config
+from skyrl_clora.main import main
 from skyrl_clora.config.skyrl_cli import preset_overrides, skyrl_cli_overrides
 
 

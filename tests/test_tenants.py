@@ -10,7 +10,8 @@ import pytest
 
 from tests.support.micro_task import micro_tenants, run_args
 from skyrl_clora.config.build import build_run_config
-from skyrl_clora.main import compose_config, main
+from skyrl_clora.config.compose import compose_config
+from skyrl_clora.main import main
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
 
 

@@ -53,7 +53,7 @@ def test_wandb_without_a_key_is_refused_before_anything_loads(micro_model_dir: P
     assert error.startswith("error: trainer.logger includes wandb") and "WANDB_MODE=offline" in error
     assert not out.exists()  # nothing written, not even the folder
     from skyrl_clora.config.build import build_run_config
-    from skyrl_clora.main import compose_config
+    from skyrl_clora.config.compose import compose_config
     from skyrl_clora.trackers import check_trackers
 
     run = build_run_config(compose_config(args))

@@ -117,11 +117,13 @@ class ReplicaRunner:
         try:  # whatever fails here, the imports included, ends the run with its error: served and done are set below
             from skyrl_clora.backends.embedded.backend import run_experiments
             from skyrl_clora.base_model import prompt_tokenizer
+            from skyrl_clora.metrics import summarize_pool
             from skyrl_clora.recipes.plugin import build_task_sources
 
             sources = build_task_sources(self.run.recipe, list(self.run.tenants), self.run.max_training_steps,
                                          self.run.seed, prompt_tokenizer(self.run))
-            self._summary = run_experiments(self.run, sources, resume, [], 0.0, host=self._host)  # nothing built here
+            self._summary = summarize_pool(self.run, lambda: run_experiments(self.run, sources, resume, [],
+                                                                             host=self._host), 0.0)  # no base built
             if self._host.loop is None:  # no pool: its tenants were finished, or the signal came before they started
                 self._report_unstarted(resume)
         except BaseException as error:  # noqa: BLE001 - handed to the driver by wait_ended and close

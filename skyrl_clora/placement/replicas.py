@@ -32,17 +32,16 @@ import json
 import os
 import shutil
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from skyrl_clora.base_model import resolve_device
-from skyrl_clora.checkpoints import TenantCheckpoint, checkpoint_root, prepare_output_dir, run_tenants
+from skyrl_clora.checkpoints import TenantCheckpoint, checkpoint_root, prepare_output_dir
 from skyrl_clora.config.schema import ConfigError, RunConfig
 from skyrl_clora.interrupts import STOP
-from skyrl_clora.metrics import write_run_summary
+from skyrl_clora.metrics import PoolOutcome
 from skyrl_clora.placement.planner import estimated_cost, measured_costs, plan_assignment, step_seconds
 from skyrl_clora.placement.replica_actor import ACTOR_CONCURRENCY, ReplicaRunner
 from skyrl_clora.placement.replica_control import ReplicaControl
@@ -72,19 +71,18 @@ def plan_replicas(run: RunConfig, specs: list[TenantSpec], resume: dict[str, Ten
     return [[by_name[name] for name in group] for group in names]
 
 
-def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped: list[str], base_model_s: float,
-                   moves: Sequence[Move] = ()) -> dict[str, Any]:
+def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped: list[str],
+                   moves: Sequence[Move] = ()) -> PoolOutcome:
     """Runs the tenants of ``run`` not finished nor ``stopped`` on ``run.replicas`` replicas (see the module
     docstring), moving tenants as ``moves`` ask (replica indices in the plan's order: summary.json's
-    ``replicas``) and where a replica runs out of tenants; writes the run's metrics.jsonl, summary.json (with
-    ``base_model_s``, the seconds the command spent building the base model) and adapters/; returns the summary."""
+    ``replicas``) and where a replica runs out of tenants; writes the run's metrics.jsonl and adapters/; returns
+    the run's records and summary fields for :func:`~skyrl_clora.metrics.summarize_pool`."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from skyrl_gym.envs.registration import registry
 
     from skyrl_clora.ray_session import start_ray, sync_skyrl_registries
 
-    started = time.perf_counter()
     specs = [spec for spec in run.tenants if spec.name not in stopped
              and not (spec.name in resume and resume[spec.name].finished)]
     groups = [group for group in plan_replicas(run, specs, resume, run.replicas) if group]
@@ -138,8 +136,7 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     records = _write_records(run, resume, stopped, sub_runs, replica_set)
     fields = {"mode": run.mode, "steps": run.steps, "replicas": [[spec.name for spec in g] for g in groups],
               "moves": replica_set.moves}
-    return write_run_summary(run.output_dir, records, run_tenants(run), fields, time.perf_counter() - started,
-                             base_model_s, f"replicas={run.replicas}")
+    return PoolOutcome(records, fields, f"replicas={run.replicas}")
 
 
 def _launch(actor_class: Any, group_pg: Any, index: int, gpu: bool, sub: RunConfig,

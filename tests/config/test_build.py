@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.config.help import is_global
-from skyrl_clora.main import CONF_DIR, compose_config, main
+from skyrl_clora.config.compose import CONF_DIR, compose_config
+from skyrl_clora.main import main
 from skyrl_clora.tenants import expand_tenants
 
 
@@ -91,7 +92,7 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
     """Every key of every conf file (backend=skyrl's and tau-bench's too) is listed with its default and a
     description; the descriptions are the conf files' comments."""
     from skyrl_clora.config.help import conf_keys
-    from skyrl_clora.main import CONF_DIR
+    from skyrl_clora.config.compose import CONF_DIR
 
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
@@ -112,7 +113,7 @@ def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) 
 
 def test_help_opens_each_group_options_section_with_its_files_header(capsys: pytest.CaptureFixture) -> None:
     from skyrl_clora.config.help import header
-    from skyrl_clora.main import CONF_DIR
+    from skyrl_clora.config.compose import CONF_DIR
 
     assert main(["--help"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -308,7 +309,7 @@ def test_every_groups_problem_is_listed_at_once(tmp_path: Path, capsys: pytest.C
 def test_every_skyrl_key_is_a_known_key() -> None:
     """Any key of SkyRL's SkyRLTrainConfig is overridable without a ``+`` (SkyRL's own tree is in the config)."""
     from skyrl_clora.config.keys import skyrl_defaults
-    from skyrl_clora.main import check_known_keys, compose_config
+    from skyrl_clora.config.compose import check_known_keys, compose_config
 
     keys = [key for key, value in flat(skyrl_defaults()).items() if isinstance(value, (int, float, str))]
     assert len(keys) > 300

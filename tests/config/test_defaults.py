@@ -13,7 +13,7 @@ from skyrl.train.config import SkyRLTrainConfig
 from skyrl.train.config.config import build_nested_dataclass
 
 from skyrl_clora.config.help import conf_keys
-from skyrl_clora.main import CONF_DIR, compose_config
+from skyrl_clora.config.compose import CONF_DIR, compose_config
 from skyrl_clora.backends.skyrl.config_translation import skyrl_tree
 from skyrl_clora.config.skyrl_cli import preset_overrides
 

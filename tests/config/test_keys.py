@@ -17,7 +17,7 @@ from skyrl_clora.config.keys import (
     DOC_HEADER, HONOURED, IGNORED, KEY_RULES, REFUSED, SKYRL_RULES, SKYRL_SET, check_embedded_keys, given_keys,
     mapping_table, rule_for,
 )
-from skyrl_clora.main import check_known_keys, compose_config
+from skyrl_clora.config.compose import check_known_keys, compose_config
 from skyrl_clora.backends.skyrl.config_translation import translate
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"

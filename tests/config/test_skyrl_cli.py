@@ -11,7 +11,8 @@ from skyrl.train.config import SkyRLTrainConfig
 from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.config.build import build_run_config
 from skyrl_clora.config.keys import check_embedded_keys, given_keys
-from skyrl_clora.main import check_known_keys, compose_config, main
+from skyrl_clora.config.compose import check_known_keys, compose_config
+from skyrl_clora.main import main
 from skyrl_clora.backends.skyrl.config_translation import translate
 from skyrl_clora.config.skyrl_cli import skyrl_cli_overrides
 

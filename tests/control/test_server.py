@@ -20,7 +20,7 @@ from skyrl_clora import ctl
 from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.control.server import CONTROL_FILE, ControlServer
-from skyrl_clora.main import compose_config
+from skyrl_clora.config.compose import compose_config
 from skyrl_clora.recipes.plugin import TaskSource
 from skyrl_clora.tenants import TenantSpec
 

@@ -91,7 +91,7 @@ def test_a_resume_plans_by_the_measured_step_times(tmp_path: Path) -> None:
 
     from skyrl_clora.checkpoints import TenantCheckpoint
     from skyrl_clora.config.build import build_run_config
-    from skyrl_clora.main import compose_config
+    from skyrl_clora.config.compose import compose_config
     from skyrl_clora.placement.replicas import plan_replicas
 
     run = build_run_config(compose_config([f"clora.output_dir={tmp_path}", "+tenants=4", "clora.replicas=2"]))

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.micro_task import micro_tenants, run_args
 from skyrl_clora.config.build import build_run_config, plan_steps
-from skyrl_clora.main import compose_config
+from skyrl_clora.config.compose import compose_config
 from skyrl_clora.placement.replica_actor import TenantEnd
 from skyrl_clora.placement.replica_set import ReplicaSet
 from skyrl_clora.ray_session import RAY_SYSTEM_CONFIG

@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from skyrl_clora.config.build import build_run_config
-from skyrl_clora.main import check_known_keys, compose_config, main
+from skyrl_clora.config.compose import check_known_keys, compose_config
+from skyrl_clora.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "RESULTS.md", "docs/gpu.md", "docs/config.md")

@@ -1,6 +1,6 @@
 """``with_per_tenant_lora_sync`` on SkyRL's real Megatron and FSDP policy worker classes.
 
-Not collected by the main test run: ``test_skyrl_patches.py`` runs it with pytest in a subprocess whose
+Not collected by the main test run: ``test_worker_patches.py`` runs it with pytest in a subprocess whose
 ``conftest.py`` stubs the GPU-only imports of those worker modules (``gpu_only_stubs``). Each worker is a
 minimal subclass of the real class that stubs only the weight I/O: the adapter export, and for a full-weight
 sync the weight sender (``_weight_sync_engine``, and the ``weight_senders`` module, which imports vLLM);

@@ -11,7 +11,7 @@ import torch
 from transformers.trainer import get_scheduler  # what skyrl's fsdp_strategy imports
 
 from skyrl_clora.config.build import build_run_config
-from skyrl_clora.main import compose_config
+from skyrl_clora.config.compose import compose_config
 from skyrl_clora.backends.skyrl.config_translation import translate
 from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.trainer.lr_schedule import LR_SCHEDULES, LRSchedule

@@ -211,7 +211,7 @@ def test_train_modes_end_to_end(train_mode: str, overlap: str, learning_model_di
 def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: Path, tmp_path: Path, overlap: str,
                                                               paused: bool) -> None:
     from skyrl_clora.config.build import build_run_config
-    from skyrl_clora.main import compose_config
+    from skyrl_clora.config.compose import compose_config
     from skyrl_clora.backends.embedded.services import build_services
 
     run = build_run_config(compose_config(_args(micro_model_dir, tmp_path, f"clora.overlap_sampling={overlap}")))
@@ -225,7 +225,7 @@ def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: 
 @pytest.mark.e2e
 def test_unknown_train_mode_is_a_one_line_config_error(micro_model_dir: Path, tmp_path: Path) -> None:
     from skyrl_clora.config.build import build_run_config
-    from skyrl_clora.main import compose_config
+    from skyrl_clora.config.compose import compose_config
 
     with pytest.raises(ConfigError, match=r"clora.train_mode=fused is unknown; use swap or packed"):
         build_run_config(compose_config(_args(micro_model_dir, tmp_path, "clora.train_mode=fused")))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict
 from pathlib import Path
@@ -25,13 +24,13 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 from skyrl_clora.backends.embedded.memory_plan import available_host_memory, check_tenant_host_memory
 from skyrl_clora.backends.embedded.services import Services, build_services
 from skyrl_clora.base_model import resolve_model_path
-from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
+from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records
 from skyrl_clora.config.checks import algorithm_config
 from skyrl_clora.config.schema import RunConfig
 from skyrl_clora.episodes import episode_batch, scalar_reward
 from skyrl_clora.interrupts import STOP
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
-from skyrl_clora.metrics import MetricsLog, write_run_summary
+from skyrl_clora.metrics import MetricsLog, PoolOutcome
 from skyrl_clora.recipes.plugin import TaskSource, load_recipe
 from skyrl_clora.tenant_loop import PoolHost, Rollout, Update, run_tenant_pool
 from skyrl_clora.tenants import TenantSpec
@@ -160,18 +159,17 @@ def generator_config(run: RunConfig, spec: TenantSpec) -> GeneratorConfig:
 
 
 def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict[str, TenantCheckpoint],
-                    stopped: list[str], base_model_s: float, host: PoolHost | None = None) -> dict[str, Any]:
+                    stopped: list[str], host: PoolHost | None = None) -> PoolOutcome:
     """Runs every tenant in ``run.mode`` on its task data ``sources`` (by tenant name,
     ``recipes.plugin.build_task_sources``), those in ``resume`` from their checkpoints, those in ``stopped`` not
     (stopped through the control endpoint); writes metrics.jsonl, summary.json, reward_curves.png, adapters/
     and checkpoints (into ``run.output_dir``, which ``checkpoints.claim_output_dir`` made). In concurrent mode
     tenants can be added while the run goes (``control``), and with ``host`` the run's pool stays open while
-    ``host.serve`` runs (concurrent mode; a run with unfinished tenants). ``base_model_s``: the seconds the command
-    spent building the base model (summary.json's ``base_model_seconds``); summary.json's ``queue_wait_seconds``:
-    each tenant's sampling requests' queue waits, submission to admission (requests, p50_s, p99_s, max_s)."""
+    ``host.serve`` runs (concurrent mode; a run with unfinished tenants). Returns the run's records and summary
+    fields for :func:`~skyrl_clora.metrics.summarize_pool`; the fields' ``queue_wait_seconds``: each tenant's
+    sampling requests' queue waits, submission to admission (requests, p50_s, p99_s, max_s)."""
     specs = list(run.tenants)
     model_path = resolve_model_path(run)
-    started = time.perf_counter()
     metrics = MetricsLog.for_run(run, resumed_records(resume, specs))
     rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in specs)
     unfinished = [spec for spec in specs if not (spec.name in resume and resume[spec.name].finished)]
@@ -190,14 +188,12 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
                                           queue_waits, resume, stopped, host))
     finally:
         metrics.close()
-    wall_s = time.perf_counter() - started
     fields = {
         "mode": run.mode, "steps": run.steps, "model_path": model_path, "cold_start_seconds": cold_starts,
         "engine": {key: sum(stats[key] for stats in engine_stats) for key in engine_stats[0]} if engine_stats else {},
         "queue_wait_seconds": queue_waits,
     }
-    return write_run_summary(run.output_dir, metrics.records, run_tenants(run), fields, wall_s, base_model_s,
-                             f"mode={run.mode}")
+    return PoolOutcome(metrics.records, fields, f"mode={run.mode}")
 
 
 def _run_group(run: RunConfig, specs: list[TenantSpec], sources: dict[str, TaskSource], model_path: str,

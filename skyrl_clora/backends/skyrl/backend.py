@@ -63,10 +63,10 @@ from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries,
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from skyrl_clora.base_model import resolve_model_path
-from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records, run_tenants
+from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records
 from skyrl_clora.config.schema import RunConfig
 from skyrl_clora.episodes import episode_batch
-from skyrl_clora.metrics import MetricsLog, write_run_summary
+from skyrl_clora.metrics import MetricsLog, PoolOutcome
 from skyrl_clora.recipes.plugin import TaskSource
 from skyrl_clora.backends.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.backends.skyrl.stack import SkyRLStack, build_stack
@@ -393,11 +393,11 @@ async def _run_tenants(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskS
 
 
 def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource],
-              resume: dict[str, TenantCheckpoint], stopped: list[str], base_model_s: float) -> dict[str, Any]:
-    """Runs every tenant concurrently through SkyRL's stack on the base model the plan names (``base_model_s``: the
-    seconds the command spent building it, for the summary) on its task data ``sources`` (by tenant name,
-    ``recipes.plugin.build_task_sources``), those in ``resume`` from their checkpoints; writes the embedded
-    backend's outputs."""
+              resume: dict[str, TenantCheckpoint], stopped: list[str]) -> PoolOutcome:
+    """Runs every tenant concurrently through SkyRL's stack on the base model the plan names, on its task data
+    ``sources`` (by tenant name, ``recipes.plugin.build_task_sources``), those in ``resume`` from their
+    checkpoints; writes the embedded backend's outputs and returns the run's records and summary fields for
+    :func:`~skyrl_clora.metrics.summarize_pool`."""
     model_path = resolve_model_path(run)
     for line in plan.substitutions:
         print(f"[skyrl] stand-in: {line}", flush=True)
@@ -410,11 +410,9 @@ def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource],
     finally:
         metrics.close()
         stack.shutdown()
-    wall_s = time.perf_counter() - started
     fields = {
         "backend": "skyrl", "mode": run.mode, "steps": run.steps, "model_path": model_path,
         "inference_backend": plan.inference_backend, "strategy": plan.strategy, "substitutions": list(plan.substitutions),
         "cold_start_seconds": [cold_start_s], "engine": stack.engine_stats(),
     }
-    return write_run_summary(run.output_dir, metrics.records, run_tenants(run), fields, wall_s, base_model_s,
-                             "backend=skyrl")
+    return PoolOutcome(metrics.records, fields, "backend=skyrl")

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from skyrl_clora.backends.skyrl.backend import SkyRLBackend, Tenant, training_input
 from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.lora.peft_export import load_peft_adapter
-from skyrl_clora.main import compose_config
+from skyrl_clora.config.compose import compose_config
 from skyrl_clora.backends.skyrl.config_translation import translate
 from skyrl_clora.backends.skyrl.stack import SkyRLStack, build_stack
 from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID, EmbeddedPolicyWorker, training_batch_to_train_batch

@@ -12,7 +12,7 @@ from skyrl.train.utils.utils import validate_cfg
 
 from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.config.keys import given_keys
-from skyrl_clora.main import compose_config
+from skyrl_clora.config.compose import compose_config
 from skyrl_clora.backends.skyrl.config_translation import translate, why_workers_cannot_run
 
 REAL_FIND_SPEC = importlib.util.find_spec  # before the fixture below hides vllm and megatron

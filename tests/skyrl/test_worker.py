@@ -21,7 +21,8 @@ from skyrl_clora.backends.skyrl.backend import training_input
 from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter, load_peft_adapter
-from skyrl_clora.main import compose_config, main
+from skyrl_clora.config.compose import compose_config
+from skyrl_clora.main import main
 from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.backends.skyrl.config_translation import translate
 from skyrl_clora.backends.skyrl.stack import build_stack
