@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import test_isolation
-import test_stale_versions
 from tests.support import transport
+from tests.system import test_isolation, test_stale_versions
 from skyrl_clora import tenant_loop
 from skyrl_clora.backends.embedded import backend as embedded_backend
 from skyrl_clora.trainer.adapter_store import AdapterStore
