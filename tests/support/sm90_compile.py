@@ -12,7 +12,7 @@ step) with caches of 2,048 positions.
 Run as a script, in an environment without ``TRITON_INTERPRET`` (the kernels must be ``JITFunction`` objects,
 not interpreted ones): ``python tests/support/sm90_compile.py [CASE ...]`` compiles the named cases (all by default)
 and prints one JSON line per case, ``{"case": name, "error": null or the compiler's message}``; exits 1 if any
-case failed. ``tests/kernels/test_kernels_compile_hopper.py`` runs it in a subprocess.
+case failed. ``tests/support/sm90_compile_runs.py`` runs it in a subprocess for the kernels' tests.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""Multi-LoRA layers with their slots' A folded into the base weight (``kernels.lora.folded``): the layer's output
-against the base layer plus the fp32 ``add_lora`` reference, on the CPU through the Triton interpreter, on
-both Triton paths (the folded GEMM with one expand, and the base GEMM with shrink and expand); tests/gpu/
-repeats it at real sizes and in a CUDA graph. Tolerances per dtype: ``kernel_cases.TOLERANCE``.
+"""Tests of ``kernels.lora.folded`` (multi-LoRA layers with their slots' A folded into the base weight): the layer's
+output against the base layer plus the fp32 ``add_lora`` reference, on the CPU through the Triton interpreter, on
+both Triton paths (the folded GEMM with one expand, and the base GEMM with shrink and expand); in-place publishes
+into ``lora_a`` reach the folded GEMM; the fold-pays rule; the folded storage and its checks; the meta of a folded
+layer's batch. tests/gpu/ repeats the parity at real sizes and in a CUDA graph. Tolerances per dtype:
+``kernel_cases.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 
 import skyrl_clora.kernels.dispatch as dispatch
 from skyrl_clora.kernels import LoRAMeta, fold_lora_weights, folded_lora_linear
-from skyrl_clora.kernels.lora.folded import fold_pays
+from skyrl_clora.kernels.lora.folded import fold_pays, folded_meta
 from tests.support.kernel_cases import (
     LAYOUTS,
     TOLERANCE,
@@ -22,6 +24,7 @@ from tests.support.kernel_cases import (
     rel_error,
 )
 from tests.support.markers import interpreted
+
 
 SHAPES = {"qkv": ((48, 16, 16), True), "gate_up": ((32, 32), True), "shared_a": ((32, 32), False), "one": ((40,), False)}
 
@@ -77,3 +80,31 @@ def test_fold_rejects_mismatched_lora_a() -> None:
     folded = fold_lora_weights(weight, torch.ones(8), torch.zeros(1, 2, 4, 16))
     assert folded.weight.shape == (16, 16) and folded.bias.tolist() == [1.0] * 8 + [0.0] * 8
     assert torch.equal(folded.base_weight, weight) and folded.extra_features == 8
+
+
+def test_folded_views_share_the_weight_storage() -> None:
+    """``base_weight``, ``base_bias`` and ``lora_a`` are views of the folded tensors: ``[slices, S, R, H_in]``, or
+    ``[S, R, H_in]`` for one A shared by every slice."""
+    weight, bias = torch.randn(6, 4), torch.randn(6)
+    lora_a = torch.randn(3, 2, 5, 4)
+    folded = fold_lora_weights(weight, bias, lora_a)
+    assert folded.lora_a.shape == (3, 2, 5, 4) and torch.equal(folded.lora_a, lora_a)
+    assert folded.lora_a.data_ptr() == folded.weight[6:].data_ptr()
+    assert torch.equal(folded.base_weight, weight) and torch.equal(folded.base_bias, bias)
+    assert folded.extra_features == 3 * 2 * 5 and folded.out_features == 6
+    shared = fold_lora_weights(weight, None, lora_a[:1])
+    assert shared.lora_a.shape == (2, 5, 4) and shared.bias is None and shared.base_bias is None
+
+
+@interpreted
+def test_folded_meta_builds_one_for_the_batch_or_checks_the_given_one() -> None:
+    p = make_problem(10, 16, (8,), num_slots=3, rank=4, dtype=torch.float32, layout="no_adapter")
+    folded = fold_problem(p, with_bias=False)
+    meta = folded_meta(folded, p.x, p.token_slots, None)
+    assert meta.num_tokens == 10 and meta.num_slots == 3
+    assert meta.seg_count.tolist() == torch.bincount(p.token_slots[p.token_slots >= 0], minlength=3).tolist()
+    assert folded_meta(folded, p.x, p.token_slots, meta) is meta
+    other = LoRAMeta(max_tokens=16, num_slots=3, device="cpu")
+    other.build(p.token_slots[:7])
+    with pytest.raises(ValueError, match="meta.build"):
+        folded_meta(folded, p.x, p.token_slots, other)

@@ -1,36 +1,25 @@
-"""Differentiable fused ops of the trainer (rms_norm_with_grad, silu_mul_with_grad, rope_with_grad): Triton
-forward and backward (interpreter on the CPU) against the references differentiated by autograd, and the fused
-modules and rotary embedding against Hugging Face's own Qwen3 forward and backward; the LM-head loss op
-(chosen_logprobs_) against its reference and a float64 log-softmax; the one-slot dense LoRA layer against the
-routed one; the atomics-free gather (gather_rows) against index_select under autograd."""
+"""Tests of ``kernels.layers.train_ops`` (the trainer's differentiable fused ops: ``RMSNormFrozenWeight``,
+``SiluMul``, ``RotaryEmbedding``, through ``rms_norm_with_grad``, ``silu_mul_with_grad`` and ``rope_with_grad``):
+Triton forward and backward (CUDA when there is a GPU, else the Triton interpreter on the CPU) against the
+references differentiated by autograd; and, through the trainer's fused modules (``trainer.fused_modules``) that
+run them, Hugging Face's own Qwen3 forward and backward and rotary embedding reproduced."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from skyrl_clora.kernels import (
-    chosen_logprobs_, dense_lora_linear, dispatch, gather_rows, lora_linear, rms_norm_with_grad, rope_with_grad,
-    silu_mul_with_grad,
-)
-from skyrl_clora.kernels.layers.gather_ops import inverse_index
+from skyrl_clora.kernels import dispatch, rms_norm_with_grad, rope_with_grad, silu_mul_with_grad
 from skyrl_clora.lora.layers import LoRARouting, attach_multi_lora, write_slot
 from skyrl_clora.trainer.fused_modules import FusedRMSNorm, FusedSwiGLUMLP, fuse_elementwise_modules, fused_apply_rotary_pos_emb
 
 from tests.support.helpers import assert_fused_close, random_adapter
+from tests.support.layer_checks import DEVICE
+from tests.support.layer_checks import forward_backward as _forward_backward
 from tests.support.markers import triton_runs
 
 pytestmark = triton_runs
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _forward_backward(op, inputs: list[torch.Tensor], dy: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
-    y = op(*leaves)
-    y.backward(dy)
-    return y.detach(), [leaf.grad for leaf in leaves]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -45,12 +34,6 @@ def test_rms_norm_with_grad_matches_the_reference(dtype: torch.dtype, shape: tup
     assert got_y.shape == want_y.shape and got_dx.shape == x.shape
     assert_fused_close(got_y, want_y, dtype)
     assert_fused_close(got_dx, want_dx, dtype)
-
-
-def test_rms_norm_with_grad_refuses_a_trainable_weight() -> None:
-    weight = torch.ones(8, requires_grad=True)
-    with pytest.raises(ValueError, match="frozen weight"):
-        rms_norm_with_grad(torch.randn(2, 8), weight, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -160,96 +143,3 @@ def test_fused_modules_reproduce_the_hf_forward_and_backward(monkeypatch: pytest
     assert torch.allclose(got_loss, want_loss, atol=1e-5)
     for got, want in zip(got_grads, want_grads):
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), float((got - want).abs().max())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chosen_logprobs_and_their_logit_gradients_match_the_reference(dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(3)
-    vocab = 9000  # three of the kernel's 4096-column chunks, the last one partial
-    logits = (torch.randn(6, vocab, generator=gen) * 4).to(dtype)
-    targets = torch.randint(0, vocab, (6,), generator=gen)
-    targets[0], targets[1] = vocab - 1, 0
-    exact = torch.log_softmax(logits.double(), dim=-1)
-    exact_grad = torch.nn.functional.one_hot(targets, vocab).double() - exact.exp()
-    for backend in ("torch", "triton"):
-        untouched = logits.clone().to(DEVICE)
-        plain = chosen_logprobs_(untouched, targets.to(DEVICE), write_grad=False, backend=backend)
-        grads = logits.clone().to(DEVICE)
-        out = chosen_logprobs_(grads, targets.to(DEVICE), write_grad=True, backend=backend)
-        assert torch.equal(untouched.cpu(), logits)
-        assert out.dtype == torch.float32 and out.std() > 0.5
-        torch.testing.assert_close(plain, out)
-        torch.testing.assert_close(out.cpu().double(), exact.gather(1, targets[:, None])[:, 0], rtol=1e-5, atol=1e-5)
-        tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-4}
-        torch.testing.assert_close(grads.cpu().double(), exact_grad.to(dtype).double(), **tolerance)
-
-
-def test_chosen_logprobs_refuses_strided_logits_and_wrong_targets() -> None:
-    logits = torch.zeros(4, 10)
-    with pytest.raises(ValueError, match="unit column stride"):
-        chosen_logprobs_(logits.t(), torch.zeros(10, dtype=torch.long), write_grad=False)
-    with pytest.raises(ValueError, match="int64 targets"):
-        chosen_logprobs_(logits, torch.zeros(4, dtype=torch.int32), write_grad=False)
-
-
-def _layer_and_grads(op, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                     dy: torch.Tensor) -> list[torch.Tensor]:
-    leaves = [t.detach().clone().requires_grad_(True) for t in (x, lora_a, lora_b)]
-    y = op(*leaves)
-    y.backward(dy)
-    return [y.detach()] + [leaf.grad for leaf in leaves]
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_dense_lora_linear_equals_the_routed_layer_with_every_row_in_one_slot(bias: bool) -> None:
-    gen = torch.Generator().manual_seed(4)
-    tokens, h_in, h_out, slots, max_rank = 37, 48, 40, 3, 16
-    x = torch.randn(tokens, h_in, generator=gen, dtype=torch.float64)
-    weight = torch.randn(h_out, h_in, generator=gen, dtype=torch.float64) / 7
-    base_bias = torch.randn(h_out, generator=gen, dtype=torch.float64) if bias else None
-    lora_a = torch.randn(slots, max_rank, h_in, generator=gen, dtype=torch.float64)
-    lora_a[1, 8:] = 0  # slot 1 has rank 8 of the 16
-    lora_b = torch.randn(slots, h_out, max_rank, generator=gen, dtype=torch.float64)
-    lora_b[1, :, 8:] = 0
-    scales = torch.tensor([0.5, 2.0, 1.5], dtype=torch.float64)
-    dy = torch.randn(tokens, h_out, generator=gen, dtype=torch.float64)
-    outputs = []
-    for slot in (1, 2):
-        routed = _layer_and_grads(lambda t, a, b: lora_linear(t, weight, base_bias, a, b, scales,
-                                                              torch.full((tokens,), slot), backend="torch"),
-                                  x, lora_a, lora_b, dy)
-        dense = _layer_and_grads(lambda t, a, b: dense_lora_linear(t, weight, base_bias, a, b, scales, slot),
-                                 x, lora_a, lora_b, dy)
-        for got, want in zip(dense, routed):
-            torch.testing.assert_close(got, want)
-        other = [s for s in range(slots) if s != slot]
-        assert dense[2][other].abs().sum() == 0 and dense[3][other].abs().sum() == 0
-        assert dense[2][slot].abs().sum() > 0 and dense[3][slot].abs().sum() > 0
-        outputs.append(dense[0])
-    assert not torch.allclose(outputs[0], outputs[1]), "the two slots' adapters must give different outputs"
-    with pytest.raises(ValueError, match="outside the adapters' 3 slots"):
-        dense_lora_linear(x, weight, base_bias, lora_a, lora_b, scales, 3)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_rows_backward_sums_each_rows_gradients_like_index_select(dtype: torch.dtype) -> None:
-    """Rows gathered 0, 1 or several times (as prompt keys are, once per row of their group), from a strided
-    ``[N, KV, d]`` view (the trainer's transposed keys), with a width past one program's block."""
-    gen = torch.Generator().manual_seed(3)
-    base = torch.randn(3, 40, 352, generator=gen).to(DEVICE, dtype)  # [KV, N, d]; rows of 3 * 352 > 1024 columns
-    index_np = np.concatenate([np.arange(0, 40, 2), np.repeat(np.arange(5, 12), 4), [39, 0, 39]])
-    index = torch.from_numpy(index_np).to(DEVICE)
-    starts, sources = (torch.from_numpy(a).to(DEVICE) for a in inverse_index(index_np, 40))
-    dy = torch.randn(len(index_np), 3, 352, generator=gen).to(DEVICE, dtype)
-    def gather(backend: str):
-        return lambda x: gather_rows(x.transpose(0, 1), index, starts, sources, backend=backend)
-
-    got_y, (got_dx,) = _forward_backward(gather("triton"), [base], dy)
-    want_y, (want_dx,) = _forward_backward(gather("torch"), [base], dy)
-    assert (want_dx[:, 1::2].abs().sum(dim=(0, 2)) > 0).sum() >= 4  # some odd rows gathered ...
-    assert want_dx[:, 13].abs().sum() == 0  # ... and some never: their gradient is zero
-    torch.testing.assert_close(got_y, want_y, rtol=0, atol=0)
-    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
-    torch.testing.assert_close(got_dx, want_dx, rtol=tolerance, atol=tolerance)
-    with pytest.raises(ValueError, match="past the 40 rows"):
-        inverse_index(np.array([0, 40]), 40)

@@ -1,6 +1,10 @@
-"""Decode attention: the torch reference against a plain float64 loop, and the Triton kernels (through the
-Triton interpreter, ``TRITON_INTERPRET=1``, set by scripts/test.sh) against both, at small sizes;
-tests/gpu/test_attention_gpu.py repeats them at real sizes. Relative-error tolerances per dtype:
+"""Tests of ``kernels.attention.decode`` (flash-decoding over a slot or paged KV cache): the Triton kernels (through
+the Triton interpreter, ``TRITON_INTERPRET=1``, set by scripts/test.sh) against a plain float64 loop and the torch
+reference at small sizes, over GQA shapes, dtypes, fp8 caches, launch configs, shared prefixes (groups larger than
+a tile, sources outside the batch), paged caches with garbage table entries, batch independence, ``out`` and a
+workspace given, the argument checks, the register cap and the default config; the shared-prefix and paged cases
+on the torch path too; and the partials kernel's GPU specialisations compile for sm_90 (``sm90_compile``).
+tests/gpu/test_attention_gpu.py repeats the parity at real sizes. Relative-error tolerances per dtype:
 ``kernel_cases.TOLERANCE``.
 """
 
@@ -16,9 +20,10 @@ from skyrl_clora.kernels.attention.decode import (
     AttentionConfig,
     _register_cap,
     decode_attention_triton,
-    reduce_warps,
+    default_attention_config,
 )
 from skyrl_clora.kernels.reference import decode_attention_ref
+from tests.support.attention_checks import relative_error as _err
 from tests.support.kernel_cases import (
     CACHE_DTYPES,
     DTYPES,
@@ -27,32 +32,13 @@ from tests.support.kernel_cases import (
     as_cache,
     attention_loop_ref,
     make_attention_problem,
-    rel_error,
 )
-from tests.support.paged_cases import PROMPT_LEN, gather_cache, make_paged_decode_problem
 from tests.support.markers import interpreted
+from tests.support.paged_cases import PROMPT_LEN, make_paged_decode_problem
+from tests.support.sm90_compile_runs import cases_of
+from tests.support.sm90_compile_runs import compile_errors as sm90_compile_errors
 
-
-def _err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return rel_error(got, want, torch.zeros_like(want))
-
-
-@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
-def test_reference_matches_loop(kv_heads: int) -> None:
-    p = make_attention_problem(6, 4, kv_heads, 40, 16, torch.float32, cache_rows=8, seed=kv_heads)
-    want = attention_loop_ref(p)
-    assert (want[0] - want[1]).abs().max() > 1e-2, "rows with different lengths must give different outputs"
-    got = decode_attention(p.q, p.k_cache, p.v_cache, p.lengths)
-    assert _err(got, want) < 1e-5
-
-
-def test_reference_writes_out_and_zeros_empty_rows() -> None:
-    p = make_attention_problem(3, 4, 2, 16, 8, torch.float32)
-    p.lengths[2] = 0
-    out = torch.full_like(p.q, 7.0)
-    assert decode_attention(p.q, p.k_cache, p.v_cache, p.lengths, out=out, backend="torch") is out
-    assert torch.equal(out[2], torch.zeros_like(out[2]))
-    assert _err(out[:2], attention_loop_ref(p)[:2]) < 1e-5
+SM90_CASES = cases_of("skyrl_clora.kernels.attention.decode")
 
 
 @interpreted
@@ -150,15 +136,6 @@ def test_triton_configs_match_reference(config: AttentionConfig) -> None:
     assert _err(got, attention_loop_ref(p)) < TOLERANCE[torch.float32]
 
 
-def test_reference_rows_do_not_depend_on_the_batch() -> None:
-    """The CPU engine's path: a row's output is bit-identical whether 32 rows are decoded or 16 (the
-    engine decodes whole 16-row quanta)."""
-    p = make_attention_problem(32, 4, 2, 256, 32, torch.float32, seed=9)
-    full = decode_attention(p.q, p.k_cache, p.v_cache, p.lengths)
-    part = decode_attention(p.q[:16], p.k_cache, p.v_cache, p.lengths[:16])
-    assert torch.equal(full[:16], part)
-
-
 @interpreted
 def test_triton_rows_do_not_depend_on_the_batch() -> None:
     """A row's output is bit-identical whether it is decoded with 5 rows or 2 (the launch config depends on
@@ -219,14 +196,6 @@ def test_register_cap_only_for_shared_prefixes_on_the_gpu() -> None:
     assert _register_cap(AttentionConfig(maxnreg=128), False, 256, False) == {"maxnreg": 128}
 
 
-def test_reduce_warps_one_per_thousand_floats_of_the_tile() -> None:
-    """The engine's shape (6 slots padded to 8, d=128) gets one warp; long caches' tiles more, at most 8."""
-    assert reduce_warps(8, 128) == 1
-    assert reduce_warps(4, 16) == 1
-    assert reduce_warps(16, 128) == 2
-    assert reduce_warps(128, 256) == 8
-
-
 # Paged caches (tests/support/paged_cases.py): (block size, config) per case. Default config: 64-key tiles spanning
 # four 16-position blocks, two 32-position ones or one 64-position block; 16-key tiles over 32- and 64-position
 # blocks (a part of one block per tile) with 32-key splits; 32-key tiles and 128-key splits over 16-position blocks.
@@ -238,30 +207,6 @@ PAGED_CASES = [
     (64, AttentionConfig(split_len=32, block_n=16)),
     (16, AttentionConfig(split_len=128, block_n=32)),
 ]
-
-
-@pytest.mark.parametrize("with_prefix", [False, True], ids=["own-rows", "prefix-rows"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("block_size", [16, 32, 64])
-def test_paged_reference_is_the_slot_reference_on_the_gathered_cache(block_size: int, dtype: torch.dtype,
-                                                                     with_prefix: bool) -> None:
-    """Row by row bit for bit (the CPU engine's runs stay reproducible): a row of a paged call equals a slot
-    call of that row alone over its own blocks gathered (its length rounded up to whole blocks), over randomly
-    placed blocks, blocks shared by rows, garbage table entries past each row's keys; and within rounding of
-    the float64 loop."""
-    pp = make_paged_decode_problem(4, 2, 16, dtype, block_size, with_prefix, seed=block_size)
-    paged, p = pp.clean_paged(), pp.slot
-    got = decode_attention(p.q, paged.k_cache, paged.v_cache, p.lengths, block_tables=paged.block_tables,
-                           prefix_rows=pp.prefix_rows, prefix_lens=pp.prefix_lens)
-    gathered_k, gathered_v = (gather_cache(c, paged.block_tables) for c in (paged.k_cache, paged.v_cache))
-    for b in range(p.q.shape[0]):
-        width = -(-min(int(p.lengths[b]), gathered_k.shape[2]) // block_size) * block_size
-        # Row b first (the slot call's row 0), then every row, so that prefix rows keep their places (shifted by 1).
-        k, v = (torch.cat([c[b : b + 1], c])[:, :, :width] for c in (gathered_k, gathered_v))
-        prefix = {} if pp.prefix_rows is None else {"prefix_rows": pp.prefix_rows[b : b + 1] + 1,
-                                                    "prefix_lens": pp.prefix_lens[b : b + 1]}
-        assert torch.equal(got[b : b + 1], decode_attention(p.q[b : b + 1], k, v, p.lengths[b : b + 1], **prefix)), b
-    assert _err(got, attention_loop_ref(p)) < (1e-5 if dtype == torch.float32 else TOLERANCE[dtype])
 
 
 @interpreted
@@ -331,3 +276,37 @@ def test_paged_triton_rejects_bad_tables() -> None:
             decode_attention(q, k, v, lengths, block_tables=bad, backend="triton")
     with pytest.raises(ValueError, match="paged"):
         decode_attention(q, k, v[:, :, :16], lengths, block_tables=table, backend="triton")
+
+
+def test_default_config_by_the_cache_length_alone() -> None:
+    """At least 512 keys per split and at most 8 splits per row: longer caches get longer (power-of-two) splits."""
+    assert [default_attention_config(L).split_len for L in (1, 512, 4096, 4097, 5000, 8192, 20000)] == [
+        512, 512, 512, 1024, 1024, 1024, 4096]
+    assert default_attention_config(100) == AttentionConfig()
+
+
+def test_workspace_sizes_and_split_checks() -> None:
+    """A workspace holds two slots per split (own keys and prefix) of ``d + 1`` floats for every row and head, and
+    the group tables; sizes must be positive; a split must be whole key blocks of at least 16."""
+    ws = DecodeWorkspace(max_rows=2, num_heads=4, max_len=1100, head_dim=16, device="cpu")
+    assert ws.buffer.numel() == 2 * 4 * 2 * 3 * (16 + 1) and ws.buffer.dtype == torch.float32  # 3 splits of 512
+    assert ws.groups.numel() == 2 * (2 + PREFIX_GROUP_ROWS) and ws.groups.dtype == torch.int32
+    with pytest.raises(ValueError, match="must be positive"):
+        DecodeWorkspace(max_rows=0, num_heads=4, max_len=8, head_dim=16, device="cpu")
+    p = make_attention_problem(2, 4, 2, 64, 16, torch.float32)
+    for config in (AttentionConfig(split_len=48, block_n=32), AttentionConfig(split_len=64, block_n=8)):
+        with pytest.raises(ValueError, match="must be a multiple of block_n"):
+            decode_attention_triton(p.q, p.k_cache, p.v_cache, p.lengths, config=config)
+
+
+@pytest.fixture(scope="module")
+def compile_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    """Each of ``SM90_CASES``' compile error for sm_90 (None: it compiled), compiled from scratch."""
+    return sm90_compile_errors(SM90_CASES, tmp_path_factory.mktemp("triton-cache"))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("case", SM90_CASES)
+def test_compiles_for_sm90(case: str, compile_errors: dict[str, str | None]) -> None:
+    error = compile_errors[case]
+    assert error is None, f"{case} does not compile for sm_90:\n{error}"

@@ -1,5 +1,7 @@
-"""Fused layer ops (rms_norm, qk_norm_rope, silu_mul): Triton kernels (interpreter on the CPU) against the
-references, and the references against Hugging Face's own Qwen3 modules."""
+"""Tests of ``kernels.layers.layer_ops`` (the fused element-wise ops of the engine's decoder layers: rms_norm,
+qk_norm_rope, silu_mul): the Triton kernels (CUDA when there is a GPU, else the Triton interpreter on the CPU)
+against the references, on strided views of fused projections too, their shape checks, and the references against
+Hugging Face's own Qwen3 modules."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 from skyrl_clora.kernels import qk_norm_rope, rms_norm, silu_mul
 
 from tests.support.helpers import assert_fused_close
+from tests.support.layer_checks import DEVICE
 from tests.support.markers import triton_runs
 
 pytestmark = triton_runs
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,8 +1,9 @@
-"""Prefill attention of a ragged pass: the torch reference against a plain float64 loop, its bit-level
-independence of the pass's shapes, and the Triton kernel (through the Triton interpreter,
-``TRITON_INTERPRET=1``, set by scripts/test.sh) against the loop at small sizes;
-tests/gpu/test_prefill_attention_gpu.py repeats them at real sizes. Relative-error tolerances per dtype:
-``kernel_cases.TOLERANCE``.
+"""Tests of ``kernels.attention.prefill`` (prefill attention of a ragged pass straight from the KV cache): the Triton
+kernel (through the Triton interpreter, ``TRITON_INTERPRET=1``, set by scripts/test.sh) against a plain float64 loop
+at small sizes, over GQA shapes, dtypes, fp8 caches, tilings, paged caches with garbage table entries, strided q,
+empty passes and a job's independence of the pass; the default config; the argument checks on both paths; and the
+kernel's GPU specialisations compile for sm_90 (``sm90_compile``). tests/gpu/test_prefill_attention_gpu.py repeats
+the parity at real sizes. Relative-error tolerances per dtype: ``kernel_cases.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import torch
 
 from skyrl_clora.kernels import prefill_attention
 from skyrl_clora.kernels.attention.prefill import PrefillConfig, default_prefill_config, prefill_attention_triton
+from tests.support.attention_checks import PREFILL_JOBS as JOBS
+from tests.support.attention_checks import paged_prefill_problem as _paged_problem
+from tests.support.attention_checks import relative_error as _err
+from tests.support.attention_checks import uncovered_tokens as _uncovered
 from tests.support.kernel_cases import (
     CACHE_DTYPES,
     DTYPES,
@@ -22,59 +27,12 @@ from tests.support.kernel_cases import (
     as_cache,
     make_prefill_problem,
     prefill_loop_ref,
-    rel_error,
 )
-from tests.support.paged_cases import gather_cache, page_prefill_problem
 from tests.support.markers import interpreted
+from tests.support.sm90_compile_runs import cases_of
+from tests.support.sm90_compile_runs import compile_errors as sm90_compile_errors
 
-# (row, start, q_len) per job slot: a slot of length 0, a job of one token, a job of 70 tokens from position
-# 70 (several query tiles and key tiles at the default config's block_n of 64), jobs sharing no row.
-JOBS = [(3, 70, 70), (0, 0, 1), (5, 13, 0), (1, 130, 17), (2, 0, 40), (4, 5, 23)]
-
-
-def _err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return rel_error(got, want, torch.zeros_like(want))
-
-
-def _uncovered(p) -> torch.Tensor:
-    """``[T]`` bool: the tokens of no job."""
-    covered = torch.zeros(p.q.shape[0], dtype=torch.bool)
-    for offset, n in zip(p.q_offsets.tolist(), p.q_lens.tolist()):
-        covered[offset : offset + n] = True
-    return ~covered
-
-
-@pytest.mark.parametrize("cache", CACHE_DTYPES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
-def test_reference_matches_loop(kv_heads: int, dtype: torch.dtype, cache: torch.dtype | None) -> None:
-    """An fp8 cache against the loop on its dequantised values (exact in ``dtype``)."""
-    p = make_prefill_problem(JOBS, 4, kv_heads, 160, 16, dtype, cache_rows=6, seed=kv_heads, cache_values=cache)
-    assert p.q_offsets.tolist() != sorted(p.q_offsets.tolist()), "the jobs' tokens must lie out of job order"
-    want = prefill_loop_ref(p)
-    firsts = [offset for offset, n in zip(p.q_offsets.tolist(), p.q_lens.tolist()) if n > 0]
-    for a, b in zip(firsts, firsts[1:]):
-        assert (want[a] - want[b]).abs().max() > 1e-2, "different jobs must give different outputs"
-    got = prefill_attention(*replace(p, k_cache=as_cache(p.k_cache, cache), v_cache=as_cache(p.v_cache, cache)).args())
-    assert got.dtype == dtype and got.shape == p.q.shape
-    assert _uncovered(p).any() and not got[_uncovered(p)].any(), "tokens of no job must be zeros"
-    assert _err(got, want) < (1e-6 if dtype == torch.float32 else TOLERANCE[dtype]), f"relative error {_err(got, want):.2e}"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_reference_bits_do_not_depend_on_the_pass(dtype: torch.dtype) -> None:
-    """The CPU engine's path (d=128, where the CPU's flash attention computes a block of under 6 query rows
-    through another GEMM path): a job's outputs are bit-identical alone or in a pass with other jobs, and
-    its first 33 or 1 queries are bit-identical to those of a 48-token job from the same start, so a token's
-    K/V never depend on how the prompt was cut into passes."""
-    p = make_prefill_problem([(1, 40, 48), (0, 7, 30)], 4, 2, 128, 128, dtype, cache_rows=2, seed=5)
-    full = prefill_attention(*p.args())
-    offset = int(p.q_offsets[0])
-    for n in (33, 1):
-        q = p.q[offset : offset + n]
-        alone = replace(p, q=q, job_rows=p.job_rows[:1], job_starts=p.job_starts[:1], q_offsets=torch.zeros(1, dtype=torch.int64),
-                        q_lens=torch.tensor([n]))
-        assert torch.equal(prefill_attention(*alone.args()), full[offset : offset + n]), f"the first {n} queries differ"
+SM90_CASES = cases_of("skyrl_clora.kernels.attention.prefill")
 
 
 @interpreted
@@ -180,40 +138,6 @@ def test_triton_rejects_what_only_the_reference_takes() -> None:
         prefill_attention_triton(*p.args(), config=PrefillConfig(block_q=8))
 
 
-# Paged caches (tests/support/paged_cases.py): JOBS over L = 192 positions, row 4's keys (its job's 28 positions) in row
-# 2's blocks (GRPO siblings sharing a prompt), the table entries past each row's last position garbage.
-PAGED_LEN, PAGED_SHARED = 192, {4: 2}
-
-
-def _paged_problem(block_size: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
-                   cache_values: torch.dtype | None = None):
-    p = make_prefill_problem(JOBS, heads, kv_heads, PAGED_LEN, head_dim, dtype, cache_rows=6, seed=seed, poison=True,
-                             cache_values=cache_values)
-    paged = page_prefill_problem(p, block_size, PAGED_SHARED, seed=seed)
-    tables = paged.block_tables
-    assert (tables < 0).any() and (tables >= paged.k_cache.shape[0]).any(), "garbage table entries"
-    assert tables[4, 0] == tables[2, 0], "rows 2 and 4 share a block"
-    return p, paged
-
-
-@pytest.mark.parametrize("block_size,dtype,head_dim", [
-    (16, torch.float32, 16),
-    (32, torch.bfloat16, 128),  # d=128: the CPU flash attention's GEMM paths of the engine's shape
-    (64, torch.float32, 16),
-    (64, torch.bfloat16, 16),
-])  # fmt: skip
-def test_paged_reference_is_the_slot_reference_on_the_gathered_cache(block_size: int, dtype: torch.dtype,
-                                                                     head_dim: int) -> None:
-    """Bit for bit (the CPU engine's runs stay reproducible), and within rounding of the float64 loop."""
-    p, paged = _paged_problem(block_size, 4, 2, head_dim, dtype, seed=block_size)
-    k, v = paged.k_cache.nan_to_num(0.0), paged.v_cache.nan_to_num(0.0)
-    q = p.q.nan_to_num(0.0)
-    got = prefill_attention(q, k, v, *p.args()[3:], block_tables=paged.block_tables)
-    gathered = replace(p, q=q, k_cache=gather_cache(k, paged.block_tables), v_cache=gather_cache(v, paged.block_tables))
-    assert torch.equal(got, prefill_attention(*gathered.args()))
-    assert _err(got, prefill_loop_ref(p)) < (1e-5 if dtype == torch.float32 else TOLERANCE[dtype])
-
-
 @interpreted
 @pytest.mark.parametrize("block_size,heads,kv_heads,config", [
     (16, 4, 2, None),  # 64-key tiles over four blocks each
@@ -260,3 +184,26 @@ def test_paged_rejects_bad_tables(backend: str) -> None:
     with pytest.raises(ValueError, match="paged"):
         prefill_attention(p.q, paged.k_cache, paged.v_cache[:, :, :16], *p.args()[3:], block_tables=paged.block_tables,
                           backend=backend)
+
+
+def test_triton_needs_contiguous_metadata() -> None:
+    """The kernel reads the job metadata as flat arrays: a strided view of any of them is refused before a launch."""
+    p = make_prefill_problem(JOBS[:3], 4, 2, 32, 16, torch.float32, cache_rows=6)
+    for index, name in enumerate(("job_rows", "job_starts", "q_offsets", "q_lens")):
+        meta = list(p.args()[3:7])
+        meta[index] = meta[index].repeat_interleave(2)[::2]  # the same values, every other element of a copy
+        with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+            prefill_attention_triton(p.q, p.k_cache, p.v_cache, *meta, p.scale)
+
+
+@pytest.fixture(scope="module")
+def compile_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    """Each of ``SM90_CASES``' compile error for sm_90 (None: it compiled), compiled from scratch."""
+    return sm90_compile_errors(SM90_CASES, tmp_path_factory.mktemp("triton-cache"))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("case", SM90_CASES)
+def test_compiles_for_sm90(case: str, compile_errors: dict[str, str | None]) -> None:
+    error = compile_errors[case]
+    assert error is None, f"{case} does not compile for sm_90:\n{error}"
