@@ -1,4 +1,4 @@
-"""The tau-bench retail tools, database and data loading, on the project's synthetic data folder.
+"""Tests of ``skyrl_clora.recipes.taubench.tools``: the 16 retail tools on the project's synthetic data folder.
 
 Error strings are the benchmark's (sierra-research/tau-bench retail tools); the expected database
 updates are worked out by hand from the synthetic data.
@@ -6,23 +6,15 @@ updates are worked out by hand from the synthetic data.
 
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 
 import pytest
 
-from skyrl_clora.recipes.taubench.data import load_retail_data, load_tasks, resolve_task
+from skyrl_clora.recipes.taubench.data import load_retail_data
 from skyrl_clora.recipes.taubench.db import diff_databases
-from skyrl_clora.recipes.taubench.reward import compute_reward, goal_database
-from skyrl_clora.recipes.taubench.schemas import TOOL_SCHEMAS
-from skyrl_clora.recipes.taubench.synthetic import make_synthetic_retail
-from skyrl_clora.recipes.taubench.tools import TOOLS, invoke
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_synthetic_retail(tmp_path_factory.mktemp("retail"))
+from skyrl_clora.recipes.taubench.tools import invoke
+from tests.support.taubench_retail import ADDRESS, data_dir  # noqa: F401 (data_dir: a fixture)
 
 
 @pytest.fixture()
@@ -34,8 +26,6 @@ def _pairs(order_id: str, item_ids: list[str], new_item_ids: list[str], payment_
     return {"order_id": order_id, "item_ids": item_ids, "new_item_ids": new_item_ids,
             "payment_method_id": payment_method_id}
 
-
-ADDRESS = {"address1": "1 Main St", "address2": "", "city": "Austin", "state": "TX", "country": "USA", "zip": "73301"}
 
 # (tool, arguments, the benchmark's observation) on the untouched synthetic database.
 VALIDATION_CASES = [
@@ -168,73 +158,3 @@ def test_exchange_of_duplicated_items_records_the_rounded_difference(db: dict) -
                   _pairs("#W1000005", ["2000000013"], ["2000000011"], "credit_card_1003")) == (
         "Error: non-delivered order cannot be exchanged"
     )
-
-
-def test_episode_databases_are_independent_copies(data_dir: Path) -> None:
-    data = load_retail_data(data_dir)
-    before = json.dumps(data.tables, sort_keys=True)
-    first, second = data.fresh_db(), data.fresh_db()
-    invoke(first, "cancel_pending_order", {"order_id": "#W1000003", "reason": "no longer needed"})
-    invoke(first, "modify_user_address", {"user_id": "ada_lovelace_1001", **ADDRESS})
-    assert json.dumps(data.tables, sort_keys=True) == before
-    assert second["orders"]["#W1000003"]["status"] == "pending"
-    assert diff_databases(first, second) == ["orders/#W1000003", "users/ada_lovelace_1001", "users/alan_turing_1002"]
-    # A plain deep copy compares the same way as the copy-on-write view.
-    plain = json.loads(json.dumps(first))
-    assert diff_databases(plain, first) == [] and len(diff_databases(plain, second)) == 3
-
-
-def test_equality_distinguishes_int_from_float_like_the_benchmark_hash(data_dir: Path) -> None:
-    data = load_retail_data(data_dir)
-    left, right = data.fresh_db(), data.fresh_db()
-    left["users"].writable("alan_turing_1002")["payment_methods"]["gift_card_1002"]["balance"] = 5
-    assert diff_databases(left, right) == ["users/alan_turing_1002"]
-
-
-def test_goal_database_and_reward(data_dir: Path) -> None:
-    data = load_retail_data(data_dir)
-    task = load_tasks(data_dir, "test")[0]
-    info = compute_reward(data.fresh_db(), data, task, ["It cost $102.50", "Total: 102.5"])
-    assert (info.reward, info.failed_checks, info.outputs) == (1.0, [], {"102.5": True})
-    info = compute_reward(data.fresh_db(), data, task, ["It cost 1,02.5?"])
-    assert info.reward == 1.0  # commas are removed from the replies before matching
-    info = compute_reward(data.fresh_db(), data, task, ["It cost one hundred and two"])
-    assert (info.reward, info.failed_checks) == (0.0, ["outputs"])
-    cancel = load_tasks(data_dir, "train")[0]
-    assert goal_database(data, cancel)["orders"]["#W1000001"]["status"] == "cancelled"
-    info = compute_reward(data.fresh_db(), data, cancel, ["done"])
-    assert (info.reward, info.failed_checks, info.differing_records) == (0.0, ["actions"], ["orders/#W1000001"])
-
-
-def test_every_schema_matches_its_tool_signature() -> None:
-    assert [schema["function"]["name"] for schema in TOOL_SCHEMAS] == sorted(TOOLS)
-    for schema in TOOL_SCHEMAS:
-        function = schema["function"]
-        parameters = list(inspect.signature(TOOLS[function["name"]]).parameters)[1:]
-        assert list(function["parameters"]["properties"]) == parameters
-        assert function["parameters"]["required"] == parameters
-
-
-def test_incomplete_data_folder_names_the_missing_file(tmp_path: Path) -> None:
-    folder = make_synthetic_retail(tmp_path / "retail")
-    (folder / "orders.json").unlink()
-    with pytest.raises(ValueError, match=r"has no orders\.json$"):
-        load_retail_data(folder)
-    with pytest.raises(ValueError, match=r"has no tasks_dev\.json$"):
-        load_tasks(folder, "dev")
-    with pytest.raises(ValueError, match="unknown tau-bench task split 'valid'"):
-        load_tasks(folder, "valid")
-    with pytest.raises(ValueError, match="does not exist"):
-        load_retail_data(tmp_path / "nowhere")
-
-
-def test_resolve_task_inline_or_by_index(data_dir: Path) -> None:
-    inline = {"user_id": "u", "instruction": "do", "actions": [{"name": "think", "kwargs": {"thought": "t"}}]}
-    assert resolve_task(data_dir, task=inline).outputs == ()
-    assert resolve_task(data_dir, split="test", index=3).outputs == ("175.99",)
-    with pytest.raises(ValueError, match="out of range"):
-        resolve_task(data_dir, split="test", index=4)
-    with pytest.raises(ValueError, match="not both"):
-        resolve_task(data_dir, task=inline, index=0)
-    with pytest.raises(ValueError, match="missing the field 'instruction'"):
-        resolve_task(data_dir, task={"user_id": "u", "actions": []})

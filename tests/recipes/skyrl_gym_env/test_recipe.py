@@ -1,11 +1,15 @@
-"""Any env registered with skyrl-gym runs on SkyRL-format parquet files (recipe ``skyrl_gym_env``): skyrl-gym's own
-``aime`` env on rows in its schema (``reward_model.ground_truth``, no ``env_class`` column: ``environment.env_class``
-names it) and a ``multiply`` env as SkyRL's example registers it (rows naming ``env_class: multiply``,
-``reward_spec.ground_truth``), each a short CPU run on the micro model, the multiply one on both backends; and a
-row's own ``env_class`` is honoured as SkyRL honours it."""
+"""Tests of ``skyrl_clora.recipes.skyrl_gym_env.recipe``: any env registered with skyrl-gym runs on SkyRL-format
+parquet files. As a plugin: the rows of every ``data.train_data`` / ``data.val_data`` file, as SkyRL's
+``PromptDataset`` yields them, a file it cannot read a one-line config error, and a run without training data
+refused with the fix. End to end (``e2e``): skyrl-gym's own ``aime`` env on rows in its schema
+(``reward_model.ground_truth``, no ``env_class`` column: ``environment.env_class`` names it) and a ``multiply`` env
+as SkyRL's example registers it (rows naming ``env_class: multiply``, ``reward_spec.ground_truth``), each a short
+CPU run on the micro model, the multiply one on both backends; an unregistered env class, a registered one without
+data, and a row's unregistered ``env_class`` each a one-line error."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -15,8 +19,12 @@ import pytest
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
+from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.main import main
-from skyrl_clora.recipes.plugin import TaskSource, recipe_for_env
+from skyrl_clora.recipes.plugin import ANY_REGISTERED_ENV, EpisodeEnv, load_recipe, recipe_for_env
+from skyrl_clora.recipes.skyrl_gym_env.recipe import RECIPE
+from tests.support.recipe_runs import run_config
+
 
 MULTIPLY = "multiply"
 
@@ -146,19 +154,6 @@ def test_a_registered_env_without_data_is_one_line(tmp_path: Path, capsys: pytes
     assert len(errors) == 1 and "give data.train_data=" in errors[0], errors
 
 
-def test_a_rows_env_class_is_honoured_as_skyrl_honours_it() -> None:
-    """SkyRL's rule (``prepare_generator_input``): the row's ``env_class`` when it has one, else the run's; a
-    tenant's ``env_class`` override (the plugin's per-tenant key) runs every row of the tenant in its env."""
-    rows = [{"prompt": [{"role": "user", "content": "a"}], "env_class": MULTIPLY},
-            {"prompt": [{"role": "user", "content": "b"}], "env_class": None},
-            {"prompt": [{"role": "user", "content": "c"}]}]
-    source = TaskSource("aime", rows, rows, seed=0)
-    assert [row["env_class"] for row in source.evaluation_rows()] == [MULTIPLY, "aime", "aime"]
-    assert source.env_classes() == {MULTIPLY, "aime"}
-    overridden = TaskSource("aime", rows, rows, seed=0, tenant_env_class="gsm8k")
-    assert [row["env_class"] for row in overridden.step_rows(0, 3)] == ["gsm8k"] * 3
-
-
 @pytest.mark.e2e
 def test_a_rows_unregistered_env_class_is_refused_before_any_work(micro_model_dir: Path, tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture) -> None:
@@ -169,3 +164,44 @@ def test_a_rows_unregistered_env_class_is_refused_before_any_work(micro_model_di
     assert main(run_args(micro_model_dir, out, "gsm8k", train, train)) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and "env_class=not_registered_anywhere is not a registered skyrl-gym" in errors[0], errors
+
+
+def test_rows_of_every_file_are_read_as_skyrl_yields_them(tmp_path: Path) -> None:
+    first = write(aime_rows(2, "train"), tmp_path / "a.parquet")
+    second = write(multiply_rows(3, "train"), tmp_path / "b.parquet")
+    val = write(aime_rows(1, "test"), tmp_path / "val.parquet")
+    run = run_config(tmp_path, "environment.env_class=aime", f"data.train_data=['{first}','{second}']",
+                     f"data.val_data=['{val}']", "+tenants=[{seed:6}]")
+    assert recipe_for_env("aime") == run.recipe.name == "skyrl_gym_env" and load_recipe("skyrl_gym_env") is RECIPE
+    assert RECIPE.env_classes == (ANY_REGISTERED_ENV,)
+    source = RECIPE.task_source(run.recipe, run.tenants[0], 50, 0)
+    assert source.train_rows == aime_rows(2, "train") + multiply_rows(3, "train")  # each file's rows, unchanged
+    assert source.eval_rows == aime_rows(1, "test")
+    assert (source.env_class, source.seed) == ("aime", 6)
+    assert [row["env_class"] for row in source.step_rows(0, 5)].count(MULTIPLY) == 3
+
+
+def test_without_validation_data_there_is_nothing_to_evaluate(tmp_path: Path) -> None:
+    train = write(multiply_rows(2, "train"), tmp_path / "train.parquet")
+    run = run_config(tmp_path, "environment.env_class=aime", f"data.train_data=['{train}']")
+    assert RECIPE.task_source(run.recipe, run.tenants[0], None, 0).eval_rows == []
+
+
+def test_a_file_without_chat_prompts_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
+    valid = write(aime_rows(1, "train"), tmp_path / "valid.parquet")
+    train = write([{"prompt": "just text", "reward_spec": {"ground_truth": "1"}}], tmp_path / "train.parquet")
+    run = run_config(tmp_path, "environment.env_class=aime", f"data.train_data=['{valid}']")
+    config = dataclasses.replace(run.recipe, train_data=(str(train),))
+    with pytest.raises(ConfigError, match=r"^data\.train_data: .*train\.parquet: row 0 has no chat prompt"):
+        RECIPE.task_source(config, run.tenants[0], None, 0)
+
+
+def test_a_run_without_training_data_is_refused_with_the_fix(tmp_path: Path) -> None:
+    train = write(aime_rows(1, "train"), tmp_path / "train.parquet")
+    run = run_config(tmp_path, "environment.env_class=aime", f"data.train_data=['{train}']")
+    assert RECIPE.refuses(run.recipe, "embedded") is None and RECIPE.refuses(run.recipe, "skyrl") is None
+    refusal = RECIPE.refuses(dataclasses.replace(run.recipe, train_data=()), "embedded")
+    assert refusal is not None
+    assert refusal.startswith("environment.env_class=aime has no recipe with synthetic problems")
+    assert "give data.train_data=['/path/train.parquet']" in refusal
+    assert RECIPE.episode_env(run.recipe, run.tenants[0], None) == EpisodeEnv()

@@ -1,4 +1,7 @@
-"""The ``taubench_retail`` skyrl-gym environment: episodes through init/step, parsing, users, reward.
+"""Tests of ``skyrl_clora.recipes.taubench.env``: the ``taubench_retail`` skyrl-gym environment's episodes through
+init/step (the system prompt with policy and tools, tool calls run in order on the episode's database, replies
+answered by the simulated customer), what ends an episode (the customer's stop, a transfer, ``max_turns``), the
+reward and its metrics, its settings, and its registration with skyrl-gym.
 
 Most tests run on the project's synthetic data folder. ``test_real_*`` replay the ground truth of the
 real tau-bench retail tasks from ``<repo>/../shared/data/taubench_retail`` and are skipped without it.
@@ -6,40 +9,24 @@ real tau-bench retail tasks from ``<repo>/../shared/data/taubench_retail`` and a
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import skyrl_gym
 
-from skyrl_clora.recipes.taubench.data import Task, dataset_rows, load_retail_data, load_tasks
+from skyrl_clora.recipes.taubench.data import Task, load_retail_data, load_tasks
 from skyrl_clora.recipes.taubench.env import ENV_ID, TauBenchRetailEnv, register_taubench_env
 from skyrl_clora.recipes.taubench.schemas import TOOL_SCHEMAS
-from skyrl_clora.recipes.taubench.synthetic import make_synthetic_retail
 from skyrl_clora.recipes.taubench.tools import TERMINATE_TOOLS, invoke
-from skyrl_clora.recipes.taubench.users import STOP_TOKEN, LLMUser, ScriptedUser
+from tests.support.taubench_retail import data_dir, make_env, tool_call  # noqa: F401 (data_dir: a fixture)
 
-REAL_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "taubench_retail"
+
+REAL_DATA = Path(__file__).resolve().parents[4] / "shared" / "data" / "taubench_retail"
 needs_real_data = pytest.mark.skipif(
     not (REAL_DATA / "tasks_train.json").is_file(), reason=f"real tau-bench retail data not found at {REAL_DATA}"
 )
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_synthetic_retail(tmp_path_factory.mktemp("retail"))
-
-
-def tool_call(name: str, arguments: dict[str, Any]) -> str:
-    """A model output calling one tool, in the Qwen chat template's format."""
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
-
-
-def make_env(data_dir: Path, **extras: Any) -> TauBenchRetailEnv:
-    return TauBenchRetailEnv(env_config={"data_path": str(data_dir)}, extras=extras)
 
 
 def replay(env: TauBenchRetailEnv, task: Task, final_reply: str) -> dict[str, Any]:
@@ -219,83 +206,6 @@ def test_registered_in_skyrl_gym(data_dir: Path) -> None:
     assert isinstance(env, TauBenchRetailEnv) and env.max_turns == 5 and env.task.user_id == "grace_hopper_1003"
 
 
-def test_dataset_rows_drive_the_registered_env(data_dir: Path) -> None:
-    register_taubench_env()
-    rows = dataset_rows(data_dir, "test")
-    assert [row["task_index"] for row in rows] == [0, 1, 2, 3]
-    row = dict(rows[3])
-    prompt, env_class = row.pop("prompt"), row.pop("env_class")
-    assert prompt == [{"role": "system", "content": load_retail_data(data_dir).policy}]
-    env = skyrl_gym.make(env_class, env_config={"scripted_user": {"max_replies": 1}}, extras={**row, "max_turns": 4})
-    conversation, _ = env.init(prompt)
-    assert len(conversation) == 2 and conversation[1]["content"] == load_tasks(data_dir, "test")[3].instruction
-    env.step(tool_call("calculate", {"expression": "80.0 + 95.99"}))
-    assert env.step("Together they cost $175.99.")["reward"] == 1.0
-
-
-def test_scripted_user_counts_replies_and_stop_phrases() -> None:
-    user = ScriptedUser(max_replies=3, stop_phrases=["Have a NICE day"], reply="ok")
-    assert user.reset("instruction") == "instruction"
-    assert [user.step("a"), user.step("have a nice day!")] == ["ok", STOP_TOKEN]
-    user.reset("again")
-    assert [user.step("a"), user.step("b"), user.step("c")] == ["ok", "ok", STOP_TOKEN]
-
-
-class RecordingModel:
-    """A fake customer model: answers from a script and records the conversations it was given."""
-
-    def __init__(self, answers: list[str]) -> None:
-        self.answers = list(answers)
-        self.seen: list[list[dict[str, str]]] = []
-
-    def __call__(self, messages: list[dict[str, str]]) -> str:
-        self.seen.append([dict(message) for message in messages])
-        return self.answers.pop(0)
-
-
-def test_llm_user_keeps_the_conversation_and_drives_an_episode(data_dir: Path) -> None:
-    model = RecordingModel(["<think>hmm</think>I want to cancel an order.", "It's #W1000001.", STOP_TOKEN])
-    env = make_env(data_dir, task_index=0, user_factory=lambda: LLMUser(model))
-    conversation, _ = env.init([])
-    assert conversation[-1] == {"role": "user", "content": "I want to cancel an order."}
-    system = model.seen[0][0]["content"]
-    assert system.startswith("You are a user interacting with an agent.\n\nInstruction: You are Ada Lovelace")
-    assert "\n\nRules:\n- Just generate one line" in system and "generate '###STOP###' as a standalone" in system
-    assert model.seen[0][1] == {"role": "user", "content": "Hi! How can I help you today?"}
-    assert env.step("Which order?")["observations"] == [{"role": "user", "content": "It's #W1000001."}]
-    env.step(tool_call("cancel_pending_order", {"order_id": "#W1000001", "reason": "no longer needed"}))
-    out = env.step("Done, it is cancelled.")
-    assert out["done"] and out["reward"] == 1.0
-    roles = [message["role"] for message in model.seen[-1]]
-    assert roles == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert model.seen[-1][-1]["content"] == "Done, it is cancelled."
-
-
-def test_llm_user_resolves_async_generators() -> None:
-    async def generate(messages: list[dict[str, str]]) -> str:
-        await asyncio.sleep(0)
-        return f"turn {len(messages)}"
-
-    assert LLMUser(generate).reset("buy") == "turn 2"  # no running loop here: asyncio.run
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        user = LLMUser(generate, loop=loop, timeout_s=10)
-        assert user.reset("buy") == "turn 2" and user.step("hello") == "turn 4"
-
-        async def step_on_the_loop() -> None:
-            user.step("deadlock?")
-
-        with pytest.raises(RuntimeError, match="worker thread"):
-            asyncio.run_coroutine_threadsafe(step_on_the_loop(), loop).result(10)
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-
-
 @needs_real_data
 @pytest.mark.parametrize("split", ["train", "test"])
 def test_real_ground_truth_replay_scores_one(split: str) -> None:
@@ -361,3 +271,19 @@ def test_real_perturbed_actions_score_zero() -> None:
             assert env.get_metrics()["failed_check"] == "actions"
             checked[label] += 1
     assert checked["wrong order"] >= 50 and checked["wrong item"] >= 20
+
+
+def test_extras_override_env_config_and_none_values_are_unset(data_dir: Path) -> None:
+    class Section:  # an attribute object, as a config section may be
+        def __init__(self) -> None:
+            self.data_path = str(data_dir)
+            self.max_turns = 9
+            self.task_split = "test"
+
+    env = TauBenchRetailEnv(env_config=Section(), extras={"task_index": 1, "max_turns": None, "task_split": None})
+    assert env.max_turns == 9 and env.task == load_tasks(data_dir, "test")[1]
+    assert make_env(data_dir, task_index=0).max_turns == 30
+    with pytest.raises(ValueError, match="max_turns must be at least 1, got 0"):
+        make_env(data_dir, task_index=0, max_turns=0)
+    with pytest.raises(ValueError, match="user_factory must be a callable"):
+        make_env(data_dir, task_index=0, user_factory="scripted")

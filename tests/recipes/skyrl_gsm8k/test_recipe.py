@@ -1,8 +1,12 @@
-"""SkyRL's own GSM8K example (examples/train/gsm8k/run_gsm8k.sh) run verbatim plus ``+tenants=4`` on the CPU, on both
-backends: its command's overrides exactly as its shell passes them, with the script's own variables set (``DATA_DIR``
-to data made by ``skyrl_clora.recipes.skyrl_gsm8k.data``, ``NUM_GPUS=1``, ``LOGGER=console``, ``HOME`` a temporary
-folder) and its hub id ``Qwen/Qwen2.5-1.5B-Instruct`` resolved in a Hugging Face cache that holds a tiny base
-pre-trained on the skyrl_gsm8k corpus under that id; and SkyRL's ``gsm8k`` env learning on it."""
+"""Tests of ``skyrl_clora.recipes.skyrl_gsm8k.recipe``: SkyRL's own GSM8K recipe, skyrl-gym's single-turn ``gsm8k``
+env on SkyRL-format rows. As a plugin: generated rows in SkyRL's format per tenant, or ``data.train_data`` /
+``data.val_data`` read unchanged, a loud error should skyrl-gym stop registering ``gsm8k``, and the single-turn
+corpus. End to end (``e2e``): SkyRL's example (examples/train/gsm8k/run_gsm8k.sh) run verbatim plus ``+tenants=4``
+on the CPU, on both backends: its command's overrides exactly as its shell passes them, with the script's own
+variables set (``DATA_DIR`` to data made by ``skyrl_clora.recipes.skyrl_gsm8k.data``, ``NUM_GPUS=1``,
+``LOGGER=console``, ``HOME`` a temporary folder) and its hub id ``Qwen/Qwen2.5-1.5B-Instruct`` resolved in a Hugging
+Face cache that holds a tiny base pre-trained on the skyrl_gsm8k corpus under that id (an uncached hub id offline
+being a one-line error); and SkyRL's ``gsm8k`` env learning on it."""
 
 from __future__ import annotations
 
@@ -13,10 +17,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+import skyrl_gym
 
 from skyrl_clora.main import main
-from skyrl_clora.recipes.skyrl_gsm8k.data import write_skyrl_gsm8k
+from skyrl_clora.recipes.gsm8k.problems import save_rows_parquet
+from skyrl_clora.recipes.plugin import EVAL_SEED_OFFSET, CorpusSettings, EpisodeEnv, load_recipe, recipe_for_env
+from skyrl_clora.recipes.skyrl_gsm8k import corpus
+from skyrl_clora.recipes.skyrl_gsm8k.data import make_skyrl_rows, write_skyrl_gsm8k
+from skyrl_clora.recipes.skyrl_gsm8k.recipe import RECIPE
 from skyrl_clora.tiny_base.pretrain import TinyBaseRecipe, ensure_tiny_base
+from tests.support.recipe_runs import run_config
+
 
 RUN_GSM8K = r"""
   data.train_data="['$DATA_DIR/train.parquet']" \
@@ -61,7 +72,10 @@ RUN_GSM8K = r"""
 """The overrides of run_gsm8k.sh's command, verbatim (its final ``$@`` is the test's own overrides): NovaSky-AI/SkyRL
 examples/train/gsm8k/run_gsm8k.sh, blob 43a5180114bc, as of commit 19b0e1328 (2026-07-01) and unchanged through the
 skyrl 0.4.0 release (the wheel ships no examples/)."""
+
+
 HUB_ID = "Qwen/Qwen2.5-1.5B-Instruct"
+
 
 # Sized for 2 CPU cores: the script's `$@`, overrides appended after its own, as its comment invites.
 CPU_SIZE = (
@@ -69,8 +83,6 @@ CPU_SIZE = (
     "trainer.micro_train_batch_size_per_gpu=4", "generator.sampling_params.max_generate_length=24",
     "trainer.max_training_steps=2",
 )
-
-pytestmark = pytest.mark.e2e
 
 
 def run_gsm8k_overrides(variables: dict[str, str]) -> list[str]:
@@ -120,6 +132,7 @@ def script_line(data: Path, home: Path) -> list[str]:
                                 "HOME": str(home)})
 
 
+@pytest.mark.e2e
 def test_an_uncached_hub_id_offline_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import constants
@@ -133,6 +146,7 @@ def test_an_uncached_hub_id_offline_is_one_line(tmp_path: Path, capsys: pytest.C
     assert f"hf download {HUB_ID}" in errors[0] and not (tmp_path / "out").exists()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend", ["embedded", "skyrl"])
 def test_skyrls_gsm8k_script_runs_four_tenants(backend: str, data: Path, hub_cache: Path, tmp_path: Path,
                                                without_production_extras: None) -> None:
@@ -155,6 +169,7 @@ def test_skyrls_gsm8k_script_runs_four_tenants(backend: str, data: Path, hub_cac
     assert adapter["base_model_name_or_path"] in (HUB_ID, str(hub_cache))
 
 
+@pytest.mark.e2e
 def test_skyrls_gsm8k_env_learns_on_a_tiny_base(data: Path, small_base: Path, tmp_path: Path) -> None:
     """Ten GRPO steps lift the held-out accuracy of SkyRL's gsm8k env (the tiny base answers in the '####' format
     about a third of the time before RL)."""
@@ -168,3 +183,37 @@ def test_skyrls_gsm8k_env_learns_on_a_tiny_base(data: Path, small_base: Path, tm
     start = sum(accuracy[(t, 0)] for t in ("tenant-0", "tenant-1")) / 2
     final = sum(accuracy[(t, 10)] for t in ("tenant-0", "tenant-1")) / 2
     assert start <= 0.5 and final >= max(0.6, start + 0.25), accuracy
+
+
+def test_the_recipe_serves_skyrl_gyms_gsm8k_env_on_generated_skyrl_rows(tmp_path: Path) -> None:
+    run = run_config(tmp_path, "environment.env_class=gsm8k", "+tenants=[{seed:3,task_variant:easy}]", "trainer.seed=5",
+                     "recipe.eval_prompts=4")
+    assert recipe_for_env("gsm8k") == run.recipe.name == "skyrl_gsm8k" and load_recipe("skyrl_gsm8k") is RECIPE
+    source = RECIPE.task_source(run.recipe, run.tenants[0], None, run.seed)
+    assert source.train_rows == make_skyrl_rows(64, seed=3, variant="easy", split="train")
+    assert source.eval_rows == make_skyrl_rows(4, seed=5 + EVAL_SEED_OFFSET, variant="easy", split="test")
+    assert source.env_classes() == {"gsm8k"} and source.seed == 3
+
+
+def test_data_files_are_read_unchanged(tmp_path: Path) -> None:
+    rows = [{**row, "ability": "math"} for row in make_skyrl_rows(3, seed=1)]  # a column the recipe does not use
+    train = save_rows_parquet(rows, tmp_path / "train.parquet")
+    run = run_config(tmp_path, "environment.env_class=gsm8k", f"data.train_data=['{train}']")
+    source = RECIPE.task_source(run.recipe, run.tenants[0], None, 0)
+    assert source.train_rows == rows
+    assert len(source.eval_rows) == run.recipe.eval_prompts  # generated: no data.val_data
+
+
+def test_a_skyrl_gym_without_gsm8k_is_a_loud_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = run_config(tmp_path, "environment.env_class=gsm8k")
+    monkeypatch.delitem(skyrl_gym.registry, "gsm8k")
+    with pytest.raises(RuntimeError, match="skyrl-gym no longer registers 'gsm8k'"):
+        RECIPE.task_source(run.recipe, run.tenants[0], None, 0)
+
+
+def test_episodes_refusals_and_corpus(tmp_path: Path) -> None:
+    run = run_config(tmp_path, "environment.env_class=gsm8k")
+    assert RECIPE.env_classes == ("gsm8k",) and RECIPE.episode_env(run.recipe, run.tenants[0], None) == EpisodeEnv()
+    assert RECIPE.refuses(run.recipe, "embedded") is None and RECIPE.refuses(run.recipe, "skyrl") is None
+    settings = CorpusSettings(count=5, hard_fraction=0.0, seed=2)
+    assert RECIPE.pretraining_episodes(settings, 0.5) == corpus.pretraining_episodes(settings, 0.5)
