@@ -61,7 +61,7 @@ def test_an_fp8_kv_cache_replays_graphs_as_eager_steps_close_to_the_model_dtype_
     """An fp8 (e4m3, scale 1.0) cache on the GPU's own fp8 conversions: graph replays give eager decode's tokens
     for mixed tenants, and each request's first greedy log-prob (from a prefill whose attention
     reads the prompt's K/V back rounded to e4m3) is within 0.05 nats of the bf16-cache engine's (the CPU test's
-    bound, tests/sampler/test_paged_engine.py)."""
+    bound, tests/sampler/test_engine_paged.py)."""
     tenants = {"a": 1, "b": 2, "c": 3}
     fp8 = torch.float8_e4m3fn
     graphed, eager, plain = _engine(True, tenants, kv_dtype=fp8), _engine(False, tenants, kv_dtype=fp8), _engine(True, tenants)

@@ -1,44 +1,28 @@
-"""The embedded engine: mixed-tenant continuous batching, version-fenced in-place publish, SkyRL client."""
+"""The embedded engine (skyrl_clora.sampler.engine): mixed-tenant continuous batching (every request samples what it
+samples alone), rows packed at the front of the decode batch, batched prefills, decode steps launched before the
+previous step's tokens are read, version-fenced in-place publishes and unregisters, the prefix cache and the reuse of
+a finished turn's K/V, and failures that stay with their own requests."""
 
 from __future__ import annotations
 
-import asyncio
-import queue
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from skyrl.train.config import GeneratorConfig, SkyRLGymConfig
-from skyrl.train.config import SamplingParams as SkyRLSamplingParams
-from skyrl.train.generators.base import GeneratorInput, TrajectoryID
-from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from skyrl_clora.recipes.gsm8k.env import register_gsm8k_env
-from skyrl_clora.recipes.gsm8k.problems import make_dataset_rows
-from skyrl_clora.sampler.client import EmbeddedInferenceClient
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.sampler.requests import SamplingParams
 
-from tests.support.helpers import random_adapter, start_engine
-
-PROMPT = list(range(5, 25))
-
-
-def _engine(model_dir: Path, num_rows: int, adapters: dict[str, int], max_len: int = 96,
-            reuse_decode_kv: bool = False, share_prefix_reads: bool = False, **options) -> tuple[EngineThread, dict]:
-    config = EngineConfig(num_rows=num_rows, max_len=max_len, reuse_decode_kv=reuse_decode_kv,
-                          share_prefix_reads=share_prefix_reads, **options)
-    return start_engine(AutoModelForCausalLM.from_pretrained(model_dir).eval(), config, adapters)
-
-
-def _params(seed: int, max_tokens: int = 12) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed)
+from tests.support.engine_driver import PROMPT
+from tests.support.engine_threads import engine_on as _engine
+from tests.support.engine_threads import seeded_params as _params
+from tests.support.helpers import random_adapter
 
 
 def test_mixed_batch_equals_each_request_alone(micro_model_dir: Path) -> None:
@@ -218,55 +202,6 @@ def test_publish_is_fenced_by_the_tenants_own_requests(micro_model_dir: Path) ->
         engine.shutdown()
 
 
-def test_engine_rejects_bad_requests(micro_model_dir: Path) -> None:
-    engine, weights = _engine(micro_model_dir, num_rows=2, adapters={"a": 1})
-    try:
-        with pytest.raises(ValueError, match="unknown adapter"):
-            engine.submit(PROMPT, "zzz", _params(0)).result(timeout=10)
-        with pytest.raises(ValueError, match="max_len"):
-            engine.submit(list(range(200)), "a", _params(0)).result(timeout=10)
-        with pytest.raises(ValueError, match="already registered"):
-            engine.register_adapter("a", weights["a"])
-    finally:
-        engine.shutdown()
-
-
-def test_skyrl_gym_generator_drives_the_client_for_several_tenants(micro_model_dir: Path) -> None:
-    register_gsm8k_env()
-    tokenizer = AutoTokenizer.from_pretrained(micro_model_dir)
-    engine, _ = _engine(micro_model_dir, num_rows=8, adapters={"t0": 1, "t1": 2})
-    client = EmbeddedInferenceClient(engine, tokenizer, model_name=str(micro_model_dir),
-                                     default_sampling={"max_tokens": 10, "logprobs": 1}, seed=0)
-    config = GeneratorConfig(max_turns=2, batched=False, max_input_length=80,
-                             sampling_params=SkyRLSamplingParams(max_generate_length=10, logprobs=1))
-    rows = make_dataset_rows(2, seed=0)
-
-    async def rollout(tenant: str):
-        generator = SkyRLGymGenerator(config, SkyRLGymConfig(max_env_workers=0), client, tokenizer, policy_model_name=tenant)
-        ids = [TrajectoryID(instance_id=f"{tenant}-{i}", repetition_id=0) for i in range(len(rows))]
-        output = await generator.generate(GeneratorInput(
-            prompts=[r["prompt"] for r in rows], env_classes=[r["env_class"] for r in rows],
-            env_extras=[{k: v for k, v in r.items() if k not in ("prompt", "env_class")} for r in rows],
-            sampling_params=None, trajectory_ids=ids, batch_metadata=None), disable_tqdm=True)
-        return output, ids
-
-    async def both():
-        return await asyncio.gather(rollout("t0"), rollout("t1"))
-
-    try:
-        (out0, ids0), (out1, ids1) = asyncio.run(both())
-    finally:
-        engine.shutdown()
-    assert out0["response_ids"] != out1["response_ids"], "tenants' episodes must differ"
-    for output in (out0, out1):
-        assert len(output["response_ids"]) == 2
-        assert all(len(lp) == len(r) for lp, r in zip(output["rollout_logprobs"], output["response_ids"]))
-    for tenant, ids in (("t0", ids0), ("t1", ids1)):
-        for trajectory in ids:
-            versions = client.versions_for(tenant, trajectory.to_string())
-            assert versions and set(versions) == {0}
-
-
 def test_unregister_waits_for_running_requests_and_frees_the_slot(micro_model_dir: Path) -> None:
     engine, weights = _engine(micro_model_dir, num_rows=2, adapters={"a": 1})
     try:
@@ -346,91 +281,6 @@ def test_the_next_turn_computes_only_its_new_tokens_with_reuse_decode_kv(micro_m
         plain.shutdown()
 
 
-class _RecordingInbox(queue.Queue):
-    """An inbox whose blocking gets wait for an item however long (no time-out), recording for each whether the
-    engine was paused when it began; ``entered`` is set at every blocking get."""
-
-    def __init__(self, engine) -> None:
-        super().__init__()
-        self.engine = engine
-        self.waits: list[bool] = []
-        self.entered = threading.Event()
-
-    def get(self, block: bool = True, timeout: float | None = None):
-        if block:
-            self.waits.append(self.engine._paused.is_set())
-            self.entered.set()
-            return super().get(block=True, timeout=None)
-        return super().get(block=False)
-
-
-def test_a_pause_ends_an_idle_wait_and_the_engine_then_waits_paused(micro_model_dir: Path) -> None:
-    """The engine thread waits for work when idle; the first pause ends that wait, so the time from then on is
-    spent (and counted) in a paused wait, which the resume ends (the train scheduler pauses an idle engine at
-    every N=1 pass)."""
-    engine, _ = _engine(micro_model_dir, num_rows=4, adapters={"a": 1})
-    try:
-        inbox = _RecordingInbox(engine)
-        engine._inbox = inbox  # the thread takes it at its next wait (its current one times out)
-        assert inbox.entered.wait(timeout=60) and inbox.waits == [False]
-        inbox.entered.clear()
-        engine.pause()
-        assert inbox.entered.wait(timeout=60) and inbox.waits == [False, True]
-        inbox.entered.clear()
-        engine.resume()
-        assert inbox.entered.wait(timeout=60) and inbox.waits == [False, True, False]
-    finally:
-        engine.shutdown()
-
-
-def test_pauses_nest_and_an_unmatched_resume_is_an_error(micro_model_dir: Path) -> None:
-    engine, _ = _engine(micro_model_dir, num_rows=4, adapters={"a": 1})
-    try:
-        engine.pause()
-        engine.pause()  # the train scheduler's pause inside a caller's
-        future = engine.submit(PROMPT, "a", _params(0, max_tokens=3))
-        engine.resume()
-        time.sleep(0.3)
-        assert not future.done() and engine.stats.decode_steps == 0, "one pause is still held"
-        engine.resume()
-        assert len(future.result(timeout=60).token_ids) == 3
-        with pytest.raises(RuntimeError, match="resume\\(\\) without a pause"):
-            engine.resume()
-    finally:
-        engine.shutdown()
-
-
-def test_a_pause_mid_decode_accepts_the_step_in_flight_and_launches_nothing(micro_model_dir: Path) -> None:
-    """Pausing while rows decode: the step in flight (launched before the last one's tokens were read) finishes
-    and is accepted, no step is launched or accepted while paused, and after the resume every completion equals
-    the same request run without a pause."""
-    jobs = [(name, seed) for name in "ab" for seed in range(3)]
-    engine, _ = _engine(micro_model_dir, num_rows=16, adapters={"a": 1, "b": 2}, max_len=400)
-    try:
-        futures = [engine.submit(PROMPT, name, _params(seed, max_tokens=300)) for name, seed in jobs]
-        deadline = time.monotonic() + 60
-        while engine.stats.decode_steps < 5 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        engine.pause()
-        time.sleep(0.2)  # the loop sees the pause after the iteration it is in
-        steps, tokens = engine.stats.decode_steps, engine.stats.generated_tokens
-        time.sleep(0.3)
-        assert (engine.stats.decode_steps, engine.stats.generated_tokens) == (steps, tokens), "it stepped while paused"
-        assert not engine.engine.has_step_in_flight(), "the step in flight was not accepted before the pause"
-        assert 5 <= steps < 300 and not any(future.done() for future in futures)
-        engine.resume()
-        paused = [future.result(timeout=60).token_ids for future in futures]
-    finally:
-        engine.shutdown()
-    assert len({tuple(tokens) for tokens in paused}) == len(jobs), "samples must differ"
-    alone_engine, _ = _engine(micro_model_dir, num_rows=16, adapters={"a": 1, "b": 2}, max_len=400)
-    try:
-        for (name, seed), tokens in zip(jobs, paused):
-            assert alone_engine.submit(PROMPT, name, _params(seed, max_tokens=300)).result(timeout=60).token_ids == tokens
-    finally:
-        alone_engine.shutdown()
-
-
 def test_requests_sharing_only_cached_blocks_are_admitted_together(micro_model_dir: Path) -> None:
     """The samples of a GRPO group wait one round for their shared uncached prompt; the next turns of the
     group's episodes (the prompt cached, the histories their own) are admitted in one round."""
@@ -453,33 +303,6 @@ def test_requests_sharing_only_cached_blocks_are_admitted_together(micro_model_d
         assert engine.stats.cached_prompt_tokens == 3 * 32 + 4 * 32
     finally:
         engine.shutdown()
-
-
-def test_rows_sharing_a_cached_prompt_read_one_copy_with_the_same_results(micro_model_dir: Path) -> None:
-    """Two tenants' GRPO groups of one prompt, two turns each (histories reused): decode attention reads the
-    group's copied prompt positions from one row (never across tenants, whose K/V differ), and every token
-    and log-prob equals an engine where each row reads its own copy."""
-    prompt = [(7 * i) % 300 + 5 for i in range(40)]  # two whole blocks and a part
-    engines = [_engine(micro_model_dir, num_rows=16, adapters={"a": 1, "b": 2}, reuse_decode_kv=True,
-                       share_prefix_reads=share)[0] for share in (True, False)]
-    try:
-        results = []
-        for engine in engines:
-            engine.pause()  # the requests reach the engine together
-            firsts = [engine.submit(prompt, adapter, _params(seed, max_tokens=6)) for adapter in "ab" for seed in range(4)]
-            engine.resume()
-            firsts = [future.result(timeout=60) for future in firsts]
-            engine.pause()
-            seconds = [engine.submit(prompt + first.token_ids + [40, 41], adapter, _params(10 + i, max_tokens=6))
-                       for i, (adapter, first) in enumerate(zip("aaaabbbb", firsts))]
-            engine.resume()
-            results.append([(c.token_ids, c.logprobs) for c in firsts + [future.result(timeout=60) for future in seconds]])
-        assert len({tuple(tokens) for tokens, _ in results[0]}) == 16, "samples and tenants must differ"
-        assert results[0] == results[1]
-        assert engines[0].stats.shared_prefix_positions > 0 and engines[1].stats.shared_prefix_positions == 0
-    finally:
-        for engine in engines:
-            engine.shutdown()
 
 
 def test_a_request_that_reaches_the_engine_after_its_adapter_left_fails_alone(micro_model_dir: Path) -> None:
@@ -517,20 +340,3 @@ def test_a_failing_prefill_fails_only_its_own_requests(micro_model_dir: Path, mo
         assert len(engine.submit(PROMPT, "b", _params(2)).result(timeout=60).token_ids) == 12, "its row was freed"
     finally:
         engine.shutdown()
-
-
-def test_prefill_and_decode_logits_match_the_hf_forward(micro_model_dir: Path) -> None:
-    """The runner's own layer loop (fused-op references, slot KV cache) computes what the HF model computes."""
-    from skyrl_clora.sampler.model_runner import ModelRunner, PrefillJob
-
-    model = AutoModelForCausalLM.from_pretrained(micro_model_dir).eval()
-    routing, _ = attach_engine_lora(model, num_slots=2, max_rank=8)
-    runner = ModelRunner(model, num_rows=16, max_len=64, block_size=16, prefill_tokens=64)
-    tokens = torch.tensor(PROMPT + [3, 4, 5])
-    prefill_logits = runner.prefill([PrefillJob(row=2, tokens=tokens[:-1], lora_slot=-1)])[0]
-    runner.set_decode_inputs([0, 0, int(tokens[-1])] + [0] * 13, [0, 0, len(tokens) - 1] + [0] * 13, [-1] * 16)
-    decode_logits = runner.decode(16)[2]
-    with torch.no_grad():
-        want = model(input_ids=tokens[None]).logits[0].float()
-    assert torch.allclose(prefill_logits, want[-2], atol=1e-4), float((prefill_logits - want[-2]).abs().max())
-    assert torch.allclose(decode_logits, want[-1], atol=1e-4), float((decode_logits - want[-1]).abs().max())

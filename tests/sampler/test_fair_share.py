@@ -1,9 +1,11 @@
-"""Fair admission (``admission="fair"``, virtual-token counters): a tenant flooding the queue cannot delay another
-tenant's request by more than one admission of each other active tenant, where arrival order (``"fifo"``) makes it
-wait for the whole flood; a tenant active again after idling is lifted to the least served active tenant's counter;
+"""Fair admission (skyrl_clora.sampler.fair_share, ``admission="fair"``: virtual-token counters, kept by the
+scheduler): a tenant flooding the queue cannot delay another tenant's request by more than one admission of each other
+active tenant, where arrival order (``"fifo"``) makes it wait for the whole flood; a tenant active again after idling
+is lifted to the least served active tenant's counter; each tenant is charged exactly for its own prompt tokens and
+decode steps, and a tenant stopped and added again starts anew; an episode under way goes on ahead of fresh requests;
 the engine samples every request the same under either order, and keeps each tenant's queue waits. With fewer device
-slots than tenants, a slot is taken from an adapter with no request waiting before one with some, and under fair
-admission a resident tenant keeps its slot until it is its slot credit ahead of a waiting tenant, and no longer."""
+slots than tenants, a resident tenant keeps its slot until it is its slot credit ahead of a waiting tenant, and no
+longer."""
 
 from __future__ import annotations
 
@@ -27,30 +29,12 @@ from skyrl_clora.sampler.requests import QueuedRequest, SamplingParams, Unregist
 from skyrl_clora.sampler.scheduler import Scheduler
 
 from tests.support.helpers import random_adapter
+from tests.support.scheduler_rounds import enqueue as _enqueue
+from tests.support.scheduler_rounds import run_one_step as _round_of
+from tests.support.scheduler_rounds import scheduler_for as _scheduler
+from tests.support.scheduler_rounds import start as _start
 
 MAX_ROUNDS = 3000  # a bound on every engine-driving loop below: reaching it fails the test
-
-
-def _scheduler(tenants: list[str], num_rows: int, admission: str, num_slots: int | None = None,
-               slot_credit: float = 0.0) -> Scheduler:
-    """A scheduler over ``num_rows`` rows and ``num_slots`` device slots (default: one per tenant) for ``tenants`` (at
-    version 0), a pool that never runs short, with ``slot_credit``."""
-    layers = {"proj": MultiLoRALinear(nn.Linear(4, 4), num_slots=num_slots or len(tenants), max_rank=2,
-                                      routing=LoRARouting(), trainable=False)}
-    adapters = AdapterSlots(layers, pin=False)
-    for name in tenants:
-        adapters.register(name)
-        adapters.publish(name, init_adapter(layers, 2, 4.0, torch.Generator().manual_seed(0)), 0)
-    pool = BlockManager(4096, 4, num_rows, max_blocks_per_row=4, cache_prefixes=False)
-    return Scheduler(num_rows, adapters, pool, max_prefills_per_step=num_rows, reuse_decode_kv=False,
-                     admission=admission, slot_credit=slot_credit)
-
-
-def _enqueue(scheduler: Scheduler, tenant: str, prompt_len: int = 6) -> QueuedRequest:
-    request = QueuedRequest(list(range(prompt_len)), tenant, SamplingParams(max_tokens=4),
-                            concurrent.futures.Future())
-    scheduler.enqueue(request)
-    return request
 
 
 def _round(scheduler: Scheduler) -> list[QueuedRequest]:
@@ -153,56 +137,6 @@ def test_fair_and_fifo_admission_sample_every_request_alike_and_record_each_tena
     assert last_b["fair"] < last_b["fifo"], "fair admission serves b before a's flood is through"
 
 
-@pytest.mark.parametrize("admission", ["fifo", "fair"])
-def test_a_slot_is_taken_from_an_adapter_with_nothing_queued_before_one_with_requests_waiting(admission: str) -> None:
-    scheduler = _scheduler(["a", "b", "c"], num_rows=2, admission=admission, num_slots=2)
-    _enqueue(scheduler, "a")
-    _enqueue(scheduler, "b")
-    first = scheduler.schedule_prefill()
-    assert first.loads == ["a", "b"]
-    _round_of(scheduler, first)
-    _enqueue(scheduler, "c")  # c needs a slot; a (least recently used) has a request queued behind it, b has none
-    _enqueue(scheduler, "a")
-    second = scheduler.schedule_prefill()
-    assert [req.adapter for req in second.requests] == ["c", "a"]
-    assert (second.loads, second.evictions, second.hits) == (["c"], 1, 1)  # b gave its slot; a kept its own
-    assert not scheduler.adapters.resident("b") and scheduler.adapters.resident("a")
-
-
-def _round_of(scheduler: Scheduler, plan) -> None:
-    """``plan``'s requests run one decode step and finish (their rows freed)."""
-    for req, start in zip(plan.requests, plan.starts):
-        scheduler.prefilled(req, start)
-    scheduler.decode_launched()
-    for req in plan.requests:
-        scheduler.release(req.row)
-
-
-@pytest.mark.parametrize("admission", ["fifo", "fair"])
-def test_a_waiting_adapter_drains_a_busy_adapter_with_nothing_queued_before_one_with_requests_waiting(
-        admission: str) -> None:
-    scheduler = _scheduler(["a", "b", "c"], num_rows=3, admission=admission, num_slots=2)
-    first_a, first_b = _enqueue(scheduler, "a"), _enqueue(scheduler, "b")
-    first = scheduler.schedule_prefill()
-    for req, start in zip(first.requests, first.starts):
-        scheduler.prefilled(req, start)  # a and b keep running: every slot is busy
-    _enqueue(scheduler, "c")
-    _enqueue(scheduler, "a")
-    second = scheduler.schedule_prefill()
-    assert [req.adapter for req in second.requests] == ["a"] and second.hits == 1  # c drained b, not a
-    scheduler.release(first_a.row)
-    scheduler.release(first_b.row)  # b's slot is free to take (a's second request runs)
-    third = scheduler.schedule_prefill()
-    assert [req.adapter for req in third.requests] == ["c"] and (third.loads, third.evictions) == (["c"], 1)
-    assert not scheduler.adapters.resident("b")
-
-
-def _start(scheduler: Scheduler, plan) -> None:
-    """``plan``'s requests start running (and keep their rows)."""
-    for req, start in zip(plan.requests, plan.starts):
-        scheduler.prefilled(req, start)
-
-
 def test_a_resident_tenant_keeps_its_slot_until_it_is_its_credit_ahead_of_a_waiting_tenant_then_it_is_drained() -> None:
     """One slot, held by a (running); c needs it while a queues a request every round and every running request
     decodes. Within the credit a's requests are admitted ahead of c and the slot is not drained for c; the round a's
@@ -233,30 +167,6 @@ def test_a_resident_tenant_keeps_its_slot_until_it_is_its_credit_ahead_of_a_wait
         plan = scheduler.schedule_prefill()
         assert c in plan.requests and plan.loads == ["c"] and plan.evictions == 1
         assert not scheduler.adapters.resident("a")
-
-
-@pytest.mark.parametrize("admission", ["fifo", "fair"])
-def test_a_round_looks_at_each_waiting_adapter_without_a_slot_once_whatever_its_queue(
-        admission: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Four slots held by running tenants, 40 tenants without a slot queueing 8 requests each (hundreds of tenants on
-    a few slots): a round admits none of them and asks the slots about each waiting tenant once, not about each of
-    its 320 requests; the queue keeps all of them in arrival order, and the next round does the same."""
-    waiting = [f"w{i}" for i in range(40)]
-    scheduler = _scheduler(["r0", "r1", "r2", "r3", *waiting], num_rows=400, admission=admission, num_slots=4,
-                           slot_credit=1e9)  # under fair: no resident is past its credit, so no slot is drained
-    for name in ("r0", "r1", "r2", "r3"):
-        _enqueue(scheduler, name)
-    _start(scheduler, scheduler.schedule_prefill())
-    queued = [_enqueue(scheduler, name) for _ in range(8) for name in waiting]
-    asked = []
-    available = AdapterSlots.available
-    monkeypatch.setattr(AdapterSlots, "available", lambda self, busy: asked.append(1) or available(self, busy))
-    for _ in range(2):
-        asked.clear()
-        plan = scheduler.schedule_prefill()
-        assert plan.requests == [] and plan.loads == []
-        assert len(asked) == len(waiting), "one look at the slots per waiting adapter"
-        assert scheduler._waiting == queued
 
 
 def test_each_tenant_is_charged_exactly_for_its_own_rows_over_many_decode_steps() -> None:

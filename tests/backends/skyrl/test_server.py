@@ -1,4 +1,5 @@
-"""SkyRL's own RemoteInferenceClient and SkyRLGymGenerator against the embedded engine served over HTTP.
+"""The embedded engine served over HTTP by skyrl_clora.backends.skyrl.server, driven by SkyRL's own
+RemoteInferenceClient and SkyRLGymGenerator.
 
 Four tenants share one engine behind :class:`EmbeddedServer`; each is a LoRA adapter loaded over HTTP from a
 PEFT folder and driven through its :class:`TenantInferenceClient` view. Every route refuses a request without the

@@ -1,7 +1,7 @@
-"""The model runner's GPU path (every op through the Triton kernels: multi-LoRA, decode attention, fused layer
-ops, with the meta and workspace buffers the CUDA path preallocates), forced on the CPU through the Triton
-interpreter, computes what its torch path computes: the shapes, strides and buffers the runner hands the
-kernels are the ones they accept."""
+"""The model runner's (skyrl_clora.sampler.model_runner) GPU path (every op through the Triton kernels: multi-LoRA,
+decode attention, fused layer ops, with the meta and workspace buffers the CUDA path preallocates), forced on the CPU
+through the Triton interpreter, computes what its torch path computes: the shapes, strides and buffers the runner
+hands the kernels are the ones they accept."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The engine on a small KV block pool: long-tailed requests that do not all fit at once wait for blocks or are
-preempted and start over, and still complete exactly as on a pool with room for all; a request longer than
-the whole pool fails alone; shared prompt blocks are held by reference (no copies) and go back to the pool."""
+"""The engine (skyrl_clora.sampler.engine) on a small KV block pool: long-tailed requests that do not all fit at once
+wait for blocks or are preempted and start over, and still complete exactly as on a pool with room for all; a request
+longer than the whole pool fails alone; shared prompt blocks are held by reference (no copies) and go back to the
+pool."""
 
 from __future__ import annotations
 

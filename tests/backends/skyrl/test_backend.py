@@ -1,7 +1,9 @@
-"""backend=skyrl's training step is SkyRL's: the driver recomputes the behaviour log-probs through the policy
-worker's ``forward`` (not the sampler's), adds the KL reference's (the base: the adapter disabled) when
-``use_kl_loss`` is on, and checks the worker's reports of the step; ``clora.step_style=tinker`` sends the
-sampler's log-probs instead."""
+"""backend=skyrl's driver (skyrl_clora.backends.skyrl.backend): its training step is SkyRL's: it recomputes the
+behaviour log-probs through the policy worker's ``forward`` (not the sampler's), adds the KL reference's (the base: the
+adapter disabled, scored at temperature 1) when ``use_kl_loss`` is on, penalises the rewards with ``use_kl_in_reward``,
+steps the optimizer per mini-batch and epoch, and checks the worker's reports of the step (``check_step_report``:
+``policy_lr`` within float32 rounding of the scheduled LR, the embedded worker's grad norm exactly);
+``clora.step_style=tinker`` sends the sampler's log-probs instead."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import compute_advantages_and_re
 from skyrl.train.config import AlgorithmConfig, SkyRLTrainConfig
 from transformers import AutoModelForCausalLM
 
-from skyrl_clora.backends.skyrl.backend import SkyRLBackend, Tenant, training_input
+from skyrl_clora.backends.skyrl.backend import SkyRLBackend, Tenant, check_step_report, training_input
 from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.config.compose import compose_config
@@ -424,3 +426,26 @@ def test_old_log_probs_are_recomputed_per_mini_batch_as_skyrl_does(tmp_path: Pat
     assert dispatch.forwards == (["t", "t"] if per_mini_batch else ["t"])
     assert data["action_log_probs"].shape == data["response_mask"].shape
     assert torch.all(data["action_log_probs"] == -0.5)
+
+
+def _float32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("strategy", ["megatron", "fsdp2"])
+def test_a_float32_rounded_lr_report_is_this_steps(strategy: str) -> None:
+    lr = 3e-6
+    assert _float32(lr) != lr  # the exact comparison this replaces raised here
+    reported = {"policy_lr": _float32(lr)}
+    check_step_report("t", lr, 0.5, reported, {"lr": _float32(lr), "grad_norm": 0.5}, strategy)
+
+
+@pytest.mark.parametrize("wrong", [3.1e-6, 1e-6])
+def test_an_lr_report_beyond_float32_rounding_is_refused(wrong: float) -> None:
+    with pytest.raises(RuntimeError, match="tenant t: the worker reports .*policy_lr"):
+        check_step_report("t", 3e-6, 0.5, {"policy_lr": _float32(wrong)}, {"lr": 3e-6}, "megatron")
+
+
+def test_the_embedded_workers_grad_norm_must_match_exactly() -> None:
+    with pytest.raises(RuntimeError, match="grad_norm"):
+        check_step_report("t", 1e-3, 0.5, {"policy_lr": 1e-3}, {"lr": 1e-3, "grad_norm": _float32(0.1)}, "embedded")

@@ -1,8 +1,9 @@
-"""Who owns an adapter slot while tenants stop, come back and crowd a few slots: a stopped tenant owns no slot and
-no record (version, host copy, cached prefixes, fair counter); one added again under its name, or a new name, owns
-only the slot it is given, and its first publish lands there alone; an adapter with requests running keeps its
-slot whatever the least-recently-used order says. Through all of it every other tenant samples, token for token and
-log-prob for log-prob, what it samples alone (the CPU engine's rows are batch-invariant)."""
+"""Who owns an engine's adapter slot (skyrl_clora.sampler.engine over its AdapterSlots) while tenants stop, come back
+and crowd a few slots: a stopped tenant owns no slot and no record (version, host copy, cached prefixes, fair
+counter); one added again under its name, or a new name, owns only the slot it is given, and its first publish lands
+there alone; an adapter with requests running keeps its slot whatever the least-recently-used order says. Through all
+of it every other tenant samples, token for token and log-prob for log-prob, what it samples alone (the CPU engine's
+rows are batch-invariant)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""SkyRL's training-step options end to end through ``main`` on both backends: the KL loss against the frozen base
-(zero while a tenant's adapter is fresh, positive once it has trained) and the Tinker-style step."""
+"""The embedded backend's training step (skyrl_clora.backends.embedded.backend): it hands the trainer the sampler's
+log-probs as the behaviour log-probs only in the Tinker-style step (``clora.step_style=tinker``), which then runs and
+learns end to end through ``main``; and SkyRL's KL loss against the frozen base through ``main`` on this backend and on
+backend=skyrl (one parametrized test: zero while a tenant's adapter is fresh, positive once it has trained)."""
 
 from __future__ import annotations
 
