@@ -1,4 +1,7 @@
-"""Hydra config tree, tenant expansion, --help and bad-input handling of the entry point."""
+"""Building a run from the composed config (:mod:`skyrl_clora.config.build`) as the entry point does: tenants
+expanded from ``+tenants`` (a count or a list of overrides), steps planned from the training rows, SkyRL's KL
+options and the KV-cache dtype reaching both backends, and bad input (values, files, folders, several groups at
+once) refused before any work in one line per problem with exit status 2."""
 
 from __future__ import annotations
 
@@ -7,49 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
-
-from omegaconf import OmegaConf
 
 from skyrl_clora.config.build import build_run_config, plan_steps
-from skyrl_clora.config.help import is_global
-from skyrl_clora.config.compose import CONF_DIR, compose_config
+from skyrl_clora.config.compose import compose_config
 from skyrl_clora.main import main
 from skyrl_clora.tenants import expand_tenants
-
-
-def _yaml_files() -> list[Path]:
-    return sorted(CONF_DIR.rglob("*.yaml"))
-
-
-@pytest.mark.parametrize("path", _yaml_files(), ids=lambda p: str(p.relative_to(CONF_DIR)))
-def test_every_conf_file_composes(path: Path, tmp_path: Path) -> None:
-    relative = path.relative_to(CONF_DIR)
-    overrides = [f"clora.output_dir={tmp_path}"]
-    if relative.parent != Path("."):
-        overrides.append(f"{relative.parent}={relative.stem}")
-    cfg = compose_config(overrides)
-    content = yaml.safe_load(path.read_text()) or {}  # preset/skyrl.yaml: comments only
-    if relative.parent != Path(".") and not is_global(path):
-        assert dict(cfg[str(relative.parent)]) == content
-    else:  # every key the file sets has its value in the composed config
-        for key, value in flat(content).items():
-            if not key.startswith("defaults") and relative.parent != Path("."):
-                if isinstance(value, str) and value.startswith("${"):  # an interpolation: the key it names
-                    value = OmegaConf.select(cfg, value[2:-1])
-                assert OmegaConf.select(cfg, key) == value, key
-        assert {key for key in content if key != "defaults"} <= set(cfg)
-    assert build_run_config(cfg).tenants
-
-
-def flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def test_plus_tenants_expands_into_specs(tmp_path: Path) -> None:
@@ -86,56 +51,6 @@ def test_default_is_one_tenant(tmp_path: Path) -> None:
 def test_expand_tenants_rejects_malformed(value) -> None:
     with pytest.raises(ValueError):
         expand_tenants(value, seed=0, lr=1e-3, rank=8, alpha=16, task_variant="standard", samples_per_prompt=4)
-
-
-def test_help_describes_every_key_of_every_group(capsys: pytest.CaptureFixture) -> None:
-    """Every key of every conf file (backend=skyrl's and tau-bench's too) is listed with its default and a
-    description; the descriptions are the conf files' comments."""
-    from skyrl_clora.config.help import conf_keys
-    from skyrl_clora.config.compose import CONF_DIR
-
-    assert main(["--help"]) == 0
-    text = capsys.readouterr().out
-    for needle in ("+tenants=N", "recipe=gsm8k|skyrl|skyrl_gsm8k|taubench", "preset=demo|skyrl", "with recipe=taubench:", "with backend=skyrl:"):
-        assert needle in text
-    lines = text.splitlines()
-    for path in sorted(CONF_DIR.rglob("*.yaml")):
-        group = path.parent.name
-        prefix = "" if path.parent == CONF_DIR or is_global(path) else f"{group}."
-        section = 0 if path.parent == CONF_DIR else lines.index(f"with {group}={path.stem}:")
-        for key in conf_keys(path):
-            assert key.description, f"{path.name}: {key.path} has no comment to describe it"
-            head = f"  {prefix}{key.path}={key.default}"
-            assert head in lines[section:], head
-            at = lines.index(head, section)
-            assert lines[at + 1].strip().startswith(key.description.split()[0]), head
-
-
-def test_help_opens_each_group_options_section_with_its_files_header(capsys: pytest.CaptureFixture) -> None:
-    from skyrl_clora.config.help import header
-    from skyrl_clora.config.compose import CONF_DIR
-
-    assert main(["--help"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    for path in sorted(CONF_DIR.glob("*/*.yaml")):
-        about = header(path)
-        assert about, f"{path} has no header comment to describe it"
-        start = lines.index(f"with {path.parent.name}={path.stem}:") + 1
-        assert " ".join(line.strip() for line in lines[start:start + 8]).startswith(about[:60]), path
-
-
-def test_help_lists_each_skyrl_key_a_backend_ignores_or_runs_with_one_value_only(capsys: pytest.CaptureFixture) -> None:
-    """Every ignored or one-value rule of both backends is in --help, under its backend, with its reason."""
-    from skyrl_clora.config.keys import HONOURED, KEY_RULES, SKYRL_RULES
-
-    assert main(["--help"]) == 0
-    text = " ".join(capsys.readouterr().out.split())
-    for backend, rules in (("embedded", KEY_RULES), ("skyrl", SKYRL_RULES)):
-        listed = [rule for rule in rules if rule.action != HONOURED]
-        assert listed
-        for rule in listed:
-            start = text.index(f"backend={backend}: ", text.index(f"SkyRL keys {'ignored' if rule.action == 'ignored' else 'run with'}"))
-            assert f"{rule.key}: {' '.join(rule.detail.split())}" in text[start:], rule.key
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -304,26 +219,6 @@ def test_every_groups_problem_is_listed_at_once(tmp_path: Path, capsys: pytest.C
         "error: generator.sampling_params.temperature=warm must be a number",
         "error: trainer.epochs=x must be an integer",
     ]
-
-
-def test_every_skyrl_key_is_a_known_key() -> None:
-    """Any key of SkyRL's SkyRLTrainConfig is overridable without a ``+`` (SkyRL's own tree is in the config)."""
-    from skyrl_clora.config.keys import skyrl_defaults
-    from skyrl_clora.config.compose import check_known_keys, compose_config
-
-    keys = [key for key, value in flat(skyrl_defaults()).items() if isinstance(value, (int, float, str))]
-    assert len(keys) > 300
-    overrides = [f"{key}={skyrl_defaults_value(key)}" for key in keys[::7]] + ["recipe=taubench", "+tenants=2"]
-    cfg = compose_config(overrides)
-    check_known_keys(cfg, overrides)
-    assert all(OmegaConf.select(cfg, key) is not None for key in keys[::7])
-
-
-def skyrl_defaults_value(key: str) -> str:
-    from skyrl_clora.config.keys import skyrl_defaults
-
-    value = flat(skyrl_defaults())[key]
-    return str(value).lower() if isinstance(value, bool) else f"'{value}'" if isinstance(value, str) else str(value)
 
 
 def test_bad_input_from_the_command_line_has_no_traceback() -> None:

@@ -1,5 +1,7 @@
-"""SkyRL 0.4's own command-line rewrites (``SkyRLTrainConfig.from_cli_overrides``) hold here: what SkyRL's entry point
-drops or renames is accepted with its meaning, what it refuses is refused in one line."""
+"""SkyRL's command line (:mod:`skyrl_clora.config.skyrl_cli`): SkyRL 0.4's own rewrites
+(``SkyRLTrainConfig.from_cli_overrides``) hold here, so what SkyRL's entry point drops or renames is accepted with
+its meaning and what it refuses is refused in one line; and a command naming a model path gets SkyRL's preset unless
+it chooses one."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from skyrl_clora.config.keys import check_embedded_keys, given_keys
 from skyrl_clora.config.compose import check_known_keys, compose_config
 from skyrl_clora.main import main
 from skyrl_clora.backends.skyrl.config_translation import translate
-from skyrl_clora.config.skyrl_cli import skyrl_cli_overrides
+from skyrl_clora.config.skyrl_cli import preset_overrides, skyrl_cli_overrides
 
 pytestmark = pytest.mark.usefixtures("without_production_extras")
 
@@ -136,3 +138,13 @@ def test_chat_template_kwargs_with_batched_generation_is_refused_as_skyrl_refuse
                                 f"clora.output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="needs generator.batched=false"):
         build_run_config(compose_config(args))
+
+
+@pytest.mark.parametrize("overrides, added", [
+    (["trainer.policy.model.path=/models/qwen"], True),
+    (["trainer.policy.model.path=/models/qwen", "preset=demo"], False),
+    (["trainer.policy.model.path=null"], False),
+    (["+tenants=2"], False),
+])
+def test_a_model_path_picks_skyrls_preset_unless_one_is_chosen(overrides: list[str], added: bool) -> None:
+    assert preset_overrides(overrides) == overrides + (["preset=skyrl"] if added else [])

@@ -25,7 +25,6 @@ from skyrl.train.config import SkyRLTrainConfig
 from tests.support.helpers import differing_keys
 from skyrl_clora.backends.skyrl.backend import check_step_report
 from skyrl_clora.config.schema import ConfigError
-from skyrl_clora.skyrl.fsdp_store import FSDPAdapterStore, FSDPLoraSignature, lora_a_initializer
 from skyrl_clora.backends.skyrl.stack import check_buildable
 
 from skyrl_clora.trainer.lr_schedule import LRSchedule
@@ -98,73 +97,6 @@ def test_a_checkpoint_round_trips(results: dict) -> None:
     assert differing_keys(results["ckpt_loaded"], results["beside_final"]) == []
     saved = sorted(path.name for path in (results["out"] / "ckpt-a").iterdir())
     assert saved == ["fsdp_tenant_state.json", "fsdp_tenant_state.rank0.safetensors"]
-
-
-# ---- the store's refusals (plain modules: no FSDP needed) ------------------------------------------------
-
-class _Lora(torch.nn.Module):
-    def __init__(self, extra_trainable: bool = False) -> None:
-        super().__init__()
-        self.proj = torch.nn.Module()
-        self.proj.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(8, 2, bias=False)})
-        self.proj.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(2, 8, bias=False)})
-        self.head = torch.nn.Linear(8, 8)
-        self.head.requires_grad_(extra_trainable)
-
-
-def _store(module: torch.nn.Module) -> FSDPAdapterStore:
-    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3)
-    return FSDPAdapterStore(module, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
-
-
-def _signature(store: FSDPAdapterStore, rank: int = 2) -> FSDPLoraSignature:
-    return FSDPLoraSignature(rank=rank, alpha=4.0, target_modules=("all-linear",), init_method="kaiming", world_size=1,
-                             params=tuple((n, tuple(p.shape)) for n, p in zip(store.names, store.params)))
-
-
-def test_the_store_refuses_a_trainable_parameter_that_is_not_lora() -> None:
-    with pytest.raises(RuntimeError, match="trainable non-LoRA parameter 'head.weight'"):
-        _store(_Lora(extra_trainable=True))
-
-
-def test_the_store_refuses_another_signature_and_a_second_registration() -> None:
-    store = _store(_Lora())
-    store.prime()
-    store.register_pristine(_signature(store))
-    store.create("a", seed=1, lr=1e-3, signature=_signature(store))
-    with pytest.raises(ValueError, match="LoRA signature mismatch for 'b'"):
-        store.create("b", seed=2, lr=1e-3, signature=_signature(store, rank=4))
-    with pytest.raises(ValueError, match="'a' already registered"):
-        store.create("a", seed=1, lr=1e-3, signature=_signature(store))
-    with pytest.raises(KeyError, match="unknown adapter 'c'"):
-        store.swap_to("c")
-
-
-def test_a_tenant_slot_holds_each_table_in_one_host_block_with_its_initial_state() -> None:
-    store = _store(_Lora())
-    store.prime()
-    store.register_pristine(_signature(store))
-    store.create("a", seed=1, lr=1e-3, signature=_signature(store))
-    slot = store.slots["a"]
-    tables = (slot.params, slot.grads, slot.exp_avg, slot.exp_avg_sq)
-    blocks = {id(table): {t.untyped_storage().data_ptr() for t in table} for table in tables}
-    assert all(len(pointers) == 1 for pointers in blocks.values()) and len(set().union(*blocks.values())) == 4
-    assert [t.shape for t in slot.params] == [p.shape for p in store.params]
-    assert all(not t.any() for t in slot.exp_avg + slot.exp_avg_sq)
-    lora_a = [t for name, t in zip(store.names, slot.params) if ".lora_A." in name]
-    assert lora_a and all(t.any() for t in lora_a), "lora_A starts drawn, lora_B at zero"
-
-
-def test_the_store_refuses_optimizer_state_it_does_not_mirror() -> None:
-    module = _Lora()
-    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3, amsgrad=True)
-    with pytest.raises(RuntimeError, match="amsgrad=True"):
-        FSDPAdapterStore(module, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
-
-
-def test_an_init_method_without_a_per_tenant_draw_is_refused_in_one_line() -> None:
-    with pytest.raises(ValueError, match="init_method=pissa: .* kaiming or gaussian only"):
-        lora_a_initializer("pissa", 4)
 
 
 def test_fsdp2_without_a_gpu_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

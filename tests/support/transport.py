@@ -1,6 +1,6 @@
 """Where a tenant's weights travel inside the trainer, as reusable checks: the AdapterStore's swaps (every table
 of both tenants through one slot) and the train scheduler (each tenant gets back its own stored weights).
-Used by ``trainer/test_trainer.py``, ``trainer/test_train_scheduler.py`` and, with bugs planted,
+Used by ``trainer/test_trainer.py``, ``trainer/test_scheduler.py`` and, with bugs planted,
 ``test_planted_bugs.py``; every check raises ``AssertionError`` on a violation."""
 
 from __future__ import annotations

@@ -59,3 +59,11 @@ def test_the_scheduler_name_reaches_both_backends_as_skyrl_spells_it(tmp_path: P
     with pytest.raises(ConfigError, match="Megatron scheduler is constant with linear warm-up"):
         translate(compose_config(["backend=skyrl", f"trainer.policy.model.path={tmp_path}", "trainer.strategy=megatron",
                                   *keys]))
+
+
+def test_lr_schedule() -> None:
+    schedule = LRSchedule(base_lr=1.0, warmup_steps=2, total_steps=10, kind="cosine")
+    assert schedule.lr(0) == 0.0 and schedule.lr(1) == 0.5  # SkyRL's (HF's) warm-up: step k at k / warmup_steps
+    assert schedule.lr(2) == pytest.approx(1.0) and schedule.lr(10) == pytest.approx(0.0)
+    with pytest.raises(ValueError):
+        LRSchedule(base_lr=1.0, kind="exotic")

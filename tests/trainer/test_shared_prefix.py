@@ -1,149 +1,70 @@
-"""The one-pass shared-prompt forward (prompt and response segments of one flat sequence) against every row
-running its whole sequence: hidden states and LoRA gradients, with two tenants' adapters in one pass."""
+"""The two-pass shared-prompt forward (:mod:`skyrl_clora.trainer.shared_prefix`): each distinct prompt runs once in
+a prompt pass and every row's response attends over its prompt's recorded K/V, giving the hidden states and LoRA
+gradients of every row running its whole sequence, with two tenants' adapters in one pass; which rows represent the
+prompts, and which decoders the response pass's mask reproduces."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
-import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 
-from skyrl_clora.kernels.layers.gather_ops import inverse_index
-from skyrl_clora.lora.layers import attach_multi_lora, write_slot
-from skyrl_clora.lora.peft_export import init_adapter
-from skyrl_clora.trainer.prompt_segments import SegmentLayout, flat_layout, segment_prefix_hidden
-from skyrl_clora.trainer.shared_prefix import prompt_representatives
+from skyrl_clora.trainer.shared_prefix import prompt_representatives, shared_prefix_hidden, supports_shared_prefix
+from tests.support.shared_prompt_rows import shared_prompt_rows, two_tenant_model
 
 
-def _model(model_dir: Path):
-    model = AutoModelForCausalLM.from_pretrained(model_dir).train()
-    routing, layers = attach_multi_lora(model, num_slots=2, max_rank=8, trainable=True)
-    for slot in range(2):
-        adapter = init_adapter(layers, 8, 16.0, torch.Generator().manual_seed(slot))
-        for path in adapter.b:  # B = 0 would leave the base model's output unchanged: tenants must differ
-            adapter.b[path] = torch.randn(adapter.b[path].shape, generator=torch.Generator().manual_seed(slot + 7)) * 0.1
-        write_slot(layers, slot, adapter)
-    return model, routing, layers
+def test_each_prompt_is_represented_by_its_first_row() -> None:
+    assert prompt_representatives([0, 0, 1, 0, 2, 1]) == [0, 2, 4]
+    assert prompt_representatives([1, 0, 1, 0]) == [1, 0]
+    assert prompt_representatives([]) == []
 
 
-def _rows() -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
-    """Three prompts of different lengths with 3, 1 and 2 samples; prompt 1 and 2 in slot 1, prompt 0 in slot 0."""
-    generator = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 300, (length,), generator=generator).tolist() for length in (7, 12, 5)]
-    prefix_of = [0, 0, 0, 1, 2, 2]
-    responses = [torch.randint(0, 300, (length,), generator=generator).tolist() for length in (4, 9, 1, 6, 3, 8)]
-    return [prompts[p] for p in prefix_of], responses, prefix_of, [0 if p == 0 else 1 for p in prefix_of]
+def test_only_decoders_of_full_attention_layers_share_prompts() -> None:
+    def decoder(layer_types: list[str] | None) -> SimpleNamespace:
+        return SimpleNamespace(config=SimpleNamespace(layer_types=layer_types))
+
+    assert supports_shared_prefix(decoder(None)) and supports_shared_prefix(decoder(["full_attention"] * 3))
+    assert supports_shared_prefix(SimpleNamespace(config=SimpleNamespace()))
+    assert not supports_shared_prefix(decoder(["full_attention", "sliding_attention"]))
 
 
-def test_segments_match_whole_sequences_in_values_and_gradients(micro_model_dir: Path) -> None:
-    model, routing, layers = _model(micro_model_dir)
-    prompts, responses, prefix_of, slots = _rows()
+def test_two_passes_match_whole_sequences_in_values_and_gradients(micro_model_dir: Path) -> None:
+    model, routing, layers = two_tenant_model(micro_model_dir)
+    prompts, responses, prefix_of, slots = shared_prompt_rows()
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
     response_width = max(len(r) for r in responses)
     input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
     for row, (prompt, response) in enumerate(zip(prompts, responses)):
         input_ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response)
-    weights = torch.randn(len(prompts), response_width, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    weights = torch.randn(len(prompts), response_width, model.config.hidden_size,
+                          generator=torch.Generator().manual_seed(5))
     valid = torch.tensor([[j < len(r) for j in range(response_width)] for r in responses])[..., None]
+    params = [layer.lora_a for layer in layers.values()] + [layer.lora_b for layer in layers.values()]
 
     def loss_and_grads(hidden: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        loss = (hidden * weights * valid).sum()
-        grads = torch.autograd.grad(loss, [layer.lora_a for layer in layers.values()] + [layer.lora_b for layer in layers.values()])
+        grads = torch.autograd.grad((hidden * weights * valid).sum(), params)
         return hidden.detach() * valid, list(grads)
 
-    segments = segment_prefix_hidden(
+    calls: list[tuple[int, ...]] = []
+    forward = model.model.forward
+    model.model.forward = lambda *args, **kwargs: calls.append(tuple(kwargs["input_ids"].shape)) or forward(*args, **kwargs)
+    got, got_grads = loss_and_grads(shared_prefix_hidden(
         model.model, lambda token_slots: routing.route(token_slots, None), input_ids,
         prompt_lens=[len(p) for p in prompts], response_lens=[len(r) for r in responses], row_slots=slots,
-        prefix_of=prefix_of, response_width=response_width)
-    got, got_grads = loss_and_grads(segments)
+        prefix_of=prefix_of, response_width=response_width))
+    assert calls == [(3, 12), (6, response_width)], "three distinct prompts once, then every row's response"
+    model.model.forward = forward
 
-    positions = torch.arange(width)
     lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)])
-    token_slots = torch.where(positions[None] < lengths[:, None], torch.tensor(slots)[:, None], -1)
+    token_slots = torch.where(torch.arange(width)[None] < lengths[:, None], torch.tensor(slots)[:, None], -1)
     with routing.route(token_slots.reshape(-1), None):
         full = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
     index = torch.tensor([[min(len(p) - 1 + j, width - 1) for j in range(response_width)] for p in prompts])
     want, want_grads = loss_and_grads(full.gather(1, index[..., None].expand(-1, -1, full.shape[-1])))
 
-    # rows 3 and 4 differ only in their adapter and prompt; same prompt, other slot must change the output
-    assert not torch.allclose(got[0, :4], got[3, :4], atol=1e-3)
+    assert not torch.allclose(got[0, :4], got[3, :4], atol=1e-3), "another prompt and slot change the output"
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(got_grads, want_grads):
         assert b.abs().sum() > 0
-        # sums over a prompt's rows reorder float additions: compare at the gradient's own scale
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * float(b.abs().max()))
-
-
-def test_layout_reference_attends_bottom_right_within_segments() -> None:
-    """Two segments: 2 queries over 3 keys, then 1 query over 1 key; query i of a segment sees its keys up to
-    i + (keys - queries). Checked against per-segment attention computed by hand."""
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 2, 3, 4, generator=generator)  # [1, H, N, d]
-    k = torch.randn(1, 1, 3, 4, generator=generator)
-    v = torch.randn(1, 1, 3, 4, generator=generator)
-    starts, sources = (torch.from_numpy(a) for a in inverse_index(np.array([0, 1, 2, 2]), 3))
-    layout = SegmentLayout(key_index=torch.tensor([0, 1, 2, 2]), gather_starts=starts, gather_sources=sources,
-                           cu_q=torch.tensor([0, 2, 3], dtype=torch.int32), cu_k=torch.tensor([0, 3, 4], dtype=torch.int32),
-                           q_lens=[2, 1], k_lens=[3, 1])
-    out = layout.attend(q, k, v, scale=0.5)[0]  # [N, H, d]
-
-    def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(query @ keys.T * 0.5, dim=-1) @ values
-
-    keys, values = k[0, 0], v[0, 0]
-    for head in range(2):
-        torch.testing.assert_close(out[0, head], attend(q[0, head, 0], keys[:2], values[:2]))
-        torch.testing.assert_close(out[1, head], attend(q[0, head, 1], keys[:3], values[:3]))
-        torch.testing.assert_close(out[2, head], attend(q[0, head, 2], keys[2:3], values[2:3]))
-
-
-def _flat_layout_loops(prompt_lens, response_lens, row_slots, prefix_of, response_width):
-    """The flat pass written out with Python loops (the form ``flat_layout`` vectorises)."""
-    reps = prompt_representatives(prefix_of)
-    q_lens = [prompt_lens[rep] for rep in reps] + list(response_lens)
-    k_lens = [prompt_lens[rep] for rep in reps] + [p + r for p, r in zip(prompt_lens, response_lens)]
-    cu_q = [0]
-    for length in q_lens:
-        cu_q.append(cu_q[-1] + length)
-    prompt_starts, response_starts = cu_q[: len(reps)], cu_q[len(reps) : -1]
-    rows, columns = [], []
-    for rep in reps:
-        rows += [rep] * prompt_lens[rep]
-        columns += range(prompt_lens[rep])
-    for row, (start, length) in enumerate(zip(prompt_lens, response_lens)):
-        rows += [row] * length
-        columns += range(start, start + length)
-    key_index = list(range(cu_q[len(reps)]))
-    for row, length in enumerate(response_lens):
-        prefix_start = prompt_starts[prefix_of[row]]
-        key_index += range(prefix_start, prefix_start + prompt_lens[row])
-        key_index += range(response_starts[row], response_starts[row] + length)
-    predictors = []
-    for row, length in enumerate(response_lens):
-        last_prompt = prompt_starts[prefix_of[row]] + prompt_lens[row] - 1
-        own = [response_starts[row] + j - 1 for j in range(1, min(length, response_width))]
-        predictors += [last_prompt] + own + [own[-1] if own else last_prompt] * (response_width - 1 - len(own))
-    gatherers: list[list[int]] = [[] for _ in range(cu_q[-1])]  # per token, the key positions that are it
-    for position, token in enumerate(key_index):
-        gatherers[token].append(position)
-    gather_starts = [0]
-    for positions in gatherers:
-        gather_starts.append(gather_starts[-1] + len(positions))
-    return {"rows": rows, "columns": columns, "slots": [row_slots[row] for row in rows], "key_index": key_index,
-            "gather_starts": gather_starts, "gather_sources": [p for positions in gatherers for p in positions],
-            "q_lens": q_lens, "k_lens": k_lens, "cu_q": cu_q, "predictors": predictors}
-
-
-def test_flat_layout_equals_its_loop_form() -> None:
-    gen = torch.Generator().manual_seed(9)
-    prefix_of = [0, 0, 1, 2, 2, 2, 1, 3]  # a prompt's rows need not be adjacent
-    prompt_of = [int(n) for n in torch.randint(1, 30, (4,), generator=gen)]
-    prompt_lens = [prompt_of[p] for p in prefix_of]
-    response_lens = [0, 1, 2, 17, 5, 30, 9, 12]  # empty, one token, and one past the width below
-    row_slots = [1, 1, 0, 2, 2, 2, 0, 1]
-    got = flat_layout(prompt_lens, response_lens, row_slots, prefix_of, response_width=20)
-    want = _flat_layout_loops(prompt_lens, response_lens, row_slots, prefix_of, response_width=20)
-    for name, values in want.items():
-        assert got[name].tolist() == values, name
-    assert got["cu_k"].tolist()[-1] == len(want["key_index"])

@@ -1,26 +1,14 @@
-"""AdapterStore swaps and the GRPO trainer (SkyRL's advantage estimator and policy loss)."""
+"""The GRPO trainer (:mod:`skyrl_clora.trainer.trainer`) in swap mode: a step with SkyRL's advantage estimator and
+policy loss raises the likelihood of rewarded responses, and training one tenant never changes another's state."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import torch
 
-from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import TenantState
-from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.trainer import Trainer
-from tests.support.transport import check_swap_a_b_a, swap_batch, swap_trainer
-
-
-@pytest.fixture
-def trainer(micro_model_dir: Path) -> Trainer:
-    return swap_trainer(micro_model_dir)
-
-
-def test_swap_a_b_a_moves_every_table_of_both_tenants(trainer: Trainer) -> None:
-    check_swap_a_b_a(trainer)
+from tests.support.swap_trainer_fixture import trainer  # noqa: F401 - the fixture the tests take
+from tests.support.transport import swap_batch
 
 
 def _snapshot(state: TenantState) -> dict:
@@ -71,22 +59,3 @@ def test_grpo_step_raises_the_likelihood_of_rewarded_responses(trainer: Trainer)
     assert metrics["grad_norm"] > 0 and metrics["lr"] == 5e-3
     assert after[0] > before[0] and after[2] > before[2], "rewarded responses must become likelier"
     assert after[1] < before[1] and after[3] < before[3], "unrewarded responses must become less likely"
-
-
-def test_store_rejects_bad_registrations(trainer: Trainer) -> None:
-    weights = init_adapter(trainer.layers, 32, 64.0, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="exceeds sampler.max_lora_rank"):
-        trainer.store.register("C", weights, LRSchedule(base_lr=1e-3), seed=0)
-    with pytest.raises(ValueError, match="already registered"):
-        trainer.store.register("A", init_adapter(trainer.layers, 8, 16.0, torch.Generator()), LRSchedule(1e-3), seed=0)
-    trainer.store.swap_in("A", 0)
-    with pytest.raises(RuntimeError, match="still holds"):
-        trainer.store.swap_in("B", 0)
-
-
-def test_lr_schedule() -> None:
-    schedule = LRSchedule(base_lr=1.0, warmup_steps=2, total_steps=10, kind="cosine")
-    assert schedule.lr(0) == 0.0 and schedule.lr(1) == 0.5  # SkyRL's (HF's) warm-up: step k at k / warmup_steps
-    assert schedule.lr(2) == pytest.approx(1.0) and schedule.lr(10) == pytest.approx(0.0)
-    with pytest.raises(ValueError):
-        LRSchedule(base_lr=1.0, kind="exotic")

@@ -1,7 +1,8 @@
-"""SkyRL's mini-batches in the embedded trainer: ``trainer.policy_mini_batch_size`` prompts per optimizer step and
-``trainer.update_epochs_per_batch`` passes, each step with its own loss normaliser, LR-schedule step and the
-batch's pre-update log-probs as the behaviour policy; the tenants of a packed pass stay independent, each with its
-own algorithm settings and weight decay when it overrides them."""
+"""SkyRL's mini-batches in the embedded trainer (:mod:`skyrl_clora.trainer.trainer`):
+``trainer.policy_mini_batch_size`` prompts per optimizer step and ``trainer.update_epochs_per_batch`` passes, each
+step with its own loss normaliser, LR-schedule step and the batch's pre-update log-probs as the behaviour policy; the
+tenants of a packed pass stay independent, each with its own algorithm settings and weight decay when it overrides
+them."""
 
 from __future__ import annotations
 
@@ -71,13 +72,6 @@ def _logprob_rows(trainer: Trainer, tenant: str, batch: TrainBatch) -> list[list
 
 def _masters(trainer: Trainer, tenant: str) -> list[torch.Tensor]:
     return [t.clone() for t in trainer.store.tenants[tenant].flat.values()]
-
-
-def test_mini_batches_are_skyrls_consecutive_prompts() -> None:
-    groups = ["a", "a", "b", "b", "c", "c", "d", "d"]
-    assert mini_batch_rows(groups, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert mini_batch_rows(groups, 4) == mini_batch_rows(groups, 0) == [list(range(8))]
-    assert mini_batch_rows(["b", "a", "b", "a"], 1) == [[0, 2], [1, 3]]  # groups in the order they first appear
 
 
 @pytest.mark.parametrize("epochs", [1, 2])

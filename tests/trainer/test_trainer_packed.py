@@ -1,10 +1,12 @@
-"""Packed multi-tenant training against swap mode, prefetching swaps, chunked log-probs, batch validation."""
+"""The trainer (:mod:`skyrl_clora.trainer.trainer`) in packed mode: a packed pass trains each tenant as swap mode
+trains it alone (metrics and states), slots are zero-padded and scaled per tenant, prefetching swaps give the same
+states, bad requests change nobody, response log-probs are the full logits', and shared prompts and token-budget
+micro-batches train as whole-sequence row micro-batches."""
 
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +16,7 @@ from transformers import AutoModelForCausalLM
 from skyrl_clora.lora.layers import attach_multi_lora
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.trainer.adapter_store import AdapterStore
-from skyrl_clora.trainer.batch import TrainBatch, plan_micro_batches
-from skyrl_clora.trainer.logprobs import token_logprobs
+from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.trainer import Trainer, TrainerSettings
@@ -176,25 +177,6 @@ def test_response_logprobs_match_full_logits(micro_model_dir: Path) -> None:
         trainer.store.swap_out(0)
 
 
-def test_chunked_token_logprobs_match_log_softmax() -> None:
-    generator = torch.Generator().manual_seed(0)
-    head = torch.nn.Linear(16, 50, bias=True).requires_grad_(False)
-    hidden = torch.randn(37, 16, generator=generator, requires_grad=True)
-    targets = torch.randint(0, 50, (37,), generator=generator)
-    weights = torch.randn(37, generator=generator)
-    got = token_logprobs(hidden, head, targets, max_logits=50 * 8)  # chunks of 8 rows
-    (got * weights).sum().backward()
-    grad, hidden.grad = hidden.grad.clone(), None
-    expected = torch.log_softmax(head(hidden), dim=-1).gather(-1, targets[:, None])[:, 0]
-    (expected * weights).sum().backward()
-    assert got.std() > 0.1
-    torch.testing.assert_close(got, expected)
-    torch.testing.assert_close(grad, hidden.grad)
-    head.weight.requires_grad_(True)
-    with pytest.raises(ValueError, match="frozen LM head"):
-        token_logprobs(hidden, head, targets)
-
-
 def _grouped_batch(seed: int, groups: int = 3, samples: int = 3) -> TrainBatch:
     """GRPO-shaped: ``groups`` prompts of different lengths, each sampled ``samples`` times."""
     generator = torch.Generator().manual_seed(seed)
@@ -238,69 +220,6 @@ def test_shared_prompts_train_as_if_every_row_ran_its_whole_sequence(micro_model
                 torch.testing.assert_close(getattr(b, table)[key], getattr(a, table)[key], rtol=1e-4, atol=1e-6)
     batch = _grouped_batch(5)
     torch.testing.assert_close(shared.response_logprobs("A", batch), full.response_logprobs("A", batch), rtol=1e-5, atol=1e-5)
-
-
-def test_packed_micro_batches_interleave_tenants_by_whole_prompt_groups() -> None:
-    """Three tenants with groups of 4 rows (the last tenant has one group): micro-batches of 8 rows take each
-    tenant's groups in turn, whole, so every prompt falls in one micro-batch; each tenant keeps its order."""
-    groups = [0, 0, 0, 0, 1, 1, 1, 1] + [2, 2, 2, 2, 3, 3, 3, 3] + [4, 4, 4, 4]
-    rows = SimpleNamespace(offsets=[0, 8, 16], prompt_groups=groups, host_seq_lens=[10] * 20,
-                           host_response_lens=[5] * 20)
-    orders = [[4, 5, 6, 7, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7], [3, 2, 1, 0]]
-    order, micro_batches = plan_micro_batches(rows, orders, micro_batch_size=8)
-    assert order == [4, 5, 6, 7, 8, 9, 10, 11, 0, 1, 2, 3, 19, 18, 17, 16, 12, 13, 14, 15]  # tenant-sorted in a micro-batch
-    for micro in micro_batches:
-        prompts = [groups[row] for row in order[micro.start : micro.end]]
-        assert all(prompts.count(g) == 4 for g in set(prompts)), prompts  # whole groups only
-    assert [m.segments for m in micro_batches] == [((0, 0, 4), (1, 4, 8)), ((0, 0, 4), (2, 4, 8)), ((1, 0, 4),)]
-
-
-def _computed(rows: SimpleNamespace, members: list[int], shared: bool) -> int:
-    """Positions a pass over ``members`` computes, counted from scratch (the planner counts incrementally)."""
-    if not shared:
-        return len(members) * max(rows.host_seq_lens[r] for r in members)
-    prompts = {rows.prompt_groups[r]: rows.host_seq_lens[r] - rows.host_response_lens[r] for r in members}
-    return sum(prompts.values()) + sum(rows.host_response_lens[r] for r in members)
-
-
-@pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("budget", [1, 97, 260, 10_000])
-def test_token_budget_micro_batches_are_the_longest_runs_within_the_budget(shared: bool, budget: int) -> None:
-    """Two tenants' groups of varied prompt and response lengths: every micro-batch computes at most ``budget``
-    positions (or is one row over it), and taking the sequence's next row as well would pass the budget;
-    ``micro_batch_size`` plays no part. Every row lands in exactly one micro-batch."""
-    generator = torch.Generator().manual_seed(budget)
-    groups = [g for g in range(6) for _ in range(4)]  # tenant 0: groups 0-2, tenant 1: groups 3-5
-    prompt_lens = torch.randint(5, 40, (6,), generator=generator).tolist()
-    responses = torch.randint(1, 30, (24,), generator=generator).tolist()
-    rows = SimpleNamespace(offsets=[0, 12], prompt_groups=groups, host_response_lens=responses,
-                           host_seq_lens=[prompt_lens[g] + r for g, r in zip(groups, responses)])
-    orders = [torch.randperm(12, generator=generator).tolist() for _ in range(2)]
-    sequence, _ = plan_micro_batches(rows, orders, micro_batch_size=1)  # the interleaved order, uncut
-    order, micro_batches = plan_micro_batches(rows, orders, micro_batch_size=5, max_tokens=budget, shared_prompts=shared)
-    assert (order, micro_batches) == plan_micro_batches(rows, orders, micro_batch_size=2, max_tokens=budget,
-                                                         shared_prompts=shared)
-    assert sorted(order) == list(range(24))
-    position = 0
-    for micro in micro_batches:
-        members = sequence[position : position + micro.end - micro.start]
-        assert sorted(members) == sorted(order[micro.start : micro.end])  # consecutive rows of the sequence
-        assert len(members) == 1 or _computed(rows, members, shared) <= budget
-        position += len(members)
-        if position < len(sequence):  # the sequence's next row did not fit
-            assert _computed(rows, members + [sequence[position]], shared) > budget
-    assert len(micro_batches) == {1: 24, 10_000: 1}.get(budget, len(micro_batches))
-    assert 1 < len(micro_batches) < 24 or budget in (1, 10_000)
-
-
-def test_a_micro_batch_may_fill_its_token_budget_exactly() -> None:
-    """Groups of two rows, prompts of 10 and responses of 5: with shared prompts a group computes 20 positions,
-    so a budget of 40 takes two whole groups; whole sequences cost 15 per row, padded: 2 rows for 30."""
-    rows = SimpleNamespace(offsets=[0], prompt_groups=[0, 0, 1, 1, 2, 2, 3, 3], host_seq_lens=[15] * 8,
-                           host_response_lens=[5] * 8)
-    _, shared = plan_micro_batches(rows, [list(range(8))], micro_batch_size=1, max_tokens=40, shared_prompts=True)
-    _, whole = plan_micro_batches(rows, [list(range(8))], micro_batch_size=1, max_tokens=30, shared_prompts=False)
-    assert [m.end - m.start for m in shared] == [4, 4] and [m.end - m.start for m in whole] == [2, 2, 2, 2]
 
 
 def test_token_budget_micro_batches_train_as_row_micro_batches(micro_model_dir: Path) -> None:

@@ -1,5 +1,6 @@
-"""The trainer's log-probs at the sampling temperature, as SkyRL's policy forward computes them (``logits / T``),
-and the sampler's log-probs of the same tokens (the distribution it drew them from); the reference is untempered."""
+"""The trainer (:mod:`skyrl_clora.trainer.trainer`) scores at the sampling temperature, as SkyRL's policy forward
+computes it (``logits / T``), and agrees with the sampler's log-probs of the same tokens (the distribution it drew
+them from); the reference stays untempered, and packed tenants each score at their own temperature."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.sampler.sampling import request_uniforms, sample_rows
 from skyrl_clora.trainer.adapter_store import AdapterStore
 from skyrl_clora.trainer.batch import TrainBatch
-from skyrl_clora.trainer.logprobs import token_logprobs, training_temperature
 from skyrl_clora.trainer.lr_schedule import LRSchedule
 from skyrl_clora.trainer.optim import OptimizerConfig
 from skyrl_clora.trainer.trainer import Trainer, TrainerSettings
@@ -115,31 +115,3 @@ def test_packed_tenants_each_score_at_their_own_temperature(micro_model_dir: Pat
     tokens = sum(len(r) for r in batch.response_ids)
     for (name, want), (_, metrics) in zip(expected.items(), results):
         assert metrics["mean_token_logprob"] == pytest.approx(float(sum(w.sum() for w in want)) / tokens, abs=1e-5)
-
-
-def test_chunked_token_logprobs_at_a_temperature_and_their_gradients() -> None:
-    generator = torch.Generator().manual_seed(0)
-    head = torch.nn.Linear(16, 50, bias=True).requires_grad_(False)
-    hidden = torch.randn(37, 16, generator=generator, requires_grad=True)
-    targets = torch.randint(0, 50, (37,), generator=generator)
-    temperature = torch.rand(37, generator=generator) + 0.3
-    weights = torch.randn(37, generator=generator)
-    got = token_logprobs(hidden, head, targets, max_logits=50 * 8, temperature=temperature)  # chunks of 8 rows
-    (got * weights).sum().backward()
-    grad, hidden.grad = hidden.grad.clone(), None
-    expected = torch.log_softmax(head(hidden) / temperature[:, None], dim=-1).gather(-1, targets[:, None])[:, 0]
-    (expected * weights).sum().backward()
-    torch.testing.assert_close(got, expected)
-    torch.testing.assert_close(grad, hidden.grad)
-
-
-def test_greedy_and_unset_temperatures_score_the_untempered_distribution() -> None:
-    """SkyRL divides by the temperature, which has no meaning at 0 (greedy): the rule is the untempered logits,
-    the ones the sampler reports greedy tokens' log-probs under."""
-    assert training_temperature(AlgorithmConfig(temperature=0.0)) == 1.0
-    assert training_temperature(AlgorithmConfig(temperature=None)) == 1.0
-    assert training_temperature(AlgorithmConfig(temperature=0.7)) == 0.7
-    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0], [1.0, 0.5, 0.0, 4.0], [0.2, 0.1, -0.3, 0.0]])
-    tokens, logprobs = sample_rows(logits, [0.0, 0.5, 2.0], [1.0, 1.0, 0.9], [0.4, 0.3, 0.6])
-    for row, (temperature, token) in enumerate(zip([1.0, 0.5, 2.0], tokens)):
-        assert logprobs[row] == pytest.approx(float(torch.log_softmax(logits[row] / temperature, -1)[token]), abs=1e-6)

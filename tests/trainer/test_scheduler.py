@@ -1,4 +1,6 @@
-"""The train scheduler (swap and packed modes, failures kept to their tenants) and both train modes end to end."""
+"""The train scheduler (:mod:`skyrl_clora.trainer.scheduler`): swap and packed modes, lockstep rounds following the
+pack plan, priorities, failures kept to their tenants, sampling paused around passes, each tenant getting back its
+stored weights; and both train modes end to end."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.support.micro_task import assert_learning, micro_tenants
-from skyrl_clora.config.schema import ConfigError
 from skyrl_clora.main import main
 from skyrl_clora.trainer.pack_plan import pack_load, plan_packs, round_seconds
 from skyrl_clora.trainer.scheduler import TrainScheduler, pack_cost_model
+from tests.support.two_step_demo_args import two_step_demo_args as _args
 from tests.support.transport import (
     check_scheduler_returns_stored_weights,
     scheduler_batch,
@@ -182,12 +184,6 @@ def test_a_pass_pauses_sampling_only_while_enough_rows_decode(micro_model_dir: P
     assert scheduler.pass_seconds == pytest.approx((first_end - first_start) + (second_end - second_start))
 
 
-def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
-    return [f"trainer.policy.model.path={model_dir}", "preset=demo", f"clora.output_dir={out}", "trainer.max_training_steps=2",
-            "clora.progress=false", "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2", "recipe.eval_prompts=1",
-            "generator.sampling_params.max_generate_length=8", "generator.max_turns=1", "trainer.max_prompt_length=120", *extra]
-
-
 @pytest.mark.parametrize("train_mode, overlap", [("swap", "true"), ("packed", "true"), ("swap", "false")])
 @pytest.mark.e2e
 def test_train_modes_end_to_end(train_mode: str, overlap: str, learning_model_dir: Path, tmp_path: Path) -> None:
@@ -220,14 +216,3 @@ def test_sampling_pauses_for_passes_only_when_asked_on_the_cpu(micro_model_dir: 
         assert services.train_scheduler(run).sampler is (services.engine if paused else None)
     finally:
         services.shutdown()
-
-
-@pytest.mark.e2e
-def test_unknown_train_mode_is_a_one_line_config_error(micro_model_dir: Path, tmp_path: Path) -> None:
-    from skyrl_clora.config.build import build_run_config
-    from skyrl_clora.config.compose import compose_config
-
-    with pytest.raises(ConfigError, match=r"clora.train_mode=fused is unknown; use swap or packed"):
-        build_run_config(compose_config(_args(micro_model_dir, tmp_path, "clora.train_mode=fused")))
-    with pytest.raises(ConfigError, match="clora.pack_size must be >= 0"):
-        build_run_config(compose_config(_args(micro_model_dir, tmp_path, "clora.pack_size=-1")))

@@ -1,7 +1,7 @@
-"""A signal to the driver of a replicated run (``clora.replicas=2``) stops it as it stops a one-replica run: on the
-first, every replica's tenants stop after their current step with a checkpoint, the run writes its files and exits
-130, and the same command then ends every tenant as an uninterrupted run does; a second aborts at once (130), and
-the same command resumes from the last checkpoints.
+"""Signals to a replicated run (:mod:`skyrl_clora.placement.replicas`, ``clora.replicas=2``): a signal to the driver
+stops it as it stops a one-replica run: on the first, every replica's tenants stop after their current step with a
+checkpoint, the run writes its files and exits 130, and the same command then ends every tenant as an uninterrupted
+run does; a second aborts at once (130), and the same command resumes from the last checkpoints.
 
 The signals come from tenant ``b``'s environment (in its replica's process) at a known episode, so that ``b``
 stops after a known step; the environment waits, between signals, until the driver has forwarded the first to
