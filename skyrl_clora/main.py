@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from skyrl_clora.interrupts import STOP
+from skyrl_clora.control.interrupts import STOP
 
 USAGE = """usage: python -m skyrl_clora.main [OVERRIDE ...]
 

@@ -93,7 +93,7 @@ def load_task_data(run: RunConfig) -> dict[str, TaskSource]:
     long prompts in phase 4 can only lower the count) and trackers that cannot start, before any model is built."""
     from skyrl_clora.config.build import planned_steps
     from skyrl_clora.recipes.plugin import build_task_sources
-    from skyrl_clora.trackers import check_trackers
+    from skyrl_clora.metrics import check_trackers
 
     sources = build_task_sources(run.recipe, list(run.tenants), run.max_training_steps, run.seed)
     planned_steps(run.epochs, run.max_training_steps, _fewest_rows(sources), run.recipe.prompts_per_step)

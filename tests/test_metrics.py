@@ -157,3 +157,4 @@ def test_wandb_without_a_key_is_refused_before_anything_loads(micro_model_dir: P
     (tmp_path / ".netrc").chmod(0o600)
     monkeypatch.delenv("NETRC")
     check_trackers(run)
+

@@ -138,7 +138,7 @@ class ReplicaRunner:
         """Reports each unfinished tenant of the run as ``stopped`` at its checkpoint's step (0 without one): the
         run ended before its pool started, which with unfinished tenants only a signal forwarded before then does
         (``run_experiments`` then records them stopped and starts none)."""
-        from skyrl_clora.interrupts import STOP
+        from skyrl_clora.control.interrupts import STOP
 
         unstarted = [TenantEnd(spec.name, "stopped", resume[spec.name].step if spec.name in resume else 0)
                      for spec in self.run.tenants if not (spec.name in resume and resume[spec.name].finished)]
@@ -187,7 +187,7 @@ class ReplicaRunner:
     def interrupt(self, number: int) -> None:
         """The driver received signal ``number``: every tenant here, and any added later, stops after its current
         step (checkpointed, exported, a ``stopped`` record), as in a one-replica run that received it."""
-        from skyrl_clora.interrupts import STOP
+        from skyrl_clora.control.interrupts import STOP
 
         STOP.request(number)
 

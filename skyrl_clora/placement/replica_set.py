@@ -21,7 +21,7 @@ ends:
   only when no live replica is left, or none runs a tenant that could free a slot. A move from a lost replica
   is dropped (an explicit one is asked again where the tenant goes on); a move to a replica lost for good goes
   back to its source.
-- A signal to the driver (``interrupts.STOP``; the driver looks between its waits) is forwarded to every live
+- A signal to the driver (``control.interrupts.STOP``; the driver looks between its waits) is forwarded to every live
   replica (:meth:`~ReplicaRunner.interrupt`), relaunched ones included: each tenant stops after its current step
   as in a one-replica run. From then on no move starts and no tenant is added; a move under way lands (its tenant
   stops on its destination at once, checkpointed where it left).
@@ -41,7 +41,7 @@ from typing import Any
 
 from skyrl_clora.checkpoints import TenantCheckpoint, TenantCheckpoints
 from skyrl_clora.config.schema import ConfigError, RunConfig
-from skyrl_clora.interrupts import STOP
+from skyrl_clora.control.interrupts import STOP
 from skyrl_clora.placement.planner import TenantCost, estimated_cost, measured_costs, pick_move
 from skyrl_clora.tenants import TenantSpec
 

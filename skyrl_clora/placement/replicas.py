@@ -40,7 +40,7 @@ from typing import Any
 from skyrl_clora.base_model import resolve_device
 from skyrl_clora.checkpoints import TenantCheckpoint, checkpoint_root, prepare_output_dir
 from skyrl_clora.config.schema import ConfigError, RunConfig
-from skyrl_clora.interrupts import STOP
+from skyrl_clora.control.interrupts import STOP
 from skyrl_clora.metrics import PoolOutcome
 from skyrl_clora.placement.planner import estimated_cost, measured_costs, plan_assignment, step_seconds
 from skyrl_clora.placement.replica_actor import ACTOR_CONCURRENCY, ReplicaRunner
@@ -81,7 +81,7 @@ def run_replicated(run: RunConfig, resume: dict[str, TenantCheckpoint], stopped:
     from ray.util.placement_group import placement_group, remove_placement_group
     from skyrl_gym.envs.registration import registry
 
-    from skyrl_clora.ray_session import start_ray, sync_skyrl_registries
+    from skyrl_clora.placement.ray_session import start_ray, sync_skyrl_registries
 
     specs = [spec for spec in run.tenants if spec.name not in stopped
              and not (spec.name in resume and resume[spec.name].finished)]

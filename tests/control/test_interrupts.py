@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
-from skyrl_clora.interrupts import STOP
+from skyrl_clora.control.interrupts import STOP
 
 
 def test_reclaim_takes_sigterm_back_from_a_library_that_replaced_its_handler() -> None:

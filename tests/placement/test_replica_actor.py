@@ -14,7 +14,7 @@ import pytest
 from tests.support.micro_task import micro_tenants, read_records, run_args
 from skyrl_clora.checkpoints import prepare_output_dir
 from skyrl_clora.config.build import build_run_config, plan_steps
-from skyrl_clora.interrupts import STOP
+from skyrl_clora.control.interrupts import STOP
 from skyrl_clora.config.compose import compose_config
 from skyrl_clora.placement.replica_actor import ReplicaRunner, TenantEnd
 

@@ -18,7 +18,7 @@ from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.config.compose import compose_config
 from skyrl_clora.placement.replica_actor import TenantEnd
 from skyrl_clora.placement.replica_set import ReplicaSet
-from skyrl_clora.ray_session import RAY_SYSTEM_CONFIG
+from skyrl_clora.placement.ray_session import RAY_SYSTEM_CONFIG
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]  # a driver that waits forever fails at the limit
 

@@ -23,7 +23,7 @@ from tests.support.isolation import assert_same_records, tenant_records, without
 from tests.support.markers import replicated_runs_limit
 from tests.support.micro_task import LetterRewardEnv, micro_tenants, read_records, register_micro_env, run_args
 from skyrl_clora.checkpoints import TenantCheckpoints
-from skyrl_clora.interrupts import STOP
+from skyrl_clora.control.interrupts import STOP
 from skyrl_clora.main import main
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, replicated_runs_limit]

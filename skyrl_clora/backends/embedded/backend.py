@@ -27,12 +27,11 @@ from skyrl_clora.base_model import resolve_model_path
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records
 from skyrl_clora.config.checks import algorithm_config
 from skyrl_clora.config.schema import RunConfig
-from skyrl_clora.episodes import episode_batch, scalar_reward
-from skyrl_clora.interrupts import STOP
+from skyrl_clora.control.interrupts import STOP
 from skyrl_clora.lora.peft_export import init_adapter, save_peft_adapter
 from skyrl_clora.metrics import MetricsLog, PoolOutcome
 from skyrl_clora.recipes.plugin import TaskSource, load_recipe
-from skyrl_clora.tenant_loop import PoolHost, Rollout, Update, run_tenant_pool
+from skyrl_clora.tenant_loop import PoolHost, Rollout, Update, episode_batch, run_tenant_pool, scalar_reward
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.batch import TrainBatch
 from skyrl_clora.trainer.lr_schedule import LRSchedule

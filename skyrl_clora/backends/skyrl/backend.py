@@ -65,14 +65,13 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 from skyrl_clora.base_model import resolve_model_path
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records
 from skyrl_clora.config.schema import RunConfig
-from skyrl_clora.episodes import episode_batch
 from skyrl_clora.metrics import MetricsLog, PoolOutcome
 from skyrl_clora.recipes.plugin import TaskSource
 from skyrl_clora.backends.skyrl.config_translation import SkyRLPlan
 from skyrl_clora.backends.skyrl.stack import SkyRLStack, build_stack
 from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID
 from skyrl_clora.skyrl.worker_patches import with_salt_gated_lora_sync
-from skyrl_clora.tenant_loop import Rollout, Update, run_tenant_pool
+from skyrl_clora.tenant_loop import Rollout, Update, episode_batch, run_tenant_pool
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.kl import kl_reward_penalty
 from skyrl_clora.trainer.loss_reduction import reduce_advantages

@@ -45,7 +45,7 @@ from skyrl_clora.backends.embedded.services import engine_slot_count, kv_cache_d
 from skyrl_clora.base_model import resolve_device
 from skyrl_clora.config.schema import ConfigError, RunConfig
 from skyrl_clora.lora.peft_export import load_peft_adapter
-from skyrl_clora.ray_session import RAY_SYSTEM_CONFIG, forget_stale_registry_actors, start_ray, sync_skyrl_registries
+from skyrl_clora.placement.ray_session import RAY_SYSTEM_CONFIG, forget_stale_registry_actors, start_ray, sync_skyrl_registries
 from skyrl_clora.sampler.engine import Engine
 from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.engine_thread import EngineThread
