@@ -7,10 +7,13 @@ import logging
 import sys
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from skyrl_clora.config.schema import ConfigError, RunConfig
+
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""``model.dtype``'s names (``auto``: bfloat16 on a GPU, float32 on the CPU)."""
 
 
 def resolve_device(run: RunConfig) -> torch.device:
@@ -36,8 +39,30 @@ def check_model_folder(path: str) -> None:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"trainer.policy.model.path={path} is not a usable Hugging Face model folder ({first}); point it at a "
                           "causal-LM checkpoint folder (config.json, weights, tokenizer)") from None
+    _require_chat_tokenizer(tokenizer, path)
+
+
+def model_dtype(run: RunConfig, device: torch.device) -> torch.dtype:
+    """The base model's dtype on ``device``: ``model.dtype`` (``auto``: bfloat16 on a GPU, float32 on the CPU)."""
+    if run.model_dtype != "auto":
+        return MODEL_DTYPES[run.model_dtype]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_base_model(run: RunConfig, path: str, device: torch.device) -> torch.nn.Module:
+    """The causal LM in folder ``path`` in :func:`model_dtype` on ``device``, in eval mode."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=model_dtype(run, device)).to(device).eval()
+
+
+def checked_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of folder ``path``; a :class:`ConfigError` unless it has an eos token and a chat template."""
+    return _require_chat_tokenizer(AutoTokenizer.from_pretrained(path), path)
+
+
+def _require_chat_tokenizer(tokenizer: PreTrainedTokenizerBase, path: str) -> PreTrainedTokenizerBase:
     if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
         raise ConfigError(f"trainer.policy.model.path={path}: tokenizer needs an eos token and a chat template")
+    return tokenizer
 
 
 def resolve_model_path(run: RunConfig) -> str:

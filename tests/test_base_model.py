@@ -1,6 +1,7 @@
-"""skyrl_clora.base_model: the device a run's ``clora.device`` means, the checks of a model folder made before a
-run starts (a usable Hugging Face folder; a tokenizer with an eos token and a chat template), the base model's
-folder (the user's, else the tiny base built on first use) and its tokenizer."""
+"""skyrl_clora.base_model: the device a run's ``clora.device`` means and the dtype ``model.dtype`` means on it, the
+checks of a model folder made before a run starts (a usable Hugging Face folder; a tokenizer with an eos token and a
+chat template), the base model's folder (the user's, else the tiny base built on first use), its load and its
+tokenizer."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 from transformers import AutoTokenizer
 
 import skyrl_clora.tiny_base.pretrain as pretrain
-from skyrl_clora.base_model import check_model_folder, prompt_tokenizer, resolve_device, resolve_model_path
+from skyrl_clora.base_model import (check_model_folder, checked_tokenizer, load_base_model, model_dtype, prompt_tokenizer,
+                                    resolve_device, resolve_model_path)
 from skyrl_clora.config.build import build_run_config
 from skyrl_clora.config.compose import compose_config
 from skyrl_clora.config.schema import ConfigError, RunConfig
@@ -83,3 +85,19 @@ def test_the_model_folder_is_the_users_else_the_tiny_base(micro_model_dir: Path,
     assert resolve_model_path(tiny) == str(cache / tiny.model_corpus)
     assert "[setup]" not in capsys.readouterr().err, "a built tiny base is used as it is"
     assert built == [tiny.model_corpus] * 2
+
+
+@pytest.mark.parametrize(("dtype", "device", "expected"), [
+    ("auto", "cpu", torch.float32), ("auto", "cuda", torch.bfloat16), ("float16", "cpu", torch.float16),
+    ("bfloat16", "cpu", torch.bfloat16), ("float32", "cuda", torch.float32),
+])
+def test_the_model_dtype_is_models_dtype_or_the_devices(dtype: str, device: str, expected: torch.dtype,
+                                                        tmp_path: Path) -> None:
+    assert model_dtype(_run(tmp_path, f"model.dtype={dtype}"), torch.device(device)) == expected
+
+
+def test_the_base_model_loads_in_its_dtype_for_eval_with_a_checked_tokenizer(micro_model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    model = load_base_model(_run(tmp_path, "model.dtype=bfloat16"), str(micro_model_dir), torch.device("cpu"))
+    assert not model.training and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert checked_tokenizer(str(micro_model_dir)).chat_template is not None

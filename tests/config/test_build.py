@@ -249,11 +249,11 @@ def test_skyrls_kl_options_and_the_step_style_reach_both_backends(backend: str, 
 @pytest.mark.parametrize("value,expected", [(None, None), ("auto", None), ("fp8", "float8_e4m3fn"),
                                             ("fp8_e4m3", "float8_e4m3fn")])
 def test_kv_cache_dtype_picks_the_engines_cache_dtype(value: str | None, expected: str | None, tmp_path: Path) -> None:
-    """SkyRL's ``engine_init_kwargs.kv_cache_dtype`` reaches the embedded engine (``services.kv_cache_dtype``, what
-    build_services and the backend=skyrl stack hand the Engine and the memory plan); absent, the model's dtype."""
+    """SkyRL's ``engine_init_kwargs.kv_cache_dtype`` reaches the embedded engine (``engine_builder.kv_cache_dtype``, what
+    both backends hand the Engine and the memory plan); absent, the model's dtype."""
     import torch
 
-    from skyrl_clora.backends.embedded.services import kv_cache_dtype
+    from skyrl_clora.backends.engine_builder import kv_cache_dtype
 
     given = [] if value is None else [f"+generator.inference_engine.engine_init_kwargs.kv_cache_dtype={value}"]
     run = build_run_config(compose_config([f"clora.output_dir={tmp_path}", *given]))

@@ -23,6 +23,7 @@ from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from skyrl_clora.backends.embedded.memory_plan import available_host_memory, check_tenant_host_memory
 from skyrl_clora.backends.embedded.services import Services, build_services
+from skyrl_clora.backends.engine_builder import step_rows
 from skyrl_clora.base_model import resolve_model_path
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records
 from skyrl_clora.config.checks import algorithm_config
@@ -170,7 +171,7 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
     specs = list(run.tenants)
     model_path = resolve_model_path(run)
     metrics = MetricsLog.for_run(run, resumed_records(resume, specs))
-    rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in specs)
+    rows_per_tenant = step_rows(run, specs)
     unfinished = [spec for spec in specs if not (spec.name in resume and resume[spec.name].finished)]
     groups = ([unfinished] if unfinished else []) if run.mode == "concurrent" else [[spec] for spec in unfinished]
     cold_starts: list[float] = []

@@ -17,28 +17,26 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from skyrl_clora.backends.embedded.memory_plan import available_host_memory, host_kv_blocks, plan_kv_blocks
+from skyrl_clora.backends.embedded.memory_plan import MemoryPlan, plan_kv_blocks
 from skyrl_clora.backends.embedded.sync import AdapterSync
-from skyrl_clora.base_model import resolve_device
+from skyrl_clora.backends.engine_builder import (engine_config, engine_kv_blocks, engine_rows, engine_slot_count,
+                                                 kv_cache_dtype)
+from skyrl_clora.base_model import checked_tokenizer, load_base_model, resolve_device
 from skyrl_clora.config.checks import algorithm_config
-from skyrl_clora.config.schema import ConfigError, RunConfig, SamplerConfig
+from skyrl_clora.config.schema import RunConfig
 from skyrl_clora.device.cuda_settings import avoid_cudnn_attention, use_expandable_segments
 from skyrl_clora.lora.layers import LoRARouting, MultiLoRALinear, attach_multi_lora
 from skyrl_clora.sampler.client import EmbeddedInferenceClient
 from skyrl_clora.sampler.engine import Engine
-from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora, fuse_base_projections
 from skyrl_clora.trainer.adapter_store import AdapterStore
 from skyrl_clora.trainer.scheduler import TrainScheduler
 from skyrl_clora.trainer.trainer import OptimizerConfig, Trainer, TrainerSettings
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_BLAS_LIBRARY = torch.backends.cuda.preferred_blas_library()  # what carve_gemm_sms(0) restores
-GPU_PREFILL_WAIT_STEPS = 8  # sampler.prefill_wait_steps=null on a GPU (RESULTS.md, Real rollouts)
 
 
 @dataclass
@@ -77,16 +75,11 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     started = time.perf_counter()
     hf_logging.disable_progress_bar()
     device = resolve_device(run)
-    dtype = _DTYPES[run.model_dtype] if run.model_dtype != "auto" else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32
-    )
     if device.type == "cuda":
         use_expandable_segments()
         avoid_cudnn_attention()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
-        raise ConfigError(f"trainer.policy.model.path={model_path}: tokenizer needs an eos token and a chat template")
-    sampler_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    tokenizer = checked_tokenizer(model_path)
+    sampler_model = load_base_model(run, model_path, device)
     trainer_slots = trainer_slot_count(run, num_tenants)
     sampler_layers, trainer_model, trainer_routing, trainer_layers = share_base_weights(
         sampler_model, engine_slot_count(run.sampler, num_tenants), trainer_slots, run.lora.max_lora_rank)
@@ -102,26 +95,24 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
     )
     trainer = Trainer(trainer_model, trainer_routing, trainer_layers, store, settings)
     max_len = run.max_sequence_length
-    rows = -(-(run.sampler.max_rows or num_tenants * rows_per_tenant) // 16) * 16
-    kv_blocks = run.sampler.kv_blocks or None
-    kv_dtype = kv_cache_dtype(run.sampler)
-    plan = None
-    if kv_blocks is None and device.type == "cuda":
+    rows = engine_rows(run.sampler, num_tenants, rows_per_tenant)
+    plans: list[MemoryPlan] = []
+
+    def plan_beside_trainer() -> int:
         tokens_per_micro = run.trainer.max_tokens_per_microbatch
         micro_rows = (max(1, tokens_per_micro // max_len) if tokens_per_micro > 0
                       else run.trainer.micro_train_batch_size_per_gpu)
         pack = trainer_slots if run.train_mode == "packed" else 1
-        plan = plan_kv_blocks(
+        plans.append(plan_kv_blocks(
             sampler_model, trainer, utilization=run.sampler.gpu_memory_utilization, block_size=run.sampler.prefill_block,
             rows=rows, max_len=max_len, micro_batch_rows=min(micro_rows, pack * rows_per_tenant), pack=pack,
-            rank=run.lora.max_lora_rank, kv_dtype=kv_dtype)
-        kv_blocks = plan.kv_blocks
-    elif kv_blocks is None:
-        kv_blocks = host_kv_blocks(sampler_model.config, dtype=kv_dtype or dtype, block_size=run.sampler.prefill_block,
-                                   rows=rows, max_len=max_len, available=available_host_memory())
-    engine = build_engine_beside_trainer(run, sampler_model, sampler_layers, device, rows, max_len, kv_blocks, kv_dtype)
-    if plan is not None:
-        print(plan.engine_line(torch.cuda.memory_allocated(device)), file=sys.stderr, flush=True)
+            rank=run.lora.max_lora_rank, kv_dtype=kv_cache_dtype(run.sampler)))
+        return plans[0].kv_blocks
+
+    kv_blocks = engine_kv_blocks(run, sampler_model, device, rows, max_len, plan_beside_trainer)
+    engine = build_engine_beside_trainer(run, sampler_model, sampler_layers, device, rows, max_len, kv_blocks)
+    if plans:
+        print(plans[0].engine_line(torch.cuda.memory_allocated(device)), file=sys.stderr, flush=True)
     client = EmbeddedInferenceClient(
         engine, tokenizer, model_name=model_path, seed=run.seed,
         default_sampling={"max_tokens": run.recipe.max_generate_length, "temperature": run.sampler.temperature,
@@ -132,38 +123,16 @@ def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_t
 
 
 def build_engine_beside_trainer(run: RunConfig, model: torch.nn.Module, layers: dict[str, MultiLoRALinear],
-                                device: torch.device, rows: int, max_len: int, kv_blocks: int | None,
-                                kv_dtype: torch.dtype | None) -> EngineThread:
-    """The sampler's engine (``sampler.*``) on ``model`` and its engine LoRA ``layers`` (``share_base_weights``), of
-    ``rows`` rows of ``max_len`` positions in ``kv_blocks`` KV blocks (None: every row at full length), then, on a
-    GPU, the trainer's eager GEMMs carved (``clora.sm_carveout``, :func:`carve_gemm_sms`): in that order, so that
-    the decode graphs, captured while the engine is built, keep every SM. The engine's thread is started last."""
-    config = EngineConfig(
-        num_rows=rows, max_len=max_len, max_prefills_per_step=run.sampler.max_prefills_per_step,
-        block_size=run.sampler.prefill_block, num_blocks=kv_blocks, cache_prefixes=run.sampler.enable_prefix_caching,
-        cuda_graphs=run.sampler.cuda_graphs,
-        reuse_decode_kv=device.type == "cuda" if run.sampler.reuse_decode_kv is None else run.sampler.reuse_decode_kv,
-        share_prefix_reads=device.type == "cuda", stream_priority=run.sampler.stream_priority,
-        prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype,
-        admission=run.sampler.admission, reserve_kv=run.sampler.reserve_kv)
-    engine = Engine(model, layers, config)
+                                device: torch.device, rows: int, max_len: int, kv_blocks: int | None) -> EngineThread:
+    """The sampler's engine (:func:`~skyrl_clora.backends.engine_builder.engine_config`) on ``model`` and its engine
+    LoRA ``layers`` (``share_base_weights``), of ``rows`` rows of ``max_len`` positions in ``kv_blocks`` KV blocks,
+    then, on a GPU, the trainer's eager GEMMs carved (``clora.sm_carveout``, :func:`carve_gemm_sms`): in that
+    order, so that the decode graphs, captured while the engine is built, keep every SM. The engine's thread is
+    started last."""
+    engine = Engine(model, layers, engine_config(run, device, rows, max_len, kv_blocks))
     if device.type == "cuda":
         carve_gemm_sms(run.trainer.sm_carveout)
     return EngineThread(engine)
-
-
-def kv_cache_dtype(sampler: SamplerConfig) -> torch.dtype | None:
-    """The engine's KV cache dtype for ``sampler.kv_cache_dtype``: None (``auto``: the model's) or
-    ``torch.float8_e4m3fn`` (``fp8``, ``fp8_e4m3``; scale 1.0)."""
-    return None if sampler.kv_cache_dtype == "auto" else torch.float8_e4m3fn
-
-
-def prefill_wait_steps(sampler: SamplerConfig, device: torch.device) -> int:
-    """``sampler.prefill_wait_steps``, or where it is null :data:`GPU_PREFILL_WAIT_STEPS` on a GPU (a prefill
-    pass costs about the same for one prompt or many there) and 0 on the CPU (where its cost grows with its tokens)."""
-    if sampler.prefill_wait_steps is not None:
-        return sampler.prefill_wait_steps
-    return GPU_PREFILL_WAIT_STEPS if device.type == "cuda" else 0
 
 
 def carve_gemm_sms(count: int) -> None:
@@ -176,12 +145,6 @@ def carve_gemm_sms(count: int) -> None:
     too)."""
     torch.backends.cuda.preferred_blas_library("cublaslt" if count else _DEFAULT_BLAS_LIBRARY)
     torch._C._set_sm_carveout_experimental(count or None)
-
-
-def engine_slot_count(sampler: SamplerConfig, num_tenants: int) -> int:
-    """The engine's device adapter slots for ``num_tenants`` tenants: ``sampler.adapter_slots`` (null: one per
-    tenant), at most one per tenant; the folded projections carry each slot's LoRA A as extra GEMM columns."""
-    return min(sampler.adapter_slots or num_tenants, num_tenants)
 
 
 def trainer_slot_count(run: RunConfig, num_tenants: int) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,17 +38,16 @@ import ray
 import torch
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
 from skyrl.backends.skyrl_train.workers.worker import PPORayActorGroup
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from skyrl_clora.backends.embedded.memory_plan import inference_only_blocks
-from skyrl_clora.backends.embedded.services import engine_slot_count, kv_cache_dtype, prefill_wait_steps
-from skyrl_clora.base_model import resolve_device
+from skyrl_clora.backends.engine_builder import (engine_config, engine_kv_blocks, engine_rows, engine_slot_count,
+                                                 kv_cache_dtype, step_rows)
+from skyrl_clora.base_model import checked_tokenizer, load_base_model, resolve_device
 from skyrl_clora.config.schema import ConfigError, RunConfig
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.placement.ray_session import RAY_SYSTEM_CONFIG, forget_stale_registry_actors, start_ray, sync_skyrl_registries
 from skyrl_clora.sampler.engine import Engine
-from skyrl_clora.sampler.engine_config import EngineConfig
 from skyrl_clora.sampler.engine_thread import EngineThread
 from skyrl_clora.sampler.fused_projections import attach_engine_lora
 from skyrl_clora.backends.skyrl.bearer_client import BearerInferenceClient
@@ -59,8 +59,8 @@ from skyrl_clora.backends.skyrl.shared_gpu import held_by_other_processes, peak_
 from skyrl_clora.backends.skyrl.tenant_client import TenantInferenceClient, tenant_views
 from skyrl_clora.skyrl.worker import EmbeddedPolicyWorker
 from skyrl_clora.skyrl.worker_patches import with_per_tenant_lora_sync
+from skyrl_clora.tenants import TenantSpec
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FSDP_STRATEGIES = ("fsdp2", "fsdp")
 """The plan's names for SkyRL's FSDP2 policy workers (SkyRL 0.4's ``trainer.strategy=fsdp``)."""
 
@@ -203,32 +203,16 @@ def check_fsdp_buildable(plan: SkyRLPlan) -> None:
 
 def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokenizer: Any,
                         group: PPORayActorGroup) -> tuple:
-    """The embedded engine and its SkyRL-protocol server (started), and a client for it. On a GPU its KV cache gets
-    what the memory plan leaves beside ``group``'s workers on the same GPU at their measured training peak
-    (:mod:`skyrl_clora.backends.skyrl.shared_gpu`)."""
-    names = [spec.name for spec in plan.tenants]
+    """The embedded engine (:func:`serving_engine`) and its SkyRL-protocol server (started), and a client for it. On a
+    GPU its KV cache gets what the memory plan leaves beside ``group``'s workers on the same GPU at their measured
+    training peak (:mod:`skyrl_clora.backends.skyrl.shared_gpu`)."""
     device = resolve_device(run)
-    dtype = _DTYPES[run.model_dtype] if run.model_dtype != "auto" else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32
-    )
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-    routing, layers = attach_engine_lora(model, engine_slot_count(run.sampler, len(names)), run.lora.max_lora_rank)
-    rows_per_tenant = run.recipe.prompts_per_step * max(spec.samples_per_prompt for spec in plan.tenants)
-    max_len = run.max_sequence_length
-    rows = run.sampler.max_rows or len(names) * rows_per_tenant
-    kv_blocks = run.sampler.kv_blocks or None
-    kv_dtype = kv_cache_dtype(run.sampler)
-    if kv_blocks is None and device.type == "cuda":
+
+    def held_by_workers(model: torch.nn.Module, max_len: int) -> int:
         peaks = _training_peaks(plan, group, max_len, model.config.vocab_size, tokenizer.pad_token_id)
-        held = held_by_other_processes(device, peaks)
-        kv_blocks = inference_only_blocks(model, utilization=run.sampler.gpu_memory_utilization,
-                                          block_size=run.sampler.prefill_block, rows=rows, max_len=max_len,
-                                          kv_dtype=kv_dtype, held_elsewhere=held)
-    engine = EngineThread(Engine(model, layers, EngineConfig(
-        num_rows=rows, max_len=max_len, max_prefills_per_step=run.sampler.max_prefills_per_step,
-        block_size=run.sampler.prefill_block, num_blocks=kv_blocks, cache_prefixes=run.sampler.enable_prefix_caching,
-        prefill_wait_steps=prefill_wait_steps(run.sampler, device), kv_dtype=kv_dtype,
-        admission=run.sampler.admission, reserve_kv=run.sampler.reserve_kv)))
+        return held_by_other_processes(device, peaks)
+
+    engine = serving_engine(run, list(plan.tenants), model_path, held_by_workers)
     server = EmbeddedServer(engine, tokenizer, model_name=model_path, seed=run.seed)
     try:
         url = server.start()
@@ -238,6 +222,26 @@ def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokeni
     client = BearerInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1, model_name=model_path,
                                    uses_lora_weight_sync=True, tokenizer=tokenizer, api_key=server.token)
     return client, engine, server
+
+
+def serving_engine(run: RunConfig, tenants: list[TenantSpec], model_path: str,
+                   held_elsewhere: Callable[[torch.nn.Module, int], int]) -> EngineThread:
+    """The embedded server's engine, started: the base model with one adapter slot per tenant (``sampler.adapter_slots``)
+    and rows for every tenant's step batch, every ``sampler.*`` key read as on ``backend=embedded``
+    (:mod:`skyrl_clora.backends.engine_builder`). On a GPU its KV cache is planned beside what other processes hold
+    (``held_elsewhere(model, max_len)`` bytes: SkyRL's policy workers at their measured peak), asked only then."""
+    device = resolve_device(run)
+    model = load_base_model(run, model_path, device)
+    _, layers = attach_engine_lora(model, engine_slot_count(run.sampler, len(tenants)), run.lora.max_lora_rank)
+    rows, max_len = engine_rows(run.sampler, len(tenants), step_rows(run, tenants)), run.max_sequence_length
+
+    def plan_beside_workers() -> int:
+        return inference_only_blocks(model, utilization=run.sampler.gpu_memory_utilization,
+                                     block_size=run.sampler.prefill_block, rows=rows, max_len=max_len,
+                                     kv_dtype=kv_cache_dtype(run.sampler), held_elsewhere=held_elsewhere(model, max_len))
+
+    kv_blocks = engine_kv_blocks(run, model, device, rows, max_len, plan_beside_workers)
+    return EngineThread(Engine(model, layers, engine_config(run, device, rows, max_len, kv_blocks)))
 
 
 def _policy_group(run: RunConfig, plan: SkyRLPlan, model_path: str, pad_token_id: int) -> PPORayActorGroup:
@@ -341,9 +345,7 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
     """Starts Ray, the inference servers, the client and views, and the policy worker group."""
     check_buildable(plan)
     hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.eos_token_id is None or tokenizer.chat_template is None:
-        raise ConfigError(f"trainer.policy.model.path={model_path}: tokenizer needs an eos token and a chat template")
+    tokenizer = checked_tokenizer(model_path)
     owns_ray = not ray.is_initialized()
     if owns_ray and plan.inference_backend == plan.strategy == "embedded":
         start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False,

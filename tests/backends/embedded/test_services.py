@@ -1,8 +1,8 @@
 """The embedded backend's shared services (skyrl_clora.backends.embedded.services), from the settings they are built
-with: the engine's KV cache dtype, prefill wait and adapter slots, the trainer's slots per train mode, the base weights
-the sampler and the trainer's twin share (no copy) under their own LoRA slots, the engine built beside the trainer with
-the CPU's choices where the sampler's settings are null, and the train scheduler that pauses sampling only where
-asked (and on a GPU from ``pause_sampling_rows`` rows)."""
+with: the trainer's slots per train mode, the base weights the sampler and the trainer's twin share (no copy) under
+their own LoRA slots, the engine built beside the trainer with the CPU's choices where the sampler's settings are
+null, and the train scheduler that pauses sampling only where asked (and on a GPU from ``pause_sampling_rows``
+rows)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from skyrl_clora.backends.embedded.services import (
-    GPU_PREFILL_WAIT_STEPS,
     Services,
     build_engine_beside_trainer,
-    engine_slot_count,
-    kv_cache_dtype,
-    prefill_wait_steps,
     share_base_weights,
     trainer_slot_count,
 )
@@ -40,26 +36,6 @@ def _sampler(**settings: Any) -> SimpleNamespace:
                     reuse_decode_kv=None, stream_priority="normal", prefill_wait_steps=None, admission="fair",
                     reserve_kv=False, adapter_slots=None, kv_cache_dtype="auto")
     return SimpleNamespace(**(defaults | settings))
-
-
-def test_the_kv_cache_dtype_is_the_models_or_e4m3() -> None:
-    assert kv_cache_dtype(_sampler()) is None
-    assert kv_cache_dtype(_sampler(kv_cache_dtype="fp8")) is kv_cache_dtype(_sampler(kv_cache_dtype="fp8_e4m3")) \
-        is torch.float8_e4m3fn
-
-
-def test_a_null_prefill_wait_is_the_gpus_default_on_a_gpu_and_none_on_the_cpu() -> None:
-    assert (prefill_wait_steps(_sampler(), CUDA), prefill_wait_steps(_sampler(), CPU)) == (GPU_PREFILL_WAIT_STEPS, 0)
-    assert GPU_PREFILL_WAIT_STEPS > 0
-    for given in (0, 3):
-        assert prefill_wait_steps(_sampler(prefill_wait_steps=given), CUDA) == given
-        assert prefill_wait_steps(_sampler(prefill_wait_steps=given), CPU) == given
-
-
-def test_the_engine_has_a_slot_per_tenant_unless_fewer_are_asked_for() -> None:
-    assert engine_slot_count(_sampler(), 6) == 6
-    assert engine_slot_count(_sampler(adapter_slots=2), 6) == 2
-    assert engine_slot_count(_sampler(adapter_slots=10), 6) == 6
 
 
 @pytest.mark.parametrize(("train_mode", "pack_size", "tenants", "slots"), [
@@ -99,8 +75,7 @@ def test_the_engine_beside_the_trainer_takes_the_sampler_settings_and_the_cpus_c
     sampler_layers, _, _, _ = share_base_weights(model, sampler_slots=2, trainer_slots=1, max_rank=4)
     for reuse, expected_reuse in ((None, False), (True, True)):
         run = SimpleNamespace(sampler=_sampler(reuse_decode_kv=reuse), trainer=SimpleNamespace(sm_carveout=8))
-        thread = build_engine_beside_trainer(run, model, sampler_layers, CPU, rows=16, max_len=40, kv_blocks=30,
-                                             kv_dtype=None)
+        thread = build_engine_beside_trainer(run, model, sampler_layers, CPU, rows=16, max_len=40, kv_blocks=30)
         try:
             config = thread.engine.config
             assert (config.num_rows, config.max_len, config.num_blocks, config.block_size) == (16, 40, 30, 16)
