@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from types import MappingProxyType
 from typing import Any
 
 import ray
 
-RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+RAY_SYSTEM_CONFIG = MappingProxyType({"worker_niceness": 0})
 """Ray's system config for every Ray this package starts (``ray.init(_system_config=...)``; SkyRL's ``initialize_ray``
 gets it as ``RAY_worker_niceness``). Ray runs its workers at niceness 15 by default, for workers that are background
 tasks beside the driver; here they are the run's own work (the replicas, SkyRL's trainer workers), and at niceness 15
-any other busy process on the machine takes nearly all the CPU from them."""
+any other busy process on the machine takes nearly all the CPU from them. Read-only: ``ray.init`` adds the session's
+spilling settings to the dict it is given, so each start gets a copy (else the next start in this process would
+inherit the last session's spill folder)."""
 
 
 def forget_stale_registry_actors() -> None:
@@ -33,7 +36,7 @@ def start_ray(**init_kwargs: Any) -> None:
     """Starts Ray in this process (none runs yet) with :data:`RAY_SYSTEM_CONFIG` and ``init_kwargs``
     (``ray.init``'s), the registries' handles from an earlier session dropped first."""
     forget_stale_registry_actors()
-    ray.init(_system_config=RAY_SYSTEM_CONFIG, **init_kwargs)
+    ray.init(_system_config=dict(RAY_SYSTEM_CONFIG), **init_kwargs)
 
 
 def sync_skyrl_registries() -> None:

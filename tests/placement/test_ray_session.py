@@ -1,7 +1,7 @@
 """skyrl_clora.placement.ray_session: SkyRL's loss registries get a ``cloudpickle`` that pickles functions (Ray's)
 where the package is missing, and only then; the registries' cached actor handles are dropped before a new Ray
-session; Ray starts with the package's system config. (Ray itself is started by the placement and backend tests
-marked ``ray``; here ``ray.init`` is stood in for.)"""
+session; Ray starts with the package's system config, each start with a copy of its own (Ray itself is started by
+the placement and backend tests marked ``ray``; here ``ray.init`` is stood in for)."""
 
 from __future__ import annotations
 
@@ -56,3 +56,6 @@ def test_ray_starts_with_the_system_config_after_the_stale_handles_are_dropped(m
     monkeypatch.setattr(ray, "init", init)
     ray_session.start_ray(num_cpus=2)
     assert started == [{"_system_config": {"worker_niceness": 0}, "num_cpus": 2}]
+    started[0]["_system_config"]["object_spilling_config"] = "this session's folder"  # as ray.init does
+    ray_session.start_ray(num_cpus=2)
+    assert started[1]["_system_config"] == {"worker_niceness": 0}, "a start inherits nothing from the last session"

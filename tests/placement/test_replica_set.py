@@ -50,7 +50,7 @@ def test_tenants_a_replica_never_reported_fail_and_the_run_ends(micro_model_dir:
     subs = [replace(run, tenants=(spec,)) for spec in run.tenants]
     # As the package starts Ray (its workers at niceness 0: beside busy processes Ray's default of 15 starves them);
     # the actors import this module.
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG,
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=dict(RAY_SYSTEM_CONFIG),
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}})
     try:
         actor = ray.remote(Replica).options(max_concurrency=2)
