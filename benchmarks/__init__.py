@@ -11,5 +11,6 @@ every module so).
 - ``runner``: the engine's decode and prefill passes at the end-to-end shapes; ``engine_host``: a decode
   step's host time;
 - ``train``: packed vs swap training rounds; ``e2e``: N experiments, serial vs concurrent;
-- ``concurrency``: ``skyrl_clora.main`` serial vs concurrent on any recipe and model.
+- ``concurrency``: ``skyrl_clora.main`` serial vs concurrent on any recipe and model;
+- ``skyrl_profile``: where a tenant step's seconds go on backend=skyrl (SkyRL's FSDP2 worker) vs backend=embedded.
 """

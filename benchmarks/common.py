@@ -12,7 +12,7 @@ Training MFU (:func:`train_pass_flop`) is over :data:`H200_BF16_TFLOPS`, the H20
 benchmark's ``--peak-tflops`` says otherwise.
 
 ``python -m benchmarks.common --shape qwen3-0.6b --tokenizer-from <model dir> --out <dir>`` writes such a
-checkpoint (the vocabulary is the tokenizer's).
+checkpoint (the vocabulary is the tokenizer's unless ``--vocab-size`` says otherwise).
 """
 
 from __future__ import annotations
@@ -241,8 +241,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer-from", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, help="the model's vocabulary (default: the tokenizer's)")
     args = parser.parse_args(argv)
-    model = write_random_model(args.shape, args.tokenizer_from, args.out, DEVICE, seed=args.seed)
+    model = write_random_model(args.shape, args.tokenizer_from, args.out, DEVICE, vocab_size=args.vocab_size,
+                               seed=args.seed)
     print(f"{args.shape}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters -> {args.out}")
 
 

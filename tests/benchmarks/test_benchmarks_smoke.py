@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from benchmarks import (admission, attention, common, concurrency, decode_factors, e2e, engine, engine_host,
-                        interference, kernels, planner, qkv_rope, runner, train)
+                        interference, kernels, planner, qkv_rope, runner, skyrl_profile, train)
+from skyrl_clora.backends.skyrl.backend import STEP_PHASES
 from tests.support.markers import triton_runs
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 HELPERS = {"workloads", "packed", "wall"}  # imported by the runnable modules (packed: by kernels, wall: by e2e)
 RUNS = {"admission", "attention", "common", "concurrency", "decode_factors", "e2e", "engine", "engine_host",
-        "interference", "kernels", "planner", "qkv_rope", "runner", "train"}
+        "interference", "kernels", "planner", "qkv_rope", "runner", "skyrl_profile", "train"}
 
 
 def test_every_benchmark_module_has_a_run_here():
@@ -173,6 +174,23 @@ def test_concurrency(tmp_path, micro_model_dir):
                       "generator.max_turns=1", "trainer.max_prompt_length=400", "clora.progress=false"])
     rows = read_json(tmp_path / "bench_concurrency.json")["rows"]
     assert [(row["mode"], row["tenants"]) for row in rows] == [("concurrent", 2), ("serial", 2)]
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+def test_skyrl_profile(tmp_path, micro_model_dir):
+    """On the CPU backend=skyrl runs the embedded stand-in workers (``--strategy embedded``)."""
+    skyrl_profile.main(["--model-path", str(micro_model_dir), "--strategy", "embedded", "--steps", "1",
+                        "--tenants", "1", "--out", str(tmp_path), "trainer.train_batch_size=2",
+                        "generator.n_samples_per_prompt=2", "recipe.eval_prompts=2",
+                        "generator.sampling_params.max_generate_length=4", "generator.max_turns=1",
+                        "trainer.max_prompt_length=400"])
+    runs = read_json(tmp_path / "skyrl_profile.json")["runs"]
+    assert {path.name for path in (tmp_path / "skyrl").iterdir()} == {"run.log", "summary.json", "metrics.jsonl"}
+    assert list(runs) == ["embedded", "skyrl"] and runs["skyrl"]["strategy"] == "embedded"
+    assert set(runs["skyrl"]["fields"]) == set(skyrl_profile.FIELDS) and runs["skyrl"]["steps"] == 1
+    assert set(runs["embedded"]["fields"]) == {"rollout_s", "train_s", "sync_s"}
+    assert {f"train/{phase}" for phase in STEP_PHASES} <= set(runs["skyrl"]["step_records"][0])
 
 
 def test_planner(tmp_path):

@@ -18,13 +18,14 @@ import torch
 from tests.support.helpers import record_built
 from tests.support.micro_task import assert_learning, read_records
 from skyrl_clora.backends.embedded import backend as embedded_backend
+from skyrl_clora.backends.skyrl.backend import STEP_PHASES
 from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import main
 from skyrl_clora.trainer.adapter_store import TABLES
 
 # Metrics that differ between runs of the same tenant by construction (wall-clock times, pass sharing).
-_RUN_DEPENDENT = ("rollout_s", "train_s", "sync_s", "train/pass_tenants")
+_RUN_DEPENDENT = ("rollout_s", "train_s", "sync_s", "train/pass_tenants", *(f"train/{phase}" for phase in STEP_PHASES))
 # The sampler's log-probs match across batch compositions only to float rounding on the CPU (its GEMMs
 # take other kernels for other row counts), so the trainer's gap to them is compared approximately.
 _SAMPLER_GAP = "train/logprob_abs_diff_vs_sampler"

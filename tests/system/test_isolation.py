@@ -11,6 +11,7 @@ on timing; every pack it can form is compared with each tenant trained alone in
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from tests.support.isolation import (
     tenant_records,
 )
 from tests.support.micro_task import assert_learning, micro_tenants, read_records, run_args
+from skyrl_clora.backends.skyrl.backend import STEP_PHASES
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import main
 from skyrl_clora.sampler.scheduler import Scheduler
@@ -70,10 +72,22 @@ def test_a_tenant_ends_the_same_alone_or_beside_others(train_mode: str, learning
 def test_a_tenant_ends_the_same_alone_or_beside_others_on_skyrls_stack(learning_model_dir: Path, tmp_path: Path) -> None:
     """backend=skyrl (SkyRL's generator, WorkerDispatch and a Ray policy worker): a tenant run beside another
     ends with the metrics and exported adapter it has when it runs alone (one alone run: each costs a Ray
-    stack; the embedded test above covers every tenant)."""
+    stack; the embedded test above covers every tenant). Each step record holds the seconds of the update's parts
+    (``STEP_PHASES``: all but the lock wait inside ``train_s``) and the summary each tenant's registration and the cold
+    start's parts."""
     specs = ({"name": "a", "seed": 1, "lr": "1e-2"}, {"name": "b", "seed": 2, "lr": "3e-3"})  # one rank: SkyRL's store
     assert main(run_args(learning_model_dir, tmp_path / "together", micro_tenants(*specs), "backend=skyrl")) == 0
     assert_learning(read_records(tmp_path / "together"))
+    for record in [r for r in read_records(tmp_path / "together") if r["event"] == "step"]:
+        phases = {phase: record[f"train/{phase}"] for phase in STEP_PHASES}
+        assert min(phases.values()) >= 0, record
+        assert min(phases["swap_s"], phases["recompute_s"], phases["forward_backward_s"], phases["optim_s"]) > 0, record
+        assert sum(phases.values()) - phases["lock_wait_s"] <= record["train_s"], record
+    summary = json.loads((tmp_path / "together" / "summary.json").read_text())
+    registered, parts = summary["register_seconds"], summary["cold_start_parts_seconds"]
+    assert sorted(registered) == ["a", "b"] and min(registered.values()) > 0
+    assert sorted(parts) == ["inference", "policy_workers", "ray"] and min(parts.values()) > 0, "no peak off a GPU"
+    assert sum(parts.values()) <= summary["cold_start_seconds"][0]
     exported = {name: load_peft_adapter(tmp_path / "together" / "adapters" / name) for name in "ab"}
     path = next(iter(exported["a"].b))
     assert exported["a"].b[path].abs().sum() > 0 and not torch.equal(exported["a"].b[path], exported["b"].b[path])

@@ -31,6 +31,9 @@ inference client) over one shared ``PPORayActorGroup`` of policy workers. A tena
      PEFT folder and loads it in place under the tenant's name (no pause, no prefix-cache reset), and
      the dispatch advances the view's version, which must equal the version the server now holds.
 
+A step's update reports, beside SkyRL's metrics, the wall seconds of its parts (:data:`STEP_PHASES`; in the step
+record as ``train/<phase>``, beside the tenant loop's ``rollout_s``, ``train_s`` and ``sync_s``, which is step 4).
+
 Tenants register through ``dispatch.register_adapter`` and their first ``save_weights_for_sampler``
 (version 0) and, on failure, are deleted (``dispatch.delete_adapter``) and unloaded. The trainer is one
 worker, so train+sync sections of different tenants take turns (a lock); generation is concurrent.
@@ -46,7 +49,8 @@ import math
 import shutil
 import time
 from collections import defaultdict
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +84,21 @@ from skyrl_clora.trainer.lr_schedule import LRSchedule
 # Each tenant's dispatch tells the worker when its sync may skip the global prefix-cache reset (patch 0001).
 SALT_GATED_DISPATCH = with_salt_gated_lora_sync(WorkerDispatch)
 
+STEP_PHASES = ("lock_wait_s", "swap_s", "recompute_s", "reference_s", "forward_backward_s", "optim_s")
+"""The wall seconds a tenant's update reports (:meth:`SkyRLBackend.train`), each around the driver's blocking calls:
+
+- ``lock_wait_s``: waiting for the worker group (the update lock other tenants' train + sync hold), before ``train_s``;
+- ``swap_s``: ``dispatch.ensure_active_adapter``: the tenant's adapter, optimizer state, LR schedule and RNG swapped
+  in on the workers, one Ray round trip (the dispatch's later swaps of the step find it live);
+- ``recompute_s``: the behaviour log-probs, ``dispatch.forward`` (or ``stage_data`` + ``forward_from_staged`` per
+  mini-batch), and with ``use_kl_in_reward`` and ``clora.step_style=tinker`` the policy forward for the KL penalty;
+- ``reference_s``: the KL reference's log-probs (``use_kl_loss`` / ``use_kl_in_reward``; else 0);
+- ``forward_backward_s``, ``optim_s``: every ``dispatch.forward_backward`` and ``dispatch.optim_step`` of the step,
+  summed (Megatron's ``dispatch.set_lr`` counts in ``optim_s``).
+
+All but ``lock_wait_s`` lie inside the tenant loop's ``train_s``; the rest of ``train_s`` is the driver's own work
+(SkyRL's batch tensors, advantages, mini-batch slices, the report checks) and its thread hop."""
+
 
 @dataclass
 class Tenant:
@@ -101,9 +120,13 @@ class SkyRLBackend:
         self.run, self.plan, self.stack = run, plan, stack
         self.tenants: dict[str, Tenant] = {}
         self._update_lock = asyncio.Lock()
+        self._lock_waits: dict[str, float] = {}  # by tenant: its wait for the update lock, until its train reports it
+        self.register_seconds: dict[str, float] = {}  # by tenant: its register (adapter slot + first sync)
 
     async def register(self, spec: TenantSpec) -> None:
-        """``register_adapter`` on the workers, then the first sync publishes version 0."""
+        """``register_adapter`` on the workers, then the first sync publishes version 0; its wall seconds go to
+        :attr:`register_seconds`."""
+        started = time.perf_counter()
         config, view = self.plan.tenant_configs[spec.name], self.stack.views[spec.name]
         dispatch = SALT_GATED_DISPATCH(config, policy_actor_group=self.stack.policy_group, inference_engine_client=view)
         first = not self.tenants
@@ -121,6 +144,7 @@ class SkyRLBackend:
                 await asyncio.to_thread(dispatch.register_adapter, "policy", REFERENCE_MODEL_ID)
             await asyncio.to_thread(dispatch.register_adapter, "policy", spec.name)
             await self._sync(spec.name)
+        self.register_seconds[spec.name] = time.perf_counter() - started
 
     async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str,
                      sampling_params: dict[str, Any] | None = None) -> Rollout:
@@ -140,21 +164,33 @@ class SkyRLBackend:
     def version(self, tenant: str) -> int:
         return self.tenants[tenant].view.weight_version
 
-    def exclusive_update(self, tenant: str) -> AbstractAsyncContextManager:
-        """The worker group trains one tenant at a time: a tenant's train + sync hold it."""
-        return self._update_lock
+    @asynccontextmanager
+    async def exclusive_update(self, tenant: str) -> AsyncIterator[None]:
+        """The worker group trains one tenant at a time: a tenant's train + sync hold the update lock; the seconds
+        it waited for it are its next :meth:`train`'s ``lock_wait_s``."""
+        asked = time.perf_counter()
+        async with self._update_lock:
+            self._lock_waits[tenant] = time.perf_counter() - asked
+            yield
 
     async def train(self, tenant: str, rollout: Rollout) -> Update:
-        """The step's update on the workers, which keep the trained adapter (the update carries no weights)."""
+        """The step's update on the workers, which keep the trained adapter (the update carries no weights); its
+        metrics hold the :data:`STEP_PHASES`. Runs inside :meth:`exclusive_update`."""
+        waited = self._lock_waits.pop(tenant)
         data = training_input(rollout.output, rollout.groups, self.stack.tokenizer.pad_token_id,
                               self.tenants[tenant].dispatch.cfg.trainer.algorithm)
-        return Update(await asyncio.to_thread(self._train, self.tenants[tenant], data))
+        metrics = await asyncio.to_thread(self._train, self.tenants[tenant], data)
+        return Update({**metrics, "lock_wait_s": waited})
 
     def _train(self, tenant: Tenant, data: TrainingInputBatch) -> dict[str, float]:
         """The behaviour (and, with KL, reference) log-probs into ``data``, then ``forward_backward`` +
-        ``optim_step`` with the tenant's ``model_id``; the step's metrics, checked against the worker's reports."""
+        ``optim_step`` with the tenant's ``model_id``; the step's metrics, checked against the worker's reports,
+        with the seconds of its :data:`STEP_PHASES` but ``lock_wait_s``."""
         name, dispatch = tenant.spec.name, tenant.dispatch
         algorithm = dispatch.cfg.trainer.algorithm
+        seconds = dict.fromkeys(STEP_PHASES[1:], 0.0)
+        with _timed(seconds, "swap_s"):
+            dispatch.ensure_active_adapter("policy", name)
         scoring = data.select(keys=["sequences", "attention_mask"], metadata_keys=["response_length"])
         if self.run.trainer.step_style == "tinker":
             if data.get("rollout_logprobs") is None:
@@ -162,13 +198,19 @@ class SkyRLBackend:
                                    "generator returned none")
             data["action_log_probs"] = data["rollout_logprobs"]
         else:
-            data["action_log_probs"] = behaviour_logprobs(dispatch, scoring, name, mini_batch_boundaries(data, dispatch.cfg))
+            with _timed(seconds, "recompute_s"):
+                data["action_log_probs"] = behaviour_logprobs(dispatch, scoring, name,
+                                                              mini_batch_boundaries(data, dispatch.cfg))
         if algorithm.use_kl_loss or algorithm.use_kl_in_reward:
-            data["base_action_log_probs"] = reference_logprobs(dispatch, scoring)
+            with _timed(seconds, "reference_s"):
+                data["base_action_log_probs"] = reference_logprobs(dispatch, scoring)
         reward_kl = {}
         if algorithm.use_kl_in_reward:  # as RayPPOTrainer: penalise the rewards, then the advantages again
-            policy = (data["action_log_probs"] if self.run.trainer.step_style == "skyrl"
-                      else _response_logprobs(dispatch, scoring, name))
+            if self.run.trainer.step_style == "skyrl":
+                policy = data["action_log_probs"]
+            else:
+                with _timed(seconds, "recompute_s"):
+                    policy = _response_logprobs(dispatch, scoring, name)
             penalty, kl_metrics = kl_reward_penalty(policy, data["base_action_log_probs"], data["loss_mask"], algorithm)
             reward_kl["avg_kl"] = kl_metrics["avg_kl"]
             data["rewards"] = data["rewards"] - penalty
@@ -178,21 +220,25 @@ class SkyRLBackend:
         steps: dict[str, list[float]] = defaultdict(list)
         for _ in range(dispatch.cfg.trainer.update_epochs_per_batch):
             for start, end in boundaries:  # as RayPPOTrainer._execute_training_step: one optimizer step each
-                for key, value in self._optimizer_step(tenant, _rows(data, start, end)).items():
+                for key, value in self._optimizer_step(tenant, _rows(data, start, end), seconds).items():
                     steps[key].append(value)
         metrics = reduce_metrics(steps)  # SkyRL's reduction over a step's mini-batches and epochs: the mean
         metrics["optimizer_steps"] = float(len(boundaries) * dispatch.cfg.trainer.update_epochs_per_batch)
-        return {**metrics, **reward_kl}
+        return {**metrics, **reward_kl, **seconds}
 
-    def _optimizer_step(self, tenant: Tenant, mini: TrainingInputBatch) -> dict[str, float]:
+    def _optimizer_step(self, tenant: Tenant, mini: TrainingInputBatch, seconds: dict[str, float]) -> dict[str, float]:
         """``forward_backward`` + ``optim_step`` of one mini-batch with the tenant's ``model_id`` at its scheduled LR
-        (sent first on Megatron); the step's metrics, checked against the worker's reports."""
+        (sent first on Megatron), their wall seconds added to ``seconds``; the step's metrics, checked against the
+        worker's reports."""
         name, dispatch = tenant.spec.name, tenant.dispatch
         lr = tenant.schedule.lr(tenant.steps_done)
         if self.stack.strategy == "megatron":
-            dispatch.set_lr("policy", lr, model_id=name)
-        output = dispatch.forward_backward("policy", mini, model_id=name)
-        grad_norm = dispatch.optim_step("policy", model_id=name)
+            with _timed(seconds, "optim_s"):
+                dispatch.set_lr("policy", lr, model_id=name)
+        with _timed(seconds, "forward_backward_s"):
+            output = dispatch.forward_backward("policy", mini, model_id=name)
+        with _timed(seconds, "optim_s"):
+            grad_norm = dispatch.optim_step("policy", model_id=name)
         tenant.steps_done += 1
         metrics = self.stack.step_metrics(name, output.metrics, grad_norm)
         check_step_report(name, lr, grad_norm, output.metrics, metrics, self.stack.strategy)
@@ -239,6 +285,16 @@ class SkyRLBackend:
         async with self._update_lock:
             await asyncio.to_thread(self.tenants[tenant].dispatch.delete_adapter, "policy", tenant)
         await self.stack.unload(tenant)
+
+
+@contextmanager
+def _timed(seconds: dict[str, float], phase: str) -> Iterator[None]:
+    """Adds the wall seconds the ``with`` body takes to ``seconds[phase]``."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[phase] += time.perf_counter() - started
 
 
 def _response_logprobs(dispatch: WorkerDispatch, scoring: TrainingInputBatch, model_id: str) -> torch.Tensor:
@@ -379,15 +435,14 @@ def _rows(data: TrainingInputBatch, start: int, end: int) -> TrainingInputBatch:
     return mini
 
 
-async def _run_tenants(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource], stack: SkyRLStack,
-                       metrics: MetricsLog, resume: dict[str, TenantCheckpoint], stopped: list[str]) -> None:
+async def _run_tenants(run: RunConfig, backend: SkyRLBackend, sources: dict[str, TaskSource], metrics: MetricsLog,
+                       resume: dict[str, TenantCheckpoint], stopped: list[str]) -> None:
     refuse_adds = ("adding tenants to a live run needs backend=embedded (backend=skyrl translates every tenant's "
                    "SkyRL config at start)")
     try:
-        await run_tenant_pool(run, SkyRLBackend(run, plan, stack), list(plan.tenants), sources, metrics, resume,
-                              stopped, refuse_adds)
+        await run_tenant_pool(run, backend, list(backend.plan.tenants), sources, metrics, resume, stopped, refuse_adds)
     finally:
-        for client in [stack.client, *stack.views.values()]:
+        for client in [backend.stack.client, *backend.stack.views.values()]:
             await client.teardown()
 
 
@@ -396,7 +451,9 @@ def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource],
     """Runs every tenant concurrently through SkyRL's stack on the base model the plan names, on its task data
     ``sources`` (by tenant name, ``recipes.plugin.build_task_sources``), those in ``resume`` from their
     checkpoints; writes the embedded backend's outputs and returns the run's records and summary fields for
-    :func:`~skyrl_clora.metrics.summarize_pool`."""
+    :func:`~skyrl_clora.metrics.summarize_pool`, among them ``cold_start_seconds`` (the stack's build),
+    ``cold_start_parts_seconds`` (its parts: ``SkyRLStack.build_seconds``) and ``register_seconds`` (by tenant: its
+    adapter slot and first sync)."""
     model_path = resolve_model_path(run)
     for line in plan.substitutions:
         print(f"[skyrl] stand-in: {line}", flush=True)
@@ -405,13 +462,16 @@ def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource],
     stack = build_stack(run, plan, model_path)
     try:
         cold_start_s = time.perf_counter() - started
-        asyncio.run(_run_tenants(run, plan, sources, stack, metrics, resume, stopped))
+        backend = SkyRLBackend(run, plan, stack)
+        asyncio.run(_run_tenants(run, backend, sources, metrics, resume, stopped))
     finally:
         metrics.close()
         stack.shutdown()
     fields = {
         "backend": "skyrl", "mode": run.mode, "steps": run.steps, "model_path": model_path,
         "inference_backend": plan.inference_backend, "strategy": plan.strategy, "substitutions": list(plan.substitutions),
-        "cold_start_seconds": [cold_start_s], "engine": stack.engine_stats(),
+        "cold_start_seconds": [cold_start_s], "cold_start_parts_seconds": stack.build_seconds,
+        "register_seconds": backend.register_seconds,
+        "engine": stack.engine_stats(),
     }
     return PoolOutcome(metrics.records, fields, "backend=skyrl")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -79,6 +80,11 @@ class SkyRLStack:
     engine: EngineThread | None = None
     server: EmbeddedServer | None = None
     server_setup: Any = None
+    build_seconds: dict[str, float] = field(default_factory=dict)
+    """The build's parts in wall seconds: ``ray`` (Ray's start, or none when the caller's Ray is reused),
+    ``policy_workers`` (the actors and their ``init_model``), ``training_peak`` (the workers' measured pass, for the
+    embedded engine's memory plan on a GPU) and ``inference`` (the engine or the vLLM servers, their server and
+    client)."""
     _stopped: bool = field(default=False, repr=False)
 
     def server_version(self, tenant: str) -> int | None:
@@ -202,14 +208,17 @@ def check_fsdp_buildable(plan: SkyRLPlan) -> None:
 
 
 def _embedded_inference(run: RunConfig, plan: SkyRLPlan, model_path: str, tokenizer: Any,
-                        group: PPORayActorGroup) -> tuple:
+                        group: PPORayActorGroup, seconds: _PhaseClock) -> tuple:
     """The embedded engine (:func:`serving_engine`) and its SkyRL-protocol server (started), and a client for it. On a
     GPU its KV cache gets what the memory plan leaves beside ``group``'s workers on the same GPU at their measured
-    training peak (:mod:`skyrl_clora.backends.skyrl.shared_gpu`)."""
+    training peak (:mod:`skyrl_clora.backends.skyrl.shared_gpu`; its seconds set aside in ``seconds`` as
+    ``training_peak``)."""
     device = resolve_device(run)
 
     def held_by_workers(model: torch.nn.Module, max_len: int) -> int:
+        started = time.perf_counter()
         peaks = _training_peaks(plan, group, max_len, model.config.vocab_size, tokenizer.pad_token_id)
+        seconds.aside("training_peak", time.perf_counter() - started)
         return held_by_other_processes(device, peaks)
 
     engine = serving_engine(run, list(plan.tenants), model_path, held_by_workers)
@@ -346,6 +355,7 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
     check_buildable(plan)
     hf_logging.disable_progress_bar()
     tokenizer = checked_tokenizer(model_path)
+    seconds = _PhaseClock()
     owns_ray = not ray.is_initialized()
     if owns_ray and plan.inference_backend == plan.strategy == "embedded":
         start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False,
@@ -359,16 +369,21 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
         initialize_ray(plan.base)
     if owns_ray:
         reap_children_with_this_process()
+    seconds.lap("ray")
     engine = server = setup = None
     try:
         if plan.inference_backend == "embedded":  # the workers first: the engine's memory plan counts them
             group = _policy_group(run, plan, model_path, tokenizer.pad_token_id)
-            client, engine, server = _embedded_inference(run, plan, model_path, tokenizer, group)
+            seconds.lap("policy_workers")
+            client, engine, server = _embedded_inference(run, plan, model_path, tokenizer, group, seconds)
+            seconds.lap("inference")
         else:  # SkyRL's order: the servers, then the workers
             from skyrl.backends.skyrl_train.inference_servers.setup import build_new_inference_client
 
             client, setup = build_new_inference_client(plan.base, tokenizer)
+            seconds.lap("inference")
             group = _policy_group(run, plan, model_path, tokenizer.pad_token_id)
+            seconds.lap("policy_workers")
     except BaseException:
         if server is not None:
             server.stop()
@@ -380,4 +395,22 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
     return SkyRLStack(tokenizer=tokenizer, client=client, views=tenant_views(client, [s.name for s in plan.tenants]),
                       policy_group=group, strategy=plan.strategy,
                       sync_path=plan.base.trainer.policy.model.lora.lora_sync_path, owns_ray=owns_ray,
-                      engine=engine, server=server, server_setup=setup)
+                      engine=engine, server=server, server_setup=setup, build_seconds=seconds.parts)
+
+
+class _PhaseClock:
+    """Wall seconds of consecutive phases: :meth:`lap` ends the running phase under a name (times added when a name
+    recurs) and starts the next; :meth:`aside` takes a nested phase out of the running one."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self._started = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts[name] = self.parts.get(name, 0.0) + now - self._started
+        self._started = now
+
+    def aside(self, name: str, seconds: float) -> None:
+        self.parts[name] = self.parts.get(name, 0.0) + seconds
+        self._started += seconds

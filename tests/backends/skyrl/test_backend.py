@@ -3,7 +3,8 @@ behaviour log-probs through the policy worker's ``forward`` (not the sampler's),
 adapter disabled, scored at temperature 1) when ``use_kl_loss`` is on, penalises the rewards with ``use_kl_in_reward``,
 steps the optimizer per mini-batch and epoch, and checks the worker's reports of the step (``check_step_report``:
 ``policy_lr`` within float32 rounding of the scheduled LR, the embedded worker's grad norm exactly);
-``clora.step_style=tinker`` sends the sampler's log-probs instead."""
+``clora.step_style=tinker`` sends the sampler's log-probs instead. A step's update reports the seconds of its parts
+(``STEP_PHASES``; in a whole run's step records: ``tests/system/test_isolation.py``)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import compute_advantages_and_re
 from skyrl.train.config import AlgorithmConfig, SkyRLTrainConfig
 from transformers import AutoModelForCausalLM
 
-from skyrl_clora.backends.skyrl.backend import SkyRLBackend, Tenant, check_step_report, training_input
+from skyrl_clora.backends.skyrl import backend as backend_module
+from skyrl_clora.backends.skyrl.backend import STEP_PHASES, SkyRLBackend, Tenant, check_step_report, training_input
 from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.config.compose import compose_config
 from skyrl_clora.backends.skyrl.config_translation import translate
 from skyrl_clora.backends.skyrl.stack import SkyRLStack, build_stack
 from skyrl_clora.skyrl.worker import REFERENCE_MODEL_ID, EmbeddedPolicyWorker, training_batch_to_train_batch
-from skyrl_clora.tenant_loop import Update
+from skyrl_clora.tenant_loop import Rollout, Update
 from skyrl_clora.trainer.lr_schedule import LRSchedule
 
 pytestmark = pytest.mark.usefixtures("without_production_extras")
@@ -154,6 +156,10 @@ class _Dispatch:
         self.worker_temperature = self.cfg.trainer.algorithm.temperature
         self.fail_forward_of: str | None = None
         self.staged_forward_rows: list[int] = []
+        self.swaps: list[str] = []
+
+    def ensure_active_adapter(self, model: str, model_id: str) -> None:
+        self.swaps.append(model_id)
 
     def set_algorithm_config(self, model: str, **kwargs: object) -> None:
         """``WorkerDispatch.set_algorithm_config``: sets the workers' algorithm config (not the dispatch's cfg)."""
@@ -276,11 +282,90 @@ def test_one_optimizer_step_per_mini_batch_and_epoch_with_the_lr_schedule_over_o
     assert metrics["lr"] == pytest.approx(sum(dispatch.lrs) / 4)
 
 
+class _Clock:
+    """A ``perf_counter`` that moves only when told to: the seconds each timed call takes are exact."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _TimedDispatch(_Dispatch):
+    """:class:`_Dispatch` whose calls each take a distinct power of two of ``clock``'s seconds: a phase's total
+    names the calls it covers."""
+
+    COST = {"swap": 1.0, "forward t": 2.0, f"forward {REFERENCE_MODEL_ID}": 4.0, "set_lr": 8.0,
+            "forward_backward": 16.0, "optim_step": 32.0}
+
+    def __init__(self, clock: _Clock, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.clock = clock
+
+    def ensure_active_adapter(self, model: str, model_id: str) -> None:
+        self.clock.now += self.COST["swap"]
+        super().ensure_active_adapter(model, model_id)
+
+    def forward(self, model: str, data, model_id: str) -> WorkerOutput:
+        self.clock.now += self.COST[f"forward {model_id}"]
+        return super().forward(model, data, model_id)
+
+    def set_lr(self, model: str, lr: float, model_id: str) -> None:
+        self.clock.now += self.COST["set_lr"]
+        super().set_lr(model, lr, model_id)
+
+    def forward_backward(self, model: str, data, model_id: str) -> WorkerOutput:
+        self.clock.now += self.COST["forward_backward"]
+        return super().forward_backward(model, data, model_id)
+
+    def optim_step(self, model: str, model_id: str) -> float:
+        self.clock.now += self.COST["optim_step"]
+        return super().optim_step(model, model_id)
+
+
+def test_a_steps_update_reports_the_seconds_of_each_of_its_parts(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each phase is the seconds of its own calls: the swap once, the behaviour and reference forwards, and per
+    optimizer step (2 epochs here) ``forward_backward`` and Megatron's ``set_lr`` + ``optim_step``; ``lock_wait_s``
+    is how long the tenant's ``exclusive_update`` waited while another tenant held it."""
+    clock = _Clock()
+    monkeypatch.setattr(backend_module, "time", SimpleNamespace(perf_counter=clock))
+    backend = _megatron_backend("skyrl", tmp_path)
+    backend.stack.tokenizer = SimpleNamespace(pad_token_id=0)
+    dispatch = _TimedDispatch(clock, reported_lr=1e-3, epochs=2, use_kl_loss=True)
+    backend.tenants["t"] = Tenant(spec=SimpleNamespace(name="t"), dispatch=dispatch, generator=None, view=None,
+                                  schedule=LRSchedule(1e-3))
+    output, groups = _output(rollout_shift=-9.0)
+
+    async def step_behind_another_tenant() -> Update:
+        async def step() -> Update:
+            async with backend.exclusive_update("t"):
+                return await backend.train("t", Rollout(output, groups, [], []))
+
+        async with backend.exclusive_update("other"):
+            stepping = asyncio.create_task(step())
+            await asyncio.sleep(0)  # "t" asks for the lock while "other" holds it
+            clock.now += 64.0
+        return await stepping
+
+    metrics = asyncio.run(step_behind_another_tenant()).metrics
+    assert {phase: metrics[phase] for phase in STEP_PHASES} == {
+        "lock_wait_s": 64.0, "swap_s": 1.0, "recompute_s": 2.0, "reference_s": 4.0, "forward_backward_s": 2 * 16.0,
+        "optim_s": 2 * (8.0 + 32.0)}
+    assert dispatch.swaps == ["t"] and dispatch.forwards == ["t", REFERENCE_MODEL_ID]
+    assert metrics["optimizer_steps"] == 2
+    assert backend._lock_waits == {"other": 0.0}  # "t"'s wait went into its update
+
+
 class _DirectDispatch:
     """``WorkerDispatch``'s calls made on an :class:`EmbeddedPolicyWorker` in this process (no Ray)."""
 
     def __init__(self, cfg: SkyRLTrainConfig, worker: EmbeddedPolicyWorker) -> None:
         self.cfg, self.worker = cfg, worker
+
+    def ensure_active_adapter(self, model: str, model_id: str) -> None:
+        self.worker.swap_to_adapter(model_id)
 
     def forward(self, model: str, data, model_id: str) -> WorkerOutput:
         self.worker.swap_to_adapter(model_id)
