@@ -12,7 +12,8 @@ embedded engine on the same GPU) against backend=embedded, the two runs side by 
    its log, summary.json and metrics.jsonl are copied to ``<--out>/<run>/``.
 3. Reads each run's summary.json and metrics.jsonl, writes everything to ``<--out>/skyrl_profile.json`` and prints: per
    run the wall, the :data:`SUMMARY_SECONDS` of its summary (cold start and, on skyrl, the tenants' registrations),
-   experiments/hour, skyrl's cold start by part (``cold_start_parts_seconds``) and skyrl/embedded; then per step field the median over tenant steps, the sum over them and that
+   experiments/hour with and without (``warm``) the cold start, skyrl's cold start by part
+   (``cold_start_parts_seconds``) and skyrl/embedded; then per step field the median over tenant steps, the sum over them and that
    sum over the run's wall. The step fields: the tenant loop's ``rollout_s``, ``train_s`` and ``sync_s``, and on skyrl
    the update's parts (``skyrl_clora.backends.skyrl.backend.STEP_PHASES``, ``train/<phase>``) with ``train other``,
    ``train_s`` less its parts. Tenants roll out at the same time, so a rollout sum over the wall can pass 100%
@@ -106,8 +107,10 @@ def profile(folder: Path) -> dict[str, Any]:
             record.get(key, 0.0) for key in ("rollout_s", "train/lock_wait_s", "train_s", "sync_s"))
     outside = [wall - seconds.get("cold_start_seconds", 0.0) - registered.get(tenant, 0.0) - total
                for tenant, total in in_steps.items()]
+    warm = wall - seconds.get("cold_start_seconds", 0.0)
     return {"strategy": summary.get("strategy"), "tenants": summary["tenants"],
             "steps": len(steps), "wall_seconds": wall, "experiments_per_hour": summary["experiments_per_hour"],
+            "experiments_per_hour_warm": summary["tenants"] * 3600 / warm,
             "seconds": seconds, "summary_seconds": {key: summary[key] for key in SUMMARY_SECONDS if key in summary},
             "cold_start_parts": summary.get("cold_start_parts_seconds", {}),
             "fields": fields,
@@ -125,12 +128,12 @@ def _total(value: Any) -> float:
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     """The runs' table, then the step fields' (module docstring); ``results``: :func:`profile`'s by run."""
     names = list(results)
-    print(f"{'run':>9} {'strategy':>9} {'tenants':>7} {'steps':>5} {'wall s':>8} {'exp/h':>8} "
+    print(f"{'run':>9} {'strategy':>9} {'tenants':>7} {'steps':>5} {'wall s':>8} {'exp/h':>8} {'warm exp/h':>10} "
           + " ".join(f"{key.removesuffix('_seconds'):>14}" for key in SUMMARY_SECONDS) + f" {'outside s':>9}")
     for name in names:
         row = results[name]
         print(f"{name:>9} {row['strategy'] or '-':>9} {row['tenants']:>7} {row['steps']:>5} "
-              f"{row['wall_seconds']:>8.1f} {row['experiments_per_hour']:>8.1f} "
+              f"{row['wall_seconds']:>8.1f} {row['experiments_per_hour']:>8.1f} {row['experiments_per_hour_warm']:>10.1f} "
               + " ".join(f"{_number(row['seconds'].get(key)):>14}" for key in SUMMARY_SECONDS)
               + f" {_number(row['outside_steps_seconds']):>9}")
     for name in names:
@@ -140,7 +143,8 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
     if {"skyrl", "embedded"} <= set(results):
         skyrl, embedded = results["skyrl"], results["embedded"]
         print(f"skyrl/embedded: wall {skyrl['wall_seconds'] / embedded['wall_seconds']:.2f}x, experiments/hour "
-              f"{skyrl['experiments_per_hour'] / embedded['experiments_per_hour']:.3f}x")
+              f"{skyrl['experiments_per_hour'] / embedded['experiments_per_hour']:.3f}x, without the cold starts "
+              f"{skyrl['experiments_per_hour_warm'] / embedded['experiments_per_hour_warm']:.3f}x")
     print(f"{'step field':>24} " + " ".join(f"{name + ' ' + stat:>17}" for name in names
                                            for stat in ("median", "sum", "% wall")))
     for field in FIELDS:

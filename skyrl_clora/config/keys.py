@@ -264,7 +264,9 @@ SKYRL_SET: dict[str, str] = {
     "trainer.ckpt_path": "null: <clora.output_dir>/checkpoints (the plugin writes the checkpoints)",
     "trainer.run_name": "null: the output folder's name",
     "trainer.micro_train_batch_size_per_gpu": "not given: the largest divisor of the rows per GPU it holds",
-    "trainer.micro_forward_batch_size_per_gpu": "not given: the largest divisor of the rows per GPU it holds",
+    "trainer.micro_forward_batch_size_per_gpu": ("not given: trainer.micro_train_batch_size_per_gpu as set (SkyRL's 1 "
+                                                 "makes the log-prob recompute one forward per sequence; a forward "
+                                                 "holds less memory than the training pass)"),
 }
 """``backend=skyrl``: SkyRL keys the translation sets, with what it sets them to; every other key reaches SkyRL's
 config as given."""

@@ -232,9 +232,10 @@ def _set_by_plugin(st: SkyRLTrainConfig, cfg: DictConfig, tenants: list[TenantSp
     tr.run_name = tr.run_name or os.path.basename(os.path.normpath(str(cfg.clora.output_dir)))
     gpus = tr.placement.policy_num_nodes * tr.placement.policy_num_gpus_per_node
     per_gpu = max(1, tr.policy_mini_batch_size * gen.n_samples_per_prompt // gpus)
-    for key in ("micro_train_batch_size_per_gpu", "micro_forward_batch_size_per_gpu"):
-        if f"trainer.{key}" not in given:  # SkyRL's batch-size check: a divisor of the rows per GPU
-            setattr(tr, key, math.gcd(getattr(tr, key), per_gpu))
+    if "trainer.micro_train_batch_size_per_gpu" not in given:  # SkyRL's batch-size check: a divisor of the rows per GPU
+        tr.micro_train_batch_size_per_gpu = math.gcd(tr.micro_train_batch_size_per_gpu, per_gpu)
+    if "trainer.micro_forward_batch_size_per_gpu" not in given:  # a forward alone holds less than forward + backward
+        tr.micro_forward_batch_size_per_gpu = tr.micro_train_batch_size_per_gpu
 
 
 def _set_vllm_logprobs_mode(gen: GeneratorConfig) -> None:

@@ -183,6 +183,21 @@ def test_the_token_budget_of_micro_batches_reaches_skyrls_config(tmp_path: Path)
     assert _translate(tmp_path).base.trainer.max_tokens_per_microbatch == -1
 
 
+@pytest.mark.parametrize(("given", "train", "forward"), [
+    ((), 16, 16),  # SkyRL's 1 for the forward would recompute log-probs one sequence at a time
+    (("trainer.micro_train_batch_size_per_gpu=8",), 8, 8),
+    (("trainer.micro_forward_batch_size_per_gpu=4",), 16, 4),
+    (("trainer.micro_train_batch_size_per_gpu=8", "trainer.micro_forward_batch_size_per_gpu=1"), 8, 1),
+])
+def test_the_forward_micro_batch_is_the_training_ones_unless_given(tmp_path: Path, given: tuple[str, ...], train: int,
+                                                                   forward: int) -> None:
+    plan = _translate(tmp_path, "+tenants=2", "trainer.policy_mini_batch_size=4", "generator.n_samples_per_prompt=4",
+                      *given)
+    for config in (plan.base, *plan.tenant_configs.values()):
+        assert (config.trainer.micro_train_batch_size_per_gpu, config.trainer.micro_forward_batch_size_per_gpu) == (
+            train, forward)
+
+
 def test_the_policy_temperature_is_the_sampling_temperature_unless_given(tmp_path: Path) -> None:
     """SkyRL's rule (``SkyRLTrainConfig.__post_init__``): ``trainer.algorithm.temperature`` null takes
     ``generator.sampling_params.temperature``; a given one is kept."""
