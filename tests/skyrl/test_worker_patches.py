@@ -47,7 +47,7 @@ RUNTIME_CHECKS = "worker_patches_on_skyrl_workers.py"
 
 # The patch's tests that pass without it too: they guard what it must keep (single-model salts, duck-typed
 # clients, the reset for Tinker's unsalted samples and for adapters without salted requests, no credentials sent
-# by a client built without a key).
+# by a client built without a key, no adapter store set up for a policy without LoRA).
 COMPAT_GUARDS = {
     "test_adapter_cache_salt.py::test_single_model_salt_follows_every_sync",
     "test_adapter_cache_salt.py::test_clients_without_adapter_versions_keep_the_global_version",
@@ -57,6 +57,7 @@ COMPAT_GUARDS = {
     "test_megatron_adapter_seed.py::test_dispatch_without_a_seed_sends_none",
     "test_remote_client_api_key.py::test_without_a_key_no_authorization_header_is_sent",
     "test_fsdp_adapter_store.py::test_swapping_without_an_adapter_store_is_a_no_op",
+    "test_fsdp_adapter_store.py::test_the_tinker_backend_sets_up_no_adapter_store_without_lora",
 }
 
 CONFTEST = """import pathlib, skyrl, gpu_only_stubs
