@@ -12,7 +12,10 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from tests.support.sm90_compile import CASES
 
@@ -49,3 +52,20 @@ def compile_errors(names: list[str], cache_dir: Path) -> dict[str, str | None]:
     outputs = "\n".join(f"exit {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}" for run in runs)
     assert not missing, f"{HELPER.name} did not report {missing}:\n{outputs}"
     return errors
+
+
+def sm90_compile_test(module: str) -> Callable[..., None]:
+    """The test that each case of ``module`` (a ``skyrl_clora.kernels`` module, :func:`cases_of`) compiles for sm_90,
+    to bind as ``test_compiles_for_sm90`` in that module's test file: parametrized by case, marked ``triton``; the
+    first case run compiles all of them, from scratch (:func:`compile_errors`), and each case reads its own error."""
+    cases = cases_of(module)
+    errors: dict[str, str | None] = {}
+
+    @pytest.mark.triton
+    @pytest.mark.parametrize("case", cases)
+    def test_compiles_for_sm90(case: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+        if not errors:
+            errors.update(compile_errors(cases, tmp_path_factory.mktemp("triton-cache")))
+        assert errors[case] is None, f"{case} does not compile for sm_90:\n{errors[case]}"
+
+    return test_compiles_for_sm90

@@ -35,10 +35,9 @@ from tests.support.kernel_cases import (
 )
 from tests.support.markers import interpreted
 from tests.support.paged_cases import PROMPT_LEN, make_paged_decode_problem
-from tests.support.sm90_compile_runs import cases_of
-from tests.support.sm90_compile_runs import compile_errors as sm90_compile_errors
+from tests.support.sm90_compile_runs import sm90_compile_test
 
-SM90_CASES = cases_of("skyrl_clora.kernels.attention.decode")
+test_compiles_for_sm90 = sm90_compile_test("skyrl_clora.kernels.attention.decode")
 
 
 @interpreted
@@ -297,16 +296,3 @@ def test_workspace_sizes_and_split_checks() -> None:
     for config in (AttentionConfig(split_len=48, block_n=32), AttentionConfig(split_len=64, block_n=8)):
         with pytest.raises(ValueError, match="must be a multiple of block_n"):
             decode_attention_triton(p.q, p.k_cache, p.v_cache, p.lengths, config=config)
-
-
-@pytest.fixture(scope="module")
-def compile_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
-    """Each of ``SM90_CASES``' compile error for sm_90 (None: it compiled), compiled from scratch."""
-    return sm90_compile_errors(SM90_CASES, tmp_path_factory.mktemp("triton-cache"))
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("case", SM90_CASES)
-def test_compiles_for_sm90(case: str, compile_errors: dict[str, str | None]) -> None:
-    error = compile_errors[case]
-    assert error is None, f"{case} does not compile for sm_90:\n{error}"

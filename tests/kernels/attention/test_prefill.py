@@ -29,10 +29,9 @@ from tests.support.kernel_cases import (
     prefill_loop_ref,
 )
 from tests.support.markers import interpreted
-from tests.support.sm90_compile_runs import cases_of
-from tests.support.sm90_compile_runs import compile_errors as sm90_compile_errors
+from tests.support.sm90_compile_runs import sm90_compile_test
 
-SM90_CASES = cases_of("skyrl_clora.kernels.attention.prefill")
+test_compiles_for_sm90 = sm90_compile_test("skyrl_clora.kernels.attention.prefill")
 
 
 @interpreted
@@ -194,16 +193,3 @@ def test_triton_needs_contiguous_metadata() -> None:
         meta[index] = meta[index].repeat_interleave(2)[::2]  # the same values, every other element of a copy
         with pytest.raises(ValueError, match=f"{name} must be contiguous"):
             prefill_attention_triton(p.q, p.k_cache, p.v_cache, *meta, p.scale)
-
-
-@pytest.fixture(scope="module")
-def compile_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
-    """Each of ``SM90_CASES``' compile error for sm_90 (None: it compiled), compiled from scratch."""
-    return sm90_compile_errors(SM90_CASES, tmp_path_factory.mktemp("triton-cache"))
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("case", SM90_CASES)
-def test_compiles_for_sm90(case: str, compile_errors: dict[str, str | None]) -> None:
-    error = compile_errors[case]
-    assert error is None, f"{case} does not compile for sm_90:\n{error}"

@@ -24,10 +24,9 @@ from tests.support.kernel_cases import (
 from tests.support.lora_parity import check_qkv_rope as check
 from tests.support.lora_parity import run_qkv_rope as run
 from tests.support.markers import interpreted
-from tests.support.sm90_compile_runs import cases_of
-from tests.support.sm90_compile_runs import compile_errors as sm90_compile_errors
+from tests.support.sm90_compile_runs import sm90_compile_test
 
-SM90_CASES = cases_of("skyrl_clora.kernels.lora.qkv_rope")
+test_compiles_for_sm90 = sm90_compile_test("skyrl_clora.kernels.lora.qkv_rope")
 
 
 @interpreted
@@ -119,16 +118,3 @@ def test_fused_qkv_rope_rejects_what_its_kernel_cannot_run() -> None:
     with pytest.raises(ValueError, match="both q_weight and k_weight, or neither"):
         folded_qkv_rope(lora.x, p.folded, lora.lora_b, lora.scales, lora.token_slots, 32, p.cos, p.sin,
                         torch.ones(32), None, p.eps, backend="triton")
-
-
-@pytest.fixture(scope="module")
-def compile_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
-    """Each of ``SM90_CASES``' compile error for sm_90 (None: it compiled), compiled from scratch."""
-    return sm90_compile_errors(SM90_CASES, tmp_path_factory.mktemp("triton-cache"))
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("case", SM90_CASES)
-def test_compiles_for_sm90(case: str, compile_errors: dict[str, str | None]) -> None:
-    error = compile_errors[case]
-    assert error is None, f"{case} does not compile for sm_90:\n{error}"
