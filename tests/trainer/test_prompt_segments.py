@@ -12,46 +12,11 @@ import torch
 from skyrl_clora.kernels.layers.gather_ops import inverse_index
 from skyrl_clora.trainer.prompt_segments import SegmentLayout, flat_layout, segment_prefix_hidden
 from skyrl_clora.trainer.shared_prefix import prompt_representatives
-from tests.support.shared_prompt_rows import shared_prompt_rows as _rows, two_tenant_model as _model
+from tests.support.shared_prompt_rows import assert_matches_whole_sequences
 
 
 def test_segments_match_whole_sequences_in_values_and_gradients(micro_model_dir: Path) -> None:
-    model, routing, layers = _model(micro_model_dir)
-    prompts, responses, prefix_of, slots = _rows()
-    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    response_width = max(len(r) for r in responses)
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, (prompt, response) in enumerate(zip(prompts, responses)):
-        input_ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response)
-    weights = torch.randn(len(prompts), response_width, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
-    valid = torch.tensor([[j < len(r) for j in range(response_width)] for r in responses])[..., None]
-
-    def loss_and_grads(hidden: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        loss = (hidden * weights * valid).sum()
-        grads = torch.autograd.grad(loss, [layer.lora_a for layer in layers.values()] + [layer.lora_b for layer in layers.values()])
-        return hidden.detach() * valid, list(grads)
-
-    segments = segment_prefix_hidden(
-        model.model, lambda token_slots: routing.route(token_slots, None), input_ids,
-        prompt_lens=[len(p) for p in prompts], response_lens=[len(r) for r in responses], row_slots=slots,
-        prefix_of=prefix_of, response_width=response_width)
-    got, got_grads = loss_and_grads(segments)
-
-    positions = torch.arange(width)
-    lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)])
-    token_slots = torch.where(positions[None] < lengths[:, None], torch.tensor(slots)[:, None], -1)
-    with routing.route(token_slots.reshape(-1), None):
-        full = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
-    index = torch.tensor([[min(len(p) - 1 + j, width - 1) for j in range(response_width)] for p in prompts])
-    want, want_grads = loss_and_grads(full.gather(1, index[..., None].expand(-1, -1, full.shape[-1])))
-
-    # rows 3 and 4 differ only in their adapter and prompt; same prompt, other slot must change the output
-    assert not torch.allclose(got[0, :4], got[3, :4], atol=1e-3)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    for a, b in zip(got_grads, want_grads):
-        assert b.abs().sum() > 0
-        # sums over a prompt's rows reorder float additions: compare at the gradient's own scale
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * float(b.abs().max()))
+    assert_matches_whole_sequences(micro_model_dir, segment_prefix_hidden)
 
 
 def test_layout_reference_attends_bottom_right_within_segments() -> None:
