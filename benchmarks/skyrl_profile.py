@@ -13,8 +13,8 @@ embedded engine on the same GPU) against backend=embedded, the two runs side by 
 3. Reads each run's summary.json and metrics.jsonl, writes everything to ``<--out>/skyrl_profile.json`` and prints: per
    run the wall, the :data:`SUMMARY_SECONDS` of its summary (cold start and, on skyrl, the tenants' registrations),
    experiments/hour with and without (``warm``) the cold start, skyrl's cold start by part
-   (``cold_start_parts_seconds``) and skyrl/embedded; then per step field the median over tenant steps, the sum over them and that
-   sum over the run's wall. The step fields: the tenant loop's ``rollout_s``, ``train_s`` and ``sync_s``, and on skyrl
+   (``cold_start_parts_seconds``), the FSDP2 worker's allocator counters (``worker_allocator``) and skyrl/embedded;
+   then per step field the median over tenant steps, the sum over them and that sum over the run's wall. The step fields: the tenant loop's ``rollout_s``, ``train_s`` and ``sync_s``, and on skyrl
    the update's parts (``skyrl_clora.backends.skyrl.backend.STEP_PHASES``, ``train/<phase>``) with ``train other``,
    ``train_s`` less its parts. Tenants roll out at the same time, so a rollout sum over the wall can pass 100%
    (tenant-seconds per second); skyrl's updates and syncs take turns on one worker group, so theirs is the share of the
@@ -113,6 +113,7 @@ def profile(folder: Path) -> dict[str, Any]:
             "experiments_per_hour_warm": summary["tenants"] * 3600 / warm,
             "seconds": seconds, "summary_seconds": {key: summary[key] for key in SUMMARY_SECONDS if key in summary},
             "cold_start_parts": summary.get("cold_start_parts_seconds", {}),
+            "worker_allocator": summary.get("worker_allocator", {}),
             "fields": fields,
             "outside_steps_seconds": statistics.median(outside) if outside else None,
             "step_records": [{"tenant": r["tenant"], "step": r["step"], **v} for r, v in zip(steps, per_step)]}
@@ -140,6 +141,9 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         if results[name]["cold_start_parts"]:
             print(f"{name} cold start: " + ", ".join(f"{part} {value:.2f} s"
                                                      for part, value in results[name]["cold_start_parts"].items()))
+        if results[name]["worker_allocator"]:
+            print(f"{name} worker allocator: " + ", ".join(f"{key} {value}"
+                                                           for key, value in results[name]["worker_allocator"].items()))
     if {"skyrl", "embedded"} <= set(results):
         skyrl, embedded = results["skyrl"], results["embedded"]
         print(f"skyrl/embedded: wall {skyrl['wall_seconds'] / embedded['wall_seconds']:.2f}x, experiments/hour "

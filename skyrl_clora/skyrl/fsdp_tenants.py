@@ -13,6 +13,7 @@ call (``pass_through`` to every rank)  what the worker does
 ``register_pristine_adapter()``       fixes the LoRA signature and the scheduler new tenants start from
 ``measure_training_peak(batch)``      one ``forward_backward`` on a throwaway tenant: the GPU's uuid, the
                                       allocator's peak and current reservation (before any tenant exists)
+``allocator_stats()``                 the CUDA allocator's retries, cudaMalloc/cudaFree calls and peak
 ``set_tenant_specs({t: {seed, lr}})`` each tenant's seed (its initial adapter and RNG) and LR (its schedule's
                                       base LR); ids without a spec cannot be registered
 ``register_adapter(t)``               a slot for ``t`` (``REFERENCE_MODEL_ID``: no state, the base model)
@@ -164,6 +165,16 @@ class FSDPTenantsMixin:
             store.delete(PEAK_TENANT)
         return {"uuid": str(torch.cuda.get_device_properties(device).uuid),
                 "peak_reserved": torch.cuda.max_memory_reserved(device), "reserved": torch.cuda.memory_reserved(device)}
+
+    def allocator_stats(self) -> dict[str, int]:
+        """This worker's CUDA caching allocator since it started: ``alloc_retries`` (allocations that found no free
+        block, emptied the cache and asked the driver again: each one synchronizes the device), ``device_mallocs`` and
+        ``device_frees`` (cudaMalloc / cudaFree calls), ``peak_reserved`` (bytes)."""
+        stats = torch.cuda.memory_stats()
+        return {"alloc_retries": int(stats.get("num_alloc_retries", 0)),
+                "device_mallocs": int(stats.get("num_device_alloc", 0)),
+                "device_frees": int(stats.get("num_device_free", 0)),
+                "peak_reserved": int(torch.cuda.max_memory_reserved())}
 
     # ---- the adapter-store API --------------------------------------------------------------------
 

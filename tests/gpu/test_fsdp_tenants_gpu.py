@@ -68,3 +68,11 @@ def test_fsdp2_training_peak_is_measured_without_a_trace_in_the_tenants(results:
     report = results["peak_report"]
     assert report["uuid"] == str(torch.cuda.get_device_properties(0).uuid)
     assert report["peak_reserved"] >= report["reserved"] > 0
+
+
+def test_fsdp2_worker_reports_its_allocators_counters(results: dict) -> None:
+    """After its passes the worker has asked the device for memory and its peak covers the pass it measured."""
+    stats = results["allocator_stats"]
+    assert set(stats) == {"alloc_retries", "device_mallocs", "device_frees", "peak_reserved"}
+    assert stats["device_mallocs"] > 0 and stats["alloc_retries"] >= 0
+    assert stats["peak_reserved"] >= results["peak_report"]["peak_reserved"]

@@ -226,6 +226,8 @@ def main(model_dir: str, out_dir: str, device: str) -> None:
     beside.forward_backward("a", _batch(300, 0))
     results["ckpt_second_grad_norm"] = beside.optim_step("a")
     results["ckpt_second"] = beside.state("a")
+    if device == "cuda":
+        results["allocator_stats"] = beside.worker.allocator_stats()
     torch.save(results, out / "results.pt")
     torch.distributed.destroy_process_group()
 

@@ -452,8 +452,8 @@ def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource],
     ``sources`` (by tenant name, ``recipes.plugin.build_task_sources``), those in ``resume`` from their
     checkpoints; writes the embedded backend's outputs and returns the run's records and summary fields for
     :func:`~skyrl_clora.metrics.summarize_pool`, among them ``cold_start_seconds`` (the stack's build),
-    ``cold_start_parts_seconds`` (its parts: ``SkyRLStack.build_seconds``) and ``register_seconds`` (by tenant: its
-    adapter slot and first sync)."""
+    ``cold_start_parts_seconds`` (its parts: ``SkyRLStack.build_seconds``), ``register_seconds`` (by tenant: its
+    adapter slot and first sync) and ``worker_allocator`` (the FSDP2 worker's allocator counters at the end)."""
     model_path = resolve_model_path(run)
     for line in plan.substitutions:
         print(f"[skyrl] stand-in: {line}", flush=True)
@@ -464,6 +464,7 @@ def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource],
         cold_start_s = time.perf_counter() - started
         backend = SkyRLBackend(run, plan, stack)
         asyncio.run(_run_tenants(run, backend, sources, metrics, resume, stopped))
+        worker_allocator = stack.worker_allocator_stats()
     finally:
         metrics.close()
         stack.shutdown()
@@ -472,6 +473,6 @@ def run_skyrl(run: RunConfig, plan: SkyRLPlan, sources: dict[str, TaskSource],
         "inference_backend": plan.inference_backend, "strategy": plan.strategy, "substitutions": list(plan.substitutions),
         "cold_start_seconds": [cold_start_s], "cold_start_parts_seconds": stack.build_seconds,
         "register_seconds": backend.register_seconds,
-        "engine": stack.engine_stats(),
+        "engine": stack.engine_stats(), "worker_allocator": worker_allocator,
     }
     return PoolOutcome(metrics.records, fields, "backend=skyrl")

@@ -21,14 +21,17 @@ and the policy worker group. Each half is production or its stand-in, per the pl
   given every tenant's seed and LR; each tenant runs SkyRL's scheduler from its own LR over the run's optimizer
   steps, and syncs through SkyRL's LoRA path (PEFT folder + ``load_lora_adapter``).
 
-Ray: with both halves embedded, a small local Ray (``num_cpus=2``, no dashboard); otherwise SkyRL's
-``initialize_ray`` (its runtime environment for vLLM/Megatron). A Ray the caller started is reused.
+Ray: with the embedded engine and the embedded or FSDP2 workers, a small local Ray (``num_cpus=2``, no dashboard; the
+FSDP2 workers get the environment SkyRL's ``initialize_ray`` gives them), whose loss and estimator registries' actors
+start beside the workers; otherwise SkyRL's ``initialize_ray`` (its runtime environment for vLLM/Megatron). A Ray the
+caller started is reused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -126,6 +129,10 @@ class SkyRLStack:
 
     def engine_stats(self) -> dict[str, float]:
         return asdict(self.engine.stats) if self.engine is not None else {}
+
+    def worker_allocator_stats(self) -> dict[str, int]:
+        """The FSDP2 worker's CUDA allocator counters (``allocator_stats``); empty for the other strategies."""
+        return self.worker_call("allocator_stats") if self.strategy in FSDP_STRATEGIES else {}
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -302,6 +309,54 @@ def _training_peaks(plan: SkyRLPlan, group: PPORayActorGroup, max_len: int, voca
     return ray.get(group.async_run_ray_method("pass_through", "measure_training_peak", batch))
 
 
+def start_stack_ray(plan: SkyRLPlan) -> Callable[[], None] | None:
+    """Starts Ray for ``plan`` (module docstring); returns the join of the registries' sync when it runs in the
+    background (the embedded engine with the embedded or FSDP2 workers), else None (SkyRL's ``initialize_ray``
+    synced them before returning)."""
+    if plan.inference_backend == "embedded" and plan.strategy != "megatron":
+        env_vars = ({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if plan.strategy == "embedded"
+                    else _skyrl_worker_env(plan))
+        start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env_vars})
+        # as SkyRL's initialize_ray does, beside the workers' start (they join the registries' actors by name)
+        return in_background(sync_skyrl_registries)
+    from skyrl.train.utils.utils import initialize_ray
+
+    forget_stale_registry_actors()
+    os.environ.setdefault("RAY_worker_niceness", str(RAY_SYSTEM_CONFIG["worker_niceness"]))  # Ray's own env form
+    initialize_ray(plan.base)
+    return None
+
+
+def in_background(work: Callable[[], Any]) -> Callable[[], None]:
+    """Starts ``work()`` in a daemon thread (one that never holds up the interpreter's exit); returns the join:
+    it waits for ``work`` and raises what ``work`` raised."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as error:  # noqa: BLE001 - handed to the join
+            raised.append(error)
+
+    thread = threading.Thread(target=run, name=f"clora-{getattr(work, '__name__', 'work')}", daemon=True)
+    thread.start()
+
+    def join() -> None:
+        thread.join()
+        if raised:
+            raise raised[0]
+
+    return join
+
+
+def _skyrl_worker_env(plan: SkyRLPlan) -> dict[str, str]:
+    """The environment SkyRL's ``initialize_ray`` gives its workers (``prepare_runtime_environment``): for SkyRL's
+    GPU workers beside the embedded engine, started without Ray's dashboard, which nothing here reads."""
+    from skyrl.train.utils.utils import prepare_runtime_environment
+
+    return prepare_runtime_environment(plan.base)
+
+
 def _gpu_group(trainer_cfg: Any, worker: Any) -> PPORayActorGroup:
     """SkyRL's actor group of ``worker`` on the placement's GPUs, one GPU per actor."""
     placement = trainer_cfg.placement
@@ -357,16 +412,7 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
     tokenizer = checked_tokenizer(model_path)
     seconds = _PhaseClock()
     owns_ray = not ray.is_initialized()
-    if owns_ray and plan.inference_backend == plan.strategy == "embedded":
-        start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                  runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
-        sync_skyrl_registries()  # as SkyRL's initialize_ray does
-    elif owns_ray:
-        from skyrl.train.utils.utils import initialize_ray
-
-        forget_stale_registry_actors()
-        os.environ.setdefault("RAY_worker_niceness", str(RAY_SYSTEM_CONFIG["worker_niceness"]))  # Ray's own env form
-        initialize_ray(plan.base)
+    registries = start_stack_ray(plan) if owns_ray else None
     if owns_ray:
         reap_children_with_this_process()
     seconds.lap("ray")
@@ -374,6 +420,8 @@ def build_stack(run: RunConfig, plan: SkyRLPlan, model_path: str) -> SkyRLStack:
     try:
         if plan.inference_backend == "embedded":  # the workers first: the engine's memory plan counts them
             group = _policy_group(run, plan, model_path, tokenizer.pad_token_id)
+            if registries is not None:
+                registries()
             seconds.lap("policy_workers")
             client, engine, server = _embedded_inference(run, plan, model_path, tokenizer, group, seconds)
             seconds.lap("inference")

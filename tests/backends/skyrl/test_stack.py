@@ -236,3 +236,46 @@ def test_shutdown_stops_what_the_stack_started_once(monkeypatch: pytest.MonkeyPa
     borrowed = _stack()
     borrowed.shutdown()
     assert ray_shutdowns == [1], "a Ray the caller started is left running"
+
+
+@pytest.mark.parametrize(("strategy", "inference_backend", "started"), [
+    ("embedded", "embedded", "small ray"), ("fsdp2", "embedded", "small ray"),
+    ("fsdp2", "vllm", "skyrl's ray"), ("megatron", "vllm", "skyrl's ray"),
+])
+def test_ray_starts_small_beside_the_embedded_engine_with_the_registries_synced_beside_the_workers(
+        monkeypatch: pytest.MonkeyPatch, strategy: str, inference_backend: str, started: str) -> None:
+    import skyrl.train.utils.utils as skyrl_utils
+
+    calls: list[tuple[str, Any]] = []
+    synced = concurrent.futures.Future()
+    monkeypatch.setattr(stack_module, "start_ray", lambda **kwargs: calls.append(("small ray", kwargs)))
+    monkeypatch.setattr(stack_module, "sync_skyrl_registries", lambda: synced.result(timeout=30))
+    monkeypatch.setattr(stack_module, "forget_stale_registry_actors", lambda: None)
+    monkeypatch.setattr(skyrl_utils, "initialize_ray", lambda cfg: calls.append(("skyrl's ray", cfg)))
+    monkeypatch.setattr(skyrl_utils, "prepare_runtime_environment", lambda cfg: {"SKYRL_ENV": "1"})
+    plan = _plan(strategy, inference_backend)
+    join = stack_module.start_stack_ray(plan)
+    assert [name for name, _ in calls] == [started]
+    if started == "skyrl's ray":
+        assert join is None and calls[0][1] is plan.base  # SkyRL's initialize_ray synced the registries itself
+        return
+    options = calls[0][1]
+    assert options["include_dashboard"] is False and options["num_cpus"] == 2
+    expected_env = {"SKYRL_ENV": "1"} if strategy == "fsdp2" else {"OMP_NUM_THREADS": stack_module.os.environ.get(
+        "OMP_NUM_THREADS", "1")}
+    assert options["runtime_env"] == {"env_vars": expected_env}
+    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(join)
+    assert not waiting.done()  # the sync runs in the background: the join waits for it
+    synced.set_result(None)
+    waiting.result(timeout=30)
+
+
+def test_a_background_works_failure_is_raised_by_its_join() -> None:
+    def fails() -> None:
+        raise RuntimeError("registry actor died")
+
+    with pytest.raises(RuntimeError, match="^registry actor died$"):
+        stack_module.in_background(fails)()
+    done: list[int] = []
+    stack_module.in_background(lambda: done.append(1))()
+    assert done == [1]
