@@ -1,0 +1,69 @@
+"""The Tinker engine process with skyrl-clora's backend: ``python -m skyrl_clora.tinker.engine_main <flags>``, the
+flags being SkyRL's engine flags (:class:`skyrl.tinker.config.EngineConfig`, as ``config_to_argv`` writes them).
+
+SkyRL 0.4's engine (:mod:`skyrl.tinker.engine`) builds its backend from ``get_backend_classes(name, use_ray)``, a
+closed list (``jax``, ``fsdp``, ``megatron``). :func:`main` puts :func:`backend_classes` in its place in that module
+and runs the engine's own ``main()``, so ``--backend`` takes:
+
+- ``clora``: ``(CloraTinkerBackend, CloraTinkerConfig)`` of :mod:`skyrl_clora.tinker.backend`, imported only when
+  asked for;
+- ``<module>:<attribute>``: a backend of any importable module: the attribute, called without arguments, returns
+  ``(backend class, config class)`` (the form ``integration/patches/0007-tinker-pluggable-backends.patch`` proposes
+  to SkyRL);
+- any other name: SkyRL's own resolver, its error for an unknown name included.
+
+:mod:`skyrl_clora.tinker.server` starts this module as the engine subprocess of SkyRL's API server.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import skyrl.tinker.engine as skyrl_engine
+from pydantic import BaseModel
+from skyrl.backends.backend import AbstractBackend
+
+CLORA = "clora"
+SKYRL_BACKEND_CLASSES = skyrl_engine.get_backend_classes
+"""SkyRL's own resolver, kept before :func:`main` replaces it."""
+
+
+def backend_classes(backend_name: str, use_ray: bool = False) -> tuple[type[AbstractBackend], type[BaseModel]]:
+    """``(backend class, config class)`` of ``backend_name`` (module docstring); ``use_ray`` goes to SkyRL's own
+    resolver only. A ValueError names a name that resolves to nothing."""
+    if backend_name == CLORA:
+        from skyrl_clora.tinker.backend import CloraTinkerBackend, CloraTinkerConfig
+
+        return CloraTinkerBackend, CloraTinkerConfig
+    if ":" in backend_name:
+        return plugin_backend_classes(backend_name)
+    return SKYRL_BACKEND_CLASSES(backend_name, use_ray=use_ray)
+
+
+def plugin_backend_classes(backend_name: str) -> tuple[type[AbstractBackend], type[BaseModel]]:
+    """The classes a ``<module>:<attribute>`` backend name gives: ``attribute()`` of the imported ``module``, which
+    must return an :class:`AbstractBackend` subclass and a pydantic model class. A ValueError says what is wrong."""
+    module_name, _, attribute = backend_name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"backend {backend_name!r}: cannot load {attribute!r} from module {module_name!r} "
+                         f"({error})") from error
+    classes = factory()
+    if not (isinstance(classes, tuple) and len(classes) == 2 and isinstance(classes[0], type)
+            and issubclass(classes[0], AbstractBackend) and isinstance(classes[1], type)
+            and issubclass(classes[1], BaseModel)):
+        raise ValueError(f"backend {backend_name!r}: {attribute}() must return (an AbstractBackend subclass, a "
+                         f"pydantic model class), not {classes!r}")
+    return classes
+
+
+def main() -> None:
+    """Runs SkyRL's Tinker engine (its command line, from ``sys.argv``) with :func:`backend_classes` as its
+    resolver."""
+    skyrl_engine.get_backend_classes = backend_classes
+    skyrl_engine.main()
+
+
+if __name__ == "__main__":
+    main()
