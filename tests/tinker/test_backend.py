@@ -131,3 +131,14 @@ def test_a_training_checkpoint_round_trips_through_its_archive(backend, tmp_path
     backend.load_checkpoint(tmp_path / "a.tar.gz", "a", load_optimizer=True)
     state = backend.training.store.tenants["a"]
     assert all(torch.equal(state.flat[table], saved[table]) for table in saved) and state.step == 2
+
+
+def test_the_trainers_logprobs_of_sampled_tokens_are_the_samplers(backend, tmp_path: Path) -> None:
+    """The first importance-sampling ratio of a freshly sampled sequence is 1: the trainer scores the sampled tokens
+    as the engine drew them (temperature 1)."""
+    _train(backend, "a", steps=2)
+    _save(backend, tmp_path, "a", "a1")
+    sequence = backend.sample(_samples([("s", "a", "a1", {})]))["s"].sequences[0]
+    scored = backend.forward(_pass("a", [PROMPT + sequence.tokens]))["fb"].loss_fn_outputs[0]["logprobs"]["data"]
+    torch.testing.assert_close(torch.tensor(scored[len(PROMPT) - 1:]), torch.tensor(sequence.logprobs),
+                               rtol=1e-4, atol=1e-4)
