@@ -17,14 +17,15 @@ embedded backend's engine (every model's samples decode in one batch, each row w
                                    folder as a ``.tar.gz`` at the path, else a marker archive naming the version
 ``sample``                         every request of every model in one engine batch; each sequence must come from the
                                    version its checkpoint id names (an older checkpoint of a model answers an error:
-                                   the engine holds each model's latest sampler weights); model "" is the base model
+                                   the engine holds each model's latest sampler weights); model "" is the base model.
+                                   Prompt log-probs: the trainer's forward under that version's adapter
 ``save_checkpoint``,               the model's training state (masters, Adam moments, gradients, step) as a
 ``load_checkpoint``                ``.tar.gz``; load restores it into an existing model of the same rank
 ``delete_model``                   the tenant and its engine slot are freed
 =================================  ====================================================================================
 
-Not supported, each answered with an error naming it: prompt log-probs (``prompt_logprobs``, top-k), stop strings
-(stop tokens are), ``top_k``, a request of a model for another model's checkpoint.
+Not supported, each answered with an error naming it: top-k prompt log-probs, stop strings (stop tokens are),
+``top_k``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from skyrl_clora.backends.embedded.services import Services, build_services
 from skyrl_clora.config.build import build_run_config
 from skyrl_clora.config.compose import compose_config
 from skyrl_clora.config.schema import RunConfig
+from skyrl_clora.lora.layers import AdapterWeights
 from skyrl_clora.lora.peft_export import save_peft_adapter
 from skyrl_clora.sampler.requests import SamplingParams
 from skyrl_clora.tinker.training import Datum, TinkerTrainer
@@ -89,6 +91,7 @@ class CloraTinkerBackend(AbstractBackend):
         self.metrics = types.EngineMetrics()
         self.models: dict[str, types.LoraConfig] = {}
         self.sampler_checkpoints: dict[str, dict[str, int]] = {}  # model -> checkpoint id -> engine version
+        self.published: dict[str, AdapterWeights] = {}  # model -> the adapter its latest version holds
 
     # ---- models -------------------------------------------------------------------------------------
     def create_model(self, model_id: str, lora_config: types.LoraConfig, model_role: str = "policy") -> None:
@@ -104,6 +107,7 @@ class CloraTinkerBackend(AbstractBackend):
                              "max_lora_rank)")
         weights = self.training.create(model_id, lora_config.rank, lora_config.alpha, lora_config.seed)
         self.services.engine.register_adapter(model_id, weights, version=0)
+        self.published[model_id] = weights
         self.models[model_id] = lora_config
         self.sampler_checkpoints[model_id] = {}
 
@@ -114,7 +118,7 @@ class CloraTinkerBackend(AbstractBackend):
         self._model(model_id)
         self.training.delete(model_id)
         self.services.engine.unregister_adapter(model_id).result()
-        del self.models[model_id], self.sampler_checkpoints[model_id]
+        del self.models[model_id], self.sampler_checkpoints[model_id], self.published[model_id]
 
     # ---- training -----------------------------------------------------------------------------------
     def forward_backward(self, prepared_batch: types.PreparedModelPassBatch) -> dict[str, Any]:
@@ -163,6 +167,7 @@ class CloraTinkerBackend(AbstractBackend):
         version = engine.adapter_version(model_id) + 1
         engine.publish(model_id, weights, version).result()
         self.sampler_checkpoints[model_id][_checkpoint_id(output_path)] = version
+        self.published[model_id] = weights
         if persist:
             with tempfile.TemporaryDirectory() as folder:
                 save_peft_adapter(weights, Path(folder), self.base_model)
@@ -172,18 +177,25 @@ class CloraTinkerBackend(AbstractBackend):
             _write_archive(output_path, {MARKER: json.dumps(marker).encode()})
 
     def sample(self, prepared_batch: types.PreparedSampleBatch) -> dict[str, Any]:
-        """Every request's sequences, all submitted to the engine before any is awaited (one decode batch)."""
+        """Every request's sequences, all submitted to the engine before any is awaited (one decode batch); with
+        ``prompt_logprobs``, its prompt's log-probs under the weights its sequences come from (the trainer scores them
+        while the engine decodes)."""
         batch = prepared_batch
         prompts = [rendered.prompt_ids for rendered in render_model_input(batch.all_model_inputs)]
         futures: dict[str, list[tuple[concurrent.futures.Future, int | None]]] = {}
+        scored: dict[str, list[float | None]] = {}
         results: dict[str, Any] = {}
         for request_id, model_id, start, end, prompt_logprobs, topk in batch.request_batch_slices:
             try:
-                if prompt_logprobs or topk:
-                    raise ValueError("prompt log-probs are not supported by the clora backend")
+                if topk:
+                    raise ValueError("top-k prompt log-probs are not supported by the clora backend")
                 futures[request_id] = [self._submit(model_id, batch.all_checkpoint_ids[i], prompts[i],
                                                     batch.all_sampling_params[i]) for i in range(start, end)]
+                if prompt_logprobs:
+                    weights = self.published[model_id] if model_id else None
+                    scored[request_id] = [None, *self.training.prompt_logprobs(weights, [prompts[start]])[0]]
             except ValueError as error:
+                futures.pop(request_id, None)
                 results[request_id] = types.ErrorResponse(error=str(error), status="failed")
         for request_id, submitted in futures.items():
             try:
@@ -191,7 +203,7 @@ class CloraTinkerBackend(AbstractBackend):
             except (ValueError, RuntimeError) as error:
                 results[request_id] = types.ErrorResponse(error=str(error), status="failed")
                 continue
-            results[request_id] = types.SampleOutput(sequences=sequences)
+            results[request_id] = types.SampleOutput(sequences=sequences, prompt_logprobs=scored.get(request_id))
         return results
 
     def _submit(self, model_id: str, checkpoint_id: str, prompt: list[int],

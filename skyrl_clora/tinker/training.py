@@ -9,6 +9,8 @@ optimizer step in host memory), swapped into the trainer's device slot 0 for its
 - :meth:`TinkerTrainer.optim_step`: one AdamW step with the call's settings (learning rate, betas, eps, weight decay;
   no gradient clipping, as SkyRL's server drops Tinker's ``grad_clip_norm``), then the gradients are zeroed.
 - :meth:`TinkerTrainer.host_weights`: the model's adapter in the model dtype, host memory (what the sampler gets).
+- :meth:`TinkerTrainer.prompt_logprobs`: the log-prob of each prompt token after the first under given adapter
+  weights (a sampler checkpoint's, loaded into a scratch tenant in the last device slot) or the base model alone.
 
 The slot stays with its model after a call (consecutive calls of one model swap nothing); another model's call swaps
 it out first. Calls come from one thread (the Tinker engine's).
@@ -32,6 +34,7 @@ from skyrl_clora.trainer.state_io import read_tenant_state, write_tenant_state
 from skyrl_clora.trainer.trainer import Trainer
 
 SLOT = 0  # the device slot Tinker models train in
+SCRATCH = "clora-tinker-scoring"  # the scratch tenant :meth:`TinkerTrainer.prompt_logprobs` scores with
 
 
 @dataclass
@@ -88,7 +91,7 @@ class TinkerTrainer:
         results: list[DatumResult] = []
         for batch in self._micro_batches(datums):
             with torch.enable_grad() if backward else torch.no_grad():
-                logprobs = self._logprobs(batch)
+                logprobs = self._logprobs(batch, SLOT)
                 losses = [elementwise_loss(loss_fn, lp, self._tensor(d.weights), self._optional(d.sampling_logprobs),
                                            self._optional(d.advantages), loss_fn_config)
                           for lp, d in zip(logprobs, batch)]
@@ -115,6 +118,27 @@ class TinkerTrainer:
         self._leave(model_id)
         self.store.wait(model_id)
         return self.store.tenants[model_id].weights
+
+    @torch.no_grad()
+    def prompt_logprobs(self, weights: AdapterWeights | None, prompts: list[list[int]]) -> list[list[float]]:
+        """Per prompt, ``log p(token_i | tokens_<i)`` for ``i >= 1`` (fp32, temperature 1) under ``weights`` (exactly,
+        as a tenant holding them: masters cast to the model dtype) or, for None, the base model alone."""
+        if any(len(prompt) < 2 for prompt in prompts):
+            raise ValueError("prompt log-probs need prompts of at least 2 tokens")
+        slot = len(self.store.slots) - 1
+        if weights is not None:
+            if slot == SLOT:
+                self._leave(self.live)
+            self.store.register(SCRATCH, weights, LRSchedule(base_lr=1.0), seed=0)
+            self.store.swap_in(SCRATCH, slot)
+        try:
+            datums = [Datum(prompt[:-1], prompt[1:], [1.0] * (len(prompt) - 1)) for prompt in prompts]
+            return [values.float().cpu().tolist() for batch in self._micro_batches(datums)
+                    for values in self._logprobs(batch, slot if weights is not None else None)]
+        finally:
+            if weights is not None:
+                self.store.swap_out(slot)
+                self.store.remove(SCRATCH)
 
     def save_state(self, model_id: str, folder: Path) -> None:
         """``model_id``'s training state (masters, moments, gradients, step) into ``folder``."""
@@ -145,8 +169,8 @@ class TinkerTrainer:
         self.store.swap_in(model_id, SLOT)
         self.live = model_id
 
-    def _leave(self, model_id: str) -> None:
-        if self.live == model_id:
+    def _leave(self, model_id: str | None) -> None:
+        if model_id is not None and self.live == model_id:
             self.store.swap_out(SLOT)
             self.live = None
 
@@ -164,16 +188,16 @@ class TinkerTrainer:
             batches.append([datum])
         return batches
 
-    def _logprobs(self, batch: list[Datum]) -> list[torch.Tensor]:
-        """Each datum's ``[N]`` fp32 log-probs of its targets under the slot's adapter: one right-padded forward
-        (causal attention: padding on the right never reaches a real position)."""
+    def _logprobs(self, batch: list[Datum], slot: int | None) -> list[torch.Tensor]:
+        """Each datum's ``[N]`` fp32 log-probs of its targets under ``slot``'s adapter (None: the base model alone):
+        one right-padded forward (causal attention: padding on the right never reaches a real position)."""
         device, lengths = self.store.device, [len(d.tokens) for d in batch]
         ids = torch.zeros(len(batch), max(lengths), dtype=torch.long)
         for row, datum in enumerate(batch):
             ids[row, : lengths[row]] = torch.tensor(datum.tokens)
         ids = ids.to(device)
-        token_slots = torch.full((ids.numel(),), SLOT, device=device, dtype=torch.long)
-        with self.trainer.routing.route(token_slots, None, SLOT):
+        token_slots = None if slot is None else torch.full((ids.numel(),), slot, device=device, dtype=torch.long)
+        with self.trainer.routing.route(token_slots, None, slot):
             hidden = self.trainer.decoder(input_ids=ids, use_cache=False).last_hidden_state
         real = torch.cat([hidden[row, :length] for row, length in enumerate(lengths)])
         targets = torch.tensor([t for d in batch for t in d.targets], device=device, dtype=torch.long)

@@ -1,7 +1,7 @@
 """SkyRL's Tinker backend API over the embedded engine and trainer (skyrl_clora.tinker.backend), on the micro model
 (CPU), called as SkyRL's Tinker engine calls it: models sampled in one batch differ once one is trained and published;
-a sample is served only from the version its checkpoint names; unsupported sampling options fail alone with their
-name; the server's limits on models and ranks; forward_backward's outputs; a training checkpoint's round trip."""
+a sample is served only from the version its checkpoint names, its prompt log-probs too; unsupported sampling
+options fail alone with their name; the server's limits on models and ranks; forward_backward's outputs; a training checkpoint's round trip."""
 
 from __future__ import annotations
 
@@ -43,15 +43,16 @@ def _pass(model: str, sequences: list[list[int]], loss_fn: str = "cross_entropy"
         request_batch_slices=[("fb", model, 0, n)])
 
 
-def _samples(requests: list[tuple[str, str, str, dict]]) -> types.PreparedSampleBatch:
-    """One sample per request: (request id, model, checkpoint id, sampling overrides)."""
+def _samples(requests: list[tuple[str, str, str, dict]], prompt_logprobs: bool = False) -> types.PreparedSampleBatch:
+    """One sample per request: (request id, model, checkpoint id, sampling overrides); each asks for its prompt's
+    log-probs with ``prompt_logprobs``."""
     params = [types.SamplingParams(**{"temperature": 1.0, "max_tokens": 12, "seed": 5, **extra})
               for *_, extra in requests]
     return types.PreparedSampleBatch(
         all_model_inputs=[_input(PROMPT)] * len(requests), all_sampling_params=params,
         all_model_ids=[model for _, model, _, _ in requests], all_checkpoint_ids=[ckpt for _, _, ckpt, _ in requests],
         all_checkpoint_paths=[""] * len(requests), all_session_ids=[None] * len(requests), needs_prompt_logprobs=False,
-        request_batch_slices=[(rid, model, i, i + 1, False, 0) for i, (rid, model, _, _) in enumerate(requests)])
+        request_batch_slices=[(rid, model, i, i + 1, prompt_logprobs, 0) for i, (rid, model, _, _) in enumerate(requests)])
 
 
 def _train(backend: CloraTinkerBackend, model: str, steps: int) -> None:
@@ -142,3 +143,18 @@ def test_the_trainers_logprobs_of_sampled_tokens_are_the_samplers(backend, tmp_p
     scored = backend.forward(_pass("a", [PROMPT + sequence.tokens]))["fb"].loss_fn_outputs[0]["logprobs"]["data"]
     torch.testing.assert_close(torch.tensor(scored[len(PROMPT) - 1:]), torch.tensor(sequence.logprobs),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_prompt_logprobs_are_of_the_version_the_checkpoint_names_or_the_base(backend, tmp_path: Path) -> None:
+    _train(backend, "a", steps=2)
+    _save(backend, tmp_path, "a", "a1")
+    expected = backend.forward(_pass("a", [PROMPT]))["fb"].loss_fn_outputs[0]["logprobs"]["data"]
+    _train(backend, "a", steps=1)  # the trainer moves on; the sampler keeps a1
+    results = backend.sample(_samples([("a", "a", "a1", {}), ("base", "", "", {})], prompt_logprobs=True))
+    assert results["a"].prompt_logprobs[0] is None and len(results["a"].prompt_logprobs) == len(PROMPT)
+    torch.testing.assert_close(torch.tensor(results["a"].prompt_logprobs[1:]), torch.tensor(expected), rtol=0, atol=0)
+    base = backend.forward(_pass("b", [PROMPT]))["fb"].loss_fn_outputs[0]["logprobs"]["data"]  # b: the base model
+    assert results["base"].prompt_logprobs[1:] == base != expected
+    topk = backend.sample(_samples([("k", "a", "a1", {})]).model_copy(update={
+        "request_batch_slices": [("k", "a", 0, 1, True, 3)]}))
+    assert topk["k"].error == "top-k prompt log-probs are not supported by the clora backend"

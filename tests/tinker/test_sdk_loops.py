@@ -1,5 +1,5 @@
 """The real tinker SDK (0.38) against ``python -m skyrl_clora.tinker.server`` with the ``clora`` backend on the micro
-model (CPU): a supervised loop and an RL loop (sample -> reward -> importance_sampling forward_backward -> optim_step
+model (CPU): a supervised loop (and its sampler's prompt log-probs) and an RL loop (sample -> reward -> importance_sampling forward_backward -> optim_step
 -> save_weights_for_sampler) learn; four clients training at once each end bit-equal to themselves alone (losses
 and saved sampler weights); a client's sample after its publish is of its own latest weights, never another client's
 or an older version."""
@@ -47,9 +47,13 @@ def test_a_supervised_loop_learns_its_target(clora_server: TinkerServer) -> None
         training = service.create_lora_training_client(base_model=clora_server.base_model, rank=4, seed=1).result()
         before = _greedy(training.save_weights_and_get_sampling_client().result(), len(target))
         losses = _supervised(training, target, steps=16)
-        after = _greedy(training.save_weights_and_get_sampling_client().result(), len(target))
+        sampler = training.save_weights_and_get_sampling_client().result()
+        after = _greedy(sampler, len(target))
+        scored = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT + target)).result()
     assert before != target and after == target
     assert losses[-1] < 0.3 * losses[0]
+    assert scored[0] is None and len(scored) == len(PROMPT + target)
+    assert sum(scored[len(PROMPT):]) == pytest.approx(-losses[-1], rel=0.5)  # the target is likely now
 
 
 def test_an_rl_loop_with_importance_sampling_raises_its_reward(clora_server: TinkerServer) -> None:

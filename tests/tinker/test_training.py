@@ -116,3 +116,30 @@ def test_a_datum_whose_lengths_disagree_is_refused(micro_model_dir: Path) -> Non
         training.pass_datums("a", [Datum([1, 2, 3], [2, 3], [1.0, 1.0, 1.0])], "cross_entropy", None, backward=True)
     with pytest.raises(ValueError, match="^model 'c' does not exist on this server$"):
         training.pass_datums("c", [_datum(1)], "cross_entropy", None, backward=True)
+
+
+def test_prompt_logprobs_are_those_of_the_given_weights_or_the_base_and_leave_the_live_model_alone(
+        micro_model_dir: Path) -> None:
+    prompt = _datum(5).tokens
+    as_datum = Datum(prompt[:-1], prompt[1:], [1.0] * (len(prompt) - 1))
+    runs = {}
+    for scoring in (True, False):
+        training = _training(micro_model_dir)
+        base = training.prompt_logprobs(None, [prompt])[0] if scoring else None
+        training.pass_datums("a", [_datum(1)], "cross_entropy", None, backward=True)
+        training.optim_step("a", 1e-2, **ADAM)
+        published = training.host_weights("a")
+        training.pass_datums("a", [_datum(2)], "cross_entropy", None, backward=True)  # a live, gradients pending
+        if scoring:
+            assert base == _logprobs(training, "b", as_datum).tolist()  # b is still the base model
+            scored = training.prompt_logprobs(published, [prompt])[0]
+            assert scored != base
+        training.optim_step("a", 1e-2, **ADAM)
+        runs[scoring] = _flat(training, "a")
+        if scoring:
+            assert "clora-tinker-scoring" not in training.store.tenants
+            one_step = _training(micro_model_dir)
+            one_step.pass_datums("a", [_datum(1)], "cross_entropy", None, backward=True)
+            one_step.optim_step("a", 1e-2, **ADAM)
+            assert scored == _logprobs(one_step, "a", as_datum).tolist()  # the published weights' own log-probs
+    assert torch.equal(runs[True], runs[False])  # scoring left a's live state (and pending gradients) alone
