@@ -14,9 +14,10 @@ embedded engine on the same GPU) against backend=embedded, the two runs side by 
    run the wall, the :data:`SUMMARY_SECONDS` of its summary (cold start and, on skyrl, the tenants' registrations),
    experiments/hour with and without (``warm``) the cold start, skyrl's cold start by part
    (``cold_start_parts_seconds``), the FSDP2 worker's allocator counters (``worker_allocator``) and skyrl/embedded;
-   then per step field the median over tenant steps, the sum over them and that sum over the run's wall. The step fields: the tenant loop's ``rollout_s``, ``train_s`` and ``sync_s``, and on skyrl
-   the update's parts (``skyrl_clora.backends.skyrl.backend.STEP_PHASES``, ``train/<phase>``) with ``train other``,
-   ``train_s`` less its parts. Tenants roll out at the same time, so a rollout sum over the wall can pass 100%
+   then per step field the median over tenant steps, the sum over them and that sum over the run's wall. The step
+   fields: the tenant loop's ``rollout_s``, ``train_s`` and ``sync_s``, and on skyrl the update's parts
+   (``skyrl_clora.backends.skyrl.backend.STEP_PHASES``, ``train/<phase>``) with ``train other``, ``train_s`` less its
+   parts. Tenants roll out at the same time, so a rollout sum over the wall can pass 100%
    (tenant-seconds per second); skyrl's updates and syncs take turns on one worker group, so theirs is the share of the
    wall that group spends on each part. ``outside steps`` is per tenant the wall less the cold start, its registration
    and its steps (evaluations, export, checkpoints), the median over tenants.

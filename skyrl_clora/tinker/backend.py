@@ -63,7 +63,8 @@ class CloraTinkerConfig(BaseModel, extra="forbid"):
     max_rows: int = Field(64, ge=1, description="sequences the engine decodes at once")
     max_sequence_length: int = Field(2048, ge=16, description="prompt plus sampled tokens of one sequence")
     micro_batch_tokens: int = Field(8192, ge=1, description="padded positions of one training forward")
-    overrides: list[str] = Field(default_factory=list, description="skyrl_clora config overrides, e.g. clora.device=cpu")
+    overrides: list[str] = Field(default_factory=list,
+                                 description="skyrl_clora config overrides, e.g. clora.device=cpu")
 
 
 def tinker_run_config(base_model: str, config: CloraTinkerConfig) -> RunConfig:

@@ -1,7 +1,8 @@
 """SkyRL's Tinker backend API over the embedded engine and trainer (skyrl_clora.tinker.backend), on the micro model
 (CPU), called as SkyRL's Tinker engine calls it: models sampled in one batch differ once one is trained and published;
 a sample is served only from the version its checkpoint names, its prompt log-probs too; unsupported sampling
-options fail alone with their name; the server's limits on models and ranks; forward_backward's outputs; a training checkpoint's round trip."""
+options fail alone with their name; the server's limits on models and ranks; forward_backward's outputs; a training
+checkpoint's round trip."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def _samples(requests: list[tuple[str, str, str, dict]], prompt_logprobs: bool =
         all_model_inputs=[_input(PROMPT)] * len(requests), all_sampling_params=params,
         all_model_ids=[model for _, model, _, _ in requests], all_checkpoint_ids=[ckpt for _, _, ckpt, _ in requests],
         all_checkpoint_paths=[""] * len(requests), all_session_ids=[None] * len(requests), needs_prompt_logprobs=False,
-        request_batch_slices=[(rid, model, i, i + 1, prompt_logprobs, 0) for i, (rid, model, _, _) in enumerate(requests)])
+        request_batch_slices=[(rid, model, i, i + 1, prompt_logprobs, 0)
+                              for i, (rid, model, _, _) in enumerate(requests)])
 
 
 def _train(backend: CloraTinkerBackend, model: str, steps: int) -> None:
@@ -70,7 +72,8 @@ def test_models_in_one_sample_batch_differ_once_one_is_trained_and_published(bac
     _save(backend, tmp_path, "a", "a0")
     _save(backend, tmp_path, "b", "b0")
     untrained = backend.sample(_samples([("a", "a", "a0", {}), ("b", "b", "b0", {}), ("base", "", "", {})]))
-    assert untrained["a"].sequences[0].tokens == untrained["b"].sequences[0].tokens == untrained["base"].sequences[0].tokens
+    first_tokens = [untrained[name].sequences[0].tokens for name in ("a", "b", "base")]
+    assert first_tokens[0] == first_tokens[1] == first_tokens[2]  # B = 0: every adapter is the base model
     _train(backend, "a", steps=16)
     _save(backend, tmp_path, "a", "a1")
     mixed = backend.sample(_samples([("a", "a", "a1", {}), ("b", "b", "b0", {}), ("base", "", "", {}),

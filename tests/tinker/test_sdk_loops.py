@@ -1,8 +1,8 @@
 """The real tinker SDK (0.38) against ``python -m skyrl_clora.tinker.server`` with the ``clora`` backend on the micro
-model (CPU): a supervised loop (and its sampler's prompt log-probs) and an RL loop (sample -> reward -> importance_sampling forward_backward -> optim_step
--> save_weights_for_sampler) learn; four clients training at once each end bit-equal to themselves alone (losses
-and saved sampler weights); a client's sample after its publish is of its own latest weights, never another client's
-or an older version."""
+model (CPU): a supervised loop (and its sampler's prompt log-probs) and an RL loop (sample -> reward ->
+importance_sampling forward_backward -> optim_step -> save_weights_for_sampler) learn; four clients training at once
+each end bit-equal to themselves alone (losses and saved sampler weights); a client's sample after its publish is of
+its own latest weights, never another client's or an older version."""
 
 from __future__ import annotations
 
@@ -107,11 +107,13 @@ def test_four_clients_at_once_each_equal_themselves_alone(clora_server: TinkerSe
 def test_a_sample_after_a_publish_is_of_the_clients_own_latest_weights(clora_server: TinkerServer) -> None:
     targets = {"a": [5, 6, 7, 8], "b": [60, 61, 62, 63]}
     with tinker.ServiceClient(base_url=clora_server.url, api_key=clora_server.key) as service:
-        clients = {name: service.create_lora_training_client(base_model=clora_server.base_model, rank=4, seed=seed).result()
+        create = service.create_lora_training_client
+        clients = {name: create(base_model=clora_server.base_model, rank=4, seed=seed).result()
                    for name, seed in (("a", 7), ("b", 8))}
         for name, training in clients.items():
             _supervised(training, targets[name], steps=16)
-        samplers = {name: training.save_weights_and_get_sampling_client().result() for name, training in clients.items()}
+        samplers = {name: training.save_weights_and_get_sampling_client().result()
+                    for name, training in clients.items()}
         params = types.SamplingParams(max_tokens=4, temperature=0.0, seed=0)
         pending = {name: sampler.sample(types.ModelInput.from_ints(PROMPT), 1, params)
                    for name, sampler in samplers.items()}  # both in flight at once: one engine batch
