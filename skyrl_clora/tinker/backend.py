@@ -116,7 +116,7 @@ class CloraTinkerBackend(AbstractBackend):
         return model_id in self.models
 
     def delete_model(self, model_id: str) -> None:
-        self._model(model_id)
+        self._require_model(model_id)
         self.training.delete(model_id)
         self.services.engine.unregister_adapter(model_id).result()
         del self.models[model_id], self.sampler_checkpoints[model_id], self.published[model_id]
@@ -134,7 +134,7 @@ class CloraTinkerBackend(AbstractBackend):
         results: dict[str, Any] = {}
         for request_id, model_id, start, end in batch.request_batch_slices:
             try:
-                self._model(model_id)
+                self._require_model(model_id)
                 loss_fns = set(batch.all_loss_fns[start:end])
                 if len(loss_fns) != 1:
                     raise ValueError(f"one request mixes loss functions {sorted(loss_fns)}")
@@ -154,7 +154,7 @@ class CloraTinkerBackend(AbstractBackend):
         return results
 
     def optim_step(self, model_id: str, request_data: types.OptimStepInput) -> types.OptimStepOutput:
-        self._model(model_id)
+        self._require_model(model_id)
         adam = request_data.adam_params
         norm = self.training.optim_step(model_id, adam.learning_rate, (adam.beta1, adam.beta2), adam.eps,
                                         adam.weight_decay)
@@ -162,7 +162,7 @@ class CloraTinkerBackend(AbstractBackend):
 
     # ---- sampling -----------------------------------------------------------------------------------
     def save_sampler_checkpoint(self, output_path: Any, model_id: str, persist: bool = True) -> None:
-        self._model(model_id)
+        self._require_model(model_id)
         weights = self.training.host_weights(model_id)
         engine = self.services.engine
         version = engine.adapter_version(model_id) + 1
@@ -216,7 +216,7 @@ class CloraTinkerBackend(AbstractBackend):
             raise ValueError(f"top_k={params.top_k} is not supported by the clora backend")
         version = None
         if model_id:
-            self._model(model_id)
+            self._require_model(model_id)
             version = self.sampler_checkpoints[model_id].get(checkpoint_id)
             if version is None:
                 raise ValueError(f"model {model_id!r} has no sampler checkpoint {checkpoint_id!r}")
@@ -229,23 +229,22 @@ class CloraTinkerBackend(AbstractBackend):
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self, output_path: Any, model_id: str) -> None:
-        self._model(model_id)
+        self._require_model(model_id)
         with tempfile.TemporaryDirectory() as folder:
             self.training.save_state(model_id, Path(folder))
             _write_archive(output_path, {p.name: p.read_bytes() for p in Path(folder).iterdir()})
 
     def load_checkpoint(self, checkpoint_path: Any, model_id: str, load_optimizer: bool) -> None:
-        self._model(model_id)
+        self._require_model(model_id)
         with tempfile.TemporaryDirectory() as folder:
             with tarfile.open(str(checkpoint_path), "r:gz") as archive:
                 archive.extractall(folder, filter="data")
             self.training.load_state(model_id, Path(folder), with_optimizer=load_optimizer)
 
     # ---- helpers ------------------------------------------------------------------------------------
-    def _model(self, model_id: str) -> types.LoraConfig:
+    def _require_model(self, model_id: str) -> None:
         if model_id not in self.models:
             raise ValueError(f"model {model_id!r} does not exist on this server")
-        return self.models[model_id]
 
     def shutdown(self) -> None:
         self.services.shutdown()
