@@ -15,7 +15,8 @@ embedded backend's engine (every model's samples decode in one batch, each row w
 ``save_sampler_checkpoint``        publishes the model's adapter into the engine in place as its next version (other
                                    models keep decoding); the checkpoint id names that version. ``persist``: the PEFT
                                    folder as a ``.tar.gz`` at the path, else a marker archive naming the version
-``sample``                         every request of every model in one engine batch; each sequence must come from the
+``sample``                         every request of every model in one engine batch, each sequence ending at the
+                                   tokenizer's end-of-sequence token or a stop token; each sequence must come from the
                                    version its checkpoint id names (an older checkpoint of a model answers an error:
                                    the engine holds each model's latest sampler weights); model "" is the base model.
                                    Prompt log-probs: the trainer's forward under that version's adapter
@@ -30,6 +31,7 @@ Not supported, each answered with an error naming it: top-k prompt log-probs, st
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import io
 import json
@@ -83,6 +85,12 @@ def tinker_run_config(base_model: str, config: CloraTinkerConfig) -> RunConfig:
 class CloraTinkerBackend(AbstractBackend):
     """SkyRL's ``AbstractBackend`` over the embedded engine and trainer (module docstring)."""
 
+    samples_beside_blocking_ops = True
+    """SkyRL's continuous sampler need not drain the running samples before a training call, a publish or a model's
+    creation or deletion (:mod:`skyrl_clora.tinker.engine_main` reads this): the engine decodes beside the trainer
+    (whose calls hold its lock), a publish or unregister lands once its model has no running sequence, and
+    :meth:`delete_model` waits for the model's own sequences."""
+
     def __init__(self, base_model: str, config: CloraTinkerConfig) -> None:
         self.base_model, self.config = base_model, config
         self.run = tinker_run_config(base_model, config)
@@ -93,6 +101,7 @@ class CloraTinkerBackend(AbstractBackend):
         self.models: dict[str, types.LoraConfig] = {}
         self.sampler_checkpoints: dict[str, dict[str, int]] = {}  # model -> checkpoint id -> engine version
         self.published: dict[str, AdapterWeights] = {}  # model -> the adapter its latest version holds
+        self.running: dict[str, set[concurrent.futures.Future]] = {}  # model -> its sequences the engine decodes
 
     # ---- models -------------------------------------------------------------------------------------
     def create_model(self, model_id: str, lora_config: types.LoraConfig, model_role: str = "policy") -> None:
@@ -116,7 +125,9 @@ class CloraTinkerBackend(AbstractBackend):
         return model_id in self.models
 
     def delete_model(self, model_id: str) -> None:
+        """Frees the model once the engine has finished its running sequences."""
         self._require_model(model_id)
+        concurrent.futures.wait(list(self.running.pop(model_id, ())))
         self.training.delete(model_id)
         self.services.engine.unregister_adapter(model_id).result()
         del self.models[model_id], self.sampler_checkpoints[model_id], self.published[model_id]
@@ -180,32 +191,59 @@ class CloraTinkerBackend(AbstractBackend):
     def sample(self, prepared_batch: types.PreparedSampleBatch) -> dict[str, Any]:
         """Every request's sequences, all submitted to the engine before any is awaited (one decode batch); with
         ``prompt_logprobs``, its prompt's log-probs under the weights its sequences come from (the trainer scores them
-        while the engine decodes)."""
-        batch = prepared_batch
+        while the engine decodes). SkyRL's serial engine loop calls this; its continuous sampler calls
+        :meth:`sample_batch_async`."""
+        submitted, results = self._submit_requests(prepared_batch)
+        for request_id, (futures, prompt) in submitted.items():
+            try:
+                scored = self._scored(prompt) if prompt is not None else None
+                done = [(future.result(), version) for future, version in futures]
+            except (ValueError, RuntimeError) as error:
+                results[request_id] = types.ErrorResponse(error=str(error), status="failed")
+                continue
+            results[request_id] = _output(done, scored)
+        return results
+
+    async def sample_batch_async(self, prepared_batch: types.PreparedSampleBatch) -> dict[str, Any]:
+        """:meth:`sample` for SkyRL's continuous sampler: each request's result once its own sequences are done (the
+        engine keeps decoding every other request meanwhile)."""
+        submitted, results = self._submit_requests(prepared_batch)
+        for request_id, (futures, prompt) in submitted.items():
+            try:
+                scored = await asyncio.to_thread(self._scored, prompt) if prompt is not None else None
+                done = [(await asyncio.wrap_future(future), version) for future, version in futures]
+            except (ValueError, RuntimeError) as error:
+                results[request_id] = types.ErrorResponse(error=str(error), status="failed")
+                continue
+            results[request_id] = _output(done, scored)
+        return results
+
+    def prepare_for_sampling(self) -> None:
+        """Nothing to prepare: the engine is always up (SkyRL's continuous sampler calls this before admitting)."""
+
+    def _submit_requests(self, batch: types.PreparedSampleBatch) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Queues every sequence of every request: per request id its ``(future, version)`` pairs and, when it asks
+        for prompt log-probs, ``(model id, prompt)`` (else None); and the error of each request that failed."""
         prompts = [rendered.prompt_ids for rendered in render_model_input(batch.all_model_inputs)]
-        futures: dict[str, list[tuple[concurrent.futures.Future, int | None]]] = {}
-        scored: dict[str, list[float | None]] = {}
-        results: dict[str, Any] = {}
+        submitted: dict[str, Any] = {}
+        errors: dict[str, Any] = {}
         for request_id, model_id, start, end, prompt_logprobs, topk in batch.request_batch_slices:
             try:
                 if topk:
                     raise ValueError("top-k prompt log-probs are not supported by the clora backend")
-                futures[request_id] = [self._submit(model_id, batch.all_checkpoint_ids[i], prompts[i],
-                                                    batch.all_sampling_params[i]) for i in range(start, end)]
-                if prompt_logprobs:
-                    weights = self.published[model_id] if model_id else None
-                    scored[request_id] = [None, *self.training.prompt_logprobs(weights, [prompts[start]])[0]]
+                futures = [self._submit(model_id, batch.all_checkpoint_ids[i], prompts[i], batch.all_sampling_params[i])
+                           for i in range(start, end)]
+                submitted[request_id] = (futures, (model_id, prompts[start]) if prompt_logprobs else None)
             except ValueError as error:
-                futures.pop(request_id, None)
-                results[request_id] = types.ErrorResponse(error=str(error), status="failed")
-        for request_id, submitted in futures.items():
-            try:
-                sequences = [_sequence(future.result(), version) for future, version in submitted]
-            except (ValueError, RuntimeError) as error:
-                results[request_id] = types.ErrorResponse(error=str(error), status="failed")
-                continue
-            results[request_id] = types.SampleOutput(sequences=sequences, prompt_logprobs=scored.get(request_id))
-        return results
+                errors[request_id] = types.ErrorResponse(error=str(error), status="failed")
+        return submitted, errors
+
+    def _scored(self, request: tuple[str, list[int]]) -> list[float | None]:
+        """Tinker's prompt log-probs of ``request`` (model id, prompt) under the model's published adapter (model "":
+        the base model): None for the first token."""
+        model_id, prompt = request
+        weights = self.published[model_id] if model_id else None
+        return [None, *self.training.prompt_logprobs(weights, [prompt])[0]]
 
     def _submit(self, model_id: str, checkpoint_id: str, prompt: list[int],
                 params: types.SamplingParams) -> tuple[concurrent.futures.Future, int | None]:
@@ -223,9 +261,15 @@ class CloraTinkerBackend(AbstractBackend):
             if version != self.services.engine.adapter_version(model_id):
                 raise ValueError(f"sampler checkpoint {checkpoint_id!r} of {model_id!r} was replaced by a later "
                                  "save_weights_for_sampler; the clora backend serves each model's latest weights")
+        stop = (self.services.tokenizer.eos_token_id, *(params.stop_tokens or ()))  # EOS always stops, as vLLM's
         engine_params = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                                       stop_token_ids=tuple(params.stop_tokens or ()), seed=params.seed)
-        return self.services.engine.submit(prompt, model_id or None, engine_params), version
+                                       stop_token_ids=tuple(int(t) for t in stop if t is not None), seed=params.seed)
+        future = self.services.engine.submit(prompt, model_id or None, engine_params)
+        if model_id:
+            running = self.running.setdefault(model_id, set())
+            running.add(future)
+            future.add_done_callback(running.discard)
+        return future, version
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self, output_path: Any, model_id: str) -> None:
@@ -264,6 +308,16 @@ def _write_archive(output_path: Any, members: dict[str, bytes]) -> None:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             archive.addfile(info, io.BytesIO(data))
+
+
+def _output(done: list[tuple[Any, int | None]], scored: list[float | None] | None) -> types.SampleOutput | types.ErrorResponse:
+    """A request's answer from its ``(completion, version)`` pairs and prompt log-probs: its sequences, or the error
+    of the first sequence that did not come from its version."""
+    try:
+        sequences = [_sequence(completion, version) for completion, version in done]
+    except RuntimeError as error:
+        return types.ErrorResponse(error=str(error), status="failed")
+    return types.SampleOutput(sequences=sequences, prompt_logprobs=scored)
 
 
 def _sequence(completion: Any, version: int | None) -> types.GeneratedSequence:

@@ -13,17 +13,27 @@ and runs the engine's own ``main()``, so ``--backend`` takes:
 - any other name: SkyRL's own resolver, its error for an unknown name included.
 
 :mod:`skyrl_clora.tinker.server` starts this module as the engine subprocess of SkyRL's API server.
+
+SkyRL's continuous sampler (a backend with ``sample_batch_async``) drains every running sample before any training
+call, publish or model change, so that no sample runs while its backend sleeps or swaps engines. A backend whose class
+sets ``samples_beside_blocking_ops = True`` (``clora``'s does) needs no such drain: :class:`BesideSampler` takes
+SkyRL's sampler's place and drains only for other backends. ``integration/patches/0008`` proposes the same to SkyRL.
+
+SkyRL's engine loop looks for new requests every 100 ms; :class:`PromptEngine` looks every :data:`POLL_INTERVAL_S`,
+since each turn of a multi-turn episode is a request that waits for the next look.
 """
 
 from __future__ import annotations
 
 import importlib
+import time
 
 import skyrl.tinker.engine as skyrl_engine
 from pydantic import BaseModel
 from skyrl.backends.backend import AbstractBackend
 
 CLORA = "clora"
+POLL_INTERVAL_S = 0.01  # the engine loop's sleep between looks for new requests (SkyRL's: 0.1)
 SKYRL_BACKEND_CLASSES = skyrl_engine.get_backend_classes
 """SkyRL's own resolver, kept before :func:`main` replaces it."""
 
@@ -58,10 +68,30 @@ def plugin_backend_classes(backend_name: str) -> tuple[type[AbstractBackend], ty
     return classes
 
 
+class BesideSampler(skyrl_engine._ContinuousSampler):
+    """SkyRL's continuous sampler whose :meth:`drain` does nothing when the engine's backend samples beside blocking
+    operations (module docstring)."""
+
+    def drain(self, reason: str) -> None:
+        if not getattr(self._engine.backend, "samples_beside_blocking_ops", False):
+            super().drain(reason)
+
+
+class PromptEngine(skyrl_engine.TinkerEngine):
+    """SkyRL's engine looking for new requests every :data:`POLL_INTERVAL_S` (module docstring)."""
+
+    def process_pending_requests(self) -> None:
+        while True:
+            self.process_pending_requests_once()
+            time.sleep(POLL_INTERVAL_S)
+
+
 def main() -> None:
     """Runs SkyRL's Tinker engine (its command line, from ``sys.argv``) with :func:`backend_classes` as its
-    resolver."""
+    resolver, :class:`BesideSampler` as its continuous sampler and :class:`PromptEngine` as its engine."""
     skyrl_engine.get_backend_classes = backend_classes
+    skyrl_engine._ContinuousSampler = BesideSampler
+    skyrl_engine.TinkerEngine = PromptEngine
     skyrl_engine.main()
 
 

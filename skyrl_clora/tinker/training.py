@@ -13,14 +13,19 @@ optimizer step in host memory), swapped into the trainer's device slot 0 for its
   weights (a sampler checkpoint's, loaded into a scratch tenant in the last device slot) or the base model alone.
 
 The slot stays with its model after a call (consecutive calls of one model swap nothing); another model's call swaps
-it out first. Calls come from one thread (the Tinker engine's).
+it out first. Calls may come from several threads (the Tinker engine's and its sampler's): each public method holds
+the trainer's lock.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -35,6 +40,17 @@ from skyrl_clora.trainer.trainer import Trainer
 
 SLOT = 0  # the device slot Tinker models train in
 SCRATCH = "clora-tinker-scoring"  # the scratch tenant :meth:`TinkerTrainer.prompt_logprobs` scores with
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _locked(method: Callable[P, R]) -> Callable[P, R]:
+    """``method`` of :class:`TinkerTrainer` run holding the trainer's lock."""
+    @functools.wraps(method)
+    def run(self: "TinkerTrainer", *args: P.args, **kwargs: P.kwargs) -> R:
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
 
 
 @dataclass
@@ -66,7 +82,9 @@ class TinkerTrainer:
         self.store = trainer.store
         self.micro_batch_tokens = micro_batch_tokens
         self.live: str | None = None  # the model in SLOT
+        self.lock = threading.RLock()
 
+    @_locked
     def create(self, model_id: str, rank: int, alpha: float, seed: int) -> AdapterWeights:
         """Registers ``model_id`` with PEFT's initial adapter drawn from ``seed`` (B = 0: the base model's outputs);
         returns that adapter (fp32) for the sampler."""
@@ -75,10 +93,12 @@ class TinkerTrainer:
         self.store.register(model_id, weights, LRSchedule(base_lr=1.0), seed=seed)
         return weights
 
+    @_locked
     def delete(self, model_id: str) -> None:
         self._leave(model_id)
         self.store.remove(model_id)
 
+    @_locked
     def pass_datums(self, model_id: str, datums: list[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None,
                     backward: bool) -> list[DatumResult]:
         """Each datum's result (module docstring), in order; with ``backward`` the summed loss's gradient is added to
@@ -101,6 +121,7 @@ class TinkerTrainer:
                         for lp, loss in zip(logprobs, losses)]
         return results
 
+    @_locked
     def optim_step(self, model_id: str, learning_rate: float, betas: tuple[float, float], eps: float,
                    weight_decay: float) -> float:
         """One AdamW step of ``model_id`` on its accumulated gradients; returns their norm."""
@@ -113,12 +134,14 @@ class TinkerTrainer:
             torch._foreach_zero_(self.store.param_views(SLOT, grads=True))
         return float(norm)
 
+    @_locked
     def host_weights(self, model_id: str) -> AdapterWeights:
         """``model_id``'s current adapter (model dtype, host memory; a fresh object each swap-out)."""
         self._leave(model_id)
         self.store.wait(model_id)
         return self.store.tenants[model_id].weights
 
+    @_locked
     @torch.no_grad()
     def prompt_logprobs(self, weights: AdapterWeights | None, prompts: list[list[int]]) -> list[list[float]]:
         """Per prompt, ``log p(token_i | tokens_<i)`` for ``i >= 1`` (fp32, temperature 1) under ``weights`` (exactly,
@@ -140,12 +163,14 @@ class TinkerTrainer:
                 self.store.swap_out(slot)
                 self.store.remove(SCRATCH)
 
+    @_locked
     def save_state(self, model_id: str, folder: Path) -> None:
         """``model_id``'s training state (masters, moments, gradients, step) into ``folder``."""
         self._leave(model_id)
         folder.mkdir(parents=True, exist_ok=True)
         write_tenant_state(self.store, model_id, folder)
 
+    @_locked
     def load_state(self, model_id: str, folder: Path, with_optimizer: bool) -> None:
         """``folder``'s state into ``model_id`` (same rank and layers); without ``with_optimizer`` only the weights:
         moments, gradients and the step count start from zero."""

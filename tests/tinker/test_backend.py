@@ -2,10 +2,11 @@
 (CPU), called as SkyRL's Tinker engine calls it: models sampled in one batch differ once one is trained and published;
 a sample is served only from the version its checkpoint names, its prompt log-probs too; unsupported sampling
 options fail alone with their name; the server's limits on models and ranks; forward_backward's outputs; a training
-checkpoint's round trip."""
+checkpoint's round trip; SkyRL's continuous sampling path answers as its serial one; a sequence ends at EOS."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,24 @@ def test_prompt_logprobs_are_of_the_version_the_checkpoint_names_or_the_base(bac
     topk = backend.sample(_samples([("k", "a", "a1", {})]).model_copy(update={
         "request_batch_slices": [("k", "a", 0, 1, True, 3)]}))
     assert topk["k"].error == "top-k prompt log-probs are not supported by the clora backend"
+
+
+def test_the_continuous_path_gives_what_the_serial_one_gives(backend, tmp_path: Path) -> None:
+    _train(backend, "a", steps=2)
+    _save(backend, tmp_path, "a", "a1")
+    requests = [("a", "a", "a1", {}), ("base", "", "", {}), ("old", "b", "missing", {})]
+    serial = backend.sample(_samples(requests, prompt_logprobs=True))
+    continuous = asyncio.run(backend.sample_batch_async(_samples(requests, prompt_logprobs=True)))
+    assert continuous == serial and isinstance(continuous["a"], types.SampleOutput)
+    assert continuous["old"].error == "model 'b' has no sampler checkpoint 'missing'"
+
+
+def test_a_sequence_ends_at_the_end_of_sequence_token(backend, tmp_path: Path) -> None:
+    eos = backend.services.tokenizer.eos_token_id
+    target = [PROMPT + [5, 6, eos]]
+    for _ in range(16):
+        backend.forward_backward(_pass("a", target))
+        backend.optim_step("a", ADAM)
+    _save(backend, tmp_path, "a", "a1")
+    sequence = backend.sample(_samples([("g", "a", "a1", {"temperature": 0.0})]))["g"].sequences[0]
+    assert sequence.tokens == [5, 6, eos] and sequence.stop_reason == "stop"

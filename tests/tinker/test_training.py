@@ -74,7 +74,8 @@ def test_gradients_add_up_across_calls_and_a_model_beside_another_equals_itself_
     one_call = _training(micro_model_dir)
     one_call.pass_datums("a", [d1, d2], "cross_entropy", None, backward=True)
     one_call.optim_step("a", 1e-2, **ADAM)
-    torch.testing.assert_close(_flat(one_call, "a"), _flat(alone, "a"), rtol=1e-5, atol=1e-7)
+    # the same sum in another order: float noise, far below the step's ~1e-2 change of each master
+    torch.testing.assert_close(_flat(one_call, "a"), _flat(alone, "a"), rtol=1e-5, atol=1e-6)
     assert not torch.equal(_flat(one_call, "a"), _flat(one_call, "b"))
 
 
