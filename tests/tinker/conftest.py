@@ -115,10 +115,21 @@ def _healthy(url: str) -> bool:
 @pytest.fixture(scope="session")
 def clora_server(micro_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerServer]:
     """``python -m skyrl_clora.tinker.server`` with the ``clora`` backend on the micro model, on the CPU."""
-    folder, port = tmp_path_factory.mktemp("clora_server"), _free_port()
-    config = {"max_lora_adapters": 8, "max_lora_rank": 8, "max_rows": 32, "max_sequence_length": 128,
+    yield from _clora_server(micro_model_dir, tmp_path_factory.mktemp("clora_server"))
+
+
+@pytest.fixture(scope="session")
+def learning_clora_server(learning_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerServer]:
+    """The same on the micro model made learnable on the micro task (``learning_model_dir``), its sequences as long as
+    the task's prompts need."""
+    yield from _clora_server(learning_model_dir, tmp_path_factory.mktemp("learning_clora_server"), 512)
+
+
+def _clora_server(model: Path, folder: Path, max_sequence_length: int = 128) -> Iterator[TinkerServer]:
+    port = _free_port()
+    config = {"max_lora_adapters": 8, "max_lora_rank": 8, "max_rows": 32, "max_sequence_length": max_sequence_length,
               "overrides": ["clora.device=cpu"]}
-    command = server_command("--base-model", str(micro_model_dir), "--port", str(port), "--workdir", str(folder),
+    command = server_command("--base-model", str(model), "--port", str(port), "--workdir", str(folder),
                              "--api-key", KEY, "--backend-config", json.dumps(config))
-    yield from _serve(command, {"OMP_NUM_THREADS": "1"}, TinkerServer(f"http://127.0.0.1:{port}", KEY,
-                                                                     str(micro_model_dir), folder / "server.log"))
+    yield from _serve(command, {"OMP_NUM_THREADS": "1"}, TinkerServer(f"http://127.0.0.1:{port}", KEY, str(model),
+                                                                     folder / "server.log"))
