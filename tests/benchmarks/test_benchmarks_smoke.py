@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from benchmarks import (admission, attention, common, concurrency, decode_factors, e2e, engine, engine_host,
-                        interference, kernels, planner, qkv_rope, runner, skyrl_profile, train)
+                        interference, kernels, planner, qkv_rope, runner, skyrl_profile, tinker_clients, train)
 from skyrl_clora.backends.skyrl.backend import STEP_PHASES
 from tests.support.markers import triton_runs
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 HELPERS = {"workloads", "packed", "wall"}  # imported by the runnable modules (packed: by kernels, wall: by e2e)
 RUNS = {"admission", "attention", "common", "concurrency", "decode_factors", "e2e", "engine", "engine_host",
-        "interference", "kernels", "planner", "qkv_rope", "runner", "skyrl_profile", "train"}
+        "interference", "kernels", "planner", "qkv_rope", "runner", "skyrl_profile", "tinker_clients", "train"}
 
 
 def test_every_benchmark_module_has_a_run_here():
@@ -174,6 +174,19 @@ def test_concurrency(tmp_path, micro_model_dir):
                       "generator.max_turns=1", "trainer.max_prompt_length=400", "clora.progress=false"])
     rows = read_json(tmp_path / "bench_concurrency.json")["rows"]
     assert [(row["mode"], row["tenants"]) for row in rows] == [("concurrent", 2), ("serial", 2)]
+
+
+@pytest.mark.e2e
+def test_tinker_clients(tmp_path, micro_model_dir):
+    tinker_clients.main(["--tenants", "2", "--device", "cpu", "--out", str(tmp_path),
+                         f"trainer.policy.model.path={micro_model_dir}", "preset=demo", "trainer.max_training_steps=1",
+                         "trainer.train_batch_size=2", "generator.n_samples_per_prompt=2", "recipe.eval_prompts=2",
+                         "generator.sampling_params.max_generate_length=4", "generator.max_turns=1",
+                         "trainer.max_prompt_length=400"])
+    report = read_json(tmp_path / "tinker_clients.json")
+    assert [row["run"] for row in report["rows"]] == ["tinker concurrent", "tinker serial", "main concurrent",
+                                                      "main serial", "tinker serial, a cold start each"]
+    assert all(row["tenants"] == 2 for row in report["rows"]) and (tmp_path / "server.log").is_file()
 
 
 @pytest.mark.e2e
