@@ -12,7 +12,8 @@ tenant loop's evaluations, steps and checkpoints) driven through the ``tinker`` 
   with Tinker's ``ppo`` loss (the sampler's log-probs are the behaviour policy's, the clip range SkyRL's
   ``eps_clip_low`` / ``eps_clip_high``; summed as Tinker sums, which the reduced advantages make SkyRL's loss) and
   one ``optim_step`` (AdamW: the tenant's LR schedule, betas (0.9, 0.999), eps 1e-8, its weight decay; its
-  ``max_grad_norm`` is sent as ``grad_clip_norm``, which a server may drop: SkyRL 0.4's does);
+  ``max_grad_norm`` is sent as ``grad_clip_norm``, which a server may drop: SkyRL 0.4's does). SkyRL's
+  ``policy_loss_type``, dual clip and KL terms have no Tinker loss here: every client trains with ``ppo``;
 - ``publish``: ``save_weights_and_get_sampling_client``; the version counts the publishes;
 - ``export`` / ``save``: the weights stay on the server; ``tinker.json`` in the folder names the Tinker paths of
   the saved sampler weights (export) or training state (save); ``restore`` loads that state with its optimizer.
