@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import resource
 import statistics
@@ -60,7 +59,7 @@ from benchmarks.common import H200_BF16_TFLOPS, QWEN3_VOCAB, train_pass_flop, wr
 from benchmarks.wall import GPU_BUSY_METHOD, busy, describe, gpu_busy, union_seconds, wall_account
 from benchmarks.workloads import Lengths, counter_rng, distinct_prompt_tokens, length_summary, parse_lengths
 
-from skyrl_clora.backends.embedded.services import Services, build_services
+from skyrl_clora.backends.embedded.services import Services, build_services, release_device_memory
 from skyrl_clora.config.build import build_run_config, plan_steps
 from skyrl_clora.lora.peft_export import init_adapter
 from skyrl_clora.config.compose import compose_config
@@ -297,9 +296,7 @@ def run_and_release(model_dir: Path, workload: Workload, train_mode: str, names:
           f"tenants' trainer state {result.host_store_gib:.2f} GiB, process peak RSS {result.peak_rss_gib:.1f} GiB",
           flush=True)
     print(describe(f"{result.mode} x{len(names)}", result.account), flush=True)
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory()
     return result
 
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import httpx
 import tinker
+from benchmarks.concurrency import final_accuracies, run_mode
 from tinker import types
 
 from skyrl_clora.base_model import resolve_model_path
@@ -98,13 +99,10 @@ def run_clients(overrides: list[str], mode: str, out: Path, work: Path, url: str
 
 
 def run_main(overrides: list[str], mode: str, out: Path, work: Path) -> dict[str, Any]:
-    """``python -m skyrl_clora.main`` in ``mode`` (outputs in ``work``); its summary (:func:`keep`)."""
-    name = f"main-{mode}"
-    command = [sys.executable, "-m", "skyrl_clora.main", *overrides, f"clora.mode={mode}",
-               f"clora.output_dir={work / name}"]
-    print("$", " ".join(command), flush=True)
-    subprocess.run(command, check=True)
-    return keep(work / name, out / name)
+    """``python -m skyrl_clora.main`` in ``mode`` (:func:`benchmarks.concurrency.run_mode`, outputs in ``work``); its
+    summary (:func:`keep`)."""
+    run_mode(mode, work / "main", overrides)
+    return keep(work / "main" / mode, out / f"main-{mode}")
 
 
 def keep(run_dir: Path, folder: Path) -> dict[str, Any]:
@@ -119,14 +117,11 @@ def row(name: str, summary: dict[str, Any], folder: Path, extra_s: float = 0.0) 
     """A table row of a run's ``summary`` (its records in ``folder``), ``extra_s`` added to its wall."""
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("event") == "step"]
-    finals = [r["accuracy_final"] for r in summary["per_tenant"] if r["accuracy_final"] is not None]
+    finals = final_accuracies(summary)
     wall = summary["wall_seconds"] + extra_s
+    parts = {f"{part}_s": statistics.mean(r[f"{part}_s"] for r in steps) for part in ("rollout", "train", "sync")}
     return {"run": name, "tenants": summary["tenants"], "wall_s": wall,
-            "experiments_per_hour": summary["tenants"] * 3600 / wall,
-            "step_s": statistics.mean(r["rollout_s"] + r["train_s"] + r["sync_s"] for r in steps),
-            "rollout_s": statistics.mean(r["rollout_s"] for r in steps),
-            "train_s": statistics.mean(r["train_s"] for r in steps),
-            "sync_s": statistics.mean(r["sync_s"] for r in steps),
+            "experiments_per_hour": summary["tenants"] * 3600 / wall, "step_s": sum(parts.values()), **parts,
             "acc_final_mean": statistics.mean(finals) if finals else None,
             "acc_final_std": statistics.pstdev(finals) if len(finals) > 1 else 0.0}
 

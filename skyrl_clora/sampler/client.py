@@ -52,44 +52,24 @@ class EmbeddedInferenceClient(InferenceEngineInterface):
         """Adapter versions of every request made so far for ``session_id`` of ``adapter`` (one per turn)."""
         return list(self._versions.get((adapter, session_id), []))
 
-    def _params(self, sampling: dict[str, Any] | None, adapter: str | None, session: str, prompt_len: int) -> SamplingParams:
-        merged = {**self.default_sampling, **(sampling or {})}
-        max_tokens = merged.get("max_tokens", merged.get("max_generate_length"))
-        if max_tokens is None:
-            raise ValueError("sampling params need max_tokens (or max_generate_length)")
-        seed = derive_seed(self.seed, session, prompt_len)
-        stop_ids = [self.tokenizer.eos_token_id, *(merged.get("stop_token_ids") or [])]
-        return SamplingParams(
-            max_tokens=int(max_tokens),
-            temperature=float(merged.get("temperature", 1.0)),
-            top_p=float(merged.get("top_p", 1.0)),
-            stop_token_ids=tuple(int(t) for t in stop_ids if t is not None),
-            seed=seed,
-        )
-
     async def generate(self, input_batch: InferenceEngineInput, model: str | None = None) -> InferenceEngineOutput:
         adapter = None if model in (None, self._model_name) else model
-        prompt_ids = input_batch.get("prompt_token_ids")
-        if prompt_ids is None:
-            prompt_ids = [
-                self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
-                for conv in input_batch["prompts"]
-            ]
+        prompt_ids = prompt_token_ids(input_batch, self.tokenizer)
         session_ids = input_batch.get("session_ids") or [None] * len(prompt_ids)
-        sampling = input_batch.get("sampling_params")
+        sampling = {**self.default_sampling, **(input_batch.get("sampling_params") or {})}
         futures = []
         for ids, session in zip(prompt_ids, session_ids):
             if session is None:
                 self._request_counter += 1
                 session = f"request-{self._request_counter}"
-            params = self._params(sampling, adapter, str(session), len(ids))
+            params = request_params(sampling, self.tokenizer.eos_token_id, self.seed, str(session), len(ids))
             futures.append((str(session), asyncio.wrap_future(self.engine.submit(ids, adapter, params))))
         completions = []
         for session, future in futures:
             completion = await future
             self._versions[(adapter, session)].append(completion.adapter_version)
             completions.append(completion)
-        want_logprobs = {**self.default_sampling, **(sampling or {})}.get("logprobs") is not None
+        want_logprobs = sampling.get("logprobs") is not None
         return InferenceEngineOutput(
             responses=[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions],
             response_ids=[c.token_ids for c in completions],
@@ -184,6 +164,34 @@ class EmbeddedInferenceClient(InferenceEngineInterface):
 
     async def get_world_size(self) -> tuple[int, int]:
         return 1, 1
+
+
+def prompt_token_ids(input_batch: InferenceEngineInput, tokenizer: Any) -> list[list[int]]:
+    """The batch's ``prompt_token_ids``, else its ``prompts`` (chat messages) through the tokenizer's chat template
+    with the generation prompt."""
+    prompt_ids = input_batch.get("prompt_token_ids")
+    if prompt_ids is not None:
+        return prompt_ids
+    return [tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for conversation in input_batch["prompts"]]
+
+
+def request_params(sampling: dict[str, Any], eos_token_id: int | None, seed: int, session: str,
+                   prompt_len: int) -> SamplingParams:
+    """One request's sampling settings from ``sampling`` (SkyRL's keys: ``max_tokens`` or ``max_generate_length``,
+    ``temperature``, ``top_p``, ``stop_token_ids``): it stops at ``eos_token_id`` and the stop tokens, and its RNG seed
+    is :func:`derive_seed` of (``seed``, ``session``, ``prompt_len``). A ValueError when no token limit is given."""
+    max_tokens = sampling.get("max_tokens", sampling.get("max_generate_length"))
+    if max_tokens is None:
+        raise ValueError("sampling params need max_tokens (or max_generate_length)")
+    stop_ids = [eos_token_id, *(sampling.get("stop_token_ids") or [])]
+    return SamplingParams(
+        max_tokens=int(max_tokens),
+        temperature=float(sampling.get("temperature", 1.0)),
+        top_p=float(sampling.get("top_p", 1.0)),
+        stop_token_ids=tuple(int(t) for t in stop_ids if t is not None),
+        seed=derive_seed(seed, session, prompt_len),
+    )
 
 
 def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:

@@ -45,12 +45,12 @@ from tinker import types
 from transformers import AutoTokenizer
 
 from skyrl_clora.backends.embedded.backend import generator_config
-from skyrl_clora.checkpoints import TenantCheckpoint
+from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records
 from skyrl_clora.config.checks import algorithm_config
 from skyrl_clora.config.schema import RunConfig
 from skyrl_clora.metrics import MetricsLog, PoolOutcome
 from skyrl_clora.recipes.plugin import TaskSource, load_recipe
-from skyrl_clora.sampler.requests import derive_seed
+from skyrl_clora.sampler.client import prompt_token_ids, request_params
 from skyrl_clora.tenant_loop import Rollout, Update, episode_batch, run_tenant_pool, scalar_reward
 from skyrl_clora.tenants import TenantSpec
 from skyrl_clora.trainer.batch import TrainBatch, mini_batch_rows, tenant_advantages
@@ -85,11 +85,7 @@ class TinkerSampler(InferenceEngineInterface):
     async def generate(self, input_batch: InferenceEngineInput, model: str | None = None) -> InferenceEngineOutput:
         if self.client is None:
             raise RuntimeError("the tenant's sampling client is not created yet (register it first)")
-        prompt_ids = input_batch.get("prompt_token_ids")
-        if prompt_ids is None:
-            prompt_ids = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                                             return_dict=False)
-                          for conversation in input_batch["prompts"]]
+        prompt_ids = prompt_token_ids(input_batch, self.tokenizer)
         sampling = {**self.default_sampling, **(input_batch.get("sampling_params") or {})}
         sessions = []
         for session in input_batch.get("session_ids") or [None] * len(prompt_ids):
@@ -112,14 +108,10 @@ class TinkerSampler(InferenceEngineInterface):
             prompt_logprobs=None, rollout_expert_indices=None, rollout_sample_support=None)
 
     def _params(self, sampling: dict[str, Any], session: str, prompt_len: int) -> types.SamplingParams:
-        max_tokens = sampling.get("max_tokens", sampling.get("max_generate_length"))
-        if max_tokens is None:
-            raise ValueError("sampling params need max_tokens (or max_generate_length)")
-        stop = [self.tokenizer.eos_token_id, *(sampling.get("stop_token_ids") or [])]
-        return types.SamplingParams(max_tokens=int(max_tokens), temperature=float(sampling.get("temperature", 1.0)),
-                                    top_p=float(sampling.get("top_p", 1.0)),
-                                    stop=[int(token) for token in stop if token is not None],
-                                    seed=derive_seed(self.seed, session, prompt_len))
+        """:func:`~skyrl_clora.sampler.client.request_params` as Tinker's sampling params."""
+        params = request_params(sampling, self.tokenizer.eos_token_id, self.seed, session, prompt_len)
+        return types.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                                    stop=list(params.stop_token_ids), seed=params.seed)
 
     async def chat_completion(self, request_payload: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError("the Tinker sampler serves token prompts only (SkyRL's generate)")
@@ -287,8 +279,6 @@ def run_recipe_clients(run: RunConfig, sources: dict[str, TaskSource], resume: d
     base model ``base_model``, a folder this process reads the tokenizer from): all at once in concurrent mode, one
     after another in serial mode. Writes metrics.jsonl and checkpoints as the embedded backend does (the weights stay
     on the server); returns the run's records and summary fields (``client_seconds``: each group's wall)."""
-    from skyrl_clora.checkpoints import resumed_records
-
     specs = list(run.tenants)
     metrics = MetricsLog.for_run(run, resumed_records(resume, specs))
     unfinished = [spec for spec in specs if not (spec.name in resume and resume[spec.name].finished)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict
 from pathlib import Path
@@ -23,7 +22,7 @@ from skyrl.train.config import SamplingParams as SkyRLSamplingParams
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 
 from skyrl_clora.backends.embedded.memory_plan import available_host_memory, check_tenant_host_memory
-from skyrl_clora.backends.embedded.services import Services, build_services
+from skyrl_clora.backends.embedded.services import Services, build_services, release_device_memory
 from skyrl_clora.backends.engine_builder import step_rows
 from skyrl_clora.base_model import resolve_model_path
 from skyrl_clora.checkpoints import TenantCheckpoint, resumed_records
@@ -196,15 +195,6 @@ def run_experiments(run: RunConfig, sources: dict[str, TaskSource], resume: dict
         "queue_wait_seconds": queue_waits,
     }
     return PoolOutcome(metrics.records, fields, f"mode={run.mode}")
-
-
-def release_device_memory() -> None:
-    """Frees what a finished group of services held on the GPU: its engine and trainer keep reference cycles, so
-    their tensors (the KV pool most of all) outlive the group until a collection; the next group's memory plan would
-    count them as taken."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _run_group(run: RunConfig, specs: list[TenantSpec], sources: dict[str, TaskSource], model_path: str,

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from dataclasses import dataclass
@@ -68,6 +69,15 @@ class Services:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def release_device_memory() -> None:
+    """Frees what dropped :class:`Services` held on the GPU: their engine and trainer keep reference cycles, so their
+    tensors (the KV pool most of all) outlive them until a collection, and the next services' memory plan would count
+    them as taken. Call it once no reference to them is left."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def build_services(run: RunConfig, model_path: str, num_tenants: int, rows_per_tenant: int) -> Services:
