@@ -12,7 +12,7 @@ from tests.support.micro_task import micro_tenants, run_args
 from skyrl_clora.config.build import build_run_config
 from skyrl_clora.config.compose import compose_config
 from skyrl_clora.main import main
-from skyrl_clora.sampler.client import EmbeddedInferenceClient
+from skyrl_clora.sampler.engine_thread import EngineThread
 
 
 def test_overrides_reach_the_tenants_spec_and_only_its(tmp_path: Path) -> None:
@@ -43,14 +43,13 @@ def test_a_bad_override_is_one_line_naming_it(override: str, message: str, tmp_p
 def test_a_tenants_temperature_and_top_p_are_its_requests_alone(learning_model_dir: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str | None, set[tuple[float, float]]] = {}
-    params = EmbeddedInferenceClient._params
+    submit = EngineThread.submit
 
-    def recording(self, sampling, adapter, session, prompt_len):
-        result = params(self, sampling, adapter, session, prompt_len)
-        seen.setdefault(adapter, set()).add((result.temperature, result.top_p))
-        return result
+    def recording(self, prompt_ids, adapter, params):
+        seen.setdefault(adapter, set()).add((params.temperature, params.top_p))
+        return submit(self, prompt_ids, adapter, params)
 
-    monkeypatch.setattr(EmbeddedInferenceClient, "_params", recording)
+    monkeypatch.setattr(EngineThread, "submit", recording)
     args = run_args(learning_model_dir, tmp_path / "run", micro_tenants({"temperature": 0.25}, {"top_p": 0.5}, {}),
                     steps=1)
     assert main([*args, "generator.sampling_params.temperature=0.9", "trainer.eval_interval=0"]) == 0
