@@ -115,17 +115,19 @@ def _healthy(url: str) -> bool:
 @pytest.fixture(scope="session")
 def clora_server(micro_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerServer]:
     """``python -m skyrl_clora.tinker.server`` with the ``clora`` backend on the micro model, on the CPU."""
-    yield from _clora_server(micro_model_dir, tmp_path_factory.mktemp("clora_server"))
+    yield from serve_clora(micro_model_dir, tmp_path_factory.mktemp("clora_server"))
 
 
 @pytest.fixture(scope="session")
 def learning_clora_server(learning_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerServer]:
     """The same on the micro model made learnable on the micro task (``learning_model_dir``), its sequences as long as
     the task's prompts need."""
-    yield from _clora_server(learning_model_dir, tmp_path_factory.mktemp("learning_clora_server"), 512)
+    yield from serve_clora(learning_model_dir, tmp_path_factory.mktemp("learning_clora_server"), 512)
 
 
-def _clora_server(model: Path, folder: Path, max_sequence_length: int = 128) -> Iterator[TinkerServer]:
+def serve_clora(model: Path, folder: Path, max_sequence_length: int = 128) -> Iterator[TinkerServer]:
+    """``python -m skyrl_clora.tinker.server`` with the ``clora`` backend on ``model`` (CPU; work folder ``folder``),
+    until the caller is done with it."""
     port = _free_port()
     config = {"max_lora_adapters": 8, "max_lora_rank": 8, "max_rows": 32, "max_sequence_length": max_sequence_length,
               "overrides": ["clora.device=cpu"]}
