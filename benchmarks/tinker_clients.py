@@ -15,7 +15,8 @@ Experiments per hour count each run's wall; the Tinker runs' walls include the s
 main's serial experiments each pay a cold start and the Tinker server's are warm, the table also gives the Tinker
 clients' ratio against a serial run paying one server cold start per experiment (``serial, a cold start each``: the
 serial clients' wall plus ``N`` times the measured cold start; derived, not run). Per run: wall, experiments/hour,
-the mean per-tenant step (rollout + train + sync), the mean final evaluation accuracy and its std over tenants.
+the mean per-tenant step (rollout + train + sync), the mean final evaluation accuracy and its std over tenants; per
+Tinker run, the CPU seconds per wall second of the clients' process, the server's API process and its engine.
 Everything goes to ``<--out>/tinker_clients.json``; each run's summary.json and metrics.jsonl under ``<--out>/<run>/``,
 the server's log at ``<--out>/server.log`` (the runs' adapters, checkpoints and the server's state go to a scratch
 folder, removed at the end).
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import tinker
 from benchmarks.concurrency import final_accuracies, run_mode
 from tinker import types
@@ -87,15 +89,31 @@ def start_server(model: str, tenants: int, rows: int, rank: int, device: str, ou
     return process, url, key, time.perf_counter() - started
 
 
-def run_clients(overrides: list[str], mode: str, out: Path, work: Path, url: str, key: str) -> dict[str, Any]:
-    """The run's tenants as Tinker clients in ``mode`` (outputs in ``work``); its summary (:func:`keep`)."""
+def run_clients(overrides: list[str], mode: str, out: Path, work: Path, url: str, key: str,
+                server: psutil.Process) -> tuple[dict[str, Any], dict[str, float]]:
+    """The run's tenants as Tinker clients in ``mode`` (outputs in ``work``) against ``server``; its summary
+    (:func:`keep`) and the CPU seconds its processes spent over its pool (:func:`cpu_seconds`), with that wall
+    (``wall``)."""
     name = f"tinker-{mode}"
     prepared = prepare([*overrides, f"clora.mode={mode}", f"clora.output_dir={work / name}"])
     run = prepared.run
     model = resolve_model_path(run)
+    before, started = cpu_seconds(server), time.perf_counter()
     summarize_pool(run, lambda: run_recipe_clients(run, prepared.sources, prepared.resume, url, key, model),
                    prepared.base_model_s)
-    return keep(work / name, out / name)
+    after, wall = cpu_seconds(server), time.perf_counter() - started
+    return keep(work / name, out / name), {"wall": wall, **{part: after[part] - before[part] for part in after}}
+
+
+def cpu_seconds(server: psutil.Process) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) so far of this process (the clients), of the server's API process
+    and of its engine subprocess(es)."""
+    def spent(process: psutil.Process) -> float:
+        times = process.cpu_times()
+        return times.user + times.system
+
+    return {"clients": spent(psutil.Process()), "server_api": spent(server),
+            "server_engine": sum(spent(child) for child in server.children(recursive=True))}
 
 
 def run_main(overrides: list[str], mode: str, out: Path, work: Path) -> dict[str, Any]:
@@ -142,8 +160,10 @@ def main(argv: list[str] | None = None) -> None:
     server, url, key, cold_start = start_server(resolve_model_path(probe), args.tenants, rows, rank, args.device,
                                                 args.out, work)
     try:
-        summaries = {"tinker concurrent": run_clients(overrides, "concurrent", args.out, work, url, key),
-                     "tinker serial": run_clients(overrides, "serial", args.out, work, url, key)}
+        summaries, cpu = {}, {}
+        for mode in ("concurrent", "serial"):
+            summaries[f"tinker {mode}"], cpu[f"tinker {mode}"] = run_clients(overrides, mode, args.out, work, url,
+                                                                            key, psutil.Process(server.pid))
     finally:
         server.terminate()
         server.wait(timeout=120)
@@ -167,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         "tinker concurrent / main concurrent": by["tinker concurrent"]["experiments_per_hour"]
         / by["main concurrent"]["experiments_per_hour"],
     }
-    report = {"overrides": overrides, "server_cold_start_s": cold_start, "rows": rows_out, "ratios": ratios}
+    report = {"overrides": overrides, "server_cold_start_s": cold_start, "rows": rows_out, "ratios": ratios,
+              "cpu_seconds": cpu}
     (args.out / "tinker_clients.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"Tinker server cold start {cold_start:.1f} s")
     print(f"{'run':>34} {'wall_s':>8} {'exp/h':>8} {'step_s':>7} {'rollout':>7} {'train':>6} {'sync':>6} "
@@ -178,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['rollout_s']:>7.2f} {r['train_s']:>6.2f} {r['sync_s']:>6.2f} {accuracy} {r['acc_final_std']:>6.3f}")
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
+    for name, parts in cpu.items():
+        print(f"{name}: CPU seconds per wall second: " + ", ".join(
+            f"{part} {seconds / parts['wall']:.2f}" for part, seconds in parts.items() if part != "wall"))
 
 
 if __name__ == "__main__":

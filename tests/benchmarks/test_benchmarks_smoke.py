@@ -187,6 +187,8 @@ def test_tinker_clients(tmp_path, micro_model_dir):
     assert [row["run"] for row in report["rows"]] == ["tinker concurrent", "tinker serial", "main concurrent",
                                                       "main serial", "tinker serial, a cold start each"]
     assert all(row["tenants"] == 2 for row in report["rows"]) and (tmp_path / "server.log").is_file()
+    for parts in report["cpu_seconds"].values():
+        assert parts["wall"] > 0 and parts["clients"] > 0 and parts["server_api"] > 0 and parts["server_engine"] > 0
 
 
 @pytest.mark.e2e
