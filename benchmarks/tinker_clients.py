@@ -84,7 +84,7 @@ def start_server(model: str, tenants: int, rows: int, rank: int, device: str, ou
             raise SystemExit(f"error: the Tinker server did not start; its log: {out / 'server.log'}")
         time.sleep(0.2)
     with tinker.ServiceClient(base_url=url, api_key=key) as service:  # ready once the engine answers a sample
-        sampler = service.create_sampling_client(base_model=model)
+        sampler = service.create_sampling_client(base_model=model).result()
         sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=1)).result()
     return process, url, key, time.perf_counter() - started
 

@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 
 from benchmarks import (admission, attention, common, concurrency, decode_factors, e2e, engine, engine_host,
-                        interference, kernels, planner, qkv_rope, runner, skyrl_profile, tinker_clients, train)
+                        interference, kernels, planner, qkv_rope, runner, skyrl_profile, tinker_clients,
+                        tinker_requests, train)
 from skyrl_clora.backends.skyrl.backend import STEP_PHASES
 from tests.support.markers import triton_runs
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 HELPERS = {"workloads", "packed", "wall"}  # imported by the runnable modules (packed: by kernels, wall: by e2e)
 RUNS = {"admission", "attention", "common", "concurrency", "decode_factors", "e2e", "engine", "engine_host",
-        "interference", "kernels", "planner", "qkv_rope", "runner", "skyrl_profile", "tinker_clients", "train"}
+        "interference", "kernels", "planner", "qkv_rope", "runner", "skyrl_profile", "tinker_clients",
+        "tinker_requests", "train"}
 
 
 def test_every_benchmark_module_has_a_run_here():
@@ -189,6 +191,15 @@ def test_tinker_clients(tmp_path, micro_model_dir):
     assert all(row["tenants"] == 2 for row in report["rows"]) and (tmp_path / "server.log").is_file()
     for parts in report["cpu_seconds"].values():
         assert parts["wall"] > 0 and parts["clients"] > 0 and parts["server_api"] > 0 and parts["server_engine"] > 0
+
+
+@pytest.mark.e2e
+def test_tinker_requests(tmp_path, micro_model_dir):
+    tinker_requests.main(["--device", "cpu", "--model", str(micro_model_dir), "--in-flight", "1", "4", "--requests",
+                          "8", "--out", str(tmp_path)])
+    report = read_json(tmp_path / "tinker_requests.json")
+    assert [(row["in_flight"], row["requests"]) for row in report["rows"]] == [(1, 8), (4, 8)]
+    assert all(row["requests_per_s"] > 0 and row["cpu_ms_per_request"]["server_api"] > 0 for row in report["rows"])
 
 
 @pytest.mark.e2e
