@@ -14,7 +14,8 @@ given Hydra overrides, ``+tenants=<--tenants>`` added. Four runs, in this order:
 Experiments per hour count each run's wall; the Tinker runs' walls include the server's cold start once. Because
 main's serial experiments each pay a cold start and the Tinker server's are warm, the table also gives the Tinker
 clients' ratio against a serial run paying one server cold start per experiment (``serial, a cold start each``: the
-serial clients' wall plus ``N`` times the measured cold start; derived, not run). Per run: wall, experiments/hour,
+serial clients' wall plus ``N`` times the measured cold start; derived, not run), and the clients' ratio on the warm
+server (``server warm``: the cold start left out of both walls). Per run: wall, experiments/hour,
 the mean per-tenant step (rollout + train + sync), the mean final evaluation accuracy and its std over tenants; per
 Tinker run, the CPU seconds per wall second of the clients' process, the server's API process and its engine.
 Everything goes to ``<--out>/tinker_clients.json``; each run's summary.json and metrics.jsonl under ``<--out>/<run>/``,
@@ -180,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     ratios = {
         "tinker concurrent / tinker serial": by["tinker concurrent"]["experiments_per_hour"]
         / by["tinker serial"]["experiments_per_hour"],
+        "tinker concurrent / tinker serial, server warm": summaries["tinker serial"]["wall_seconds"]
+        / summaries["tinker concurrent"]["wall_seconds"],
         "tinker concurrent / tinker serial, a cold start each": by["tinker concurrent"]["experiments_per_hour"]
         / by["tinker serial, a cold start each"]["experiments_per_hour"],
         "main concurrent / main serial": by["main concurrent"]["experiments_per_hour"]
