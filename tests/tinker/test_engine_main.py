@@ -4,9 +4,12 @@ cannot sample beside blocking operations."""
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 import subprocess
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ import skyrl.tinker.engine as skyrl_engine
 from pydantic import BaseModel
 from skyrl.backends.backend import AbstractBackend
 from skyrl.tinker.config import EngineConfig
+from sqlalchemy.engine import make_url
 
 from skyrl_clora.tinker import engine_main
 from skyrl_clora.tinker.engine_main import backend_classes
@@ -90,16 +94,63 @@ def test_main_gives_skyrls_engine_the_beside_sampler_and_the_prompt_loop(monkeyp
     assert skyrl_engine.TinkerEngine is engine_main.PromptEngine
 
 
-def test_the_prompt_loop_looks_for_requests_every_poll_interval(monkeypatch: pytest.MonkeyPatch) -> None:
-    looks, sleeps = [], []
+def test_main_sets_skyrls_logger_to_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("get_backend_classes", "_ContinuousSampler", "TinkerEngine"):
+        monkeypatch.setattr(skyrl_engine, name, getattr(skyrl_engine, name))  # restored after
+    monkeypatch.setattr(skyrl_engine, "main", lambda: None)
+    skyrl_logger = logging.getLogger("skyrl")
+    monkeypatch.setattr(skyrl_logger, "level", logging.DEBUG)
+    engine_main.main()
+    assert skyrl_logger.level == logging.INFO
+
+
+def run_prompt_loop(url: str, checks: int, monkeypatch: pytest.MonkeyPatch,
+                    on_look: Callable[[int], None] = lambda check: None,
+                    on_sleep: Callable[[int], None] = lambda check: None) -> list[int]:
+    """:meth:`PromptEngine.process_pending_requests` over a database ``url`` on a fake clock (poll 0.25 s, full look
+    every 1 s) for ``checks`` checks, ``on_look(check)`` run in each look and ``on_sleep(check)`` in the sleep after
+    each check; the checks that looked."""
+    clock, looked = [0.0], []
+    monkeypatch.setattr(engine_main, "POLL_INTERVAL_S", 0.25)
+    monkeypatch.setattr(engine_main, "FULL_LOOK_S", 1.0)
+    monkeypatch.setattr(engine_main.time, "monotonic", lambda: clock[0])
 
     def sleep(seconds: float) -> None:
-        sleeps.append(seconds)
-        if len(sleeps) == 3:
+        on_sleep(int(clock[0] / 0.25))
+        clock[0] += seconds
+        if clock[0] >= checks * 0.25:
             raise KeyboardInterrupt
 
+    def once() -> None:
+        looked.append(int(clock[0] / 0.25))
+        on_look(looked[-1])
+
     monkeypatch.setattr(engine_main.time, "sleep", sleep)
-    engine = types.SimpleNamespace(process_pending_requests_once=lambda: looks.append(1))
+    engine = types.SimpleNamespace(db_engine=types.SimpleNamespace(url=make_url(url)), process_pending_requests_once=once)
     with pytest.raises(KeyboardInterrupt):
         engine_main.PromptEngine.process_pending_requests(engine)
-    assert len(looks) == 3 and sleeps == [engine_main.POLL_INTERVAL_S] * 3
+    return looked
+
+
+def test_the_prompt_loop_looks_after_each_commit_and_every_full_look(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "tinker.db"
+    writer = sqlite3.connect(path, isolation_level=None)
+    writer.execute("PRAGMA journal_mode=WAL")
+    writer.execute("CREATE TABLE futures (request_id INTEGER)")
+
+    def client_writes(check: int) -> None:  # a request arrives while the loop sleeps after checks 1 and 7
+        if check in (1, 7):
+            writer.execute("INSERT INTO futures VALUES (?)", (check,))
+
+    def engine_writes(check: int) -> None:  # the look at check 8 writes a result: check 9 looks again
+        if check == 8:
+            writer.execute("UPDATE futures SET request_id = 0")
+
+    looked = run_prompt_loop(f"sqlite:///{path}", 14, monkeypatch, engine_writes, client_writes)
+    assert looked == [0, 2, 6, 8, 9, 13]
+    assert engine_main.DatabaseChanges.of(make_url("sqlite://")) is None  # in memory: one database per connection
+
+
+def test_the_prompt_loop_looks_at_every_check_without_sqlite(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert run_prompt_loop("postgresql://user@localhost/tinker", 5, monkeypatch) == [0, 1, 2, 3, 4]
