@@ -23,7 +23,10 @@ SkyRL's engine loop looks for new requests every 100 ms, each look some seven qu
 :data:`POLL_INTERVAL_S`, since each turn of a multi-turn episode is a request that waits for the next look, but on a
 SQLite database only when some connection committed since its last look (:class:`DatabaseChanges`), and at least
 every :data:`FULL_LOOK_S` (SkyRL's cadence) whatever the database says: a look costs ~2 ms of the interpreter lock
-that the engine's decode thread shares, one that finds nothing ~3 us.
+that the engine's decode thread shares, one that finds nothing ~3 us. Each look first reads which request types are
+pending (one query) and skips SkyRL's queries for types that are not: during rollouts, when only samples are pending,
+three queries a look instead of about eight. A request that arrives after that read waits for the next look, which its
+commit brings.
 
 SkyRL sets its logger to DEBUG and renders each record through rich (~1.5 ms of CPU); its engine logs a DEBUG line per
 admission of samples. :func:`main` sets that logger to INFO.
@@ -35,15 +38,22 @@ import importlib
 import logging
 import sqlite3
 import time
+from typing import Any
 
 import skyrl.tinker.engine as skyrl_engine
 from pydantic import BaseModel
+from skyrl.tinker import types
+from skyrl.tinker.db_models import FutureDB, RequestStatus
 from sqlalchemy.engine import URL
+from sqlmodel import Session, select
 from skyrl.backends.backend import AbstractBackend
 
 CLORA = "clora"
 POLL_INTERVAL_S = 0.01  # the engine loop's sleep between checks for new requests (SkyRL's: 0.1)
 FULL_LOOK_S = 0.1  # the engine loop looks for requests at least this often, changes or not
+NOT_SINGLE = frozenset({types.RequestType.FORWARD_BACKWARD, types.RequestType.FORWARD, types.RequestType.SAMPLE,
+                        types.RequestType.EXTERNAL})
+"""The request types SkyRL's ``find_single_requests`` leaves out."""
 SKYRL_BACKEND_CLASSES = skyrl_engine.get_backend_classes
 """SkyRL's own resolver, kept before :func:`main` replaces it."""
 
@@ -110,8 +120,34 @@ class DatabaseChanges:
 
 class PromptEngine(skyrl_engine.TinkerEngine):
     """SkyRL's engine checking for new requests every :data:`POLL_INTERVAL_S` and looking when the database changed
-    or :data:`FULL_LOOK_S` passed (module docstring). The database version is read before each look, so a commit
-    during a look (the engine's own results included) brings another."""
+    or :data:`FULL_LOOK_S` passed, and skipping the finds of request types that are not pending (module docstring).
+    The database version is read before each look, so a commit during a look (the engine's own results included)
+    brings another."""
+
+    _types_session: Session | None = None
+    _types: frozenset[types.RequestType] = frozenset()
+
+    def pending_types(self, session: Session) -> frozenset[types.RequestType]:
+        """The types of the pending requests, read once per look (``session``: the look's session)."""
+        if self._types_session is not session:
+            query = select(FutureDB.request_type).where(FutureDB.status == RequestStatus.PENDING).distinct()
+            self._types_session, self._types = session, frozenset(session.exec(query).all())
+        return self._types
+
+    def find_batchable_model_passes(self, session: Session, request_type: types.RequestType) -> dict[str, Any]:
+        if request_type not in self.pending_types(session):
+            return {}
+        return super().find_batchable_model_passes(session, request_type)
+
+    def find_batchable_sample(self, session: Session) -> dict[str, Any]:
+        if types.RequestType.SAMPLE not in self.pending_types(session):
+            return {}
+        return super().find_batchable_sample(session)
+
+    def find_single_requests(self, session: Session) -> dict[str, Any]:
+        if not self.pending_types(session) - NOT_SINGLE:
+            return {}
+        return super().find_single_requests(session)
 
     def process_pending_requests(self) -> None:
         changes = DatabaseChanges.of(self.db_engine.url)

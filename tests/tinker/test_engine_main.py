@@ -5,6 +5,7 @@ cannot sample beside blocking operations."""
 from __future__ import annotations
 
 import logging
+import random
 import sqlite3
 import subprocess
 import sys
@@ -16,8 +17,12 @@ import pytest
 import skyrl.tinker.engine as skyrl_engine
 from pydantic import BaseModel
 from skyrl.backends.backend import AbstractBackend
+from skyrl.tinker import types as types_
 from skyrl.tinker.config import EngineConfig
-from sqlalchemy.engine import make_url
+from skyrl.tinker.db_models import FutureDB, RequestStatus
+from sqlalchemy import event
+from sqlalchemy.engine import Engine, make_url
+from sqlmodel import Session, SQLModel, create_engine
 
 from skyrl_clora.tinker import engine_main
 from skyrl_clora.tinker.engine_main import backend_classes
@@ -154,3 +159,64 @@ def test_the_prompt_loop_looks_after_each_commit_and_every_full_look(tmp_path: P
 
 def test_the_prompt_loop_looks_at_every_check_without_sqlite(monkeypatch: pytest.MonkeyPatch) -> None:
     assert run_prompt_loop("postgresql://user@localhost/tinker", 5, monkeypatch) == [0, 1, 2, 3, 4]
+
+
+PAYLOADS = {
+    types_.RequestType.FORWARD_BACKWARD: {"data": [], "loss_fn": "cross_entropy"},
+    types_.RequestType.FORWARD: {"data": [], "loss_fn": "cross_entropy"},
+    types_.RequestType.SAMPLE: {"prompt": {"chunks": []}, "num_samples": 1, "checkpoint_id": "c", "prompt_logprobs": False,
+                                "sampling_params": {"temperature": 1.0, "max_tokens": 4, "seed": 0}},
+}
+
+
+def futures_database(path: Path, rows: list[tuple[types_.RequestType, str, RequestStatus]]) -> Engine:
+    """A SkyRL database at ``path`` holding ``rows`` (type, model id, status) as futures, in request-id order."""
+    database = create_engine(f"sqlite:///{path}")
+    SQLModel.metadata.create_all(database)
+    with Session(database) as session:
+        for request_type, model_id, status in rows:
+            session.add(FutureDB(request_type=request_type, model_id=model_id, status=status,
+                                 request_data=PAYLOADS.get(request_type, {})))
+        session.commit()
+    return database
+
+
+def finds(engine: object, engine_class: type, database: Engine) -> tuple[dict, ...]:
+    """The three finds of ``engine_class`` on ``engine`` in one session of ``database``, as ids -> model ids."""
+    with Session(database) as session:
+        found = (engine_class.find_batchable_model_passes(engine, session, types_.RequestType.FORWARD_BACKWARD),
+                 engine_class.find_batchable_model_passes(engine, session, types_.RequestType.FORWARD),
+                 engine_class.find_batchable_sample(engine, session), engine_class.find_single_requests(engine, session))
+    return tuple({request_id: entry[0] for request_id, entry in one.items()} for one in found)
+
+
+def test_the_prompt_loops_finds_equal_skyrls_on_random_queues(tmp_path: Path) -> None:
+    skyrls_engine = engine_main.PromptEngine.__bases__[0]
+    engine = object.__new__(engine_main.PromptEngine)
+    engine.config = types.SimpleNamespace(backend="clora")
+    kinds = list(types_.RequestType)
+    rng = random.Random(0)
+    found_any = set()
+    for case in range(60):
+        rows = [(rng.choice(kinds), rng.choice("ab"), rng.choice([RequestStatus.PENDING, RequestStatus.COMPLETED]))
+                for _ in range(rng.randint(0, 12))]
+        database = futures_database(tmp_path / f"{case}.db", rows)
+        ours, skyrls = finds(engine, engine_main.PromptEngine, database), finds(engine, skyrls_engine, database)
+        assert ours == skyrls, rows
+        found_any |= {index for index, one in enumerate(ours) if one}
+    assert found_any == {0, 1, 2, 3}  # every find found requests in some case
+
+
+def test_the_prompt_loop_reads_three_times_a_look_while_only_samples_are_pending(tmp_path: Path) -> None:
+    rows = [(types_.RequestType.SAMPLE, "a", RequestStatus.PENDING), (types_.RequestType.OPTIM_STEP, "a",
+                                                                      RequestStatus.COMPLETED)]
+    database = futures_database(tmp_path / "tinker.db", rows)
+    statements = []
+    event.listen(database, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    engine = object.__new__(engine_main.PromptEngine)
+    engine.config = types.SimpleNamespace(backend="clora")
+    finds(engine, engine_main.PromptEngine.__bases__[0], database)
+    skyrls = len(statements)
+    statements.clear()
+    assert finds(engine, engine_main.PromptEngine, database)[2] == {"1": "a"}
+    assert len(statements) == 3 and skyrls >= 8, (statements, skyrls)
