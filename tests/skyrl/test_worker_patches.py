@@ -45,6 +45,7 @@ FSDP_STORE_PATCH = PATCH_DIR / "0005-fsdp-multi-lora-adapter-store.patch"
 MEGATRON_CKPT_PATCH = PATCH_DIR / "0006-megatron-adapter-store-checkpoints.patch"
 TINKER_PATCH = PATCH_DIR / "0007-tinker-pluggable-backends.patch"  # tested by tests/tinker/test_compat.py
 BESIDE_PATCH = PATCH_DIR / "0008-tinker-samples-beside-blocking-ops.patch"  # run-time form: tests/tinker/test_engine_main.py
+LOOKS_PATCH = PATCH_DIR / "0009-tinker-engine-loop-looks-on-commits.patch"  # run-time form: the same
 RUNTIME_CHECKS = "worker_patches_on_skyrl_workers.py"
 
 # The patch's tests that pass without it too: they guard what it must keep (single-model salts, duck-typed
@@ -120,7 +121,7 @@ def patch_test_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[
 def test_every_patch_applies_to_the_installed_skyrl(tmp_path: Path) -> None:
     assert skyrl.__version__ == "0.4.0"
     assert PATCHES == [SALT_PATCH, SEED_PATCH, API_KEY_PATCH, FSDP_STORE_PATCH, MEGATRON_CKPT_PATCH, TINKER_PATCH,
-                       BESIDE_PATCH]
+                       BESIDE_PATCH, LOOKS_PATCH]
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
     root = _skyrl_checkout(tmp_path)
