@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support.isolation import assert_same_records, tenant_records
-from tests.support.micro_task import assert_learning, micro_tenants, read_records, register_micro_env, run_args
+from tests.support.micro_task import (assert_learning, micro_tenants, read_records, register_micro_env, roll_back,
+                                      run_args)
 from skyrl_clora.checkpoints import LATEST, TenantCheckpoints
 from skyrl_clora.lora.peft_export import load_peft_adapter
 from skyrl_clora.main import main
@@ -240,14 +241,6 @@ def test_a_used_output_folder_takes_only_its_own_run(learning_model_dir: Path, t
         assert all(torch.equal(adapter.b[path], there.b[path]) for path in adapter.b)
 
 
-def _roll_back(out: Path, tenant: str, step: int) -> None:
-    """Leaves ``tenant`` as a crash right after its step-``step`` checkpoint would: newer checkpoints gone."""
-    folder = out / "checkpoints" / tenant
-    for newer in [p for p in folder.glob("global_step_*") if int(p.name.removeprefix("global_step_")) > step]:
-        shutil.rmtree(newer)
-    (folder / LATEST).write_text(str(step))
-
-
 @pytest.mark.usefixtures("without_production_extras")
 @pytest.mark.ray
 def test_backend_skyrl_resumes_a_tenant_from_its_checkpoint(learning_model_dir: Path, tmp_path: Path) -> None:
@@ -261,7 +254,7 @@ def test_backend_skyrl_resumes_a_tenant_from_its_checkpoint(learning_model_dir: 
     assert before["a"][0] != before["b"][0]
     earlier = read_records(tmp_path)
     for name in "ab":
-        _roll_back(tmp_path, name, 2)
+        roll_back(tmp_path, name, 2)
     assert main(args) == 0
     _assert_resumed(tmp_path, earlier, {"a": 2, "b": 2})
     for name, (records, adapter) in before.items():

@@ -3,7 +3,10 @@ tenant loop's evaluations, steps and checkpoints) driven through the ``tinker`` 
 
 :class:`TinkerClientBackend` is the :class:`~skyrl_clora.tenant_loop.TenantBackend` the tenant loop runs on:
 
-- ``register``: the tenant's LoRA training client (its rank and seed) and its first sampling client (version 0);
+- ``register``: the tenant's first sampling client (version 0), the base model's: a fresh adapter is PEFT's
+  (B = 0), which samples as the base model does. Its LoRA training client (its rank and seed) comes at its first
+  ``train``, or from its saved state at ``restore``: SkyRL's server, as Tinker's, loads a state only into a model
+  that has had no request yet;
 - ``sample``: SkyRL's ``SkyRLGymGenerator`` runs the recipe's episodes against :class:`TinkerSampler`, SkyRL's
   ``InferenceEngineInterface`` over the tenant's sampling client (each turn one ``sample`` of one sequence, seeded
   as the embedded sampler seeds it, stopping at the tokenizer's end-of-sequence token);
@@ -16,7 +19,8 @@ tenant loop's evaluations, steps and checkpoints) driven through the ``tinker`` 
   ``policy_loss_type``, dual clip and KL terms have no Tinker loss here: every client trains with ``ppo``;
 - ``publish``: ``save_weights_and_get_sampling_client``; the version counts the publishes;
 - ``export`` / ``save``: the weights stay on the server; ``tinker.json`` in the folder names the Tinker paths of
-  the saved sampler weights (export) or training state (save); ``restore`` loads that state with its optimizer.
+  the saved sampler weights (export) or training state (save); ``restore`` makes the tenant's training client from
+  that state with its optimizer (``create_training_client_from_state_with_optimizer``).
 
 :func:`run_recipe_clients` runs a run's tenants this way, concurrently (every client at once) or serially (one
 after another), on one server that is already up: the same records and summary fields as the embedded backend.
@@ -170,16 +174,23 @@ class TinkerClientBackend:
 
     async def register(self, spec: TenantSpec) -> None:
         run = self.run
-        training = await self.service.create_lora_training_client(self.base_model, rank=spec.rank, seed=spec.seed)
         generator_cfg = generator_config(run, spec)
         sampler = TinkerSampler(self.tokenizer, spec.name, asdict(generator_cfg.sampling_params), spec.seed)
         episode_env = load_recipe(run.recipe.name).episode_env(run.recipe, spec, None)
-        self.training[spec.name], self.samplers[spec.name], self.specs[spec.name] = training, sampler, spec
+        self.samplers[spec.name], self.specs[spec.name] = sampler, spec
         self.env_args[spec.name] = episode_env.args
         self.generators[spec.name] = SkyRLGymGenerator(generator_cfg, SkyRLGymConfig(max_env_workers=episode_env.workers),
                                                        sampler, self.tokenizer, policy_model_name=spec.name)
         self.optimizer_steps[spec.name] = 0
-        sampler.client, sampler.version = await training.save_weights_and_get_sampling_client(), 0
+        sampler.client, sampler.version = await self.service.create_sampling_client(base_model=self.base_model), 0
+
+    async def _training(self, tenant: str) -> tinker.TrainingClient:
+        """The tenant's training client, made (a fresh LoRA of its rank and seed) if it has none yet."""
+        if tenant not in self.training:
+            spec = self.specs[tenant]
+            self.training[tenant] = await self.service.create_lora_training_client(self.base_model, rank=spec.rank,
+                                                                                  seed=spec.seed)
+        return self.training[tenant]
 
     async def sample(self, spec: TenantSpec, rows: list[dict[str, Any]], samples: int, tag: str,
                      sampling_params: dict[str, Any] | None = None) -> Rollout:
@@ -200,7 +211,7 @@ class TinkerClientBackend:
     async def train(self, tenant: str, rollout: Rollout) -> Update:
         """Per policy mini-batch a ``forward_backward`` (``ppo``) and an ``optim_step``; metrics the summed loss, the
         gradient norm the server reports and the learning rate, of the last mini-batch."""
-        run, spec, training = self.run, self.specs[tenant], self.training[tenant]
+        run, spec, training = self.run, self.specs[tenant], await self._training(tenant)
         output = rollout.output
         if output.get("rollout_logprobs") is None:
             raise RuntimeError(f"tenant {tenant}: Tinker's ppo loss needs the sampler's log-probs; the generator "
@@ -232,25 +243,26 @@ class TinkerClientBackend:
 
     async def publish(self, tenant: str, update: Update) -> int:
         sampler = self.samplers[tenant]
-        sampler.client = await self.training[tenant].save_weights_and_get_sampling_client()
+        sampler.client = await (await self._training(tenant)).save_weights_and_get_sampling_client()
         sampler.version += 1
         return sampler.version
 
     async def export(self, tenant: str, out_dir: Path) -> None:
-        saved = await self.training[tenant].save_weights_for_sampler(f"{tenant}-export")
+        saved = await (await self._training(tenant)).save_weights_for_sampler(f"{tenant}-export")
         _write_state(out_dir, {"sampler_weights": saved.path, "version": self.samplers[tenant].version})
 
     async def save(self, tenant: str, folder: Path) -> None:
-        saved = await self.training[tenant].save_state(f"{tenant}-step{self.optimizer_steps[tenant]}")
+        saved = await (await self._training(tenant)).save_state(f"{tenant}-step{self.optimizer_steps[tenant]}")
         _write_state(folder, {"state": saved.path, "optimizer_steps": self.optimizer_steps[tenant]})
 
     async def restore(self, tenant: str, folder: Path, version: int) -> None:
         state = json.loads((folder / STATE_FILE).read_text())
-        await self.training[tenant].load_state_with_optimizer(state["state"])
-        self.optimizer_steps[tenant] = int(state["optimizer_steps"])
+        if tenant in self.training:
+            raise RuntimeError(f"tenant {tenant}: a training client exists already; restore comes right after register")
+        training = await self.service.create_training_client_from_state_with_optimizer(state["state"])
+        self.training[tenant], self.optimizer_steps[tenant] = training, int(state["optimizer_steps"])
         sampler = self.samplers[tenant]
-        sampler.client = await self.training[tenant].save_weights_and_get_sampling_client()
-        sampler.version = version
+        sampler.client, sampler.version = await training.save_weights_and_get_sampling_client(), version
 
     async def end_training(self, tenant: str) -> None:
         """Nothing waits for a client."""

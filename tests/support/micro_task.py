@@ -15,11 +15,14 @@ is the precondition every end-to-end test on it asserts first.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+
+from skyrl_clora.checkpoints import LATEST
 
 ENV_CLASS = "micro_letters"
 _END_MARKERS = ("<|im_end|>", "<|endoftext|>")
@@ -71,6 +74,15 @@ def run_args(model_dir: Path, out: Path, *extra: str, steps: int = 3) -> list[st
 
 def read_records(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def roll_back(out: Path, tenant: str, step: int) -> None:
+    """Leaves ``tenant`` of the run in ``out`` as a crash right after its step-``step`` checkpoint would: newer
+    checkpoints gone."""
+    folder = out / "checkpoints" / tenant
+    for newer in [p for p in folder.glob("global_step_*") if int(p.name.removeprefix("global_step_")) > step]:
+        shutil.rmtree(newer)
+    (folder / LATEST).write_text(str(step))
 
 
 def assert_learning(records: list[dict[str, Any]]) -> None:

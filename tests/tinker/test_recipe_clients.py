@@ -14,7 +14,7 @@ import pytest
 from skyrl_clora.run_shell import prepare
 from skyrl_clora.tinker.recipe_clients import STATE_FILE, ppo_datum, run_recipe_clients
 from skyrl_clora.trainer.batch import TrainBatch
-from tests.support.micro_task import micro_tenants, run_args
+from tests.support.micro_task import micro_tenants, roll_back, run_args
 from tests.tinker.conftest import TinkerServer
 
 
@@ -62,3 +62,23 @@ def test_tinker_clients_learn_the_micro_task_beside_each_other_as_alone(learning
     assert _by_tenant(together, "eval") == _by_tenant(alone, "eval")
     exported = json.loads((tmp_path / "together" / "adapters" / "a" / STATE_FILE).read_text())
     assert exported["version"] == 4 and exported["sampler_weights"].startswith("tinker://")
+
+
+@pytest.mark.e2e
+def test_tinker_clients_resume_from_their_checkpoints_as_if_never_stopped(learning_clora_server: TinkerServer,
+                                                                         tmp_path: Path) -> None:
+    """Both clients rolled back to their step-2 checkpoints (the server's saved state with Adam's moments): the same
+    command reloads them and ends each client's run as the uninterrupted one did."""
+    args = ("trainer.ckpt_interval=1", "trainer.max_ckpts_to_keep=4")
+    whole = _run(learning_clora_server, tmp_path, *args)
+    for tenant in ("a", "b"):
+        roll_back(tmp_path, tenant, 2)
+    resumed = _run(learning_clora_server, tmp_path, *args)
+    rollouts = {when: {(r["tenant"], r["step"]): r["rollout_s"] for r in records if r["event"] == "step"}
+                for when, records in (("whole", whole), ("resumed", resumed))}
+    assert sorted(rollouts["resumed"]) == [(tenant, step) for tenant in "ab" for step in (1, 2, 3, 4)]
+    for key, seconds in rollouts["whole"].items():  # steps 1-2 carried over, timings included; 3-4 run again
+        assert (rollouts["resumed"][key] == seconds) == (key[1] <= 2), key
+    assert _by_tenant(resumed, "step")["a"][2] != _by_tenant(resumed, "step")["b"][2]
+    assert _by_tenant(resumed, "step") == _by_tenant(whole, "step")
+    assert _by_tenant(resumed, "eval") == _by_tenant(whole, "eval")
