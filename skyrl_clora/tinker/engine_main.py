@@ -19,14 +19,14 @@ call, publish or model change, so that no sample runs while its backend sleeps o
 sets ``samples_beside_blocking_ops = True`` (``clora``'s does) needs no such drain: :class:`BesideSampler` takes
 SkyRL's sampler's place and drains only for other backends. ``integration/patches/0008`` proposes the same to SkyRL.
 
-SkyRL's engine loop looks for new requests every 100 ms, each look some seven queries. :class:`PromptEngine` looks every
-:data:`POLL_INTERVAL_S`, since each turn of a multi-turn episode is a request that waits for the next look, but on a
-SQLite database only when some connection committed since its last look (:class:`DatabaseChanges`), and at least
-every :data:`FULL_LOOK_S` (SkyRL's cadence) whatever the database says: a look costs ~2 ms of the interpreter lock
-that the engine's decode thread shares, one that finds nothing ~3 us. Each look first reads which request types are
-pending (one query) and skips SkyRL's queries for types that are not: during rollouts, when only samples are pending,
-three queries a look instead of about eight. A request that arrives after that read waits for the next look, which its
-commit brings.
+SkyRL's engine loop looks for new requests every 100 ms, each look about eight queries. :class:`PromptEngine`
+looks every :data:`POLL_INTERVAL_S`, since each turn of a multi-turn episode is a request that waits for the next
+look, but on a SQLite database only when some connection committed since its last look (:class:`DatabaseChanges`),
+and at least every :data:`FULL_LOOK_S` (SkyRL's cadence) whatever the database says: a look costs ~2 ms of the
+interpreter lock that the engine's decode thread shares, one that finds nothing ~3 us. Each look first reads which
+request types are pending (one query) and skips SkyRL's queries for types that are not: during rollouts, when only
+samples are pending, three queries a look instead of about eight. A request that arrives after that read waits for
+the next look, which its commit brings.
 
 SkyRL sets its logger to DEBUG and renders each record through rich (~1.5 ms of CPU); its engine logs a DEBUG line per
 admission of samples. :func:`main` sets that logger to INFO.
@@ -42,11 +42,11 @@ from typing import Any
 
 import skyrl.tinker.engine as skyrl_engine
 from pydantic import BaseModel
+from skyrl.backends.backend import AbstractBackend
 from skyrl.tinker import types
 from skyrl.tinker.db_models import FutureDB, RequestStatus
 from sqlalchemy.engine import URL
 from sqlmodel import Session, select
-from skyrl.backends.backend import AbstractBackend
 
 CLORA = "clora"
 POLL_INTERVAL_S = 0.01  # the engine loop's sleep between checks for new requests (SkyRL's: 0.1)

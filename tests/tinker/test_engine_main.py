@@ -131,7 +131,8 @@ def run_prompt_loop(url: str, checks: int, monkeypatch: pytest.MonkeyPatch,
         on_look(looked[-1])
 
     monkeypatch.setattr(engine_main.time, "sleep", sleep)
-    engine = types.SimpleNamespace(db_engine=types.SimpleNamespace(url=make_url(url)), process_pending_requests_once=once)
+    engine = types.SimpleNamespace(db_engine=types.SimpleNamespace(url=make_url(url)),
+                                   process_pending_requests_once=once)
     with pytest.raises(KeyboardInterrupt):
         engine_main.PromptEngine.process_pending_requests(engine)
     return looked
@@ -164,7 +165,8 @@ def test_the_prompt_loop_looks_at_every_check_without_sqlite(monkeypatch: pytest
 PAYLOADS = {
     types_.RequestType.FORWARD_BACKWARD: {"data": [], "loss_fn": "cross_entropy"},
     types_.RequestType.FORWARD: {"data": [], "loss_fn": "cross_entropy"},
-    types_.RequestType.SAMPLE: {"prompt": {"chunks": []}, "num_samples": 1, "checkpoint_id": "c", "prompt_logprobs": False,
+    types_.RequestType.SAMPLE: {"prompt": {"chunks": []}, "num_samples": 1, "checkpoint_id": "c",
+                                "prompt_logprobs": False,
                                 "sampling_params": {"temperature": 1.0, "max_tokens": 4, "seed": 0}},
 }
 
@@ -186,7 +188,8 @@ def finds(engine: object, engine_class: type, database: Engine) -> tuple[dict, .
     with Session(database) as session:
         found = (engine_class.find_batchable_model_passes(engine, session, types_.RequestType.FORWARD_BACKWARD),
                  engine_class.find_batchable_model_passes(engine, session, types_.RequestType.FORWARD),
-                 engine_class.find_batchable_sample(engine, session), engine_class.find_single_requests(engine, session))
+                 engine_class.find_batchable_sample(engine, session),
+                 engine_class.find_single_requests(engine, session))
     return tuple({request_id: entry[0] for request_id, entry in one.items()} for one in found)
 
 
