@@ -22,14 +22,14 @@ SkyRL's sampler's place and drains only for other backends. ``integration/patche
 SkyRL's engine loop looks for new requests every 100 ms, each look about eight queries. :class:`PromptEngine`
 looks every :data:`POLL_INTERVAL_S`, since each turn of a multi-turn episode is a request that waits for the next
 look, but on a SQLite database only when some connection committed since its last look (:class:`DatabaseChanges`),
-and at least every :data:`FULL_LOOK_S` (SkyRL's cadence) whatever the database says: a look costs ~2 ms of the
-interpreter lock that the engine's decode thread shares, one that finds nothing ~3 us. Each look first reads which
+and at least every :data:`FULL_LOOK_S` (SkyRL's cadence) whatever the database says: a look holds the interpreter
+lock that the engine's decode thread shares for its queries, a check for one ``PRAGMA``. Each look first reads which
 request types are pending (one query) and skips SkyRL's queries for types that are not: during rollouts, when only
 samples are pending, three queries a look instead of about eight. A request that arrives after that read waits for
 the next look, which its commit brings.
 
-SkyRL sets its logger to DEBUG and renders each record through rich (~1.5 ms of CPU); its engine logs a DEBUG line per
-admission of samples. :func:`main` sets that logger to INFO.
+SkyRL sets its logger to DEBUG and renders each record through rich, under the same lock; its engine logs a DEBUG
+line per admission of samples. :func:`main` sets that logger to INFO.
 """
 
 from __future__ import annotations

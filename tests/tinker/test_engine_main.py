@@ -90,22 +90,16 @@ def test_the_sampler_drains_only_for_backends_that_cannot_sample_beside_blocking
     assert drained == ([] if beside else ["forward_backward"])
 
 
-def test_main_gives_skyrls_engine_the_beside_sampler_and_the_prompt_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("get_backend_classes", "_ContinuousSampler", "TinkerEngine"):
-        monkeypatch.setattr(skyrl_engine, name, getattr(skyrl_engine, name))  # restored after
-    monkeypatch.setattr(skyrl_engine, "main", lambda: None)
-    engine_main.main()
-    assert skyrl_engine._ContinuousSampler is engine_main.BesideSampler
-    assert skyrl_engine.TinkerEngine is engine_main.PromptEngine
-
-
-def test_main_sets_skyrls_logger_to_info(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_main_gives_skyrls_engine_the_beside_sampler_the_prompt_loop_and_an_info_logger(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("get_backend_classes", "_ContinuousSampler", "TinkerEngine"):
         monkeypatch.setattr(skyrl_engine, name, getattr(skyrl_engine, name))  # restored after
     monkeypatch.setattr(skyrl_engine, "main", lambda: None)
     skyrl_logger = logging.getLogger("skyrl")
     monkeypatch.setattr(skyrl_logger, "level", logging.DEBUG)
     engine_main.main()
+    assert skyrl_engine._ContinuousSampler is engine_main.BesideSampler
+    assert skyrl_engine.TinkerEngine is engine_main.PromptEngine
     assert skyrl_logger.level == logging.INFO
 
 
@@ -183,6 +177,13 @@ def futures_database(path: Path, rows: list[tuple[types_.RequestType, str, Reque
     return database
 
 
+def bare_prompt_engine() -> engine_main.PromptEngine:
+    """A :class:`PromptEngine` without SkyRL's start-up (no backend, no database): enough for its finds."""
+    engine = object.__new__(engine_main.PromptEngine)
+    engine.config = types.SimpleNamespace(backend="clora")
+    return engine
+
+
 def finds(engine: object, engine_class: type, database: Engine) -> tuple[dict, ...]:
     """The three finds of ``engine_class`` on ``engine`` in one session of ``database``, as ids -> model ids."""
     with Session(database) as session:
@@ -195,8 +196,7 @@ def finds(engine: object, engine_class: type, database: Engine) -> tuple[dict, .
 
 def test_the_prompt_loops_finds_equal_skyrls_on_random_queues(tmp_path: Path) -> None:
     skyrls_engine = engine_main.PromptEngine.__bases__[0]
-    engine = object.__new__(engine_main.PromptEngine)
-    engine.config = types.SimpleNamespace(backend="clora")
+    engine = bare_prompt_engine()
     kinds = list(types_.RequestType)
     rng = random.Random(0)
     found_any = set()
@@ -216,8 +216,7 @@ def test_the_prompt_loop_reads_three_times_a_look_while_only_samples_are_pending
     database = futures_database(tmp_path / "tinker.db", rows)
     statements = []
     event.listen(database, "before_cursor_execute", lambda *args: statements.append(args[2]))
-    engine = object.__new__(engine_main.PromptEngine)
-    engine.config = types.SimpleNamespace(backend="clora")
+    engine = bare_prompt_engine()
     finds(engine, engine_main.PromptEngine.__bases__[0], database)
     skyrls = len(statements)
     statements.clear()
